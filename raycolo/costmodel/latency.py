@@ -1,0 +1,150 @@
+"""Per-iteration latency model (SamuLLM §4.1, Eq. 5) and model load times.
+
+One iteration's latency is the sum of three linear parts:
+
+* model computation: ``a[b] + c[b] * TFLOPs`` where ``b`` is the bucket of the number
+  of requests in the iteration (the paper fits one line per request count);
+* input preparation: ``p0 + p1 * tokens`` with ``tokens`` the total context length the
+  iteration touches (prompt tokens for prefill, attended tokens for decode);
+* sampling: ``s0 + s1 * n`` for ``n`` sequences.
+
+FLOPs are per GPU: ``(2 * W * tokens + attention) / tp`` with ``W`` the weights one token
+multiplies through. Coefficients are stored per (model, tp) in a :class:`LatencyProfile`.
+Until measured profiles exist, :func:`default_profile` derives them from the roofline of
+the target GPU (see docs/costmodel.md); every default is written down there.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from raycolo.catalog import ModelSpec
+from raycolo.errors import ConfigError
+from raycolo.hardware import ClusterSpec
+
+DEFAULT_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+# Fractions of peak the roofline defaults assume (documented in docs/costmodel.md).
+ACHIEVED_BANDWIDTH = 0.8
+ACHIEVED_MFU = 0.5
+ENGINE_STARTUP_S = 8.0        # process + CUDA context + engine init, as vLLM reports on A100
+TP_GROUP_SETUP_S = 3.0        # NCCL communicator creation for tp > 1
+ALLREDUCE_LATENCY_S = 8e-6    # one small NVLink all-reduce, two per layer per iteration
+STEP_OVERHEAD_S = 1.5e-3      # scheduler + input tensors per iteration (CPU side)
+SAMPLE_OVERHEAD_S = 3e-4
+SAMPLE_PER_SEQ_S = 5e-6
+
+
+class LatencyProfile(BaseModel):
+    """Fitted or derived coefficients for one (model, tp)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    tp: int = Field(gt=0)
+    source: str = "default"  # "default" (roofline-derived) or "measured"
+    buckets: list[int] = Field(default_factory=lambda: list(DEFAULT_BUCKETS))
+    compute_intercept_s: list[float]
+    compute_s_per_tflop: list[float]
+    prepare_intercept_s: float
+    prepare_s_per_token: float
+    sample_intercept_s: float
+    sample_s_per_seq: float
+    load_s: float = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> "LatencyProfile":
+        n = len(self.buckets)
+        if n == 0 or sorted(self.buckets) != self.buckets:
+            raise ValueError("buckets must be a non-empty increasing list")
+        if len(self.compute_intercept_s) != n or len(self.compute_s_per_tflop) != n:
+            raise ValueError("compute_* lists need one value per bucket")
+        return self
+
+    def bucket_of(self, n: np.ndarray) -> np.ndarray:
+        idx = np.searchsorted(np.asarray(self.buckets), n, side="left")
+        return np.minimum(idx, len(self.buckets) - 1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.model_dump(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LatencyProfile":
+        try:
+            return cls.model_validate_json(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{path}: invalid latency profile: {str(exc).splitlines()[0]}") from None
+
+
+def default_load_seconds(model: ModelSpec, cluster: ClusterSpec, tp: int) -> float:
+    """Replicas load in parallel, each GPU reading its 1/tp shard."""
+    shard = model.weight_bytes / tp
+    return ENGINE_STARTUP_S + shard / cluster.load_bandwidth + (TP_GROUP_SETUP_S if tp > 1 else 0.0)
+
+
+def default_profile(model: ModelSpec, cluster: ClusterSpec, tp: int) -> LatencyProfile:
+    """Roofline-derived coefficients: weights stream once per iteration, FLOPs at ACHIEVED_MFU,
+    attended KV bytes stream per token (folded into the per-token preparation term)."""
+    bw = cluster.memory_bandwidth * ACHIEVED_BANDWIDTH
+    weights_s = model.weight_bytes / tp / bw
+    comm_s = 2 * model.layers * ALLREDUCE_LATENCY_S if tp > 1 else 0.0
+    s_per_tflop = 1e12 / (cluster.peak_flops * ACHIEVED_MFU)
+    kv_s_per_token = model.kv_bytes_per_token / tp / bw
+    nb = len(DEFAULT_BUCKETS)
+    return LatencyProfile(
+        model=model.name, tp=tp, source="default",
+        compute_intercept_s=[weights_s + comm_s] * nb,
+        compute_s_per_tflop=[s_per_tflop] * nb,
+        prepare_intercept_s=STEP_OVERHEAD_S,
+        prepare_s_per_token=kv_s_per_token,
+        sample_intercept_s=SAMPLE_OVERHEAD_S,
+        sample_s_per_seq=SAMPLE_PER_SEQ_S,
+        load_s=default_load_seconds(model, cluster, tp),
+    )
+
+
+class IterationLatency:
+    """Latency and FLOPs of prefill and decode iterations for one (model, tp).
+
+    Decode with ``n`` running sequences attending ``C`` tokens in total costs
+    ``alpha[n] + beta[n] * C`` seconds and ``flops_n[n] + flops_c * C`` FLOPs; the
+    simulators use these closed forms to skip over whole runs of decode iterations.
+    """
+
+    def __init__(self, model: ModelSpec, profile: LatencyProfile, max_seqs: int = 1024):
+        self.model = model
+        self.profile = profile
+        tp = profile.tp
+        self.weight_flops_per_token = 2.0 * model.matmul_params_per_token / tp
+        self.decode_attn_flops_per_token = 4.0 * model.layers * model.hidden / tp
+        self.prefill_attn_flops_per_sq = 2.0 * model.layers * model.hidden / tp
+        n = np.arange(max_seqs + 1)
+        b = profile.bucket_of(np.maximum(n, 1))
+        a = np.asarray(profile.compute_intercept_s)[b]
+        c = np.asarray(profile.compute_s_per_tflop)[b] / 1e12  # seconds per FLOP
+        fixed = profile.prepare_intercept_s + profile.sample_intercept_s
+        self._c = c.tolist()
+        self._a_plus_fixed = (a + fixed).tolist()
+        # Decode: seconds = alpha[n] + beta[n] * C.
+        self.alpha = (a + fixed + c * self.weight_flops_per_token * n
+                      + profile.sample_s_per_seq * n).tolist()
+        self.beta = (c * self.decode_attn_flops_per_token + profile.prepare_s_per_token).tolist()
+        self.flops_n = (self.weight_flops_per_token * n).tolist()
+        self.flops_c = self.decode_attn_flops_per_token
+
+    def prefill_flops(self, tokens: int, sum_sq: int) -> float:
+        return self.weight_flops_per_token * tokens + self.prefill_attn_flops_per_sq * sum_sq
+
+    def prefill_seconds(self, seqs: int, tokens: int, sum_sq: int) -> float:
+        p = self.profile
+        return (self._a_plus_fixed[seqs] + self._c[seqs] * self.prefill_flops(tokens, sum_sq)
+                + p.prepare_s_per_token * tokens + p.sample_s_per_seq * seqs)
+
+    def decode_seconds(self, n: int, attended: int) -> float:
+        return self.alpha[n] + self.beta[n] * attended
+
+    def decode_flops(self, n: int, attended: int) -> float:
+        return self.flops_n[n] + self.flops_c * attended

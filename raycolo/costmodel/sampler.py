@@ -1,0 +1,75 @@
+"""Output-length sampler: inverse-transform sampling from a per-model empirical CDF.
+
+The eCDF files live in ``raycolo/data/ecdf/<name>.csv`` (format in docs/data.md).
+A sample is clipped by the node's output limit and by what the context window leaves
+after the prompt, as in SamuLLM §4.1.
+"""
+from __future__ import annotations
+
+import functools
+import zlib
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from raycolo.catalog import ModelSpec
+from raycolo.errors import ConfigError
+
+
+def seeded_rng(seed: int, *names: str) -> np.random.Generator:
+    """A generator keyed by the run seed and stable names (crc32, not Python's salted hash)."""
+    keys = [int(seed) & 0xFFFFFFFF] + [zlib.crc32(n.encode()) for n in names]
+    return np.random.default_rng(keys)
+
+
+@functools.lru_cache(maxsize=None)
+def load_ecdf(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """Read ``output_tokens,cdf`` rows; returns (lengths, cdf) as numpy arrays."""
+    try:
+        data = np.loadtxt(path, delimiter=",", comments="#", skiprows=0, dtype=str)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read eCDF file: {exc}") from None
+    if data.ndim != 2 or data.shape[1] != 2 or data[0, 0] != "output_tokens":
+        raise ConfigError(f"{path}: expected a header 'output_tokens,cdf' and two columns")
+    try:
+        lengths = data[1:, 0].astype(np.int64)
+        cdf = data[1:, 1].astype(np.float64)
+    except ValueError:
+        raise ConfigError(f"{path}: non-numeric eCDF row") from None
+    if len(lengths) == 0 or np.any(np.diff(lengths) <= 0) or np.any(np.diff(cdf) < 0) \
+            or lengths[0] < 1 or cdf[0] <= 0 or abs(cdf[-1] - 1.0) > 1e-9:
+        raise ConfigError(f"{path}: eCDF must have increasing lengths >= 1 and a "
+                          "non-decreasing cdf ending at 1.0")
+    return lengths, cdf
+
+
+def ecdf_path(name: str, ecdf_dir: str | Path | None = None) -> Path:
+    if ecdf_dir is not None:
+        return Path(ecdf_dir) / f"{name}.csv"
+    return Path(str(resources.files("raycolo").joinpath("data", "ecdf", f"{name}.csv")))
+
+
+class OutputLengthSampler:
+    """Samples output lengths for one model from its eCDF."""
+
+    def __init__(self, model: ModelSpec, ecdf_dir: str | Path | None = None):
+        self.model = model
+        path = ecdf_path(model.ecdf_name, ecdf_dir)
+        if not path.exists() and ecdf_dir is not None:
+            path = ecdf_path(model.ecdf_name)  # fall back to the shipped file
+        if not path.exists():
+            raise ConfigError(f"model '{model.name}': no output-length eCDF at {path}")
+        self.lengths, self.cdf = load_ecdf(str(path))
+
+    def sample(self, input_lengths: np.ndarray, max_output: int, rng: np.random.Generator) -> np.ndarray:
+        u = rng.random(len(input_lengths))
+        idx = np.searchsorted(self.cdf, u, side="left")
+        raw = self.lengths[np.minimum(idx, len(self.lengths) - 1)]
+        room = self.model.context_length - np.asarray(input_lengths, dtype=np.int64)
+        return np.maximum(1, np.minimum(np.minimum(raw, max_output), room)).astype(np.int64)
+
+    @property
+    def mean(self) -> float:
+        pmf = np.diff(np.concatenate([[0.0], self.cdf]))
+        return float(np.dot(pmf, self.lengths))

@@ -1,0 +1,122 @@
+"""Inputs and outputs shared by the fast and the reference simulator."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from raycolo.catalog import ModelSpec
+from raycolo.hardware import ClusterSpec
+
+ACTIVATION_RESERVE_BYTES = 2 * 2**30
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """vLLM engine limits of one replica."""
+
+    num_blocks: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    block_size: int = 16
+    watermark: float = 0.01
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark * self.num_blocks)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+def kv_block_capacity(model: ModelSpec, cluster: ClusterSpec, tp: int, block_size: int = 16) -> int:
+    """KV blocks per replica: memory left after the weight shard and an activation reserve."""
+    usable = cluster.usable_bytes_per_gpu
+    reserve = min(ACTIVATION_RESERVE_BYTES, 0.05 * cluster.gpu_memory_bytes)
+    free = usable - model.weight_bytes / tp - reserve
+    per_block = model.kv_bytes_per_token / tp * block_size
+    return max(0, int(free // per_block))
+
+
+def make_limits(model: ModelSpec, cluster: ClusterSpec, tp: int, max_num_seqs: int = 256) -> SchedulerLimits:
+    return SchedulerLimits(
+        num_blocks=kv_block_capacity(model, cluster, tp),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(2048, model.context_length),
+    )
+
+
+@dataclass
+class ReplicaWorkload:
+    """Requests for one replica, in FCFS order (index order breaks ready-time ties).
+
+    ``prompt_len`` is what a (re-)admission prefills: input plus tokens generated
+    before a preemption. ``ready`` is seconds after the replica starts (``inf``: not ready
+    unless a predecessor activates it). ``successor[i]`` becomes ready the moment ``i``
+    finishes (the chain-summary self-loop). ``running`` lists requests that already hold
+    KV (a replica continuing from the previous stage): ``(index, stored_tokens)``.
+    """
+
+    prompt_len: np.ndarray
+    remaining: np.ndarray
+    ready: np.ndarray
+    successor: np.ndarray | None = None
+    running: list[tuple[int, int]] = field(default_factory=list)
+    waiting_first: list[int] = field(default_factory=list)  # preempted requests, queue head
+
+    def __post_init__(self) -> None:
+        self.prompt_len = np.asarray(self.prompt_len, dtype=np.int64)
+        self.remaining = np.asarray(self.remaining, dtype=np.int64)
+        self.ready = np.asarray(self.ready, dtype=np.float64)
+        n = len(self.prompt_len)
+        if self.successor is None:
+            self.successor = np.full(n, -1, dtype=np.int64)
+        if not (len(self.remaining) == len(self.ready) == len(self.successor) == n):
+            raise ValueError("workload arrays must have equal lengths")
+        if n and self.remaining.min() < 1:
+            raise ValueError("every request must have at least one token left to generate")
+
+    def __len__(self) -> int:
+        return len(self.prompt_len)
+
+
+@dataclass
+class SimResult:
+    """What a simulation produced.
+
+    ``finish`` holds each request's finish time (``inf``: not finished by the stop).
+    ``curve_t``/``curve_flops`` are the cumulative FLOPs at event boundaries; linear
+    interpolation between them is exact within a prefill and close within a decode run.
+    When the run was stopped early, ``running``/``waiting`` describe the queues at the stop
+    and ``generated`` the tokens each request produced in this run.
+    """
+
+    finish: np.ndarray
+    end_time: float
+    generated: np.ndarray
+    curve_t: np.ndarray
+    curve_flops: np.ndarray
+    running: list[tuple[int, int]]
+    waiting: list[int]
+    iterations: int
+    prefills: int
+    preemptions: int
+    stopped: bool
+
+    @property
+    def total_flops(self) -> float:
+        return float(self.curve_flops[-1]) if len(self.curve_flops) else 0.0
+
+    def flops_by(self, t: float) -> float:
+        if len(self.curve_t) == 0:
+            return 0.0
+        return float(np.interp(t, self.curve_t, self.curve_flops))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_finite(x: float) -> bool:
+    return not math.isinf(x)
