@@ -27,9 +27,10 @@ def seeded_rng(seed: int, *names: str) -> np.random.Generator:
 def load_ecdf(path: str) -> tuple[np.ndarray, np.ndarray]:
     """Read ``output_tokens,cdf`` rows; returns (lengths, cdf) as numpy arrays."""
     try:
-        data = np.loadtxt(path, delimiter=",", comments="#", skiprows=0, dtype=str)
+        lines = [ln.strip() for ln in Path(path).read_text().splitlines()]
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read eCDF file: {exc}") from None
+    data = np.array([ln.split(",") for ln in lines if ln and not ln.startswith("#")], dtype=object)
     if data.ndim != 2 or data.shape[1] != 2 or data[0, 0] != "output_tokens":
         raise ConfigError(f"{path}: expected a header 'output_tokens,cdf' and two columns")
     try:

@@ -1,0 +1,205 @@
+"""Application graphs: YAML specs of multi-LLM applications, validated with pydantic.
+
+A graph has *sources* (the application's requests), *nodes* (LLM stages) and *edges*
+(data flow). An edge from a node to itself is a chain: each item (e.g. a document) is
+processed chunk by chunk, every step seeing the previous step's output (SamuLLM's chain
+summary). See docs/dag.md for the full format.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from raycolo.catalog import get_model
+from raycolo.errors import ConfigError
+
+
+class LengthDistribution(BaseModel):
+    """A distribution of token (or chunk) counts, clipped to [min, max]."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    distribution: Literal["lognormal", "uniform", "fixed"] = "lognormal"
+    min: int = Field(default=1, ge=1)
+    max: int = Field(gt=0)
+    mean: Optional[float] = Field(default=None, gt=0)
+    median: Optional[float] = Field(default=None, gt=0)
+    sigma: float = Field(default=0.8, gt=0)
+    value: Optional[int] = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "LengthDistribution":
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) is below min ({self.min})")
+        if self.distribution == "lognormal" and (self.mean is None) == (self.median is None):
+            raise ValueError("lognormal needs exactly one of 'mean' or 'median'")
+        if self.distribution == "fixed" and self.value is None:
+            raise ValueError("fixed needs 'value'")
+        if self.mean is not None and not self.min <= self.mean <= self.max:
+            raise ValueError(f"mean ({self.mean}) must lie within [min, max]")
+        return self
+
+
+class SourceSpec(BaseModel):
+    """Where requests come from: a count with distributions, or a jsonl/parquet file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    count: Optional[int] = Field(default=None, gt=0)
+    input_tokens: Optional[LengthDistribution] = None
+    # Documents: number of chunks per item, and tokens per chunk (chain summary).
+    chunks: Optional[LengthDistribution] = None
+    chunk_tokens: int = Field(default=2048, gt=0)
+    file: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "SourceSpec":
+        if self.file is None:
+            if self.count is None:
+                raise ValueError("give either 'count' or 'file'")
+            if self.input_tokens is None and self.chunks is None:
+                raise ValueError("give 'input_tokens' or 'chunks' with 'count'")
+        elif self.count is not None:
+            raise ValueError("give either 'count' or 'file', not both")
+        return self
+
+
+class NodeSpec(BaseModel):
+    """One LLM stage of the application."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    model: str
+    max_output_tokens: int = Field(gt=0)
+    prompt: str = "{input}"
+    # each: every input is its own request; concat: one request per item joining all inputs;
+    # route: each item goes to exactly one of the sibling 'route' nodes, by route_weight.
+    combine: Literal["each", "concat", "route"] = "each"
+    route_weight: float = Field(default=1.0, gt=0)
+    repeat: int = Field(default=1, gt=0)
+
+
+class EdgeSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    source: str = Field(alias="from")
+    target: str = Field(alias="to")
+
+
+class AppSpec(BaseModel):
+    """A multi-LLM application."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "app"
+    sources: dict[str, SourceSpec]
+    nodes: list[NodeSpec] = Field(min_length=1)
+    edges: list[EdgeSpec] = Field(min_length=1)
+    base_dir: Optional[str] = None  # set by the loader, for relative request files
+
+    def node(self, name: str) -> NodeSpec:
+        return self._nodes_by_name[name]
+
+    @property
+    def _nodes_by_name(self) -> dict[str, NodeSpec]:
+        return {n.name: n for n in self.nodes}
+
+    def inputs_of(self, name: str) -> list[str]:
+        """Upstream nodes or sources of ``name``, self-loops excluded, in edge order."""
+        return [e.source for e in self.edges if e.target == name and e.source != name]
+
+    def has_self_loop(self, name: str) -> bool:
+        return any(e.source == e.target == name for e in self.edges)
+
+    def node_inputs(self, name: str) -> list[str]:
+        return [s for s in self.inputs_of(name) if s not in self.sources]
+
+    def topological_order(self) -> list[str]:
+        order, state = [], {}
+
+        def visit(name: str, path: list[str]) -> None:
+            if state.get(name) == "done":
+                return
+            if state.get(name) == "active":
+                cycle = path[path.index(name):] + [name]
+                raise ConfigError(f"edges: cycle {' -> '.join(cycle)} "
+                                  "(only self-loops are allowed)")
+            state[name] = "active"
+            for up in self.node_inputs(name):
+                visit(up, path + [name])
+            state[name] = "done"
+            order.append(name)
+
+        for node in self.nodes:
+            visit(node.name, [])
+        return order
+
+    def validate_graph(self) -> None:
+        names = [n.name for n in self.nodes]
+        for name in names:
+            if names.count(name) > 1:
+                raise ConfigError(f"nodes: duplicate node name '{name}'")
+            if name in self.sources:
+                raise ConfigError(f"nodes: '{name}' is also a source name")
+        for i, node in enumerate(self.nodes):
+            try:
+                get_model(node.model)
+            except ConfigError as exc:
+                raise ConfigError(f"nodes[{node.name}].model: {exc}") from None
+        known = set(names) | set(self.sources)
+        for i, edge in enumerate(self.edges):
+            for end, value in (("from", edge.source), ("to", edge.target)):
+                if value not in known:
+                    raise ConfigError(f"edges[{i}].{end}: unknown node or source '{value}'")
+            if edge.target in self.sources:
+                raise ConfigError(f"edges[{i}].to: '{edge.target}' is a source; sources take no inputs")
+        for node in self.nodes:
+            if not self.inputs_of(node.name):
+                raise ConfigError(f"nodes[{node.name}]: has no input edge")
+        self.topological_order()
+
+
+def _format_validation_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{loc}: {msg}"
+
+
+def parse_app(data: object, origin: str = "<dict>") -> AppSpec:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: expected a mapping at the top level")
+    data = dict(data)
+    if "requests" in data:
+        if "sources" in data:
+            raise ConfigError(f"{origin}: give 'requests' or 'sources', not both")
+        data["sources"] = {"input": data.pop("requests")}
+    try:
+        app = AppSpec.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{origin}: {_format_validation_error(exc)}") from None
+    try:
+        app.validate_graph()
+    except ConfigError as exc:
+        raise ConfigError(f"{origin}: {exc}") from None
+    return app
+
+
+def load_app(path: str | Path) -> AppSpec:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    app = parse_app(data, str(path))
+    return app.model_copy(update={"base_dir": str(path.parent.resolve())})
