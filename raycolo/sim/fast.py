@@ -96,6 +96,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                if i not in queued]
     heapq.heapify(pending)
 
+    heappop, heappush = heapq.heappop, heapq.heappush
     t = flops = 0.0
     curve_t, curve_f = [0.0], [0.0]
     iterations = prefills = preemptions = 0
@@ -222,14 +223,21 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
             free -= used
             g += k
             while finish_heap and finish_heap[0][0] == g:
-                _, s, idx = heapq.heappop(finish_heap)
+                _, s, idx = heappop(finish_heap)
                 entry = running.get(idx)
                 if entry is None or entry[2] != s:
                     continue
-                remove(idx)
+                # inlined remove(): this is the hottest loop of the planner
+                del running[idx]
+                g_adm, stored_adm = entry[0], entry[1]
+                phase_count[(g_adm - stored_adm) % bs] -= 1
+                n -= 1
+                attended_base -= stored_adm + 1 - g_adm
+                free += -(-(stored_adm + g - g_adm) // bs)
+                generated[idx] += g - g_adm
                 finish[idx] = t
                 if successor[idx] >= 0:
-                    heapq.heappush(pending, (t, successor[idx]))
+                    heappush(pending, (t, successor[idx]))
             curve_t.append(t)
             curve_f.append(flops)
             continue

@@ -1,0 +1,39 @@
+"""Planning policies, registered by name.
+
+Each module registers one policy: a function ``plan(problem, **options) -> AppPlan``.
+Offline policies share the stage loop in :mod:`raycolo.planner.search`, so the same code
+decides stages in the simulator, in replay and (via the controller) at run time.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from raycolo.errors import ConfigError
+
+_REGISTRY: dict[str, Callable] = {}
+_MODULES = ["samullm", "heuristics", "nopreempt", "rollout"]
+
+
+def register(name: str):
+    def wrap(fn: Callable) -> Callable:
+        _REGISTRY[name] = fn
+        return fn
+    return wrap
+
+
+def _load_all() -> None:
+    for module in _MODULES:
+        importlib.import_module(f"raycolo.policies.{module}")
+
+
+def get_policy(name: str) -> Callable:
+    _load_all()
+    if name not in _REGISTRY:
+        raise ConfigError(f"--policy: unknown policy '{name}' (known: {', '.join(policy_names())})")
+    return _REGISTRY[name]
+
+
+def policy_names() -> list[str]:
+    _load_all()
+    return list(_REGISTRY)

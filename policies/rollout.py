@@ -1,0 +1,75 @@
+"""``samullm-rollout``: the greedy plus a rollout improvement step (beyond the paper).
+
+At each stage of the best plan so far, try a few alternative stages (the greedy's pick
+with idle GPUs filled, and greedy stages whose first pick is the runner-up candidate),
+complete each with the greedy, and keep any completion that finishes sooner. The
+greedy's own plan is the starting incumbent and is only replaced by a strictly shorter
+one, so the result is never worse than ``samullm`` under the same cost model. A time
+budget bounds the search; when it runs out the incumbent is returned.
+"""
+from __future__ import annotations
+
+import time
+
+from raycolo.planner.problem import ExecPlan, PlanningProblem
+from raycolo.planner.schedule import AppPlan
+from raycolo.planner.search import (SearchContext, complete_with, fill_idle_gpus, greedy_stage,
+                                    replay_selections, run_policy)
+from raycolo.planner.state import AppState, StageEval, initial_state
+from raycolo.policies import register
+
+RUNNER_UPS = 2
+DEFAULT_BUDGET_S = 20.0
+
+
+def _first_picks(ctx: SearchContext, state: AppState) -> list[StageEval]:
+    """Single-(node, plan) stages ranked by throughput per GPU, best first."""
+    ranked = []
+    for node in ctx.ready_nodes(state, {}):
+        for plan in ctx.problem.plans[node]:
+            ev = ctx.evaluate(state, {node: plan})
+            if ev is not None:
+                ranked.append((ev.throughput / ev.gpus, node, plan, ev))
+    ranked.sort(key=lambda r: (-r[0], r[1], r[2]))
+    return [r[3] for r in ranked]
+
+
+def _alternatives(ctx: SearchContext, state: AppState, chosen: dict[str, ExecPlan]) -> list[dict]:
+    out = []
+    filled = fill_idle_gpus(ctx, state, ctx.evaluate(state, chosen))
+    if filled is not None:
+        out.append(filled.selection)
+    for first in _first_picks(ctx, state)[1: 1 + RUNNER_UPS]:
+        ev = greedy_stage(ctx, state, start=first.selection)
+        if ev is not None:
+            out.append(ev.selection)
+    unique = []
+    for selection in out:
+        if selection != chosen and selection not in unique:
+            unique.append(selection)
+    return unique
+
+
+@register("samullm-rollout")
+def plan(problem: PlanningProblem, budget_s: float = DEFAULT_BUDGET_S) -> AppPlan:
+    started = time.perf_counter()
+    ctx = SearchContext(problem)
+    best_time, best = complete_with(ctx, initial_state(problem), greedy_stage)
+    state, position = initial_state(problem), 0
+    while position < len(best) and time.perf_counter() - started < budget_s:
+        for alt in _alternatives(ctx, state, best[position]):
+            if time.perf_counter() - started >= budget_s:
+                break
+            ev = ctx.evaluate(state, alt, exact=True)
+            if ev is None:
+                continue
+            after = ctx.evaluator.advance(state, ev)
+            tail_time, tail = complete_with(ctx, after, greedy_stage)
+            if tail_time < best_time - 1e-9:
+                best_time, best = tail_time, best[:position] + [alt] + tail
+        ev = ctx.evaluate(state, best[position], exact=True)
+        state = ctx.evaluator.advance(state, ev)
+        position += 1
+    result = run_policy(problem, "samullm-rollout", replay_selections(best), ctx)
+    result.search_s = time.perf_counter() - started
+    return result

@@ -1,0 +1,57 @@
+"""GPU placement: keep continuing models where they are, pack new replicas into NVLink groups.
+
+A tensor-parallel replica must sit inside one NVLink group. Models whose plan is
+unchanged keep their GPUs (no reload); only if the new stage cannot be packed around
+them do we move some, smallest first, and those moves count as reloads.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from raycolo.hardware import ClusterSpec
+from raycolo.planner.problem import ExecPlan
+
+Placement = dict[str, list[tuple[int, ...]]]  # node -> GPU ids of each replica
+
+
+def _pack(cluster: ClusterSpec, fixed: Placement, todo: list[tuple[str, ExecPlan]]) -> Optional[Placement]:
+    group_of = {gpu: i for i, grp in enumerate(cluster.nvlink_groups()) for gpu in grp}
+    free = [set(grp) for grp in cluster.nvlink_groups()]
+    for replicas in fixed.values():
+        for gpus in replicas:
+            for gpu in gpus:
+                free[group_of[gpu]].discard(gpu)
+    out = dict(fixed)
+    # Largest replicas first, each into the fullest group that still fits it (best fit).
+    for node, plan in sorted(todo, key=lambda item: (-item[1].tp, item[0])):
+        replicas = []
+        for _ in range(plan.dp):
+            fits = [i for i, f in enumerate(free) if len(f) >= plan.tp]
+            if not fits:
+                return None
+            best = min(fits, key=lambda i: (len(free[i]), i))
+            gpus = tuple(sorted(free[best])[: plan.tp])
+            free[best] -= set(gpus)
+            replicas.append(gpus)
+        out[node] = replicas
+    return out
+
+
+def place(cluster: ClusterSpec, selection: dict[str, ExecPlan],
+          previous: dict[str, tuple[ExecPlan, list[tuple[int, ...]]]]
+          ) -> Optional[tuple[Placement, set[str]]]:
+    """Return (placement, nodes that keep their plan but must move) or None if infeasible."""
+    if sum(p.gpus for p in selection.values()) > cluster.num_gpus:
+        return None
+    keep = sorted((n for n, p in selection.items() if n in previous and previous[n][0] == p),
+                  key=lambda n: (-selection[n].gpus, n))
+    moved: set[str] = set()
+    while True:
+        fixed = {n: previous[n][1] for n in keep}
+        todo = [(n, p) for n, p in selection.items() if n not in fixed]
+        packed = _pack(cluster, fixed, todo)
+        if packed is not None:
+            return {n: packed[n] for n in selection}, moved
+        if not keep:
+            return None
+        moved.add(keep.pop())  # give up the smallest kept model first

@@ -1,0 +1,92 @@
+"""A planning problem: a sampled workload, a machine and the cost model for each model."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from raycolo.catalog import ModelSpec
+from raycolo.costmodel.latency import IterationLatency, LatencyProfile, default_profile
+from raycolo.errors import PlanningError
+from raycolo.hardware import ClusterSpec
+from raycolo.sim.types import SchedulerLimits, make_limits
+from raycolo.workload import NodeWorkload, Workload
+
+
+@dataclass(frozen=True, order=True)
+class ExecPlan:
+    """A model execution plan: ``dp`` replicas, each over ``tp`` GPUs."""
+
+    dp: int
+    tp: int
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp
+
+    def __str__(self) -> str:
+        return f"dp{self.dp}xtp{self.tp}"
+
+
+class PlanningProblem:
+    """Everything a policy needs: workload, cluster, valid plans and cost-model lookups."""
+
+    def __init__(self, workload: Workload, cluster: ClusterSpec,
+                 profile_dir: Optional[str | Path] = None, max_num_seqs: int = 256):
+        self.workload = workload
+        self.cluster = cluster
+        self.profile_dir = Path(profile_dir) if profile_dir else None
+        self.max_num_seqs = max_num_seqs
+        self.nodes = list(workload.nodes)  # topological order
+        self.upstream = {n: sorted(set(w.upstream)) for n, w in workload.nodes.items()}
+        self.downstream = {n: [m for m in self.nodes if n in self.upstream[m]] for n in self.nodes}
+        self.plans = {n: self._valid_plans(w) for n, w in workload.nodes.items()}
+        for name, plans in self.plans.items():
+            if not plans:
+                w = workload.nodes[name]
+                raise PlanningError(
+                    f"nodes[{name}].model: {w.model.name} fits no plan on this machine "
+                    f"({w.model.weight_bytes / 2**30:.1f} GiB of weights plus the KV of one "
+                    f"{w.max_sequence}-token sequence, {cluster.num_gpus} GPUs of "
+                    f"{cluster.gpu_memory_bytes / 2**30:.0f} GiB, TP up to {cluster.nvlink_group})")
+
+    def node(self, name: str) -> NodeWorkload:
+        return self.workload.nodes[name]
+
+    @functools.lru_cache(maxsize=None)
+    def profile(self, model_name: str, tp: int) -> LatencyProfile:
+        model = self._model(model_name)
+        if self.profile_dir is not None:
+            path = self.profile_dir / f"{model_name}.tp{tp}.json"
+            if path.exists():
+                return LatencyProfile.load(path)
+        return default_profile(model, self.cluster, tp)
+
+    @functools.lru_cache(maxsize=None)
+    def latency(self, model_name: str, tp: int) -> IterationLatency:
+        return IterationLatency(self._model(model_name), self.profile(model_name, tp),
+                                max_seqs=self.max_num_seqs)
+
+    @functools.lru_cache(maxsize=None)
+    def limits(self, model_name: str, tp: int) -> SchedulerLimits:
+        return make_limits(self._model(model_name), self.cluster, tp, self.max_num_seqs)
+
+    def load_seconds(self, node: str, plan: ExecPlan) -> float:
+        return self.profile(self.node(node).model.name, plan.tp).load_s
+
+    def _model(self, name: str) -> ModelSpec:
+        for w in self.workload.nodes.values():
+            if w.model.name == name:
+                return w.model
+        raise KeyError(name)
+
+    def _valid_plans(self, w: NodeWorkload) -> list[ExecPlan]:
+        """Plans whose weights/tp plus one longest sequence's KV fit on each GPU."""
+        plans = []
+        for tp in self.cluster.tp_degrees():
+            limits = self.limits(w.model.name, tp)
+            if limits.blocks_for(w.max_sequence) + limits.watermark_blocks > limits.num_blocks:
+                continue
+            plans.extend(ExecPlan(dp, tp) for dp in range(1, self.cluster.num_gpus // tp + 1))
+        return sorted(plans, key=lambda p: (p.gpus, p.tp))

@@ -1,0 +1,317 @@
+"""Application state between stages, and what running a stage does to it.
+
+A stage runs a set of (node, plan) pairs from a common start. Each node is simulated
+replica by replica with the fast simulator; downstream nodes in the same stage see their
+inputs arrive when the upstream simulation finishes them (model-level pipelining). The
+stage ends at its first node's finish; the other nodes are stopped there and their
+queues are kept, so a node whose plan is unchanged next stage continues exactly where it
+was, while a node whose plan changes is reloaded and re-prefills its partial outputs.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+
+from raycolo.planner.placement import Placement, place
+from raycolo.planner.problem import ExecPlan, PlanningProblem
+from raycolo.sim import fast
+from raycolo.sim.types import ReplicaWorkload, SimResult
+
+_versions = itertools.count(1)
+FINISH_TOLERANCE = 1e-9
+
+
+@dataclass
+class ReplicaQueues:
+    """A loaded replica's requests and queues at the end of a stage."""
+
+    requests: np.ndarray
+    running: list[tuple[int, int]]
+    waiting: list[int]
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """Progress of one node. ``version`` changes whenever done/generated change."""
+
+    done: np.ndarray
+    generated: np.ndarray
+    finish: np.ndarray           # absolute finish time per request (inf: not yet)
+    loaded: Optional[ExecPlan] = None
+    gpus: Optional[list[tuple[int, ...]]] = None
+    replicas: Optional[list[ReplicaQueues]] = None
+    version: int = field(default_factory=lambda: next(_versions))
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.done.all())
+
+    @property
+    def remaining_requests(self) -> int:
+        return int((~self.done).sum())
+
+
+@dataclass(frozen=True)
+class AppState:
+    time: float
+    nodes: dict[str, NodeState]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.nodes.values())
+
+    def unfinished(self) -> list[str]:
+        return [n for n, s in self.nodes.items() if not s.finished]
+
+    def previous_placement(self) -> dict[str, tuple[ExecPlan, list[tuple[int, ...]]]]:
+        return {n: (s.loaded, s.gpus) for n, s in self.nodes.items() if s.loaded is not None}
+
+
+def initial_state(problem: PlanningProblem) -> AppState:
+    nodes = {}
+    for name, w in problem.workload.nodes.items():
+        n = len(w)
+        # version 0 marks the initial state, so simulations from it are shared by every search
+        nodes[name] = NodeState(np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64),
+                                np.full(n, math.inf), version=0)
+    return AppState(0.0, nodes)
+
+
+@dataclass
+class NodeRun:
+    """One node simulated under one plan for one stage (times are stage-relative)."""
+
+    node: str
+    plan: ExecPlan
+    continuing: bool
+    load_s: float
+    finish: np.ndarray           # per request; 0 for done before the stage, inf if not reached
+    end: float                   # when every pending request is done (inf if never)
+    results: list[Optional[SimResult]]   # one per simulated replica (None: no requests)
+    request_maps: list[np.ndarray]       # node request indices of each simulated replica
+    key: tuple
+    replica_weight: int = 1              # >1: one replica simulated stands for this many
+
+    @property
+    def exact(self) -> bool:
+        return self.replica_weight == 1
+
+    def flops_by(self, t: float) -> float:
+        return self.replica_weight * sum(
+            r.flops_by(t - self.load_s) for r in self.results if r is not None)
+
+    @property
+    def total_flops(self) -> float:
+        return self.replica_weight * sum(r.total_flops for r in self.results if r is not None)
+
+
+def _ready_times(problem: PlanningProblem, node: str, st: NodeState,
+                 upstream_finish: dict[str, np.ndarray]) -> np.ndarray:
+    w = problem.node(node)
+    ready = np.zeros(len(w))
+    for up, req, upi in w.deps:
+        np.maximum.at(ready, req, upstream_finish[up][upi])
+    waiting_for_chain = ~w.chain_head.copy()
+    waiting_for_chain[1:] &= ~st.done[:-1]  # a chunk whose predecessor is done is free to go
+    ready[waiting_for_chain] = math.inf
+    return ready
+
+
+def _assign_replicas(problem: PlanningProblem, node: str, pending: np.ndarray, dp: int) -> list[np.ndarray]:
+    """Round-robin over items for chains (a document stays on one replica), else requests."""
+    w = problem.node(node)
+    if dp == 1:
+        return [pending]
+    if (w.successor >= 0).any():
+        items, first = np.unique(w.item[pending], return_index=True)
+        order = np.argsort(first, kind="stable")
+        rank = np.empty(len(items), dtype=np.int64)
+        rank[order] = np.arange(len(items))
+        slot = rank[np.searchsorted(items, w.item[pending])] % dp
+    else:
+        slot = np.arange(len(pending)) % dp
+    return [pending[slot == r] for r in range(dp)]
+
+
+def run_node(problem: PlanningProblem, node: str, st: NodeState, plan: ExecPlan, continuing: bool,
+             upstream_finish: dict[str, np.ndarray], key: tuple, stop_at: float = math.inf,
+             representative: bool = False) -> NodeRun:
+    """Simulate ``node`` under ``plan`` for one stage.
+
+    With ``representative``, only the first (largest) data-parallel replica is simulated
+    and stands for all of them: the others' requests get the finish time of the request
+    at the same queue position. Round-robin makes the replicas statistically alike, so
+    this is a good estimate at 1/dp of the cost; searches use it to rank candidates and
+    always commit stages with exact simulations.
+    """
+    w = problem.node(node)
+    load = 0.0 if continuing else problem.load_seconds(node, plan)
+    ready = np.maximum(_ready_times(problem, node, st, upstream_finish) - load, 0.0)
+    pending = np.flatnonzero(~st.done)
+    if continuing:
+        groups = [q.requests[~st.done[q.requests]] for q in st.replicas]
+    else:
+        groups = _assign_replicas(problem, node, pending, plan.dp)
+    limits = problem.limits(w.model.name, plan.tp)
+    latency = problem.latency(w.model.name, plan.tp)
+    local_of = np.full(len(w), -1, dtype=np.int64)
+    finish = np.where(st.done, 0.0, math.inf)
+    results: list[Optional[SimResult]] = []
+    end = load
+    weight = 1
+    if representative and len(groups) > 1 and not continuing:
+        weight, others, groups = len(groups), groups[1:], groups[:1]
+    for r, idx in enumerate(groups):
+        if len(idx) == 0:
+            results.append(None)
+            continue
+        local_of[idx] = np.arange(len(idx))
+        succ = w.successor[idx]
+        succ = np.where(succ >= 0, local_of[np.maximum(succ, 0)], -1)
+        running, waiting = [], []
+        if continuing:
+            q = st.replicas[r]
+            running = [(int(local_of[i]), s) for i, s in q.running]
+            waiting = [int(local_of[i]) for i in q.waiting]
+        work = ReplicaWorkload(
+            prompt_len=w.input_len[idx] + st.generated[idx],
+            remaining=w.output_len[idx] - st.generated[idx],
+            ready=ready[idx], successor=succ, running=running, waiting_first=waiting)
+        res = fast.simulate(work, limits, latency, stop_at - load)
+        results.append(res)
+        finish[idx] = res.finish + load
+        end = max(end, res.end_time + load)
+    if weight > 1:
+        stand_in = finish[groups[0]]
+        for idx in others:
+            finish[idx] = stand_in[np.minimum(np.arange(len(idx)), len(stand_in) - 1)]
+    if not np.isfinite(finish).all():
+        end = math.inf
+    return NodeRun(node, plan, continuing, load, finish, end, results, groups, key, weight)
+
+
+@dataclass
+class StageEval:
+    selection: dict[str, ExecPlan]
+    placement: Placement
+    moved: set[str]
+    runs: dict[str, NodeRun]
+    duration: float
+    flops: float
+
+    @property
+    def gpus(self) -> int:
+        return sum(p.gpus for p in self.selection.values())
+
+    @property
+    def throughput(self) -> float:
+        return self.flops / self.duration if self.duration > 0 else 0.0
+
+
+class StageEvaluator:
+    """Evaluates candidate stages from one state, caching node simulations.
+
+    The cache is keyed by node state versions, so one evaluator can be reused across
+    states (a policy keeps a single instance for its whole search).
+    """
+
+    def __init__(self, problem: PlanningProblem, representative_replicas: bool = True):
+        self.problem = problem
+        self.representative = representative_replicas
+        self.cache: dict[tuple, NodeRun] = {}
+        self.simulations = 0
+
+    def _upstream(self, state: AppState, node: str, runs: dict[str, NodeRun]):
+        finish, keys = {}, []
+        for up in self.problem.upstream[node]:
+            if up in runs:
+                finish[up] = runs[up].finish
+                keys.append(runs[up].key)
+            else:
+                st = state.nodes[up]
+                finish[up] = np.where(st.done, 0.0, math.inf)
+                keys.append((up, st.version))
+        return finish, tuple(keys)
+
+    def node_run(self, state: AppState, node: str, plan: ExecPlan, continuing: bool,
+                 runs: dict[str, NodeRun], exact: bool = True) -> NodeRun:
+        st = state.nodes[node]
+        up_finish, up_key = self._upstream(state, node, runs)
+        estimate = not exact and plan.dp > 1 and not continuing
+        key = (node, st.version, plan, continuing, up_key, estimate)
+        run = self.cache.get(key)
+        if run is None:
+            run = run_node(self.problem, node, st, plan, continuing, up_finish, key,
+                           representative=estimate)
+            self.cache[key] = run
+            self.simulations += 1
+        return run
+
+    def evaluate(self, state: AppState, selection: dict[str, ExecPlan],
+                 exact: Optional[bool] = None) -> Optional[StageEval]:
+        """Simulate a candidate stage. ``exact=None`` follows the evaluator's setting."""
+        if exact is None:
+            exact = not self.representative
+        placed = place(self.problem.cluster, selection, state.previous_placement())
+        if placed is None:
+            return None
+        placement, moved = placed
+        runs: dict[str, NodeRun] = {}
+        for node in self.problem.nodes:
+            if node not in selection:
+                continue
+            st = state.nodes[node]
+            continuing = (st.loaded == selection[node] and node not in moved
+                          and st.replicas is not None)
+            runs[node] = self.node_run(state, node, selection[node], continuing, runs, exact)
+        duration = min(r.end for r in runs.values())
+        if not math.isfinite(duration):
+            return None
+        flops = sum(r.flops_by(duration) for r in runs.values())
+        return StageEval(dict(selection), placement, moved, runs, duration, flops)
+
+    def make_exact(self, state: AppState, ev: StageEval) -> StageEval:
+        if all(r.exact for r in ev.runs.values()):
+            return ev
+        return self.evaluate(state, ev.selection, exact=True)
+
+    def advance(self, state: AppState, ev: StageEval) -> AppState:
+        """Run the stage until its first finish; returns the state after it."""
+        ev = self.make_exact(state, ev)
+        d = ev.duration
+        cutoff = d * (1 + FINISH_TOLERANCE) + FINISH_TOLERANCE
+        nodes = {}
+        stopped_runs: dict[str, NodeRun] = {}
+        for node, st in state.nodes.items():
+            if node not in ev.selection:
+                nodes[node] = replace(st, loaded=None, gpus=None, replicas=None)
+                continue
+            run = ev.runs[node]
+            if run.end > cutoff:
+                up_finish, _ = self._upstream(state, node, stopped_runs)
+                run = run_node(self.problem, node, st, run.plan, run.continuing, up_finish,
+                               run.key, stop_at=cutoff)
+                self.simulations += 1
+            stopped_runs[node] = run
+            done = st.done | (run.finish <= cutoff)
+            generated = st.generated.copy()
+            queues = []
+            for res, idx in zip(run.results, run.request_maps):
+                if res is None:
+                    queues.append(ReplicaQueues(idx, [], []))
+                    continue
+                generated[idx] += res.generated
+                queues.append(ReplicaQueues(
+                    requests=idx,
+                    running=[(int(idx[i]), s) for i, s in res.running],
+                    waiting=[int(idx[i]) for i in res.waiting]))
+            generated[done] = 0
+            finish = np.where(st.done, st.finish,
+                              np.where(run.finish <= cutoff, state.time + run.finish, math.inf))
+            nodes[node] = NodeState(done, generated, finish, ev.selection[node],
+                                    ev.placement[node], None if done.all() else queues)
+        return AppState(state.time + d, nodes)
