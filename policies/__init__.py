@@ -12,7 +12,7 @@ from typing import Callable
 from raycolo.errors import ConfigError
 
 _REGISTRY: dict[str, Callable] = {}
-_MODULES = ["samullm", "heuristics", "nopreempt", "rollout"]
+_MODULES = ["samullm", "heuristics", "nopreempt", "rollout", "optimal"]
 
 
 def register(name: str):
@@ -37,3 +37,9 @@ def get_policy(name: str) -> Callable:
 def policy_names() -> list[str]:
     _load_all()
     return list(_REGISTRY)
+
+
+def optimal_applies(problem) -> bool:
+    """Whether the exhaustive ``optimal`` policy accepts a problem of this size."""
+    from raycolo.policies.optimal import optimal_applies as applies
+    return applies(problem)

@@ -16,12 +16,18 @@ from raycolo.planner.schedule import AppPlan, Stage, StageModel
 from raycolo.planner.state import AppState, StageEval, StageEvaluator, initial_state
 
 GAIN_EPSILON = 1e-12
+STAGE_METRICS = {
+    "window": lambda ev: ev.throughput,   # FLOPs within the stage / stage duration (paper)
+    "rate": lambda ev: ev.run_rate,       # each node's whole-run FLOP rate, load amortized
+}
 
 
 class SearchContext:
-    def __init__(self, problem: PlanningProblem, evaluator: Optional[StageEvaluator] = None):
+    def __init__(self, problem: PlanningProblem, evaluator: Optional[StageEvaluator] = None,
+                 metric: str = "window"):
         self.problem = problem
         self.evaluator = evaluator or StageEvaluator(problem)
+        self.metric = STAGE_METRICS[metric]
 
     def ready_nodes(self, state: AppState, selection: dict[str, ExecPlan]) -> list[str]:
         """Unfinished nodes whose inputs are finished or run in the same stage."""
@@ -47,7 +53,8 @@ def greedy_step(ctx: SearchContext, state: AppState, current: Optional[StageEval
     gpus_total = ctx.problem.cluster.num_gpus
     selection = current.selection if current else {}
     used = current.gpus if current else 0
-    base = current.throughput if current else 0.0
+    metric = ctx.metric
+    base = metric(current) if current else 0.0
     best, best_gain = None, GAIN_EPSILON
     for node in ctx.ready_nodes(state, selection):
         if node in frozen:
@@ -59,7 +66,7 @@ def greedy_step(ctx: SearchContext, state: AppState, current: Optional[StageEval
             ev = ctx.evaluate(state, {**selection, node: plan})
             if ev is None:
                 continue
-            gain = (ev.throughput - base) / (ev.gpus - used)
+            gain = (metric(ev) - base) / (ev.gpus - used)
             if gain > best_gain:
                 best, best_gain = ev, gain
     return best
@@ -85,7 +92,7 @@ def greedy_stage(ctx: SearchContext, state: AppState,
         current = nxt
 
 
-def _stage_record(problem: PlanningProblem, state: AppState, ev: StageEval, after: AppState) -> Stage:
+def stage_record(problem: PlanningProblem, state: AppState, ev: StageEval, after: AppState) -> Stage:
     models = []
     for node in problem.nodes:
         if node not in ev.selection:
@@ -115,7 +122,7 @@ def run_policy(problem: PlanningProblem, name: str, choose: Chooser,
                                 f"(unfinished: {', '.join(state.unfinished())})")
         ev = ctx.evaluator.make_exact(state, ev)
         after = ctx.evaluator.advance(state, ev)
-        stages.append(_stage_record(problem, state, ev, after))
+        stages.append(stage_record(problem, state, ev, after))
         state = after
         if len(stages) > max_stages:
             raise PlanningError(f"policy '{name}' did not converge")

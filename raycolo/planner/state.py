@@ -209,7 +209,13 @@ class StageEval:
 
     @property
     def throughput(self) -> float:
+        """FLOPs done before the stage's first finish, per second (the paper's T(S))."""
         return self.flops / self.duration if self.duration > 0 else 0.0
+
+    @property
+    def run_rate(self) -> float:
+        """Sum of each node's FLOPs per second over its whole run, load included."""
+        return sum(r.total_flops / r.end for r in self.runs.values() if r.end > 0)
 
 
 class StageEvaluator:

@@ -1,0 +1,42 @@
+# Developer entry points for raycolo.
+#   make test   - create/refresh .venv (CPU torch pinned first) and run the test suite
+#   make demo   - run the example commands
+#   make bench  - run the planner benchmark
+#   make clean  - remove the venv and build outputs
+
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip --disable-pip-version-check -q
+STAMP  := $(VENV)/.installed
+TORCH  := torch==2.13.0
+
+.PHONY: venv test demo bench clean
+
+# Internal: make sure .venv exists and holds torch (pinned CPU wheel) and raycolo[test].
+venv: $(STAMP)
+
+$(VPY):
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall whenever pyproject.toml changes; the stamp lives inside .venv, so a
+# recreated venv always reinstalls. torch goes in first and pinned, so that
+# resolving raycolo's own dependencies never pulls a CUDA torch.
+$(STAMP): pyproject.toml | $(VPY)
+	$(PIP) install $(TORCH)
+	$(PIP) install -e '.[test]'
+	touch $@
+
+test: venv
+	$(VPY) -m pytest -q
+
+demo: venv
+	mkdir -p out
+	$(VENV)/bin/raycolo compare examples/ensemble.yaml
+	$(VENV)/bin/raycolo plan examples/chain_summary.yaml --gantt out/chain_summary_gantt.png
+
+bench: venv
+	$(VPY) bench/planner.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info out

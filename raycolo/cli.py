@@ -1,0 +1,170 @@
+"""``raycolo`` command line: plan and compare multi-LLM applications.
+
+Invalid input never shows a traceback: it prints one ``error: ...`` line naming the
+field or file and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from raycolo.errors import RaycoloError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage block
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _add_problem_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dag", help="application graph (YAML)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs on the node (default 8)")
+    p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU (default 80GiB)")
+    p.add_argument("--nvlink-group", type=int, default=2,
+                   help="GPUs per NVLink group; TP stays inside one (default 2)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="override the request count of every source")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="directory of latency profiles (<model>.tp<T>.json); defaults otherwise")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="raycolo", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    plan = sub.add_parser("plan", help="plan an application's execution stages")
+    _add_problem_flags(plan)
+    plan.add_argument("--policy", default="samullm", help="planning policy (default samullm)")
+    plan.add_argument("--gantt", default=None, metavar="PNG", help="write a Gantt chart")
+    compare = sub.add_parser("compare", help="run every policy on the same sampled workload")
+    _add_problem_flags(compare)
+    compare.add_argument("--policies", default=None,
+                         help="comma-separated subset (default: all that apply)")
+    return parser
+
+
+def _problem(args):
+    from raycolo.dag import load_app
+    from raycolo.hardware import make_cluster
+    from raycolo.planner.problem import PlanningProblem
+    from raycolo.workload import build_workload
+
+    if args.profile is not None:
+        from pathlib import Path
+        if not Path(args.profile).is_dir():
+            raise RaycoloError(f"--profile: '{args.profile}' is not a directory")
+    cluster = make_cluster(args.gpus, args.gpu_memory, args.nvlink_group)
+    app = load_app(args.dag)
+    workload = build_workload(app, seed=args.seed, requests=args.requests)
+    return PlanningProblem(workload, cluster, profile_dir=args.profile)
+
+
+def _stage_table(plan) -> str:
+    lines = [f"{'stage':>5}  {'start_s':>9}  {'end_s':>9}  models (node plan@GPUs; * = loaded, ! = finishes)"]
+    for i, s in enumerate(plan.stages):
+        parts = []
+        for m in s.models:
+            gpus = ",".join(str(g) for g in m.gpus)
+            parts.append(f"{m.node} dp{m.dp}xtp{m.tp}@{gpus}{'*' if m.reloaded else ''}"
+                         f"{'!' if m.finishes else ''}")
+        lines.append(f"{i:>5}  {s.start_s:>9.1f}  {s.end_s:>9.1f}  " + "  ".join(parts))
+    return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+    from raycolo.policies import get_policy
+
+    policy = get_policy(args.policy)
+    problem = _problem(args)
+    plan = policy(problem)
+    if args.gantt:
+        from raycolo.planner.gantt import plot_gantt
+        plot_gantt(plan, args.gantt)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return 0
+    print(_stage_table(plan))
+    gap = plan.makespan_s / plan.lower_bound_s - 1 if plan.lower_bound_s else float("nan")
+    print(f"policy {plan.policy}: makespan {plan.makespan_s:.1f}s, search {plan.search_s:.2f}s, "
+          f"lower bound {plan.lower_bound_s:.1f}s (gap {gap:+.1%}), "
+          f"{len(plan.stages)} stages, {plan.simulations} simulations")
+    if args.gantt:
+        print(f"gantt: {args.gantt}")
+    return 0
+
+
+def comparable_policies(problem) -> list[str]:
+    from raycolo.policies import optimal_applies, policy_names
+    return [p for p in policy_names() if p != "optimal" or optimal_applies(problem)]
+
+
+def run_comparison(problem, names: Sequence[str], progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from raycolo.policies import get_policy
+
+    plans = {}
+    for name in tqdm(names, desc="policies", disable=not progress, file=sys.stderr, leave=False):
+        plans[name] = get_policy(name)(problem)
+    lower = max(p.lower_bound_s for p in plans.values())
+    ref = plans.get("samullm")
+    results = []
+    for name, p in plans.items():
+        results.append({
+            "policy": name, "makespan_s": p.makespan_s, "search_s": p.search_s,
+            "end_to_end_s": p.end_to_end_s,
+            "samullm_speedup": p.end_to_end_s / ref.end_to_end_s if ref else None,
+            "gap_to_lower_bound": p.makespan_s / lower - 1 if lower else None,
+            "stages": len(p.stages),
+        })
+    return {"results": results, "lower_bound_s": lower}
+
+
+def format_comparison(report: dict) -> str:
+    head = (f"{'policy':<18} {'makespan_s':>10} {'search_s':>9} {'end_to_end_s':>12} "
+            f"{'samullm_speedup':>15} {'gap_to_LB':>9} {'stages':>6}")
+    lines = [head, "-" * len(head)]
+    for r in report["results"]:
+        speed = f"{r['samullm_speedup']:.2f}x" if r["samullm_speedup"] else "-"
+        lines.append(f"{r['policy']:<18} {r['makespan_s']:>10.1f} {r['search_s']:>9.2f} "
+                     f"{r['end_to_end_s']:>12.1f} {speed:>15} {r['gap_to_lower_bound']:>+9.1%} "
+                     f"{r['stages']:>6}")
+    lines.append(f"lower bound: {report['lower_bound_s']:.1f}s   "
+                 "(samullm_speedup = this policy's end-to-end time / samullm's)")
+    return "\n".join(lines)
+
+
+def cmd_compare(args) -> int:
+    from raycolo.policies import get_policy
+
+    problem = _problem(args)
+    if args.policies:
+        names = [n.strip() for n in args.policies.split(",") if n.strip()]
+        for n in names:
+            get_policy(n)
+    else:
+        names = comparable_policies(problem)
+    report = run_comparison(problem, names, progress=not args.json)
+    print(json.dumps(report, indent=2) if args.json else format_comparison(report))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return cmd_plan(args)
+        return cmd_compare(args)
+    except RaycoloError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
