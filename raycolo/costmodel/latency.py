@@ -127,21 +127,23 @@ class IterationLatency:
         c = np.asarray(profile.compute_s_per_tflop)[b] / 1e12  # seconds per FLOP
         fixed = profile.prepare_intercept_s + profile.sample_intercept_s
         self._c = c.tolist()
-        self._a_plus_fixed = (a + fixed).tolist()
         # Decode: seconds = alpha[n] + beta[n] * C.
         self.alpha = (a + fixed + c * self.weight_flops_per_token * n
                       + profile.sample_s_per_seq * n).tolist()
         self.beta = (c * self.decode_attn_flops_per_token + profile.prepare_s_per_token).tolist()
         self.flops_n = (self.weight_flops_per_token * n).tolist()
         self.flops_c = self.decode_attn_flops_per_token
+        # Prefill of m sequences: prefill_base[m] + prefill_c[m] * FLOPs + per_token * tokens.
+        self.prefill_base = (a + fixed + profile.sample_s_per_seq * n).tolist()
+        self.prefill_c = self._c
+        self.prefill_per_token = profile.prepare_s_per_token
 
     def prefill_flops(self, tokens: int, sum_sq: int) -> float:
         return self.weight_flops_per_token * tokens + self.prefill_attn_flops_per_sq * sum_sq
 
     def prefill_seconds(self, seqs: int, tokens: int, sum_sq: int) -> float:
-        p = self.profile
-        return (self._a_plus_fixed[seqs] + self._c[seqs] * self.prefill_flops(tokens, sum_sq)
-                + p.prepare_s_per_token * tokens + p.sample_s_per_seq * seqs)
+        return (self.prefill_base[seqs] + self.prefill_c[seqs] * self.prefill_flops(tokens, sum_sq)
+                + self.prefill_per_token * tokens)
 
     def decode_seconds(self, n: int, attended: int) -> float:
         return self.alpha[n] + self.beta[n] * attended

@@ -23,6 +23,8 @@ from raycolo.sim.types import ReplicaWorkload, SimResult
 
 _versions = itertools.count(1)
 FINISH_TOLERANCE = 1e-9
+# Below this many requests per replica, replicas differ too much to stand in for each other.
+MIN_REPRESENTATIVE_REQUESTS = 32
 
 
 @dataclass
@@ -94,11 +96,11 @@ class NodeRun:
     results: list[Optional[SimResult]]   # one per simulated replica (None: no requests)
     request_maps: list[np.ndarray]       # node request indices of each simulated replica
     key: tuple
-    replica_weight: int = 1              # >1: one replica simulated stands for this many
+    replica_weight: float = 1.0          # >1: one replica simulated stands for all (by requests)
 
     @property
     def exact(self) -> bool:
-        return self.replica_weight == 1
+        return self.replica_weight == 1.0
 
     def flops_by(self, t: float) -> float:
         return self.replica_weight * sum(
@@ -162,9 +164,10 @@ def run_node(problem: PlanningProblem, node: str, st: NodeState, plan: ExecPlan,
     finish = np.where(st.done, 0.0, math.inf)
     results: list[Optional[SimResult]] = []
     end = load
-    weight = 1
-    if representative and len(groups) > 1 and not continuing:
-        weight, others, groups = len(groups), groups[1:], groups[:1]
+    weight = 1.0
+    if representative and len(groups) > 1 and len(groups[-1]) >= MIN_REPRESENTATIVE_REQUESTS:
+        weight = len(pending) / len(groups[0])
+        others, groups = groups[1:], groups[:1]
     for r, idx in enumerate(groups):
         if len(idx) == 0:
             results.append(None)
@@ -185,7 +188,7 @@ def run_node(problem: PlanningProblem, node: str, st: NodeState, plan: ExecPlan,
         results.append(res)
         finish[idx] = res.finish + load
         end = max(end, res.end_time + load)
-    if weight > 1:
+    if weight != 1.0:
         stand_in = finish[groups[0]]
         for idx in others:
             finish[idx] = stand_in[np.minimum(np.arange(len(idx)), len(stand_in) - 1)]
@@ -230,6 +233,7 @@ class StageEvaluator:
         self.representative = representative_replicas
         self.cache: dict[tuple, NodeRun] = {}
         self.simulations = 0
+        self._chained = {n: bool((problem.node(n).successor >= 0).any()) for n in problem.nodes}
 
     def _upstream(self, state: AppState, node: str, runs: dict[str, NodeRun]):
         finish, keys = {}, []
@@ -247,7 +251,8 @@ class StageEvaluator:
                  runs: dict[str, NodeRun], exact: bool = True) -> NodeRun:
         st = state.nodes[node]
         up_finish, up_key = self._upstream(state, node, runs)
-        estimate = not exact and plan.dp > 1 and not continuing
+        # chains are not alike across replicas: one long document sets the end time
+        estimate = not exact and plan.dp > 1 and not continuing and not self._chained[node]
         key = (node, st.version, plan, continuing, up_key, estimate)
         run = self.cache.get(key)
         if run is None:

@@ -89,12 +89,17 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
         n += 1
         attended_base += stored + 1
         free -= -(-stored // bs)
-    waiting: deque[int] = deque(work.waiting_first)
     queued = set(running) | set(work.waiting_first)
     ready = work.ready
-    pending = [(float(ready[i]), i) for i in np.flatnonzero(np.isfinite(ready)).tolist()
-               if i not in queued]
+    # Requests ready at 0 join the queue at once, in index order (FCFS); later ones wait.
+    at_start = [i for i in np.flatnonzero(ready <= 0.0).tolist() if i not in queued]
+    waiting: deque[int] = deque(work.waiting_first + at_start)
+    later = np.flatnonzero(np.isfinite(ready) & (ready > 0.0)).tolist()
+    pending = [(float(ready[i]), i) for i in later if i not in queued]
     heapq.heapify(pending)
+    prefill_base, prefill_c, prefill_per_token = (latency.prefill_base, latency.prefill_c,
+                                                  latency.prefill_per_token)
+    w_tok, w_sq = latency.weight_flops_per_token, latency.prefill_attn_flops_per_sq
 
     heappop, heappush = heapq.heappop, heapq.heappush
     t = flops = 0.0
@@ -136,12 +141,13 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                 sum_sq += p * p
                 free_after -= need
             if m:
-                dt = latency.prefill_seconds(m, tokens, sum_sq)
+                f = w_tok * tokens + w_sq * sum_sq  # = latency.prefill_flops, inlined
+                dt = prefill_base[m] + prefill_c[m] * f + prefill_per_token * tokens
                 if t + dt > stop_at:
                     stopped = True
                     break
                 t += dt
-                flops += latency.prefill_flops(tokens, sum_sq)
+                flops += f
                 iterations += 1
                 prefills += 1
                 for _ in range(m):
@@ -212,8 +218,9 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                     stopped = True
                     break
 
-            t += _run_seconds(k, a, b, c0, n)
-            flops += k * flops_n[n] + flops_c * (k * c0 + n * k * (k - 1) / 2)
+            attended = k * c0 + n * k * (k - 1) / 2  # summed over the k iterations
+            t += k * a + b * attended
+            flops += k * flops_n[n] + flops_c * attended
             iterations += k
             cycles, rest = divmod(k, bs)
             used = n * cycles
