@@ -1,11 +1,14 @@
 """``samullm-rollout``: the greedy plus a rollout improvement step (beyond the paper).
 
-At each stage of the best plan so far, try a few alternative stages (the greedy's pick
-with idle GPUs filled, and greedy stages whose first pick is the runner-up candidate),
-complete each with the greedy, and keep any completion that finishes sooner. The
-greedy's own plan is the starting incumbent and is only replaced by a strictly shorter
-one, so the result is never worse than ``samullm`` under the same cost model. A time
-budget bounds the search; when it runs out the incumbent is returned.
+The incumbent starts as the best complete plan among the two greedies of ``samullm``
+and the paper's ``max`` and ``min`` heuristics, all under the same cost model. Then, at
+each stage of the incumbent, try a few alternative stages (the stage with idle GPUs
+filled, the stage with one model's plan reshaped on the same GPUs, e.g. dp2 <-> tp2,
+and greedy stages whose first pick is a runner-up candidate), complete each
+with the greedy, and keep any completion that finishes sooner. The incumbent is only
+replaced by a strictly shorter plan, so the result is never worse than ``samullm``,
+``max`` or ``min``. A time budget bounds the search; when it runs out the incumbent is
+returned.
 """
 from __future__ import annotations
 
@@ -39,6 +42,10 @@ def _alternatives(ctx: SearchContext, state: AppState, chosen: dict[str, ExecPla
     filled = fill_idle_gpus(ctx, state, ctx.evaluate(state, chosen))
     if filled is not None:
         out.append(filled.selection)
+    for node, plan in chosen.items():  # same GPUs, other shape: dp <-> tp
+        for other in ctx.problem.plans[node]:
+            if other != plan and other.gpus == plan.gpus:
+                out.append({**chosen, node: other})
     for first in _first_picks(ctx, state)[1: 1 + RUNNER_UPS]:
         ev = greedy_stage(ctx, state, start=first.selection)
         if ev is not None:
@@ -50,11 +57,23 @@ def _alternatives(ctx: SearchContext, state: AppState, chosen: dict[str, ExecPla
     return unique
 
 
+def _seed_plans(ctx: SearchContext, problem: PlanningProblem):
+    """Complete plans to start from: both greedies and the paper's two heuristics."""
+    from raycolo.policies.heuristics import choose_max, choose_min
+
+    rate_ctx = SearchContext(problem, ctx.evaluator, metric="rate")
+    seeds = [complete_with(ctx, initial_state(problem), greedy_stage),
+             complete_with(rate_ctx, initial_state(problem), greedy_stage),
+             complete_with(ctx, initial_state(problem), choose_min),
+             complete_with(ctx, initial_state(problem), choose_max)]
+    return min(seeds, key=lambda s: s[0])  # the first (the paper's greedy) wins ties
+
+
 @register("samullm-rollout")
 def plan(problem: PlanningProblem, budget_s: float = DEFAULT_BUDGET_S) -> AppPlan:
     started = time.perf_counter()
     ctx = SearchContext(problem)
-    best_time, best = complete_with(ctx, initial_state(problem), greedy_stage)
+    best_time, best = _seed_plans(ctx, problem)
     state, position = initial_state(problem), 0
     while position < len(best) and time.perf_counter() - started < budget_s:
         for alt in _alternatives(ctx, state, best[position]):

@@ -48,6 +48,7 @@ def assert_same(ref, got):
     assert got.waiting == ref.waiting
     np.testing.assert_array_equal(got.generated, ref.generated)
     assert math.isclose(got.total_flops, ref.total_flops, rel_tol=1e-9)
+    assert math.isclose(got.total_useful, ref.total_useful, rel_tol=1e-9)
 
 
 def test_fast_matches_reference_on_random_workloads(latency):

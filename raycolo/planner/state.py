@@ -102,13 +102,14 @@ class NodeRun:
     def exact(self) -> bool:
         return self.replica_weight == 1.0
 
-    def flops_by(self, t: float) -> float:
+    def useful_by(self, t: float) -> float:
+        """Useful FLOPs (no recomputation) done by stage time ``t``."""
         return self.replica_weight * sum(
-            r.flops_by(t - self.load_s) for r in self.results if r is not None)
+            r.useful_by(t - self.load_s) for r in self.results if r is not None)
 
     @property
-    def total_flops(self) -> float:
-        return self.replica_weight * sum(r.total_flops for r in self.results if r is not None)
+    def total_useful(self) -> float:
+        return self.replica_weight * sum(r.total_useful for r in self.results if r is not None)
 
 
 def _ready_times(problem: PlanningProblem, node: str, st: NodeState,
@@ -181,6 +182,7 @@ def run_node(problem: PlanningProblem, node: str, st: NodeState, plan: ExecPlan,
             running = [(int(local_of[i]), s) for i, s in q.running]
             waiting = [int(local_of[i]) for i in q.waiting]
         work = ReplicaWorkload(
+            fresh=st.generated[idx] == 0,
             prompt_len=w.input_len[idx] + st.generated[idx],
             remaining=w.output_len[idx] - st.generated[idx],
             ready=ready[idx], successor=succ, running=running, waiting_first=waiting)
@@ -212,13 +214,13 @@ class StageEval:
 
     @property
     def throughput(self) -> float:
-        """FLOPs done before the stage's first finish, per second (the paper's T(S))."""
+        """Useful FLOPs done before the stage's first finish, per second (the paper's T(S))."""
         return self.flops / self.duration if self.duration > 0 else 0.0
 
     @property
     def run_rate(self) -> float:
         """Sum of each node's FLOPs per second over its whole run, load included."""
-        return sum(r.total_flops / r.end for r in self.runs.values() if r.end > 0)
+        return sum(r.total_useful / r.end for r in self.runs.values() if r.end > 0)
 
 
 class StageEvaluator:
@@ -282,7 +284,7 @@ class StageEvaluator:
         duration = min(r.end for r in runs.values())
         if not math.isfinite(duration):
             return None
-        flops = sum(r.flops_by(duration) for r in runs.values())
+        flops = sum(r.useful_by(duration) for r in runs.values())
         return StageEval(dict(selection), placement, moved, runs, duration, flops)
 
     def make_exact(self, state: AppState, ev: StageEval) -> StageEval:

@@ -102,8 +102,9 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
     w_tok, w_sq = latency.weight_flops_per_token, latency.prefill_attn_flops_per_sq
 
     heappop, heappush = heapq.heappop, heapq.heappush
-    t = flops = 0.0
-    curve_t, curve_f = [0.0], [0.0]
+    fresh = work.fresh.tolist()
+    t = flops = useful = 0.0
+    curve_t, curve_f, curve_u = [0.0], [0.0], [0.0]
     iterations = prefills = preemptions = 0
     stopped = False
 
@@ -125,7 +126,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
 
         # Prefill: admit from the head of the queue while slots, tokens and blocks allow.
         if waiting and n < max_seqs:
-            m = tokens = sum_sq = 0
+            m = tokens = sum_sq = fresh_tokens = 0
             free_after = free
             for idx in waiting:
                 if n + m >= max_seqs:
@@ -139,6 +140,8 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                 m += 1
                 tokens += p
                 sum_sq += p * p
+                if fresh[idx]:
+                    fresh_tokens += p
                 free_after -= need
             if m:
                 f = w_tok * tokens + w_sq * sum_sq  # = latency.prefill_flops, inlined
@@ -148,6 +151,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                     break
                 t += dt
                 flops += f
+                useful += w_tok * (fresh_tokens + m)
                 iterations += 1
                 prefills += 1
                 for _ in range(m):
@@ -169,6 +173,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                     free -= -(-p // bs)
                 curve_t.append(t)
                 curve_f.append(flops)
+                curve_u.append(useful)
                 continue
 
         if n:
@@ -200,6 +205,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                             need -= 1
                         remaining[victim] = running[victim][3] - g
                         prompt[victim] = remove(victim) + 1
+                        fresh[victim] = False
                         waiting.appendleft(victim)
                         preemptions += 1
                     if not n:
@@ -221,6 +227,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
             attended = k * c0 + n * k * (k - 1) / 2  # summed over the k iterations
             t += k * a + b * attended
             flops += k * flops_n[n] + flops_c * attended
+            useful += w_tok * n * k
             iterations += k
             cycles, rest = divmod(k, bs)
             used = n * cycles
@@ -247,6 +254,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                     heappush(pending, (t, successor[idx]))
             curve_t.append(t)
             curve_f.append(flops)
+            curve_u.append(useful)
             continue
 
         if pending:
@@ -267,6 +275,6 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
         snapshot.append((idx, stored_adm + g - g_adm))
     return SimResult(
         finish=np.asarray(finish), end_time=t, generated=np.asarray(generated, dtype=np.int64),
-        curve_t=np.asarray(curve_t), curve_flops=np.asarray(curve_f),
+        curve_t=np.asarray(curve_t), curve_flops=np.asarray(curve_f), curve_useful=np.asarray(curve_u),
         running=snapshot, waiting=list(waiting),
         iterations=iterations, prefills=prefills, preemptions=preemptions, stopped=stopped)

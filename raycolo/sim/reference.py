@@ -43,8 +43,10 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                if i not in queued and not math.isinf(work.ready[i])]
     heapq.heapify(pending)
 
-    t = flops = 0.0
-    curve_t, curve_f = [0.0], [0.0]
+    fresh = work.fresh.copy()
+    per_token = latency.weight_flops_per_token
+    t = flops = useful = 0.0
+    curve_t, curve_f, curve_u = [0.0], [0.0], [0.0]
     iterations = prefills = preemptions = 0
     stopped = False
 
@@ -78,6 +80,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                 break
             t += dt
             flops += latency.prefill_flops(tokens, sum_sq)
+            useful += per_token * (sum(int(prompt[i]) for i in batch if fresh[i]) + len(batch))
             iterations += 1
             prefills += 1
             for idx in batch:
@@ -93,6 +96,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                     free -= blocks[idx]
             curve_t.append(t)
             curve_f.append(flops)
+            curve_u.append(useful)
             continue
 
         if running:
@@ -103,6 +107,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                 if stored[victim] % bs == 0:
                     need -= 1
                 prompt[victim] = stored.pop(victim) + 1
+                fresh[victim] = False
                 waiting.appendleft(victim)
                 preemptions += 1
             if not running:
@@ -114,6 +119,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                 break
             t += dt
             flops += latency.decode_flops(len(running), attended)
+            useful += per_token * len(running)
             iterations += 1
             still = []
             for i in running:
@@ -132,6 +138,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
             running = still
             curve_t.append(t)
             curve_f.append(flops)
+            curve_u.append(useful)
             continue
 
         if pending:
@@ -148,6 +155,6 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
 
     return SimResult(
         finish=finish, end_time=t, generated=generated,
-        curve_t=np.asarray(curve_t), curve_flops=np.asarray(curve_f),
+        curve_t=np.asarray(curve_t), curve_flops=np.asarray(curve_f), curve_useful=np.asarray(curve_u),
         running=[(i, stored[i]) for i in running], waiting=list(waiting),
         iterations=iterations, prefills=prefills, preemptions=preemptions, stopped=stopped)

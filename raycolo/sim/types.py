@@ -64,6 +64,9 @@ class ReplicaWorkload:
     successor: np.ndarray | None = None
     running: list[tuple[int, int]] = field(default_factory=list)
     waiting_first: list[int] = field(default_factory=list)  # preempted requests, queue head
+    # False where the prompt was already computed once (re-prefill after a preemption or a
+    # reload): that recomputation is work, but not useful work.
+    fresh: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.prompt_len = np.asarray(self.prompt_len, dtype=np.int64)
@@ -72,6 +75,8 @@ class ReplicaWorkload:
         n = len(self.prompt_len)
         if self.successor is None:
             self.successor = np.full(n, -1, dtype=np.int64)
+        if self.fresh is None:
+            self.fresh = np.ones(n, dtype=bool)
         if not (len(self.remaining) == len(self.ready) == len(self.successor) == n):
             raise ValueError("workload arrays must have equal lengths")
         if n and self.remaining.min() < 1:
@@ -88,6 +93,8 @@ class SimResult:
     ``finish`` holds each request's finish time (``inf``: not finished by the stop).
     ``curve_t``/``curve_flops`` are the cumulative FLOPs at event boundaries; linear
     interpolation between them is exact within a prefill and close within a decode run.
+    ``curve_useful`` counts only useful work (new tokens and first-time prompts, at the
+    model's per-token weight FLOPs), so recomputation after a preemption earns nothing.
     When the run was stopped early, ``running``/``waiting`` describe the queues at the stop
     and ``generated`` the tokens each request produced in this run.
     """
@@ -97,6 +104,7 @@ class SimResult:
     generated: np.ndarray
     curve_t: np.ndarray
     curve_flops: np.ndarray
+    curve_useful: np.ndarray
     running: list[tuple[int, int]]
     waiting: list[int]
     iterations: int
@@ -109,9 +117,14 @@ class SimResult:
         return float(self.curve_flops[-1]) if len(self.curve_flops) else 0.0
 
     def flops_by(self, t: float) -> float:
-        if len(self.curve_t) == 0:
-            return 0.0
         return float(np.interp(t, self.curve_t, self.curve_flops))
+
+    def useful_by(self, t: float) -> float:
+        return float(np.interp(t, self.curve_t, self.curve_useful))
+
+    @property
+    def total_useful(self) -> float:
+        return float(self.curve_useful[-1])
 
 
 def ceil_div(a: int, b: int) -> int:
