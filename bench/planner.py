@@ -28,7 +28,7 @@ from raycolo.planner.validate import plan_violations  # noqa: E402
 from raycolo.policies import get_policy  # noqa: E402
 from raycolo.workload import build_workload  # noqa: E402
 
-POLICIES = ["samullm", "samullm-rollout", "samullm-nopreempt", "max", "min"]
+POLICIES = ["samullm", "samullm-rollout", "samullm-window", "samullm-nopreempt", "max", "min"]
 
 CASES = [  # (label, example, requests, output limit override)
     ("ensemble 1000/256", "ensemble", 1000, 256),
@@ -94,7 +94,7 @@ def run_case(app, requests, gpus, policies, repeats):
     rows = {}
     for name in policies:
         searches, plan = [], None
-        for _ in range(repeats if name != "optimal" else 1):
+        for _ in range(repeats if name not in ("optimal", "samullm-rollout") else 1):
             problem = PlanningProblem(workload, make_cluster(gpus))
             plan = get_policy(name)(problem)
             searches.append(plan.search_s)
@@ -108,6 +108,7 @@ def run_case(app, requests, gpus, policies, repeats):
     ref = rows.get("samullm")
     for r in rows.values():
         r["end_to_end_s"] = r["makespan_s"] + r["search_s"]
+    for r in rows.values():
         r["samullm_speedup"] = r["end_to_end_s"] / ref["end_to_end_s"] if ref else None
         r["gap_to_lower_bound"] = r["makespan_s"] / lower - 1
     return rows, lower, workload.total_requests

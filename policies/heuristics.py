@@ -32,16 +32,6 @@ def choose_max(ctx: SearchContext, state: AppState):
     return _best(ctx.evaluate(state, {node: p}) for p in plans)
 
 
-def _pipeline_ready(ctx: SearchContext, state: AppState) -> list[str]:
-    chosen: list[str] = []
-    for node in ctx.problem.nodes:
-        if state.nodes[node].finished:
-            continue
-        if all(state.nodes[up].finished or up in chosen for up in ctx.problem.upstream[node]):
-            chosen.append(node)
-    return chosen
-
-
 def _plan_within(ctx: SearchContext, state: AppState, node: str, share: int):
     """The node's best single-model plan on at most ``share`` GPUs (even split)."""
     plans = [p for p in ctx.problem.plans[node] if p.gpus <= share]
@@ -55,7 +45,7 @@ def _plan_within(ctx: SearchContext, state: AppState, node: str, share: int):
 
 def choose_min(ctx: SearchContext, state: AppState):
     gpus = ctx.problem.cluster.num_gpus
-    ready = _pipeline_ready(ctx, state)
+    ready = ctx.ready_nodes(state, {}, transitive=True)
     for k in range(min(len(ready), gpus), 0, -1):
         models = ready[:k]
         base, extra = divmod(gpus, k)

@@ -73,13 +73,34 @@ class SourceItems:
     item_ids: np.ndarray  # global item ids
 
 
+def _positive_int(value, path: Path, row: int, column: str) -> Optional[int]:
+    """A positive whole number, or None where the cell is empty (JSON null, parquet NaN)."""
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return None
+    whole = isinstance(value, (int, np.integer)) or (
+        isinstance(value, (float, np.floating)) and float(value).is_integer())
+    if isinstance(value, (bool, np.bool_)) or not whole or value <= 0:
+        raise ConfigError(f"{path}: row {row}: {column} must be a positive integer")
+    return int(value)
+
+
 def _read_request_file(path: Path, limit: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
     if not path.exists():
         raise ConfigError(f"{path}: request file not found")
+    if not path.is_file():
+        raise ConfigError(f"{path}: request file is not a regular file")
     rows: list[dict]
     if path.suffix == ".jsonl":
         rows = []
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            raw_lines = path.read_bytes().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read request file: {exc.strerror}") from None
+        for lineno, raw in enumerate(raw_lines, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"{path}:{lineno}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:
@@ -103,21 +124,14 @@ def _read_request_file(path: Path, limit: Optional[int]) -> tuple[np.ndarray, np
         raise ConfigError(f"{path}: no requests")
     tokens, chunks = [], []
     for i, row in enumerate(rows, 1):
-        if "input_tokens" in row and row["input_tokens"] is not None:
-            value = row["input_tokens"]
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ConfigError(f"{path}: row {i}: input_tokens must be a positive integer")
-            tokens.append(int(value))
+        value = _positive_int(row.get("input_tokens"), path, i, "input_tokens")
+        if value is not None:
+            tokens.append(value)
         elif isinstance(row.get("prompt"), str):
             tokens.append(max(1, count_text_tokens(row["prompt"])))
         else:
             raise ConfigError(f"{path}: row {i}: needs 'prompt' (text) or 'input_tokens'")
-        c = row.get("chunks", 1)
-        if c is None:
-            c = 1
-        if not isinstance(c, (int, np.integer)) or c <= 0:
-            raise ConfigError(f"{path}: row {i}: chunks must be a positive integer")
-        chunks.append(int(c))
+        chunks.append(_positive_int(row.get("chunks"), path, i, "chunks") or 1)
     return np.asarray(tokens, dtype=np.int64), np.asarray(chunks, dtype=np.int64)
 
 

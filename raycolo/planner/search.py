@@ -29,13 +29,19 @@ class SearchContext:
         self.evaluator = evaluator or StageEvaluator(problem)
         self.metric = STAGE_METRICS[metric]
 
-    def ready_nodes(self, state: AppState, selection: dict[str, ExecPlan]) -> list[str]:
-        """Unfinished nodes whose inputs are finished or run in the same stage."""
-        out = []
+    def ready_nodes(self, state: AppState, selection: dict[str, ExecPlan],
+                    transitive: bool = False) -> list[str]:
+        """Unfinished nodes whose inputs are finished or run in the same stage.
+
+        With ``transitive``, nodes found ready count as running too, so a whole pipeline
+        of unfinished nodes can start together (the ``min`` heuristic does this).
+        """
+        out: list[str] = []
         for node in self.problem.nodes:
             if state.nodes[node].finished:
                 continue
-            if all(state.nodes[up].finished or up in selection for up in self.problem.upstream[node]):
+            if all(state.nodes[up].finished or up in selection or (transitive and up in out)
+                   for up in self.problem.upstream[node]):
                 out.append(node)
         return out
 

@@ -46,6 +46,7 @@ class NodeState:
     loaded: Optional[ExecPlan] = None
     gpus: Optional[list[tuple[int, ...]]] = None
     replicas: Optional[list[ReplicaQueues]] = None
+    load_left: float = 0.0       # loading still in progress when the stage ended
     version: int = field(default_factory=lambda: next(_versions))
 
     @property
@@ -152,7 +153,7 @@ def run_node(problem: PlanningProblem, node: str, st: NodeState, plan: ExecPlan,
     always commit stages with exact simulations.
     """
     w = problem.node(node)
-    load = 0.0 if continuing else problem.load_seconds(node, plan)
+    load = st.load_left if continuing else problem.load_seconds(node, plan)
     ready = np.maximum(_ready_times(problem, node, st, upstream_finish) - load, 0.0)
     pending = np.flatnonzero(~st.done)
     if continuing:
@@ -301,7 +302,7 @@ class StageEvaluator:
         stopped_runs: dict[str, NodeRun] = {}
         for node, st in state.nodes.items():
             if node not in ev.selection:
-                nodes[node] = replace(st, loaded=None, gpus=None, replicas=None)
+                nodes[node] = replace(st, loaded=None, gpus=None, replicas=None, load_left=0.0)
                 continue
             run = ev.runs[node]
             if run.end > cutoff:
@@ -326,5 +327,6 @@ class StageEvaluator:
             finish = np.where(st.done, st.finish,
                               np.where(run.finish <= cutoff, state.time + run.finish, math.inf))
             nodes[node] = NodeState(done, generated, finish, ev.selection[node],
-                                    ev.placement[node], None if done.all() else queues)
+                                    ev.placement[node], None if done.all() else queues,
+                                    load_left=max(0.0, run.load_s - d))
         return AppState(state.time + d, nodes)
