@@ -116,8 +116,8 @@ def run_case(app, requests, gpus, policies, repeats):
 
 def print_table(label, rows, lower, total, file=sys.stdout):
     print(f"\n### {label}  ({total} requests over all nodes, lower bound {lower:.1f}s)", file=file)
-    print(f"| policy | makespan s | search s | end-to-end s | samullm speedup | gap to LB |", file=file)
-    print(f"|---|---:|---:|---:|---:|---:|", file=file)
+    print("| policy | makespan s | search s | end-to-end s | samullm speedup | gap to LB |", file=file)
+    print("|---|---:|---:|---:|---:|---:|", file=file)
     for name, r in rows.items():
         speed = f"{r['samullm_speedup']:.2f}x" if r["samullm_speedup"] else "-"
         print(f"| {name} | {r['makespan_s']:.1f} | {r['search_s']:.2f} | {r['end_to_end_s']:.1f} "

@@ -1,7 +1,6 @@
 """Inputs and outputs shared by the fast and the reference simulator."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,7 +128,3 @@ class SimResult:
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def is_finite(x: float) -> bool:
-    return not math.isinf(x)
