@@ -1,0 +1,165 @@
+"""One interface for every LLM engine backend.
+
+An engine loads one model under one plan, takes requests, and advances them one
+continuous-batching iteration per :meth:`Engine.step`. Every iteration leaves an
+:class:`IterationRecord` (what ran and how long it took) so that the profiler can fit
+the cost model and the runtime can compare reality with the plan. Configs follow Ray
+Serve LLM's shape: ``model_loading_config`` and ``engine_kwargs``.
+"""
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from raycolo.errors import ConfigError
+
+
+class SamplingParams(BaseModel):
+    """Decoding settings of one request (a subset of vLLM's, same names)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(default=16, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0)  # 0: greedy
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+
+
+class ModelLoadingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # A catalog name of a tiny model (seeded random weights) or a local checkpoint directory.
+    model_id: str
+    seed: int = 0
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+
+
+class EngineKwargs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_num_seqs: int = Field(default=64, gt=0)
+    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    block_size: int = Field(default=16, gt=0)
+    # KV capacity in tokens for this replica; the block budget is this / block_size.
+    kv_cache_tokens: int = Field(default=65536, gt=0)
+    watermark: float = Field(default=0.01, ge=0.0, lt=1.0)
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    device: str = "cpu"
+    cpu_threads: Optional[int] = Field(default=None, gt=0)
+
+
+class EngineConfig(BaseModel):
+    """What :func:`create_engine` needs (mirrors Ray Serve LLM's ``LLMConfig``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["torch", "vllm"] = "torch"
+    model_loading_config: ModelLoadingConfig
+    engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs)
+
+
+@dataclass
+class IterationRecord:
+    kind: Literal["prefill", "decode"]
+    num_seqs: int
+    new_tokens: int               # tokens produced this iteration
+    context_lens: list[int]       # tokens each sequence attended (prefill: its prompt)
+    seconds: float
+    preempted: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.context_lens)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: Literal["stop", "length"]
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    preemptions: int = 0
+
+    @property
+    def output_len(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class MemoryUsage:
+    kv_blocks_used: int
+    kv_blocks_total: int
+    weight_bytes: int
+    kv_bytes: int
+
+
+@dataclass
+class EngineStats:
+    load_seconds: float = 0.0
+    iterations: list[IterationRecord] = field(default_factory=list)
+
+
+class Engine(abc.ABC):
+    """A loaded model that runs continuous-batching iterations."""
+
+    config: EngineConfig
+    stats: EngineStats
+
+    @abc.abstractmethod
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    params: Optional[SamplingParams] = None) -> None:
+        """Queue a request (text or token ids); it runs in FCFS order."""
+
+    @abc.abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the requests that finished in it."""
+
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool:
+        ...
+
+    @abc.abstractmethod
+    def memory(self) -> MemoryUsage:
+        ...
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Free the model and caches; the engine cannot be used afterwards."""
+
+    def run_until_done(self) -> list[RequestOutput]:
+        finished: list[RequestOutput] = []
+        while self.has_unfinished():
+            finished.extend(self.step())
+        return finished
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Answer ``prompts``; outputs come back in prompt order."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        by_id = {o.request_id: o for o in self.run_until_done()}
+        return [by_id[rid] for rid in ids]
+
+
+def create_engine(config: EngineConfig | dict) -> Engine:
+    """Build the engine a config names (``backend``: torch or vllm)."""
+    if isinstance(config, dict):
+        config = EngineConfig.model_validate(config)
+    if config.backend == "torch":
+        from raycolo.engines.torch_engine import TorchEngine
+        return TorchEngine(config)
+    if config.backend == "vllm":
+        from raycolo.engines.vllm_engine import VllmEngine
+        return VllmEngine(config)
+    raise ConfigError(f"backend: unknown engine backend '{config.backend}'")

@@ -1,0 +1,110 @@
+"""Loading transformers causal LMs: local checkpoints, or tiny seeded-random ones.
+
+Nothing is downloaded. A ``model_id`` that names a directory loads it with
+``from_pretrained`` (with its own tokenizer if it has one); a ``model_id`` that names a
+tiny catalog model builds its architecture from config with seeded random weights and a
+built-in byte tokenizer.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from raycolo.catalog import ModelSpec, get_model
+from raycolo.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+BYTE_OFFSET = 3
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past three special ids; ids beyond the bytes decode to nothing."""
+
+    pad_token_id, bos_token_id, eos_token_id = PAD_ID, BOS_ID, EOS_ID
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < BYTE_OFFSET + 256:
+            raise ConfigError(f"vocab: a byte tokenizer needs at least {BYTE_OFFSET + 256} ids")
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [BOS_ID] + [b + BYTE_OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        data = bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < BYTE_OFFSET + 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """Adapter so engines can treat both tokenizers alike."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.eos_token_id = tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def hf_config_for(spec: ModelSpec):
+    """A transformers config for a tiny catalog model."""
+    import transformers
+
+    if spec.hf_architecture is None:
+        raise ConfigError(f"model_id: '{spec.name}' has no hf_architecture; only tiny catalog "
+                          "models can be built without a checkpoint directory")
+    if spec.hf_architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
+        raise ConfigError(f"model_id: architecture {spec.hf_architecture} is not supported for tiny models")
+    cls = getattr(transformers, spec.hf_architecture.replace("ForCausalLM", "Config"))
+    return cls(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+               num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+               num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.context_length,
+               pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+               tie_word_embeddings=spec.tied_embeddings)
+
+
+def build_tiny_model(model_id: str, seed: int = 0, dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM
+
+    spec = get_model(model_id)
+    config = hf_config_for(spec)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    return model.to(DTYPES[dtype]).eval(), ByteTokenizer(spec.vocab)
+
+
+def save_tiny_checkpoint(model_id: str, path: str | Path, seed: int = 0) -> Path:
+    """Write a tiny model as a real checkpoint directory (safetensors + config)."""
+    model, _ = build_tiny_model(model_id, seed)
+    path = Path(path)
+    model.save_pretrained(path)
+    return path
+
+
+def load_model(model_id: str, seed: int = 0, dtype: str = "float32", device: str = "cpu"):
+    """Returns (model, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model_id)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model_id: {path} has no config.json")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+        tokenizer: Optional[object] = None
+        if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+            tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(path))
+        else:
+            tokenizer = ByteTokenizer(model.config.vocab_size)
+    else:
+        model, tokenizer = build_tiny_model(model_id, seed, dtype)
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError(f"device: '{device}' requested but CUDA is not available")
+    return model.to(device), tokenizer

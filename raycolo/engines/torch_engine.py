@@ -1,0 +1,209 @@
+"""The embedded engine: transformers models with iteration-level continuous batching.
+
+Scheduling is :class:`raycolo.sim.scheduler.FcfsBlockScheduler`, the same code the
+reference simulator runs: FCFS admission under a KV budget in blocks, prefill-first
+iterations, preemption by recompute. Each request keeps its own KV tensors; a decode
+iteration left-pads them into one batch (attention mask and explicit positions keep the
+arithmetic identical to running the request alone) and appends each new key/value.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from raycolo.engines.base import (Engine, EngineConfig, EngineStats, IterationRecord, MemoryUsage,
+                                  RequestOutput, SamplingParams)
+from raycolo.engines.models import load_model
+from raycolo.errors import ConfigError
+from raycolo.sim.scheduler import FcfsBlockScheduler
+from raycolo.sim.types import SchedulerLimits, ceil_div
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival_s: float
+    generator: Optional[torch.Generator]
+    generated: list[int] = field(default_factory=list)
+    kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # per layer (1, heads, T, d)
+    first_token_s: float = math.nan
+    preemptions: int = 0
+
+
+class TorchEngine(Engine):
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        kw = config.engine_kwargs
+        if kw.tensor_parallel_size != 1:
+            raise ConfigError("engine_kwargs.tensor_parallel_size: the torch engine runs tp=1; "
+                              "use the vllm backend for tensor parallelism")
+        if kw.cpu_threads:
+            torch.set_num_threads(kw.cpu_threads)
+        started = time.perf_counter()
+        load = config.model_loading_config
+        self.model, self.tokenizer = load_model(load.model_id, load.seed, load.dtype, kw.device)
+        self.device = torch.device(kw.device)
+        self.stats = EngineStats(load_seconds=time.perf_counter() - started)
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self.eos_id = self.tokenizer.eos_token_id
+        self.limits = SchedulerLimits(num_blocks=kw.kv_cache_tokens // kw.block_size,
+                                      max_num_seqs=kw.max_num_seqs,
+                                      max_num_batched_tokens=kw.max_num_batched_tokens,
+                                      block_size=kw.block_size, watermark=kw.watermark)
+        self.scheduler = FcfsBlockScheduler(self.limits)
+        self.requests: dict[int, _Request] = {}
+        self._next_handle = 0
+        self._seed = load.seed
+
+    # -- requests ------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    params: Optional[SamplingParams] = None) -> None:
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ConfigError(f"request {request_id}: empty prompt")
+        if len(ids) + params.max_tokens > self.max_positions:
+            raise ConfigError(f"request {request_id}: prompt ({len(ids)}) + max_tokens "
+                              f"({params.max_tokens}) exceeds the model's {self.max_positions} positions")
+        need = ceil_div(len(ids) + params.max_tokens, self.limits.block_size)
+        if need + self.limits.watermark_blocks > self.limits.num_blocks:
+            raise ConfigError(f"request {request_id}: needs {need} KV blocks, the engine has "
+                              f"{self.limits.num_blocks} (raise engine_kwargs.kv_cache_tokens)")
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(params.seed if params.seed is not None
+                                  else self._seed * 1_000_003 + self._next_handle)
+        handle = self._next_handle
+        self._next_handle += 1
+        self.requests[handle] = _Request(request_id, ids, params, time.perf_counter(), generator)
+        self.scheduler.add(handle, len(ids))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one iteration ------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        decision = self.scheduler.schedule()
+        if decision.kind == "idle":
+            return []
+        started = time.perf_counter()
+        for handle in decision.preempted:
+            req = self.requests[handle]
+            req.kv = None
+            req.preemptions += 1
+        if decision.kind == "prefill":
+            contexts = [len(self.requests[h].prompt) + len(self.requests[h].generated)
+                        for h in decision.seqs]
+            tokens = [self._prefill(self.requests[h]) for h in decision.seqs]
+        else:
+            contexts = [self.scheduler.stored[h] + 1 for h in decision.seqs]
+            tokens = self._decode([self.requests[h] for h in decision.seqs]) if decision.seqs else []
+        now = time.perf_counter()
+        finished = []
+        if decision.kind == "decode":
+            self.scheduler.decoded(decision.seqs)
+        for handle, token in zip(decision.seqs, tokens):
+            req = self.requests[handle]
+            req.generated.append(token)
+            if math.isnan(req.first_token_s):
+                req.first_token_s = now
+            reason = self._finish_reason(req, token)
+            if reason:
+                self.scheduler.finished(handle)
+                finished.append(self._output(self.requests.pop(handle), reason, now))
+            elif decision.kind == "prefill":
+                self.scheduler.prefilled(handle)
+        self.stats.iterations.append(IterationRecord(
+            kind=decision.kind, num_seqs=len(decision.seqs), new_tokens=len(tokens),
+            context_lens=contexts, seconds=now - started, preempted=len(decision.preempted)))
+        return finished
+
+    def _finish_reason(self, req: _Request, token: int) -> Optional[str]:
+        if token == self.eos_id and not req.params.ignore_eos:
+            return "stop"
+        if len(req.generated) >= req.params.max_tokens:
+            return "length"
+        return None
+
+    def _output(self, req: _Request, reason: str, now: float) -> RequestOutput:
+        return RequestOutput(req.request_id, req.prompt, list(req.generated),
+                             self.tokenizer.decode(req.generated), reason, req.arrival_s,
+                             req.first_token_s, now, req.preemptions)
+
+    def _prefill(self, req: _Request) -> int:
+        """Compute the prompt (plus tokens generated before a preemption) from scratch."""
+        from transformers import DynamicCache
+
+        ids = torch.tensor([req.prompt + req.generated], device=self.device)
+        out = self.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+        req.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return self._sample(out.logits[:, -1, :], [req])[0]
+
+    def _decode(self, reqs: list[_Request]) -> list[int]:
+        from transformers import DynamicCache
+
+        lengths = [r.kv[0][0].shape[2] for r in reqs]
+        longest = max(lengths)
+        n = len(reqs)
+        layers = []
+        for layer in range(len(reqs[0].kv)):
+            k0, v0 = reqs[0].kv[layer]
+            keys = k0.new_zeros((n, k0.shape[1], longest, k0.shape[3]))
+            values = v0.new_zeros((n, v0.shape[1], longest, v0.shape[3]))
+            for i, r in enumerate(reqs):
+                k, v = r.kv[layer]
+                keys[i, :, longest - lengths[i]:] = k[0]
+                values[i, :, longest - lengths[i]:] = v[0]
+            layers.append((keys, values))
+        mask = torch.zeros((n, longest + 1), dtype=torch.long, device=self.device)
+        for i, length in enumerate(lengths):
+            mask[i, longest - length:] = 1
+        positions = torch.tensor([[length] for length in lengths], device=self.device)
+        last = torch.tensor([[r.generated[-1]] for r in reqs], device=self.device)
+        out = self.model(input_ids=last, attention_mask=mask, position_ids=positions,
+                         past_key_values=DynamicCache(layers), use_cache=True)
+        for layer, cache_layer in enumerate(out.past_key_values.layers):
+            new_k, new_v = cache_layer.keys[:, :, -1:], cache_layer.values[:, :, -1:]
+            for i, r in enumerate(reqs):
+                k, v = r.kv[layer]
+                r.kv[layer] = (torch.cat([k, new_k[i:i + 1]], dim=2),
+                               torch.cat([v, new_v[i:i + 1]], dim=2))
+        return self._sample(out.logits[:, -1, :], reqs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> list[int]:
+        out = []
+        for row, req in zip(logits.float(), reqs):
+            p = req.params
+            if p.temperature == 0:
+                out.append(int(torch.argmax(row)))
+                continue
+            probs = torch.softmax(row / p.temperature, dim=-1).cpu()
+            if p.top_p < 1.0:
+                sorted_probs, order = torch.sort(probs, descending=True)
+                keep = torch.cumsum(sorted_probs, 0) - sorted_probs < p.top_p
+                filtered = torch.zeros_like(probs)
+                filtered[order[keep]] = sorted_probs[keep]
+                probs = filtered / filtered.sum()
+            out.append(int(torch.multinomial(probs, 1, generator=req.generator)))
+        return out
+
+    # -- resources -----------------------------------------------------------------
+    def memory(self) -> MemoryUsage:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        kv = sum(t.numel() * t.element_size() for r in self.requests.values() if r.kv
+                 for pair in r.kv for t in pair)
+        return MemoryUsage(self.scheduler.blocks_used, self.limits.num_blocks, weights, kv)
+
+    def release(self) -> None:
+        self.requests.clear()
+        del self.model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,111 @@
+"""The FCFS continuous-batching scheduler, shared by the reference simulator and the
+torch engine, so the simulator predicts the policy the engine really runs.
+
+It only decides and keeps the KV-block books (docs/simulator.md); the caller executes
+each decision and reports back with :meth:`prefilled`, :meth:`decoded` and
+:meth:`finished`. Requests are integer handles.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Literal
+
+from raycolo.sim.types import SchedulerLimits, ceil_div
+
+
+@dataclass
+class Decision:
+    kind: Literal["prefill", "decode", "idle"]
+    seqs: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+
+
+class FcfsBlockScheduler:
+    def __init__(self, limits: SchedulerLimits):
+        self.limits = limits
+        self.free = limits.num_blocks
+        self.waiting: deque[int] = deque()
+        self.running: list[int] = []        # admission order
+        self.prompt_len: dict[int, int] = {}  # tokens a (re-)admission prefills
+        self.stored: dict[int, int] = {}    # KV tokens held by running requests
+        self.blocks: dict[int, int] = {}
+
+    def add(self, req: int, prompt_len: int) -> None:
+        self.prompt_len[req] = prompt_len
+        self.waiting.append(req)
+
+    def add_running(self, req: int, stored: int) -> None:
+        """A request that already holds ``stored`` tokens of KV (continued from before)."""
+        self.running.append(req)
+        self.stored[req] = stored
+        self.blocks[req] = ceil_div(stored, self.limits.block_size)
+        self.free -= self.blocks[req]
+
+    def add_front(self, reqs: Iterable[int], prompt_lens: Iterable[int]) -> None:
+        for req, p in zip(reqs, prompt_lens):
+            self.prompt_len[req] = p
+        self.waiting.extendleft(reversed(list(reqs)))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Decision:
+        lim = self.limits
+        batch, tokens, free_after = [], 0, self.free
+        for req in self.waiting:
+            if len(self.running) + len(batch) >= lim.max_num_seqs:
+                break
+            p = self.prompt_len[req]
+            if batch and tokens + p > lim.max_num_batched_tokens:
+                break
+            need = ceil_div(p, lim.block_size)
+            if free_after - need < lim.watermark_blocks:
+                break
+            batch.append(req)
+            tokens += p
+            free_after -= need
+        if batch:
+            for _ in batch:
+                self.waiting.popleft()
+            return Decision("prefill", batch)
+        if not self.running:
+            return Decision("idle")
+        bs = lim.block_size
+        need = sum(1 for r in self.running if self.stored[r] % bs == 0)
+        preempted = []
+        while need > self.free:
+            victim = self.running.pop()
+            self.free += self.blocks.pop(victim)
+            if self.stored[victim] % bs == 0:
+                need -= 1
+            self.prompt_len[victim] = self.stored.pop(victim) + 1  # prompt + generated so far
+            self.waiting.appendleft(victim)
+            preempted.append(victim)
+        return Decision("decode", list(self.running), preempted)
+
+    def prefilled(self, req: int) -> None:
+        """``req`` was prefilled and stays running (it did not finish on its first token)."""
+        self.running.append(req)
+        self.stored[req] = self.prompt_len[req]
+        self.blocks[req] = ceil_div(self.stored[req], self.limits.block_size)
+        self.free -= self.blocks[req]
+
+    def decoded(self, seqs: Iterable[int]) -> None:
+        bs = self.limits.block_size
+        for req in seqs:
+            if self.stored[req] % bs == 0:
+                self.blocks[req] += 1
+                self.free -= 1
+            self.stored[req] += 1
+
+    def finished(self, req: int) -> None:
+        if req in self.stored:
+            self.running.remove(req)
+            self.free += self.blocks.pop(req)
+            del self.stored[req]
+        self.prompt_len.pop(req, None)
+
+    @property
+    def blocks_used(self) -> int:
+        return self.limits.num_blocks - self.free
