@@ -46,6 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem_flags(compare)
     compare.add_argument("--policies", default=None,
                          help="comma-separated subset (default: all that apply)")
+    profile = sub.add_parser("profile", help="measure a model on the torch engine and fit the cost model")
+    profile.add_argument("--model", required=True, help="tiny catalog model or checkpoint directory")
+    profile.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torch engine: 1)")
+    profile.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    profile.add_argument("--out", default="profiles", metavar="DIR", help="output directory")
+    profile.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
+    profile.add_argument("--seed", type=int, default=0)
+    profile.add_argument("--quick", action="store_true", help="a smaller sweep (~30 s)")
+    profile.add_argument("--json", action="store_true", help="print the fit statistics as JSON")
+    validate = sub.add_parser("validate", help="compare predicted and measured run times")
+    validate.add_argument("--profile", default="cpu", metavar="DIR",
+                          help="profile directory, or 'cpu' for the shipped tiny-model profiles")
+    validate.add_argument("--models", default=None, help="comma-separated tiny models")
+    validate.add_argument("--requests", type=int, default=48, help="requests per case (default 48)")
+    validate.add_argument("--threads", type=int, default=1)
+    validate.add_argument("--seed", type=int, default=4242)
+    validate.add_argument("--json", action="store_true")
     return parser
 
 
@@ -55,14 +72,26 @@ def _problem(args):
     from raycolo.planner.problem import PlanningProblem
     from raycolo.workload import build_workload
 
-    if args.profile is not None:
-        from pathlib import Path
-        if not Path(args.profile).is_dir():
-            raise RaycoloError(f"--profile: '{args.profile}' is not a directory")
+    profile_dir = resolve_profile_dir(args.profile) if args.profile is not None else None
     cluster = make_cluster(args.gpus, args.gpu_memory, args.nvlink_group)
     app = load_app(args.dag)
-    workload = build_workload(app, seed=args.seed, requests=args.requests)
-    return PlanningProblem(workload, cluster, profile_dir=args.profile)
+    workload = build_workload(app, seed=args.seed, requests=args.requests,
+                              ecdf_dir=profile_dir / "ecdf" if profile_dir else None)
+    return PlanningProblem(workload, cluster, profile_dir=profile_dir)
+
+
+def resolve_profile_dir(name: str):
+    """A profile directory, or the name of one shipped in raycolo/data/profiles."""
+    from importlib import resources
+    from pathlib import Path
+
+    path = Path(name)
+    if path.is_dir():
+        return path
+    shipped = Path(str(resources.files("raycolo").joinpath("data", "profiles", name)))
+    if shipped.is_dir():
+        return shipped
+    raise RaycoloError(f"--profile: '{name}' is neither a directory nor a shipped profile")
 
 
 def _stage_table(plan) -> str:
@@ -155,12 +184,74 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from raycolo.catalog import get_model
+    from raycolo.profiler import SweepSettings, profile_model
+
+    from pathlib import Path
+
+    from raycolo.errors import ConfigError
+    if not Path(args.model).is_dir():
+        try:
+            spec = get_model(args.model)
+        except ConfigError as exc:
+            raise RaycoloError(f"--model: {exc}") from None
+        from raycolo.engines.models import MAX_RANDOM_PARAMS
+        if spec.hf_architecture is None or spec.num_params > MAX_RANDOM_PARAMS:
+            raise RaycoloError(f"--model: '{args.model}' has no checkpoint here; give a tiny "
+                               "catalog model or a checkpoint directory")
+    if args.tp != 1:
+        raise RaycoloError("--tp: the torch engine profiles tp=1; profile larger TP with the vllm backend")
+    if args.threads <= 0:
+        raise RaycoloError(f"--threads: must be positive, got {args.threads}")
+    settings = SweepSettings.quick() if args.quick else SweepSettings()
+    progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
+    profile, stats = profile_model(args.model, args.out, tp=args.tp, device=args.device,
+                                   threads=args.threads, seed=args.seed, settings=settings,
+                                   progress=progress)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        print(f"{args.model}: {stats['iterations']} iterations, fit R2 {stats['r2']:.3f}, "
+              f"median |error| {stats['median_abs_error']:.1%}, load {stats['load_s']:.2f}s, "
+              f"output length mean {stats['ecdf_mean']:.0f} (max {stats['ecdf_max']})")
+        print(f"profile: {Path(args.out) / f'{args.model}.tp{args.tp}.json'}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from raycolo.calibration import TINY_MODELS, format_report, validate
+
+    profile_dir = resolve_profile_dir(args.profile)
+    models = [m.strip() for m in args.models.split(",")] if args.models else list(TINY_MODELS)
+    from raycolo.catalog import get_model
+    from raycolo.engines.models import MAX_RANDOM_PARAMS
+    for m in models:
+        try:
+            spec = get_model(m)
+        except Exception as exc:
+            raise RaycoloError(f"--models: {exc}") from None
+        if spec.hf_architecture is None or spec.num_params > MAX_RANDOM_PARAMS:
+            raise RaycoloError(f"--models: '{m}' is not a tiny model the torch engine can build")
+        if not (profile_dir / f"{m}.tp1.json").exists():
+            raise RaycoloError(f"--profile: {profile_dir} has no profile for {m} "
+                               f"(run: raycolo profile --model {m} --out {profile_dir})")
+    if args.requests <= 0:
+        raise RaycoloError(f"--requests: must be positive, got {args.requests}")
+    progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
+    report = validate(profile_dir, models, args.requests, args.seed, args.threads, progress)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+COMMANDS = {"plan": cmd_plan, "compare": cmd_compare, "profile": cmd_profile,
+            "validate": cmd_validate}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "plan":
-            return cmd_plan(args)
-        return cmd_compare(args)
+        return COMMANDS[args.command](args)
     except RaycoloError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -253,7 +253,7 @@ def _streams_for(app: AppSpec, node: NodeSpec, sources: dict[str, SourceItems],
 
 
 def _build_node(app: AppSpec, node: NodeSpec, sources: dict[str, SourceItems],
-                built: dict[str, NodeWorkload], seed: int) -> NodeWorkload:
+                built: dict[str, NodeWorkload], seed: int, ecdf_dir=None) -> NodeWorkload:
     model = get_model(node.model)
     fixed = template_tokens(node.prompt)
     streams = _streams_for(app, node, sources, built)
@@ -290,7 +290,7 @@ def _build_node(app: AppSpec, node: NodeSpec, sources: dict[str, SourceItems],
                 dep_lists.append((s.upstream, np.arange(offset, offset + len(k)), s.upstream_index[k]))
             offset += len(k)
 
-    sampler = OutputLengthSampler(model)
+    sampler = OutputLengthSampler(model, ecdf_dir)
     rng = seeded_rng(seed, "output", node.name)
     room = model.context_length - 1
     if app.has_self_loop(node.name):
@@ -339,8 +339,10 @@ def _build_chain(node, model, sampler, rng, items, tokens, chunks, chunk_tokens,
                         items[owner], successor, position == 0, last, deps)
 
 
-def build_workload(app: AppSpec, seed: int = 0, requests: Optional[int] = None) -> Workload:
-    """Sample a concrete workload. ``requests`` overrides every source's count."""
+def build_workload(app: AppSpec, seed: int = 0, requests: Optional[int] = None,
+                   ecdf_dir: Optional[str | Path] = None) -> Workload:
+    """Sample a concrete workload. ``requests`` overrides every source's count; eCDFs
+    are read from ``ecdf_dir`` where it has one for a model (measured profiles)."""
     if requests is not None and requests <= 0:
         raise ConfigError(f"--requests: must be positive, got {requests}")
     sources, first = {}, 0
@@ -349,7 +351,7 @@ def build_workload(app: AppSpec, seed: int = 0, requests: Optional[int] = None) 
         first += len(sources[name].input_tokens)
     built: dict[str, NodeWorkload] = {}
     for name in app.topological_order():
-        built[name] = _build_node(app, app.node(name), sources, built, seed)
+        built[name] = _build_node(app, app.node(name), sources, built, seed, ecdf_dir)
         if len(built[name]) == 0:
             raise ConfigError(f"nodes[{name}]: receives no requests")
     return Workload(app, seed, sources, built)

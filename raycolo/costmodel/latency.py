@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -54,6 +55,13 @@ class LatencyProfile(BaseModel):
     sample_intercept_s: float
     sample_s_per_seq: float
     load_s: float = Field(ge=0)
+    # Optional separate prefill coefficients (same meaning, prefill iterations only). Left
+    # empty, prefill shares the decode ones as in the paper; fitted profiles of small models
+    # on CPUs need them, because there a prompt token costs far more than an attended one.
+    prefill_intercept_s: Optional[list[float]] = None
+    prefill_s_per_tflop: Optional[list[float]] = None
+    prefill_s_per_token: Optional[float] = None
+    prefill_s_per_seq: Optional[float] = None
 
     @model_validator(mode="after")
     def _check_lengths(self) -> "LatencyProfile":
@@ -62,6 +70,10 @@ class LatencyProfile(BaseModel):
             raise ValueError("buckets must be a non-empty increasing list")
         if len(self.compute_intercept_s) != n or len(self.compute_s_per_tflop) != n:
             raise ValueError("compute_* lists need one value per bucket")
+        for name in ("prefill_intercept_s", "prefill_s_per_tflop"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"{name} needs one value per bucket")
         return self
 
     def bucket_of(self, n: np.ndarray) -> np.ndarray:
@@ -126,7 +138,6 @@ class IterationLatency:
         a = np.asarray(profile.compute_intercept_s)[b]
         c = np.asarray(profile.compute_s_per_tflop)[b] / 1e12  # seconds per FLOP
         fixed = profile.prepare_intercept_s + profile.sample_intercept_s
-        self._c = c.tolist()
         # Decode: seconds = alpha[n] + beta[n] * C.
         self.alpha = (a + fixed + c * self.weight_flops_per_token * n
                       + profile.sample_s_per_seq * n).tolist()
@@ -134,9 +145,13 @@ class IterationLatency:
         self.flops_n = (self.weight_flops_per_token * n).tolist()
         self.flops_c = self.decode_attn_flops_per_token
         # Prefill of m sequences: prefill_base[m] + prefill_c[m] * FLOPs + per_token * tokens.
-        self.prefill_base = (a + fixed + profile.sample_s_per_seq * n).tolist()
-        self.prefill_c = self._c
-        self.prefill_per_token = profile.prepare_s_per_token
+        pa = a if profile.prefill_intercept_s is None else np.asarray(profile.prefill_intercept_s)[b]
+        pc = c if profile.prefill_s_per_tflop is None else np.asarray(profile.prefill_s_per_tflop)[b] / 1e12
+        per_seq = profile.sample_s_per_seq if profile.prefill_s_per_seq is None else profile.prefill_s_per_seq
+        self.prefill_base = (pa + fixed + per_seq * n).tolist()
+        self.prefill_c = pc.tolist()
+        self.prefill_per_token = (profile.prepare_s_per_token if profile.prefill_s_per_token is None
+                                  else profile.prefill_s_per_token)
 
     def prefill_flops(self, tokens: int, sum_sq: int) -> float:
         return self.weight_flops_per_token * tokens + self.prefill_attn_flops_per_sq * sum_sq

@@ -74,3 +74,18 @@ class OutputLengthSampler:
     def mean(self) -> float:
         pmf = np.diff(np.concatenate([[0.0], self.cdf]))
         return float(np.dot(pmf, self.lengths))
+
+
+def write_ecdf(path: str | Path, lengths, comment: str) -> Path:
+    """Write measured output lengths as an eCDF file (the format :func:`load_ecdf` reads)."""
+    values, counts = np.unique(np.asarray(lengths, dtype=np.int64), return_counts=True)
+    if len(values) == 0 or values[0] < 1:
+        raise ValueError("output lengths must be positive and non-empty")
+    cdf = np.cumsum(counts) / counts.sum()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {line}" for line in comment.splitlines()] + ["output_tokens,cdf"]
+    lines += [f"{v},{c:.6f}" for v, c in zip(values[:-1], cdf[:-1])] + [f"{values[-1]},1.0"]
+    path.write_text("\n".join(lines) + "\n")
+    load_ecdf.cache_clear()
+    return path

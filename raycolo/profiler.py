@@ -1,0 +1,131 @@
+"""``raycolo profile``: measure a model on an engine and write the cost model's files.
+
+1. Load time: median of timed engine loads from a checkpoint directory.
+2. Sweep: batches of 1..64 requests at several context lengths, plus a mixed run of
+   random lengths, recording every iteration (kind, sequences, tokens, seconds).
+3. Fit SamuLLM's per-iteration coefficients (:mod:`raycolo.costmodel.fit`).
+4. Output lengths: run a request set with sampling and write the measured eCDF.
+
+Files (docs/profiles.md): ``DIR/<model>.tp<T>.json`` (LatencyProfile, what
+``raycolo plan --profile DIR`` reads), ``DIR/ecdf/<model>.csv`` and
+``DIR/<model>.tp<T>.fit.json`` (fit statistics and the sweep's settings).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from raycolo.catalog import get_model
+from raycolo.costmodel.fit import fit_profile, samples_from_records
+from raycolo.costmodel.latency import IterationLatency, LatencyProfile
+from raycolo.costmodel.sampler import seeded_rng, write_ecdf
+from raycolo.engines.base import EngineConfig, SamplingParams, create_engine
+from raycolo.engines.models import save_tiny_checkpoint
+
+ECDF_MAX_TOKENS = 256
+ECDF_TEMPERATURE = 1.0
+
+
+@dataclass
+class SweepSettings:
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    context_lens: tuple[int, ...] = (16, 128, 384)
+    decode_steps: int = 12
+    mixed_requests: int = 64
+    ecdf_requests: int = 200
+    load_repeats: int = 3
+
+    @classmethod
+    def quick(cls) -> "SweepSettings":
+        return cls(batch_sizes=(1, 4, 16), context_lens=(16, 128), decode_steps=6,
+                   mixed_requests=16, ecdf_requests=40, load_repeats=1)
+
+
+def engine_config(model_id: str, device: str = "cpu", threads: Optional[int] = 1, seed: int = 0,
+                  max_num_seqs: int = 64, kv_cache_tokens: int = 1 << 17) -> EngineConfig:
+    return EngineConfig.model_validate({
+        "backend": "torch",
+        "model_loading_config": {"model_id": model_id, "seed": seed},
+        "engine_kwargs": {"max_num_seqs": max_num_seqs, "kv_cache_tokens": kv_cache_tokens,
+                          "device": device, "cpu_threads": threads}})
+
+
+def random_prompts(rng: np.random.Generator, count: int, lengths, vocab: int) -> list[list[int]]:
+    lengths = np.broadcast_to(np.asarray(lengths), (count,))
+    return [rng.integers(3, vocab, int(n)).tolist() for n in lengths]
+
+
+def _measure_load(model_id: str, device: str, threads: Optional[int], seed: int, repeats: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        source = model_id
+        if not Path(model_id).is_dir():
+            source = str(save_tiny_checkpoint(model_id, Path(tmp) / "ckpt", seed))
+        create_engine(engine_config(source, device, threads, seed)).release()  # warm imports
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            create_engine(engine_config(source, device, threads, seed)).release()
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str = "cpu",
+                  threads: Optional[int] = 1, seed: int = 0, settings: Optional[SweepSettings] = None,
+                  progress: Optional[Callable[[str], None]] = None) -> tuple[LatencyProfile, dict]:
+    settings = settings or SweepSettings()
+    say = progress or (lambda msg: None)
+    spec = get_model(model_id)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    say(f"{model_id}: timing loads")
+    load_s = _measure_load(model_id, device, threads, seed, settings.load_repeats)
+
+    engine = create_engine(engine_config(model_id, device, threads, seed))
+    rng = seeded_rng(seed, "profile", model_id)
+    vocab = spec.vocab
+    greedy = SamplingParams(max_tokens=settings.decode_steps, ignore_eos=True)
+    engine.generate(random_prompts(rng, 2, 8, vocab), greedy)  # warm-up, not recorded
+    engine.stats.iterations.clear()
+    for length in settings.context_lens:
+        for batch in settings.batch_sizes:
+            say(f"{model_id}: sweep batch {batch} x context {length}")
+            engine.generate(random_prompts(rng, batch, length, vocab), greedy)
+    say(f"{model_id}: mixed run")
+    mixed_lens = rng.integers(8, 256, settings.mixed_requests)
+    mixed_params = [SamplingParams(max_tokens=int(m), ignore_eos=True)
+                    for m in rng.integers(1, 128, settings.mixed_requests)]
+    engine.generate(random_prompts(rng, settings.mixed_requests, mixed_lens, vocab), mixed_params)
+    records = list(engine.stats.iterations)
+
+    from raycolo.costmodel.latency import default_profile
+    from raycolo.hardware import ClusterSpec
+    flops_model = IterationLatency(spec, default_profile(spec, ClusterSpec(), tp))
+    profile, stats = fit_profile(samples_from_records(records, flops_model), model_id, tp, load_s)
+    profile.save(out / f"{model_id}.tp{tp}.json")
+
+    say(f"{model_id}: output lengths of {settings.ecdf_requests} sampled requests")
+    engine.stats.iterations.clear()
+    prompts = random_prompts(rng, settings.ecdf_requests, rng.integers(8, 128, settings.ecdf_requests), vocab)
+    params = [SamplingParams(max_tokens=ECDF_MAX_TOKENS, temperature=ECDF_TEMPERATURE, seed=seed * 7919 + i)
+              for i in range(len(prompts))]
+    lengths = [o.output_len for o in engine.generate(prompts, params)]
+    engine.release()
+    write_ecdf(out / "ecdf" / f"{model_id}.csv", lengths,
+               f"MEASURED output lengths of {model_id} ({len(lengths)} requests, torch engine, "
+               f"temperature {ECDF_TEMPERATURE}, max_tokens {ECDF_MAX_TOKENS}, seed {seed}).\n"
+               "Written by raycolo profile.")
+    stats.update(model=model_id, tp=tp, device=device, threads=threads, seed=seed,
+                 load_s=load_s, iterations=len(records),
+                 ecdf_mean=float(np.mean(lengths)), ecdf_max=int(np.max(lengths)),
+                 sweep={"batch_sizes": list(settings.batch_sizes),
+                        "context_lens": list(settings.context_lens),
+                        "decode_steps": settings.decode_steps})
+    (out / f"{model_id}.tp{tp}.fit.json").write_text(json.dumps(stats, indent=2))
+    return profile, stats
