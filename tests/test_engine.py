@@ -7,8 +7,10 @@ the reference's up to rounding far below any argmax margin.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+import signal
 
 import pytest
 import torch
@@ -26,6 +28,25 @@ SEED = 0
 def make_engine(model_id: str = MODEL, dtype: str = "float64", seed: int = SEED, **engine_kwargs):
     return create_engine({"model_loading_config": {"model_id": model_id, "seed": seed, "dtype": dtype},
                           "engine_kwargs": engine_kwargs})
+
+
+@contextlib.contextmanager
+def deadline(seconds: int = 120):
+    """Turn an engine that never finishes (e.g. a scheduler stuck idle) into a failure."""
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"the engine did not finish within {seconds} s (stuck scheduler?)")
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def generate(engine, prompts, params):
+    with deadline():
+        return engine.generate(prompts, params)
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -70,7 +91,7 @@ def ref64():
 def greedy64(e64):
     """Greedy outputs of PROMPTS, run together in the float64 engine."""
     start = len(e64.stats.iterations)
-    outs = e64.generate(PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
+    outs = generate(e64, PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
     return outs, e64.stats.iterations[start:]
 
 
@@ -93,7 +114,7 @@ def test_greedy_float32_first_tokens_match_transformers():
     engine = make_engine(dtype="float32", max_num_seqs=8)
     model, _ = build_tiny_model(MODEL, SEED, "float32")
     n = 8
-    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=n, ignore_eos=True))
+    outs = generate(engine, PROMPTS, SamplingParams(max_tokens=n, ignore_eos=True))
     assert any(r.kind == "decode" and r.num_seqs == len(PROMPTS) for r in engine.stats.iterations)
     for prompt, out in zip(PROMPTS, outs):
         ref = hf_greedy(model, prompt, n)
@@ -108,11 +129,11 @@ def test_preemption_recompute_gives_same_tokens_as_large_kv_budget(e64):
     prompts = [[BOS_ID] + [rng.randrange(BYTE_OFFSET, BYTE_OFFSET + 256) for _ in range(rng.randrange(3, 9))]
                for _ in range(5)]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    big = e64.generate(prompts, params)
+    big = generate(e64, prompts, params)
     # 10 blocks of 4 tokens: every request fits alone (<= 25 tokens, 7 blocks) but five
     # growing together do not, so running requests are preempted and recomputed.
     small = make_engine(dtype="float64", block_size=4, kv_cache_tokens=40)
-    outs = small.generate(prompts, params)
+    outs = generate(small, prompts, params)
     preempted = sum(r.preempted for r in small.stats.iterations)
     assert preempted > 0
     assert sum(o.preemptions for o in outs) == preempted
@@ -140,7 +161,7 @@ def many():
         length = rng.randrange(1, 40) if i != 5 else 70  # one prompt alone exceeds the token budget
         prompts.append([BOS_ID] + [rng.randrange(BYTE_OFFSET, BYTE_OFFSET + 256) for _ in range(length)])
         params.append(SamplingParams(max_tokens=rng.randrange(1, 13), ignore_eos=True))
-    outs = engine.generate(prompts, params)
+    outs = generate(engine, prompts, params)
     yield engine, prompts, params, outs
     engine.release()
 
@@ -189,7 +210,7 @@ def test_iteration_records_are_consistent(many):
 def test_decode_context_lens_count_prompt_and_generated(e64):
     start = len(e64.stats.iterations)
     prompt = TOK.encode("abc")
-    e64.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))
+    generate(e64, [prompt], SamplingParams(max_tokens=5, ignore_eos=True))
     its = e64.stats.iterations[start:]
     assert [r.kind for r in its] == ["prefill"] + ["decode"] * 4
     # Decode step k attends the prompt plus the k tokens generated so far (the newest included).
@@ -222,8 +243,8 @@ def test_eos_stops_a_request_and_is_its_last_token(eos_engine):
     prompts = [EOS_PROMPT] + [[BOS_ID] + [rng.randrange(BYTE_OFFSET, BYTE_OFFSET + 256)
                                           for _ in range(rng.randrange(1, 12))] for _ in range(7)]
     n = 16
-    free = eos_engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
-    stop = eos_engine.generate(prompts, SamplingParams(max_tokens=n))
+    free = generate(eos_engine, prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    stop = generate(eos_engine, prompts, SamplingParams(max_tokens=n))
     # The prompt whose first greedy token is EOS finishes on its prefill.
     assert stop[0].token_ids == [EOS_ID]
     assert stop[0].finish_reason == "stop"
@@ -253,9 +274,9 @@ def test_sampling_seeded_reproducible_across_engines_and_seeds_differ(e64):
     prompts = PROMPTS[:2]
     p1 = SamplingParams(max_tokens=16, temperature=1.0, seed=1, ignore_eos=True)
     p2 = SamplingParams(max_tokens=16, temperature=1.0, seed=2, ignore_eos=True)
-    a = e64.generate(prompts, p1)
-    b = other.generate(prompts, p1)
-    c = other.generate(prompts, p2)
+    a = generate(e64, prompts, p1)
+    b = generate(other, prompts, p1)
+    c = generate(other, prompts, p2)
     for x, y, z in zip(a, b, c):
         assert x.output_len == 16
         assert x.token_ids == y.token_ids
@@ -265,10 +286,10 @@ def test_sampling_seeded_reproducible_across_engines_and_seeds_differ(e64):
 
 def test_sampling_is_not_greedy_and_tiny_top_p_is_greedy(e64, greedy64):
     greedy_outs, _ = greedy64
-    hot = e64.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=1.0, seed=5, ignore_eos=True)
+    hot = generate(e64, PROMPTS, [SamplingParams(max_tokens=n, temperature=1.0, seed=5, ignore_eos=True)
                                  for n in MAX_TOKENS])
     assert any(h.token_ids != g.token_ids for h, g in zip(hot, greedy_outs))
-    nucleus = e64.generate(PROMPTS, [SamplingParams(max_tokens=n, temperature=1.0, top_p=1e-6, seed=s,
+    nucleus = generate(e64, PROMPTS, [SamplingParams(max_tokens=n, temperature=1.0, top_p=1e-6, seed=s,
                                                     ignore_eos=True)
                                      for s, n in enumerate(MAX_TOKENS)])
     for g, t in zip(greedy_outs, nucleus):
@@ -281,10 +302,10 @@ def test_checkpoint_directory_gives_same_greedy_tokens_as_catalog_model(tmp_path
     save_tiny_checkpoint(MODEL, tmp_path, seed=SEED)
     assert (tmp_path / "config.json").exists()
     engine = make_engine(model_id=str(tmp_path), dtype="float64")
-    outs = engine.generate(PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
+    outs = generate(engine, PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
     assert [o.token_ids for o in outs] == [g.token_ids for g in greedy_outs]
     # Text prompts go through the same byte tokenizer.
-    text = engine.generate(["Hi"], SamplingParams(max_tokens=MAX_TOKENS[0], ignore_eos=True))[0]
+    text = generate(engine, ["Hi"], SamplingParams(max_tokens=MAX_TOKENS[0], ignore_eos=True))[0]
     assert text.prompt_token_ids == PROMPTS[0]
     assert text.token_ids == greedy_outs[0].token_ids
     engine.release()
@@ -294,7 +315,7 @@ def test_checkpoint_of_another_seed_differs(tmp_path, greedy64):
     greedy_outs, _ = greedy64
     save_tiny_checkpoint(MODEL, tmp_path, seed=SEED + 1)
     engine = make_engine(model_id=str(tmp_path), dtype="float64")
-    out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS[0], ignore_eos=True))[0]
+    out = generate(engine, [PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS[0], ignore_eos=True))[0]
     assert out.token_ids != greedy_outs[0].token_ids
     engine.release()
 
@@ -323,7 +344,7 @@ def test_request_needing_more_kv_blocks_than_the_engine_has_is_a_config_error():
         engine.add_request("big", prompt, SamplingParams(max_tokens=12, ignore_eos=True))  # 17 tokens
     assert not engine.has_unfinished()
     # 16 tokens fit in 4 blocks and the request runs to completion alone.
-    out = engine.generate([prompt], SamplingParams(max_tokens=11, ignore_eos=True))[0]
+    out = generate(engine, [prompt], SamplingParams(max_tokens=11, ignore_eos=True))[0]
     assert out.output_len == 11
     assert engine.memory().kv_blocks_used == 0
     engine.release()
@@ -388,7 +409,8 @@ def test_memory_tracks_kv_while_running_and_frees_it_after(e64):
     assert mem.kv_bytes == per_token * (21 + 7)
     e64.step()  # one decode
     assert e64.memory().kv_bytes == per_token * (22 + 8)
-    outs = e64.run_until_done()
+    with deadline():
+        outs = e64.run_until_done()
     assert sorted(o.request_id for o in outs) == ["mem-0", "mem-1"]
     mem = e64.memory()
     assert mem.kv_blocks_used == 0 and mem.kv_bytes == 0
@@ -415,7 +437,7 @@ def test_byte_tokenizer_needs_room_for_all_bytes():
 
 def test_text_prompts_equal_their_token_ids(e64):
     text = "héllo ✓"
-    a, b = e64.generate([text, TOK.encode(text)], SamplingParams(max_tokens=6, ignore_eos=True))
+    a, b = generate(e64, [text, TOK.encode(text)], SamplingParams(max_tokens=6, ignore_eos=True))
     assert a.prompt_token_ids == b.prompt_token_ids == TOK.encode(text)
     assert a.token_ids == b.token_ids
     assert a.text == TOK.decode(a.token_ids)

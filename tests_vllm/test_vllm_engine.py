@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.platforms import current_platform  # noqa: E402
+
 from raycolo.engines.base import EngineConfig, SamplingParams, create_engine  # noqa: E402
 from raycolo.engines.models import save_tiny_checkpoint  # noqa: E402
 from raycolo.engines.vllm_engine import VllmEngine  # noqa: E402
@@ -37,7 +39,7 @@ def _config(backend: str, path, **kwargs) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def vllm_engine(checkpoint):
-    engine = create_engine(_config("vllm", checkpoint, max_num_seqs=8))
+    engine = create_engine(_config("vllm", checkpoint, max_num_seqs=8, block_size=32))
     yield engine
     engine.release()
 
@@ -95,10 +97,11 @@ def test_text_prompt_memory_and_sampling(vllm_engine):
     assert a.prompt_token_ids[0] == 1 and len(a.prompt_token_ids) == 6  # BOS + 5 bytes
     assert a.token_ids == b.token_ids and a.output_len == 5
     vllm_engine.add_request("m", list(range(1, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
-    vllm_engine.step()
+    while not vllm_engine.requests["m"].generated:  # the first step may only schedule it
+        vllm_engine.step()
     mem = vllm_engine.memory()
     assert mem.kv_blocks_total > 0 and mem.weight_bytes > 0
-    assert mem.kv_blocks_used == 3 and mem.kv_bytes > 0  # 40 tokens in 16-token blocks
+    assert mem.kv_blocks_used == 2 and mem.kv_bytes > 0  # 40 tokens in 32-token blocks
     vllm_engine.run_until_done()
     assert vllm_engine.memory().kv_blocks_used == 0
 
@@ -114,3 +117,9 @@ def test_config_errors_name_the_field(checkpoint, tmp_path):
         VllmEngine(bad)
     with pytest.raises(ConfigError, match="engine_kwargs.device"):
         VllmEngine(_config("vllm", checkpoint, device="cuda"))
+
+
+@pytest.mark.skipif(current_platform.device_type != "cpu", reason="a limit of vLLM's CPU attention")
+def test_cpu_block_size_must_be_a_multiple_of_32(checkpoint):
+    with pytest.raises(ConfigError, match="engine_kwargs.block_size"):
+        VllmEngine(_config("vllm", checkpoint, block_size=16))

@@ -62,7 +62,8 @@ class VllmEngine(Engine):
     architectures need head_dim >= 32 on the CPU backend (all tiny catalog models have 32).
 
     Mapping of ``engine_kwargs`` to ``vllm.EngineArgs``: ``max_num_seqs``,
-    ``max_num_batched_tokens``, ``block_size`` and ``tensor_parallel_size`` by name;
+    ``max_num_batched_tokens``, ``block_size`` (vLLM's CPU attention needs a multiple of
+    32, so the default 16 is rejected there) and ``tensor_parallel_size`` by name;
     ``kv_cache_tokens``, only when set explicitly, to ``num_gpu_blocks_override``
     (``kv_cache_tokens // block_size`` blocks); ``device`` selects no field (vLLM takes the
     device from its platform) but an explicit value must name that platform
@@ -75,7 +76,10 @@ class VllmEngine(Engine):
     got its first token in the step (vLLM may mix prompt and decode work in one step),
     else ``decode``; ``num_seqs`` counts requests that got a token; ``context_lens`` is
     each one's prompt plus earlier output; ``seconds`` is the wall time of the step.
-    vLLM does not report preemptions per step, so ``preempted`` stays 0.
+    vLLM does not report preemptions per step, so ``preempted`` stays 0. By default vLLM
+    runs its engine core in a separate process and overlaps scheduling with execution;
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs it in this process, so that each step is
+    exactly one synchronous iteration (the cleaner setting for profiling).
     """
 
     def __init__(self, config: EngineConfig):
@@ -109,6 +113,10 @@ class VllmEngine(Engine):
                 raise ConfigError(f"engine_kwargs.device: '{kw.device}' requested but the installed "
                                   f"vllm runs on '{platform}'")
 
+        if platform == "cpu" and kw.block_size % 32:
+            raise ConfigError(f"engine_kwargs.block_size: {kw.block_size}: vLLM's CPU attention needs "
+                              "a multiple of 32")
+
         has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = _load_tokenizer(path, has_tokenizer, self._hf_config)
         self.eos_id = getattr(self.tokenizer, "eos_token_id", None)
@@ -131,6 +139,8 @@ class VllmEngine(Engine):
         except (ValueError, TypeError) as err:
             raise ConfigError(f"engine_kwargs: vllm rejected the engine config: "
                               f"{_one_line(err)}") from err
+        except RuntimeError as err:  # e.g. a worker that failed on an unsupported setting
+            raise ConfigError(f"backend: vllm could not start the engine: {_one_line(err)}") from err
         self.stats = EngineStats(load_seconds=time.perf_counter() - started)
         cache = self._engine.vllm_config.cache_config
         self._num_blocks = int(cache.num_gpu_blocks or 0)
