@@ -30,8 +30,18 @@ def make_engine(model_id: str = MODEL, dtype: str = "float64", seed: int = SEED,
                           "engine_kwargs": engine_kwargs})
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine
+    OpenMP spin-waiting makes them many times slower; restore the setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @contextlib.contextmanager
-def deadline(seconds: int = 120):
+def deadline(seconds: int = 60):
     """Turn an engine that never finishes (e.g. a scheduler stuck idle) into a failure."""
     def on_alarm(signum, frame):
         raise TimeoutError(f"the engine did not finish within {seconds} s (stuck scheduler?)")
@@ -154,7 +164,10 @@ MAX_BATCHED = 48
 
 @pytest.fixture(scope="module")
 def many():
-    engine = make_engine(dtype="float32", max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED)
+    torch.set_num_threads(2)
+    engine = make_engine(dtype="float32", max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED,
+                         cpu_threads=1)
+    assert torch.get_num_threads() == 1  # engine_kwargs.cpu_threads took effect
     rng = random.Random(3)
     prompts, params = [], []
     for i in range(30):
@@ -218,6 +231,9 @@ def test_decode_context_lens_count_prompt_and_generated(e64):
 
 
 # -- 3b. EOS ------------------------------------------------------------------------------
+EOS_PROMPT = TOK.encode("Hi")
+
+
 @pytest.fixture(scope="module")
 def eos_engine(tmp_path_factory):
     """A real checkpoint whose EOS row of lm_head is 1.5x the row of the token that
@@ -233,9 +249,6 @@ def eos_engine(tmp_path_factory):
     engine = make_engine(model_id=str(path), dtype="float64", max_num_seqs=4)
     yield engine
     engine.release()
-
-
-EOS_PROMPT = TOK.encode("Hi")
 
 
 def test_eos_stops_a_request_and_is_its_last_token(eos_engine):
@@ -365,6 +378,16 @@ def test_unknown_model_id_is_a_config_error(model_id):
 def test_directory_without_config_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="config.json"):
         make_engine(model_id=str(tmp_path))
+
+
+def test_cuda_device_without_cuda_is_a_config_error():
+    if torch.cuda.is_available():
+        engine = make_engine(device="cuda")
+        assert next(engine.model.parameters()).is_cuda
+        engine.release()
+    else:
+        with pytest.raises(ConfigError, match="device"):
+            make_engine(device="cuda")
 
 
 def test_tensor_parallel_is_a_config_error_for_torch_backend():

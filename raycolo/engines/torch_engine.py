@@ -93,6 +93,9 @@ class TorchEngine(Engine):
     def step(self) -> list[RequestOutput]:
         decision = self.scheduler.schedule()
         if decision.kind == "idle":
+            if self.requests:  # add_request's checks make this unreachable; never spin
+                raise RuntimeError(f"scheduler idle with {len(self.requests)} requests queued "
+                                   f"({self.scheduler.blocks_used}/{self.limits.num_blocks} KV blocks used)")
             return []
         started = time.perf_counter()
         for handle in decision.preempted:
