@@ -36,6 +36,73 @@ class _Request:
     preemptions: int = 0
 
 
+class _DecodeBatch:
+    """The running requests' KV, left-padded into one batch that persists across decode
+    iterations: a steady batch costs one forward per iteration and no copies; rows are
+    only dropped (finish, preemption) or merged in (after a prefill) when the set changes.
+    """
+
+    def __init__(self):
+        self.rows: list[int] = []
+        self.lengths: list[int] = []            # KV tokens each row holds
+        self.kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # (n, heads, T, d)
+        self.mask: Optional[torch.Tensor] = None  # (n, T), 0 on left padding
+
+    def sync(self, handles: Sequence[int], requests: dict[int, "_Request"], device,
+             admit: bool = True) -> None:
+        wanted = set(handles)
+        keep = [i for i, h in enumerate(self.rows) if h in wanted]
+        if len(keep) < len(self.rows):
+            if keep:
+                index = torch.tensor(keep, device=device)
+                self.kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.kv]
+                self.mask = self.mask.index_select(0, index)
+                self.rows = [self.rows[i] for i in keep]
+                self.lengths = [self.lengths[i] for i in keep]
+                live = torch.nonzero(self.mask.any(dim=0))
+                start = int(live[0]) if len(live) else self.mask.shape[1]
+                if start:  # drop columns that are padding in every row
+                    self.kv = [(k[:, :, start:], v[:, :, start:]) for k, v in self.kv]
+                    self.mask = self.mask[:, start:]
+            else:
+                self.__init__()
+        if not admit:
+            return
+        present = set(self.rows)
+        new = [h for h in handles if h not in present]
+        if not new:
+            return
+        parts = [requests[h].kv for h in new]
+        widths = [p[0][0].shape[2] for p in parts]
+        width = max(widths + ([self.mask.shape[1]] if self.rows else []))
+
+        def left_pad(t: torch.Tensor, to: int) -> torch.Tensor:
+            if t.shape[2] == to:
+                return t
+            pad = t.new_zeros((t.shape[0], t.shape[1], to - t.shape[2], t.shape[3]))
+            return torch.cat([pad, t], dim=2)
+
+        layers = []
+        for layer in range(len(parts[0])):
+            ks = [left_pad(p[layer][0], width) for p in parts]
+            vs = [left_pad(p[layer][1], width) for p in parts]
+            if self.rows:
+                ks.insert(0, left_pad(self.kv[layer][0], width))
+                vs.insert(0, left_pad(self.kv[layer][1], width))
+            layers.append((torch.cat(ks), torch.cat(vs)))
+        masks = [torch.cat([torch.zeros(width - w, dtype=torch.long, device=device),
+                            torch.ones(w, dtype=torch.long, device=device)]).unsqueeze(0)
+                 for w in widths]
+        if self.rows:
+            old = self.mask
+            masks.insert(0, torch.cat([old.new_zeros((old.shape[0], width - old.shape[1])), old], dim=1))
+        self.kv, self.mask = layers, torch.cat(masks)
+        self.rows += new
+        self.lengths += widths
+        for h in new:
+            requests[h].kv = None  # the batch owns it now
+
+
 class TorchEngine(Engine):
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -58,6 +125,7 @@ class TorchEngine(Engine):
                                       block_size=kw.block_size, watermark=kw.watermark)
         self.scheduler = FcfsBlockScheduler(self.limits)
         self.requests: dict[int, _Request] = {}
+        self._batch = _DecodeBatch()
         self._next_handle = 0
         self._seed = load.seed
 
@@ -99,16 +167,14 @@ class TorchEngine(Engine):
             return []
         started = time.perf_counter()
         for handle in decision.preempted:
-            req = self.requests[handle]
-            req.kv = None
-            req.preemptions += 1
+            self.requests[handle].preemptions += 1  # its KV row leaves the batch at the next sync
         if decision.kind == "prefill":
             contexts = [len(self.requests[h].prompt) + len(self.requests[h].generated)
                         for h in decision.seqs]
             tokens = [self._prefill(self.requests[h]) for h in decision.seqs]
         else:
             contexts = [self.scheduler.stored[h] + 1 for h in decision.seqs]
-            tokens = self._decode([self.requests[h] for h in decision.seqs]) if decision.seqs else []
+            tokens = self._decode(decision.seqs) if decision.seqs else []
         now = time.perf_counter()
         finished = []
         if decision.kind == "decode":
@@ -124,6 +190,7 @@ class TorchEngine(Engine):
                 finished.append(self._output(self.requests.pop(handle), reason, now))
             elif decision.kind == "prefill":
                 self.scheduler.prefilled(handle)
+        self._batch.sync(self.scheduler.running, self.requests, self.device, admit=False)
         self.stats.iterations.append(IterationRecord(
             kind=decision.kind, num_seqs=len(decision.seqs), new_tokens=len(tokens),
             context_lens=contexts, seconds=now - started, preempted=len(decision.preempted)))
@@ -150,36 +217,22 @@ class TorchEngine(Engine):
         req.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         return self._sample(out.logits[:, -1, :], [req])[0]
 
-    def _decode(self, reqs: list[_Request]) -> list[int]:
+    def _decode(self, handles: list[int]) -> list[int]:
+        """One decode iteration of ``handles``; returns their new tokens in that order."""
         from transformers import DynamicCache
 
-        lengths = [r.kv[0][0].shape[2] for r in reqs]
-        longest = max(lengths)
-        n = len(reqs)
-        layers = []
-        for layer in range(len(reqs[0].kv)):
-            k0, v0 = reqs[0].kv[layer]
-            keys = k0.new_zeros((n, k0.shape[1], longest, k0.shape[3]))
-            values = v0.new_zeros((n, v0.shape[1], longest, v0.shape[3]))
-            for i, r in enumerate(reqs):
-                k, v = r.kv[layer]
-                keys[i, :, longest - lengths[i]:] = k[0]
-                values[i, :, longest - lengths[i]:] = v[0]
-            layers.append((keys, values))
-        mask = torch.zeros((n, longest + 1), dtype=torch.long, device=self.device)
-        for i, length in enumerate(lengths):
-            mask[i, longest - length:] = 1
-        positions = torch.tensor([[length] for length in lengths], device=self.device)
+        batch = self._batch
+        batch.sync(handles, self.requests, self.device)
+        reqs = [self.requests[h] for h in batch.rows]
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(reqs), 1))], dim=1)
+        positions = torch.tensor([[n] for n in batch.lengths], device=self.device)
         last = torch.tensor([[r.generated[-1]] for r in reqs], device=self.device)
-        out = self.model(input_ids=last, attention_mask=mask, position_ids=positions,
-                         past_key_values=DynamicCache(layers), use_cache=True)
-        for layer, cache_layer in enumerate(out.past_key_values.layers):
-            new_k, new_v = cache_layer.keys[:, :, -1:], cache_layer.values[:, :, -1:]
-            for i, r in enumerate(reqs):
-                k, v = r.kv[layer]
-                r.kv[layer] = (torch.cat([k, new_k[i:i + 1]], dim=2),
-                               torch.cat([v, new_v[i:i + 1]], dim=2))
-        return self._sample(out.logits[:, -1, :], reqs)
+        out = self.model(input_ids=last, attention_mask=batch.mask, position_ids=positions,
+                         past_key_values=DynamicCache(batch.kv), use_cache=True)
+        batch.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        batch.lengths = [n + 1 for n in batch.lengths]
+        tokens = dict(zip(batch.rows, self._sample(out.logits[:, -1, :], reqs)))
+        return [tokens[h] for h in handles]
 
     def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> list[int]:
         out = []
@@ -201,12 +254,16 @@ class TorchEngine(Engine):
     # -- resources -----------------------------------------------------------------
     def memory(self) -> MemoryUsage:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        kv = sum(t.numel() * t.element_size() for r in self.requests.values() if r.kv
-                 for pair in r.kv for t in pair)
+        pending = [pair for r in self.requests.values() if r.kv for pair in r.kv]
+        kv = sum(t.numel() * t.element_size() for pair in pending for t in pair)
+        if self._batch.kv:  # tokens held, not the left padding around them
+            per_token = sum(k.shape[1] * k.shape[3] * k.element_size() * 2 for k, _ in self._batch.kv)
+            kv += per_token * sum(self._batch.lengths)
         return MemoryUsage(self.scheduler.blocks_used, self.limits.num_blocks, weights, kv)
 
     def release(self) -> None:
         self.requests.clear()
+        self._batch = _DecodeBatch()
         del self.model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
