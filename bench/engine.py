@@ -86,7 +86,7 @@ def hf_sequential(model, prompts, lengths, batch_size):
 
 @torch.inference_mode()
 def hf_static_batch(model, prompts, lengths, batch_size):
-    """Left-padded batches in request order; returns outputs and tokens actually generated."""
+    """Left-padded batches in request order; returns outputs and tokens actually computed."""
     outs, generated = [], 0
     for start in range(0, len(prompts), batch_size):
         batch, want = prompts[start:start + batch_size], lengths[start:start + batch_size]
@@ -145,6 +145,13 @@ def run_model(model_id, args):
         "hf-static-batch": lambda p, l: hf_static_batch(hf_model, p, l, args.batch_size),
         "raycolo-torch": lambda p, l: raycolo_torch(engine, p, l, args.batch_size),
     }
+    calls = [0]  # model forward calls (prefills and decode steps alike)
+
+    def count_call(*_):
+        calls[0] += 1
+
+    hf_model.register_forward_pre_hook(count_call)
+    engine.model.register_forward_pre_hook(count_call)
     rows, outputs = {}, {}
     warm = min(2, len(prompts))
     for name in METHODS:
@@ -153,7 +160,9 @@ def run_model(model_id, args):
         times = []
         for _ in range(args.repeats):
             started = time.perf_counter()
+            calls[0] = 0
             outs, generated = run(prompts, lengths)
+            forwards = calls[0]
             times.append(time.perf_counter() - started)
         bad = [i for i, (o, want) in enumerate(zip(outs, lengths)) if len(o) != want]
         if bad:
@@ -161,7 +170,8 @@ def run_model(model_id, args):
                              f"tokens, expected {lengths[bad[0]]}")
         seconds = statistics.median(times)
         rows[name] = {"median_s": seconds, "times_s": times, "useful_tokens": useful,
-                      "generated_tokens": generated, "tokens_per_s": useful / seconds}
+                      "generated_tokens": generated, "forwards": forwards,
+                      "tokens_per_s": useful / seconds}
         outputs[name] = outs
         sys.stdout.flush()
     ref = rows[REFERENCE]["tokens_per_s"]
@@ -205,10 +215,12 @@ def print_model(model_id, result, args, file=sys.stdout):
     print(f"\n### {model_id}  ({info['requests']} requests, {info['useful_tokens']} output tokens, "
           f"output len mean {info['output_len_mean']:.1f} max {info['output_len_max']}, "
           f"prompt len mean {info['prompt_len_mean']:.1f}, batch {args.batch_size})", file=file)
-    print("| method | median s | useful tok/s | tokens computed | raycolo-torch speedup |", file=file)
-    print("|---|---:|---:|---:|---:|", file=file)
+    print("| method | median s | useful tok/s | tokens computed | model forwards | ms/forward "
+          "| raycolo-torch speedup |", file=file)
+    print("|---|---:|---:|---:|---:|---:|---:|", file=file)
     for name, r in result["rows"].items():
         print(f"| {name} | {r['median_s']:.2f} | {r['tokens_per_s']:.0f} | {r['generated_tokens']} "
+              f"| {r['forwards']} | {1e3 * r['median_s'] / r['forwards']:.2f} "
               f"| {r['raycolo_ratio']:.2f}x |", file=file)
     print(f"\ngreedy outputs vs hf-sequential (first {len(result['checks'])} requests):", file=file)
     for c in result["checks"]:

@@ -171,7 +171,7 @@ class TorchEngine(Engine):
         if decision.kind == "prefill":
             contexts = [len(self.requests[h].prompt) + len(self.requests[h].generated)
                         for h in decision.seqs]
-            tokens = [self._prefill(self.requests[h]) for h in decision.seqs]
+            tokens = self._prefill([self.requests[h] for h in decision.seqs])
         else:
             contexts = [self.scheduler.stored[h] + 1 for h in decision.seqs]
             tokens = self._decode(decision.seqs) if decision.seqs else []
@@ -208,14 +208,25 @@ class TorchEngine(Engine):
                              self.tokenizer.decode(req.generated), reason, req.arrival_s,
                              req.first_token_s, now, req.preemptions)
 
-    def _prefill(self, req: _Request) -> int:
-        """Compute the prompt (plus tokens generated before a preemption) from scratch."""
+    def _prefill(self, reqs: list[_Request]) -> list[int]:
+        """Compute prompts (plus tokens generated before a preemption) from scratch, in one
+        left-padded forward; each request keeps its own unpadded KV until it joins the batch."""
         from transformers import DynamicCache
 
-        ids = torch.tensor([req.prompt + req.generated], device=self.device)
-        out = self.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
-        req.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        return self._sample(out.logits[:, -1, :], [req])[0]
+        seqs = [r.prompt + r.generated for r in reqs]
+        width = max(len(q) for q in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for i, q in enumerate(seqs):
+            ids[i, width - len(q):] = torch.tensor(q, device=self.device)
+            mask[i, width - len(q):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=DynamicCache(), use_cache=True)
+        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        for i, (req, q) in enumerate(zip(reqs, seqs)):
+            req.kv = [(k[i:i + 1, :, width - len(q):], v[i:i + 1, :, width - len(q):]) for k, v in layers]
+        return self._sample(out.logits[:, -1, :], reqs)
 
     def _decode(self, handles: list[int]) -> list[int]:
         """One decode iteration of ``handles``; returns their new tokens in that order."""
@@ -235,20 +246,19 @@ class TorchEngine(Engine):
         return [tokens[h] for h in handles]
 
     def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> list[int]:
-        out = []
-        for row, req in zip(logits.float(), reqs):
+        out = torch.argmax(logits, dim=-1).tolist()  # greedy for all, in one op
+        for i, req in enumerate(reqs):
             p = req.params
             if p.temperature == 0:
-                out.append(int(torch.argmax(row)))
                 continue
-            probs = torch.softmax(row / p.temperature, dim=-1).cpu()
+            probs = torch.softmax(logits[i].float() / p.temperature, dim=-1).cpu()
             if p.top_p < 1.0:
                 sorted_probs, order = torch.sort(probs, descending=True)
                 keep = torch.cumsum(sorted_probs, 0) - sorted_probs < p.top_p
                 filtered = torch.zeros_like(probs)
                 filtered[order[keep]] = sorted_probs[keep]
                 probs = filtered / filtered.sum()
-            out.append(int(torch.multinomial(probs, 1, generator=req.generator)))
+            out[i] = int(torch.multinomial(probs, 1, generator=req.generator))
         return out
 
     # -- resources -----------------------------------------------------------------
