@@ -12,12 +12,14 @@ float32 on CPU with a fixed thread count:
 
 Every method generates exactly the sampled number of tokens per request (EOS ignored),
 so all of them produce the same useful token count. Times are medians of ``--repeats``
-runs after one warm-up. The table gives useful output tokens/s and the ratio of
-raycolo-torch's tokens/s over each method; then greedy outputs of raycolo-torch are
-compared token-for-token with hf-sequential on the first requests.
+runs after one warm-up. The table gives useful output tokens/s, the tokens each method
+computed (padding included), its model forward calls (counted by a hook; prefills and
+decode steps alike) and the ratio of raycolo-torch's tokens/s over each method; then
+greedy outputs of raycolo-torch are compared token-for-token with hf-sequential on the
+first requests. ``--profile`` adds a cProfile of one more raycolo-torch run.
 
     .venv/bin/python bench/engine.py [--quick] [--models tiny-llama-s,tiny-llama-m]
-        [--requests 64] [--batch-size 16] [--max-tokens 128] [--repeats 3] [--threads 2]
+        [--requests 64] [--batch-size 16] [--max-tokens 256] [--repeats 3] [--threads 2]
         [--profile] [--json out/bench_engine.json]
 """
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch  # noqa: E402
 from raycolo.catalog import get_model  # noqa: E402
 from raycolo.costmodel.sampler import OutputLengthSampler, seeded_rng  # noqa: E402
 from raycolo.engines import SamplingParams, create_engine  # noqa: E402
-from raycolo.engines.models import BOS_ID, BYTE_OFFSET, EOS_ID, PAD_ID, build_tiny_model  # noqa: E402
+from raycolo.engines.models import BOS_ID, BYTE_OFFSET, PAD_ID, build_tiny_model  # noqa: E402
 
 METHODS = ["hf-sequential", "hf-static-batch", "raycolo-torch"]
 REFERENCE = "raycolo-torch"
@@ -241,20 +243,21 @@ def main() -> int:
     ap.add_argument("--models", default="tiny-llama-s,tiny-llama-m", help="comma-separated tiny models")
     ap.add_argument("--requests", type=int, default=None, help="requests per model (default 64)")
     ap.add_argument("--batch-size", type=int, default=16, help="static batch size and max_num_seqs")
-    ap.add_argument("--max-tokens", type=int, default=None, help="output length cap (default 128)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="output length cap (default 256, the tiny eCDFs' own maximum)")
     ap.add_argument("--prompt-min", type=int, default=8, help="shortest prompt in tokens")
     ap.add_argument("--prompt-max", type=int, default=96, help="longest prompt in tokens")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per method (median; default 3)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="16 requests, max 48 tokens, 1 repeat")
+    ap.add_argument("--quick", action="store_true",
+                    help="16 requests, max 48 tokens, 1 repeat (unless given explicitly)")
     ap.add_argument("--profile", action="store_true", help="cProfile one extra raycolo-torch run")
     ap.add_argument("--profile-top", type=int, default=25, help="functions listed per profile sort")
     ap.add_argument("--profile-dump", default=None, help="also dump pstats to PREFIX.<model>.prof")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     quick = {"requests": 16, "max_tokens": 48, "repeats": 1}
-    full = {"requests": 64, "max_tokens": 128, "repeats": 3}
+    full = {"requests": 64, "max_tokens": 256, "repeats": 3}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -267,7 +270,7 @@ def main() -> int:
           f"{args.requests} requests/model, max {args.max_tokens} output tokens, batch {args.batch_size}, "
           f"median of {args.repeats}; speedup = raycolo-torch tok/s / method tok/s; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
-    report = {"config": {k: v for k, v in vars(args).items()}, "models": {}}
+    report = {"config": dict(vars(args)), "models": {}}
     for model_id in [m.strip() for m in args.models.split(",") if m.strip()]:
         result = run_model(model_id, args)
         report["models"][model_id] = result
@@ -277,7 +280,7 @@ def main() -> int:
     report["wall_s"] = wall
     report["load_average_end"] = os.getloadavg()[0]
     print(f"\nbenchmark wall time {wall:.0f}s (load average {os.getloadavg()[0]:.1f} at end; "
-          "other processes on the machine skew the timings, threads above free cores most)")
+          "timings are only comparable on an otherwise idle machine)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
@@ -285,5 +288,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.exit(main())

@@ -47,12 +47,14 @@ class _DecodeBatch:
         self.lengths: list[int] = []            # KV tokens each row holds
         self.kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # (n, heads, T, d)
         self.mask: Optional[torch.Tensor] = None  # (n, T), 0 on left padding
+        self.cache = None  # the transformers cache holding ``kv``, reused while rows are stable
 
     def sync(self, handles: Sequence[int], requests: dict[int, "_Request"], device,
              admit: bool = True) -> None:
         wanted = set(handles)
         keep = [i for i, h in enumerate(self.rows) if h in wanted]
         if len(keep) < len(self.rows):
+            self.cache = None
             if keep:
                 index = torch.tensor(keep, device=device)
                 self.kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.kv]
@@ -96,7 +98,7 @@ class _DecodeBatch:
         if self.rows:
             old = self.mask
             masks.insert(0, torch.cat([old.new_zeros((old.shape[0], width - old.shape[1])), old], dim=1))
-        self.kv, self.mask = layers, torch.cat(masks)
+        self.kv, self.mask, self.cache = layers, torch.cat(masks), None
         self.rows += new
         self.lengths += widths
         for h in new:
@@ -222,7 +224,7 @@ class TorchEngine(Engine):
             mask[i, width - len(q):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=DynamicCache(), use_cache=True)
+                         past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         for i, (req, q) in enumerate(zip(reqs, seqs)):
             req.kv = [(k[i:i + 1, :, width - len(q):], v[i:i + 1, :, width - len(q):]) for k, v in layers]
@@ -238,9 +240,12 @@ class TorchEngine(Engine):
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(reqs), 1))], dim=1)
         positions = torch.tensor([[n] for n in batch.lengths], device=self.device)
         last = torch.tensor([[r.generated[-1]] for r in reqs], device=self.device)
+        # Reuse the cache object of the previous step: rebuilding it copies every layer.
+        cache = batch.cache if batch.cache is not None else DynamicCache(batch.kv)
         out = self.model(input_ids=last, attention_mask=batch.mask, position_ids=positions,
-                         past_key_values=DynamicCache(batch.kv), use_cache=True)
-        batch.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+                         past_key_values=cache, use_cache=True)
+        batch.cache = out.past_key_values
+        batch.kv = [(layer.keys, layer.values) for layer in batch.cache.layers]
         batch.lengths = [n + 1 for n in batch.lengths]
         tokens = dict(zip(batch.rows, self._sample(out.logits[:, -1, :], reqs)))
         return [tokens[h] for h in handles]
