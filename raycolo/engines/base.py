@@ -95,6 +95,23 @@ class RequestOutput:
 
 
 @dataclass
+class TrackedRequest:
+    """An engine's bookkeeping for one request, whatever the backend."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival_s: float
+    generated: list[int] = field(default_factory=list)
+    first_token_s: float = float("nan")
+    preemptions: int = 0
+
+    def output(self, reason: str, text: str, now: float) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, list(self.generated), text, reason,
+                             self.arrival_s, self.first_token_s, now, self.preemptions)
+
+
+@dataclass
 class MemoryUsage:
     kv_blocks_used: int
     kv_blocks_total: int

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from raycolo.engines.base import (Engine, EngineConfig, EngineStats, IterationRecord, MemoryUsage,
-                                  RequestOutput, SamplingParams)
+                                  RequestOutput, SamplingParams, TrackedRequest)
 from raycolo.engines.models import load_model
 from raycolo.errors import ConfigError
 from raycolo.sim.scheduler import FcfsBlockScheduler
@@ -24,16 +24,9 @@ from raycolo.sim.types import SchedulerLimits, ceil_div
 
 
 @dataclass
-class _Request:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    arrival_s: float
-    generator: Optional[torch.Generator]
-    generated: list[int] = field(default_factory=list)
+class _Request(TrackedRequest):
+    generator: Optional[torch.Generator] = None
     kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # per layer (1, heads, T, d)
-    first_token_s: float = math.nan
-    preemptions: int = 0
 
 
 class _DecodeBatch:
@@ -152,7 +145,8 @@ class TorchEngine(Engine):
                                   else self._seed * 1_000_003 + self._next_handle)
         handle = self._next_handle
         self._next_handle += 1
-        self.requests[handle] = _Request(request_id, ids, params, time.perf_counter(), generator)
+        self.requests[handle] = _Request(request_id, ids, params, time.perf_counter(),
+                                         generator=generator)
         self.scheduler.add(handle, len(ids))
 
     def has_unfinished(self) -> bool:
@@ -206,9 +200,7 @@ class TorchEngine(Engine):
         return None
 
     def _output(self, req: _Request, reason: str, now: float) -> RequestOutput:
-        return RequestOutput(req.request_id, req.prompt, list(req.generated),
-                             self.tokenizer.decode(req.generated), reason, req.arrival_s,
-                             req.first_token_s, now, req.preemptions)
+        return req.output(reason, self.tokenizer.decode(req.generated), now)
 
     def _prefill(self, reqs: list[_Request]) -> list[int]:
         """Compute prompts (plus tokens generated before a preemption) from scratch, in one

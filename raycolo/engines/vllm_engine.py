@@ -17,12 +17,11 @@ import json
 import math
 import struct
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 from raycolo.engines.base import (Engine, EngineConfig, EngineStats, IterationRecord, MemoryUsage,
-                                  RequestOutput, SamplingParams)
+                                  RequestOutput, SamplingParams, TrackedRequest)
 from raycolo.errors import ConfigError
 
 MISSING_VLLM = ("backend: vllm is not installed; pip install 'raycolo[vllm]' on a GPU machine, "
@@ -32,16 +31,6 @@ MISSING_VLLM = ("backend: vllm is not installed; pip install 'raycolo[vllm]' on 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
                       "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    arrival_s: float
-    generated: list[int] = field(default_factory=list)
-    first_token_s: float = math.nan
 
 
 class VllmEngine(Engine):
@@ -146,7 +135,7 @@ class VllmEngine(Engine):
         self._num_blocks = int(cache.num_gpu_blocks or 0)
         self._kv_bytes_per_token = _kv_bytes_per_token(self._hf_config, _DTYPE_BYTES[load.dtype])
         self._weight_bytes = _weight_bytes(path, _DTYPE_BYTES[load.dtype])
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, TrackedRequest] = {}
         self._next_handle = 0
         self._seed = load.seed
 
@@ -176,7 +165,7 @@ class VllmEngine(Engine):
             self._engine.add_request(request_id, {"prompt_token_ids": ids}, sampling)
         except ValueError as err:
             raise ConfigError(f"request {request_id}: vllm rejected it: {_one_line(err)}") from err
-        self.requests[request_id] = _Request(request_id, ids, params, arrival)
+        self.requests[request_id] = TrackedRequest(request_id, ids, params, arrival)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self._engine.has_unfinished_requests()
@@ -207,9 +196,7 @@ class VllmEngine(Engine):
             if out.finished:
                 reason = "length" if completion.finish_reason == "length" else "stop"
                 del self.requests[out.request_id]
-                finished.append(RequestOutput(
-                    req.request_id, req.prompt, tokens, self.tokenizer.decode(tokens), reason,
-                    req.arrival_s, req.first_token_s, now, 0))
+                finished.append(req.output(reason, self.tokenizer.decode(tokens), now))
         # A step without tokens still did work when some request awaits its first token
         # (a chunk of a long prompt); record it as prefill. Otherwise it was idle.
         prompt_work = any(not r.generated for r in self.requests.values())
