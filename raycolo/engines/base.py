@@ -152,6 +152,17 @@ class Engine(abc.ABC):
     def release(self) -> None:
         """Free the model and caches; the engine cannot be used afterwards."""
 
+    def _prompt_ids(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        """Token ids of a prompt, checked against the model's positions (needs ``tokenizer``
+        and ``max_positions`` on the engine)."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ConfigError(f"request {request_id}: empty prompt")
+        if len(ids) + params.max_tokens > self.max_positions:
+            raise ConfigError(f"request {request_id}: prompt ({len(ids)}) + max_tokens "
+                              f"({params.max_tokens}) exceeds the model's {self.max_positions} positions")
+        return ids
+
     def run_until_done(self) -> list[RequestOutput]:
         finished: list[RequestOutput] = []
         while self.has_unfinished():

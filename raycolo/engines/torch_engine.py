@@ -128,12 +128,7 @@ class TorchEngine(Engine):
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: Optional[SamplingParams] = None) -> None:
         params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ConfigError(f"request {request_id}: empty prompt")
-        if len(ids) + params.max_tokens > self.max_positions:
-            raise ConfigError(f"request {request_id}: prompt ({len(ids)}) + max_tokens "
-                              f"({params.max_tokens}) exceeds the model's {self.max_positions} positions")
+        ids = self._prompt_ids(request_id, prompt, params)
         need = ceil_div(len(ids) + params.max_tokens, self.limits.block_size)
         if need + self.limits.watermark_blocks > self.limits.num_blocks:
             raise ConfigError(f"request {request_id}: needs {need} KV blocks, the engine has "

@@ -145,12 +145,7 @@ class VllmEngine(Engine):
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ConfigError(f"request {request_id}: a request with this id is still running")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ConfigError(f"request {request_id}: empty prompt")
-        if len(ids) + params.max_tokens > self.max_positions:
-            raise ConfigError(f"request {request_id}: prompt ({len(ids)}) + max_tokens "
-                              f"({params.max_tokens}) exceeds the model's {self.max_positions} positions")
+        ids = self._prompt_ids(request_id, prompt, params)
         seed = params.seed
         if seed is None and params.temperature > 0:
             seed = self._seed * 1_000_003 + self._next_handle
