@@ -10,9 +10,9 @@ greedy with two throughput measures and keeps the plan that finishes first:
   amortized over everything the model still has to do.
 
 Both greedies are also registered alone (``samullm-window``, ``samullm-rate``). The
-first-stage simulations, most of the work, are done once; then, where a second core
-exists, the two greedies run side by side in forked processes that inherit that cache
-(set ``RAYCOLO_PLANNER_PROCESSES=1`` to stay in one process).
+first-stage simulations are done once and shared; where a second core exists they are
+split over two processes, and then the two greedies run side by side in forked processes
+that inherit the cache (set ``RAYCOLO_PLANNER_PROCESSES=1`` to stay in one process).
 """
 from __future__ import annotations
 
@@ -28,6 +28,15 @@ from raycolo.policies import register
 
 METRICS = ("window", "rate")
 _shared: dict = {}  # what a forked worker inherits
+
+
+def _first_stage_runs(pairs) -> list:
+    """Simulate (node, plan) pairs from the initial state; returns (cache key, run) pairs."""
+    problem, evaluator = _shared["problem"], _shared["evaluator"]
+    state = initial_state(problem)
+    runs = [evaluator.node_run(state, node, plan, False, {}, exact=not evaluator.representative)
+            for node, plan in pairs]
+    return [(run.key, run) for run in runs]
 
 
 def _greedy(metric: str) -> AppPlan:
@@ -49,16 +58,23 @@ def plan(problem: PlanningProblem) -> AppPlan:
     evaluator = StageEvaluator(problem)
     ctx = SearchContext(problem, evaluator)
     state = initial_state(problem)
-    for node in ctx.ready_nodes(state, {}):  # the first greedy step of both runs
-        for exec_plan in problem.plans[node]:
-            ctx.evaluate(state, {node: exec_plan})
+    # The first greedy step of both runs: every (node, plan) from the initial state.
+    pairs = [(node, plan) for node in ctx.ready_nodes(state, {}) for plan in problem.plans[node]]
     _shared.update(problem=problem, evaluator=evaluator)
     try:
         if _processes() > 1:
-            with multiprocessing.get_context("fork").Pool(1) as pool:
+            fork = multiprocessing.get_context("fork")
+            with fork.Pool(1) as pool:  # half of the first-stage simulations in a second process
+                other_half = pool.apply_async(_first_stage_runs, (pairs[1::2],))
+                mine = _first_stage_runs(pairs[0::2])
+                evaluator.cache.update(other_half.get())
+                evaluator.simulations += len(pairs[1::2])
+            with fork.Pool(1) as pool:  # then the two greedies side by side, sharing that cache
                 other = pool.apply_async(_greedy, (METRICS[1],))
                 plans = [_greedy(METRICS[0]), other.get()]
+            del mine
         else:
+            _first_stage_runs(pairs)
             plans = [_greedy(m) for m in METRICS]
     finally:
         _shared.clear()
