@@ -66,13 +66,12 @@ def plan(problem: PlanningProblem) -> AppPlan:
             fork = multiprocessing.get_context("fork")
             with fork.Pool(1) as pool:  # half of the first-stage simulations in a second process
                 other_half = pool.apply_async(_first_stage_runs, (pairs[1::2],))
-                mine = _first_stage_runs(pairs[0::2])
+                _first_stage_runs(pairs[0::2])  # fills this process's cache
                 evaluator.cache.update(other_half.get())
                 evaluator.simulations += len(pairs[1::2])
             with fork.Pool(1) as pool:  # then the two greedies side by side, sharing that cache
                 other = pool.apply_async(_greedy, (METRICS[1],))
                 plans = [_greedy(METRICS[0]), other.get()]
-            del mine
         else:
             _first_stage_runs(pairs)
             plans = [_greedy(m) for m in METRICS]

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from raycolo.catalog import get_model
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.dag import parse_app
 from raycolo.engines.base import SamplingParams, create_engine
@@ -58,9 +59,9 @@ def model_case(model_id: str, profile_dir: Path, requests: int, seed: int, threa
     rng = seeded_rng(seed, "validate", model_id)
     lengths = rng.integers(8, 128, requests)
     engine = create_engine(engine_config(model_id, threads=threads, max_num_seqs=MAX_NUM_SEQS))
-    engine.generate(random_prompts(rng, 2, 8, 512), SamplingParams(max_tokens=4))  # warm-up
-    prompts = random_prompts(rng, requests, lengths, engine.tokenizer.vocab_size
-                             if hasattr(engine.tokenizer, "vocab_size") else 512)
+    vocab = get_model(model_id).vocab
+    engine.generate(random_prompts(rng, 2, 8, vocab), SamplingParams(max_tokens=4))  # warm-up
+    prompts = random_prompts(rng, requests, lengths, vocab)
     started = time.perf_counter()
     outputs = engine.generate(prompts, _sampling(seed * 100_003, requests, ECDF_MAX_TOKENS))
     measured = time.perf_counter() - started
@@ -92,7 +93,7 @@ def dag_case(profile_dir: Path, requests: int, seed: int, threads: int,
              answer: str = "tiny-llama-s", judge: str = "tiny-llama-m") -> dict:
     rng = seeded_rng(seed, "validate-dag")
     lengths = rng.integers(8, 128, requests)
-    prompts = random_prompts(rng, requests, lengths, 512)
+    prompts = random_prompts(rng, requests, lengths, get_model(answer).vocab)
     started = time.perf_counter()
     first = create_engine(engine_config(answer, threads=threads, max_num_seqs=MAX_NUM_SEQS))
     answers = first.generate(prompts, _sampling(seed * 7_919, requests, ECDF_MAX_TOKENS))

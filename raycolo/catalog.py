@@ -136,6 +136,3 @@ def get_model(name: str) -> ModelSpec:
         raise ConfigError(f"unknown model '{name}' (known: {known})")
     return catalog[name]
 
-
-def model_names() -> list[str]:
-    return sorted(_builtin_catalog())

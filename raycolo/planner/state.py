@@ -53,10 +53,6 @@ class NodeState:
     def finished(self) -> bool:
         return bool(self.done.all())
 
-    @property
-    def remaining_requests(self) -> int:
-        return int((~self.done).sum())
-
 
 @dataclass(frozen=True)
 class AppState:
@@ -207,7 +203,7 @@ class StageEval:
     moved: set[str]
     runs: dict[str, NodeRun]
     duration: float
-    flops: float
+    useful_flops: float          # useful FLOPs done before the stage's first finish
 
     @property
     def gpus(self) -> int:
@@ -216,7 +212,7 @@ class StageEval:
     @property
     def throughput(self) -> float:
         """Useful FLOPs done before the stage's first finish, per second (the paper's T(S))."""
-        return self.flops / self.duration if self.duration > 0 else 0.0
+        return self.useful_flops / self.duration if self.duration > 0 else 0.0
 
     @property
     def run_rate(self) -> float:
@@ -285,8 +281,8 @@ class StageEvaluator:
         duration = min(r.end for r in runs.values())
         if not math.isfinite(duration):
             return None
-        flops = sum(r.useful_by(duration) for r in runs.values())
-        return StageEval(dict(selection), placement, moved, runs, duration, flops)
+        useful = sum(r.useful_by(duration) for r in runs.values())
+        return StageEval(dict(selection), placement, moved, runs, duration, useful)
 
     def make_exact(self, state: AppState, ev: StageEval) -> StageEval:
         if all(r.exact for r in ev.runs.values()):

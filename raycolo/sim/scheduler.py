@@ -47,9 +47,6 @@ class FcfsBlockScheduler:
             self.prompt_len[req] = p
         self.waiting.extendleft(reversed(list(reqs)))
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> Decision:
         lim = self.limits
         batch, tokens, free_after = [], 0, self.free

@@ -115,9 +115,6 @@ class SimResult:
     def total_flops(self) -> float:
         return float(self.curve_flops[-1]) if len(self.curve_flops) else 0.0
 
-    def flops_by(self, t: float) -> float:
-        return float(np.interp(t, self.curve_t, self.curve_flops))
-
     def useful_by(self, t: float) -> float:
         return float(np.interp(t, self.curve_t, self.curve_useful))
 
