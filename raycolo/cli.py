@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from raycolo.errors import RaycoloError
 
 EXIT_USAGE = 2
+EXIT_RUNTIME = 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,7 +65,43 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--threads", type=int, default=1)
     validate.add_argument("--seed", type=int, default=4242)
     validate.add_argument("--json", action="store_true")
+    run = sub.add_parser("run", help="run an application for real on an embedded local Ray cluster")
+    run.add_argument("dag", help="application graph (YAML)")
+    _add_run_flags(run, local=True)
+    # jobs/run_dag.py: the same, on the cluster the job was submitted to
+    run_dag = sub.add_parser("run-dag", help="what jobs/run_dag.py runs under 'ray job submit'")
+    run_dag.add_argument("--dag", required=True, help="application graph (YAML)")
+    _add_run_flags(run_dag, local=False)
     return parser
+
+
+def _add_run_flags(p: argparse.ArgumentParser, local: bool) -> None:
+    p.add_argument("--output", required=not local, default=None, metavar="DIR",
+                   help="output directory; rerunning into it resumes" + (" (default out/<app>)" if local else ""))
+    p.add_argument("--input", default=None, metavar="FILE",
+                   help="requests (jsonl or parquet) replacing the DAG's single source")
+    p.add_argument("--policy", default="samullm", help="planning policy (default samullm)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="latency profiles and eCDFs, a directory or 'cpu' (shipped tiny-model profiles)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=int, default=None, help="override every source's count")
+    p.add_argument("--gpus", type=int, default=2 if local else None,
+                   help="logical GPUs of the local cluster (default 2)" if local else
+                   "GPUs to plan for (default: the cluster's)")
+    p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU for planning (default 80GiB)")
+    p.add_argument("--nvlink-group", type=int, default=None, help="GPUs per NVLink group (default min(2, gpus))")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch limit (default 64)")
+    p.add_argument("--backend", default="torch", help="engine backend: torch or vllm")
+    p.add_argument("--dtype", default="float32", help="model dtype (default float32)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per replica")
+    p.add_argument("--replica-start-s", type=float, default=None,
+                   help="seconds a replica takes to start, for planning (default: measured once)")
+    p.add_argument("--slice-s", type=float, default=0.2, help="engine time per controller round trip")
+    p.add_argument("--placement-strategy", default="PACK", help="placement group strategy (default PACK)")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts per replica before failing")
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: local / RAY_ADDRESS)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the report JSON before the last line")
 
 
 def _problem(args):
@@ -244,8 +282,30 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    from raycolo.runtime.setup import parse_run_config
+
+    values = {k: v for k, v in vars(args).items() if k not in ("command", "no_progress", "json")}
+    if args.command == "run" and args.output is None:
+        from raycolo.dag import load_app
+        values["output"] = str(Path("out") / load_app(args.dag).name)
+    values["progress"] = not args.no_progress
+    config = parse_run_config({k: v for k, v in values.items() if v is not None})
+    from raycolo.actors.controller import ReplicaFailed
+    from raycolo.actors.launch import dump, report_line, run_application
+    try:
+        report = run_application(config)
+    except ReplicaFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    if args.json:
+        print(dump(report))
+    print(report_line(report))
+    return 0
+
+
 COMMANDS = {"plan": cmd_plan, "compare": cmd_compare, "profile": cmd_profile,
-            "validate": cmd_validate}
+            "validate": cmd_validate, "run": cmd_run, "run-dag": cmd_run}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

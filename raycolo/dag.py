@@ -7,6 +7,7 @@ summary). See docs/dag.md for the full format.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -15,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from raycolo.catalog import get_model
 from raycolo.errors import ConfigError
+
+# ``{name}`` in a prompt template is a placeholder; other braces are literal text.
+PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_\-]*)\}")
+CHAIN_PLACEHOLDERS = ("chunk", "previous")
 
 
 class LengthDistribution(BaseModel):
@@ -81,6 +86,9 @@ class NodeSpec(BaseModel):
     combine: Literal["each", "concat", "route"] = "each"
     route_weight: float = Field(default=1.0, gt=0)
     repeat: int = Field(default=1, gt=0)
+    # Where the runtime loads the model from (a local checkpoint directory); tiny catalog
+    # models need none. The planner only needs ``model``.
+    checkpoint: Optional[str] = None
 
 
 class EdgeSpec(BaseModel):
@@ -117,6 +125,15 @@ class AppSpec(BaseModel):
 
     def node_inputs(self, name: str) -> list[str]:
         return [s for s in self.inputs_of(name) if s not in self.sources]
+
+    def placeholders_allowed(self, name: str) -> list[str]:
+        """What a node's prompt may name: ``input`` (all inputs joined), each input by
+        name, and for a chain ``chunk`` (the current part) and ``previous`` (the last
+        step's output)."""
+        allowed = ["input", *self.inputs_of(name)]
+        if self.has_self_loop(name):
+            allowed += list(CHAIN_PLACEHOLDERS)
+        return allowed
 
     def topological_order(self) -> list[str]:
         order, state = [], {}
@@ -160,6 +177,12 @@ class AppSpec(BaseModel):
         for node in self.nodes:
             if not self.inputs_of(node.name):
                 raise ConfigError(f"nodes[{node.name}]: has no input edge")
+            allowed = self.placeholders_allowed(node.name)
+            for placeholder in PLACEHOLDER.findall(node.prompt):
+                if placeholder not in allowed:
+                    raise ConfigError(f"nodes[{node.name}].prompt: unknown placeholder "
+                                      f"'{{{placeholder}}}' (allowed: "
+                                      + ", ".join(f"{{{a}}}" for a in allowed) + ")")
         self.topological_order()
 
 

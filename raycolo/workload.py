@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -18,10 +17,9 @@ import numpy as np
 
 from raycolo.catalog import ModelSpec, get_model
 from raycolo.costmodel.sampler import OutputLengthSampler, seeded_rng
-from raycolo.dag import AppSpec, LengthDistribution, NodeSpec, SourceSpec
+from raycolo.dag import PLACEHOLDER, AppSpec, LengthDistribution, NodeSpec, SourceSpec
 from raycolo.errors import ConfigError
 
-_PLACEHOLDER = re.compile(r"\{[^{}]*\}")
 # Words-to-tokens ratio for text when no tokenizer is at hand (BPE tokenizers on English).
 TOKENS_PER_WORD = 4 / 3
 LAST_CHUNK_MIN_FRACTION = 0.3
@@ -32,7 +30,7 @@ def count_text_tokens(text: str) -> int:
 
 
 def template_tokens(template: str) -> int:
-    return count_text_tokens(_PLACEHOLDER.sub(" ", template))
+    return count_text_tokens(PLACEHOLDER.sub(" ", template))
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,7 +82,8 @@ def _positive_int(value, path: Path, row: int, column: str) -> Optional[int]:
     return int(value)
 
 
-def _read_request_file(path: Path, limit: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
+def read_request_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
+    """The rows of a jsonl or parquet request file, with clear errors for bad files."""
     if not path.exists():
         raise ConfigError(f"{path}: request file not found")
     if not path.is_file():
@@ -122,6 +121,11 @@ def _read_request_file(path: Path, limit: Optional[int]) -> tuple[np.ndarray, np
         rows = rows[:limit]
     if not rows:
         raise ConfigError(f"{path}: no requests")
+    return rows
+
+
+def _read_request_file(path: Path, limit: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
+    rows = read_request_rows(path, limit)
     tokens, chunks = [], []
     for i, row in enumerate(rows, 1):
         value = _positive_int(row.get("input_tokens"), path, i, "input_tokens")
@@ -135,13 +139,16 @@ def _read_request_file(path: Path, limit: Optional[int]) -> tuple[np.ndarray, np
     return np.asarray(tokens, dtype=np.int64), np.asarray(chunks, dtype=np.int64)
 
 
+def source_path(spec: SourceSpec, base_dir: Optional[str]) -> Path:
+    """A source file's path; relative paths are relative to the application's YAML."""
+    path = Path(spec.file)
+    return Path(base_dir) / path if not path.is_absolute() and base_dir else path
+
+
 def build_source(name: str, spec: SourceSpec, seed: int, first_id: int,
                  count_override: Optional[int], base_dir: Optional[str]) -> SourceItems:
     if spec.file is not None:
-        path = Path(spec.file)
-        if not path.is_absolute() and base_dir:
-            path = Path(base_dir) / path
-        tokens, chunks = _read_request_file(path, count_override)
+        tokens, chunks = _read_request_file(source_path(spec, base_dir), count_override)
     else:
         count = count_override or spec.count
         rng = seeded_rng(seed, "source", name)

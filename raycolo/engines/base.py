@@ -152,6 +152,11 @@ class Engine(abc.ABC):
     def release(self) -> None:
         """Free the model and caches; the engine cannot be used afterwards."""
 
+    def unfinished(self) -> list[TrackedRequest]:
+        """Requests not finished yet, with the tokens generated so far (both backends keep
+        their :class:`TrackedRequest` objects in ``self.requests``)."""
+        return list(self.requests.values())
+
     def _prompt_ids(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         """Token ids of a prompt, checked against the model's positions (needs ``tokenizer``
         and ``max_positions`` on the engine)."""

@@ -115,3 +115,23 @@ def load_model(model_id: str, seed: int = 0, dtype: str = "float32", device: str
     if device != "cpu" and not torch.cuda.is_available():
         raise ConfigError(f"device: '{device}' requested but CUDA is not available")
     return model.to(device), tokenizer
+
+
+def load_tokenizer(model_id: str):
+    """The tokenizer :func:`load_model` would pair with ``model_id``, without the weights
+    (the runtime renders and measures prompts in the driver)."""
+    path = Path(model_id)
+    if path.is_dir():
+        if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+            from transformers import AutoTokenizer
+            return HFTokenizer(AutoTokenizer.from_pretrained(path))
+        config = path / "config.json"
+        if not config.exists():
+            raise ConfigError(f"model_id: {path} has no config.json")
+        import json
+        return ByteTokenizer(int(json.loads(config.read_text())["vocab_size"]))
+    spec = get_model(model_id)
+    if spec.hf_architecture is None or spec.num_params > MAX_RANDOM_PARAMS:
+        raise ConfigError(f"model_id: '{model_id}' is not a tiny catalog model; give the node a "
+                          "'checkpoint' directory to run it")
+    return ByteTokenizer(spec.vocab)

@@ -33,8 +33,12 @@ class PlanningProblem:
     """Everything a policy needs: workload, cluster, valid plans and cost-model lookups."""
 
     def __init__(self, workload: Workload, cluster: ClusterSpec,
-                 profile_dir: Optional[str | Path] = None, max_num_seqs: int = 256):
+                 profile_dir: Optional[str | Path] = None, max_num_seqs: int = 256,
+                 replica_start_s: float = 0.0):
         self.workload = workload
+        # Added to every load: what starting a replica costs beyond loading the weights
+        # (a Ray actor's process start and imports, measured by the runtime).
+        self.replica_start_s = replica_start_s
         self.cluster = cluster
         self.profile_dir = Path(profile_dir) if profile_dir else None
         self.max_num_seqs = max_num_seqs
@@ -73,7 +77,7 @@ class PlanningProblem:
         return make_limits(self._model(model_name), self.cluster, tp, self.max_num_seqs)
 
     def load_seconds(self, node: str, plan: ExecPlan) -> float:
-        return self.profile(self.node(node).model.name, plan.tp).load_s
+        return self.profile(self.node(node).model.name, plan.tp).load_s + self.replica_start_s
 
     def _model(self, name: str) -> ModelSpec:
         for w in self.workload.nodes.values():

@@ -1,0 +1,454 @@
+"""The controller: runs an application's plan on engine actors, stage by stage.
+
+One loop, driven by results. Each live replica has at most one ``run`` call in flight;
+when it returns, the finished outputs are persisted, handed to the communicator, and
+the requests they make ready are dispatched: to a running replica of their node (round
+robin; a chain's document stays on one replica), or queued until their node runs.
+
+A *stage boundary* is the moment a running node finishes, in reality. There the same
+:class:`~raycolo.planner.replay.StageAdjuster` that replays plans in the simulator picks
+what runs next (SamuLLM §4.3), and :func:`~raycolo.planner.placement.place` keeps
+continuing models on their GPUs. Nodes that leave, change plan or must move are
+preempted: each replica is drained, and its unfinished requests, with the tokens they
+already generated, move to the node's next replicas. A replica whose actor dies is
+restarted in its placement group and its unfinished requests run again.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raycolo.actors.engine_actor import EngineActor
+from raycolo.planner.placement import place
+from raycolo.planner.problem import ExecPlan, PlanningProblem
+from raycolo.planner.replay import StageAdjuster
+from raycolo.planner.schedule import AppPlan
+from raycolo.planner.state import AppState, NodeState
+from raycolo.profiler import ECDF_TEMPERATURE
+from raycolo.runtime.communicator import ReadyRequest
+from raycolo.runtime.setup import PreparedRun
+
+STARTUP_TIMEOUT_S = 900.0
+
+
+class ReplicaFailed(RuntimeError):
+    """A replica could not start, or died more often than ``max_restarts`` allows."""
+
+
+@dataclass
+class Pending:
+    """A request on its way: queued, sent to a replica, or moved after a preemption."""
+
+    ready: ReadyRequest
+    prompt_ids: Optional[list[int]] = None   # set once a preemption returned it
+    generated: list[int] = field(default_factory=list)
+    preemptions: int = 0
+    attempts: int = 0
+    dispatched_s: float = 0.0
+
+    def payload(self) -> dict:
+        params = {"max_tokens": self.ready.max_tokens - len(self.generated),
+                  "temperature": ECDF_TEMPERATURE, "seed": self.ready.seed + len(self.generated)}
+        prompt = self.ready.prompt if self.prompt_ids is None else self.prompt_ids + self.generated
+        return {"key": self.ready.key, "prompt": prompt, "params": params}
+
+
+@dataclass
+class Replica:
+    node: str
+    plan: ExecPlan
+    rank: int
+    gpus: tuple[int, ...]
+    name: str
+    pg: object
+    actor: object
+    created_s: float
+    info_ref: Optional[object] = None
+    ready_s: Optional[float] = None
+    stopped_s: Optional[float] = None
+    info: dict = field(default_factory=dict)
+    inflight: Optional[object] = None
+    outbox: list[Pending] = field(default_factory=list)
+    outstanding: dict[str, Pending] = field(default_factory=dict)
+    busy_s: float = 0.0
+    tokens: int = 0
+    steps: int = 0
+    restarts: int = 0
+
+    def segment_rows(self, end_s: float) -> list[tuple[int, float, float, float, str]]:
+        stop = self.stopped_s if self.stopped_s is not None else end_s
+        ready = self.ready_s if self.ready_s is not None else stop
+        return [(g, self.created_s, min(ready, stop), stop, self.node) for g in self.gpus]
+
+
+class Controller:
+    def __init__(self, run: PreparedRun, problem: PlanningProblem, plan: AppPlan,
+                 on_output: Optional[Callable[["Controller", dict], None]] = None):
+        self.run_ = run
+        self.config = run.config
+        self.problem = problem
+        self.plan = plan
+        self.comm = run.communicator
+        self.store = run.store
+        self.on_output = on_output
+        stages = [{n: ExecPlan(dp, tp) for n, (dp, tp) in s.items()} for s in plan.selections()]
+        self.adjuster = StageAdjuster(problem, stages)
+        self.selection: dict[str, ExecPlan] = {}
+        self.replicas: dict[str, list[Replica]] = {}
+        self.all_replicas: list[Replica] = []
+        self.pending: dict[str, list[Pending]] = defaultdict(list)
+        self.by_ref: dict[object, tuple[Replica, str]] = {}
+        self.round_robin: dict[str, int] = defaultdict(int)
+        self.item_replica: dict[tuple[str, int], int] = {}
+        self.stages: list[dict] = []
+        self.switches: list[dict] = []
+        self.moved_requests = 0
+        self.controller_s = 0.0
+        self.run_requests = 0
+        self.t0 = 0.0
+        self.progress = None
+
+    # -- clock --------------------------------------------------------------------------
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    # -- replicas -----------------------------------------------------------------------
+    def engine_config(self, node: str, plan: ExecPlan) -> dict:
+        spec = self.run_.app.node(node)
+        limits = self.problem.limits(spec.model, plan.tp)
+        return {"backend": self.config.backend,
+                "model_loading_config": {"model_id": spec.checkpoint or spec.model, "seed": 0,
+                                         "dtype": self.config.dtype},
+                "engine_kwargs": {"max_num_seqs": self.config.max_num_seqs,
+                                  "max_num_batched_tokens": limits.max_num_batched_tokens,
+                                  "block_size": limits.block_size,
+                                  "kv_cache_tokens": max(1, limits.num_blocks) * limits.block_size,
+                                  "watermark": limits.watermark, "tensor_parallel_size": plan.tp,
+                                  "device": "auto", "cpu_threads": self.threads}}
+
+    @property
+    def threads(self) -> int:
+        if self.config.threads:
+            return self.config.threads
+        import os
+        return max(1, (os.cpu_count() or 1) // self.problem.cluster.num_gpus)
+
+    def _spawn(self, rep: Replica, suffix: str = "") -> None:
+        label = rep.name + suffix
+        rep.actor = EngineActor.options(
+            name=label, num_gpus=1, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(rep.pg, placement_group_bundle_index=0),
+        ).remote(self.engine_config(rep.node, rep.plan), label)
+        rep.info_ref = rep.actor.info.remote()
+        self.by_ref[rep.info_ref] = (rep, "info")
+        rep.ready_s = None
+
+    def _start_node(self, node: str, plan: ExecPlan, gpu_lists: list[tuple[int, ...]]) -> None:
+        replicas = []
+        for rank, gpus in enumerate(gpu_lists):
+            gpu_text = ",".join(str(g) for g in gpus)
+            name = f"{self.run_.app.name}/{node}/r{rank}@gpu{gpu_text}#s{len(self.stages)}"
+            pg = placement_group([{"GPU": 1}] * plan.tp, strategy=self.config.placement_strategy,
+                                 name=f"{name}/pg")
+            rep = Replica(node, plan, rank, tuple(gpus), name, pg, None, self.now())
+            self._spawn(rep)
+            replicas.append(rep)
+        self.replicas[node] = replicas
+        self.all_replicas.extend(replicas)
+
+    def _kick(self, rep: Replica) -> None:
+        if rep.inflight is not None or not (rep.outbox or rep.outstanding):
+            return
+        batch = [p.payload() for p in rep.outbox]
+        for p in rep.outbox:
+            p.dispatched_s = self.now()
+            p.attempts += 1
+            rep.outstanding[p.ready.key] = p
+        rep.outbox = []
+        rep.inflight = rep.actor.run.remote(batch, self.config.slice_s)
+        self.by_ref[rep.inflight] = (rep, "run")
+
+    def _dispatch(self, node: str, items: list[Pending]) -> None:
+        replicas = self.replicas[node]
+        chained = node in self.comm.position
+        touched = set()
+        for p in sorted(items, key=lambda p: p.ready.index):
+            if chained:
+                key = (node, p.ready.item)
+                if key not in self.item_replica or self.item_replica[key] >= len(replicas):
+                    self.item_replica[key] = self.round_robin[node] % len(replicas)
+                    self.round_robin[node] += 1
+                rank = self.item_replica[key]
+            else:
+                rank = self.round_robin[node] % len(replicas)
+                self.round_robin[node] += 1
+            replicas[rank].outbox.append(p)
+            touched.add(rank)
+        for rank in touched:
+            self._kick(replicas[rank])
+
+    def _enqueue(self, ready: list[ReadyRequest]) -> None:
+        by_node = defaultdict(list)
+        for r in ready:
+            by_node[r.node].append(Pending(r))
+        for node, items in by_node.items():
+            if node in self.replicas:
+                self._dispatch(node, items)
+            else:
+                self.pending[node].extend(items)
+
+    # -- results ------------------------------------------------------------------------
+    def _finish(self, rep: Replica, outputs: list) -> None:
+        records, done = [], []
+        for out in outputs:
+            p = rep.outstanding.pop(out.request_id)
+            tokens = p.generated + list(out.token_ids)
+            tokenizer = self.comm.tokenizers[p.ready.node]
+            text = out.text if not p.generated else tokenizer.decode(tokens)
+            prompt_tokens = len(out.prompt_token_ids) - len(p.generated)
+            records.append({
+                "key": p.ready.key, "node": p.ready.node, "index": p.ready.index,
+                "item": p.ready.item, "item_id": self.run_.texts.row_ids.get(p.ready.item),
+                "model": self.run_.app.node(p.ready.node).model,
+                "replica": rep.name, "prompt": p.ready.prompt, "text": text,
+                "prompt_tokens": prompt_tokens, "output_tokens": len(tokens),
+                "finish_reason": out.finish_reason, "dispatched_s": p.dispatched_s,
+                "finished_s": self.now(), "engine_latency_s": out.finish_s - out.arrival_s,
+                "ttft_s": out.first_token_s - out.arrival_s,
+                "preemptions": p.preemptions + out.preemptions, "attempts": p.attempts})
+            done.append((p.ready.node, p.ready.index, text))
+        self.store.append(records)  # persisted before anything downstream sees it
+        self.run_requests += len(records)
+        for record, (node, index, text) in zip(records, done):
+            self._enqueue(self.comm.complete(node, index, text))
+            if self.progress is not None:
+                self.progress.update(1)
+            if self.on_output is not None:
+                self.on_output(self, record)
+
+    def _handle(self, ref) -> None:
+        rep, kind = self.by_ref.pop(ref)
+        try:
+            result = ray.get(ref)
+        except RayActorError as exc:
+            if rep.stopped_s is not None:
+                return
+            if kind == "info" and rep.ready_s is None and rep.restarts == 0:
+                raise ReplicaFailed(f"replica {rep.name} failed to start: {_cause(exc)}") from None
+            self._restart(rep, exc)
+            return
+        if kind == "info":
+            rep.info = result
+            rep.ready_s = self.now()
+            return
+        rep.inflight = None
+        rep.busy_s += result["busy_s"]
+        rep.tokens += result["tokens"]
+        rep.steps += result["steps"]
+        self._finish(rep, result["outputs"])
+        self._kick(rep)
+
+    def _restart(self, rep: Replica, exc: Exception) -> None:
+        rep.restarts += 1
+        if rep.restarts > self.config.max_restarts:
+            raise ReplicaFailed(f"replica {rep.name} died {rep.restarts} times "
+                                f"(--max-restarts {self.config.max_restarts}): {_cause(exc)}")
+        for ref in [r for r, (owner, _) in self.by_ref.items() if owner is rep]:
+            del self.by_ref[ref]
+        lost = list(rep.outstanding.values()) + rep.outbox
+        rep.outstanding, rep.outbox, rep.inflight = {}, [], None
+        if self.progress is not None:
+            self.progress.write(f"replica {rep.name} died ({_cause(exc)}); restarting it, "
+                                f"{len(lost)} requests run again")
+        self._spawn(rep, f"#restart{rep.restarts}")
+        rep.outbox = sorted(lost, key=lambda p: p.ready.index)
+        self._kick(rep)
+
+    def _stop_node(self, node: str) -> None:
+        replicas = self.replicas.pop(node)
+        for rep in replicas:
+            left = []
+            if rep.ready_s is not None:  # a replica still starting has done nothing: just stop it
+                if rep.inflight is not None:
+                    self._handle(rep.inflight)
+                try:
+                    left = ray.get(rep.actor.drain.remote())
+                except RayActorError:
+                    left = []
+            rep.stopped_s = self.now()
+            for ref in [r for r, (owner, _) in self.by_ref.items() if owner is rep]:
+                del self.by_ref[ref]
+            rep.inflight = None
+            ray.kill(rep.actor, no_restart=True)
+            remove_placement_group(rep.pg)
+            moved = []
+            for item in left:
+                p = rep.outstanding.pop(item["key"], None)
+                if p is None:
+                    continue
+                if p.prompt_ids is None:
+                    p.prompt_ids = list(item["prompt_ids"])
+                p.generated = p.generated + list(item["generated"])
+                p.preemptions += 1
+                moved.append(p)
+            moved += list(rep.outstanding.values()) + rep.outbox
+            rep.outstanding, rep.outbox = {}, []
+            self.moved_requests += len(moved)
+            self.pending[node].extend(moved)
+
+    # -- stages -------------------------------------------------------------------------
+    def _app_state(self) -> AppState:
+        nodes = {}
+        for name, w in self.run_.workload.nodes.items():
+            zeros = np.zeros(len(w))
+            nodes[name] = NodeState(self.comm.node_done(name), zeros.astype(np.int64), zeros)
+        return AppState(self.now(), nodes)
+
+    def _boundary(self) -> None:
+        started = self.now()
+        state = self._app_state()
+        running = {n: p for n, p in self.selection.items() if not self.comm.node_finished(n)}
+        selection = self.adjuster.next_selection(state, running)
+        previous = {n: (self.selection[n], [r.gpus for r in reps]) for n, reps in self.replicas.items()}
+        placed = place(self.problem.cluster, selection, previous) or place(self.problem.cluster, selection, {})
+        placement, moved = placed
+        decided = self.now()
+        for node in list(self.replicas):
+            if (self.comm.node_finished(node) or node not in selection
+                    or selection[node] != self.selection.get(node) or node in moved):
+                self._stop_node(node)
+        stopped = self.now()
+        self.selection = selection
+        for node, plan in selection.items():
+            if node not in self.replicas:
+                self._start_node(node, plan, placement[node])
+        for node in selection:
+            if self.pending.get(node):
+                self._dispatch(node, self.pending.pop(node))
+        if self.stages:
+            self.stages[-1]["end_s"] = started
+        self.stages.append({"start_s": started, "end_s": None,
+                            "models": [{"node": n, "dp": p.dp, "tp": p.tp,
+                                        "replica_gpus": [list(g) for g in placement[n]],
+                                        "started": any(r.created_s >= stopped for r in self.replicas[n])}
+                                       for n, p in selection.items()]})
+        self.switches.append({"at_s": started, "decision_ms": 1e3 * (decided - started),
+                              "stop_s": stopped - decided, "started_replicas": sum(
+                                  1 for reps in self.replicas.values() for r in reps if r.created_s >= stopped)})
+
+    def _selection_finished(self) -> bool:
+        return any(self.comm.node_finished(n) for n in self.selection)
+
+    # -- the loop -----------------------------------------------------------------------
+    def execute(self) -> None:
+        from tqdm import tqdm
+
+        total = self.comm.total
+        self.t0 = time.perf_counter()
+        if self.config.progress:
+            self.progress = tqdm(total=total, initial=self.comm.done, unit="req",
+                                 desc=self.run_.app.name, dynamic_ncols=True)
+        try:
+            self._enqueue(self.comm.initial())
+            if self.comm.done < total:
+                self._boundary()
+            while self.comm.done < total:
+                refs = list(self.by_ref)
+                if not refs:  # nothing runs but work remains: let the adjuster pick again
+                    self._boundary()
+                    if not self.by_ref:
+                        raise RuntimeError("the runtime is stuck: no replica can run the remaining "
+                                           f"{total - self.comm.done} requests")
+                    continue
+                done, _ = ray.wait(refs, num_returns=1, timeout=STARTUP_TIMEOUT_S)
+                if not done:
+                    waiting = [r.name for r, kind in self.by_ref.values() if kind == "info"]
+                    raise ReplicaFailed(f"no progress for {STARTUP_TIMEOUT_S:.0f}s; replicas still "
+                                        f"starting: {', '.join(waiting) or 'none'} (too few GPUs?)")
+                busy_from = time.perf_counter()
+                for ref in done:
+                    self._handle(ref)
+                if self.comm.done < total and self._selection_finished():
+                    self._boundary()
+                self.controller_s += time.perf_counter() - busy_from
+            self.end_s = self.now()
+            if self.stages:
+                self.stages[-1]["end_s"] = self.end_s
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        for node in list(self.replicas):
+            for rep in self.replicas.pop(node):
+                rep.stopped_s = rep.stopped_s if rep.stopped_s is not None else self.now()
+                try:
+                    ray.kill(rep.actor, no_restart=True)
+                    remove_placement_group(rep.pg)
+                except Exception:  # already gone; shutting down anyway
+                    pass
+        self.by_ref.clear()
+
+    # -- figures ------------------------------------------------------------------------
+    def segments(self) -> list[tuple[int, float, float, float, str]]:
+        end = getattr(self, "end_s", self.now())
+        return [row for rep in self.all_replicas for row in rep.segment_rows(end)]
+
+    def summary(self) -> dict:
+        end = getattr(self, "end_s", self.now())
+        per_node = {}
+        for node in self.run_.workload.nodes:
+            reps = [r for r in self.all_replicas if r.node == node]
+            records = [r for r in self.store.done.values() if r["node"] == node]
+            busy = sum(r.busy_s for r in reps)
+            tokens = sum(r["output_tokens"] for r in records)
+            per_node[node] = {
+                "model": self.run_.app.node(node).model, "requests": len(records),
+                "output_tokens": tokens, "busy_s": busy,
+                "tokens_per_s": sum(r.tokens for r in reps) / busy if busy else None,
+                "replicas_started": len(reps), "restarts": sum(r.restarts for r in reps)}
+        gpu_busy = sum(r.busy_s * r.plan.tp for r in self.all_replicas)
+        gpus = self.problem.cluster.num_gpus
+        switches = self.switches[1:]  # the first "switch" is the initial start
+        return {
+            "actual_makespan_s": end,
+            "stages": self.stages,
+            "models": per_node,
+            "gpu_busy_fraction": gpu_busy / (gpus * end) if end else None,
+            "replicas": [{"name": r.name, "node": r.node, "dp": r.plan.dp, "tp": r.plan.tp,
+                          "gpus": list(r.gpus), "ray_gpu_ids": r.info.get("gpu_ids"),
+                          "device": r.info.get("device"), "created_s": r.created_s,
+                          "ready_s": r.ready_s, "stopped_s": r.stopped_s, "busy_s": r.busy_s,
+                          "tokens": r.tokens, "restarts": r.restarts} for r in self.all_replicas],
+            "restarts": sum(r.restarts for r in self.all_replicas),
+            "requests_moved_by_preemption": self.moved_requests,
+            "requests_run": self.run_requests,
+            "overhead": {
+                "controller_s": self.controller_s,
+                "per_request_ms": 1e3 * self.controller_s / self.run_requests if self.run_requests else None,
+                "stage_switches": len(switches),
+                "switch_decision_ms_median": statistics.median([s["decision_ms"] for s in switches]) if switches else None,
+                "switch_stop_s_median": statistics.median([s["stop_s"] for s in switches]) if switches else None,
+                "replica_start_s_median": statistics.median(
+                    [r.ready_s - r.created_s for r in self.all_replicas if r.ready_s is not None]) if self.all_replicas else None,
+            },
+        }
+
+
+def _cause(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    for line in reversed(text):
+        line = line.strip()
+        if line and not line.startswith(("File ", "Traceback", "^")):
+            return line[:300]
+    return type(exc).__name__

@@ -1,0 +1,128 @@
+"""Everything a run needs that can be checked before Ray starts.
+
+:func:`prepare` loads the application and its input, builds the request set the planner
+and the runtime share, renders the source text, measures prompt lengths with each
+model's tokenizer and opens the output directory. Any mistake surfaces here as a
+:class:`ConfigError` naming the field, before a single actor exists.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from raycolo.dag import AppSpec, SourceSpec, load_app
+from raycolo.errors import ConfigError
+from raycolo.hardware import ClusterSpec, make_cluster
+from raycolo.runtime.communicator import Communicator
+from raycolo.runtime.store import OutputStore, fingerprint
+from raycolo.runtime.texts import SourceTexts, build_source_texts
+from raycolo.workload import Workload, build_workload
+
+
+class RunConfig(BaseModel):
+    """Options of ``jobs/run_dag.py`` and ``raycolo run`` (flag names with dashes)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dag: str
+    output: str
+    input: Optional[str] = None
+    policy: str = "samullm"
+    profile: Optional[str] = None
+    seed: int = 0
+    requests: Optional[int] = Field(default=None, gt=0)
+    gpus: Optional[int] = Field(default=None, gt=0)        # None: the cluster's GPU count
+    gpu_memory: str = "80GiB"
+    nvlink_group: Optional[int] = Field(default=None, gt=0)  # None: min(2, gpus)
+    max_num_seqs: int = Field(default=64, gt=0)
+    backend: Literal["torch", "vllm"] = "torch"
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+    threads: Optional[int] = Field(default=None, gt=0)     # torch CPU threads per replica
+    replica_start_s: Optional[float] = Field(default=None, ge=0)  # None: measure once
+    slice_s: float = Field(default=0.2, gt=0)
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    max_restarts: int = Field(default=3, ge=0)
+    address: Optional[str] = None
+    progress: bool = True
+    gantt: bool = True
+
+
+def parse_run_config(values: dict) -> RunConfig:
+    try:
+        return RunConfig.model_validate(values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = "--" + ".".join(str(p) for p in err["loc"]).replace("_", "-")
+        raise ConfigError(f"{field}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+@dataclass
+class PreparedRun:
+    config: RunConfig
+    app: AppSpec
+    workload: Workload
+    texts: SourceTexts
+    communicator: Communicator
+    store: OutputStore
+    profile_dir: Optional[Path]
+
+    def cluster(self, gpus: int) -> ClusterSpec:
+        group = self.config.nvlink_group or min(2, gpus)
+        if gpus % group:
+            raise ConfigError(f"--nvlink-group: {group} does not divide the {gpus} GPUs")
+        return make_cluster(gpus, self.config.gpu_memory, group)
+
+
+def _with_input(app: AppSpec, input_path: str) -> AppSpec:
+    """The application reading its single source from ``input_path`` instead."""
+    if len(app.sources) != 1:
+        raise ConfigError(f"--input: the application has {len(app.sources)} sources "
+                          f"({', '.join(app.sources)}); give each a 'file' in the DAG instead")
+    path = Path(input_path).resolve()
+    (name, spec), = app.sources.items()
+    source = SourceSpec(file=str(path), chunk_tokens=spec.chunk_tokens)
+    return app.model_copy(update={"sources": {name: source}})
+
+
+def prepare(config: RunConfig) -> PreparedRun:
+    from raycolo.cli import resolve_profile_dir
+    from raycolo.engines.models import load_tokenizer
+    from raycolo.policies import get_policy
+
+    get_policy(config.policy)  # an unknown policy is a config error, found before Ray starts
+    app = load_app(config.dag)
+    if config.input is not None:
+        app = _with_input(app, config.input)
+    profile_dir = resolve_profile_dir(config.profile) if config.profile else None
+    workload = build_workload(app, seed=config.seed, requests=config.requests,
+                              ecdf_dir=profile_dir / "ecdf" if profile_dir else None)
+    tokenizers = {}
+    for node in app.nodes:
+        try:
+            tokenizers[node.name] = load_tokenizer(node.checkpoint or node.model)
+        except ConfigError as exc:
+            raise ConfigError(f"nodes[{node.name}]: {exc}") from None
+    first_consumer = next(n for n in app.topological_order()
+                          if any(s in app.sources for s in app.inputs_of(n)))
+    texts = build_source_texts(app, workload, tokenizers[first_consumer])
+    communicator = Communicator(app, workload, texts, tokenizers, config.seed)
+    for node, lengths in communicator.planned_input_lengths().items():
+        workload.nodes[node].input_len = lengths
+    job = fingerprint(  # file paths left out: a job's working directory moves between submissions
+        app.model_dump(exclude={"base_dir": True, "sources": {"__all__": {"file"}}}), config.seed, config.requests,
+                      [texts.parts[item] for item in sorted(texts.parts)])
+    store = OutputStore(config.output, job, {"dag": os.path.abspath(config.dag), "input": config.input,
+                                             "seed": config.seed, "app": app.name})
+    restored = []
+    for key, record in store.done.items():
+        node, index = record["node"], int(record["index"])
+        if node not in workload.nodes or index >= len(workload.nodes[node]):
+            raise ConfigError(f"--output: {store.journal_path} names request {key}, which this "
+                              "job does not have; use a new directory")
+        restored.append((node, index, record["text"]))
+    communicator.restore(sorted(restored, key=lambda r: (app.topological_order().index(r[0]), r[1])))
+    return PreparedRun(config, app, workload, texts, communicator, store, profile_dir)
