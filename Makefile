@@ -11,7 +11,7 @@ PIP    := $(VENV)/bin/pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: venv test demo bench clean test-vllm
+.PHONY: venv test demo bench bench-runtime clean test-vllm
 
 # Internal: make sure .venv exists and holds torch (pinned CPU wheel) and raycolo[test].
 venv: $(STAMP)
@@ -30,13 +30,20 @@ $(STAMP): pyproject.toml | $(VPY)
 test: venv
 	$(VPY) -m pytest -q
 
+# Plans the paper-sized ensemble, then runs a tiny 3-model application for real on a
+# local Ray cluster (2 logical GPUs, CPU torch). The last line is `report: PATH`.
 demo: venv
 	mkdir -p out
 	$(VENV)/bin/raycolo compare examples/ensemble.yaml
 	$(VENV)/bin/raycolo plan examples/chain_summary.yaml --gantt out/chain_summary_gantt.png
+	rm -rf out/demo-tiny
+	$(VENV)/bin/raycolo run examples/tiny.yaml --profile cpu --gpus 2 --output out/demo-tiny
 
 bench: venv
 	$(VPY) bench/planner.py
+
+bench-runtime: venv
+	$(VPY) bench/runtime.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info out

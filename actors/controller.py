@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -132,7 +132,9 @@ class Controller:
                                   "max_num_batched_tokens": limits.max_num_batched_tokens,
                                   "block_size": limits.block_size,
                                   "kv_cache_tokens": max(1, limits.num_blocks) * limits.block_size,
-                                  "watermark": limits.watermark, "tensor_parallel_size": plan.tp,
+                                  "watermark": limits.watermark,
+                                  # the torch engine computes on one device of its tp bundles
+                                  "tensor_parallel_size": plan.tp if self.config.backend == "vllm" else 1,
                                   "device": "auto", "cpu_threads": self.threads}}
 
     @property
@@ -239,6 +241,8 @@ class Controller:
         rep, kind = self.by_ref.pop(ref)
         try:
             result = ray.get(ref)
+        except RayTaskError as exc:  # the engine raised: a bug or a bad request, not a crash
+            raise ReplicaFailed(f"replica {rep.name}: {_cause(exc)}") from None
         except RayActorError as exc:
             if rep.stopped_s is not None:
                 return
@@ -251,11 +255,15 @@ class Controller:
             rep.ready_s = self.now()
             return
         rep.inflight = None
+        self._account(rep, result)
+        self._finish(rep, result["outputs"])
+        self._kick(rep)
+
+    @staticmethod
+    def _account(rep: Replica, result: dict) -> None:
         rep.busy_s += result["busy_s"]
         rep.tokens += result["tokens"]
         rep.steps += result["steps"]
-        self._finish(rep, result["outputs"])
-        self._kick(rep)
 
     def _restart(self, rep: Replica, exc: Exception) -> None:
         rep.restarts += 1
@@ -281,21 +289,27 @@ class Controller:
                 if rep.inflight is not None:
                     self._handle(rep.inflight)
                 try:
-                    left = ray.get(rep.actor.drain.remote())
+                    drained = ray.get(rep.actor.drain.remote())
+                    self._account(rep, drained)
+                    self._finish(rep, drained["outputs"])
+                    left = drained["unfinished"]
                 except RayActorError:
                     left = []
             rep.stopped_s = self.now()
             for ref in [r for r, (owner, _) in self.by_ref.items() if owner is rep]:
                 del self.by_ref[ref]
             rep.inflight = None
-            ray.kill(rep.actor, no_restart=True)
+            if rep.ready_s is not None:
+                rep.actor.__ray_terminate__.remote()  # graceful exit once drained
+            else:
+                ray.kill(rep.actor, no_restart=True)
             remove_placement_group(rep.pg)
             moved = []
             for item in left:
                 p = rep.outstanding.pop(item["key"], None)
                 if p is None:
                     continue
-                if p.prompt_ids is None:
+                if p.prompt_ids is None and item["prompt_ids"] is not None:
                     p.prompt_ids = list(item["prompt_ids"])
                 p.generated = p.generated + list(item["generated"])
                 p.preemptions += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Callable, Optional
@@ -49,17 +50,35 @@ def cluster_gpus() -> int:
     return gpus
 
 
-def probe_replica_start(run: PreparedRun) -> float:
-    """Seconds from asking for an engine actor to its first answer: process start,
-    imports and building a tiny engine. Replicas of real models add their load time."""
+def probe_replica_start(run: PreparedRun, concurrent: int = 2) -> float:
+    """Seconds from asking for engine actors to their first answer (process start,
+    imports, a tiny engine), with ``concurrent`` starting at once as at a stage start;
+    the median. Replicas of real models add their profiled load time on top."""
+    model = _probe_model(run)
     started = time.perf_counter()
-    actor = EngineActor.options(name=None, num_gpus=0).remote(
-        {"model_loading_config": {"model_id": PROBE_MODEL},
-         "engine_kwargs": {"cpu_threads": 1, "device": "cpu"}}, "raycolo-probe")
-    ray.get(actor.info.remote())
-    seconds = time.perf_counter() - started
-    ray.kill(actor)
-    return seconds
+    actors = [EngineActor.options(num_gpus=0).remote(
+        {"model_loading_config": {"model_id": model},
+         "engine_kwargs": {"cpu_threads": 1, "device": "cpu"}}, f"raycolo-probe-{i}")
+        for i in range(concurrent)]
+    pending = {a.info.remote(): a for a in actors}
+    times = []
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        ray.get(done[0])
+        times.append(time.perf_counter() - started)
+        pending.pop(done[0]).__ray_terminate__.remote()  # graceful: no SIGTERM noise
+    return statistics.median(times)
+
+
+def _probe_model(run: PreparedRun) -> str:
+    """The app's largest tiny model (building its random weights is part of the start),
+    or the smallest tiny model when the app runs checkpoints (their load is profiled)."""
+    from raycolo.catalog import get_model
+    from raycolo.engines.models import MAX_RANDOM_PARAMS
+
+    tiny = [get_model(n.model) for n in run.app.nodes if n.checkpoint is None]
+    tiny = [m for m in tiny if m.hf_architecture and m.num_params <= MAX_RANDOM_PARAMS]
+    return max(tiny, key=lambda m: m.num_params).name if tiny else PROBE_MODEL
 
 
 def run_application(config: RunConfig, on_output: Optional[Callable] = None,
@@ -77,7 +96,7 @@ def run_application(config: RunConfig, on_output: Optional[Callable] = None,
     gpus = config.gpus or cluster_gpus()
     cluster = run.cluster(gpus)
     if config.replica_start_s is None:
-        replica_start_s = probe_replica_start(run)
+        replica_start_s = probe_replica_start(run, concurrent=min(gpus, 4))
         log(f"replica start measured: {replica_start_s:.1f}s")
     else:
         replica_start_s = config.replica_start_s

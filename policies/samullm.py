@@ -16,6 +16,7 @@ that inherit the cache (set ``RAYCOLO_PLANNER_PROCESSES=1`` to stay in one proce
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
@@ -52,6 +53,18 @@ def _processes() -> int:
     return min(wanted, len(os.sched_getaffinity(0)), len(METRICS)) if can_fork else 1
 
 
+@contextlib.contextmanager
+def _worker():
+    """A forked helper process that exits on its own: Pool's own ``with`` terminates it
+    with SIGTERM, which a process inheriting Ray's signal handlers reports loudly."""
+    pool = multiprocessing.get_context("fork").Pool(1)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        pool.join()
+
+
 @register("samullm")
 def plan(problem: PlanningProblem) -> AppPlan:
     started = time.perf_counter()
@@ -63,13 +76,12 @@ def plan(problem: PlanningProblem) -> AppPlan:
     _shared.update(problem=problem, evaluator=evaluator)
     try:
         if _processes() > 1:
-            fork = multiprocessing.get_context("fork")
-            with fork.Pool(1) as pool:  # half of the first-stage simulations in a second process
+            with _worker() as pool:  # half of the first-stage simulations in a second process
                 other_half = pool.apply_async(_first_stage_runs, (pairs[1::2],))
                 _first_stage_runs(pairs[0::2])  # fills this process's cache
                 evaluator.cache.update(other_half.get())
                 evaluator.simulations += len(pairs[1::2])
-            with fork.Pool(1) as pool:  # then the two greedies side by side, sharing that cache
+            with _worker() as pool:  # then the two greedies side by side, sharing that cache
                 other = pool.apply_async(_greedy, (METRICS[1],))
                 plans = [_greedy(METRICS[0]), other.get()]
         else:

@@ -1,0 +1,114 @@
+"""Runtime benchmark: real runs of tiny applications on a local Ray cluster.
+
+    .venv/bin/python bench/runtime.py [--repeats 3] [--gpus 2]
+
+Measures, on a local cluster with logical GPUs and the shipped CPU profiles:
+
+1. the planner's predicted makespan against the executed makespan (samullm plans);
+2. the samullm plan against the max and min heuristics, each executed for real on the
+   same application and requests (end-to-end ratios, planning included);
+3. the runtime's own overhead: controller time per request, decision time and drain
+   time per stage switch, and how long a replica takes to start.
+
+The replica start time used for planning is measured once by a probe actor and shared
+by every run. Figures are medians over ``--repeats``; the machine is shared and noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from raycolo.actors.launch import probe_replica_start, run_application  # noqa: E402
+from raycolo.runtime.setup import RunConfig, prepare  # noqa: E402
+
+PREDICTION_APPS = ("tiny.yaml", "tiny_chain.yaml")
+POLICY_APP = "tiny.yaml"
+POLICIES = ("samullm", "max", "min")
+
+
+def _run(app: str, policy: str, gpus: int, start_s: float, requests, workdir: Path, tag: str) -> dict:
+    config = RunConfig(dag=str(ROOT / "examples" / app), output=str(workdir / tag), profile="cpu",
+                       policy=policy, gpus=gpus, nvlink_group=1, replica_start_s=start_s,
+                       requests=requests, progress=False, gantt=False)
+    started = time.perf_counter()
+    report = run_application(config, log=lambda m: None)
+    report["end_to_end_s"] = time.perf_counter() - started
+    assert report["requests_done"] == report["requests_total"], tag
+    return report
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=None, help="override every source's count")
+    args = parser.parse_args(argv)
+
+    ray.init(address="local", num_gpus=args.gpus, num_cpus=args.gpus + 2, include_dashboard=False,
+             log_to_driver=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        probe = prepare(RunConfig(dag=str(ROOT / "examples" / POLICY_APP), output=str(workdir / "probe")))
+        start_s = probe_replica_start(probe, concurrent=min(args.gpus, 4))
+        print(f"local cluster: {args.gpus} logical GPUs; replica start (probe, {min(args.gpus, 4)} at once): {start_s:.2f}s\n")
+
+        runs: dict[tuple[str, str], list[dict]] = {}
+        jobs = [(app, "samullm") for app in PREDICTION_APPS]
+        jobs += [(POLICY_APP, p) for p in POLICIES if (POLICY_APP, p) not in jobs]
+        for r in range(args.repeats):
+            for app, policy in jobs:
+                tag = f"{Path(app).stem}-{policy}-{r}"
+                report = _run(app, policy, args.gpus, start_s, args.requests, workdir, tag)
+                runs.setdefault((app, policy), []).append(report)
+                print(f"  run {tag}: predicted {report['predicted_makespan_s']:.1f}s, "
+                      f"actual {report['actual_makespan_s']:.1f}s", flush=True)
+    ray.shutdown()
+
+    print("\n1. Predicted vs actual makespan (samullm plan, median over repeats)")
+    print(f"{'application':<18} {'requests':>8} {'predicted_s':>11} {'actual_s':>9} {'error':>8}  errors per run")
+    for app in PREDICTION_APPS:
+        reps = runs[(app, "samullm")]
+        errors = [r["prediction_error"] for r in reps]
+        print(f"{Path(app).stem:<18} {reps[0]['requests_total']:>8} "
+              f"{_median(r['predicted_makespan_s'] for r in reps):>11.1f} "
+              f"{_median(r['actual_makespan_s'] for r in reps):>9.1f} {_median(errors):>+8.1%}  "
+              + ", ".join(f"{e:+.1%}" for e in errors))
+
+    print(f"\n2. Policies executed for real on {Path(POLICY_APP).stem} (median makespan; ratio = policy / samullm)")
+    print(f"{'policy':<10} {'predicted_s':>11} {'actual_s':>9} {'end_to_end_s':>12} {'ratio':>7} {'stages':>6} {'restarts':>8}")
+    base = _median(r["actual_makespan_s"] for r in runs[(POLICY_APP, "samullm")])
+    for policy in POLICIES:
+        reps = runs[(POLICY_APP, policy)]
+        actual = _median(r["actual_makespan_s"] for r in reps)
+        print(f"{policy:<10} {_median(r['predicted_makespan_s'] for r in reps):>11.1f} {actual:>9.1f} "
+              f"{_median(r['end_to_end_s'] for r in reps):>12.1f} {actual / base:>7.2f} "
+              f"{len(reps[0]['actual_stages']):>6} {sum(r['restarts'] for r in reps):>8}")
+
+    print("\n3. Runtime overhead (all runs)")
+    everything = [r for reps in runs.values() for r in reps]
+    per_request = _median(r["overhead"]["per_request_ms"] for r in everything)
+    decision = _median(r["overhead"]["switch_decision_ms_median"] for r in everything)
+    drain = _median(r["overhead"]["switch_stop_s_median"] for r in everything)
+    start = _median(r["overhead"]["replica_start_s_median"] for r in everything)
+    print(f"controller + communicator per request: {per_request:.2f} ms (median over {len(everything)} runs)")
+    print(f"per stage switch: decision {decision:.2f} ms, draining preempted replicas {1e3 * drain:.0f} ms, "
+          f"replica start {start:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
