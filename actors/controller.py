@@ -83,6 +83,7 @@ class Replica:
     tokens: int = 0
     steps: int = 0
     restarts: int = 0
+    stopping: bool = False
 
     def segment_rows(self, end_s: float) -> list[tuple[int, float, float, float, str]]:
         stop = self.stopped_s if self.stopped_s is not None else end_s
@@ -109,6 +110,7 @@ class Controller:
         self.by_ref: dict[object, tuple[Replica, str]] = {}
         self.round_robin: dict[str, int] = defaultdict(int)
         self.item_replica: dict[tuple[str, int], int] = {}
+        self.names_used: dict[str, int] = defaultdict(int)
         self.stages: list[dict] = []
         self.switches: list[dict] = []
         self.moved_requests = 0
@@ -159,6 +161,9 @@ class Controller:
         for rank, gpus in enumerate(gpu_lists):
             gpu_text = ",".join(str(g) for g in gpus)
             name = f"{self.run_.app.name}/{node}/r{rank}@gpu{gpu_text}#s{len(self.stages)}"
+            self.names_used[name] += 1
+            if self.names_used[name] > 1:  # reloaded within one stage: names must stay unique
+                name += f"#reload{self.names_used[name] - 1}"
             pg = placement_group([{"GPU": 1}] * plan.tp, strategy=self.config.placement_strategy,
                                  name=f"{name}/pg")
             rep = Replica(node, plan, rank, tuple(gpus), name, pg, None, self.now())
@@ -168,7 +173,7 @@ class Controller:
         self.all_replicas.extend(replicas)
 
     def _kick(self, rep: Replica) -> None:
-        if rep.inflight is not None or not (rep.outbox or rep.outstanding):
+        if rep.stopping or rep.inflight is not None or not (rep.outbox or rep.outstanding):
             return
         batch = [p.payload() for p in rep.outbox]
         for p in rep.outbox:
@@ -284,12 +289,14 @@ class Controller:
     def _stop_node(self, node: str) -> None:
         replicas = self.replicas.pop(node)
         for rep in replicas:
+            rep.stopping = True  # no further run calls: everything after this comes from drain
             left = []
             if rep.ready_s is not None:  # a replica still starting has done nothing: just stop it
+                drain = rep.actor.drain.remote()  # stops the engine loop; a pending run returns
                 if rep.inflight is not None:
                     self._handle(rep.inflight)
                 try:
-                    drained = ray.get(rep.actor.drain.remote())
+                    drained = ray.get(drain)
                     self._account(rep, drained)
                     self._finish(rep, drained["outputs"])
                     left = drained["unfinished"]
@@ -318,6 +325,17 @@ class Controller:
             rep.outstanding, rep.outbox = {}, []
             self.moved_requests += len(moved)
             self.pending[node].extend(moved)
+
+    def preempt(self, node: str) -> None:
+        """Reload a running node in place (same plan and GPUs): its replicas are drained
+        and its unfinished requests continue on the new ones. Operators use it to move
+        work off a misbehaving replica; tests use it to exercise preemption."""
+        if node not in self.replicas:
+            raise ValueError(f"node {node} is not running")
+        gpus = [r.gpus for r in self.replicas[node]]
+        self._stop_node(node)
+        self._start_node(node, self.selection[node], gpus)
+        self._dispatch(node, self.pending.pop(node, []))
 
     # -- stages -------------------------------------------------------------------------
     def _app_state(self) -> AppState:

@@ -19,7 +19,7 @@ from typing import Optional
 import ray
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=2)
 class EngineActor:
     def __init__(self, engine_config: dict, label: str):
         started = time.perf_counter()
@@ -58,6 +58,8 @@ class EngineActor:
                         self._cond.notify_all()
                         self._cond.wait()
                     if self._stopping:
+                        self._active = False
+                        self._cond.notify_all()
                         return
                     self._active = True
                     for r in self._incoming:
@@ -107,7 +109,7 @@ class EngineActor:
                 self._incoming.extend(requests)
                 self._active = True
                 self._cond.notify_all()
-            while (not self._finished and self._error is None
+            while (not self._finished and self._error is None and not self._stopping
                    and (self._active or self._incoming)):
                 left = deadline - time.perf_counter()
                 if left <= 0:
@@ -117,16 +119,19 @@ class EngineActor:
 
     def drain(self) -> dict:
         """Stop the engine; return uncollected outputs and every unfinished request with
-        its prompt and generated token ids."""
+        its prompt and generated token ids. Runs beside a pending :meth:`run` call (the
+        actor takes two calls at once), which then returns at once with what it has."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join()
         with self._cond:
             collected = self._collect()
-        left = [{"key": r.request_id, "prompt_ids": list(r.prompt), "generated": list(r.generated),
-                 "preemptions": r.preemptions} for r in self.engine.unfinished()]
-        left += [{"key": r["key"], "prompt_ids": None, "generated": [], "preemptions": 0}
-                 for r in self._incoming]
+            left = [{"key": r.request_id, "prompt_ids": list(r.prompt), "generated": list(r.generated),
+                     "preemptions": r.preemptions} for r in self.engine.unfinished()]
+            left += [{"key": r["key"], "prompt_ids": None, "generated": [], "preemptions": 0}
+                     for r in self._incoming]
+            self._incoming = []
+            self._cond.notify_all()
         self.engine.release()
         return {**collected, "unfinished": left}

@@ -51,15 +51,20 @@ def cluster_gpus() -> int:
 
 
 def probe_replica_start(run: PreparedRun, concurrent: int = 2) -> float:
-    """Seconds from asking for engine actors to their first answer (process start,
-    imports, a tiny engine), with ``concurrent`` starting at once as at a stage start;
-    the median. Replicas of real models add their profiled load time on top."""
+    """Seconds from asking for engine actors to their first answer (placement group,
+    process start, imports, a tiny engine), with ``concurrent`` started the way a stage
+    start starts replicas; the median. Real models add their profiled load time on top."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     model = _probe_model(run)
     started = time.perf_counter()
-    actors = [EngineActor.options(num_gpus=0).remote(
-        {"model_loading_config": {"model_id": model},
-         "engine_kwargs": {"cpu_threads": 1, "device": "cpu"}}, f"raycolo-probe-{i}")
-        for i in range(concurrent)]
+    groups = [placement_group([{"GPU": 1}]) for _ in range(concurrent)]
+    actors = [EngineActor.options(
+        num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+    ).remote({"model_loading_config": {"model_id": model},
+              "engine_kwargs": {"cpu_threads": 1, "device": "cpu"}}, f"raycolo-probe-{i}")
+        for i, pg in enumerate(groups)]
     pending = {a.info.remote(): a for a in actors}
     times = []
     while pending:
@@ -67,6 +72,8 @@ def probe_replica_start(run: PreparedRun, concurrent: int = 2) -> float:
         ray.get(done[0])
         times.append(time.perf_counter() - started)
         pending.pop(done[0]).__ray_terminate__.remote()  # graceful: no SIGTERM noise
+    for pg in groups:
+        remove_placement_group(pg)
     return statistics.median(times)
 
 

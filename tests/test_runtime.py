@@ -182,3 +182,55 @@ def test_run_dag_job_script_runs_directly(tmp_path):
     assert last == f"report: {out.resolve() / 'report.json'}"
     report = json.loads((out / "report.json").read_text())
     _check_exactly_once(report, out)
+
+
+def test_preempted_requests_continue_on_new_replicas_without_redoing_tokens(cluster, tmp_path):
+    preempted = []
+
+    def preempt_medium(controller, record):
+        if preempted or record["node"] != "medium":
+            return
+        reps = controller.replicas.get("medium", [])
+        if any(r.outstanding for r in reps):  # the first medium answer: the rest are mid-way
+            preempted.append(sum(len(r.outstanding) for r in reps))
+            controller.preempt("medium")
+
+    config = _config(tmp_path, "tiny.yaml", requests=12)
+    report = run_application(config, on_output=preempt_medium, log=lambda m: None)
+    table = _check_exactly_once(report, Path(config.output))
+    assert preempted and report["requests_moved_by_preemption"] >= preempted[0] > 0
+    medium = table[table["node"] == "medium"]
+    assert (medium["preemptions"] >= 1).sum() >= 1
+    # nothing done twice: the medium replicas generated exactly the tokens that were kept
+    generated = sum(r["tokens"] for r in report["replicas"] if r["node"] == "medium")
+    assert generated == medium["output_tokens"].sum()
+    assert len([r for r in report["replicas"] if r["node"] == "medium"]) >= 2
+
+
+def test_the_runtime_adapts_when_models_finish_in_another_order(cluster, tmp_path):
+    """Plan with a wrong belief (the small model's outputs 20x longer than they are): the
+    plan expects 'medium' to finish first, reality finishes 'small' first, and the stage
+    adjuster takes the next stage from there."""
+    from raycolo.actors.controller import Controller
+    from raycolo.planner.problem import PlanningProblem
+    from raycolo.policies import get_policy
+    from raycolo.runtime.setup import prepare
+
+    config = _config(tmp_path, "tiny.yaml", requests=8)
+    run = prepare(config)
+    believed = run.workload.nodes["small"].output_len.copy()
+    problem = PlanningProblem(run.workload, run.cluster(2), profile_dir=run.profile_dir,
+                              max_num_seqs=config.max_num_seqs, replica_start_s=START_S)
+    run.workload.nodes["small"].output_len = believed * 20
+    plan = get_policy("samullm")(problem)
+    run.workload.nodes["small"].output_len = believed
+    assert plan.node_finish_s["medium"] < plan.node_finish_s["small"]
+    controller = Controller(run, problem, plan)
+    controller.execute()
+    run.store.close()
+    summary = controller.summary()
+    assert run.communicator.done == run.communicator.total == 24
+    finish = {n: max(r["finished_s"] for r in run.store.done.values() if r["node"] == n)
+              for n in ("small", "medium")}
+    assert finish["small"] < finish["medium"]  # reality disagreed with the plan
+    assert [m["node"] for m in summary["stages"][-1]["models"]] == ["judge"]
