@@ -118,6 +118,10 @@ class Controller:
         self.run_requests = 0
         self.t0 = 0.0
         self.progress = None
+        from ray.util.metrics import Counter, Gauge
+        self.requests_metric = Counter("raycolo_requests_done", "requests answered, per node",
+                                       tag_keys=("app", "node"))
+        self.stage_metric = Gauge("raycolo_stage", "stage the controller is in", tag_keys=("app",))
 
     # -- clock --------------------------------------------------------------------------
     def now(self) -> float:
@@ -236,6 +240,7 @@ class Controller:
         self.store.append(records)  # persisted before anything downstream sees it
         self.run_requests += len(records)
         for record, (node, index, text) in zip(records, done):
+            self.requests_metric.inc(1, tags={"app": self.run_.app.name, "node": node})
             self._enqueue(self.comm.complete(node, index, text))
             if self.progress is not None:
                 self.progress.update(1)
@@ -368,6 +373,7 @@ class Controller:
                 self._dispatch(node, self.pending.pop(node))
         if self.stages:
             self.stages[-1]["end_s"] = started
+        self.stage_metric.set(len(self.stages), tags={"app": self.run_.app.name})
         self.stages.append({"start_s": started, "end_s": None,
                             "models": [{"node": n, "dp": p.dp, "tp": p.tp,
                                         "replica_gpus": [list(g) for g in placement[n]],
