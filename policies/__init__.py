@@ -39,6 +39,34 @@ def policy_names() -> list[str]:
     return list(_REGISTRY)
 
 
+# Online allocation policies (LeMix and its baselines) live in their own registry: they
+# decide where each arriving task runs, not an offline plan.
+_ONLINE: dict[str, Callable] = {}
+_ONLINE_MODULES = ["lemix", "online_baselines"]
+
+
+def register_online(name: str):
+    """Register a factory ``(params, separate_train_nodes) -> OnlinePolicy``."""
+    def wrap(factory: Callable) -> Callable:
+        _ONLINE[name] = factory
+        return factory
+    return wrap
+
+
+def get_online_policy(name: str) -> Callable:
+    for module in _ONLINE_MODULES:
+        importlib.import_module(f"raycolo.policies.{module}")
+    if name not in _ONLINE:
+        raise ConfigError(f"--policy: unknown online policy '{name}' (known: {', '.join(online_policy_names())})")
+    return _ONLINE[name]
+
+
+def online_policy_names() -> list[str]:
+    for module in _ONLINE_MODULES:
+        importlib.import_module(f"raycolo.policies.{module}")
+    return list(_ONLINE)
+
+
 def optimal_applies(problem) -> bool:
     """Whether the exhaustive ``optimal`` policy accepts a problem of this size."""
     from raycolo.policies.optimal import optimal_applies as applies

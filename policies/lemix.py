@@ -1,0 +1,95 @@
+"""LeMix (Li et al.): plan every task's path on every node, score nodes by eq. 3, hold
+training back when the next inference would miss its SLO (eq. 4).
+
+Registered variants drop one part each, for the paper's ablation (Fig. 17):
+``lemix-noprofile`` plans with length-blind latencies (the reference task's, whatever
+the query length), ``lemix-noprioritize`` never defers training, ``lemix-nomemory`` runs
+without the memory-aware wait-or-offload of Algorithm 2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from raycolo.online.allocation import best_node, idleness_profit, length_consistency, priority, violates_slo
+from raycolo.online.planning import commit, compute_idleness
+from raycolo.online.tasks import OnlineTask
+from raycolo.policies import register_online
+
+
+@dataclass
+class Lemix:
+    params: object
+    name: str = "lemix"
+    prioritize: bool = True
+    memory_aware: bool = True
+    profiled: bool = True
+    query_delay_s: float = 0.0
+
+    def allocate(self, task: OnlineTask, sched, now: float) -> Optional[int]:
+        p = self.params
+        slo = p.slo_s(sched.profiles[0].forward_latency_s)
+        plans, scores = [], []
+        for n, trace in enumerate(sched.traces):
+            est = sched.estimators[n]
+            plan = compute_idleness(trace, task.task_id, task.arrival_s, task.length, task.batch,
+                                    task.is_train, est, now, idle_cap=slo)
+            ip = idleness_profit(plan.idle, trace.stages, sched.interarrival,
+                                 p.tau * sched.profiles[n].forward_latency_s)
+            lc = length_consistency(task.length, trace.count, trace.length_mean, trace.length_std)
+            plans.append(plan)
+            scores.append(priority(ip, lc, plan.response, p.lambda1, p.lambda2))
+        n = best_node(scores)
+        if task.is_train and self.prioritize and self._at_risk(sched, n, plans[n].path, now):
+            return None
+        commit(sched.traces[n], plans[n].path)
+        sched.pending_path = plans[n].path
+        return n
+
+    def _at_risk(self, sched, node: int, path, now: float) -> bool:
+        """Eq. 4 with this training task placed on ``node``."""
+        nxt = sched.next_inference(now)
+        if nxt is None:
+            return False
+        arrival, length = nxt
+        free, forward = [], []
+        for n, trace in enumerate(sched.traces):
+            last = path if n == node else trace.last
+            free.append(max(now, arrival, last.end_f(trace.stages - 1) if last else now))
+            forward.append(trace.stages * sched.estimators[n].forward_s(1, length))
+        slo = self.params.slo_s(sched.profiles[0].forward_latency_s)
+        return violates_slo(free, forward, arrival, slo)
+
+
+@dataclass
+class LengthBlind:
+    """Latencies without a profile: the reference task's per stage, whatever ℓ and C."""
+
+    forward: float
+    backward: float
+
+    def forward_s(self, batch: int, length: int) -> float:
+        return self.forward
+
+    def backward_s(self, batch: int, length: int) -> float:
+        return self.backward
+
+
+@register_online("lemix")
+def lemix(params, **_):
+    return Lemix(params)
+
+
+@register_online("lemix-noprofile")
+def lemix_noprofile(params, **_):
+    return Lemix(params, name="lemix-noprofile", profiled=False)
+
+
+@register_online("lemix-noprioritize")
+def lemix_noprioritize(params, **_):
+    return Lemix(params, name="lemix-noprioritize", prioritize=False)
+
+
+@register_online("lemix-nomemory")
+def lemix_nomemory(params, **_):
+    return Lemix(params, name="lemix-nomemory", memory_aware=False)

@@ -1,0 +1,53 @@
+"""LeMix allocation (§IV-C): task-level node scores and queue-level deprioritization.
+
+* IP = -max(Π/S - (a - a_prev), τ)                       idleness profit, eq. 1
+* LC = N(ℓ; μ, σ) of the node's executed lengths          length consistency, eq. 2
+* f  = (IP + λ2·LC) / (λ1·R)                              priority, eq. 3
+
+Eq. 3 divides by R so that faster nodes score higher, which holds while the numerator
+is positive. With a negative numerator (a node whose idle time grows faster than tasks
+arrive) the quotient would *prefer* the slower node; there we use (IP + λ2·LC)·(λ1·R),
+which keeps f decreasing in R and increasing in the numerator on both sides of zero.
+Where the numerator is positive, f is exactly eq. 3.
+
+Deprioritization (eq. 4): a training task is held back when the next inference task,
+placed on the node where it would answer soonest, would still exceed τ_R.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+MIN_SIGMA_TOKENS = 1.0
+
+
+def idleness_profit(idle: float, stages: int, interarrival: float, tau: float) -> float:
+    return -max(idle / stages - interarrival, tau)
+
+
+def length_consistency(length: int, count: int, mean: float, std: float) -> float:
+    """Gaussian density of ``length`` under the node's lengths so far; 0 with fewer than
+    two (no spread to measure: a fresh node has no profile to be consistent with)."""
+    if count < 2:
+        return 0.0
+    sigma = max(std, MIN_SIGMA_TOKENS)
+    return math.exp(-((length - mean) ** 2) / (2 * sigma * sigma)) / (sigma * math.sqrt(2 * math.pi))
+
+
+def priority(ip: float, lc: float, response: float, lambda1: float, lambda2: float) -> float:
+    numerator = ip + lambda2 * lc
+    scale = lambda1 * max(response, 1e-12)
+    return numerator / scale if numerator >= 0 else numerator * scale
+
+
+def best_node(scores: Sequence[float]) -> int:
+    """Highest score; ties go to the lowest node index (deterministic)."""
+    return max(range(len(scores)), key=lambda n: (scores[n], -n))
+
+
+def violates_slo(node_free_at: Sequence[float], forward_s: Sequence[float], arrival_s: float,
+                 slo_s: float) -> bool:
+    """Eq. 4: min over nodes of (the node's last planned forward end + the next inference
+    task's forward) - its arrival > τ_R."""
+    best = min(free + fwd for free, fwd in zip(node_free_at, forward_s))
+    return best - arrival_s > slo_s

@@ -1,0 +1,48 @@
+"""LeMix's parameters, with defaults and where each comes from.
+
+Times given as multiples are multiples of the model's whole-forward reference latency
+(Table II), so one set of defaults fits every preset.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LemixParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # f = (IP + λ2·LC) / (λ1·R), eq. 3. The paper sweeps both (Fig. 18) without fixing
+    # defaults; λ2 = 10 puts LC (a density, 1/tokens, ~0.004 at σ = 100 tokens) on the scale
+    # of IP (seconds, ~0.05 at these rates).
+    lambda1: float = Field(default=1.0, gt=0)
+    lambda2: float = Field(default=10.0, ge=0)
+    # τ of eq. 1, in forward latencies: idle-time increases below τ are tolerated alike
+    # (IP = -max(Π/S - Δa, τ) <= -τ). With eq. 3 as we read it (docs/online.md) a busy
+    # node keeps winning until τ·R exceeds an idle node's penalty, so τ = 1 forward
+    # spills to a new node about when R reaches the 5-forward SLO.
+    tau: float = Field(default=1.0, gt=0)
+    # τ_R of eq. 4: the response SLO, in forward latencies ("e.g. 5x inference latency").
+    slo_multiplier: float = Field(default=5.0, gt=0)
+    slo_ms: Optional[float] = Field(default=None, gt=0)  # absolute SLO; overrides the multiplier
+    # Algorithm 3: maximum batch (sum of C) and maximum wait T_w ("0.5x inference latency").
+    max_batch: int = Field(default=32, gt=0)
+    max_wait: float = Field(default=0.5, ge=0)
+    # Algorithm 2: memory threshold (fraction of a stage's free memory), check interval Δt
+    # and maximum wait T_max, in forward latencies.
+    memory_threshold: float = Field(default=0.9, gt=0, le=1)
+    check_interval: float = Field(default=0.05, gt=0)
+    max_memory_wait: float = Field(default=1.0, ge=0)
+    # Host offload bandwidth for KV/activations (PCIe 4.0 x16, bytes/s).
+    offload_bandwidth: float = Field(default=25e9, gt=0)
+    # Without memory awareness an overrun slows the forward (allocator thrash, swapping).
+    overrun_slowdown: float = Field(default=2.0, ge=1)
+    # SEPARATE: weight sync every K training tasks over the inter-node network (bytes/s).
+    sync_every: int = Field(default=100, gt=0)
+    sync_bandwidth: float = Field(default=12.5e9, gt=0)
+    # MIX-LUF's GPU-utilization query before each allocation (Table III: 76 ms).
+    luf_query_s: float = Field(default=0.076, ge=0)
+
+    def slo_s(self, forward_latency_s: float) -> float:
+        return self.slo_ms / 1e3 if self.slo_ms is not None else self.slo_multiplier * forward_latency_s

@@ -1,0 +1,148 @@
+"""The cluster-level online scheduler: a registered policy plus LeMix's shared state.
+
+:class:`OnlineScheduler` owns the global queue (deferred training tasks), the per-node
+trace queues and the arrival statistics eq. 4 needs. An executor, simulated
+(:mod:`raycolo.online.sim`) or real (actors, a later issue), calls :meth:`submit` on
+every arrival, :meth:`retry` when something finished, :meth:`observe` with every
+executed forward/backward (calibration), and reads back where each task goes. Time
+comes from the executor's clock: the scheduler never reads a wall clock itself.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+from raycolo.online.params import LemixParams
+from raycolo.online.planning import NodeTrace, TaskPath, calibrate
+from raycolo.online.profiles import NodeProfile
+from raycolo.online.tasks import OnlineTask
+
+EWMA_WEIGHT = 0.1  # arrival statistics for eq. 4's predicted next inference task
+
+
+class OnlinePolicy(Protocol):
+    name: str
+    prioritize: bool
+    memory_aware: bool
+    query_delay_s: float   # time an allocation takes before the task reaches its node
+
+    def allocate(self, task: OnlineTask, scheduler: "OnlineScheduler", now: float) -> Optional[int]:
+        """A node index, or None to hold a training task back (deprioritization)."""
+
+
+@dataclass
+class Decision:
+    task: OnlineTask
+    node: int
+    path: Optional[TaskPath]
+    decided_s: float
+    decision_us: float
+
+
+@dataclass
+class OnlineScheduler:
+    policy: OnlinePolicy
+    profiles: list[NodeProfile]           # what nodes really are (the executor's truth)
+    estimators: list[object]              # what planning believes (profiles, or not)
+    params: LemixParams
+    utilization: Callable[[int], float] = lambda n: 0.0  # executor's busy fraction (LUF)
+    traces: list[NodeTrace] = field(init=False)
+    deferred: list[OnlineTask] = field(default_factory=list)
+    paths: dict[int, TaskPath] = field(default_factory=dict)
+    last_arrival_s: float = 0.0
+    inference_gap_s: Optional[float] = None
+    inference_length: Optional[float] = None
+    last_inference_s: Optional[float] = None
+    arrivals_done: bool = False
+    decisions: int = 0
+    decision_us_total: float = 0.0
+    pending_path: Optional[TaskPath] = None  # set by a policy that planned the task
+
+    def __post_init__(self) -> None:
+        self.traces = [NodeTrace(p.stages) for p in self.profiles]
+
+    @property
+    def nodes(self) -> int:
+        return len(self.profiles)
+
+    @property
+    def stages(self) -> int:
+        return self.profiles[0].stages
+
+    # -- arrivals ------------------------------------------------------------------------
+    def submit(self, task: OnlineTask, now: float) -> Optional[Decision]:
+        interarrival = task.arrival_s - self.last_arrival_s
+        decision = self._decide(task, now, interarrival)
+        self.last_arrival_s = task.arrival_s
+        if not task.is_train:
+            if self.last_inference_s is not None:
+                gap = task.arrival_s - self.last_inference_s
+                self.inference_gap_s = gap if self.inference_gap_s is None else (
+                    (1 - EWMA_WEIGHT) * self.inference_gap_s + EWMA_WEIGHT * gap)
+            self.inference_length = task.length if self.inference_length is None else (
+                (1 - EWMA_WEIGHT) * self.inference_length + EWMA_WEIGHT * task.length)
+            self.last_inference_s = task.arrival_s
+        if decision is None:
+            self.deferred.append(task)
+        return decision
+
+    def retry(self, now: float) -> list[Decision]:
+        """Deferred training tasks, oldest first, until one is still held back."""
+        out = []
+        while self.deferred:
+            task = self.deferred[0]
+            decision = self._decide(task, now, interarrival=0.0)
+            if decision is None:
+                break
+            self.deferred.pop(0)
+            out.append(decision)
+        return out
+
+    def _decide(self, task: OnlineTask, now: float, interarrival: float) -> Optional[Decision]:
+        started = time.perf_counter()
+        self._interarrival = interarrival
+        self.pending_path = None
+        node = self.policy.allocate(task, self, now)
+        spent = (time.perf_counter() - started) * 1e6
+        self.decisions += 1
+        self.decision_us_total += spent
+        if node is None:
+            return None
+        path = self.pending_path
+        if path is not None:
+            self.paths[task.task_id] = path
+        return Decision(task, node, path, now + self.policy.query_delay_s, spent)
+
+    @property
+    def interarrival(self) -> float:
+        return self._interarrival
+
+    # -- eq. 4's view of the next inference task ------------------------------------------
+    def next_inference(self, now: float) -> Optional[tuple[float, int]]:
+        """(predicted arrival, length) of the next inference task, from the arrival
+        statistics; None once no more tasks will arrive or none has been seen."""
+        if self.arrivals_done or self.inference_length is None:
+            return None
+        gap = self.inference_gap_s or 0.0
+        return max(now, (self.last_inference_s or now) + gap), int(round(self.inference_length))
+
+    # -- execution feedback ----------------------------------------------------------------
+    def observe(self, task_id: int, stage: int, kind: str, start: float, end: float) -> None:
+        path = self.paths.get(task_id)
+        if path is None:
+            return
+        calibrate(path, stage, kind, start, end)
+        if (kind == "backward" and stage == 0) or (kind == "forward" and stage == len(path.stages) - 1
+                                                   and not path.is_train):
+            self.paths.pop(task_id, None)
+
+    def node_idle(self, node: int, now: float) -> None:
+        """The executor found the node with nothing to do: idleness starts now."""
+        trace = self.traces[node]
+        if trace.last is None or trace.busy_until() <= now:
+            trace.idle_since = max(trace.idle_since, now)
+
+    @property
+    def mean_decision_us(self) -> float:
+        return self.decision_us_total / self.decisions if self.decisions else 0.0

@@ -1,0 +1,281 @@
+"""Online tasks for co-located serving and retraining (LeMix §VI-A): what arrives, and when.
+
+A task is one query of ``length`` tokens (ℓ) in a batch of ``batch`` (C). Inference tasks
+run a forward pass (prefill) through the node's pipeline and then ``decode_tokens``
+decode steps; training tasks run a forward and a backward pass (alignment fine-tuning on
+the same preference data that is served).
+
+Two sources of tasks:
+
+* :func:`poisson_workload` — the paper's synthetic workloads: a Poisson process (exponential
+  inter-arrival times with mean 1/rate) where each task is training with probability
+  ``train_rate`` and query lengths follow one of :data:`LENGTH_DISTRIBUTIONS`.
+* :func:`load_trace` — a CSV trace (format in docs/online-workloads.md).
+
+Every random draw goes through :func:`raycolo.costmodel.sampler.seeded_rng` with its own
+label, so the same seed always gives the same workload, and changing one knob (say the
+training rate) leaves the other draws (arrivals, lengths) unchanged.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional, Sequence
+
+import numpy as np
+
+from raycolo.costmodel.sampler import seeded_rng
+from raycolo.errors import ConfigError
+
+TaskKind = Literal["inference", "train"]
+TASK_KINDS = ("inference", "train")
+
+
+@dataclass
+class OnlineTask:
+    """One arriving task: a query of ``length`` tokens in a batch of ``batch``."""
+
+    task_id: int
+    kind: TaskKind
+    arrival_s: float
+    length: int  # query length ℓ in tokens
+    batch: int = 1  # C
+    decode_tokens: int = 0  # inference only: tokens generated after the prefill; 0 for train
+
+    def __post_init__(self) -> None:
+        if self.kind not in TASK_KINDS:
+            raise ValueError(f"task {self.task_id}: kind must be 'inference' or 'train', "
+                             f"got {self.kind!r}")
+
+    @property
+    def is_train(self) -> bool:
+        return self.kind == "train"
+
+
+@dataclass(frozen=True)
+class LengthDistribution:
+    """A lognormal length distribution, rounded to whole tokens and clipped to [min, max]."""
+
+    name: str
+    median: float
+    sigma: float
+    min: int
+    max: int
+
+    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        values = np.exp(np.log(self.median) + self.sigma * rng.standard_normal(n))
+        return np.clip(np.rint(values), self.min, self.max).astype(np.int64)
+
+
+# SYNTHETIC stand-ins for the query lengths of the paper's two preference datasets
+# (LeMix Fig. 2). Only the shape is reproduced, not the data: HH-RLHF queries are shorter
+# and less variable, SHP queries longer and more variable. The variance matters because
+# it drives the far-dependency idleness that LeMix targets (§II-C, Fig. 5a).
+LENGTH_DISTRIBUTIONS: dict[str, LengthDistribution] = {
+    "hh-rlhf": LengthDistribution("hh-rlhf", median=96, sigma=0.6, min=8, max=1024),
+    "shp": LengthDistribution("shp", median=160, sigma=0.9, min=8, max=2048),
+}
+
+# SYNTHETIC output lengths of inference tasks (tokens decoded after the prefill).
+DECODE_DISTRIBUTIONS: dict[str, LengthDistribution] = {
+    "default": LengthDistribution("default", median=64, sigma=0.7, min=1, max=512),
+}
+
+
+def get_length_distribution(name: str) -> LengthDistribution:
+    try:
+        return LENGTH_DISTRIBUTIONS[name]
+    except KeyError:
+        choices = ", ".join(LENGTH_DISTRIBUTIONS)
+        raise ConfigError(f"--lengths: unknown distribution '{name}' (choose {choices})") from None
+
+
+def _check_train_rate(train_rate: float) -> None:
+    if not 0.0 <= train_rate <= 1.0:  # also rejects NaN
+        raise ConfigError(f"--train-rate: must lie in [0, 1], got {train_rate:g}")
+
+
+def _check_count(flag: str, value) -> int:
+    try:
+        whole = not isinstance(value, (bool, np.bool_)) and int(value) == value
+    except (TypeError, ValueError, OverflowError):  # None, NaN, inf, text
+        whole = False
+    if not whole:
+        raise ConfigError(f"{flag}: must be an integer, got {value}")
+    if value <= 0:
+        raise ConfigError(f"{flag}: must be positive, got {value}")
+    return int(value)
+
+
+def _train_flags(count: int, train_rate: float, seed: int) -> np.ndarray:
+    # One independent draw per task (not an exact share), as a Bernoulli mix of arrivals.
+    return seeded_rng(seed, "online", "kind").random(count) < train_rate
+
+
+def _decode_lengths(count: int, seed: int) -> np.ndarray:
+    # Drawn for every task, used by the inference ones: a task's decode length then does not
+    # depend on which of the other tasks happen to be training.
+    return DECODE_DISTRIBUTIONS["default"].sample(count, seeded_rng(seed, "online", "decode"))
+
+
+def poisson_workload(rate: float, train_rate: float, tasks: int, lengths: str = "hh-rlhf",
+                     seed: int = 0, batch: int = 1) -> list[OnlineTask]:
+    """The paper's synthetic workload: Poisson arrivals at ``rate`` tasks/s (§VI-A).
+
+    The process starts at t = 0, so the first task arrives after one exponential gap.
+    Each task is training with probability ``train_rate``; inference tasks get decode
+    lengths from ``DECODE_DISTRIBUTIONS["default"]``. Task ids follow arrival order.
+    """
+    if not rate > 0:  # also rejects NaN
+        raise ConfigError(f"--rate: must be positive, got {rate:g}")
+    if math.isinf(rate):
+        raise ConfigError(f"--rate: must be finite, got {rate:g}")
+    _check_train_rate(train_rate)
+    count = _check_count("--tasks", tasks)
+    batch = _check_count("--batch", batch)
+    dist = get_length_distribution(lengths)
+
+    gaps = seeded_rng(seed, "online", "arrivals").exponential(1.0 / rate, count)
+    arrivals = np.cumsum(gaps)
+    query_lengths = dist.sample(count, seeded_rng(seed, "online", "lengths", dist.name))
+    is_train = _train_flags(count, train_rate, seed)
+    decode = _decode_lengths(count, seed)
+    return [OnlineTask(task_id=i, kind="train" if is_train[i] else "inference",
+                       arrival_s=float(arrivals[i]), length=int(query_lengths[i]), batch=batch,
+                       decode_tokens=0 if is_train[i] else int(decode[i]))
+            for i in range(count)]
+
+
+# --------------------------------------------------------------------------- traces
+
+TRACE_REQUIRED = ("timestamp", "length")
+
+
+def _first_bad_row(bad: np.ndarray) -> Optional[int]:
+    """1-based data row of the first True in ``bad``, or None."""
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) + 1 if len(hits) else None
+
+
+def _integer_column(frame, column: str, path: Path, minimum: int,
+                    required: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Whole numbers >= ``minimum``; returns (values, present) with empty cells not present."""
+    import pandas as pd
+
+    raw = frame[column]
+    numbers = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=float)
+    empty = raw.isna().to_numpy() | (raw.astype(str).str.strip() == "").to_numpy()
+    with np.errstate(invalid="ignore"):
+        valid = np.isfinite(numbers) & (numbers == np.round(numbers)) & (numbers >= minimum)
+    bad = ~valid if required else ~valid & ~empty
+    row = _first_bad_row(bad)
+    if row is not None:
+        what = "a positive integer" if minimum >= 1 else "a non-negative integer"
+        raise ConfigError(f"{path}: row {row}: {column} must be {what}")
+    return np.where(valid, numbers, minimum).astype(np.int64), valid
+
+
+def load_trace(path, train_rate: Optional[float] = None, seed: int = 0,
+               limit: Optional[int] = None) -> list[OnlineTask]:
+    """Tasks from a CSV trace, sorted by timestamp and shifted so the first arrives at 0.
+
+    Columns: ``timestamp`` (seconds) and ``length`` are required; ``kind``
+    (inference|train), ``batch`` (default 1) and ``decode_tokens`` (default: sampled from
+    ``DECODE_DISTRIBUTIONS["default"]``; ignored for training tasks) are optional, and an
+    empty optional cell takes the default. Other columns are ignored. Without a ``kind``
+    column each task is training with probability ``train_rate`` (default 0); passing
+    ``train_rate`` for a trace that has one is an error, since it would be silently unused.
+    ``limit`` keeps the earliest tasks. Rows in errors are 1-based data rows of the file.
+    """
+    import pandas as pd
+
+    path = Path(path)
+    if train_rate is not None:
+        _check_train_rate(train_rate)
+    if limit is not None:
+        limit = _check_count("limit", limit)
+    if not path.exists():
+        raise ConfigError(f"{path}: trace file not found")
+    if not path.is_file():
+        raise ConfigError(f"{path}: trace file is not a regular file")
+    try:
+        # Strings keep the cells as written, so errors can say which row is wrong.
+        frame = pd.read_csv(path, dtype=str, skipinitialspace=True, keep_default_na=False)
+    except pd.errors.EmptyDataError:
+        raise ConfigError(f"{path}: trace file is empty") from None
+    except (pd.errors.ParserError, UnicodeDecodeError, OSError) as exc:
+        raise ConfigError(f"{path}: cannot read trace CSV: {exc}") from None
+    frame.columns = [str(c).strip() for c in frame.columns]
+    for column in TRACE_REQUIRED:
+        if column not in frame.columns:
+            raise ConfigError(f"{path}: missing column '{column}'")
+    if frame.empty:
+        raise ConfigError(f"{path}: trace has no rows")
+    has_kind = "kind" in frame.columns
+    if has_kind and train_rate is not None:
+        raise ConfigError(f"--train-rate: cannot be used with {path}, which has a 'kind' column")
+
+    timestamps = pd.to_numeric(frame["timestamp"], errors="coerce").to_numpy(dtype=float)
+    row = _first_bad_row(~np.isfinite(timestamps))
+    if row is not None:
+        raise ConfigError(f"{path}: row {row}: timestamp must be a number (seconds)")
+    lengths, _ = _integer_column(frame, "length", path, minimum=1, required=True)
+    if has_kind:
+        kinds = frame["kind"].str.strip().str.lower().to_numpy(dtype=object)
+        row = _first_bad_row(~np.isin(kinds, TASK_KINDS))
+        if row is not None:
+            raise ConfigError(f"{path}: row {row}: kind must be 'inference' or 'train'")
+        is_train = kinds == "train"
+    if "batch" in frame.columns:
+        batches, present = _integer_column(frame, "batch", path, minimum=1, required=False)
+        batches = np.where(present, batches, 1)
+    else:
+        batches = np.ones(len(frame), dtype=np.int64)
+    if "decode_tokens" in frame.columns:
+        given_decode, decode_present = _integer_column(frame, "decode_tokens", path, minimum=0,
+                                                       required=False)
+    else:
+        given_decode = np.zeros(len(frame), dtype=np.int64)
+        decode_present = np.zeros(len(frame), dtype=bool)
+
+    # Stable sort: tasks with equal timestamps keep their file order.
+    order = np.argsort(timestamps, kind="stable")
+    if limit is not None:
+        order = order[:limit]
+    count = len(order)
+    arrivals = timestamps[order] - timestamps[order[0]]
+    # Random draws happen in arrival order, after the limit, like poisson_workload's.
+    if not has_kind:
+        is_train = np.zeros(len(frame), dtype=bool)
+        is_train[order] = _train_flags(count, train_rate or 0.0, seed)
+    sampled_decode = np.zeros(len(frame), dtype=np.int64)
+    sampled_decode[order] = _decode_lengths(count, seed)
+    decode = np.where(decode_present, given_decode, sampled_decode)
+
+    tasks = []
+    for task_id, (src, arrival) in enumerate(zip(order, arrivals)):
+        train = bool(is_train[src])
+        tasks.append(OnlineTask(task_id=task_id, kind="train" if train else "inference",
+                                arrival_s=float(arrival), length=int(lengths[src]),
+                                batch=int(batches[src]),
+                                decode_tokens=0 if train else int(decode[src])))
+    return tasks
+
+
+def workload_summary(tasks: Sequence[OnlineTask]) -> dict:
+    """Counts per kind, query-length mean/std (tokens) and the arrival span (seconds)."""
+    lengths = np.array([t.length for t in tasks], dtype=float)
+    arrivals = np.array([t.arrival_s for t in tasks], dtype=float)
+    train = sum(t.is_train for t in tasks)
+    duration = float(arrivals.max() - arrivals.min()) if len(tasks) else 0.0
+    return {
+        "tasks": len(tasks),
+        "inference": len(tasks) - train,
+        "train": train,
+        "train_fraction": train / len(tasks) if tasks else 0.0,
+        "mean_length": float(lengths.mean()) if len(tasks) else 0.0,
+        "std_length": float(lengths.std()) if len(tasks) else 0.0,
+        "duration_s": duration,
+        "rate_per_s": (len(tasks) - 1) / duration if duration > 0 else 0.0,
+    }
