@@ -69,10 +69,35 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("dag", help="application graph (YAML)")
     _add_run_flags(run, local=True)
     # jobs/run_dag.py: the same, on the cluster the job was submitted to
+    online = sub.add_parser("simulate-online", help="simulate co-located serving and retraining")
+    _add_online_flags(online)
+    online.add_argument("--policy", default="lemix", help="online policy (default lemix)")
+    online.add_argument("--rate", type=float, default=50.0, help="requests per second (default 50)")
+    online.add_argument("--train-rate", type=float, default=0.5, help="fraction of training tasks α")
+    online.add_argument("--trace", default=None, metavar="CSV", help="replay a trace instead of Poisson arrivals")
+    online.add_argument("--json", action="store_true")
+    sweep = sub.add_parser("sweep-online", help="online policies across request and training rates")
+    _add_online_flags(sweep)
+    sweep.add_argument("--policies", default="lemix,mix-rr,mix-luf,separate")
+    sweep.add_argument("--rates", default="10,50,100,150", help="comma-separated rps")
+    sweep.add_argument("--train-rates", default="0.1,0.5,0.9", help="comma-separated α")
+    sweep.add_argument("--out", default="out/sweep-online", metavar="DIR", help="where the plots go")
+    sweep.add_argument("--json", action="store_true")
     run_dag = sub.add_parser("run-dag", help="what jobs/run_dag.py runs under 'ray job submit'")
     run_dag.add_argument("--dag", required=True, help="application graph (YAML)")
     _add_run_flags(run_dag, local=False)
     return parser
+
+
+def _add_online_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-8b", help="preset: gpt-400m ... llama-70b (default llama-8b)")
+    p.add_argument("--nodes", type=int, default=4, help="nodes (default 4)")
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages (GPUs) per node (default 2)")
+    p.add_argument("--tasks", type=int, default=1000, help="tasks to simulate (default 1000)")
+    p.add_argument("--lengths", default="hh-rlhf", help="query lengths: hh-rlhf or shp")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-multiplier", type=float, default=None, help="SLO = k x forward latency (default 5)")
+    p.add_argument("--slo-ms", type=float, default=None, help="absolute TTFT SLO in ms")
 
 
 def _add_run_flags(p: argparse.ArgumentParser, local: bool) -> None:
@@ -304,7 +329,102 @@ def cmd_run(args) -> int:
     return 0
 
 
-COMMANDS = {"plan": cmd_plan, "compare": cmd_compare, "profile": cmd_profile,
+def _online_setup(args):
+    from raycolo.errors import ConfigError
+    from raycolo.online.params import LemixParams
+    from raycolo.online.profiles import preset
+
+    for flag, value in (("--nodes", args.nodes), ("--stages", args.stages), ("--tasks", args.tasks)):
+        if value <= 0:
+            raise ConfigError(f"{flag}: must be positive, got {value}")
+    for flag, value in (("--slo-multiplier", args.slo_multiplier), ("--slo-ms", args.slo_ms)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{flag}: must be positive, got {value}")
+    values = {}
+    if args.slo_multiplier is not None:
+        values["slo_multiplier"] = args.slo_multiplier
+    if args.slo_ms is not None:
+        values["slo_ms"] = args.slo_ms
+    return preset(args.model, args.stages), LemixParams(**values)
+
+
+def _check_online_policy(name: str) -> None:
+    from raycolo.policies import get_online_policy
+    get_online_policy(name)
+
+
+def cmd_simulate_online(args) -> int:
+    from raycolo.errors import ConfigError
+    from raycolo.online.sim import simulate
+    from raycolo.online.tasks import load_trace, poisson_workload
+
+    profile, params = _online_setup(args)
+    _check_online_policy(args.policy)
+    if not 0 <= args.train_rate <= 1:
+        raise ConfigError(f"--train-rate: must lie in [0, 1], got {args.train_rate:g}")
+    if args.trace:
+        tasks = load_trace(args.trace, seed=args.seed, limit=args.tasks)
+    else:
+        tasks = poisson_workload(args.rate, args.train_rate, args.tasks, lengths=args.lengths, seed=args.seed)
+    result = simulate(tasks, profile, args.nodes, args.policy, params, train_rate=args.train_rate)
+    summary = {"model": args.model, "nodes": args.nodes, "stages": args.stages, "rate": args.rate,
+               "train_rate": args.train_rate, **result.summary()}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{args.policy} on {args.nodes} x {args.stages} {args.model}, {len(tasks)} tasks "
+          f"({result.inference} inference, {result.train} training)")
+    print(f"  throughput {summary['throughput']:.2f} tasks/s, SLO attainment {summary['slo_attainment']:.1%} "
+          f"(TTFT <= {summary['slo_s'] * 1e3:.0f} ms)")
+    print(f"  TTFT p50 {summary['ttft_p50_s'] * 1e3:.0f} ms, p99 {summary['ttft_p99_s'] * 1e3:.0f} ms; "
+          f"TBT p50 {summary['tbt_p50_s'] * 1e3:.1f} ms")
+    print(f"  GPU idle {summary['idle_fraction']:.1%}, active nodes {summary['active_nodes_mean']:.2f}, "
+          f"training done {summary['train_done']}, staleness {summary['staleness_mean']:.1f} tasks, "
+          f"decision {summary['decision_us_mean']:.0f} us/task")
+    return 0
+
+
+def _float_list(text: str, flag: str) -> list[float]:
+    from raycolo.errors import ConfigError
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated numbers, got '{text}'") from None
+    if not values:
+        raise ConfigError(f"{flag}: empty")
+    return values
+
+
+def cmd_sweep_online(args) -> int:
+    from raycolo.errors import ConfigError
+    from raycolo.online.sweep import format_tables, plot, sweep
+
+    profile, params = _online_setup(args)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for policy in policies:
+        _check_online_policy(policy)
+    rates = _float_list(args.rates, "--rates")
+    alphas = _float_list(args.train_rates, "--train-rates")
+    if any(r <= 0 for r in rates):
+        raise ConfigError(f"--rates: must be positive, got {args.rates}")
+    if any(not 0 <= a <= 1 for a in alphas):
+        raise ConfigError(f"--train-rates: must lie in [0, 1], got {args.train_rates}")
+    from raycolo.online.tasks import get_length_distribution
+    get_length_distribution(args.lengths)
+    say = None if args.json else (lambda m: print(m, file=sys.stderr))
+    rows = sweep(profile, args.nodes, policies, rates, alphas, args.tasks, args.seed, args.lengths,
+                 params, say)
+    paths = plot(rows, policies, args.out, f"{args.nodes} x {args.stages} {args.model}, {args.tasks} tasks")
+    if args.json:
+        print(json.dumps({"rows": rows, "plots": [str(p) for p in paths]}, indent=2))
+        return 0
+    print(format_tables(rows, policies))
+    for path in paths:
+        print(f"plot: {path}")
+    return 0
+
+
+COMMANDS = {"simulate-online": cmd_simulate_online, "sweep-online": cmd_sweep_online,"plan": cmd_plan, "compare": cmd_compare, "profile": cmd_profile,
             "validate": cmd_validate, "run": cmd_run, "run-dag": cmd_run}
 
 

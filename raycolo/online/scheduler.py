@@ -124,8 +124,9 @@ class OnlineScheduler:
         statistics; None once no more tasks will arrive or none has been seen."""
         if self.arrivals_done or self.inference_length is None:
             return None
-        gap = self.inference_gap_s or 0.0
-        return max(now, (self.last_inference_s or now) + gap), int(round(self.inference_length))
+        gap = self.inference_gap_s if self.inference_gap_s is not None else 0.0
+        last = self.last_inference_s if self.last_inference_s is not None else now
+        return max(now, last + gap), int(round(self.inference_length))
 
     # -- execution feedback ----------------------------------------------------------------
     def observe(self, task_id: int, stage: int, kind: str, start: float, end: float) -> None:
