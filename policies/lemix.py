@@ -40,13 +40,13 @@ class Lemix:
             plans.append(plan)
             scores.append(priority(ip, lc, plan.response, p.lambda1, p.lambda2))
         n = best_node(scores)
-        if task.is_train and self.prioritize and self._at_risk(sched, n, plans[n].path, now):
+        if task.is_train and self.prioritize and self._at_risk(sched, n, plans[n], now):
             return None
-        commit(sched.traces[n], plans[n].path)
+        commit(sched.traces[n], plans[n].path, now)
         sched.pending_path = plans[n].path
         return n
 
-    def _at_risk(self, sched, node: int, path, now: float) -> bool:
+    def _at_risk(self, sched, node: int, plan, now: float) -> bool:
         """Eq. 4 with this training task placed on ``node``."""
         nxt = sched.next_inference(now)
         if nxt is None:
@@ -54,7 +54,7 @@ class Lemix:
         arrival, length = nxt
         free, forward = [], []
         for n, trace in enumerate(sched.traces):
-            last = path if n == node else trace.last
+            last = plan if n == node else trace.last
             free.append(max(now, arrival, last.end_f(trace.stages - 1) if last else now))
             forward.append(trace.stages * sched.estimators[n].forward_s(1, length))
         slo = self.params.slo_s(sched.profiles[0].forward_latency_s)

@@ -12,7 +12,6 @@ from the gap that makes Π. Actual execution times calibrate the paths (Algorith
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -56,7 +55,7 @@ class NodeTrace:
 
     stages: int
     idle_since: float = 0.0                 # before any task, the node is idle from here
-    train: deque = field(default_factory=deque)
+    train: list = field(default_factory=list)   # Q_train: pending backwards, in order
     order: list[TaskPath] = field(default_factory=list)
     # running mean and spread of allocated lengths (Welford), for eq. 2 in O(1)
     count: int = 0
@@ -89,20 +88,45 @@ class NodeTrace:
             end = max(end, *(st.end_b or 0.0 for st in path.stages))
         return end
 
-    def prune(self, keep_last: int = 1) -> None:
-        """Drop finished paths: training tasks whose backward ran on every stage, and
-        all but the last forward path (only task_prev is read)."""
-        while self.train and self.train[0].backward_done:
-            self.train.popleft()
+    def prune(self, now: float = float("-inf"), keep_last: int = 1) -> None:
+        """Drop finished paths (Algorithm 1, lines 17-18): training tasks whose backward
+        ran on every stage or was planned to end before ``now`` (nothing planned from
+        now on can meet it), and all but the last forward path (only task_prev is read)."""
+        done = 0
+        while done < len(self.train) and (self.train[done].backward_done
+                                          or self.train[done].stages[0].end_b <= now):
+            done += 1
+        if done:
+            del self.train[:done]
         if len(self.order) > keep_last:
             del self.order[:-keep_last]
 
 
 @dataclass
 class PlanResult:
+    """Π and R of a candidate node; the path is built only for the node that wins
+    (allocation scores every node, so this keeps a decision cheap)."""
+
     idle: float        # Π
     response: float    # R
-    path: TaskPath
+    spans: list        # planned (start_f, end_f) per stage
+    task: tuple        # (task_id, is_train, arrival_s, length, batch)
+    trace: "NodeTrace"
+    estimator: object
+    _path: Optional[TaskPath] = None
+
+    @property
+    def path(self) -> TaskPath:
+        if self._path is None:
+            task_id, is_train, arrival_s, length, batch = self.task
+            self._path = TaskPath(task_id, is_train, arrival_s, length, batch,
+                                  [StagePath(a, b) for a, b in self.spans])
+            if is_train:
+                plan_backward(self._path, self.trace, self.estimator)
+        return self._path
+
+    def end_f(self, s: int) -> float:
+        return self.spans[s][1]
 
 
 def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: int, batch: int,
@@ -111,34 +135,36 @@ def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: i
     """Algorithm 1, line by line (line numbers in comments refer to the paper).
 
     ``idle_cap`` bounds each stage's gap: a node idle for longer than that counts as
-    simply idle, so a node left unused early does not look ever worse as time passes."""
-    S = trace.stages
+    simply idle, so a node left unused early does not look ever worse as time passes.
+    Q_temp is walked in place (an index into the node's training queue), not copied:
+    a decision costs O(S) plus the backwards it actually passes."""
     forward = estimator.forward_s(batch, length)
+    prev = trace.last
+    pending = trace.train
+    head = 0                                                              # Q_temp <- Q_train
     idle = 0.0
-    pending = deque(trace.train)  # Q_temp
-    stages: list[StagePath] = []
-    end_prev_stage = max(arrival_s, now)
-    for s in range(S):
-        start = max(end_prev_stage, trace.prev_end_f(s))                 # line 5
+    spans = []
+    end = max(arrival_s, now)
+    for s in range(trace.stages):
+        prev_end = prev.stages[s].end_f if prev is not None else trace.idle_since
+        start = max(end, prev_end)                                        # line 5
         end = start + forward                                             # line 6
         offset = 0.0
-        while pending:                                                    # line 8
-            train = pending.popleft()                                     # line 9
-            st = train.stages[s]
+        while head < len(pending):                                        # line 8
+            st = pending[head].stages[s]                                  # line 9
             if st.start_b is None or end <= st.start_b:                   # line 10
-                pending.appendleft(train)                                 # line 11
-                break                                                     # line 12
-            start = max(start, st.end_b)                                  # line 13
-            end = start + forward                                         # line 14
-            if trace.prev_end_f(s) <= st.start_b:                         # line 15
+                break                                                     # lines 11-12
+            head += 1
+            if st.end_b > start:
+                start = st.end_b                                          # line 13
+                end = start + forward                                     # line 14
+            if prev_end <= st.start_b:                                    # line 15
+                train = pending[head - 1]
                 offset += estimator.backward_s(train.batch, train.length)  # line 16
-        idle += min(start - trace.prev_end_f(s), idle_cap) - offset      # line 19
-        stages.append(StagePath(start, end))
-        end_prev_stage = end
-    path = TaskPath(task_id, is_train, arrival_s, length, batch, stages)
-    if is_train:
-        plan_backward(path, trace, estimator)
-    return PlanResult(idle, stages[-1].end_f - arrival_s, path)           # line 20
+        idle += min(start - prev_end, idle_cap) - offset                  # line 19
+        spans.append((start, end))
+    return PlanResult(idle, end - arrival_s, spans,                      # line 20
+                      (task_id, is_train, arrival_s, length, batch), trace, estimator)
 
 
 def plan_backward(path: TaskPath, trace: NodeTrace, estimator: LatencyEstimator) -> None:
@@ -153,13 +179,13 @@ def plan_backward(path: TaskPath, trace: NodeTrace, estimator: LatencyEstimator)
         after = st.end_b
 
 
-def commit(trace: NodeTrace, path: TaskPath) -> None:
+def commit(trace: NodeTrace, path: TaskPath, now: float = float("-inf")) -> None:
     """Record an allocated task's plan in its node's trace queues."""
     trace.order.append(path)
     if path.is_train:
         trace.train.append(path)
     trace.add_length(path.length)
-    trace.prune()
+    trace.prune(now)
 
 
 def calibrate(path: TaskPath, stage: int, kind: str, start: float, end: float) -> None:
