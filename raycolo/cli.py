@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--rate", type=float, default=50.0, help="requests per second (default 50)")
     online.add_argument("--train-rate", type=float, default=0.5, help="fraction of training tasks α")
     online.add_argument("--trace", default=None, metavar="CSV", help="replay a trace instead of Poisson arrivals")
+    online.add_argument("--plot", default=None, metavar="PNG", help="active nodes over time and the TTFT CDF")
     online.add_argument("--json", action="store_true")
     sweep = sub.add_parser("sweep-online", help="online policies across request and training rates")
     _add_online_flags(sweep)
@@ -369,6 +370,10 @@ def cmd_simulate_online(args) -> int:
     result = simulate(tasks, profile, args.nodes, args.policy, params, train_rate=args.train_rate)
     summary = {"model": args.model, "nodes": args.nodes, "stages": args.stages, "rate": args.rate,
                "train_rate": args.train_rate, **result.summary()}
+    if args.plot:
+        from raycolo.online.sweep import plot_timeline
+        summary["plot"] = str(plot_timeline(result, args.plot, f"{args.policy}: {args.nodes} x {args.stages} "
+                                            f"{args.model}, {args.rate:g} rps, training {args.train_rate:.0%}"))
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -381,6 +386,8 @@ def cmd_simulate_online(args) -> int:
     print(f"  GPU idle {summary['idle_fraction']:.1%}, active nodes {summary['active_nodes_mean']:.2f}, "
           f"training done {summary['train_done']}, staleness {summary['staleness_mean']:.1f} tasks, "
           f"decision {summary['decision_us_mean']:.0f} us/task")
+    if args.plot:
+        print(f"plot: {summary['plot']}")
     return 0
 
 

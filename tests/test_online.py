@@ -205,3 +205,19 @@ def test_sweep_online_prints_tables_and_writes_plots(tmp_path):
     assert (tmp_path / "slo_attainment.png").stat().st_size > 0
     proc = _cli("sweep-online", "--train-rates", "0.5,2", "--tasks", "10")
     assert proc.returncode == 2 and proc.stderr.startswith("error: --train-rates")
+
+
+def test_clocks_and_the_timeline_plot(tmp_path):
+    from raycolo.online.clock import SimClock, WallClock
+
+    clock = SimClock()
+    clock.advance_to(2.5)
+    assert clock.now() == 2.5
+    with pytest.raises(ValueError):
+        clock.advance_to(1.0)
+    wall = WallClock()
+    assert 0 <= wall.now() <= wall.now()
+    proc = _cli("simulate-online", "--tasks", "100", "--rate", "20", "--plot", str(tmp_path / "t.png"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == f"plot: {tmp_path / 't.png'}"
+    assert (tmp_path / "t.png").stat().st_size > 0

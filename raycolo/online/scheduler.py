@@ -87,10 +87,13 @@ class OnlineScheduler:
             self.deferred.append(task)
         return decision
 
-    def retry(self, now: float) -> list[Decision]:
-        """Deferred training tasks, oldest first, until one is still held back."""
+    def retry(self, now: float, limit: int = 1) -> list[Decision]:
+        """Deferred training tasks, oldest first, until one is still held back; at most
+        ``limit`` per call. Executors call this on every completion, so a backlog drains
+        at the pace nodes free up and each release is planned on calibrated traces,
+        rather than landing all at once on plans nothing has corrected yet."""
         out = []
-        while self.deferred:
+        while self.deferred and len(out) < limit:
             task = self.deferred[0]
             decision = self._decide(task, now, interarrival=0.0)
             if decision is None:

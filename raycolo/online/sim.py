@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from raycolo.online.clock import SimClock
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.scheduler import Decision, OnlineScheduler
@@ -140,6 +141,8 @@ class SimResult:
 
 
 class ClusterSimulator:
+    """The simulated :class:`~raycolo.online.clock.Executor`."""
+
     def __init__(self, tasks: list[OnlineTask], profile: NodeProfile, nodes: int, policy,
                  params: LemixParams, estimator: Optional[object] = None):
         self.tasks = sorted(tasks, key=lambda t: (t.arrival_s, t.task_id))
@@ -147,11 +150,11 @@ class ClusterSimulator:
         self.params = params
         self.policy = policy
         self.nodes = [Node([Stage() for _ in range(profile.stages)]) for _ in range(nodes)]
-        self.now = 0.0
+        self.clock = SimClock()
         self._events: list = []
         self._seq = itertools.count()
         self.scheduler = OnlineScheduler(policy, [profile] * nodes, [estimator or profile] * nodes,
-                                         params, utilization=self._utilization)
+                                         params, utilization=self.utilization)
         self.ttft: dict[int, float] = {}
         self.tbt: dict[int, float] = {}
         self.e2e: dict[int, float] = {}
@@ -167,6 +170,10 @@ class ClusterSimulator:
             train, serve = policy.groups(nodes)
             self.serving_nodes = set(serve) - set(train) if set(serve) != set(train) else None
 
+    @property
+    def now(self) -> float:
+        return self.clock.now()
+
     # -- event queue -------------------------------------------------------------------
     def _at(self, t: float, fn: Callable, *args) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn, args))
@@ -176,7 +183,7 @@ class ClusterSimulator:
             self._at(task.arrival_s, self._arrive, task)
         while self._events:
             t, _, fn, args = heapq.heappop(self._events)
-            self.now = t
+            self.clock.advance_to(t)
             fn(*args)
         if self.scheduler.deferred:  # unreachable: deferral ends with the last arrival
             raise RuntimeError(f"{len(self.scheduler.deferred)} training tasks were never placed")
@@ -188,15 +195,16 @@ class ClusterSimulator:
             self.scheduler.arrivals_done = True
         decision = self.scheduler.submit(task, self.now)
         if decision is not None:
-            self._at(decision.decided_s, self._dispatch, decision)
+            self._at(decision.decided_s, self.dispatch, decision)
         self.deferred_max = max(self.deferred_max, len(self.scheduler.deferred))
         self._retry()
 
     def _retry(self) -> None:
         for decision in self.scheduler.retry(self.now):
-            self._at(decision.decided_s, self._dispatch, decision)
+            self._at(decision.decided_s, self.dispatch, decision)
 
-    def _dispatch(self, decision: Decision) -> None:
+    def dispatch(self, decision: Decision) -> None:
+        """Executor interface: the task reaches its node (after any decision delay)."""
         task, n = decision.task, decision.node
         node = self.nodes[n]
         if task.is_train:
@@ -413,7 +421,7 @@ class ClusterSimulator:
             self.active_steps.append((self.now, self.active_steps[-1][1] - 1))
             self.scheduler.node_idle(n, self.now)
 
-    def _utilization(self, n: int) -> float:
+    def utilization(self, n: int) -> float:
         node = self.nodes[n]
         busy = sum(st.busy_s for st in node.stages)
         return busy / (len(node.stages) * max(self.now, 1e-9))

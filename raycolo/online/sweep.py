@@ -70,3 +70,33 @@ def plot(rows: list[dict], policies: Sequence[str], out_dir: str | Path, title: 
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def plot_timeline(result, path: str | Path, title: str) -> Path:
+    """Active nodes over time, and each inference task's TTFT against the SLO."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5), sharex=False)
+    times = [t for t, _ in result.active_nodes]
+    counts = [c for _, c in result.active_nodes]
+    top.step(times, counts, where="post")
+    top.set_ylabel("active nodes")
+    top.set_xlabel("time (s)")
+    top.set_title(title, fontsize=10)
+    top.grid(alpha=0.3)
+    ttft = np.sort(result.ttft_s)
+    bottom.plot(ttft, np.arange(1, len(ttft) + 1) / max(len(ttft), 1))
+    bottom.axvline(result.slo_s, color="red", linestyle="--", label=f"SLO {result.slo_s * 1e3:.0f} ms")
+    bottom.set_xlabel("TTFT (s)")
+    bottom.set_ylabel("fraction of requests")
+    bottom.legend(fontsize=8)
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
