@@ -14,10 +14,12 @@ class LemixParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # f = (IP + λ2·LC) / (λ1·R), eq. 3. The paper sweeps both (Fig. 18) without fixing
-    # defaults; λ2 = 10 puts LC (a density, 1/tokens, ~0.004 at σ = 100 tokens) on the scale
-    # of IP (seconds, ~0.05 at these rates).
+    # defaults. LC is a density (1/tokens: ~0.004 at σ = 100 tokens); IP is at most -τ
+    # (seconds). λ2 = 1 keeps λ2·LC below τ, so LC breaks near-ties; a larger λ2 lets a
+    # node with a narrow length history turn its numerator positive and then outrank
+    # every other node whatever its R (eq. 3's sign boundary; docs/online.md).
     lambda1: float = Field(default=1.0, gt=0)
-    lambda2: float = Field(default=10.0, ge=0)
+    lambda2: float = Field(default=1.0, ge=0)
     # τ of eq. 1, in forward latencies: idle-time increases below τ are tolerated alike
     # (IP = -max(Π/S - Δa, τ) <= -τ). With eq. 3 as we read it (docs/online.md) a busy
     # node keeps winning until τ·R exceeds an idle node's penalty, so τ = 1 forward

@@ -59,6 +59,7 @@ class Stage:
     ready: list = field(default_factory=list)   # heap of (ready_s, seq, op)
     busy: Optional[Op] = None
     used_bytes: float = 0.0
+    held: dict = field(default_factory=dict)   # (kind, task id) -> bytes this stage holds
     busy_s: float = 0.0
     retry_pending: bool = False
 
@@ -70,8 +71,7 @@ class Request:
     task: OnlineTask
     context: int
     remaining: int
-    kv_bytes: float = 0.0        # reserved on every stage
-    offloaded: bool = False
+    kv_bytes: float = 0.0        # reserved on each stage whose prefill kept it on the GPU
     token_times: list = field(default_factory=list)
     staleness: int = 0
 
@@ -297,11 +297,25 @@ class ClusterSimulator:
                 if stage.used_bytes + chosen.mem_bytes > capacity:
                     self.overruns += 1
                     chosen.duration_s *= self.params.overrun_slowdown
-                stage.used_bytes += chosen.mem_bytes
+                for key, size in self._holdings(chosen):
+                    stage.held[key] = size
+                    stage.used_bytes += size
+        if chosen.kind == "train_b" and ("train", chosen.tasks[0].task_id) not in stage.held:
+            chosen.duration_s += chosen.mem_bytes / self.params.offload_bandwidth  # reload
         stage.busy = chosen
         node = self.nodes[n]
         node.first_start = self.now if node.first_start is None else node.first_start
         self._at(self.now + chosen.duration_s, self._done, chosen)
+
+    @staticmethod
+    def _holdings(op: Op) -> list[tuple[tuple, float]]:
+        """What a forward keeps on its stage, per task, so release is exact per stage."""
+        if op.kind == "prefill":
+            return [(("req", r.task.task_id), r.kv_bytes) for r in op.tasks]
+        return [(("train", op.tasks[0].task_id), op.mem_bytes)]
+
+    def _release(self, stage: Stage, key: tuple) -> None:
+        stage.used_bytes -= stage.held.pop(key, 0.0)
 
     def _memory_retry(self, n: int, s: int, op: Op, step: float) -> None:
         stage = self.nodes[n].stages[s]
@@ -321,9 +335,6 @@ class ClusterSimulator:
         if op.kind == "prefill":
             for r in op.tasks:
                 self.scheduler.observe(r.task.task_id, s, "forward", op.start_s, self.now)
-            if r_offloaded := op.offloaded:
-                for r in op.tasks:
-                    r.offloaded = r_offloaded
             if not last:
                 self._ready(Op("prefill", n, s + 1, self.now, next(self._seq), op.tasks, op.mem_bytes))
             else:
@@ -341,16 +352,14 @@ class ClusterSimulator:
             task = op.tasks[0]
             self.scheduler.observe(task.task_id, s, "forward", op.start_s, self.now)
             nxt = Op("train_f", n, s + 1, self.now, next(self._seq), op.tasks, op.mem_bytes) if not last else \
-                Op("train_b", n, s, self.now, next(self._seq), op.tasks, op.mem_bytes, offloaded=op.offloaded)
+                Op("train_b", n, s, self.now, next(self._seq), op.tasks, op.mem_bytes)
             self._ready(nxt)
         elif op.kind == "train_b":
             task = op.tasks[0]
             self.scheduler.observe(task.task_id, s, "backward", op.start_s, self.now)
-            if not op.offloaded:
-                stage.used_bytes -= op.mem_bytes
+            self._release(stage, ("train", task.task_id))
             if s > 0:
-                self._ready(Op("train_b", n, s - 1, self.now, next(self._seq), op.tasks, op.mem_bytes,
-                               offloaded=op.offloaded))
+                self._ready(Op("train_b", n, s - 1, self.now, next(self._seq), op.tasks, op.mem_bytes))
             else:
                 self._train_finished(n, task)
         elif op.kind == "decode":
@@ -385,9 +394,8 @@ class ClusterSimulator:
 
     def _finish_request(self, n: int, r: Request) -> None:
         task = r.task
-        if not r.offloaded:
-            for stage in self.nodes[n].stages:
-                stage.used_bytes -= r.kv_bytes
+        for stage in self.nodes[n].stages:
+            self._release(stage, ("req", task.task_id))
         times = r.token_times
         self.tbt[task.task_id] = float(np.mean(np.diff(times))) if len(times) > 1 else 0.0
         self.e2e[task.task_id] = self.now - task.arrival_s
@@ -422,12 +430,18 @@ class ClusterSimulator:
             self.scheduler.node_idle(n, self.now)
 
     def utilization(self, n: int) -> float:
+        """Busy fraction of the node's GPUs so far, counting operations in flight."""
         node = self.nodes[n]
-        busy = sum(st.busy_s for st in node.stages)
+        busy = sum(st.busy_s + (self.now - st.busy.start_s if st.busy else 0.0) for st in node.stages)
         return busy / (len(node.stages) * max(self.now, 1e-9))
 
     # -- result ----------------------------------------------------------------------------
     def _result(self) -> SimResult:
+        for node in self.nodes:  # every byte held was released: memory is conserved
+            for stage in node.stages:
+                if stage.held or abs(stage.used_bytes) > 1.0:
+                    raise RuntimeError(f"memory left held after the run: {len(stage.held)} tasks, "
+                                       f"{stage.used_bytes:.0f} bytes")
         first = self.tasks[0].arrival_s if self.tasks else 0.0
         end = max((n.last_end for n in self.nodes), default=0.0)
         makespan = max(end - first, 1e-9)
