@@ -221,3 +221,17 @@ def test_clocks_and_the_timeline_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == f"plot: {tmp_path / 't.png'}"
     assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_simulate_online_replays_a_trace(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("timestamp,length,kind\n" + "".join(
+        f"{0.05 * i:.2f},{64 + 8 * (i % 5)},{'train' if i % 3 == 0 else 'inference'}\n" for i in range(60)))
+    proc = _cli("simulate-online", "--trace", str(trace), "--policy", "separate", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["completed"] == 60 and out["train_done"] == 20
+    bad = tmp_path / "bad.csv"
+    bad.write_text("timestamp,length\n0.0,12\n0.1,-3\n")
+    proc = _cli("simulate-online", "--trace", str(bad))
+    assert proc.returncode == 2 and "row 2" in proc.stderr and proc.stderr.count("\n") == 1
