@@ -11,7 +11,7 @@ PIP    := $(VENV)/bin/pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: venv test demo bench bench-runtime clean test-vllm
+.PHONY: venv test demo bench bench-runtime bench-online clean test-vllm
 
 # Internal: make sure .venv exists and holds torch (pinned CPU wheel) and raycolo[test].
 venv: $(STAMP)
@@ -44,6 +44,9 @@ bench: venv
 
 bench-runtime: venv
 	$(VPY) bench/runtime.py
+
+bench-online: venv
+	$(VPY) bench/online.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info out
