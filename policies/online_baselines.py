@@ -17,12 +17,18 @@ from raycolo.policies import register_online
 
 
 @dataclass
-class RoundRobin:
+class _Baseline:
+    """What the scheduler asks of a policy; the baselines neither defer nor watch memory."""
+
     params: object
-    name: str = "mix-rr"
     prioritize: bool = False
     memory_aware: bool = False
     query_delay_s: float = 0.0
+
+
+@dataclass
+class RoundRobin(_Baseline):
+    name: str = "mix-rr"
     counter: int = 0
 
     def allocate(self, task: OnlineTask, sched, now: float) -> Optional[int]:
@@ -32,12 +38,8 @@ class RoundRobin:
 
 
 @dataclass
-class LowestUtilizationFirst:
-    params: object
+class LowestUtilizationFirst(_Baseline):
     name: str = "mix-luf"
-    prioritize: bool = False
-    memory_aware: bool = False
-    query_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.query_delay_s = self.params.luf_query_s
@@ -55,13 +57,9 @@ def train_node_count(nodes: int, train_rate: float) -> int:
 
 
 @dataclass
-class Separate:
-    params: object
-    train_nodes: int
+class Separate(_Baseline):
+    train_nodes: int = 0
     name: str = "separate"
-    prioritize: bool = False
-    memory_aware: bool = False
-    query_delay_s: float = 0.0
     counters: dict = field(default_factory=lambda: {"train": 0, "inference": 0})
 
     def groups(self, nodes: int) -> tuple[list[int], list[int]]:
@@ -90,4 +88,4 @@ def mix_luf(params, **_):
 
 @register_online("separate")
 def separate(params, nodes: int = 4, train_rate: float = 0.5, **_):
-    return Separate(params, train_node_count(nodes, train_rate))
+    return Separate(params, train_nodes=train_node_count(nodes, train_rate))

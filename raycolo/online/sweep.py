@@ -9,6 +9,7 @@ from raycolo.online.params import LemixParams
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.sim import simulate
 from raycolo.online.tasks import poisson_workload
+from raycolo.plots import pyplot, save_figure
 
 
 def sweep(profile: NodeProfile, nodes: int, policies: Sequence[str], rates: Sequence[float],
@@ -42,10 +43,7 @@ def format_tables(rows: list[dict], policies: Sequence[str]) -> str:
 
 
 def plot(rows: list[dict], policies: Sequence[str], out_dir: str | Path, title: str) -> list[Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     alphas = sorted({r["train_rate"] for r in rows})
@@ -64,21 +62,15 @@ def plot(rows: list[dict], policies: Sequence[str], out_dir: str | Path, title: 
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=8)
         fig.suptitle(title, fontsize=10)
-        fig.tight_layout()
-        path = out_dir / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out_dir / name))
     return paths
 
 
 def plot_timeline(result, path: str | Path, title: str) -> Path:
     """Active nodes over time, and each inference task's TTFT against the SLO."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
+    plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5), sharex=False)
     times = [t for t, _ in result.active_nodes]
     counts = [c for _, c in result.active_nodes]
@@ -94,9 +86,4 @@ def plot_timeline(result, path: str | Path, title: str) -> Path:
     bottom.set_ylabel("fraction of requests")
     bottom.legend(fontsize=8)
     bottom.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from raycolo.planner.schedule import AppPlan
+from raycolo.plots import pyplot, save_figure
 
 Segment = tuple[int, float, float, float, str]
 
@@ -55,28 +56,15 @@ def _draw(ax, segments: list[Segment], colour: dict, gpus: int, title: str,
 
 def _save(fig, ax, colour: dict, path: str | Path) -> Path:
     from matplotlib.patches import Patch
-    import matplotlib.pyplot as plt
 
     handles = [Patch(facecolor=c, label=n) for n, c in colour.items()]
     handles.append(Patch(facecolor="white", hatch="///", edgecolor="black", label="loading"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+    return save_figure(fig, path)
 
 
 def plot_gantt(plan: AppPlan, path: str | Path, title: str | None = None) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     segments = plan_segments(plan)
     colour = _colours(plt, [segments])
     fig, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * plan.gpus))
@@ -91,7 +79,7 @@ def plot_gantt(plan: AppPlan, path: str | Path, title: str | None = None) -> Pat
 def plot_planned_vs_actual(plan: AppPlan, actual: list[Segment], actual_makespan_s: float,
                            boundaries: Iterable[float], path: str | Path) -> Path:
     """The plan above, what really ran below, on one time axis."""
-    plt = _pyplot()
+    plt = pyplot()
     planned = plan_segments(plan)
     colour = _colours(plt, [planned, actual])
     gpus = max(plan.gpus, 1 + max((s[0] for s in actual), default=0))
