@@ -107,7 +107,12 @@ def run_application(config: RunConfig, on_output: Optional[Callable] = None,
         log(f"replica start measured: {replica_start_s:.1f}s")
     else:
         replica_start_s = config.replica_start_s
-    problem = PlanningProblem(run.workload, cluster, profile_dir=run.profile_dir,
+    workload = run.workload
+    if skipped:  # plan only what the journal does not hold
+        from raycolo.runtime.remaining import remaining_workload
+        workload = remaining_workload(run.workload, {n: run.communicator.node_done(n)
+                                                     for n in run.workload.nodes})
+    problem = PlanningProblem(workload, cluster, profile_dir=run.profile_dir,
                               max_num_seqs=config.max_num_seqs, replica_start_s=replica_start_s)
     plan = get_policy(config.policy)(problem)
     log(f"plan ({plan.policy}): {len(plan.stages)} stages, predicted makespan "

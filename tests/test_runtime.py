@@ -142,6 +142,7 @@ def test_resume_skips_finished_requests(cluster, tmp_path):
     table = _check_exactly_once(report, Path(config.output))
     assert report["requests_skipped"] == len(first)
     assert report["requests_run"] == report["requests_total"] - len(first)
+    assert f"cover the {report['requests_run']} that were left" in report["notes"][0]
     kept = table.set_index("key").loc[list(first)]
     assert list(kept["text"]) == [first[k]["text"] for k in first]  # finished work untouched
 

@@ -183,3 +183,32 @@ def test_load_tokenizer_needs_a_checkpoint_for_real_models():
     assert isinstance(load_tokenizer("tiny-llama-s"), ByteTokenizer)
     with pytest.raises(ConfigError, match="checkpoint"):
         load_tokenizer("llama-2-7b-chat-hf")
+
+
+def test_remaining_workload_drops_finished_requests_and_met_dependencies():
+    from raycolo.runtime.remaining import remaining_workload
+
+    app = parse_app(yaml.safe_load("""
+name: r
+sources: {docs: {count: 2, chunk_tokens: 30, chunks: {distribution: fixed, value: 3, max: 3}}}
+nodes:
+  - {name: s, model: tiny-llama-s, max_output_tokens: 8, prompt: "{previous} {chunk}"}
+  - {name: e, model: tiny-llama-s, max_output_tokens: 8, repeat: 2}
+edges: [{from: docs, to: s}, {from: s, to: s}, {from: s, to: e}]
+"""))
+    workload = build_workload(app, seed=0)
+    s, e = workload.nodes["s"], workload.nodes["e"]
+    assert len(s) == 6 and len(e) == 4
+    done = {"s": np.array([True, True, False, True, True, True]), "e": np.array([False, True, False, False])}
+    rest = remaining_workload(workload, done)
+    rs, re_ = rest.nodes["s"], rest.nodes["e"]
+    assert len(rs) == 1 and rs.chain_head.tolist() == [True]       # its predecessor is done
+    assert rs.successor.tolist() == [-1] and rs.output_len.tolist() == [s.output_len[2]]
+    assert len(re_) == 3
+    # the evaluators of document 0 still wait for its last part (old s:2, now s:0); those
+    # of document 1 have their input already
+    waiting = {int(i) for up, req, upi in re_.deps for i in req}
+    assert waiting == {i for i in range(3) if re_.item[i] == 0}
+    assert all(up == "s" and set(upi.tolist()) == {0} for up, req, upi in re_.deps)
+    gone = remaining_workload(workload, {"s": np.ones(6, bool), "e": np.array([False, True, True, True])})
+    assert list(gone.nodes) == ["e"] and gone.nodes["e"].deps == []

@@ -44,8 +44,8 @@ def build_report(run: PreparedRun, problem: PlanningProblem, plan: AppPlan, summ
     }
     report.update({k: v for k, v in summary.items() if k not in ("stages", "actual_makespan_s")})
     if skipped:
-        report["notes"] = [f"resumed: {skipped} requests were done by an earlier run; the "
-                           "prediction is for the whole application"]
+        report["notes"] = [f"resumed: {skipped} requests were done by an earlier run; the plan "
+                           f"and its prediction cover the {comm.total - skipped} that were left"]
     return report
 
 
