@@ -118,7 +118,8 @@ class EngineActor:
         context = ray.get_runtime_context()
         return {"label": self.label, "pid": os.getpid(), "node_id": context.get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "load_s": self.load_s,
-                "device": self.engine.config.engine_kwargs.device}
+                "device": self.engine.config.engine_kwargs.device,
+                "model_id": self.engine.config.model_loading_config.model_id}
 
     def run(self, requests: list[dict], budget_s: float) -> dict:
         """Queue ``requests`` ({key, prompt, params}); return once some have finished, the

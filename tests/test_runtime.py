@@ -74,12 +74,22 @@ def test_ensemble_with_a_judge_runs_every_request_once(cluster, tmp_path):
 
 
 def test_routing_sends_each_request_to_one_model(cluster, tmp_path):
-    config = _config(tmp_path, "tiny_routing.yaml", requests=16)
+    """The medium model loads from a real checkpoint directory (a node's ``checkpoint``)."""
+    from raycolo.engines.models import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint("tiny-llama-m", tmp_path / "ckpt")
+    dag = tmp_path / "routing.yaml"
+    dag.write_text((EXAMPLES / "tiny_routing.yaml").read_text().replace(
+        "{name: medium, model: tiny-llama-m,", f"{{name: medium, model: tiny-llama-m, checkpoint: '{checkpoint}',"))
+    assert "checkpoint:" in dag.read_text()
+    config = _config(tmp_path, str(dag), requests=16)
     report = run_application(config, log=lambda m: None)
     table = _check_exactly_once(report, Path(config.output))
     assert report["requests_total"] == 16
     assert sorted(table["item"]) == list(range(16))  # each item once, on one model
     assert (table["node"] == "small").sum() == 12 and (table["node"] == "medium").sum() == 4
+    loaded = {r["node"]: r["model_id"] for r in report["replicas"] if r["ready_s"] is not None}
+    assert loaded == {"small": "tiny-llama-s", "medium": str(checkpoint)}
 
 
 def test_chain_summary_carries_each_summary_into_the_next_part(cluster, tmp_path):
@@ -152,7 +162,8 @@ def test_bad_dag_or_input_fails_before_ray_starts(tmp_path):
     bad.write_text((EXAMPLES / "tiny.yaml").read_text().replace("max_output_tokens: 32", "max_output_tokens: -1"))
     env = {**os.environ, "RAY_ADDRESS": ""}
     messages = []
-    for args in (["run", str(bad)],
+    for args in (["run", str(EXAMPLES / "ensemble.yaml")],  # real models need checkpoints
+                 ["run", str(bad)],
                  ["run", str(EXAMPLES / "tiny.yaml"), "--input", str(tmp_path / "missing.jsonl")],
                  ["run", str(EXAMPLES / "tiny.yaml"), "--policy", "nope"],
                  ["run", str(EXAMPLES / "tiny.yaml"), "--gpus", "0"]):
@@ -163,10 +174,11 @@ def test_bad_dag_or_input_fails_before_ray_starts(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
         assert "Traceback" not in proc.stderr and "Ray" not in proc.stdout + proc.stderr
         messages.append(lines[0])
-    assert "max_output_tokens" in messages[0]
-    assert "missing.jsonl" in messages[1]
-    assert "policy" in messages[2] and "nope" in messages[2]
-    assert messages[3].startswith("error: --gpus")
+    assert "nodes[vicuna]" in messages[0] and "checkpoint" in messages[0]
+    assert "max_output_tokens" in messages[1]
+    assert "missing.jsonl" in messages[2]
+    assert "policy" in messages[3] and "nope" in messages[3]
+    assert messages[4].startswith("error: --gpus")
 
 
 def test_run_dag_job_script_runs_directly(tmp_path):
