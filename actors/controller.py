@@ -136,12 +136,19 @@ class Controller:
                                          "dtype": self.config.dtype},
                 "engine_kwargs": {"max_num_seqs": self.config.max_num_seqs,
                                   "max_num_batched_tokens": limits.max_num_batched_tokens,
-                                  "block_size": limits.block_size,
-                                  "kv_cache_tokens": max(1, limits.num_blocks) * limits.block_size,
+                                  "block_size": self.config.block_size or limits.block_size,
+                                  **self._kv_budget(limits),
                                   "watermark": limits.watermark,
                                   # the torch engine computes on one device of its tp bundles
                                   "tensor_parallel_size": plan.tp if self.config.backend == "vllm" else 1,
                                   "device": "auto", "cpu_threads": self.threads}}
+
+    def _kv_budget(self, limits) -> dict:
+        """The torch engine takes the planner's KV capacity as its budget (it allocates per
+        request); vLLM preallocates its cache, so it sizes it from the memory it finds."""
+        if self.config.backend == "vllm":
+            return {}
+        return {"kv_cache_tokens": max(1, limits.num_blocks) * limits.block_size}
 
     @property
     def threads(self) -> int:
@@ -256,7 +263,7 @@ class Controller:
         except RayActorError as exc:
             if rep.stopped_s is not None:
                 return
-            if kind == "info" and rep.ready_s is None and rep.restarts == 0:
+            if rep.ready_s is None:  # died before it ever answered: a start failure, not a crash
                 raise ReplicaFailed(f"replica {rep.name} failed to start: {_cause(exc)}") from None
             self._restart(rep, exc)
             return

@@ -119,6 +119,7 @@ def _add_run_flags(p: argparse.ArgumentParser, local: bool) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch limit (default 64)")
     p.add_argument("--backend", default="torch", help="engine backend: torch or vllm")
     p.add_argument("--dtype", default="float32", help="model dtype (default float32)")
+    p.add_argument("--block-size", type=int, default=None, help="engine KV block size (default 16)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per replica")
     p.add_argument("--replica-start-s", type=float, default=None,
                    help="seconds a replica takes to start, for planning (default: measured once)")

