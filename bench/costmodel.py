@@ -9,7 +9,6 @@ each case's median error and the MAPE. SamuLLM reports about 6 % on A100s, Vidur
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -20,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from raycolo.calibration import TINY_MODELS, validate  # noqa: E402
 from raycolo.cli import resolve_profile_dir  # noqa: E402
+from common import write_json  # noqa: E402
 
 
 def main() -> int:
@@ -57,8 +57,7 @@ def main() -> int:
           f"{', '.join(f'{m:.1%}' for m in known_mapes)}; median {statistics.median(known_mapes):.1%}")
     print(f"benchmark wall time {time.perf_counter() - started:.0f}s")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(runs, indent=2))
+        write_json(args.json, runs)
     return 0
 
 

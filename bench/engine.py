@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import statistics
@@ -46,6 +45,7 @@ from raycolo.catalog import get_model  # noqa: E402
 from raycolo.costmodel.sampler import OutputLengthSampler, seeded_rng  # noqa: E402
 from raycolo.engines import SamplingParams, create_engine  # noqa: E402
 from raycolo.engines.models import BOS_ID, BYTE_OFFSET, PAD_ID, build_tiny_model  # noqa: E402
+from common import write_json  # noqa: E402
 
 METHODS = ["hf-sequential", "hf-static-batch", "raycolo-torch"]
 REFERENCE = "raycolo-torch"
@@ -282,8 +282,7 @@ def main() -> int:
     print(f"\nbenchmark wall time {wall:.0f}s (load average {os.getloadavg()[0]:.1f} at end; "
           "timings are only comparable on an otherwise idle machine)")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        write_json(args.json, report)
     return 0
 
 

@@ -10,7 +10,6 @@ on the same sampled workload. Search times are medians of ``--repeats`` runs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from raycolo.planner.problem import PlanningProblem  # noqa: E402
 from raycolo.planner.validate import plan_violations  # noqa: E402
 from raycolo.policies import get_policy  # noqa: E402
 from raycolo.workload import build_workload  # noqa: E402
+from common import write_json  # noqa: E402
 
 POLICIES = ["samullm", "samullm-rollout", "samullm-window", "samullm-nopreempt", "max", "min"]
 
@@ -170,8 +170,7 @@ def main() -> int:
             sys.stdout.flush()
     print(f"\nbenchmark wall time {time.perf_counter() - started:.0f}s")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        write_json(args.json, report)
     return 0
 
 
