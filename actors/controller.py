@@ -40,7 +40,11 @@ from raycolo.runtime.setup import PreparedRun
 STARTUP_TIMEOUT_S = 900.0
 
 
-class ReplicaFailed(RuntimeError):
+class RunFailed(RuntimeError):
+    """The run cannot go on; what is in the journal stays, and a rerun resumes from it."""
+
+
+class ReplicaFailed(RunFailed):
     """A replica could not start, or died more often than ``max_restarts`` allows."""
 
 
@@ -411,7 +415,7 @@ class Controller:
                 if not refs:  # nothing runs but work remains: let the adjuster pick again
                     self._boundary()
                     if not self.by_ref:
-                        raise RuntimeError("the runtime is stuck: no replica can run the remaining "
+                        raise RunFailed("the runtime is stuck: no replica can run the remaining "
                                            f"{total - self.comm.done} requests")
                     continue
                 done, _ = ray.wait(refs, num_returns=1, timeout=STARTUP_TIMEOUT_S)

@@ -318,11 +318,11 @@ def cmd_run(args) -> int:
         values["output"] = str(Path("out") / load_app(args.dag).name)
     values["progress"] = not args.no_progress
     config = parse_run_config({k: v for k, v in values.items() if v is not None})
-    from raycolo.actors.controller import ReplicaFailed
+    from raycolo.actors.controller import RunFailed
     from raycolo.actors.launch import dump, report_line, run_application
     try:
         report = run_application(config)
-    except ReplicaFailed as exc:
+    except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
     if args.json:
