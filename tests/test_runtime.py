@@ -263,3 +263,22 @@ def test_a_replica_that_cannot_start_fails_the_run_at_once(cluster, tmp_path):
         "{name: small, model: tiny-llama-s,", f"{{name: small, model: tiny-llama-s, checkpoint: '{checkpoint}',"))
     with pytest.raises(ReplicaFailed, match=r"small/r0@gpu\d#s0 failed to start: .*"):
         run_application(_config(tmp_path, str(dag), requests=4), log=lambda m: None)
+
+
+def test_cli_reports_a_replica_failure_as_one_error_line(tmp_path):
+    from raycolo.engines.models import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint("tiny-llama-s", tmp_path / "broken")
+    for weights in checkpoint.glob("*.safetensors"):
+        weights.unlink()
+    dag = tmp_path / "broken.yaml"
+    dag.write_text((EXAMPLES / "tiny_routing.yaml").read_text().replace(
+        "{name: small, model: tiny-llama-s,", f"{{name: small, model: tiny-llama-s, checkpoint: '{checkpoint}',"))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "raycolo.cli", "run", str(dag), "--gpus", "1",
+                           "--requests", "4", "--replica-start-s", str(START_S), "--no-progress",
+                           "--output", str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: replica tiny_routing/small/r0")
+    assert "Traceback" not in proc.stderr
