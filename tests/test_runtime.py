@@ -249,10 +249,8 @@ def test_the_runtime_adapts_when_models_finish_in_another_order(cluster, tmp_pat
     assert [m["node"] for m in summary["stages"][-1]["models"]] == ["judge"]
 
 
-def test_a_replica_that_cannot_start_fails_the_run_at_once(cluster, tmp_path):
-    """A checkpoint whose weights are missing passes the driver's checks (its config and
-    tokenizer are fine) but cannot load in the actor: one clear error, no restarts."""
-    from raycolo.actors.controller import ReplicaFailed
+def _dag_with_broken_checkpoint(tmp_path) -> Path:
+    """tiny_routing with 'small' loading a checkpoint whose weights file is gone."""
     from raycolo.engines.models import save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint("tiny-llama-s", tmp_path / "broken")
@@ -261,19 +259,21 @@ def test_a_replica_that_cannot_start_fails_the_run_at_once(cluster, tmp_path):
     dag = tmp_path / "broken.yaml"
     dag.write_text((EXAMPLES / "tiny_routing.yaml").read_text().replace(
         "{name: small, model: tiny-llama-s,", f"{{name: small, model: tiny-llama-s, checkpoint: '{checkpoint}',"))
+    return dag
+
+
+def test_a_replica_that_cannot_start_fails_the_run_at_once(cluster, tmp_path):
+    """A checkpoint whose weights are missing passes the driver's checks (its config and
+    tokenizer are fine) but cannot load in the actor: one clear error, no restarts."""
+    from raycolo.actors.controller import ReplicaFailed
+
+    dag = _dag_with_broken_checkpoint(tmp_path)
     with pytest.raises(ReplicaFailed, match=r"small/r0@gpu\d#s0 failed to start: .*"):
         run_application(_config(tmp_path, str(dag), requests=4), log=lambda m: None)
 
 
 def test_cli_reports_a_replica_failure_as_one_error_line(tmp_path):
-    from raycolo.engines.models import save_tiny_checkpoint
-
-    checkpoint = save_tiny_checkpoint("tiny-llama-s", tmp_path / "broken")
-    for weights in checkpoint.glob("*.safetensors"):
-        weights.unlink()
-    dag = tmp_path / "broken.yaml"
-    dag.write_text((EXAMPLES / "tiny_routing.yaml").read_text().replace(
-        "{name: small, model: tiny-llama-s,", f"{{name: small, model: tiny-llama-s, checkpoint: '{checkpoint}',"))
+    dag = _dag_with_broken_checkpoint(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run([sys.executable, "-m", "raycolo.cli", "run", str(dag), "--gpus", "1",
                            "--requests", "4", "--replica-start-s", str(START_S), "--no-progress",
