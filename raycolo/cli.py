@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from raycolo.costmodel.latency import resolve_profile_dir  # noqa: F401  (also imported from here)
 from raycolo.errors import RaycoloError
 
 EXIT_USAGE = 2
@@ -143,20 +144,6 @@ def _problem(args):
     workload = build_workload(app, seed=args.seed, requests=args.requests,
                               ecdf_dir=profile_dir / "ecdf" if profile_dir else None)
     return PlanningProblem(workload, cluster, profile_dir=profile_dir)
-
-
-def resolve_profile_dir(name: str):
-    """A profile directory, or the name of one shipped in raycolo/data/profiles."""
-    from importlib import resources
-    from pathlib import Path
-
-    path = Path(name)
-    if path.is_dir():
-        return path
-    shipped = Path(str(resources.files("raycolo").joinpath("data", "profiles", name)))
-    if shipped.is_dir():
-        return shipped
-    raise RaycoloError(f"--profile: '{name}' is neither a directory nor a shipped profile")
 
 
 def _stage_table(plan) -> str:

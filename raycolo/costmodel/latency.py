@@ -165,3 +165,18 @@ class IterationLatency:
 
     def decode_flops(self, n: int, attended: int) -> float:
         return self.flops_n[n] + self.flops_c * attended
+
+
+def resolve_profile_dir(name: str) -> Path:
+    """A profile directory, or the name of one shipped in raycolo/data/profiles."""
+    from importlib import resources
+
+    from raycolo.errors import ConfigError
+
+    path = Path(name)
+    if path.is_dir():
+        return path
+    shipped = Path(str(resources.files("raycolo").joinpath("data", "profiles", name)))
+    if shipped.is_dir():
+        return shipped
+    raise ConfigError(f"--profile: '{name}' is neither a directory nor a shipped profile")

@@ -58,6 +58,7 @@ class OnlineScheduler:
     decisions: int = 0
     decision_us_total: float = 0.0
     pending_path: Optional[TaskPath] = None  # set by a policy that planned the task
+    interarrival: float = 0.0                 # Δa of the task being decided (eq. 1)
 
     def __post_init__(self) -> None:
         self.traces = [NodeTrace(p.stages) for p in self.profiles]
@@ -104,7 +105,7 @@ class OnlineScheduler:
 
     def _decide(self, task: OnlineTask, now: float, interarrival: float) -> Optional[Decision]:
         started = time.perf_counter()
-        self._interarrival = interarrival
+        self.interarrival = interarrival
         self.pending_path = None
         node = self.policy.allocate(task, self, now)
         spent = (time.perf_counter() - started) * 1e6
@@ -116,10 +117,6 @@ class OnlineScheduler:
         if path is not None:
             self.paths[task.task_id] = path
         return Decision(task, node, path, now + self.policy.query_delay_s, spent)
-
-    @property
-    def interarrival(self) -> float:
-        return self._interarrival
 
     # -- eq. 4's view of the next inference task ------------------------------------------
     def next_inference(self, now: float) -> Optional[tuple[float, int]]:

@@ -92,7 +92,7 @@ def _with_input(app: AppSpec, input_path: str) -> AppSpec:
 
 
 def prepare(config: RunConfig) -> PreparedRun:
-    from raycolo.cli import resolve_profile_dir
+    from raycolo.costmodel.latency import resolve_profile_dir
     from raycolo.engines.models import load_tokenizer
     from raycolo.policies import get_policy
 
@@ -127,5 +127,6 @@ def prepare(config: RunConfig) -> PreparedRun:
             raise ConfigError(f"--output: {store.journal_path} names request {key}, which this "
                               "job does not have; use a new directory")
         restored.append((node, index, record["text"]))
-    communicator.restore(sorted(restored, key=lambda r: (app.topological_order().index(r[0]), r[1])))
+    rank = {name: i for i, name in enumerate(app.topological_order())}
+    communicator.restore(sorted(restored, key=lambda r: (rank[r[0]], r[1])))
     return PreparedRun(config, app, workload, texts, communicator, store, profile_dir)
