@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import ray
@@ -221,7 +222,7 @@ def test_preempted_requests_continue_on_new_replicas_without_redoing_tokens(clus
 
 
 def test_the_runtime_adapts_when_models_finish_in_another_order(cluster, tmp_path):
-    """Plan with a wrong belief (the small model's outputs 20x longer than they are): the
+    """Plan with a wrong belief (the small model's answers 1000 tokens long): the
     plan expects 'medium' to finish first, reality finishes 'small' first, and the stage
     adjuster takes the next stage from there."""
     from raycolo.actors.controller import Controller
@@ -229,12 +230,18 @@ def test_the_runtime_adapts_when_models_finish_in_another_order(cluster, tmp_pat
     from raycolo.policies import get_policy
     from raycolo.runtime.setup import prepare
 
-    config = _config(tmp_path, "tiny.yaml", requests=8)
+    # 'small' really answers in at most 4 tokens and 'medium' in up to 64, so the real order
+    # does not hang on timing noise; the plan believes small's answers are 1000 tokens.
+    dag = tmp_path / "short_small.yaml"
+    dag.write_text((EXAMPLES / "tiny.yaml").read_text().replace(
+        "{name: small, model: tiny-llama-s, max_output_tokens: 64}",
+        "{name: small, model: tiny-llama-s, max_output_tokens: 4}"))
+    config = _config(tmp_path, str(dag), requests=8)
     run = prepare(config)
     believed = run.workload.nodes["small"].output_len.copy()
     problem = PlanningProblem(run.workload, run.cluster(2), profile_dir=run.profile_dir,
                               max_num_seqs=config.max_num_seqs, replica_start_s=START_S)
-    run.workload.nodes["small"].output_len = believed * 20
+    run.workload.nodes["small"].output_len = np.full_like(believed, 1000)
     plan = get_policy("samullm")(problem)
     run.workload.nodes["small"].output_len = believed
     assert plan.node_finish_s["medium"] < plan.node_finish_s["small"]
@@ -246,7 +253,11 @@ def test_the_runtime_adapts_when_models_finish_in_another_order(cluster, tmp_pat
     finish = {n: max(r["finished_s"] for r in run.store.done.values() if r["node"] == n)
               for n in ("small", "medium")}
     assert finish["small"] < finish["medium"]  # reality disagreed with the plan
-    assert [m["node"] for m in summary["stages"][-1]["models"]] == ["judge"]
+    stages = [{m["node"] for m in stage["models"]} for stage in summary["stages"]]
+    assert stages[0] == {"small", "medium"}
+    # the boundary came at small's real finish: medium runs on without it
+    assert "medium" in stages[1] and "small" not in stages[1]
+    assert stages[-1] == {"judge"}
 
 
 def _dag_with_broken_checkpoint(tmp_path) -> Path:
