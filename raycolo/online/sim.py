@@ -340,13 +340,8 @@ class ClusterSimulator:
             else:
                 for r in op.tasks:
                     self.ttft[r.task.task_id] = self.now - r.task.arrival_s
-                    r.token_times.append(self.now)
                     r.staleness = self.train_done - node.update_count
-                    r.remaining -= 1
-                    if r.remaining <= 0:
-                        self._finish_request(n, r)
-                    else:
-                        node.joining.append(r)
+                    self._token_out(n, r)
                 self._decode_next(n)
         elif op.kind == "train_f":
             task = op.tasks[0]
@@ -369,12 +364,7 @@ class ClusterSimulator:
                 node.decode_inflight = False
                 for r in op.tasks:
                     r.context += 1
-                    r.remaining -= 1
-                    r.token_times.append(self.now)
-                    if r.remaining <= 0:
-                        self._finish_request(n, r)
-                    else:
-                        node.joining.append(r)
+                    self._token_out(n, r)
                 self._decode_next(n)
         elif op.kind == "sync":
             node.syncing -= 1
@@ -391,6 +381,15 @@ class ClusterSimulator:
         running, node.joining = node.joining, []
         node.decode_inflight = True
         self._ready(Op("decode", n, 0, self.now, next(self._seq), running))
+
+    def _token_out(self, n: int, r: Request) -> None:
+        """A request's token left the last stage: it is done, or it joins the next decode."""
+        r.remaining -= 1
+        r.token_times.append(self.now)
+        if r.remaining <= 0:
+            self._finish_request(n, r)
+        else:
+            self.nodes[n].joining.append(r)
 
     def _finish_request(self, n: int, r: Request) -> None:
         task = r.task
