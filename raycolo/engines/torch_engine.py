@@ -1,10 +1,12 @@
-"""The embedded engine: transformers models with iteration-level continuous batching.
+"""The embedded engine: transformers models on raycolo's model executor.
 
 Scheduling is :class:`raycolo.sim.scheduler.FcfsBlockScheduler`, the same code the
 reference simulator runs: FCFS admission under a KV budget in blocks, prefill-first
-iterations, preemption by recompute. Each request keeps its own KV tensors; a decode
-iteration left-pads them into one batch (attention mask and explicit positions keep the
-arithmetic identical to running the request alone) and appends each new key/value.
+iterations, preemption by recompute. Its block tables are the pages of the executor's
+preallocated KV cache (:mod:`raycolo.executor`), so the blocks the cost model counts are
+the blocks the engine fills. A prefill runs all admitted prompts in one packed forward;
+a decode iteration runs every running request in one forward, attention reading each
+request's keys/values through its block table.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import torch
 from raycolo.engines.base import (Engine, EngineConfig, EngineStats, IterationRecord, MemoryUsage,
                                   RequestOutput, SamplingParams, TrackedRequest)
 from raycolo.engines.models import load_model
+from raycolo.engines.threads import apply_thread_policy
 from raycolo.errors import ConfigError
+from raycolo.executor import SeqChunk, create_executor
 from raycolo.sim.scheduler import FcfsBlockScheduler
 from raycolo.sim.types import SchedulerLimits, ceil_div
 
@@ -26,76 +30,6 @@ from raycolo.sim.types import SchedulerLimits, ceil_div
 @dataclass
 class _Request(TrackedRequest):
     generator: Optional[torch.Generator] = None
-    kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # per layer (1, heads, T, d)
-
-
-class _DecodeBatch:
-    """The running requests' KV, left-padded into one batch that persists across decode
-    iterations: a steady batch costs one forward per iteration and no copies; rows are
-    only dropped (finish, preemption) or merged in (after a prefill) when the set changes.
-    """
-
-    def __init__(self):
-        self.rows: list[int] = []
-        self.lengths: list[int] = []            # KV tokens each row holds
-        self.kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # (n, heads, T, d)
-        self.mask: Optional[torch.Tensor] = None  # (n, T), 0 on left padding
-        self.cache = None  # the transformers cache holding ``kv``, reused while rows are stable
-
-    def sync(self, handles: Sequence[int], requests: dict[int, "_Request"], device,
-             admit: bool = True) -> None:
-        wanted = set(handles)
-        keep = [i for i, h in enumerate(self.rows) if h in wanted]
-        if len(keep) < len(self.rows):
-            self.cache = None
-            if keep:
-                index = torch.tensor(keep, device=device)
-                self.kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.kv]
-                self.mask = self.mask.index_select(0, index)
-                self.rows = [self.rows[i] for i in keep]
-                self.lengths = [self.lengths[i] for i in keep]
-                live = torch.nonzero(self.mask.any(dim=0))
-                start = int(live[0]) if len(live) else self.mask.shape[1]
-                if start:  # drop columns that are padding in every row
-                    self.kv = [(k[:, :, start:], v[:, :, start:]) for k, v in self.kv]
-                    self.mask = self.mask[:, start:]
-            else:
-                self.__init__()
-        if not admit:
-            return
-        present = set(self.rows)
-        new = [h for h in handles if h not in present]
-        if not new:
-            return
-        parts = [requests[h].kv for h in new]
-        widths = [p[0][0].shape[2] for p in parts]
-        width = max(widths + ([self.mask.shape[1]] if self.rows else []))
-
-        def left_pad(t: torch.Tensor, to: int) -> torch.Tensor:
-            if t.shape[2] == to:
-                return t
-            pad = t.new_zeros((t.shape[0], t.shape[1], to - t.shape[2], t.shape[3]))
-            return torch.cat([pad, t], dim=2)
-
-        layers = []
-        for layer in range(len(parts[0])):
-            ks = [left_pad(p[layer][0], width) for p in parts]
-            vs = [left_pad(p[layer][1], width) for p in parts]
-            if self.rows:
-                ks.insert(0, left_pad(self.kv[layer][0], width))
-                vs.insert(0, left_pad(self.kv[layer][1], width))
-            layers.append((torch.cat(ks), torch.cat(vs)))
-        masks = [torch.cat([torch.zeros(width - w, dtype=torch.long, device=device),
-                            torch.ones(w, dtype=torch.long, device=device)]).unsqueeze(0)
-                 for w in widths]
-        if self.rows:
-            old = self.mask
-            masks.insert(0, torch.cat([old.new_zeros((old.shape[0], width - old.shape[1])), old], dim=1))
-        self.kv, self.mask, self.cache = layers, torch.cat(masks), None
-        self.rows += new
-        self.lengths += widths
-        for h in new:
-            requests[h].kv = None  # the batch owns it now
 
 
 class TorchEngine(Engine):
@@ -105,22 +39,21 @@ class TorchEngine(Engine):
         if kw.tensor_parallel_size != 1:
             raise ConfigError("engine_kwargs.tensor_parallel_size: the torch engine runs tp=1; "
                               "use the vllm backend for tensor parallelism")
-        if kw.cpu_threads:
-            torch.set_num_threads(kw.cpu_threads)
+        self.threads = apply_thread_policy(kw.cpu_threads)
         started = time.perf_counter()
         load = config.model_loading_config
         self.model, self.tokenizer = load_model(load.model_id, load.seed, load.dtype, kw.device)
         self.device = torch.device(kw.device)
-        self.stats = EngineStats(load_seconds=time.perf_counter() - started)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.eos_id = self.tokenizer.eos_token_id
         self.limits = SchedulerLimits(num_blocks=kw.kv_cache_tokens // kw.block_size,
                                       max_num_seqs=kw.max_num_seqs,
                                       max_num_batched_tokens=kw.max_num_batched_tokens,
                                       block_size=kw.block_size, watermark=kw.watermark)
+        self.executor = create_executor(self.model, self.limits.num_blocks, kw.block_size)
+        self.stats = EngineStats(load_seconds=time.perf_counter() - started)
         self.scheduler = FcfsBlockScheduler(self.limits)
         self.requests: dict[int, _Request] = {}
-        self._batch = _DecodeBatch()
         self._next_handle = 0
         self._seed = load.seed
 
@@ -148,28 +81,30 @@ class TorchEngine(Engine):
         return bool(self.requests)
 
     # -- one iteration ------------------------------------------------------------
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        decision = self.scheduler.schedule()
+        sched = self.scheduler
+        decision = sched.schedule()
         if decision.kind == "idle":
             if self.requests:  # add_request's checks make this unreachable; never spin
                 raise RuntimeError(f"scheduler idle with {len(self.requests)} requests queued "
-                                   f"({self.scheduler.blocks_used}/{self.limits.num_blocks} KV blocks used)")
+                                   f"({sched.blocks_used}/{self.limits.num_blocks} KV blocks used)")
             return []
         started = time.perf_counter()
         for handle in decision.preempted:
-            self.requests[handle].preemptions += 1  # its KV row leaves the batch at the next sync
-        if decision.kind == "prefill":
-            contexts = [len(self.requests[h].prompt) + len(self.requests[h].generated)
-                        for h in decision.seqs]
-            tokens = self._prefill([self.requests[h] for h in decision.seqs])
+            self.requests[handle].preemptions += 1
+            self._forget(handle)
+        if decision.kind == "prefill":  # from scratch: prompt plus tokens before a preemption
+            chunks = [SeqChunk(r.prompt + r.generated, 0, sched.table(h))
+                      for h, r in ((h, self.requests[h]) for h in decision.seqs)]
         else:
-            contexts = [self.scheduler.stored[h] + 1 for h in decision.seqs]
-            tokens = self._decode(decision.seqs) if decision.seqs else []
+            chunks = [SeqChunk(self.requests[h].generated[-1:], sched.stored[h], sched.table(h))
+                      for h in decision.seqs]
+        contexts = [c.start + len(c.tokens) for c in chunks]
+        tokens = self._run(decision.seqs, chunks) if chunks else []
         now = time.perf_counter()
         finished = []
         if decision.kind == "decode":
-            self.scheduler.decoded(decision.seqs)
+            sched.decoded(decision.seqs)
         for handle, token in zip(decision.seqs, tokens):
             req = self.requests[handle]
             req.generated.append(token)
@@ -177,15 +112,27 @@ class TorchEngine(Engine):
                 req.first_token_s = now
             reason = self._finish_reason(req, token)
             if reason:
-                self.scheduler.finished(handle)
+                sched.finished(handle)
+                self._forget(handle)
                 finished.append(self._output(self.requests.pop(handle), reason, now))
             elif decision.kind == "prefill":
-                self.scheduler.prefilled(handle)
-        self._batch.sync(self.scheduler.running, self.requests, self.device, admit=False)
+                sched.prefilled(handle)
         self.stats.iterations.append(IterationRecord(
             kind=decision.kind, num_seqs=len(decision.seqs), new_tokens=len(tokens),
             context_lens=contexts, seconds=now - started, preempted=len(decision.preempted)))
         return finished
+
+    def _run(self, handles: list[int], chunks: list[SeqChunk]) -> list[int]:
+        ex = self.executor
+        if ex.paged:
+            logits = ex.execute(ex.batch(chunks))
+        else:
+            logits = ex.execute(ex.batch(chunks), handles=handles)
+        return self._sample(logits, [self.requests[h] for h in handles])
+
+    def _forget(self, handle: int) -> None:
+        if not self.executor.paged:
+            self.executor.free(handle)
 
     def _finish_reason(self, req: _Request, token: int) -> Optional[str]:
         if token == self.eos_id and not req.params.ignore_eos:
@@ -197,46 +144,7 @@ class TorchEngine(Engine):
     def _output(self, req: _Request, reason: str, now: float) -> RequestOutput:
         return req.output(reason, self.tokenizer.decode(req.generated), now)
 
-    def _prefill(self, reqs: list[_Request]) -> list[int]:
-        """Compute prompts (plus tokens generated before a preemption) from scratch, in one
-        left-padded forward; each request keeps its own unpadded KV until it joins the batch."""
-        from transformers import DynamicCache
-
-        seqs = [r.prompt + r.generated for r in reqs]
-        width = max(len(q) for q in seqs)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long, device=self.device)
-        mask = torch.zeros_like(ids)
-        for i, q in enumerate(seqs):
-            ids[i, width - len(q):] = torch.tensor(q, device=self.device)
-            mask[i, width - len(q):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
-        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        for i, (req, q) in enumerate(zip(reqs, seqs)):
-            req.kv = [(k[i:i + 1, :, width - len(q):], v[i:i + 1, :, width - len(q):]) for k, v in layers]
-        return self._sample(out.logits[:, -1, :], reqs)
-
-    def _decode(self, handles: list[int]) -> list[int]:
-        """One decode iteration of ``handles``; returns their new tokens in that order."""
-        from transformers import DynamicCache
-
-        batch = self._batch
-        batch.sync(handles, self.requests, self.device)
-        reqs = [self.requests[h] for h in batch.rows]
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(reqs), 1))], dim=1)
-        positions = torch.tensor([[n] for n in batch.lengths], device=self.device)
-        last = torch.tensor([[r.generated[-1]] for r in reqs], device=self.device)
-        # Reuse the cache object of the previous step: rebuilding it copies every layer.
-        cache = batch.cache if batch.cache is not None else DynamicCache(batch.kv)
-        out = self.model(input_ids=last, attention_mask=batch.mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True)
-        batch.cache = out.past_key_values
-        batch.kv = [(layer.keys, layer.values) for layer in batch.cache.layers]
-        batch.lengths = [n + 1 for n in batch.lengths]
-        tokens = dict(zip(batch.rows, self._sample(out.logits[:, -1, :], reqs)))
-        return [tokens[h] for h in handles]
-
+    @torch.inference_mode()
     def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> list[int]:
         out = torch.argmax(logits, dim=-1).tolist()  # greedy for all, in one op
         for i, req in enumerate(reqs):
@@ -255,17 +163,20 @@ class TorchEngine(Engine):
 
     # -- resources -----------------------------------------------------------------
     def memory(self) -> MemoryUsage:
+        """KV bytes count the tokens held (the cache itself is preallocated:
+        ``executor.cache.nbytes``)."""
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        pending = [pair for r in self.requests.values() if r.kv for pair in r.kv]
-        kv = sum(t.numel() * t.element_size() for pair in pending for t in pair)
-        if self._batch.kv:  # tokens held, not the left padding around them
-            per_token = sum(k.shape[1] * k.shape[3] * k.element_size() * 2 for k, _ in self._batch.kv)
-            kv += per_token * sum(self._batch.lengths)
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        elem = next(self.model.parameters()).element_size()
+        per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem
+        kv = per_token * sum(self.scheduler.stored.values())
         return MemoryUsage(self.scheduler.blocks_used, self.limits.num_blocks, weights, kv)
 
     def release(self) -> None:
         self.requests.clear()
-        self._batch = _DecodeBatch()
+        del self.executor
         del self.model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

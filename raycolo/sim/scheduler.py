@@ -4,6 +4,11 @@ torch engine, so the simulator predicts the policy the engine really runs.
 It only decides and keeps the KV-block books (docs/simulator.md); the caller executes
 each decision and reports back with :meth:`prefilled`, :meth:`decoded` and
 :meth:`finished`. Requests are integer handles.
+
+Blocks are allocated when a decision is made, before it runs: a prefill's prompt blocks,
+and the block a decode step's new token spills into. The engine writes the step's KV
+into exactly those blocks (``alloc.tables``); the counts at every :meth:`schedule` call
+are the same as if blocks were taken after the step.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
+from raycolo.sim.blocks import BlockAllocator
 from raycolo.sim.types import SchedulerLimits, ceil_div
 
 
@@ -24,12 +30,15 @@ class Decision:
 class FcfsBlockScheduler:
     def __init__(self, limits: SchedulerLimits):
         self.limits = limits
-        self.free = limits.num_blocks
+        self.alloc = BlockAllocator(limits.num_blocks)
         self.waiting: deque[int] = deque()
         self.running: list[int] = []        # admission order
         self.prompt_len: dict[int, int] = {}  # tokens a (re-)admission prefills
         self.stored: dict[int, int] = {}    # KV tokens held by running requests
-        self.blocks: dict[int, int] = {}
+
+    @property
+    def free(self) -> int:
+        return self.alloc.free
 
     def add(self, req: int, prompt_len: int) -> None:
         self.prompt_len[req] = prompt_len
@@ -39,13 +48,16 @@ class FcfsBlockScheduler:
         """A request that already holds ``stored`` tokens of KV (continued from before)."""
         self.running.append(req)
         self.stored[req] = stored
-        self.blocks[req] = ceil_div(stored, self.limits.block_size)
-        self.free -= self.blocks[req]
+        self.alloc.allocate(req, ceil_div(stored, self.limits.block_size))
 
     def add_front(self, reqs: Iterable[int], prompt_lens: Iterable[int]) -> None:
+        """Put requests back at the head of the queue (a scheduled prefill that did not
+        run gives its blocks back)."""
+        reqs = list(reqs)
         for req, p in zip(reqs, prompt_lens):
             self.prompt_len[req] = p
-        self.waiting.extendleft(reversed(list(reqs)))
+            self.alloc.release(req)
+        self.waiting.extendleft(reversed(reqs))
 
     def schedule(self) -> Decision:
         lim = self.limits
@@ -63,8 +75,9 @@ class FcfsBlockScheduler:
             tokens += p
             free_after -= need
         if batch:
-            for _ in batch:
+            for req in batch:
                 self.waiting.popleft()
+                self.alloc.allocate(req, ceil_div(self.prompt_len[req], lim.block_size))
             return Decision("prefill", batch)
         if not self.running:
             return Decision("idle")
@@ -73,36 +86,37 @@ class FcfsBlockScheduler:
         preempted = []
         while need > self.free:
             victim = self.running.pop()
-            self.free += self.blocks.pop(victim)
+            self.alloc.release(victim)
             if self.stored[victim] % bs == 0:
                 need -= 1
             self.prompt_len[victim] = self.stored.pop(victim) + 1  # prompt + generated so far
             self.waiting.appendleft(victim)
             preempted.append(victim)
+        for req in self.running:  # the block this step's new token goes into
+            if self.stored[req] % bs == 0:
+                self.alloc.allocate(req, 1)
         return Decision("decode", list(self.running), preempted)
 
     def prefilled(self, req: int) -> None:
         """``req`` was prefilled and stays running (it did not finish on its first token)."""
         self.running.append(req)
         self.stored[req] = self.prompt_len[req]
-        self.blocks[req] = ceil_div(self.stored[req], self.limits.block_size)
-        self.free -= self.blocks[req]
 
     def decoded(self, seqs: Iterable[int]) -> None:
-        bs = self.limits.block_size
         for req in seqs:
-            if self.stored[req] % bs == 0:
-                self.blocks[req] += 1
-                self.free -= 1
             self.stored[req] += 1
 
     def finished(self, req: int) -> None:
         if req in self.stored:
             self.running.remove(req)
-            self.free += self.blocks.pop(req)
             del self.stored[req]
+        self.alloc.release(req)
         self.prompt_len.pop(req, None)
+
+    def table(self, req: int) -> list[int]:
+        """The KV blocks of ``req``, in token order."""
+        return self.alloc.tables[req]
 
     @property
     def blocks_used(self) -> int:
-        return self.limits.num_blocks - self.free
+        return self.alloc.used

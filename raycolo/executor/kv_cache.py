@@ -1,0 +1,46 @@
+"""A preallocated, paged KV cache for a slice of a model's layers.
+
+Per layer, keys and values live in one tensor each of shape
+``(num_blocks, block_size, kv_heads, head_dim)``. Token ``t`` of a request is stored in
+block ``table[t // block_size]`` at offset ``t % block_size``, where ``table`` is the
+request's block table from :class:`raycolo.sim.blocks.BlockAllocator`. Nothing is ever
+concatenated or grown: a step writes its new keys/values into their slots in place and
+attention reads them back through the block tables.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def bytes_per_token(self) -> int:
+        k = self.keys[0]
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * k.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_token * self.num_blocks * self.block_size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` of shape (tokens, kv_heads, head_dim) at flat ``slots``."""
+        flat = (-1, self.kv_heads, self.head_dim)
+        self.keys[layer].view(flat).index_copy_(0, slots, k)
+        self.values[layer].view(flat).index_copy_(0, slots, v)
+
+    def read(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of each row's blocks, as (rows, kv_heads, blocks * block_size,
+        head_dim); positions past a row's context hold stale data and must be masked."""
+        rows, blocks = tables.shape
+        shape = (rows, blocks * self.block_size, self.kv_heads, self.head_dim)
+        k = self.keys[layer][tables].view(shape).transpose(1, 2)
+        v = self.values[layer][tables].view(shape).transpose(1, 2)
+        return k, v

@@ -1,0 +1,227 @@
+"""Running a transformers causal LM, or a slice of its layers, on a paged KV cache.
+
+:class:`ModelExecutor` is the fast path for the Llama, Qwen2 and Mistral families. It
+calls the model's own modules (embedding, norms, q/k/v/o projections, MLP, rotary
+embedding, LM head), so a peft LoRA wrapped around any projection applies unchanged;
+only attention is its own: new keys/values go into the paged cache, and
+``scaled_dot_product_attention`` reads every key/value through the block tables. Grouped
+query attention folds each key/value head's query group into the query length, so no
+key/value is ever repeated.
+
+An executor runs layers ``[first, last)``: the embedding only on the first slice, the
+final norm and the LM head only on the last, and a KV cache for its own layers alone. A
+middle slice takes and returns hidden states; chaining slices gives the whole model.
+
+Other causal LMs get :class:`FallbackExecutor`: the model's own forward, one sequence at
+a time with its own transformers cache. Correct and slower; it says so once in the log.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from raycolo.errors import ConfigError
+from raycolo.executor.batch import SeqChunk, StepBatch
+from raycolo.executor.kv_cache import PagedKVCache
+
+log = logging.getLogger("raycolo.executor")
+
+FAST_PATH_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+
+
+def fast_path_family(model) -> Optional[str]:
+    """The fast-path family of a transformers (or peft-wrapped) causal LM, or None."""
+    base = _unwrap(model)
+    return base.config.model_type if base.config.model_type in FAST_PATH_FAMILIES else None
+
+
+def _unwrap(model):
+    """A peft ``PeftModel`` wraps the transformers model; its layers hold the LoRA."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _layer_range(num_layers: int, layers: Optional[tuple[int, int]]) -> tuple[int, int]:
+    first, last = layers if layers is not None else (0, num_layers)
+    if not 0 <= first < last <= num_layers:
+        raise ConfigError(f"layers: [{first}, {last}) is not a non-empty slice of the model's "
+                          f"{num_layers} layers")
+    return first, last
+
+
+class ModelExecutor:
+    """Batched prefill and decode of a Llama/Qwen2/Mistral model slice on a paged cache."""
+
+    paged = True
+
+    def __init__(self, model, num_blocks: int, block_size: int,
+                 layers: Optional[tuple[int, int]] = None):
+        base = _unwrap(model)
+        family = fast_path_family(base)
+        if family is None:
+            raise ConfigError(f"model: {type(base).__name__} has no fast path (Llama, Qwen2 and "
+                              "Mistral families); use create_executor for the fallback")
+        cfg = base.config
+        self.model, self.config = model, cfg
+        self.num_layers = cfg.num_hidden_layers
+        self.first, self.last = _layer_range(self.num_layers, layers)
+        inner = base.model
+        self.embed = inner.embed_tokens if self.is_first else None
+        self.norm = inner.norm if self.is_last else None
+        self.lm_head = base.lm_head if self.is_last else None
+        self.rotary = inner.rotary_emb
+        self.layers = list(inner.layers[self.first:self.last])
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.group = self.heads // self.kv_heads
+        self.scale = attn.scaling
+        self.windows = [self._window(layer.self_attn) for layer in self.layers]
+        self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        param = next(base.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.block_size = block_size
+        self.cache = PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads,
+                                  self.head_dim, self.dtype, self.device)
+
+    def _window(self, attn) -> Optional[int]:
+        if hasattr(attn, "sliding_window"):      # Qwen2: per layer type
+            return attn.sliding_window
+        return getattr(self.config, "sliding_window", None)  # Mistral
+
+    @property
+    def is_first(self) -> bool:
+        return self.first == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.last == self.num_layers
+
+    def batch(self, chunks: Sequence[SeqChunk]) -> StepBatch:
+        return StepBatch.build(chunks, self.block_size, self.device, with_ids=self.is_first)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run the slice on one step. The first slice embeds ``batch.input_ids``; later ones
+        take ``hidden`` (num_tokens, hidden_size) from the slice before. The last slice
+        returns the logits of each sequence's last token (num_seqs, vocab); other slices
+        return hidden states (num_tokens, hidden_size)."""
+        return self.forward(batch, hidden)
+
+    def forward(self, batch: StepBatch, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """:meth:`execute` without inference mode (the trainer's forward, with autograd)."""
+        if self.is_first:
+            x = self.embed(batch.input_ids)
+        else:
+            if hidden is None or hidden.shape[0] != batch.num_tokens:
+                raise ValueError(f"layers [{self.first}, {self.last}): need hidden states for "
+                                 f"{batch.num_tokens} tokens")
+            x = hidden
+        x = x.unsqueeze(0)  # (1, tokens, hidden): the modules' (batch, seq, hidden)
+        cos, sin = self.rotary(x, batch.positions.unsqueeze(0))
+        rope = (cos[0], sin[0])
+        for i, layer in enumerate(self.layers):
+            residual = x
+            h = layer.input_layernorm(x)
+            x = residual + self._attention(i, layer.self_attn, h[0], rope, batch).unsqueeze(0)
+            residual = x
+            x = residual + layer.mlp(layer.post_attention_layernorm(x))
+        x = x[0]
+        if not self.is_last:
+            return x
+        last = x.index_select(0, batch.last_index)
+        return self.lm_head(self.norm(last))
+
+    def _attention(self, i: int, attn, h: torch.Tensor, rope, batch: StepBatch) -> torch.Tensor:
+        n, d = h.shape[0], self.head_dim
+        q = attn.q_proj(h).view(n, self.heads, d)
+        k = attn.k_proj(h).view(n, self.kv_heads, d)
+        v = attn.v_proj(h).view(n, self.kv_heads, d)
+        q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
+        self.cache.write(i, batch.slots, k, v)
+        out = q.new_empty((n, self.heads * d)) if len(batch.groups) > 1 or \
+            batch.groups[0].out_index is not None else None
+        for g in batch.groups:
+            o = self._group_attention(i, q, g)
+            if out is None:
+                out = o
+            else:
+                out.index_copy_(0, g.out_index, o.index_select(0, g.out_src))
+        return attn.o_proj(out)
+
+    def _group_attention(self, i: int, q: torch.Tensor, g) -> torch.Tensor:
+        """Attention of one group: (rows * Lq, heads * head_dim) in padded query order."""
+        rows, lq, kvh, grp, d = g.rows, g.query_len, self.kv_heads, self.group, self.head_dim
+        keys, values = self.cache.read(i, g.tables)            # (rows, kvh, T, d)
+        qg = q.index_select(0, g.query_index) if g.out_index is not None else q
+        # (rows, Lq, kvh, grp, d) -> (rows, kvh, grp * Lq, d): a query group shares its K/V head
+        qg = qg.view(rows, lq, kvh, grp, d).permute(0, 2, 3, 1, 4).reshape(rows, kvh, grp * lq, d)
+        mask = g.mask(self.windows[i], keys.shape[2])          # (rows, 1, Lq, T)
+        if grp > 1:
+            mask = mask.unsqueeze(2).expand(rows, 1, grp, lq, mask.shape[-1]).reshape(
+                rows, 1, grp * lq, mask.shape[-1])
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
+        return o.view(rows, kvh, grp, lq, d).permute(0, 3, 1, 2, 4).reshape(rows * lq, kvh * grp * d)
+
+
+class FallbackExecutor:
+    """Any causal LM through its own forward: one sequence at a time, each with its own
+    transformers cache, no paging. Whole models only (no layer slices)."""
+
+    paged = False
+    _warned: set = set()
+
+    def __init__(self, model, num_blocks: int, block_size: int,
+                 layers: Optional[tuple[int, int]] = None):
+        base = _unwrap(model)
+        n = getattr(base.config, "num_hidden_layers", None)
+        if layers is not None and n is not None and tuple(layers) != (0, n):
+            raise ConfigError(f"layers: {type(base).__name__} has no fast path, and the fallback "
+                              "runs whole models only")
+        self.model, self.config = model, base.config
+        self.block_size = block_size
+        self.is_first = self.is_last = True
+        self.caches: dict[int, object] = {}  # sequence handle -> its transformers cache
+        name = type(base).__name__
+        if name not in FallbackExecutor._warned:
+            FallbackExecutor._warned.add(name)
+            log.warning("raycolo executor: %s is not in the fast path (Llama, Qwen2, Mistral); "
+                        "running the model's own forward one sequence at a time (correct, slower)",
+                        name)
+
+    def batch(self, chunks: Sequence[SeqChunk]) -> list[SeqChunk]:
+        return list(chunks)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SeqChunk], hidden=None, handles: Sequence[int] = ()) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        param = next(self.model.parameters())
+        rows = []
+        for handle, c in zip(handles, chunks):
+            cache = self.caches.get(handle) if c.start else None
+            if c.start and cache is None:
+                raise ValueError(f"sequence {handle}: no cache to continue from position {c.start}")
+            cache = cache if cache is not None else DynamicCache()
+            ids = torch.tensor([list(c.tokens)], device=param.device)
+            pos = torch.arange(c.start, c.start + len(c.tokens), device=param.device).unsqueeze(0)
+            out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
+                             attention_mask=torch.ones((1, c.start + len(c.tokens)), dtype=torch.long,
+                                                       device=param.device))
+            self.caches[handle] = out.past_key_values
+            rows.append(out.logits[0, -1])
+        return torch.stack(rows)
+
+    def free(self, handle: int) -> None:
+        self.caches.pop(handle, None)
+
+
+def create_executor(model, num_blocks: int, block_size: int,
+                    layers: Optional[tuple[int, int]] = None):
+    """The fast executor where the model's family has one, the fallback otherwise."""
+    cls = ModelExecutor if fast_path_family(model) else FallbackExecutor
+    return cls(model, num_blocks, block_size, layers)
