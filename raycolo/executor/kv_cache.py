@@ -41,6 +41,7 @@ class PagedKVCache:
         head_dim); positions past a row's context hold stale data and must be masked."""
         rows, blocks = tables.shape
         shape = (rows, blocks * self.block_size, self.kv_heads, self.head_dim)
-        k = self.keys[layer][tables].view(shape).transpose(1, 2)
-        v = self.values[layer][tables].view(shape).transpose(1, 2)
+        flat = tables.view(-1)  # index_select is several times faster than tensor[tables]
+        k = self.keys[layer].index_select(0, flat).view(shape).transpose(1, 2)
+        v = self.values[layer].index_select(0, flat).view(shape).transpose(1, 2)
         return k, v

@@ -164,8 +164,18 @@ class ModelExecutor:
         if grp > 1:
             mask = mask.unsqueeze(2).expand(rows, 1, grp, lq, mask.shape[-1]).reshape(
                 rows, 1, grp * lq, mask.shape[-1])
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
+        o = _attend(qg, keys, values, mask, self.scale)
         return o.view(rows, kvh, grp, lq, d).permute(0, 3, 1, 2, 4).reshape(rows * lq, kvh * grp * d)
+
+
+def _attend(q, k, v, mask, scale):
+    """softmax(q k^T * scale, masked) v. On the CPU, plain matmuls on contiguous K/V beat
+    ``scaled_dot_product_attention`` on these small per-row shapes (docs/executor.md)."""
+    if q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.contiguous().transpose(-1, -2)).mul_(scale)
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.contiguous())
 
 
 class FallbackExecutor:
