@@ -53,6 +53,11 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
+TINY_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The tiny Mistral's and Qwen2's window is shorter than its context, so tests exercise windowed attention.
+TINY_SLIDING_WINDOW = 48
+
+
 def hf_config_for(spec: ModelSpec):
     """A transformers config for a tiny catalog model."""
     import transformers
@@ -60,10 +65,15 @@ def hf_config_for(spec: ModelSpec):
     if spec.hf_architecture is None:
         raise ConfigError(f"model_id: '{spec.name}' has no hf_architecture; only tiny catalog "
                           "models can be built without a checkpoint directory")
-    if spec.hf_architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
+    if spec.hf_architecture not in TINY_ARCHITECTURES:
         raise ConfigError(f"model_id: architecture {spec.hf_architecture} is not supported for tiny models")
     cls = getattr(transformers, spec.hf_architecture.replace("ForCausalLM", "Config"))
-    return cls(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+    extra = {}
+    if spec.hf_architecture == "MistralForCausalLM":
+        extra["sliding_window"] = TINY_SLIDING_WINDOW
+    if spec.hf_architecture == "Qwen2ForCausalLM":  # full attention in layer 0, windowed after
+        extra.update(use_sliding_window=True, sliding_window=TINY_SLIDING_WINDOW, max_window_layers=1)
+    return cls(**extra,vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
                num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
                num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.context_length,
                pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
