@@ -46,7 +46,7 @@ class TorchEngine(Engine):
         self.device = torch.device(kw.device)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.eos_id = self.tokenizer.eos_token_id
-        self.limits = SchedulerLimits(num_blocks=kw.kv_cache_tokens // kw.block_size,
+        self.limits = SchedulerLimits(num_blocks=self._cache_blocks(kw),
                                       max_num_seqs=kw.max_num_seqs,
                                       max_num_batched_tokens=kw.max_num_batched_tokens,
                                       block_size=kw.block_size, watermark=kw.watermark)
@@ -56,6 +56,15 @@ class TorchEngine(Engine):
         self.requests: dict[int, _Request] = {}
         self._next_handle = 0
         self._seed = load.seed
+
+    def _cache_blocks(self, kw) -> int:
+        """KV blocks to preallocate: ``kv_cache_tokens``, capped at what ``max_num_seqs``
+        sequences of the model's full context can ever hold (plus the watermark). The cap
+        never changes a scheduling decision; it keeps a planner's budget for a large
+        logical GPU from reserving memory no request can use."""
+        per_seq = ceil_div(self.max_positions, kw.block_size)
+        most = math.ceil(kw.max_num_seqs * per_seq / (1 - kw.watermark)) + 1
+        return min(kw.kv_cache_tokens // kw.block_size, most)
 
     # -- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int],

@@ -9,7 +9,23 @@ attention reads them back through the block tables.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU through numpy's calloc, so that the OS maps zero pages
+    lazily: resident memory grows with the blocks actually written, not with the cache's
+    size (blocks are handed out lowest first). Never-written slots read as 0.0, so masked
+    positions can never hold NaN."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = 1
+    for n in shape:
+        count *= n
+    raw = torch.from_numpy(np.zeros(count * itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 
 class PagedKVCache:
@@ -18,8 +34,8 @@ class PagedKVCache:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
         shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.values = [_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     @property
     def bytes_per_token(self) -> int:
