@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -105,6 +106,9 @@ class Controller:
         self.comm = run.communicator
         self.store = run.store
         self.on_output = on_output
+        # Ray actor names get this run's token: a gracefully exiting actor of an earlier run
+        # of the same application keeps its name until it is gone.
+        self.run_token = uuid.uuid4().hex[:8]
         stages = [{n: ExecPlan(dp, tp) for n, (dp, tp) in s.items()} for s in plan.selections()]
         self.adjuster = StageAdjuster(problem, stages)
         self.selection: dict[str, ExecPlan] = {}
@@ -164,7 +168,7 @@ class Controller:
     def _spawn(self, rep: Replica, suffix: str = "") -> None:
         label = rep.name + suffix
         rep.actor = EngineActor.options(
-            name=label, num_gpus=1, max_restarts=0,
+            name=f"{label}~{self.run_token}", num_gpus=1, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(rep.pg, placement_group_bundle_index=0),
         ).remote(self.engine_config(rep.node, rep.plan), label)
         rep.info_ref = rep.actor.info.remote()
