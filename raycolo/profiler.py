@@ -3,8 +3,9 @@
 1. Load time: median of timed engine loads from a checkpoint directory.
 2. Sweep: batches of 1..64 requests at several context lengths, plus a mixed run of
    random lengths, recording every iteration (kind, sequences, tokens, seconds).
-3. Fit SamuLLM's per-iteration coefficients (:mod:`raycolo.costmodel.fit`).
-4. Output lengths: run a request set with sampling and write the measured eCDF.
+3. Output lengths: run a request set with sampling and write the measured eCDF.
+4. Fit SamuLLM's per-iteration coefficients (:mod:`raycolo.costmodel.fit`) to the
+   iterations of steps 2 and 3.
 
 Files (docs/profiles.md): ``DIR/<model>.tp<T>.json`` (LatencyProfile, what
 ``raycolo plan --profile DIR`` reads), ``DIR/ecdf/<model>.csv`` and
@@ -102,21 +103,24 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     mixed_params = [SamplingParams(max_tokens=int(m), ignore_eos=True)
                     for m in rng.integers(1, 128, settings.mixed_requests)]
     engine.generate(random_prompts(rng, settings.mixed_requests, mixed_lens, vocab), mixed_params)
+
+    # The output-length run is real traffic: many requests of mixed contexts batched
+    # together. Its iterations join the fit, so the fit sees batches whose contexts differ
+    # (attention pads each group of similar contexts to its longest), not only the sweep's
+    # uniform ones.
+    say(f"{model_id}: output lengths of {settings.ecdf_requests} sampled requests")
+    prompts = random_prompts(rng, settings.ecdf_requests, rng.integers(8, 128, settings.ecdf_requests), vocab)
+    params = [SamplingParams(max_tokens=ECDF_MAX_TOKENS, temperature=ECDF_TEMPERATURE, seed=seed * 7919 + i)
+              for i in range(len(prompts))]
+    lengths = [o.output_len for o in engine.generate(prompts, params)]
     records = list(engine.stats.iterations)
+    engine.release()
 
     from raycolo.costmodel.latency import default_profile
     from raycolo.hardware import ClusterSpec
     flops_model = IterationLatency(spec, default_profile(spec, ClusterSpec(), tp))
     profile, stats = fit_profile(samples_from_records(records, flops_model), model_id, tp, load_s)
     profile.save(out / f"{model_id}.tp{tp}.json")
-
-    say(f"{model_id}: output lengths of {settings.ecdf_requests} sampled requests")
-    engine.stats.iterations.clear()
-    prompts = random_prompts(rng, settings.ecdf_requests, rng.integers(8, 128, settings.ecdf_requests), vocab)
-    params = [SamplingParams(max_tokens=ECDF_MAX_TOKENS, temperature=ECDF_TEMPERATURE, seed=seed * 7919 + i)
-              for i in range(len(prompts))]
-    lengths = [o.output_len for o in engine.generate(prompts, params)]
-    engine.release()
     write_ecdf(out / "ecdf" / f"{model_id}.csv", lengths,
                f"MEASURED output lengths of {model_id} ({len(lengths)} requests, torch engine, "
                f"temperature {ECDF_TEMPERATURE}, max_tokens {ECDF_MAX_TOKENS}, seed {seed}).\n"

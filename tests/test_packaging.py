@@ -61,6 +61,7 @@ def test_regular_install_imports_policies_and_catalog(tmp_path):
         sys.meta_path[:] = [f for f in sys.meta_path
                             if not getattr(f, "__module__", "").startswith("__editable__")]
         import raycolo, raycolo.catalog, raycolo.policies
+        import raycolo.executor, raycolo.engines.torch_engine  # every subpackage is installed
         from pathlib import Path
         names = raycolo.policies.policy_names()
         assert names, "no policies registered"
@@ -70,7 +71,7 @@ def test_regular_install_imports_policies_and_catalog(tmp_path):
         assert spec.name == "tiny-llama-s", spec
         ecdfs = list((Path(raycolo.__file__).parent / "data" / "ecdf").glob("*.csv"))
         assert ecdfs, "package data data/ecdf/*.csv not installed"
-        for f in [raycolo.__file__, raycolo.catalog.__file__, *policy_mods]:
+        for f in [raycolo.__file__, raycolo.catalog.__file__, raycolo.executor.__file__, *policy_mods]:
             print("MOD", f)
         print("POLICIES", raycolo.policies.__file__)
     """)

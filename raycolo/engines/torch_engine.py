@@ -92,13 +92,13 @@ class TorchEngine(Engine):
     # -- one iteration ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler
+        started = time.perf_counter()  # an iteration's time includes its scheduling
         decision = sched.schedule()
         if decision.kind == "idle":
             if self.requests:  # add_request's checks make this unreachable; never spin
                 raise RuntimeError(f"scheduler idle with {len(self.requests)} requests queued "
                                    f"({sched.blocks_used}/{self.limits.num_blocks} KV blocks used)")
             return []
-        started = time.perf_counter()
         for handle in decision.preempted:
             self.requests[handle].preemptions += 1
             self._forget(handle)
@@ -128,7 +128,8 @@ class TorchEngine(Engine):
                 sched.prefilled(handle)
         self.stats.iterations.append(IterationRecord(
             kind=decision.kind, num_seqs=len(decision.seqs), new_tokens=len(tokens),
-            context_lens=contexts, seconds=now - started, preempted=len(decision.preempted)))
+            context_lens=contexts, seconds=time.perf_counter() - started,
+            preempted=len(decision.preempted)))
         return finished
 
     def _run(self, handles: list[int], chunks: list[SeqChunk]) -> list[int]:

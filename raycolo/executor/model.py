@@ -143,14 +143,12 @@ class ModelExecutor:
         v = attn.v_proj(h).view(n, self.kv_heads, d)
         q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
         self.cache.write(i, batch.slots, k, v)
-        out = q.new_empty((n, self.heads * d)) if len(batch.groups) > 1 or \
-            batch.groups[0].out_index is not None else None
-        for g in batch.groups:
-            o = self._group_attention(i, q, g)
-            if out is None:
-                out = o
-            else:
-                out.index_copy_(0, g.out_index, o.index_select(0, g.out_src))
+        groups = batch.groups
+        if len(groups) == 1 and groups[0].out_index is None:  # decode, rows in batch order
+            return attn.o_proj(self._group_attention(i, q, groups[0]))
+        out = q.new_empty((n, self.heads * d))
+        for g in groups:
+            out.index_copy_(0, g.out_index, self._group_attention(i, q, g).index_select(0, g.out_src))
         return attn.o_proj(out)
 
     def _group_attention(self, i: int, q: torch.Tensor, g) -> torch.Tensor:
