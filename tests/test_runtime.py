@@ -123,7 +123,9 @@ def test_a_killed_engine_actor_loses_nothing(cluster, tmp_path):
                     killed.append(rep.name)
                     return
 
-    config = _config(tmp_path, "tiny_routing.yaml", requests=24)
+    # 48 requests: enough that a replica still has work in flight after the first outputs
+    # (the executor answers 24 of them within one 0.2 s run slice).
+    config = _config(tmp_path, "tiny_routing.yaml", requests=48)
     report = run_application(config, on_output=kill_one, log=lambda m: None)
     assert killed
     _check_exactly_once(report, Path(config.output))
