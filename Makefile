@@ -2,6 +2,9 @@
 #   make test   - create/refresh .venv (CPU torch pinned first) and run the test suite
 #   make demo   - run the example commands
 #   make bench  - run the planner benchmark
+#   make bench-engine - engine benchmark (bench/engine.py): raycolo vs transformers
+#                       generate(), plus vLLM eager/compiled where .venv-vllm exists
+#   make bench-engine-vllm - the same, installing .venv-vllm first (as make test-vllm)
 #   make clean  - remove the venv and build outputs
 
 PYTHON ?= python3
@@ -11,7 +14,7 @@ PIP    := $(VENV)/bin/pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: venv test demo bench bench-runtime bench-online clean test-vllm
+.PHONY: venv test demo bench bench-runtime bench-online bench-engine bench-engine-vllm clean test-vllm
 
 # Internal: make sure .venv exists and holds torch (pinned CPU wheel) and raycolo[test].
 venv: $(STAMP)
@@ -47,6 +50,18 @@ bench-runtime: venv
 
 bench-online: venv
 	$(VPY) bench/online.py
+
+# BENCH_ARGS passes options, e.g. make bench-engine BENCH_ARGS="--quick --json out/bench_engine.json".
+BENCH_ARGS ?=
+
+bench-engine: venv
+	$(VPY) bench/engine.py $(BENCH_ARGS)
+
+# vLLM runs from .venv-vllm (bench/vllm_peer.py in a subprocess). run_vllm_tests.sh installs
+# that venv when needed (skipped when up to date) and, with --install-only, stops there.
+bench-engine-vllm: venv
+	PYTHON=$(PYTHON) ./tools/run_vllm_tests.sh --install-only
+	$(VPY) bench/engine.py --vllm-python .venv-vllm/bin/python $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info out

