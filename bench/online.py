@@ -48,7 +48,7 @@ from raycolo.online.profiles import preset  # noqa: E402
 from raycolo.online.scheduler import OnlineScheduler  # noqa: E402
 from raycolo.online.sim import simulate  # noqa: E402
 from raycolo.online.tasks import poisson_workload  # noqa: E402
-from raycolo.policies import get_online_policy  # noqa: E402
+from raycolo.policies import make_online_policy  # noqa: E402
 
 NODES, STAGES = 4, 2
 POLICIES = ["lemix", "mix-rr", "mix-luf", "separate"]
@@ -70,7 +70,9 @@ def run_cell(model, rate, alpha, tasks, seeds, policies):
     for seed in range(seeds):
         workload = poisson_workload(rate, alpha, tasks, seed=seed)
         for name in policies:  # the same task list for every policy
-            result = simulate(workload, profile, NODES, name, params=LemixParams(), train_rate=alpha)
+            params = LemixParams()
+            policy = make_online_policy(name, params, nodes=NODES, train_rate=alpha)
+            result = simulate(workload, profile, NODES, policy, params)
             if result.completed != len(workload):
                 raise SystemExit(f"{model} {rate} rps a={alpha} {name} seed {seed}: "
                                  f"{result.completed} of {len(workload)} tasks completed")
@@ -157,7 +159,7 @@ def decision_pass(policy_name, nodes, tasks, feedback=True):
     the next arrival's clock passes its planned end (no execution is simulated)."""
     profile = preset(OVERHEAD_MODEL, stages=STAGES)
     params = LemixParams()
-    policy = get_online_policy(policy_name)(params, nodes=nodes, train_rate=OVERHEAD_ALPHA)
+    policy = make_online_policy(policy_name, params, nodes=nodes, train_rate=OVERHEAD_ALPHA)
     sched = OnlineScheduler(policy, [profile] * nodes, [profile] * nodes, params)
     events, spent, deferred = [], [], 0
 

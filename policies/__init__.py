@@ -61,6 +61,12 @@ def get_online_policy(name: str) -> Callable:
     return _ONLINE[name]
 
 
+def make_online_policy(name: str, params, nodes: int = 4, train_rate: float = 0.5):
+    """The online policy registered as ``name``, built for ``nodes`` nodes and a
+    training share ``train_rate`` (SEPARATE sizes its groups from them)."""
+    return get_online_policy(name)(params, nodes=nodes, train_rate=train_rate)
+
+
 def online_policy_names() -> list[str]:
     for module in _ONLINE_MODULES:
         importlib.import_module(f"raycolo.policies.{module}")

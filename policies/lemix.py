@@ -13,18 +13,27 @@ from typing import Optional
 
 from raycolo.online.allocation import best_node, idleness_profit, length_consistency, priority, violates_slo
 from raycolo.online.planning import commit, compute_idleness
+from raycolo.online.policy import OnlinePolicy, PolicyCapabilities
 from raycolo.online.tasks import OnlineTask
 from raycolo.policies import register_online
 
 
 @dataclass
-class Lemix:
+class Lemix(OnlinePolicy):
     params: object
     name: str = "lemix"
     prioritize: bool = True
     memory_aware: bool = True
     profiled: bool = True
-    query_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.capabilities = PolicyCapabilities(prioritize=self.prioritize, memory_aware=self.memory_aware)
+
+    def estimator(self, profile):
+        if self.profiled:
+            return profile
+        return LengthBlind(profile.forward_latency_s / profile.stages,
+                           profile.backward_latency_s / profile.stages)
 
     def allocate(self, task: OnlineTask, sched, now: float) -> Optional[int]:
         p = self.params
@@ -40,7 +49,7 @@ class Lemix:
             plans.append(plan)
             scores.append(priority(ip, lc, plan.response, p.lambda1, p.lambda2))
         n = best_node(scores)
-        if task.is_train and self.prioritize and self._at_risk(sched, n, plans[n], now):
+        if task.is_train and self.capabilities.prioritize and self._at_risk(sched, n, plans[n], now):
             return None
         commit(sched.traces[n], plans[n].path, now)
         sched.pending_path = plans[n].path

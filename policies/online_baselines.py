@@ -12,18 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from raycolo.online.policy import OnlinePolicy, PolicyCapabilities
 from raycolo.online.tasks import OnlineTask
 from raycolo.policies import register_online
 
 
 @dataclass
-class _Baseline:
-    """What the scheduler asks of a policy; the baselines neither defer nor watch memory."""
+class _Baseline(OnlinePolicy):
+    """The baselines neither defer training nor watch memory."""
 
     params: object
-    prioritize: bool = False
-    memory_aware: bool = False
-    query_delay_s: float = 0.0
 
 
 @dataclass
@@ -40,9 +38,7 @@ class RoundRobin(_Baseline):
 @dataclass
 class LowestUtilizationFirst(_Baseline):
     name: str = "mix-luf"
-
-    def __post_init__(self) -> None:
-        self.query_delay_s = self.params.luf_query_s
+    capabilities = PolicyCapabilities(queries_utilization=True)
 
     def allocate(self, task: OnlineTask, sched, now: float) -> Optional[int]:
         return min(range(sched.nodes), key=lambda n: (sched.utilization(n), n))
@@ -61,6 +57,7 @@ class Separate(_Baseline):
     train_nodes: int = 0
     name: str = "separate"
     counters: dict = field(default_factory=lambda: {"train": 0, "inference": 0})
+    capabilities = PolicyCapabilities(dedicated_nodes=True)
 
     def groups(self, nodes: int) -> tuple[list[int], list[int]]:
         train = list(range(nodes - self.train_nodes, nodes))

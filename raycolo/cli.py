@@ -355,7 +355,9 @@ def cmd_simulate_online(args) -> int:
         tasks = load_trace(args.trace, seed=args.seed, limit=args.tasks)
     else:
         tasks = poisson_workload(args.rate, args.train_rate, args.tasks, lengths=args.lengths, seed=args.seed)
-    result = simulate(tasks, profile, args.nodes, args.policy, params, train_rate=args.train_rate)
+    from raycolo.policies import make_online_policy
+    policy = make_online_policy(args.policy, params, nodes=args.nodes, train_rate=args.train_rate)
+    result = simulate(tasks, profile, args.nodes, policy, params)
     summary = {"model": args.model, "nodes": args.nodes, "stages": args.stages, "rate": args.rate,
                "train_rate": args.train_rate, **result.summary()}
     if args.plot:
@@ -407,8 +409,9 @@ def cmd_sweep_online(args) -> int:
     from raycolo.online.tasks import get_length_distribution
     get_length_distribution(args.lengths)
     say = None if args.json else (lambda m: print(m, file=sys.stderr))
+    from raycolo.policies import make_online_policy
     rows = sweep(profile, args.nodes, policies, rates, alphas, args.tasks, args.seed, args.lengths,
-                 params, say)
+                 params, say, make_policy=make_online_policy)
     paths = plot(rows, policies, args.out, f"{args.nodes} x {args.stages} {args.model}, {args.tasks} tasks")
     if args.json:
         print(json.dumps({"rows": rows, "plots": [str(p) for p in paths]}, indent=2))

@@ -13,7 +13,7 @@ from raycolo.online.profiles import preset
 from raycolo.online.scheduler import OnlineScheduler
 from raycolo.online.sim import ClusterSimulator, simulate
 from raycolo.online.tasks import OnlineTask, poisson_workload
-from raycolo.policies import get_online_policy, online_policy_names
+from raycolo.policies import get_online_policy, make_online_policy, online_policy_names
 from raycolo.policies.lemix import LengthBlind
 from raycolo.policies.online_baselines import train_node_count
 
@@ -115,7 +115,9 @@ def test_deprioritization_triggers_exactly_when_eq4_says():
 
 def _simulate(policy, model="llama-8b", rate=50, alpha=0.5, tasks=400, seed=0, params=None):
     workload = poisson_workload(rate, alpha, tasks, seed=seed)
-    return workload, simulate(workload, preset(model, 2), 4, policy, params, train_rate=alpha)
+    params = params or LemixParams()
+    return workload, simulate(workload, preset(model, 2), 4,
+                              make_online_policy(policy, params, nodes=4, train_rate=alpha), params)
 
 
 @pytest.mark.parametrize("policy", ["lemix", "mix-rr", "mix-luf", "separate", "lemix-noprofile",

@@ -13,7 +13,7 @@ from raycolo.costmodel.sampler import seeded_rng
 from raycolo.errors import ConfigError
 from raycolo.online.profiles import (PRESETS, REFERENCE_LENGTH, NodeProfile, fit_coefficients,
                                      fit_profile, preset, profile_names)
-from raycolo.online.tasks import (DECODE_DISTRIBUTIONS, LENGTH_DISTRIBUTIONS, OnlineTask,
+from raycolo.online.tasks import (DECODE_DISTRIBUTIONS, DEFAULT_MAX_TOKENS, LENGTH_DISTRIBUTIONS, OnlineTask,
                                   get_length_distribution, load_trace, poisson_workload,
                                   workload_summary)
 
@@ -59,6 +59,18 @@ def test_decode_tokens_only_for_inference():
             assert t.decode_tokens == 0
         else:
             assert dist.min <= t.decode_tokens <= dist.max
+            assert t.max_tokens == dist.max == DEFAULT_MAX_TOKENS  # the cap: none is cut short
+
+
+def test_max_tokens_column_and_its_default(tmp_path):
+    path = write(tmp_path, "timestamp,length,kind,decode_tokens,max_tokens\n"
+                           "0,5,inference,3,8\n1,5,inference,600,\n2,5,inference,4,\n3,5,train,,\n")
+    a, b, c, d = load_trace(path)
+    assert (a.decode_tokens, a.max_tokens, a.token_budget) == (3, 8, 8)
+    assert (b.max_tokens, c.max_tokens) == (600, DEFAULT_MAX_TOKENS)  # at least decode_tokens
+    assert d.max_tokens is None and d.token_budget == 0
+    with pytest.raises(ValueError, match="decode_tokens 9 exceeds max_tokens 8"):
+        OnlineTask(0, "inference", 0.0, 5, 1, 9, 8)
 
 
 def test_train_rate_does_not_change_arrivals_or_lengths():
@@ -182,6 +194,9 @@ def test_trace_train_rate_with_kind_column_is_an_error(tmp_path):
     ("timestamp,length,batch\n0,5,-2\n", "trace.csv: row 1: batch must be a positive integer"),
     ("timestamp,length,decode_tokens\n0,5,1\n1,5,-1\n",
      "trace.csv: row 2: decode_tokens must be a non-negative integer"),
+    ("timestamp,length,decode_tokens,max_tokens\n0,5,3,3\n1,5,9,8\n",
+     "trace.csv: row 2: max_tokens must be at least decode_tokens"),
+    ("timestamp,length,max_tokens\n0,5,0\n", "trace.csv: row 1: max_tokens must be a positive integer"),
     ("timestamp,length\n", "trace.csv: trace has no rows"),
     ("", "trace.csv: trace file is empty"),
 ])

@@ -43,8 +43,12 @@ class LemixParams(BaseModel):
     # SEPARATE: weight sync every K training tasks over the inter-node network (bytes/s).
     sync_every: int = Field(default=100, gt=0)
     sync_bandwidth: float = Field(default=12.5e9, gt=0)
-    # MIX-LUF's GPU-utilization query before each allocation (Table III: 76 ms).
+    # MIX-LUF's GPU-utilization query before each allocation (Table III: 76 ms); the
+    # simulator charges it, a live executor pays what its query really takes.
     luf_query_s: float = Field(default=0.076, ge=0)
+    # Planning profile (η_F, η_B) fitted from observed training ops after this many
+    # training tasks, and again each time their count doubles; until then the prior.
+    profile_warmup: int = Field(default=8, ge=1)
 
     def slo_s(self, forward_latency_s: float) -> float:
         return self.slo_ms / 1e3 if self.slo_ms is not None else self.slo_multiplier * forward_latency_s

@@ -239,3 +239,44 @@ def fit_profile(samples: Samples, base: NodeProfile) -> NodeProfile:
     # model_validate rather than model_copy(update=...): the copy would skip validation.
     return NodeProfile.model_validate({**base.model_dump(), "eta_f": fit.eta_f,
                                        "eta_b": fit.eta_b})
+
+
+class ProfileLearner:
+    """η_F and η_B fitted from observed training ops, for planning (Algorithm 1).
+
+    Every training task's stage forwards and backwards, as the executor timed them, make
+    one sample (batch, length, mean stage forward, mean stage backward). Until ``warmup``
+    samples are in, plans use ``prior`` (a preset, or a profile saved earlier); then the
+    fit is refreshed each time the sample count doubles (``warmup``, 2·``warmup``, ...),
+    so early noise is averaged out without refitting on every task.
+    """
+
+    def __init__(self, prior: NodeProfile, warmup: int):
+        self.prior = prior
+        self.warmup = warmup
+        self.current = prior
+        self.samples: list[tuple[int, int, float, float]] = []
+        self._open: dict[int, dict] = {}
+        self._next_fit = warmup
+
+    def observe(self, task_id: int, batch: int, length: int, kind: str, seconds: float) -> None:
+        """One stage's training forward (``kind`` "forward") or backward, ``seconds`` long."""
+        entry = self._open.setdefault(task_id, {"batch": batch, "length": length,
+                                                "forward": [], "backward": []})
+        entry[kind].append(seconds)
+
+    def task_done(self, task_id: int) -> bool:
+        """The task's backward reached stage 0; True when this refitted the profile."""
+        entry = self._open.pop(task_id, None)
+        if entry is None or not entry["forward"] or not entry["backward"]:
+            return False
+        forward = float(np.mean(entry["forward"]))
+        backward = float(np.mean(entry["backward"]))
+        if forward <= 0 or backward <= 0:
+            return False
+        self.samples.append((entry["batch"], entry["length"], forward, backward))
+        if len(self.samples) < self._next_fit:
+            return False
+        self._next_fit *= 2
+        self.current = fit_profile(self.samples, self.prior)
+        return True

@@ -2,33 +2,25 @@
 
 :class:`OnlineScheduler` owns the global queue (deferred training tasks), the per-node
 trace queues and the arrival statistics eq. 4 needs. An executor, simulated
-(:mod:`raycolo.online.sim`) or real (actors, a later issue), calls :meth:`submit` on
-every arrival, :meth:`retry` when something finished, :meth:`observe` with every
-executed forward/backward (calibration), and reads back where each task goes. Time
+(:mod:`raycolo.online.sim`) or live, reaches it through
+:class:`~raycolo.online.cluster.Cluster`, which fixes the order of the calls:
+:meth:`submit` on every arrival, :meth:`observe` with every executed forward/backward
+(calibration), :meth:`node_idle`, then :meth:`retry`. Time
 comes from the executor's clock: the scheduler never reads a wall clock itself.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
 from raycolo.online.params import LemixParams
 from raycolo.online.planning import NodeTrace, TaskPath, calibrate
+from raycolo.online.policy import OnlinePolicy
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.tasks import OnlineTask
 
 EWMA_WEIGHT = 0.1  # arrival statistics for eq. 4's predicted next inference task
-
-
-class OnlinePolicy(Protocol):
-    name: str
-    prioritize: bool
-    memory_aware: bool
-    query_delay_s: float   # time an allocation takes before the task reaches its node
-
-    def allocate(self, task: OnlineTask, scheduler: "OnlineScheduler", now: float) -> Optional[int]:
-        """A node index, or None to hold a training task back (deprioritization)."""
 
 
 @dataclass
@@ -36,7 +28,7 @@ class Decision:
     task: OnlineTask
     node: int
     path: Optional[TaskPath]
-    decided_s: float
+    decided_s: float             # the scheduler's time of the decision (any query cost is the executor's)
     decision_us: float
 
 
@@ -116,7 +108,7 @@ class OnlineScheduler:
         path = self.pending_path
         if path is not None:
             self.paths[task.task_id] = path
-        return Decision(task, node, path, now + self.policy.query_delay_s, spent)
+        return Decision(task, node, path, now, spent)
 
     # -- eq. 4's view of the next inference task ------------------------------------------
     def next_inference(self, now: float) -> Optional[tuple[float, int]]:

@@ -15,8 +15,14 @@ from raycolo.plots import pyplot, save_figure
 def sweep(profile: NodeProfile, nodes: int, policies: Sequence[str], rates: Sequence[float],
           train_rates: Sequence[float], tasks: int, seed: int, lengths: str = "hh-rlhf",
           params: Optional[LemixParams] = None,
-          progress: Optional[Callable[[str], None]] = None) -> list[dict]:
-    """One row per (rate, training rate, policy); every policy sees the same tasks."""
+          progress: Optional[Callable[[str], None]] = None,
+          make_policy: Optional[Callable] = None) -> list[dict]:
+    """One row per (rate, training rate, policy); every policy sees the same tasks.
+    ``make_policy(name, params, nodes=, train_rate=)`` builds a policy by name
+    (``raycolo.policies.make_online_policy``)."""
+    if make_policy is None:
+        raise ValueError("sweep: make_policy is required (raycolo.policies.make_online_policy)")
+    params = params or LemixParams()
     rows = []
     for alpha in train_rates:
         for rate in rates:
@@ -24,7 +30,8 @@ def sweep(profile: NodeProfile, nodes: int, policies: Sequence[str], rates: Sequ
             for policy in policies:
                 if progress:
                     progress(f"rate {rate:g} rps, training {alpha:.0%}: {policy}")
-                result = simulate(workload, profile, nodes, policy, params, train_rate=alpha)
+                result = simulate(workload, profile, nodes,
+                                  make_policy(policy, params, nodes=nodes, train_rate=alpha), params)
                 rows.append({"rate": rate, "train_rate": alpha, **result.summary()})
     return rows
 

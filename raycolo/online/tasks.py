@@ -41,12 +41,25 @@ class OnlineTask:
     arrival_s: float
     length: int  # query length ℓ in tokens
     batch: int = 1  # C
-    decode_tokens: int = 0  # inference only: tokens generated after the prefill; 0 for train
+    # Inference only (0 for training): the tokens the request will generate, counting the
+    # prefill's first. A simulator knows it from the trace; a live executor does not.
+    decode_tokens: int = 0
+    # Inference only: the request's token limit, which is all a scheduler may plan with
+    # (KV is reserved for length + max_tokens). None: decode_tokens (a trace without it).
+    max_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.kind not in TASK_KINDS:
             raise ValueError(f"task {self.task_id}: kind must be 'inference' or 'train', "
                              f"got {self.kind!r}")
+        if self.max_tokens is not None and self.decode_tokens > self.max_tokens:
+            raise ValueError(f"task {self.task_id}: decode_tokens {self.decode_tokens} exceeds "
+                             f"max_tokens {self.max_tokens}")
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens the request may generate at most (its ``max_tokens``)."""
+        return self.decode_tokens if self.max_tokens is None else self.max_tokens
 
     @property
     def is_train(self) -> bool:
@@ -81,6 +94,12 @@ LENGTH_DISTRIBUTIONS: dict[str, LengthDistribution] = {
 DECODE_DISTRIBUTIONS: dict[str, LengthDistribution] = {
     "default": LengthDistribution("default", median=64, sigma=0.7, min=1, max=512),
 }
+
+
+# max_tokens of a synthetic inference request: the decode distribution's cap, so that no
+# sampled request is cut short and the scheduler reserves what a client asking for up to
+# that many tokens makes a real engine reserve.
+DEFAULT_MAX_TOKENS = DECODE_DISTRIBUTIONS["default"].max
 
 
 def get_length_distribution(name: str) -> LengthDistribution:
@@ -143,7 +162,8 @@ def poisson_workload(rate: float, train_rate: float, tasks: int, lengths: str = 
     decode = _decode_lengths(count, seed)
     return [OnlineTask(task_id=i, kind="train" if is_train[i] else "inference",
                        arrival_s=float(arrivals[i]), length=int(query_lengths[i]), batch=batch,
-                       decode_tokens=0 if is_train[i] else int(decode[i]))
+                       decode_tokens=0 if is_train[i] else int(decode[i]),
+                       max_tokens=None if is_train[i] else DEFAULT_MAX_TOKENS)
             for i in range(count)]
 
 
@@ -182,8 +202,9 @@ def load_trace(path, train_rate: Optional[float] = None, seed: int = 0,
 
     Columns: ``timestamp`` (seconds) and ``length`` are required; ``kind``
     (inference|train), ``batch`` (default 1) and ``decode_tokens`` (default: sampled from
-    ``DECODE_DISTRIBUTIONS["default"]``; ignored for training tasks) are optional, and an
-    empty optional cell takes the default. Other columns are ignored. Without a ``kind``
+    ``DECODE_DISTRIBUTIONS["default"]``; ignored for training tasks) and ``max_tokens``
+    (default: ``DEFAULT_MAX_TOKENS``, or the row's decode_tokens where that is larger; at
+    least decode_tokens) are optional, and an empty optional cell takes the default. Other columns are ignored. Without a ``kind``
     column each task is training with probability ``train_rate`` (default 0); passing
     ``train_rate`` for a trace that has one is an error, since it would be silently unused.
     ``limit`` keeps the earliest tasks. Rows in errors are 1-based data rows of the file.
@@ -239,6 +260,12 @@ def load_trace(path, train_rate: Optional[float] = None, seed: int = 0,
         given_decode = np.zeros(len(frame), dtype=np.int64)
         decode_present = np.zeros(len(frame), dtype=bool)
 
+    if "max_tokens" in frame.columns:
+        given_max, max_present = _integer_column(frame, "max_tokens", path, minimum=1, required=False)
+    else:
+        given_max = np.zeros(len(frame), dtype=np.int64)
+        max_present = np.zeros(len(frame), dtype=bool)
+
     # Stable sort: tasks with equal timestamps keep their file order.
     order = np.argsort(timestamps, kind="stable")
     if limit is not None:
@@ -252,6 +279,10 @@ def load_trace(path, train_rate: Optional[float] = None, seed: int = 0,
     sampled_decode = np.zeros(len(frame), dtype=np.int64)
     sampled_decode[order] = _decode_lengths(count, seed)
     decode = np.where(decode_present, given_decode, sampled_decode)
+    max_tokens = np.where(max_present, given_max, np.maximum(decode, DEFAULT_MAX_TOKENS))
+    row = _first_bad_row(max_present & (given_max < decode) & ~is_train)
+    if row is not None:
+        raise ConfigError(f"{path}: row {row}: max_tokens must be at least decode_tokens")
 
     tasks = []
     for task_id, (src, arrival) in enumerate(zip(order, arrivals)):
@@ -259,7 +290,8 @@ def load_trace(path, train_rate: Optional[float] = None, seed: int = 0,
         tasks.append(OnlineTask(task_id=task_id, kind="train" if train else "inference",
                                 arrival_s=float(arrival), length=int(lengths[src]),
                                 batch=int(batches[src]),
-                                decode_tokens=0 if train else int(decode[src])))
+                                decode_tokens=0 if train else int(decode[src]),
+                                max_tokens=None if train else int(max_tokens[src])))
     return tasks
 
 

@@ -1,0 +1,152 @@
+"""The cluster's side of every event: one place, one order, no clock and no Ray.
+
+:class:`Cluster` joins the cluster scheduler (:class:`OnlineScheduler`, which runs the
+policy) and one :class:`NodeScheduler` per node. An executor, the simulator
+(:mod:`raycolo.online.sim`) or the live controller, calls it on each event with its own
+``now`` and carries out what comes back (:class:`ClusterStep`): tasks to send to nodes,
+ops to start, timers to arm.
+
+The order of the callbacks into the scheduler is fixed here and nowhere else:
+
+1. ``submit``: an arriving task is allocated (or deferred);
+2. ``observe``: a finished op's measured times calibrate the task's planned path and
+   feed the profile learner (η refits replace the planning estimators);
+3. ``node_idle``: a node the op left with nothing to do starts its idle time;
+4. ``retry``: deferred training tasks are tried again, on plans that already hold 2 and 3.
+
+(Arrivals run 1 then 4; op completions run 2, 3, 4.) Also here: counting training
+tasks, the served weights' version per node (staleness), and SEPARATE's weight sync from
+the training group to the serving nodes every ``sync_every`` training tasks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Collection, Optional
+
+from raycolo.online.metrics import OnlineMetrics, OnlineResult
+from raycolo.online.node import NodeScheduler, NodeStep, Op, Timer
+from raycolo.online.params import LemixParams
+from raycolo.online.policy import OnlinePolicy
+from raycolo.online.profiles import NodeProfile, ProfileLearner
+from raycolo.online.scheduler import Decision, OnlineScheduler
+from raycolo.online.tasks import OnlineTask
+
+
+@dataclass
+class ClusterStep:
+    """What the executor does next: send ``decisions``' tasks to their nodes (after any
+    cost of deciding it pays), start the Ops and arm the Timers of ``actions`` in order."""
+
+    decisions: list = field(default_factory=list)   # Decision
+    actions: list = field(default_factory=list)     # Op | Timer
+
+
+class Cluster:
+    def __init__(self, policy: OnlinePolicy, profile: NodeProfile, nodes: int, params: LemixParams):
+        self.policy = policy
+        self.params = params
+        self.profile = profile
+        self.nodes = [NodeScheduler(n, profile, params, policy.capabilities.memory_aware)
+                      for n in range(nodes)]
+        self.learner = ProfileLearner(profile, params.profile_warmup)
+        self.scheduler = OnlineScheduler(policy, [profile] * nodes, [policy.estimator(profile)] * nodes,
+                                         params, utilization=self.utilization)
+        self.metrics = OnlineMetrics()
+        self.train_done = 0
+        self.active = 0
+        self.serving_nodes: Optional[list[int]] = None
+        groups = policy.groups(nodes) if policy.capabilities.dedicated_nodes else None
+        if groups is not None:
+            train, serve = groups
+            if set(serve) != set(train):
+                self.serving_nodes = sorted(set(serve) - set(train))
+        self._now = 0.0
+        self._tasks: dict[int, OnlineTask] = {}
+        self.op_log: list[tuple] = []   # (start, end, node, stage, kind, task ids or version)
+
+    # -- events ----------------------------------------------------------------------------
+    def arrive(self, task: OnlineTask, now: float, last: bool = False) -> ClusterStep:
+        """A task arrives (``last``: no more will)."""
+        self._now = now
+        self._tasks[task.task_id] = task
+        if last:
+            self.scheduler.arrivals_done = True
+        out = ClusterStep()
+        decision = self.scheduler.submit(task, now)
+        if decision is not None:
+            out.decisions.append(decision)
+        self.metrics.deferred_max = max(self.metrics.deferred_max, len(self.scheduler.deferred))
+        out.decisions.extend(self.scheduler.retry(now))
+        return out
+
+    def dispatch(self, decision: Decision, now: float) -> ClusterStep:
+        """The decided task reaches its node."""
+        self._now = now
+        out = ClusterStep()
+        self._absorb(decision.node, self.nodes[decision.node].dispatch(decision.task, now), out)
+        return out
+
+    def timer(self, timer: Timer, now: float) -> ClusterStep:
+        self._now = now
+        out = ClusterStep()
+        self._absorb(timer.node, self.nodes[timer.node].timer(timer, now), out)
+        return out
+
+    def op_done(self, op: Op, now: float, finished: Collection[int] = ()) -> ClusterStep:
+        """``op`` ended; ``finished``: requests whose token from it was their last."""
+        self._now = now
+        ids = tuple(getattr(x, "task_id", x) for x in op.tasks)
+        self.op_log.append((op.start_s, now, op.node, op.stage, op.kind, ids))
+        out = ClusterStep()
+        self._absorb(op.node, self.nodes[op.node].op_done(op, now, finished), out)
+        out.decisions.extend(self.scheduler.retry(now))
+        return out
+
+    # -- reading ---------------------------------------------------------------------------
+    def utilization(self, n: int) -> float:
+        """Busy fraction of node ``n``'s GPUs so far, counting ops in flight."""
+        node = self.nodes[n]
+        return node.busy_seconds(self._now) / (len(node.stages) * max(self._now, 1e-9))
+
+    def result(self, tasks: list[OnlineTask]) -> OnlineResult:
+        """Check that the run is over and conserved, and measure it."""
+        if self.scheduler.deferred:
+            raise RuntimeError(f"{len(self.scheduler.deferred)} training tasks were never placed")
+        for node in self.nodes:
+            node.check_released()
+        return self.metrics.result(self.policy.name, tasks, self.nodes,
+                                   self.params.slo_s(self.profile.forward_latency_s),
+                                   self.train_done, self.scheduler.mean_decision_us)
+
+    # -- internals -------------------------------------------------------------------------
+    def _absorb(self, n: int, step: NodeStep, out: ClusterStep) -> None:
+        node = self.nodes[n]
+        now = self._now
+        out.actions.extend(step.actions)
+        if step.activated:
+            self.active += 1
+            self.metrics.active_change(now, +1)
+        for task_id, stage, kind, start, end in step.observed:
+            self.scheduler.observe(task_id, stage, kind, start, end)
+            task = self._tasks.get(task_id)
+            if task is not None and task.is_train:
+                self.learner.observe(task_id, task.batch, task.length, kind, end - start)
+        for r in step.tokens:
+            self.metrics.token(r.task, now, self.train_done - node.update_count)
+        for r in step.finished:
+            self.metrics.request_finished(r.task, now)
+            self._tasks.pop(r.task_id, None)
+        for task in step.trained:
+            self.train_done += 1
+            self.metrics.trained(task, now)
+            self._tasks.pop(task.task_id, None)
+            node.update_count = self.train_done  # the node's own weights now hold it
+            if self.learner.task_done(task.task_id):
+                self.scheduler.estimators = [self.policy.estimator(self.learner.current)] * len(self.nodes)
+            if self.serving_nodes is not None and self.train_done % self.params.sync_every == 0:
+                for m in self.serving_nodes:  # SEPARATE: push the weights to the servers
+                    self._absorb(m, self.nodes[m].sync(self.train_done, now), out)
+        if step.idle:
+            self.active -= 1
+            self.metrics.active_change(now, -1)
+            self.scheduler.node_idle(n, now)

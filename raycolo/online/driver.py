@@ -1,0 +1,105 @@
+"""An asyncio executor of a :class:`~raycolo.online.cluster.Cluster`: the live runtime's core.
+
+The simulator (:mod:`raycolo.online.sim`) carries out a cluster's steps on an event heap
+with op durations from a profile. :class:`ClusterDriver` carries out the same steps on
+an asyncio event loop, whose clock is the executor's clock: it arms timers with
+``loop.call_at``, sends decided tasks to their nodes, and starts every op as a task that
+awaits an :class:`OpRunner` (live: the node's stage workers; in tests: a runner that
+sleeps an op's profiled duration on a fake-time loop). Nothing in it knows which.
+
+Time is seconds since :meth:`ClusterDriver.start`. No Ray import: the controller actor
+wraps this class.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Collection, Optional, Protocol
+
+from raycolo.online.cluster import Cluster, ClusterStep
+from raycolo.online.node import Op, Timer
+from raycolo.online.scheduler import Decision
+from raycolo.online.tasks import OnlineTask
+
+
+class OpRunner(Protocol):
+    async def run(self, op: Op) -> Collection[int]:
+        """Execute ``op`` on its stage; return the ids of requests whose token from it
+        (a last-stage prefill or decode) was their last."""
+
+
+class ClusterDriver:
+    def __init__(self, cluster: Cluster, runner: OpRunner, query_cost_s: float = 0.0):
+        self.cluster = cluster
+        self.runner = runner
+        self.query_cost_s = query_cost_s   # a simulated decision cost; live: 0 (it is real)
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._t0 = 0.0
+        self._inflight: set[asyncio.Task] = set()
+        self._expected = 0
+        self._done = asyncio.Event()
+        self.error: Optional[BaseException] = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._t0 = self._loop.time()
+
+    def now(self) -> float:
+        return self._loop.time() - self._t0
+
+    # -- entry points ----------------------------------------------------------------------
+    def submit(self, task: OnlineTask, last: bool = False) -> None:
+        """A task arrives now."""
+        self._expected += 1
+        self._apply(self.cluster.arrive(task, self.now(), last))
+
+    async def replay(self, tasks: list[OnlineTask]) -> None:
+        """Submit ``tasks`` at their arrival times, then wait until every one completed."""
+        if self._loop is None:
+            self.start()
+        ordered = sorted(tasks, key=lambda t: (t.arrival_s, t.task_id))
+        for i, task in enumerate(ordered):
+            delay = task.arrival_s - self.now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self.submit(task, last=i == len(ordered) - 1)
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Wait until every submitted task completed (or an op failed: re-raised)."""
+        while not self._all_done():
+            self._done.clear()
+            await self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+    # -- internals -------------------------------------------------------------------------
+    def _all_done(self) -> bool:
+        return self.error is not None or len(self.cluster.metrics.completions) >= self._expected
+
+    def _apply(self, step: ClusterStep) -> None:
+        for decision in step.decisions:
+            self._loop.call_at(self._t0 + decision.decided_s + self.query_cost_s, self._dispatch, decision)
+        for action in step.actions:
+            if isinstance(action, Timer):
+                self._loop.call_at(self._t0 + action.at_s, self._timer, action)
+            else:
+                task = self._loop.create_task(self._run(action))
+                self._inflight.add(task)
+                task.add_done_callback(self._inflight.discard)
+        if self._all_done():
+            self._done.set()
+
+    def _dispatch(self, decision: Decision) -> None:
+        self._apply(self.cluster.dispatch(decision, self.now()))
+
+    def _timer(self, timer: Timer) -> None:
+        self._apply(self.cluster.timer(timer, self.now()))
+
+    async def _run(self, op: Op) -> None:
+        try:
+            finished = await self.runner.run(op)
+        except Exception as exc:  # an op failed: the run stops with it
+            self.error = exc
+            self._done.set()
+            return
+        self._apply(self.cluster.op_done(op, self.now(), finished))

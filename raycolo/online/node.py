@@ -1,0 +1,372 @@
+"""One node's scheduling logic (LeMix Algorithms 2 and 3), with no clock and no Ray.
+
+A node is S pipeline stages, one GPU each. :class:`NodeScheduler` decides what every
+stage runs next; an executor (the simulator of :mod:`raycolo.online.sim`, or the live
+node actor) runs it and reports back. Every entry point takes the executor's ``now`` and
+returns a :class:`NodeStep`: the ops to start now and the timers to arm, in order, plus
+what happened (observed op times, tokens out, finished requests, trained tasks).
+
+* Inference: Algorithm 3 batches arriving requests (up to ``max_batch`` queries, within
+  ``T_w = max_wait`` forward latencies of the first; a training task closes the batch)
+  into a *prefill* op that walks the stages; its last stage emits each request's first
+  token. Then *decode* ops, one iteration of every running request per op, walk the
+  stages; one decode op is in flight per node (iteration-level batching). A request
+  ends when the executor says its last token came out (EOS, a stop string, or the
+  simulator's sampled length), and at the latest at its ``max_tokens``.
+* Training: a *train_f* op walks the stages forward, then *train_b* walks them back from
+  stage S-1 to 0; each stage keeps the task's activations between the two.
+* SEPARATE's weight *sync* op runs on every stage of a serving node.
+
+A stage runs one op at a time, oldest ready first. Memory is a ledger per stage: a
+prefill reserves each request's KV for its prompt plus ``max_tokens`` (what a real
+engine knows, not the decode length it will turn out to have) until the request ends; a
+training forward holds its activations until its backward on that stage. Memory-aware
+policies run Algorithm 2 before a forward that would pass the threshold: wait in steps
+of Δt (a timer), and after ``T_max`` run it *offloaded* (its memory on the host). Other
+policies run it anyway and mark it *overrun*. What offload and overrun cost is the
+executor's business (the simulator adds a transfer time and a slowdown).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Collection, Optional
+
+from raycolo.online.params import LemixParams
+from raycolo.online.profiles import NodeProfile
+from raycolo.online.tasks import OnlineTask
+
+FORWARD_KINDS = ("prefill", "train_f")
+OP_KINDS = ("prefill", "decode", "train_f", "train_b", "sync")
+
+
+@dataclass(eq=False)
+class Request:
+    """An inference task's progress on its node."""
+
+    task: OnlineTask
+    context: int                 # tokens in the KV cache after the next op
+    generated: int = 0           # tokens out of the last stage so far
+    kv_bytes: float = 0.0        # reserved on each stage whose prefill kept it on the GPU
+
+    @property
+    def task_id(self) -> int:
+        return self.task.task_id
+
+
+@dataclass(eq=False)
+class Op:
+    kind: str                    # prefill | decode | train_f | train_b | sync
+    node: int
+    stage: int
+    ready_s: float
+    seq: int
+    tasks: list                  # Requests (prefill, decode), [OnlineTask] (train), [version] (sync)
+    mem_bytes: float = 0.0       # held on this stage from a forward's start
+    waited_s: float = 0.0
+    offloaded: bool = False      # Algorithm 2 line 10: ran with its memory on the host
+    overrun: bool = False        # ran past the stage's memory (not memory-aware)
+    reload: bool = False         # a backward whose activations were offloaded
+    start_s: float = 0.0
+
+    @property
+    def batch(self) -> int:
+        """Queries in the op (Σ C)."""
+        if self.kind in ("prefill", "decode"):
+            return sum(r.task.batch for r in self.tasks)
+        return self.tasks[0].batch if self.kind in ("train_f", "train_b") else 0
+
+
+@dataclass(eq=False)
+class Timer:
+    """Call :meth:`NodeScheduler.timer` with this at ``at_s``."""
+
+    at_s: float
+    node: int
+    kind: str                    # close_batch | memory_retry
+    token: int = 0               # close_batch: the batch it closes
+    stage: int = 0               # memory_retry: the stage and the op that waits
+    op: Optional[Op] = None
+    step_s: float = 0.0
+
+
+@dataclass
+class NodeStep:
+    """What one call into the node produced."""
+
+    actions: list = field(default_factory=list)    # Op (start now) or Timer (arm), in order
+    observed: list = field(default_factory=list)   # (task_id, stage, "forward"|"backward", start, end)
+    tokens: list = field(default_factory=list)     # Requests whose token left the last stage
+    finished: list = field(default_factory=list)   # Requests that ended (after their last token)
+    trained: list = field(default_factory=list)    # OnlineTasks whose backward reached stage 0
+    synced: Optional[int] = None                   # weights version the node serves from now
+    activated: bool = False                        # the node went from idle to active
+    idle: bool = False                             # the node has nothing left to do
+
+    @property
+    def started(self) -> list:
+        return [a for a in self.actions if isinstance(a, Op)]
+
+    @property
+    def timers(self) -> list:
+        return [a for a in self.actions if isinstance(a, Timer)]
+
+
+@dataclass
+class Stage:
+    ready: list = field(default_factory=list)   # heap of (ready_s, seq, op)
+    busy: Optional[Op] = None
+    used_bytes: float = 0.0
+    held: dict = field(default_factory=dict)    # (kind, task id) -> bytes this stage holds
+    busy_s: float = 0.0
+    retry_pending: bool = False
+
+
+class NodeScheduler:
+    """Algorithms 2 and 3 for one node; see the module docstring."""
+
+    def __init__(self, index: int, profile: NodeProfile, params: LemixParams, memory_aware: bool):
+        self.index = index
+        self.profile = profile
+        self.params = params
+        self.memory_aware = memory_aware
+        self.stages = [Stage() for _ in range(profile.stages)]
+        self.batch: list[OnlineTask] = []
+        self.batch_c = 0
+        self.batch_token = 0         # invalidates a scheduled close of an earlier batch
+        self.joining: list[Request] = []
+        self.decode_inflight = False
+        self.queued_ops = 0          # ops ready or running on any stage
+        self.update_count = 0        # cluster training tasks reflected in the served weights
+        self.syncing = 0             # sync ops left on this node's stages
+        self.active = False
+        self.first_start: Optional[float] = None
+        self.last_end = 0.0
+        self.memory_waits = self.offloads = self.overruns = 0
+        self._seq = itertools.count()
+        self._out = NodeStep()
+        self._now = 0.0
+
+    # -- entry points ----------------------------------------------------------------------
+    def dispatch(self, task: OnlineTask, now: float) -> NodeStep:
+        """The task reaches this node."""
+        self._begin(now)
+        if task.is_train:
+            if self.batch:
+                self._close_batch(self.batch_token)
+            mem = self.profile.train_bytes(task.batch, task.length)
+            self._ready(self._op("train_f", 0, [task], mem))
+        else:
+            if not self.batch:
+                self.batch_token += 1
+                wait = self.params.max_wait * self.profile.forward_latency_s
+                self._out.actions.append(Timer(now + wait, self.index, "close_batch", token=self.batch_token))
+            self.batch.append(task)
+            self.batch_c += task.batch
+            self._set_active()
+            if self.batch_c >= self.params.max_batch:
+                self._close_batch(self.batch_token)
+        return self._end()
+
+    def timer(self, timer: Timer, now: float) -> NodeStep:
+        """A timer this node armed fires."""
+        self._begin(now)
+        if timer.kind == "close_batch":
+            self._close_batch(timer.token)
+        elif timer.kind == "memory_retry":
+            stage = self.stages[timer.stage]
+            stage.retry_pending = False
+            timer.op.waited_s += timer.step_s
+            self._try_start(timer.stage)
+        else:
+            raise ValueError(f"unknown timer kind {timer.kind!r}")
+        return self._end()
+
+    def sync(self, version: int, now: float) -> NodeStep:
+        """SEPARATE: weights of ``version`` training tasks arrive; every stage loads them."""
+        self._begin(now)
+        self.syncing = len(self.stages)
+        for s in range(len(self.stages)):
+            self._ready(self._op("sync", s, [version]))
+        return self._end()
+
+    def op_done(self, op: Op, now: float, finished: Collection[int] = ()) -> NodeStep:
+        """``op`` ended on its stage. ``finished``: ids of requests whose token from this op
+        (a last-stage prefill or decode) was their last; ``max_tokens`` ends one anyway."""
+        self._begin(now)
+        s = op.stage
+        stage = self.stages[s]
+        if stage.busy is not op:
+            raise ValueError(f"node {self.index} stage {s}: {op.kind} op was not running")
+        stage.busy = None
+        stage.busy_s += now - op.start_s
+        self.queued_ops -= 1
+        self.last_end = now
+        last = s == len(self.stages) - 1
+        if op.kind == "prefill":
+            for r in op.tasks:
+                self._out.observed.append((r.task_id, s, "forward", op.start_s, now))
+            if not last:
+                self._ready(self._op("prefill", s + 1, op.tasks, op.mem_bytes))
+            else:
+                for r in op.tasks:
+                    self._token_out(r, finished)
+                self._decode_next()
+        elif op.kind == "train_f":
+            task = op.tasks[0]
+            self._out.observed.append((task.task_id, s, "forward", op.start_s, now))
+            nxt = self._op("train_f", s + 1, op.tasks, op.mem_bytes) if not last else \
+                self._op("train_b", s, op.tasks, op.mem_bytes)
+            self._ready(nxt)
+        elif op.kind == "train_b":
+            task = op.tasks[0]
+            self._out.observed.append((task.task_id, s, "backward", op.start_s, now))
+            self._release(stage, ("train", task.task_id))
+            if s > 0:
+                self._ready(self._op("train_b", s - 1, op.tasks, op.mem_bytes))
+            else:
+                self._out.trained.append(task)
+        elif op.kind == "decode":
+            if not last:
+                self._ready(self._op("decode", s + 1, op.tasks))
+            else:
+                self.decode_inflight = False
+                for r in op.tasks:
+                    r.context += 1
+                    self._token_out(r, finished)
+                self._decode_next()
+        elif op.kind == "sync":
+            self.syncing -= 1
+            if self.syncing == 0:
+                self.update_count = op.tasks[0]
+                self._out.synced = op.tasks[0]
+        self._try_start(s)
+        self._maybe_idle()
+        return self._end()
+
+    # -- reading ---------------------------------------------------------------------------
+    def busy_seconds(self, now: float) -> float:
+        """Seconds the stages have been busy, counting ops in flight up to ``now``."""
+        return sum(st.busy_s + (now - st.busy.start_s if st.busy else 0.0) for st in self.stages)
+
+    # -- internals -------------------------------------------------------------------------
+    def _begin(self, now: float) -> None:
+        self._now = now
+        self._out = NodeStep()
+
+    def _end(self) -> NodeStep:
+        out, self._out = self._out, NodeStep()
+        return out
+
+    def _op(self, kind: str, stage: int, tasks: list, mem: float = 0.0) -> Op:
+        return Op(kind, self.index, stage, self._now, next(self._seq), tasks, mem)
+
+    def _close_batch(self, token: int) -> None:
+        if token != self.batch_token or not self.batch:
+            return
+        tasks, self.batch, self.batch_c = self.batch, [], 0
+        self.batch_token += 1
+        requests = [Request(t, t.length) for t in tasks]
+        for r in requests:
+            r.kv_bytes = self.profile.inference_bytes(r.task.batch, r.task.length + r.task.token_budget)
+        self._ready(self._op("prefill", 0, requests, sum(r.kv_bytes for r in requests)))
+
+    def _ready(self, op: Op) -> None:
+        heapq.heappush(self.stages[op.stage].ready, (op.ready_s, op.seq, op))
+        self.queued_ops += 1
+        self._set_active()
+        self._try_start(op.stage)
+
+    def _try_start(self, s: int) -> None:
+        stage = self.stages[s]
+        if stage.busy is not None or not stage.ready:
+            return
+        capacity = self.profile.free_bytes
+        limit = self.params.memory_threshold * capacity
+        chosen, blocked = None, False
+        for _, _, op in sorted(stage.ready, key=lambda item: item[:2]):
+            if op.kind not in FORWARD_KINDS or op.offloaded or op.mem_bytes == 0:
+                chosen = op
+                break
+            if blocked:
+                continue  # forwards keep their order behind a waiting forward
+            if not self.memory_aware or stage.used_bytes + op.mem_bytes <= limit:
+                chosen = op
+                break
+            if op.waited_s >= self.params.max_memory_wait * self.profile.forward_latency_s:
+                op.offloaded = True  # Algorithm 2 line 10: give the stage its memory back
+                self.offloads += 1
+                chosen = op
+                break
+            blocked = True
+            if not stage.retry_pending:
+                stage.retry_pending = True
+                step = self.params.check_interval * self.profile.forward_latency_s
+                self.memory_waits += 1
+                self._out.actions.append(Timer(self._now + step, self.index, "memory_retry",
+                                               stage=s, op=op, step_s=step))
+        if chosen is None:
+            return
+        stage.ready.remove((chosen.ready_s, chosen.seq, chosen))
+        heapq.heapify(stage.ready)
+        chosen.start_s = self._now
+        if chosen.kind in FORWARD_KINDS and not chosen.offloaded:
+            if stage.used_bytes + chosen.mem_bytes > capacity:
+                self.overruns += 1
+                chosen.overrun = True
+            for key, size in self._holdings(chosen):
+                stage.held[key] = size
+                stage.used_bytes += size
+        if chosen.kind == "train_b" and ("train", chosen.tasks[0].task_id) not in stage.held:
+            chosen.reload = True
+        stage.busy = chosen
+        self.first_start = self._now if self.first_start is None else self.first_start
+        self._out.actions.append(chosen)
+
+    @staticmethod
+    def _holdings(op: Op) -> list[tuple[tuple, float]]:
+        """What a forward keeps on its stage, per task, so release is exact per stage."""
+        if op.kind == "prefill":
+            return [(("req", r.task_id), r.kv_bytes) for r in op.tasks]
+        return [(("train", op.tasks[0].task_id), op.mem_bytes)]
+
+    @staticmethod
+    def _release(stage: Stage, key: tuple) -> None:
+        stage.used_bytes -= stage.held.pop(key, 0.0)
+
+    def _decode_next(self) -> None:
+        if self.decode_inflight or not self.joining:
+            return
+        running, self.joining = self.joining, []
+        self.decode_inflight = True
+        self._ready(self._op("decode", 0, running))
+
+    def _token_out(self, r: Request, finished: Collection[int]) -> None:
+        """A request's token left the last stage: it ends, or joins the next decode."""
+        r.generated += 1
+        self._out.tokens.append(r)
+        if r.task_id in finished or r.generated >= r.task.token_budget:
+            for stage in self.stages:
+                self._release(stage, ("req", r.task_id))
+            self._out.finished.append(r)
+        else:
+            self.joining.append(r)
+
+    def _set_active(self) -> None:
+        if not self.active:
+            self.active = True
+            self._out.activated = True
+
+    def _maybe_idle(self) -> None:
+        if self.active and self.queued_ops == 0 and not self.batch and not self.joining \
+                and not self.decode_inflight:
+            self.active = False
+            self._out.idle = True
+
+    def check_released(self) -> None:
+        """Every byte held was released: memory is conserved (call after a run)."""
+        for s, stage in enumerate(self.stages):
+            if stage.held or abs(stage.used_bytes) > 1.0:
+                raise RuntimeError(f"node {self.index} stage {s}: memory left held after the run: "
+                                   f"{len(stage.held)} tasks, {stage.used_bytes:.0f} bytes")

@@ -1,0 +1,344 @@
+"""NodeScheduler (LeMix Algorithms 2 and 3), worked by hand with a toy profile, and the
+conformance of the simulator with the asyncio executor (the live runtime's core).
+
+The toy profile: 2 stages, 1 KV byte per token, 9 activation bytes per token (10 bytes a
+training token holds), 1000 bytes free per stage (threshold 900), a forward latency of
+1 s: T_w = 0.5 s, Δt = 0.05 s, T_max = 1 s.
+"""
+import asyncio
+import heapq
+import itertools
+
+import looptime
+import pytest
+
+from raycolo.online.cluster import Cluster
+from raycolo.online.driver import ClusterDriver
+from raycolo.online.node import NodeScheduler, Op, Timer
+from raycolo.online.params import LemixParams
+from raycolo.online.profiles import NodeProfile, ProfileLearner, preset
+from raycolo.online.sim import ClusterSimulator, ends_with, op_duration, query_cost_s
+from raycolo.online.tasks import OnlineTask, poisson_workload
+from raycolo.policies import make_online_policy
+
+TOY = NodeProfile(name="toy", stages=2, eta_f=1e-3, eta_b=2e-3, decode_floor_s=0.01,
+                  kv_bytes_per_token=1.0, activation_bytes_per_token=9.0, weight_bytes_per_stage=0.0,
+                  gpu_memory_bytes=1000.0, forward_latency_s=1.0, backward_latency_s=2.0,
+                  reference_length=256)
+PARAMS = LemixParams(max_batch=4, max_wait=0.5, check_interval=0.05, max_memory_wait=1.0)
+
+
+def inf(i, length=10, decode=3, max_tokens=None, batch=1, at=0.0):
+    return OnlineTask(i, "inference", at, length, batch, decode, max_tokens)
+
+
+def train(i, length=10, batch=1, at=0.0):
+    return OnlineTask(i, "train", at, length, batch, 0)
+
+
+def node(memory_aware=True, params=PARAMS, profile=TOY):
+    return NodeScheduler(0, profile, params, memory_aware)
+
+
+def run_all(n, steps, now=0.0, finished=lambda op: ends_with(op)):
+    """Carry out ``steps`` and everything after them with profiled durations on a fake clock;
+    returns every op started, in order."""
+    heap, started, seq = [], [], itertools.count()
+
+    def push(step, now):
+        for action in step.actions:
+            if isinstance(action, Timer):
+                heapq.heappush(heap, (action.at_s, next(seq), action))
+            else:
+                started.append(action)
+                heapq.heappush(heap, (now + op_duration(action, n.profile, n.params), next(seq), action))
+
+    for step in steps:
+        push(step, now)
+    while heap:
+        now, _, action = heapq.heappop(heap)
+        if isinstance(action, Timer):
+            push(n.timer(action, now), now)
+        else:
+            last = action.stage == len(n.stages) - 1 and action.kind in ("prefill", "decode")
+            push(n.op_done(action, now, finished(action) if last else ()), now)
+    return started
+
+
+def only_op(step):
+    ops = step.started
+    assert len(ops) == 1, step.actions
+    return ops[0]
+
+
+# -- Algorithm 3: batching ---------------------------------------------------------------------
+def test_first_request_arms_the_batch_window_and_max_batch_closes_it():
+    n = node()
+    step = n.dispatch(inf(0), now=0.0)
+    assert step.activated and step.started == []
+    (timer,) = step.timers
+    assert (timer.kind, timer.at_s) == ("close_batch", 0.5)  # T_w = 0.5 forward latencies
+    for i in (1, 2):
+        assert n.dispatch(inf(i), now=0.1).actions == []
+    step = n.dispatch(inf(3), now=0.2)              # the 4th query: max_batch closes it
+    op = only_op(step)
+    assert (op.kind, op.stage, [r.task_id for r in op.tasks]) == ("prefill", 0, [0, 1, 2, 3])
+    assert n.timer(timer, now=0.5).actions == []    # the stale window closes nothing
+    assert n.batch == []
+
+
+def test_window_timer_closes_a_partial_batch_and_batch_counts_queries():
+    n = node()
+    (timer,) = n.dispatch(inf(0, batch=3), now=0.0).timers
+    assert n.dispatch(inf(1, batch=1), now=0.1).started != []   # 3 + 1 queries = max_batch 4
+    (timer2,) = n.dispatch(inf(2), now=0.2).timers             # a new window for the next batch
+    assert timer2.at_s == pytest.approx(0.7)
+    assert n.timer(timer, now=0.5).actions == []               # the old window is stale
+    step = n.timer(timer2, now=0.7)
+    assert step.started == []                                   # stage 0 still runs the first
+    assert [r.task_id for _, _, op in n.stages[0].ready for r in op.tasks] == [2]
+
+
+def test_a_training_task_closes_the_open_batch_before_it_queues():
+    n = node()
+    n.dispatch(inf(0), now=0.0)
+    step = n.dispatch(train(1), now=0.1)
+    assert [op.kind for op in step.started] == ["prefill"]     # stage 0 takes the prefill first
+    assert [op.kind for _, _, op in n.stages[0].ready] == ["train_f"]
+
+
+# -- memory ledger -------------------------------------------------------------------------------
+def test_prefill_reserves_prompt_plus_max_tokens_on_every_stage_until_the_request_ends():
+    n = node()
+    n.dispatch(inf(0, length=10, decode=2, max_tokens=50), now=0.0)
+    op = only_op(n.timer(Timer(0.5, 0, "close_batch", token=n.batch_token), now=0.5))
+    assert op.mem_bytes == 60 and n.stages[0].used_bytes == 60     # 10 + 50, not 10 + 2
+    op2 = only_op(n.op_done(op, now=1.0))
+    assert n.stages[1].used_bytes == 60 and n.stages[0].used_bytes == 60
+    step = n.op_done(op2, now=2.0)                                 # first token, not the last
+    assert [r.generated for r in step.tokens] == [1] and step.finished == []
+    dec = only_op(step)
+    dec = only_op(n.op_done(dec, now=2.1))
+    step = n.op_done(dec, now=2.2, finished={0})                   # the executor says: last token
+    assert [r.task_id for r in step.finished] == [0]
+    assert [st.used_bytes for st in n.stages] == [0, 0] and step.idle
+    n.check_released()
+
+
+def test_max_tokens_ends_a_request_the_executor_did_not_end():
+    n = node()
+    n.dispatch(inf(0, length=4, decode=2, max_tokens=2), now=0.0)
+    op = only_op(n.timer(Timer(0.5, 0, "close_batch", token=n.batch_token), now=0.5))
+    op = only_op(n.op_done(op, now=1.0))
+    dec = only_op(n.op_done(op, now=1.5))
+    dec = only_op(n.op_done(dec, now=1.6))
+    step = n.op_done(dec, now=1.7)             # no finished set: the budget of 2 tokens ends it
+    assert [r.generated for r in step.finished] == [2] and step.idle
+
+
+def test_training_holds_activations_from_forward_to_backward_on_each_stage():
+    n = node()
+    f0 = only_op(n.dispatch(train(0, length=10), now=0.0))
+    assert f0.mem_bytes == 100 and n.stages[0].used_bytes == 100   # (9 + 1) bytes x 10 tokens
+    f1 = only_op(n.op_done(f0, now=1.0))
+    assert f1.kind == "train_f" and n.stages[1].used_bytes == 100
+    b1 = only_op(n.op_done(f1, now=2.0))
+    assert (b1.kind, b1.stage) == ("train_b", 1)
+    step = n.op_done(b1, now=3.0)
+    b0 = only_op(step)
+    assert (b0.kind, b0.stage) == ("train_b", 0)
+    assert [st.used_bytes for st in n.stages] == [100, 0]
+    step = n.op_done(b0, now=4.0)
+    assert [t.task_id for t in step.trained] == [0] and step.idle
+    assert [st.used_bytes for st in n.stages] == [0, 0]
+    assert [o[:3] for o in step.observed] == [(0, 0, "backward")]
+
+
+# -- Algorithm 2: wait, then offload; or overrun ---------------------------------------------------
+def test_memory_aware_forward_waits_in_steps_then_runs_offloaded():
+    n = node(memory_aware=True)
+    big = only_op(n.dispatch(train(0, length=85), now=0.0))         # 850 bytes held on stage 0
+    assert n.stages[0].used_bytes == 850
+    n.dispatch(train(1, length=10), now=0.0)                         # 850 + 100 > 900: waits
+    assert n.stages[0].busy is big
+    step = n.op_done(big, now=0.2)
+    # stage 0 is free, but the second forward must wait: one retry timer Δt = 0.05 s later
+    assert step.timers and step.timers[0].kind == "memory_retry"
+    assert step.timers[0].at_s == pytest.approx(0.25) and n.memory_waits == 1
+    timer = step.timers[0]
+    waited = 0
+    while True:
+        step = n.timer(timer, now=timer.at_s)
+        waited += 1
+        if step.started:
+            break
+        (timer,) = step.timers
+    # T_max = 1 s of waiting in 0.05 s steps: the op runs offloaded after the 20th step
+    assert waited == 20 and n.offloads == 1
+    op = step.started[0]
+    assert op.offloaded and not op.overrun and n.stages[0].used_bytes == 850  # holds nothing
+    assert op_duration(op, TOY, PARAMS) == pytest.approx(TOY.forward_s(1, 10) + 100 / PARAMS.offload_bandwidth)
+
+
+def test_memory_blind_forward_overruns_and_pays_the_slowdown():
+    n = node(memory_aware=False)
+    big = only_op(n.dispatch(train(0, length=95), now=0.0))         # 950 bytes held on stage 0
+    for i in range(1, 5):                                            # 4 queries close a batch
+        step = n.dispatch(inf(i, length=10, decode=1, max_tokens=10), now=0.0)
+    assert step.started == [] and n.stages[0].busy is big
+    step = n.op_done(big, now=1.0)
+    (prefill,) = [op for op in step.started if op.kind == "prefill"]
+    assert prefill.mem_bytes == 80 and prefill.overrun and n.overruns == 1   # 950 + 80 > 1000
+    assert n.stages[0].used_bytes == 1030 and n.memory_waits == n.offloads == 0
+    plain = Op("prefill", 0, 0, 0.0, 0, prefill.tasks, prefill.mem_bytes)
+    assert op_duration(plain, TOY, PARAMS) == pytest.approx(1e-3 * 4 * 10 ** 2)
+    assert op_duration(prefill, TOY, PARAMS) == pytest.approx(PARAMS.overrun_slowdown * 0.4)
+
+
+def test_memory_aware_forward_under_the_threshold_runs_at_once():
+    n = node(memory_aware=True)
+    big = only_op(n.dispatch(train(0, length=80), now=0.0))         # 800 bytes
+    n.dispatch(train(1, length=10), now=0.0)                         # 800 + 100 = 900: at the limit
+    step = n.op_done(big, now=1.0)
+    assert [(op.kind, op.stage) for op in step.started] == [("train_f", 1), ("train_f", 0)]
+    assert step.timers == [] and n.memory_waits == 0
+
+
+def test_a_backward_of_offloaded_activations_reloads_them():
+    n = node(memory_aware=True)
+    steps = [n.dispatch(train(0, length=85), now=0.0), n.dispatch(train(1, length=10), now=0.0)]
+    started = run_all(n, steps)
+    ops = {(op.kind, op.stage, op.tasks[0].task_id): op for op in started}
+    assert ops[("train_f", 0, 1)].offloaded                  # waited T_max on stage 0
+    assert ops[("train_b", 0, 1)].reload                     # so its backward there reloads
+    assert not ops[("train_b", 0, 0)].reload and not ops[("train_b", 1, 1)].reload
+    assert op_duration(ops[("train_b", 0, 1)], TOY, PARAMS) == pytest.approx(
+        2e-3 * 10 ** 2 + 100 / PARAMS.offload_bandwidth)
+    assert n.offloads == 1 and n.memory_waits >= 1
+    n.check_released()
+
+
+# -- decode iterations -------------------------------------------------------------------------
+def test_decode_runs_one_iteration_at_a_time_and_contexts_grow_by_one_token():
+    n = node()
+    steps = [n.dispatch(inf(0, length=10, decode=4, max_tokens=8), now=0.0),
+             n.dispatch(inf(1, length=20, decode=2, max_tokens=8), now=0.0)]
+    started = run_all(n, steps)           # the window closes the batch at 0.5
+    decodes = [op for op in started if op.kind == "decode"]
+    # each request's first token comes from the prefill; request 1 needs 1 decode, request
+    # 0 needs 3. The context a decode reads grows by one token per iteration.
+    assert [(op.stage, [r.task_id for r in op.tasks]) for op in decodes] == \
+        [(0, [0, 1]), (1, [0, 1]), (0, [0]), (1, [0]), (0, [0]), (1, [0])]
+    assert [r.context for r in decodes[0].tasks] == [13, 21]   # after the run: 10+3, 20+1
+    # durations as each decode ran: batch 2 at mean context 15, then batch 1 at 11 and 12
+    log = [(round(op_start, 6)) for op_start in (op.start_s for op in decodes)]
+    gaps = [round(b - a, 6) for a, b in zip(log, log[1:])]
+    assert gaps == [0.062, 0.062, 0.023, 0.023, 0.025]        # η_F·C·(2·ctx+1) per stage
+    n.check_released()
+
+
+def test_requests_that_end_at_their_first_token_never_decode():
+    n = node()
+    steps = [n.dispatch(inf(i, length=10, decode=1, max_tokens=8), now=0.0) for i in range(2)]
+    started = run_all(n, steps)
+    assert [op.kind for op in started] == ["prefill", "prefill"]
+
+
+def test_stage_runs_the_oldest_ready_op_first():
+    n = node()
+    f0 = only_op(n.dispatch(train(0), now=0.0))
+    n.dispatch(train(1), now=0.1)
+    n.dispatch(train(2), now=0.2)
+    step = n.op_done(f0, now=1.0)
+    assert [(op.stage, op.tasks[0].task_id) for op in step.started] == [(1, 0), (0, 1)]
+
+
+def test_a_decode_passes_a_forward_that_waits_for_memory():
+    n = node(memory_aware=True)
+    steps = [n.dispatch(inf(0, length=10, decode=3, max_tokens=8), now=0.0),
+             n.dispatch(train(1, length=89), now=0.1)]    # closes the batch: prefill, then train_f
+    started = run_all(n, steps, now=0.1)
+    kinds = [(op.kind, op.stage) for op in started]
+    # train 1's forward (890 + 18 > 900 on stage 0 while the request holds its KV) waits,
+    # yet the request's decodes keep running on stage 0
+    first_train = kinds.index(("train_f", 0))
+    assert ("decode", 0) in kinds[:first_train]
+    n.check_released()
+
+
+def test_weight_sync_updates_the_served_version_after_every_stage():
+    n = node()
+    step = n.sync(7, now=0.0)
+    s0, s1 = step.started
+    assert {s0.stage, s1.stage} == {0, 1} and n.update_count == 0
+    assert n.op_done(s0, now=1.0).synced is None and n.update_count == 0
+    step = n.op_done(s1, now=1.0)
+    assert step.synced == 7 and n.update_count == 7 and step.idle
+    assert op_duration(s0, TOY, PARAMS) == TOY.weight_bytes_per_stage / PARAMS.sync_bandwidth
+
+
+def test_busy_seconds_count_ops_in_flight():
+    n = node()
+    f0 = only_op(n.dispatch(train(0), now=1.0))
+    assert n.busy_seconds(1.5) == pytest.approx(0.5)
+    n.op_done(f0, now=2.0)
+    assert n.busy_seconds(2.5) == pytest.approx(1.0 + 0.5)   # stage 0 done, stage 1 running
+    with pytest.raises(ValueError):
+        n.op_done(f0, now=3.0)                                  # it is not running any more
+
+
+def test_profile_learner_fits_after_warmup_and_refits_when_samples_double():
+    learner = ProfileLearner(TOY, warmup=2)
+    refits = []
+    for i, length in enumerate((10, 20, 30, 40)):
+        for stage in (0, 1):
+            learner.observe(i, 1, length, "forward", 5e-3 * length ** 2)
+            learner.observe(i, 1, length, "backward", 7e-3 * length ** 2)
+        refits.append(learner.task_done(i))
+    assert refits == [False, True, False, True]
+    assert learner.current.eta_f == pytest.approx(5e-3) and learner.current.eta_b == pytest.approx(7e-3)
+    assert learner.current.forward_latency_s == TOY.forward_latency_s   # the SLO base stays
+
+
+# -- conformance: simulator and the asyncio executor on fake time --------------------------------
+class ProfiledRunner:
+    """Runs an op by sleeping its profiled duration on the (fake-time) loop."""
+
+    def __init__(self, profile, params):
+        self.profile, self.params = profile, params
+
+    async def run(self, op):
+        await asyncio.sleep(op_duration(op, self.profile, self.params))
+        last = op.stage == self.profile.stages - 1
+        return ends_with(op) if last and op.kind in ("prefill", "decode") else ()
+
+
+@pytest.mark.parametrize("policy", ["lemix", "mix-rr", "mix-luf", "separate"])
+def test_simulator_and_asyncio_executor_give_the_same_op_log(policy):
+    profile, params = preset("llama-70b", 2), LemixParams(sync_every=5)
+    tasks = poisson_workload(100, 0.6, 80, seed=1)
+    sim = ClusterSimulator(tasks, profile, 3, make_online_policy(policy, params, nodes=3, train_rate=0.6),
+                           params)
+    simulated = sim.run()
+    live_policy = make_online_policy(policy, params, nodes=3, train_rate=0.6)
+    cluster = Cluster(live_policy, profile, 3, params)
+    loop = looptime.new_event_loop(start=0.0, resolution=1e-9)
+
+    async def main():
+        driver = ClusterDriver(cluster, ProfiledRunner(profile, params), query_cost_s(live_policy, params))
+        await driver.replay(tasks)
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    a, b = sim.cluster.op_log, cluster.op_log
+    assert len(a) == len(b) > 500
+    for x, y in zip(a, b):
+        assert x[2:] == y[2:] and x[0] == pytest.approx(y[0], abs=1e-6) and x[1] == pytest.approx(y[1], abs=1e-6)
+    live = cluster.result(tasks)
+    assert live.completions == simulated.completions == {t.task_id: 1 for t in tasks}
+    if policy == "lemix":
+        assert simulated.memory_waits > 0          # the trace exercises Algorithm 2
+    if policy == "separate":
+        assert any(entry[4] == "sync" for entry in a)
