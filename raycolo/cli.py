@@ -85,6 +85,24 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--train-rates", default="0.1,0.5,0.9", help="comma-separated α")
     sweep.add_argument("--out", default="out/sweep-online", metavar="DIR", help="where the plots go")
     sweep.add_argument("--json", action="store_true")
+    live = sub.add_parser("online", help="live co-located serving and retraining on Ray")
+    live_sub = live.add_subparsers(dest="online_command", required=True, parser_class=_Parser)
+    orun = live_sub.add_parser("run", help="replay arrivals against a live deployment; prints "
+                               "simulate-online's metrics")
+    orun.add_argument("config", help="online deployment config (YAML), e.g. examples/online.yaml")
+    orun.add_argument("--trace", default=None, metavar="CSV", help="replay a trace instead of Poisson arrivals")
+    orun.add_argument("--rate", type=float, default=2.0, help="tasks per second (default 2)")
+    orun.add_argument("--train-rate", type=float, default=None,
+                      help="fraction of training tasks α (default: the config's train_rate)")
+    orun.add_argument("--tasks", type=int, default=20, help="tasks to replay (default 20)")
+    orun.add_argument("--lengths", default="hh-rlhf", help="query lengths: hh-rlhf or shp")
+    orun.add_argument("--max-length", type=int, default=64, help="clip query lengths to this (default 64)")
+    orun.add_argument("--max-decode", type=int, default=16, help="clip decode lengths to this (default 16)")
+    orun.add_argument("--seed", type=int, default=0)
+    orun.add_argument("--address", default=None, help="Ray cluster address (default: a local cluster)")
+    orun.add_argument("--save-profile", default=None, metavar="JSON", help="write the fitted node profile")
+    orun.add_argument("--plot", default=None, metavar="PNG", help="active nodes over time and the TTFT CDF")
+    orun.add_argument("--json", action="store_true")
     run_dag = sub.add_parser("run-dag", help="what jobs/run_dag.py runs under 'ray job submit'")
     run_dag.add_argument("--dag", required=True, help="application graph (YAML)")
     _add_run_flags(run_dag, local=False)
@@ -422,7 +440,61 @@ def cmd_sweep_online(args) -> int:
     return 0
 
 
-COMMANDS = {"simulate-online": cmd_simulate_online, "sweep-online": cmd_sweep_online,"plan": cmd_plan, "compare": cmd_compare, "profile": cmd_profile,
+def cmd_online(args) -> int:
+    from raycolo.errors import ConfigError
+    from raycolo.online.config import layer_bounds, load_online_config, model_hf_config
+    from raycolo.online.tasks import _check_count, load_trace, poisson_workload
+
+    config = load_online_config(args.config)
+    layer_bounds(model_hf_config(config.model_loading_config.model_id).num_hidden_layers, config.stages)
+    if args.train_rate is not None:
+        if not 0 <= args.train_rate <= 1:
+            raise ConfigError(f"--train-rate: must lie in [0, 1], got {args.train_rate:g}")
+        config = config.model_copy(update={"train_rate": args.train_rate})
+    for flag, value in (("--tasks", args.tasks), ("--max-length", args.max_length),
+                        ("--max-decode", args.max_decode)):
+        _check_count(flag, value)
+    if args.trace:
+        tasks = load_trace(args.trace, seed=args.seed, limit=args.tasks)
+    else:
+        tasks = poisson_workload(args.rate, config.train_rate, args.tasks, lengths=args.lengths, seed=args.seed)
+    for t in tasks:  # tiny CPU models: keep prompts and outputs short
+        t.length = max(2, min(t.length, args.max_length))
+        if not t.is_train:
+            t.decode_tokens = max(1, min(t.decode_tokens, args.max_decode))
+            t.max_tokens = t.decode_tokens
+    from raycolo.actors.online_launch import OnlineDeployment
+
+    say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr))
+    say(f"starting {config.nodes} x {config.stages} stage workers ({config.model_loading_config.model_id}, "
+        f"policy {config.policy})")
+    dep = OnlineDeployment.start(config, address=args.address)
+    try:
+        result = dep.replay(tasks, seed=args.seed, progress=say)
+        summary = result.summary()
+        stats = dep.stats()
+        if args.save_profile:
+            dep.save_profile(args.save_profile)
+    finally:
+        dep.stop()
+    summary.update({"nodes": config.nodes, "stages": config.stages, "rate": args.rate,
+                    "train_rate": config.train_rate, "actor_hops": stats["actor_hops"],
+                    "adapter_version": stats["adapter_version"], "errors": stats["errors"]})
+    if args.plot:
+        from raycolo.online.sweep import plot_timeline
+        summary["plot"] = str(plot_timeline(result, args.plot, f"{config.policy} live: {config.nodes} x "
+                                            f"{config.stages} {config.model_loading_config.model_id}"))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{config.policy} live on {config.nodes} x {config.stages} {config.model_loading_config.model_id}, "
+          f"{summary['tasks']} tasks, completed {summary['completed']}")
+    print(f"  throughput {summary['throughput']:.2f} tasks/s, SLO attainment {summary['slo_attainment']:.1%}, "
+          f"TTFT p50 {summary['ttft_p50_s'] * 1e3:.0f} ms, training done {summary['train_done']}")
+    return 0
+
+
+COMMANDS = {"online": cmd_online, "simulate-online": cmd_simulate_online, "sweep-online": cmd_sweep_online,"plan": cmd_plan, "compare": cmd_compare, "profile": cmd_profile,
             "validate": cmd_validate, "run": cmd_run, "run-dag": cmd_run}
 
 

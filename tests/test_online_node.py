@@ -148,6 +148,8 @@ def test_training_holds_activations_from_forward_to_backward_on_each_stage():
     b0 = only_op(step)
     assert (b0.kind, b0.stage) == ("train_b", 0)
     assert [st.used_bytes for st in n.stages] == [100, 0]
+    # what each op receives from a neighbour stage: the forward's output, the backward's gradient
+    assert (f0.after, f1.after, b1.after, b0.after) == (None, f0.seq, None, b1.seq)
     step = n.op_done(b0, now=4.0)
     assert [t.task_id for t in step.trained] == [0] and step.idle
     assert [st.used_bytes for st in n.stages] == [0, 0]
@@ -229,6 +231,8 @@ def test_decode_runs_one_iteration_at_a_time_and_contexts_grow_by_one_token():
     # 0 needs 3. The context a decode reads grows by one token per iteration.
     assert [(op.stage, [r.task_id for r in op.tasks]) for op in decodes] == \
         [(0, [0, 1]), (1, [0, 1]), (0, [0]), (1, [0]), (0, [0]), (1, [0])]
+    assert [op.after for op in decodes[1::2]] == [op.seq for op in decodes[0::2]]
+    assert all(op.after is None for op in decodes[0::2])
     assert [r.context for r in decodes[0].tasks] == [13, 21]   # after the run: 10+3, 20+1
     # durations as each decode ran: batch 2 at mean context 15, then batch 1 at 11 and 12
     log = [(round(op_start, 6)) for op_start in (op.start_s for op in decodes)]

@@ -136,6 +136,50 @@ class ModelExecutor:
         last = x.index_select(0, batch.last_index)
         return self.lm_head(self.norm(last))
 
+    def forward_train(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """The slice over whole sequences, with autograd and without the KV cache (a
+        training forward). ``x``: token ids (B, T) on the first slice, else hidden states
+        (B, T, hidden) from the slice before; sequences are right-padded to T and
+        ``lengths`` holds their true lengths. Returns hidden states (B, T, hidden), or on the
+        last slice the logits of every position (B, T, vocab). Padded positions hold
+        garbage: leave them out of the loss (their labels are -100)."""
+        if self.is_first:
+            x = self.embed(x)
+        elif x.dim() != 3:
+            raise ValueError(f"layers [{self.first}, {self.last}): need hidden states (B, T, hidden)")
+        b, t = x.shape[:2]
+        positions = torch.arange(t, device=x.device).unsqueeze(0).expand(b, t)
+        cos, sin = self.rotary(x, positions)
+        keys = torch.arange(t, device=x.device)
+        causal = keys.view(1, t) <= keys.view(t, 1)                       # (T, T): key <= query
+        valid = keys.view(1, t) < torch.tensor(list(lengths), device=x.device).view(b, 1)
+        masks = {}
+        for i, layer in enumerate(self.layers):
+            window = self.windows[i]
+            if window not in masks:
+                m = causal if window is None else causal & (keys.view(t, 1) - keys.view(1, t) < window)
+                masks[window] = (m.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)  # (B, 1, T, T)
+            residual = x
+            h = layer.input_layernorm(x)
+            x = residual + self._train_attention(layer.self_attn, h, (cos, sin), masks[window])
+            residual = x
+            x = residual + layer.mlp(layer.post_attention_layernorm(x))
+        if not self.is_last:
+            return x
+        return self.lm_head(self.norm(x))
+
+    def _train_attention(self, attn, h: torch.Tensor, rope, mask: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape[0], h.shape[1], self.head_dim
+        q = attn.q_proj(h).view(b, t, self.heads, d).transpose(1, 2)      # (B, heads, T, d)
+        k = attn.k_proj(h).view(b, t, self.kv_heads, d).transpose(1, 2)
+        v = attn.v_proj(h).view(b, t, self.kv_heads, d).transpose(1, 2)
+        q, k = self.apply_rope(q, k, *rope)
+        # A padded query row sees no key at all; let it see itself so softmax stays finite.
+        mask = mask | torch.eye(t, dtype=torch.bool, device=h.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                           enable_gqa=self.group > 1)
+        return attn.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * d))
+
     def _attention(self, i: int, attn, h: torch.Tensor, rope, batch: StepBatch) -> torch.Tensor:
         n, d = h.shape[0], self.head_dim
         q = attn.q_proj(h).view(n, self.heads, d)

@@ -69,13 +69,23 @@ class Cluster:
         """A task arrives (``last``: no more will)."""
         self._now = now
         self._tasks[task.task_id] = task
-        if last:
-            self.scheduler.arrivals_done = True
+        self.scheduler.arrivals_done = last
         out = ClusterStep()
         decision = self.scheduler.submit(task, now)
         if decision is not None:
             out.decisions.append(decision)
         self.metrics.deferred_max = max(self.metrics.deferred_max, len(self.scheduler.deferred))
+        out.decisions.extend(self.scheduler.retry(now))
+        return out
+
+    def retry(self, now: float, end_of_arrivals: bool = False) -> ClusterStep:
+        """Retry deferred training tasks without an event (a live executor's periodic
+        tick). With ``end_of_arrivals`` no more tasks will come, so none is held back; as
+        after a trace's last arrival, they leave one per event."""
+        self._now = now
+        if end_of_arrivals:
+            self.scheduler.arrivals_done = True
+        out = ClusterStep()
         out.decisions.extend(self.scheduler.retry(now))
         return out
 

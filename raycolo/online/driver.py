@@ -28,10 +28,15 @@ class OpRunner(Protocol):
 
 
 class ClusterDriver:
-    def __init__(self, cluster: Cluster, runner: OpRunner, query_cost_s: float = 0.0):
+    def __init__(self, cluster: Cluster, runner: OpRunner, query_cost_s: float = 0.0,
+                 retry_every_s: Optional[float] = None):
         self.cluster = cluster
         self.runner = runner
         self.query_cost_s = query_cost_s   # a simulated decision cost; live: 0 (it is real)
+        # Live: while training tasks are held back, retry them at least this often even if
+        # nothing arrives or finishes (a simulator needs no tick: its trace ends).
+        self.retry_every_s = retry_every_s
+        self._tick_armed = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._t0 = 0.0
         self._inflight: set[asyncio.Task] = set()
@@ -65,7 +70,10 @@ class ClusterDriver:
         await self.drain()
 
     async def drain(self) -> None:
-        """Wait until every submitted task completed (or an op failed: re-raised)."""
+        """Wait until every submitted task completed (or an op failed: re-raised). No more
+        arrivals are expected meanwhile, so held-back training tasks are released."""
+        if self.cluster.scheduler.deferred and not self.cluster.scheduler.arrivals_done:
+            self._apply(self.cluster.retry(self.now(), end_of_arrivals=True))
         while not self._all_done():
             self._done.clear()
             await self._done.wait()
@@ -86,8 +94,15 @@ class ClusterDriver:
                 task = self._loop.create_task(self._run(action))
                 self._inflight.add(task)
                 task.add_done_callback(self._inflight.discard)
+        if self.retry_every_s and self.cluster.scheduler.deferred and not self._tick_armed:
+            self._tick_armed = True
+            self._loop.call_later(self.retry_every_s, self._tick)
         if self._all_done():
             self._done.set()
+
+    def _tick(self) -> None:
+        self._tick_armed = False
+        self._apply(self.cluster.retry(self.now()))
 
     def _dispatch(self, decision: Decision) -> None:
         self._apply(self.cluster.dispatch(decision, self.now()))

@@ -69,6 +69,7 @@ class Op:
     overrun: bool = False        # ran past the stage's memory (not memory-aware)
     reload: bool = False         # a backward whose activations were offloaded
     start_s: float = 0.0
+    after: Optional[int] = None  # seq of the op on the neighbour stage whose output this consumes
 
     @property
     def batch(self) -> int:
@@ -208,7 +209,7 @@ class NodeScheduler:
             for r in op.tasks:
                 self._out.observed.append((r.task_id, s, "forward", op.start_s, now))
             if not last:
-                self._ready(self._op("prefill", s + 1, op.tasks, op.mem_bytes))
+                self._ready(self._op("prefill", s + 1, op.tasks, op.mem_bytes, after=op))
             else:
                 for r in op.tasks:
                     self._token_out(r, finished)
@@ -216,7 +217,7 @@ class NodeScheduler:
         elif op.kind == "train_f":
             task = op.tasks[0]
             self._out.observed.append((task.task_id, s, "forward", op.start_s, now))
-            nxt = self._op("train_f", s + 1, op.tasks, op.mem_bytes) if not last else \
+            nxt = self._op("train_f", s + 1, op.tasks, op.mem_bytes, after=op) if not last else \
                 self._op("train_b", s, op.tasks, op.mem_bytes)
             self._ready(nxt)
         elif op.kind == "train_b":
@@ -224,12 +225,12 @@ class NodeScheduler:
             self._out.observed.append((task.task_id, s, "backward", op.start_s, now))
             self._release(stage, ("train", task.task_id))
             if s > 0:
-                self._ready(self._op("train_b", s - 1, op.tasks, op.mem_bytes))
+                self._ready(self._op("train_b", s - 1, op.tasks, op.mem_bytes, after=op))
             else:
                 self._out.trained.append(task)
         elif op.kind == "decode":
             if not last:
-                self._ready(self._op("decode", s + 1, op.tasks))
+                self._ready(self._op("decode", s + 1, op.tasks, after=op))
             else:
                 self.decode_inflight = False
                 for r in op.tasks:
@@ -259,8 +260,9 @@ class NodeScheduler:
         out, self._out = self._out, NodeStep()
         return out
 
-    def _op(self, kind: str, stage: int, tasks: list, mem: float = 0.0) -> Op:
-        return Op(kind, self.index, stage, self._now, next(self._seq), tasks, mem)
+    def _op(self, kind: str, stage: int, tasks: list, mem: float = 0.0, after: Optional[Op] = None) -> Op:
+        return Op(kind, self.index, stage, self._now, next(self._seq), tasks, mem,
+                  after=None if after is None else after.seq)
 
     def _close_batch(self, token: int) -> None:
         if token != self.batch_token or not self.batch:

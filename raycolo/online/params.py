@@ -29,7 +29,7 @@ class LemixParams(BaseModel):
     slo_multiplier: float = Field(default=5.0, gt=0)
     slo_ms: Optional[float] = Field(default=None, gt=0)  # absolute SLO; overrides the multiplier
     # Algorithm 3: maximum batch (sum of C) and maximum wait T_w ("0.5x inference latency").
-    max_batch: int = Field(default=32, gt=0)
+    max_batch: int = Field(default=32, gt=0, le=1 << 20)
     max_wait: float = Field(default=0.5, ge=0)
     # Algorithm 2: memory threshold (fraction of a stage's free memory), check interval Δt
     # and maximum wait T_max, in forward latencies.
@@ -41,14 +41,14 @@ class LemixParams(BaseModel):
     # Without memory awareness an overrun slows the forward (allocator thrash, swapping).
     overrun_slowdown: float = Field(default=2.0, ge=1)
     # SEPARATE: weight sync every K training tasks over the inter-node network (bytes/s).
-    sync_every: int = Field(default=100, gt=0)
+    sync_every: int = Field(default=100, gt=0, le=1 << 40)
     sync_bandwidth: float = Field(default=12.5e9, gt=0)
     # MIX-LUF's GPU-utilization query before each allocation (Table III: 76 ms); the
     # simulator charges it, a live executor pays what its query really takes.
     luf_query_s: float = Field(default=0.076, ge=0)
     # Planning profile (η_F, η_B) fitted from observed training ops after this many
     # training tasks, and again each time their count doubles; until then the prior.
-    profile_warmup: int = Field(default=8, ge=1)
+    profile_warmup: int = Field(default=8, ge=1, le=1 << 40)
 
     def slo_s(self, forward_latency_s: float) -> float:
         return self.slo_ms / 1e3 if self.slo_ms is not None else self.slo_multiplier * forward_latency_s

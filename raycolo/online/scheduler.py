@@ -49,6 +49,7 @@ class OnlineScheduler:
     arrivals_done: bool = False
     decisions: int = 0
     decision_us_total: float = 0.0
+    decision_us: list = field(default_factory=list)   # per decision, for percentiles
     pending_path: Optional[TaskPath] = None  # set by a policy that planned the task
     interarrival: float = 0.0                 # Δa of the task being decided (eq. 1)
 
@@ -103,6 +104,7 @@ class OnlineScheduler:
         spent = (time.perf_counter() - started) * 1e6
         self.decisions += 1
         self.decision_us_total += spent
+        self.decision_us.append(spent)
         if node is None:
             return None
         path = self.pending_path

@@ -1,0 +1,448 @@
+"""The live online controller: LeMix (or any online policy) placing real work on stage workers.
+
+One async actor holds the deployment's :class:`~raycolo.online.cluster.Cluster` (the
+policy, the cluster scheduler and one node scheduler per node: the same objects the
+simulator runs) and its :class:`~raycolo.online.driver.ClusterDriver` on a wall clock.
+It is also the *op runner*: an op the driver starts becomes a payload on its stage's queue;
+the stage worker (a Ray Train worker, :mod:`raycolo.actors.stage_worker`) pulls it, runs
+it and reports back, and the driver carries on with the node scheduler's next step.
+
+Why one actor rather than a controller plus a node-scheduler actor per node: every op's
+completion feeds the cluster scheduler (calibration of LeMix's planned paths, the profile
+learner, node idleness), so a separate node actor would add an actor hop per op without
+saving one. The node logic stays a separate object (``NodeScheduler``) all the same.
+
+Each node is one ``TorchTrainer`` (S workers, one logical or real GPU each), fitted in a
+thread of this actor; its workers register as ``node-<n>/stage-<s>``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import ray
+
+from raycolo.executor.adapters import export_adapter
+from raycolo.executor.stage import LoraSettings
+from raycolo.online.cluster import Cluster
+from raycolo.online.config import OnlineConfig, layer_bounds, model_hf_config, prior_profile
+from raycolo.online.driver import ClusterDriver
+from raycolo.online.node import Op
+from raycolo.online.profiles import NodeProfile
+from raycolo.online.samples import Cursor, SampleStore
+from raycolo.online.tasks import OnlineTask
+
+EOS_ID = 2
+
+
+@dataclass
+class LiveRequest:
+    task: OnlineTask
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+    generated: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    submitted_s: float = 0.0
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class OnlineController:
+    def __init__(self, config: dict, name: str, namespace: str):
+        from raycolo.engines.models import load_tokenizer
+        from raycolo.policies import make_online_policy
+
+        self.config = OnlineConfig.model_validate(config)
+        self.name, self.namespace = name, namespace
+        cfg = self.config
+        self.tokenizer = load_tokenizer(cfg.model_loading_config.model_id)
+        self.model_config = model_hf_config(cfg.model_loading_config.model_id)
+        self.bounds = layer_bounds(self.model_config.num_hidden_layers, cfg.stages)
+        if cfg.profile:
+            profile = NodeProfile.model_validate_json(Path(cfg.profile).read_text())
+        else:
+            dtype_bytes = {"float64": 8, "float32": 4}.get(cfg.model_loading_config.dtype, 2)
+            profile = prior_profile(self.model_config, cfg.stages, cfg.stage, cfg.lemix, cfg.prior_gflops,
+                                    dtype_bytes, f"live-{cfg.model_loading_config.model_id}")
+        self.policy = make_online_policy(cfg.policy, cfg.lemix, nodes=cfg.nodes, train_rate=cfg.train_rate)
+        self.cluster = Cluster(self.policy, profile, cfg.nodes, cfg.lemix)
+        self.store = SampleStore(cfg.sample_store)
+        self.cursor = Cursor()
+        self.driver: Optional[ClusterDriver] = None
+        self.queues = {(n, s): asyncio.Queue() for n in range(cfg.nodes) for s in range(cfg.stages)}
+        self.waiting: dict[tuple[int, int, int], asyncio.Future] = {}
+        self.workers: dict[str, dict] = {}
+        self.epochs = [0] * cfg.nodes
+        self.registered = [set() for _ in range(cfg.nodes)]
+        self.ready = asyncio.Event()
+        self.requests: dict[int, LiveRequest] = {}
+        self.tasks: dict[int, OnlineTask] = {}
+        self.train_tasks: dict[int, list] = {}
+        self.losses: list[tuple[float, int, float]] = []    # (time, task, loss)
+        self.next_id = 0
+        self.adapter_version = 0
+        self.trained_steps = [0] * cfg.nodes
+        self.gates = [asyncio.Event() for _ in range(cfg.nodes)]
+        for g in self.gates:
+            g.set()
+        self.inflight = [0] * cfg.nodes
+        self.fit_futures = []
+        self.errors: list[str] = []
+        self.hops = 0
+        self.run_token = uuid.uuid4().hex[:8]
+        self.adapter_dir = Path(cfg.storage_path) / f"adapter-{self.run_token}"
+        self.last_trained_node = 0
+        self.oob_seq = -1_000_000     # seq numbers of out-of-band payloads (checkpoint, lora)
+
+    # -- start and stop ----------------------------------------------------------------------
+    async def start(self, timeout_s: float = 300.0) -> dict:
+        loop = asyncio.get_running_loop()
+        self.driver = self._driver()
+        for n in range(self.config.nodes):
+            trainer = self._trainer(n)
+            self.fit_futures.append(loop.run_in_executor(None, self._fit, n, trainer))
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"stage workers did not register within {timeout_s:.0f} s "
+                               f"({sum(len(r) for r in self.registered)} of "
+                               f"{self.config.nodes * self.config.stages}): {self.errors}") from None
+        return {"workers": sorted(self.workers), "layer_bounds": self.bounds}
+
+    def _driver(self) -> ClusterDriver:
+        tick = self.config.lemix.slo_s(self.cluster.profile.forward_latency_s) / 4
+        driver = ClusterDriver(self.cluster, self, retry_every_s=tick)
+        driver.start()
+        return driver
+
+    def _trainer(self, n: int):
+        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        from raycolo.actors.stage_worker import stage_loop
+
+        cfg = self.config
+        blocks = -(-cfg.stage.kv_cache_tokens // cfg.stage.block_size)
+        loop_config = {
+            "node": n, "controller": self.name, "namespace": self.namespace,
+            "model_id": cfg.model_loading_config.model_id, "seed": cfg.model_loading_config.seed,
+            "dtype": cfg.model_loading_config.dtype, "device": cfg.stage.device,
+            "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
+                     "target_modules": tuple(cfg.lora.target_modules), "lr": cfg.lora.lr,
+                     "seed": cfg.model_loading_config.seed},
+            "layer_bounds": self.bounds, "num_blocks": blocks, "block_size": cfg.stage.block_size,
+            "cpu_threads": cfg.stage.cpu_threads,
+        }
+        return TorchTrainer(
+            stage_loop, train_loop_config=loop_config,
+            scaling_config=ScalingConfig(num_workers=cfg.stages, use_gpu=True,
+                                         resources_per_worker={"CPU": cfg.stage.cpus_per_worker, "GPU": 1}),
+            torch_config=TorchConfig(backend=cfg.stage.backend),
+            run_config=RunConfig(name=f"raycolo-node{n}-{self.run_token}",
+                                 storage_path=str(Path(cfg.storage_path).resolve()),
+                                 failure_config=FailureConfig(max_failures=cfg.stage.max_failures),
+                                 checkpoint_config=CheckpointConfig(num_to_keep=2)))
+
+    def _fit(self, n: int, trainer) -> None:
+        try:
+            trainer.fit()
+        except Exception as exc:  # the worker group is gone for good
+            self.errors.append(f"node {n}: {type(exc).__name__}: {exc}")
+
+    async def stop(self) -> dict:
+        for q in self.queues.values():
+            q.put_nowait(None)
+        for f in self.fit_futures:
+            try:
+                await asyncio.wait_for(asyncio.shield(f), 60)
+            except asyncio.TimeoutError:
+                pass
+        self.store.close()
+        return {"errors": self.errors}
+
+    # -- the stage workers' side ------------------------------------------------------------
+    async def register(self, node: int, stage: int, info: dict) -> int:
+        key = f"node-{node}/stage-{stage}"
+        self.workers[key] = dict(info, node=node, stage=stage, epoch=self.epochs[node],
+                                 registered_s=time.time())
+        self.registered[node].add(stage)
+        if all(len(r) == self.config.stages for r in self.registered):
+            self.ready.set()
+        return self.epochs[node]
+
+    async def next_op(self, node: int, stage: int, epoch: int) -> Optional[dict]:
+        self.hops += 1
+        return await self.queues[(node, stage)].get()
+
+    async def op_done(self, node: int, stage: int, epoch: int, seq: int, result: dict) -> None:
+        self.hops += 1
+        future = self.waiting.pop((node, stage, seq), None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    async def op_failed(self, node: int, stage: int, epoch: int, seq: int, error: str) -> None:
+        self.errors.append(f"node-{node}/stage-{stage} op {seq}: {error}")
+        future = self.waiting.pop((node, stage, seq), None)
+        if future is not None and not future.done():
+            future.set_exception(RuntimeError(error))
+
+    def registry(self) -> dict:
+        return dict(self.workers)
+
+    # -- the op runner (ClusterDriver calls it) ---------------------------------------------
+    async def run(self, op: Op):
+        if op.kind == "sync" and op.stage == 0:
+            await self._export_for_sync(op.tasks[0])
+        await self.gates[op.node].wait()
+        payload = self._payload(op)
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[(op.node, op.stage, op.seq)] = future
+        self.inflight[op.node] += 1
+        try:
+            self.queues[(op.node, op.stage)].put_nowait(payload)
+            result = await future
+        finally:
+            self.inflight[op.node] -= 1
+        return self._absorb_result(op, result)
+
+    def _payload(self, op: Op) -> dict:
+        s, last = op.stage, op.stage == self.config.stages - 1
+        base = {"kind": op.kind, "seq": op.seq, "after": op.after}
+        if op.kind in ("prefill", "decode"):
+            reqs = [self.requests[r.task_id] for r in op.tasks]
+            if op.kind == "prefill":
+                tokens = [q.prompt for q in reqs]
+            else:
+                tokens = [[q.generated[-1]] for q in reqs]
+            base.update(requests=[q.task.task_id for q in reqs], counts=[len(t) for t in tokens])
+            if s == 0:
+                base["tokens"] = tokens
+            if last:
+                base["sampling"] = [{"temperature": q.temperature, "top_p": q.top_p,
+                                     "seed": q.seed * 1_000_003 + len(q.generated)} for q in reqs]
+        elif op.kind in ("train_f", "train_b"):
+            task = op.tasks[0]
+            samples = self.train_tasks[task.task_id]
+            t = max(min(len(p) + len(c), self.config.lora.max_len) for p, c in samples)
+            base.update(task=task.task_id, shape=(len(samples), t),
+                        lengths=[min(len(p) + len(c), self.config.lora.max_len) for p, c in samples])
+            if op.kind == "train_f" and (s == 0 or last):
+                base["samples"] = [(list(p)[:self.config.lora.max_len],
+                                    list(c)[:max(0, self.config.lora.max_len - len(p))]) for p, c in samples]
+        elif op.kind == "sync":
+            base["adapter"] = str(self.adapter_dir / f"v{op.tasks[0]}")
+        return base
+
+    def _absorb_result(self, op: Op, result: dict):
+        last = op.stage == self.config.stages - 1
+        finished = set()
+        if op.kind in ("prefill", "decode") and last:
+            for r, token in zip(op.tasks, result["tokens"]):
+                req = self.requests[r.task_id]
+                req.generated.append(token)
+                reason = None
+                if token == EOS_ID and not req.ignore_eos:
+                    reason = "stop"
+                elif len(req.generated) >= req.max_tokens:
+                    reason = "length"
+                req.events.put_nowait(("token", token))
+                if reason:
+                    req.finish_reason = reason
+                    finished.add(r.task_id)
+                    req.events.put_nowait(("done", reason))
+                    for s in range(self.config.stages):
+                        self.queues[(op.node, s)].put_nowait({"kind": "release", "seq": -1,
+                                                               "requests": [r.task_id]})
+        elif op.kind == "train_f" and last:
+            self.losses.append((time.time(), op.tasks[0].task_id, result["loss"]))
+        elif op.kind == "train_b" and op.stage == 0:
+            self.train_tasks.pop(op.tasks[0].task_id, None)
+            self.last_trained_node = op.node
+            self.trained_steps[op.node] += 1
+            if self.trained_steps[op.node] % self.config.lora.checkpoint_every == 0:
+                asyncio.get_running_loop().create_task(self._checkpoint(op.node))
+        return finished
+
+    async def _paused(self, node: int, payloads: list) -> list:
+        """Run out-of-band payloads, one per stage, with the node's scheduled ops held back
+        and none in flight (so no stage waits on a neighbour busy with something else)."""
+        gate = self.gates[node]
+        while not gate.is_set():
+            await asyncio.sleep(0.001)
+        gate.clear()
+        try:
+            while self.inflight[node] > 0:
+                await asyncio.sleep(0.001)
+            futures = []
+            for s, payload in enumerate(payloads):
+                fut = asyncio.get_running_loop().create_future()
+                self.waiting[(node, s, payload["seq"])] = fut
+                futures.append(fut)
+                self.queues[(node, s)].put_nowait(payload)
+            return await asyncio.gather(*futures)
+        finally:
+            gate.set()
+
+    async def held_out_loss(self, pairs: list, node: int = 0) -> float:
+        """Loss of the model on ``pairs`` (prompt, completion), forward only, on ``node``."""
+        self.oob_seq -= 1
+        t = max(len(p) + len(c) for p, c in pairs)
+        payload = {"kind": "eval", "seq": self.oob_seq, "after": self.oob_seq, "shape": (len(pairs), t),
+                   "samples": [(list(p), list(c)) for p, c in pairs]}
+        results = await self._paused(node, [dict(payload) for _ in range(self.config.stages)])
+        return results[-1]["loss"]
+
+    async def _checkpoint(self, node: int) -> None:
+        """Every stage reports its adapter through Ray Train (a barrier), between ops."""
+        self.adapter_version += 1
+        payloads = []
+        for _ in range(self.config.stages):
+            self.oob_seq -= 1
+            payloads.append({"kind": "checkpoint", "seq": self.oob_seq, "version": self.adapter_version,
+                             "cursor": json.dumps(self.cursor.__dict__)})
+        await self._paused(node, payloads)
+
+    # -- clients ---------------------------------------------------------------------------
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    async def submit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False) -> int:
+        """Accept a completion request; returns its id (stream it with :meth:`stream`)."""
+        max_tokens = max_tokens or self.config.max_tokens
+        tid = self._new_id()
+        task = OnlineTask(tid, "inference", self.driver.now(), len(prompt), 1, 0, max_tokens)
+        self.requests[tid] = LiveRequest(task, list(prompt), max_tokens, temperature, top_p, seed,
+                                         ignore_eos, submitted_s=self.driver.now())
+        self.tasks[tid] = task
+        self.driver.submit(task)
+        return tid
+
+    async def stream(self, rid: int):
+        """Tokens of request ``rid`` as they come: ("token", id) ... then ("done", reason)."""
+        req = self.requests[rid]
+        while True:
+            event = await req.events.get()
+            yield event
+            if event[0] in ("done", "error"):
+                return
+
+    async def result(self, rid: int) -> dict:
+        req = self.requests[rid]
+        tokens = []
+        while True:
+            kind, value = await req.events.get()
+            if kind == "token":
+                tokens.append(value)
+            else:
+                return {"id": rid, "tokens": tokens, "finish_reason": value}
+
+    async def add_samples(self, samples: list) -> dict:
+        """Persist training samples (fsynced) before acknowledging them."""
+        seqs = self.store.append([(p, c) for p, c in samples])
+        return {"ids": seqs, "stored": len(self.store)}
+
+    async def submit_training(self) -> Optional[int]:
+        """Turn the next micro-batch of stored samples into a training task."""
+        samples, self.cursor = self.store.take(self.cursor, self.config.lora.micro_batch)
+        if not samples:
+            return None
+        tid = self._new_id()
+        pairs = [(s.prompt, s.completion) for s in samples]
+        length = max(min(len(p) + len(c), self.config.lora.max_len) for p, c in pairs)
+        task = OnlineTask(tid, "train", self.driver.now(), length, len(pairs), 0)
+        self.train_tasks[tid] = pairs
+        self.tasks[tid] = task
+        self.driver.submit(task)
+        return tid
+
+    async def drain(self) -> None:
+        await self.driver.drain()
+
+    async def use_policy(self, name: str) -> None:
+        """Switch the policy between runs (nothing may be in flight): a fresh cluster
+        scheduler and node schedulers, planning from the profile learnt so far, a clock and
+        metrics from zero. The stage workers and their adapters stay."""
+        from raycolo.policies import make_online_policy
+
+        await self.driver.drain()
+        if any(self.inflight) or any(not q.empty() for q in self.queues.values()):
+            raise RuntimeError("use_policy: work is still in flight")
+        cfg = self.config
+        self.config = cfg.model_copy(update={"policy": name})
+        self.policy = make_online_policy(name, cfg.lemix, nodes=cfg.nodes, train_rate=cfg.train_rate)
+        self.cluster = Cluster(self.policy, self.cluster.learner.current, cfg.nodes, cfg.lemix)
+        self.driver = self._driver()
+        self.tasks = {}
+
+    async def stats(self) -> dict:
+        tasks = [r.task for r in self.requests.values()]
+        nodes = self.cluster.nodes
+        return {
+            "policy": self.policy.name, "nodes": self.config.nodes, "stages": self.config.stages,
+            "now_s": self.driver.now() if self.driver else 0.0,
+            "requests": len(tasks), "completed": len(self.cluster.metrics.completions),
+            "train_done": self.cluster.train_done, "samples_stored": len(self.store),
+            "samples_pending": self.store.pending(self.cursor), "adapter_version": self.adapter_version,
+            "queues": [{"node": n, "ready": [len(st.ready) for st in node.stages],
+                        "busy": [st.busy is not None for st in node.stages],
+                        "batch": len(node.batch), "decoding": len(node.joining)} for n, node in enumerate(nodes)],
+            "actor_hops": self.hops, "errors": list(self.errors),
+            "last_trained_node": self.last_trained_node,
+            "hops_per_decode_iteration": self.hops / max(1, len(self.cluster.op_log)) * self.config.stages,
+            "decision_us_p50": _pct(self.cluster.scheduler.decision_us, 50),
+            "decision_us_p99": _pct(self.cluster.scheduler.decision_us, 99),
+            "losses": self.losses[-20:],
+        }
+
+    async def metrics(self):
+        """The run's :class:`OnlineResult`: ``summary()`` has ``simulate-online``'s keys."""
+        return self.cluster.metrics.result(self.policy.name, list(self.tasks.values()), self.cluster.nodes,
+                                           self.config.lemix.slo_s(self.cluster.profile.forward_latency_s),
+                                           self.cluster.train_done, self.cluster.scheduler.mean_decision_us)
+
+    async def profile_json(self) -> str:
+        """The node profile planning uses now (fitted from observed ops after the warm-up)."""
+        return self.cluster.learner.current.model_dump_json(indent=2)
+
+    async def op_log(self) -> list:
+        return list(self.cluster.op_log)
+
+    async def _stage_states(self, node: int) -> list[dict]:
+        """Every stage's adapter weights, pulled between ops."""
+        payloads = []
+        for _ in range(self.config.stages):
+            self.oob_seq -= 1
+            payloads.append({"kind": "lora", "seq": self.oob_seq})
+        return [r["state"] for r in await self._paused(node, payloads)]
+
+    async def export_adapter(self, directory: str, node: Optional[int] = None) -> str:
+        """Join the adapter of ``node``'s stages (default: the node that trained last) into
+        one directory in peft's format (adapter_config.json, adapter_model.safetensors)."""
+        node = self.last_trained_node if node is None else node
+        cfg = self.config
+        lora = LoraSettings(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules), cfg.lora.lr,
+                            cfg.model_loading_config.seed)
+        states = await self._stage_states(node)
+        return str(export_adapter(states, lora, directory, cfg.model_loading_config.model_id))
+
+    async def _export_for_sync(self, version: int) -> None:
+        """SEPARATE: the training group's adapter, exported once per synced version."""
+        target = self.adapter_dir / f"v{version}"
+        if not (target / "adapter_model.safetensors").exists():
+            await self.export_adapter(str(target))
+
+
+def _pct(values, q) -> float:
+    import numpy as np
+    return float(np.percentile(values, q)) if len(values) else 0.0

@@ -1,0 +1,169 @@
+"""The Python API of a live online deployment, and trace replay for ``raycolo online run``.
+
+    from raycolo.actors.online_launch import OnlineDeployment
+    dep = OnlineDeployment.start(config)          # on a running Ray cluster, or a local one
+    rid = dep.submit(prompt_ids, max_tokens=32)
+    for token in dep.stream(rid): ...
+    dep.add_samples([(prompt_ids, completion_ids)])   # persisted before it returns
+    dep.train()                                        # the next micro-batch becomes a task
+    print(dep.stats())
+    dep.stop()
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+import ray
+
+from raycolo.actors.online_controller import OnlineController
+from raycolo.costmodel.sampler import seeded_rng
+from raycolo.online.config import OnlineConfig
+from raycolo.online.tasks import OnlineTask
+
+NAMESPACE = "raycolo"
+BOS, FIRST_BYTE = 1, 3
+
+
+def learnable_pair(rng: np.random.Generator, prompt_len: int, vocab: int) -> tuple[list[int], list[int]]:
+    """A training sample a small model can learn: the completion repeats the prompt's
+    first three content tokens twice (a copy task, so held-out loss can fall)."""
+    body = [int(t) for t in rng.integers(FIRST_BYTE, min(vocab, FIRST_BYTE + 64), size=max(3, prompt_len - 1))]
+    prompt = [BOS] + body
+    return prompt, body[:3] * 2
+
+
+class OnlineDeployment:
+    def __init__(self, controller, config: OnlineConfig, name: str, started_ray: bool):
+        self.controller = controller
+        self.config = config
+        self.name = name
+        self._started_ray = started_ray
+
+    @classmethod
+    def start(cls, config: OnlineConfig, address: Optional[str] = None, gpus: Optional[int] = None,
+              timeout_s: float = 300.0) -> "OnlineDeployment":
+        """Start on the Ray cluster at ``address`` (or the one this process is connected
+        to); with neither, a local cluster with ``nodes x stages`` logical GPUs."""
+        started = False
+        if not ray.is_initialized():
+            if address:
+                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+            else:
+                need = config.nodes * config.stages
+                ray.init(address="local", num_gpus=gpus or need, num_cpus=max(2, int(need * config.stage.cpus_per_worker) + 2),
+                         namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+                started = True
+        name = f"raycolo-online-{uuid.uuid4().hex[:8]}"
+        controller = OnlineController.options(name=name, namespace=NAMESPACE).remote(
+            config.model_dump(), name, NAMESPACE)
+        ray.get(controller.start.remote(timeout_s))
+        return cls(controller, config, name, started)
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int], max_tokens: Optional[int] = None, temperature: float = 0.0,
+               top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False) -> int:
+        return ray.get(self.controller.submit.remote(list(prompt), max_tokens, temperature, top_p, seed,
+                                                     ignore_eos))
+
+    def stream(self, rid: int) -> Iterator[int]:
+        for ref in self.controller.stream.options(num_returns="streaming").remote(rid):
+            kind, value = ray.get(ref)
+            if kind == "token":
+                yield value
+            elif kind == "error":
+                raise RuntimeError(value)
+
+    def result(self, rid: int) -> dict:
+        return ray.get(self.controller.result.remote(rid))
+
+    def add_samples(self, samples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict:
+        return ray.get(self.controller.add_samples.remote([(list(p), list(c)) for p, c in samples]))
+
+    def train(self) -> Optional[int]:
+        return ray.get(self.controller.submit_training.remote())
+
+    def stats(self) -> dict:
+        return ray.get(self.controller.stats.remote())
+
+    def metrics(self):
+        """The run's OnlineResult (``.summary()``: simulate-online's keys)."""
+        return ray.get(self.controller.metrics.remote())
+
+    def profile_json(self) -> str:
+        return ray.get(self.controller.profile_json.remote())
+
+    def held_out_loss(self, seed: int = 999, count: int = 16, node: int = 0) -> float:
+        """Loss on ``count`` fresh samples of the training distribution (forward only)."""
+        rng = seeded_rng(seed, "online-live", "held-out")
+        vocab = _vocab(self.config)
+        return ray.get(self.controller.held_out_loss.remote(
+            [learnable_pair(rng, 12, vocab) for _ in range(count)], node))
+
+    def save_profile(self, path) -> None:
+        from pathlib import Path
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(ray.get(self.controller.profile_json.remote()))
+
+    def registry(self) -> dict:
+        return ray.get(self.controller.registry.remote())
+
+    def export_adapter(self, directory: str, node: Optional[int] = None) -> str:
+        return ray.get(self.controller.export_adapter.remote(directory, node))
+
+    def use_policy(self, name: str) -> None:
+        """Switch the online policy between runs (the stage workers stay)."""
+        ray.get(self.controller.use_policy.remote(name))
+
+    def drain(self) -> None:
+        ray.get(self.controller.drain.remote())
+
+    def stop(self) -> dict:
+        out = ray.get(self.controller.stop.remote())
+        ray.kill(self.controller)
+        if self._started_ray:
+            ray.shutdown()
+        return out
+
+    # -- trace replay ----------------------------------------------------------------------------
+    def replay(self, tasks: list[OnlineTask], seed: int = 0, progress=None) -> dict:
+        """Submit ``tasks`` at their arrival times (seconds from now): inference tasks as
+        completions with prompts of the trace's lengths that generate exactly
+        ``decode_tokens`` tokens (EOS ignored, as in the simulator); training tasks as
+        ``micro_batch`` learnable samples, stored, then trained. Waits for all to finish and
+        returns the run's OnlineResult."""
+        return asyncio.run(self._replay(tasks, seed, progress))
+
+    async def _replay(self, tasks, seed, progress):
+        vocab = _vocab(self.config)
+        rng = seeded_rng(seed, "online-live", "prompts")
+        started = time.perf_counter()
+        pending = []
+        ordered = sorted(tasks, key=lambda t: (t.arrival_s, t.task_id))
+        for i, task in enumerate(ordered):
+            delay = task.arrival_s - (time.perf_counter() - started)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if task.is_train:
+                pairs = [learnable_pair(rng, task.length, vocab) for _ in range(self.config.lora.micro_batch)]
+                await self.controller.add_samples.remote(pairs)
+                pending.append(self.controller.submit_training.remote())
+            else:
+                prompt = [BOS] + [int(t) for t in rng.integers(FIRST_BYTE, vocab, size=max(0, task.length - 1))]
+                pending.append(self.controller.submit.remote(prompt, max(1, task.decode_tokens), 0.0, 1.0,
+                                                             task.task_id, True))
+            if progress and (i + 1) % 10 == 0:
+                progress(f"submitted {i + 1}/{len(ordered)}")
+        await asyncio.gather(*pending)
+        await self.controller.drain.remote()
+        return await self.controller.metrics.remote()
+
+
+def _vocab(config: OnlineConfig) -> int:
+    from raycolo.engines.models import load_tokenizer
+
+    tok = load_tokenizer(config.model_loading_config.model_id)
+    return getattr(tok, "vocab_size", 256 + FIRST_BYTE)

@@ -1,0 +1,203 @@
+"""Stage workers: the Ray Train workers of one node, each a pipeline stage that serves and trains.
+
+A node is one ``TorchTrainer`` whose S workers hold consecutive layer slices of the model
+(:class:`~raycolo.executor.stage.StageModel`, LoRA on their layers). Ray Train gives them
+their process group (gloo on CPU, NCCL on GPU), gang placement, restarts and checkpoints.
+:func:`stage_loop` is the train function: a worker registers as ``node-<n>/stage-<s>``
+with the controller, then pulls ops from it forever and runs them.
+
+Point-to-point traffic stays matched because every message is tagged: an op that feeds
+the next stage (a forward's hidden states) or the stage before (a backward's input
+gradient) sends with its own op id as the tag, and the op that consumes it names that id
+(``after``) and receives exactly that tag. Consuming ops are only handed out after the
+producing op reported done (the node scheduler readies them then), so every receive has
+its send posted; sends are asynchronous (``isend``), so a stage never waits for its
+neighbour to be free.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+TAG_MOD = 1 << 30
+
+
+def _sample(logits: torch.Tensor, sampling: list[dict]) -> list[int]:
+    """Next tokens: greedy at temperature 0, else a seeded draw per request and position."""
+    out = []
+    for row, s in zip(logits, sampling):
+        temperature = s.get("temperature", 0.0)
+        if temperature <= 0:
+            out.append(int(row.argmax()))
+            continue
+        probs = torch.softmax(row.float() / temperature, -1)
+        top_p = s.get("top_p", 1.0)
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        gen = torch.Generator().manual_seed(int(s["seed"]))
+        out.append(int(torch.multinomial(probs / probs.sum(), 1, generator=gen)))
+    return out
+
+
+class StageProcess:
+    """What one worker does with an op payload (see :mod:`raycolo.actors.online_controller`)."""
+
+    def __init__(self, stage_model, stage: int, stages: int, hidden_size: int, dtype, dist):
+        self.model, self.stage, self.stages = stage_model, stage, stages
+        self.hidden, self.dtype, self.dist = hidden_size, dtype, dist
+        self.pending = []            # (work, tensor) of isends not known complete
+
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        tensor = tensor.contiguous()
+        self.pending.append((self.dist.isend(tensor, dst, tag=tag % TAG_MOD), tensor))
+        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+
+    def _recv(self, shape, src: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=self.dtype)
+        self.dist.recv(buf, src, tag=tag % TAG_MOD)
+        return buf
+
+    def run(self, op: dict) -> dict:
+        kind = op["kind"]
+        started = time.perf_counter()
+        result: dict = {}
+        first, last = self.stage == 0, self.stage == self.stages - 1
+        if kind in ("prefill", "decode"):
+            counts = op["counts"]
+            hidden = None if first else self._recv((sum(counts), self.hidden), self.stage - 1, op["after"])
+            tokens = op["tokens"] if first else [[0] * n for n in counts]
+            out = self.model.forward(op["requests"], tokens, hidden)
+            if last:
+                result["tokens"] = _sample(out, op["sampling"])
+            else:
+                self._send(out, self.stage + 1, op["seq"])
+            for rid in op.get("release", []):
+                self.model.release(rid)
+        elif kind == "train_f":
+            from raycolo.executor.stage import training_batch
+
+            b, t = op["shape"]
+            ids, labels, lengths = training_batch([(s[0], s[1]) for s in op["samples"]]) if (first or last) \
+                else (None, None, op["lengths"])
+            x = ids if first else self._recv((b, t, self.hidden), self.stage - 1, op["after"])
+            out = self.model.train_forward(op["task"], x, lengths, labels if last else None)
+            if last:
+                result["loss"] = float(out)
+            else:
+                self._send(out, self.stage + 1, op["seq"])
+        elif kind == "train_b":
+            b, t = op["shape"]
+            grad = None if last else self._recv((b, t, self.hidden), self.stage + 1, op["after"])
+            grad_in = self.model.train_backward(op["task"], grad)
+            if not first:
+                self._send(grad_in, self.stage - 1, op["seq"])
+        elif kind == "eval":     # a forward-only pass of a held-out batch: its loss
+            from raycolo.executor.stage import causal_lm_loss, training_batch
+
+            b, t = op["shape"]
+            ids, labels, lengths = training_batch([(s[0], s[1]) for s in op["samples"]])
+            with torch.no_grad():
+                x = ids if first else self._recv((b, t, self.hidden), self.stage - 1, op["after"])
+                out = self.model.executor.forward_train(x, lengths)
+            if last:
+                result["loss"] = float(causal_lm_loss(out, labels))
+            else:
+                self._send(out, self.stage + 1, op["seq"])
+        elif kind == "sync":
+            from safetensors.torch import load_file
+
+            self.model.load_lora_state(load_file(os.path.join(op["adapter"], "adapter_model.safetensors")))
+        elif kind == "release":
+            for rid in op["requests"]:
+                self.model.release(rid)
+        else:
+            raise ValueError(f"unknown op kind {kind!r}")
+        result["seconds"] = time.perf_counter() - started
+        return result
+
+    def flush(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
+
+
+def stage_loop(config: dict) -> None:
+    """``train_loop_per_worker`` of a node's TorchTrainer."""
+    import ray
+    import ray.train
+    import torch.distributed as dist
+
+    from raycolo.engines.models import load_model
+    from raycolo.engines.threads import apply_thread_policy
+    from raycolo.executor.stage import LoraSettings, StageModel, add_lora
+
+    ctx = ray.train.get_context()
+    stage, stages = ctx.get_world_rank(), ctx.get_world_size()
+    node = config["node"]
+    apply_thread_policy(config.get("cpu_threads"))
+    controller = ray.get_actor(config["controller"], namespace=config["namespace"])
+    model, _ = load_model(config["model_id"], seed=config["seed"], dtype=config["dtype"],
+                          device=config["device"])
+    lora = LoraSettings(**config["lora"])
+    model = add_lora(model, lora)
+    bounds = config["layer_bounds"]
+    stage_model = StageModel(model, (bounds[stage], bounds[stage + 1]), config["num_blocks"],
+                             config["block_size"], lr=lora.lr)
+    checkpoint = ray.train.get_checkpoint()
+    restored = None
+    if checkpoint is not None:
+        from safetensors.torch import load_file
+        with checkpoint.as_directory() as d:
+            path = os.path.join(d, f"stage-{stage}.safetensors")
+            if os.path.exists(path):
+                stage_model.load_lora_state(load_file(path))
+                restored = d
+    proc = StageProcess(stage_model, stage, stages, model.config.hidden_size,
+                        next(stage_model.executor.layers[0].parameters()).dtype, dist)
+    me = ray.get_runtime_context()
+    epoch = ray.get(controller.register.remote(node, stage, {
+        "actor_id": me.get_actor_id(), "pid": os.getpid(), "node_ip": me.get_node_id(),
+        "restored": restored is not None}))
+    while True:
+        op = ray.get(controller.next_op.remote(node, stage, epoch))
+        if op is None:          # the deployment stops
+            proc.flush()
+            return
+        if op["kind"] == "checkpoint":
+            proc.flush()
+            _report_checkpoint(stage_model, stage, op)
+            ray.get(controller.op_done.remote(node, stage, epoch, op["seq"], {"seconds": 0.0}))
+            continue
+        if op["kind"] == "lora":
+            controller.op_done.remote(node, stage, epoch, op["seq"], {"state": stage_model.lora_state()})
+            continue
+        if op["kind"] == "release":   # a request ended: free its KV blocks (nothing to report)
+            proc.run(op)
+            continue
+        try:
+            result = proc.run(op)
+        except Exception as exc:  # the op failed: the controller fails what it carried
+            ray.get(controller.op_failed.remote(node, stage, epoch, op["seq"], repr(exc)))
+            raise
+        controller.op_done.remote(node, stage, epoch, op["seq"], result)
+
+
+def _report_checkpoint(stage_model, stage: int, op: dict) -> None:
+    """Every stage calls ``ray.train.report`` (a barrier) with its adapter weights."""
+    import tempfile
+
+    import ray.train
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as d:
+        state = {k: v.contiguous() for k, v in stage_model.lora_state().items()}
+        save_file(state, os.path.join(d, f"stage-{stage}.safetensors"))
+        if stage == 0:
+            with open(os.path.join(d, "cursor.json"), "w") as f:
+                f.write(op["cursor"])
+        ray.train.report({"adapter_version": op["version"], "stage": stage},
+                         checkpoint=ray.train.Checkpoint.from_directory(d))

@@ -1,0 +1,188 @@
+"""One pipeline stage that serves and trains: a layer slice of a causal LM with LoRA.
+
+:class:`StageModel` holds layers ``[first, last)`` of a transformers causal LM (the
+embedding on the first stage, the final norm and LM head on the last) with peft LoRA
+adapters on them, and runs the four ops of a co-located stage:
+
+* ``prefill`` / ``decode``: a batch of requests through the :class:`ModelExecutor` on the
+  stage's own paged KV cache (one block table per request, from its own
+  :class:`BlockAllocator`); the first stage takes token ids, later stages the hidden
+  states of the stage before; the last returns each request's next-token logits;
+* ``train_forward``: a micro-batch of whole sequences with autograd, no KV cache; the
+  stage keeps its input and output until the backward; the last stage computes the
+  causal-LM loss over the completion tokens;
+* ``train_backward``: gradients flow from the loss (last stage) or from the gradient of
+  the stage's output (sent back by the next stage); the stage's LoRA parameters take one
+  optimizer step, and the gradient of its input goes back to the stage before.
+
+LoRA weights change in place, so the next forward of any request sees the update.
+Chained stages compute what the unsplit model computes (tests check logits, greedy
+tokens and the LoRA weights after a pipelined step). Pure torch and peft: no Ray.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from raycolo.executor.batch import SeqChunk
+from raycolo.executor.model import ModelExecutor
+from raycolo.sim.blocks import BlockAllocator
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """peft LoRA on the decoder layers' projections, and the optimizer of its weights."""
+
+    rank: int = 8
+    alpha: int = 16
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lr: float = 1e-3
+    seed: int = 0
+
+
+def add_lora(model, lora: LoraSettings):
+    """``model`` wrapped by peft with fresh LoRA adapters (seeded: every stage that wraps
+    the same model gets the same initial adapters)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(lora.seed)
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def training_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: Optional[int] = None):
+    """(prompt ids, completion ids) pairs -> right-padded input ids (B, T), labels (B, T)
+    with the prompt and padding at ``IGNORE_INDEX``, and the true lengths."""
+    rows = []
+    for prompt, completion in samples:
+        ids = list(prompt) + list(completion)
+        labels = [IGNORE_INDEX] * len(prompt) + list(completion)
+        if max_len is not None:
+            ids, labels = ids[:max_len], labels[:max_len]
+        rows.append((ids, labels))
+    t = max(len(ids) for ids, _ in rows)
+    input_ids = torch.zeros((len(rows), t), dtype=torch.long)
+    label_ids = torch.full((len(rows), t), IGNORE_INDEX, dtype=torch.long)
+    for i, (ids, labels) in enumerate(rows):
+        input_ids[i, :len(ids)] = torch.tensor(ids)
+        label_ids[i, :len(labels)] = torch.tensor(labels)
+    return input_ids, label_ids, [len(ids) for ids, _ in rows]
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over the labelled positions (transformers' loss)."""
+    shifted = labels[:, 1:].reshape(-1)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                             shifted, ignore_index=IGNORE_INDEX)
+
+
+class StageModel:
+    def __init__(self, model, layers: tuple[int, int], num_blocks: int, block_size: int,
+                 lr: float = 1e-3):
+        """``model``: the whole causal LM, already wrapped by :func:`add_lora` where the
+        stage trains. Layers outside the slice are dropped from the module tree."""
+        self.model = model
+        self.executor = ModelExecutor(model, num_blocks, block_size, layers)
+        self.first, self.last = self.executor.first, self.executor.last
+        decoder = _decoder_layers(model)
+        for i in range(len(decoder)):
+            if not self.first <= i < self.last:
+                decoder[i] = torch.nn.Identity()   # another stage's layer: free its weights
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=lr) if self.trainable else None
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_size = block_size
+        self.contexts: dict[int, int] = {}           # request id -> tokens in this stage's cache
+        self._train: dict[int, tuple] = {}           # task id -> (input, output or loss)
+        self.steps = 0
+
+    @property
+    def is_first(self) -> bool:
+        return self.executor.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.executor.is_last
+
+    # -- inference -------------------------------------------------------------------------
+    def forward(self, requests: Sequence[int], tokens: Sequence[Sequence[int]],
+                hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Append ``tokens[i]`` to request ``requests[i]`` (a prefill: its prompt; a decode
+        step: one token) and run the slice. Token ids matter on the first stage only;
+        later stages need their counts and ``hidden`` from the stage before."""
+        chunks = []
+        for rid, toks in zip(requests, tokens):
+            start = self.contexts.get(rid, 0)
+            need = math.ceil((start + len(toks)) / self.block_size) - len(self.allocator.blocks_of(rid))
+            if need > 0:
+                self.allocator.allocate(rid, need)
+            chunks.append(SeqChunk(list(toks), start=start, table=self.allocator.tables[rid]))
+            self.contexts[rid] = start + len(toks)
+        return self.executor.execute(self.executor.batch(chunks), hidden)
+
+    def release(self, request: int) -> None:
+        """The request ended (or was preempted): free its blocks."""
+        if request in self.contexts:
+            del self.contexts[request]
+            self.allocator.release(request)
+
+    # -- training --------------------------------------------------------------------------
+    def train_forward(self, task: int, x: torch.Tensor, lengths: Sequence[int],
+                      labels: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Forward of a micro-batch: ``x`` is token ids (first stage) or the hidden states
+        of the stage before. Returns the hidden states for the next stage (detached), or on
+        the last stage the loss (a float; ``labels`` required there)."""
+        with torch.enable_grad():
+            inp = x if self.is_first else x.detach().requires_grad_(True)
+            out = self.executor.forward_train(inp, lengths)
+            if self.is_last:
+                if labels is None:
+                    raise ValueError("last stage: train_forward needs labels")
+                out = causal_lm_loss(out, labels)
+        self._train[task] = (inp, out)
+        return out.detach()
+
+    def train_backward(self, task: int, grad_output: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Backward of the task's forward and one optimizer step on this stage's LoRA
+        weights. Returns the gradient of the stage's input (None on the first stage)."""
+        inp, out = self._train.pop(task)
+        if self.is_last:
+            out.backward()
+        else:
+            if grad_output is None:
+                raise ValueError("train_backward needs the gradient of this stage's output")
+            out.backward(grad_output)
+        grad_in = None if self.is_first else inp.grad.detach()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return grad_in
+
+    def drop_training(self, task: int) -> None:
+        """Forget a task's forward without stepping (its backward will not come)."""
+        self._train.pop(task, None)
+
+    # -- adapters --------------------------------------------------------------------------
+    def lora_state(self) -> dict[str, torch.Tensor]:
+        """This stage's adapter weights in peft's saved format (keys without the adapter name)."""
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+
+    def load_lora_state(self, state: dict[str, torch.Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        mine = self.lora_state()
+        set_peft_model_state_dict(self.model, {k: v for k, v in state.items() if k in mine})
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model.layers

@@ -1,0 +1,181 @@
+"""The online deployment config (``examples/online.yaml``), in Ray Serve LLM's shapes where they fit.
+
+Every default is declared here once; the CLI and the docs read them from these models.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from raycolo.errors import ConfigError
+from raycolo.online.params import LemixParams
+from raycolo.online.profiles import GIB, NodeProfile
+
+
+class ModelLoadingConfig(BaseModel):
+    """As Ray Serve LLM's: a catalog id of a tiny model (random weights, byte tokenizer)
+    or a local checkpoint directory of a Llama-, Qwen2- or Mistral-style causal LM."""
+
+    model_config = ConfigDict(extra="forbid")
+    model_id: str = "tiny-llama-s"
+    seed: int = Field(default=0, ge=0)
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+
+
+class LoraSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rank: int = Field(default=8, gt=0, le=1024)
+    alpha: int = Field(default=16, gt=0)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lr: float = Field(default=1e-3, gt=0, le=1.0)
+    micro_batch: int = Field(default=4, gt=0, le=1024)       # samples per training task (C)
+    checkpoint_every: int = Field(default=8, gt=0)            # optimizer steps between checkpoints
+    max_len: int = Field(default=256, gt=1, le=1 << 16)       # tokens per training sample, at most
+
+
+class StageSpec(BaseModel):
+    """What each stage worker gets."""
+
+    model_config = ConfigDict(extra="forbid")
+    cpus_per_worker: float = Field(default=0.5, gt=0)
+    cpu_threads: Optional[int] = Field(default=1, gt=0)
+    backend: Literal["gloo", "nccl"] = "gloo"                 # nccl on real GPUs
+    device: Literal["cpu", "cuda"] = "cpu"
+    block_size: int = Field(default=16, gt=0)
+    kv_cache_tokens: int = Field(default=16384, gt=0)
+    memory_bytes: float = Field(default=2 * GIB, gt=0)        # the stage's memory budget
+    max_failures: int = Field(default=1, ge=0)                # worker-group restarts per node
+
+
+class OnlineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model_loading_config: ModelLoadingConfig = Field(default_factory=ModelLoadingConfig)
+    nodes: int = Field(default=2, gt=0, le=64)
+    stages: int = Field(default=2, gt=0, le=64)
+    policy: str = "lemix"
+    train_rate: float = Field(default=0.5, ge=0, le=1)        # SEPARATE sizes its groups from it
+    lemix: LemixParams = Field(default_factory=LemixParams)
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    stage: StageSpec = Field(default_factory=StageSpec)
+    max_tokens: int = Field(default=64, gt=0)                 # a completion's default limit
+    sample_store: str = "out/online/samples"
+    storage_path: str = "out/online/checkpoints"
+    profile: Optional[str] = None                             # a saved node profile (JSON) to start from
+    prior_gflops: float = Field(default=20.0, gt=0)           # the prior profile's assumed rate
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        from raycolo.policies import online_policy_names
+
+        if name not in online_policy_names():
+            raise ValueError(f"unknown online policy '{name}' (known: {', '.join(online_policy_names())})")
+        return name
+
+    @field_validator("prior_gflops")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be finite")
+        return v
+
+
+def model_hf_config(model_id: str):
+    """The transformers config of a catalog tiny model or a checkpoint directory."""
+    path = Path(model_id)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ConfigError(f"model_loading_config.model_id: {path} has no config.json")
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(path)
+    from raycolo.catalog import get_model
+    from raycolo.engines.models import hf_config_for
+    try:
+        spec = get_model(model_id)
+    except ConfigError as exc:
+        raise ConfigError(f"model_loading_config.model_id: {exc}") from None
+    if spec.hf_architecture is None:
+        raise ConfigError(f"model_loading_config.model_id: '{model_id}' is not a tiny catalog model; "
+                          "give a checkpoint directory")
+    return hf_config_for(spec)
+
+
+def layer_bounds(layers: int, stages: int) -> list[int]:
+    """Cut points of ``layers`` decoder layers into ``stages`` contiguous slices, as equal as
+    possible (earlier stages take the remainder)."""
+    if stages > layers:
+        raise ConfigError(f"stages: {stages} stages for a model of {layers} decoder layers")
+    base, extra = divmod(layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    return bounds
+
+
+def _field_path(loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def parse_online_config(values: dict, source: str = "config") -> OnlineConfig:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: must be a mapping of settings")
+    try:
+        return OnlineConfig.model_validate(values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = _field_path(err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"{source}: {where}: {msg}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply") from None
+
+
+def load_online_config(path) -> OnlineConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except (yaml.YAMLError, RecursionError) as exc:
+        raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    if isinstance(values, dict) and "online" in values and isinstance(values["online"], dict):
+        values = values["online"]   # a Serve config that carries raycolo's online config
+    return parse_online_config(values, str(path))
+
+
+def prior_profile(model_config, stages: int, spec: StageSpec, lemix: LemixParams, gflops: float,
+                  dtype_bytes: int, name: str) -> NodeProfile:
+    """A node profile for a live model before anything is measured: FLOPs of the stage's
+    weights at ``gflops``, η's through LeMix's C·ℓ² model at the reference length,
+    memory from the model's shapes. Observed ops refit η_F and η_B (ProfileLearner)."""
+    from raycolo.online.profiles import ACTIVATION_BYTES_PER_HIDDEN, REFERENCE_LENGTH
+
+    layers = model_config.num_hidden_layers
+    hidden = model_config.hidden_size
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", heads) or heads
+    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
+    inter = getattr(model_config, "intermediate_size", 4 * hidden)
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+    vocab = model_config.vocab_size
+    stage_params = per_layer * layers / stages + vocab * hidden / stages
+    rate = gflops * 1e9
+    forward_ref = 2 * stage_params * REFERENCE_LENGTH / rate
+    eta_f = forward_ref / REFERENCE_LENGTH ** 2
+    layers_per_stage = layers / stages
+    return NodeProfile(
+        name=name, stages=stages, eta_f=eta_f, eta_b=2 * eta_f,
+        decode_floor_s=2 * stage_params / rate,
+        kv_bytes_per_token=2 * layers_per_stage * kv_heads * head_dim * dtype_bytes,
+        activation_bytes_per_token=ACTIVATION_BYTES_PER_HIDDEN * hidden * layers_per_stage,
+        weight_bytes_per_stage=stage_params * dtype_bytes,
+        gpu_memory_bytes=max(spec.memory_bytes, stage_params * dtype_bytes * 2),
+        forward_latency_s=forward_ref * stages, backward_latency_s=2 * forward_ref * stages,
+        reference_length=REFERENCE_LENGTH)

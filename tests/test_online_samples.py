@@ -1,0 +1,77 @@
+"""The training-sample store and the online deployment config (pure Python)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raycolo.errors import ConfigError
+from raycolo.online.config import layer_bounds, parse_online_config
+from raycolo.online.samples import Cursor, SampleStore, load_cursor, save_cursor
+
+
+def test_append_persists_before_it_returns_and_survives_a_reload(tmp_path):
+    store = SampleStore(tmp_path)
+    assert store.append([([1, 5, 6], [7, 8]), ([1, 9], [10])]) == [0, 1]
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["seq"] for r in rows] == [0, 1] and rows[1]["completion"] == [10]
+    store.close()
+    again = SampleStore(tmp_path)                       # a new process reads what was acked
+    assert len(again) == 2 and again.append([([1], [2])]) == [2]
+
+
+def test_a_torn_last_line_was_never_acknowledged_and_is_dropped(tmp_path):
+    store = SampleStore(tmp_path)
+    store.append([([1, 2], [3])])
+    store.close()
+    with open(tmp_path / "samples.jsonl", "a") as f:
+        f.write('{"seq": 1, "prompt": [1')               # a crash mid-write
+    assert len(SampleStore(tmp_path)) == 1
+
+
+def test_take_trains_each_sample_once_per_epoch_in_order(tmp_path):
+    store = SampleStore(tmp_path)
+    store.append([([1], [i]) for i in range(5)])
+    cursor, seen = Cursor(), []
+    for _ in range(4):
+        batch, cursor = store.take(cursor, 2)
+        seen.append([s.completion[0] for s in batch])
+    assert seen == [[0, 1], [2, 3], [4], [0, 1]]        # epoch 0, then epoch 1 starts over
+    assert cursor == Cursor(epoch=1, next_seq=2) and store.pending(cursor) == 3
+    save_cursor(tmp_path / "cursor.json", cursor)
+    assert load_cursor(tmp_path / "cursor.json") == cursor
+    assert load_cursor(tmp_path / "none.json") is None
+
+
+@pytest.mark.parametrize("sample,message", [
+    (([], [1]), "samples[0].prompt: must be a non-empty list of token ids"),
+    (([1], "abc"), "samples[0].completion: must be a non-empty list of token ids"),
+    (([1, -2], [1]), "samples[0].prompt: token ids must be non-negative integers"),
+    (([1, True], [1]), "samples[0].prompt: token ids must be non-negative integers"),
+    (([1, 2.5], [1]), "samples[0].prompt: token ids must be non-negative integers"),
+])
+def test_bad_samples_are_refused_and_nothing_is_stored(tmp_path, sample, message):
+    store = SampleStore(tmp_path)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        store.append([([1], [2]), sample][::-1])
+    assert len(store) == 0 and (tmp_path / "samples.jsonl").read_text() == ""
+
+
+def test_config_defaults_and_errors_name_the_field():
+    config = parse_online_config({})
+    assert (config.nodes, config.stages, config.policy, config.lora.rank) == (2, 2, "lemix", 8)
+    for values, where in (({"nodes": 0}, "config: nodes:"), ({"policy": "fifo"}, "config: policy: unknown"),
+                          ({"lora": {"lr": float("nan")}}, "config: lora.lr:"),
+                          ({"lemix": {"max_batch": 10 ** 30}}, "config: lemix.max_batch:"),
+                          ({"typo": 1}, "config: typo:"), ([], "config: must be a mapping")):
+        with pytest.raises(ConfigError) as err:
+            parse_online_config(values)
+        assert str(err.value).startswith(where), str(err.value)
+
+
+def test_layer_bounds_cut_contiguous_near_equal_slices():
+    assert layer_bounds(8, 2) == [0, 4, 8]
+    assert layer_bounds(7, 3) == [0, 3, 5, 7]
+    assert layer_bounds(2, 2) == [0, 1, 2]
+    with pytest.raises(ConfigError, match="stages: 3 stages for a model of 2 decoder layers"):
+        layer_bounds(2, 3)

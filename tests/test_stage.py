@@ -1,0 +1,190 @@
+"""StageModel: layer slices with LoRA that serve and train, against the unsplit model.
+
+The references are independent of the stage code: transformers' own forward and
+generate() on the whole model, and peft's own forward/backward with the same optimizer.
+float64 keeps every comparison far below argmax margins and float noise.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from raycolo.engines.models import BOS_ID, BYTE_OFFSET, build_tiny_model
+from raycolo.executor.stage import LoraSettings, StageModel, add_lora, causal_lm_loss, training_batch
+
+LORA = LoraSettings(rank=4, alpha=8, lr=1e-2, seed=3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def prompts(lengths, seed=1):
+    rng = random.Random(seed)
+    return [[BOS_ID] + [rng.randrange(BYTE_OFFSET, BYTE_OFFSET + 256) for _ in range(n - 1)] for n in lengths]
+
+
+def base(model_id="tiny-llama-m"):
+    model, _ = build_tiny_model(model_id, 0, "float64")
+    return model
+
+
+def stages(model_id, cuts, lora=LORA, blocks=64):
+    """One StageModel per slice, each built from its own copy of the model, as each stage
+    worker builds its own."""
+    out = []
+    bounds = list(zip(cuts[:-1], cuts[1:]))
+    for first, last in bounds:
+        model = add_lora(base(model_id), lora) if lora else base(model_id)
+        out.append(StageModel(model, (first, last), blocks, 4, lr=lora.lr if lora else 1e-3))
+    return out
+
+
+def chain_forward(chain, rids, toks):
+    hidden = None
+    for st in chain:
+        hidden = st.forward(rids, toks, hidden)
+    return hidden
+
+
+def chain_greedy(chain, prompt_list, steps):
+    rids = list(range(len(prompt_list)))
+    logits = chain_forward(chain, rids, prompt_list)
+    outs = [[int(t)] for t in logits.argmax(-1)]
+    for _ in range(steps - 1):
+        logits = chain_forward(chain, rids, [[o[-1]] for o in outs])
+        for o, t in zip(outs, logits.argmax(-1)):
+            o.append(int(t))
+    return outs, logits
+
+
+@pytest.mark.parametrize("model_id,cuts", [("tiny-llama-m", [0, 2, 4]), ("tiny-llama-m", [0, 1, 3, 4]),
+                                           ("tiny-mistral-s", [0, 1, 2])])
+def test_chained_stages_give_the_unsplit_models_logits_and_greedy_tokens(model_id, cuts):
+    chain = stages(model_id, cuts)
+    whole = add_lora(base(model_id), LORA).eval()
+    ps = prompts([9, 23, 14])
+    with torch.no_grad():  # a fresh LoRA's B is zero: its output is the base model's
+        ref_logits = [whole(torch.tensor([p])).logits[0, -1] for p in ps]
+    logits = chain_forward(chain, [0, 1, 2], ps)
+    torch.testing.assert_close(logits, torch.stack(ref_logits), rtol=1e-9, atol=1e-9)
+    for st in chain:
+        for rid in range(3):
+            st.release(rid)
+    outs, _ = chain_greedy(chain, ps, 12)
+    from transformers import GenerationConfig
+    whole.generation_config.eos_token_id = None
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=12, min_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    for p, o in zip(ps, outs):
+        with torch.no_grad():
+            ref = whole.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 generation_config=cfg)[0, len(p):].tolist()
+        assert o == ref
+
+
+def pipelined_step(chain, batch, task=7):
+    ids, labels, lengths = batch
+    x = ids
+    for st in chain[:-1]:
+        x = st.train_forward(task, x, lengths)
+    loss = chain[-1].train_forward(task, x, lengths, labels)
+    grad = None
+    for st in reversed(chain):
+        grad = st.train_backward(task, grad)
+    assert grad is None  # the first stage has no input gradient to send
+    return float(loss)
+
+
+def test_a_pipelined_training_step_gives_the_unsplit_models_lora_weights():
+    batch = training_batch([(p, p[1:6]) for p in prompts([8, 13, 5], seed=4)])
+    chain = stages("tiny-llama-m", [0, 1, 3, 4])
+    whole = add_lora(base("tiny-llama-m"), LORA)
+    opt = torch.optim.AdamW([p for p in whole.parameters() if p.requires_grad], lr=LORA.lr)
+    losses = []
+    for step in range(3):  # B moves off zero after the first step, so later steps test A too
+        ids, labels, lengths = batch
+        mask = torch.tensor([[1] * n + [0] * (ids.shape[1] - n) for n in lengths])
+        out = whole(input_ids=ids, attention_mask=mask)
+        ref_loss = causal_lm_loss(out.logits, labels)
+        ref_loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append((float(ref_loss), pipelined_step(chain, batch, task=step)))
+    for ref, got in losses:
+        assert got == pytest.approx(ref, rel=1e-9)
+    assert losses[-1][0] < losses[0][0]
+    from peft import get_peft_model_state_dict
+    ref_state = get_peft_model_state_dict(whole)
+    merged = {}
+    for st in chain:
+        merged.update(st.lora_state())
+    assert set(merged) == set(ref_state)
+    for k in ref_state:
+        torch.testing.assert_close(merged[k], ref_state[k], rtol=1e-7, atol=1e-10)
+
+
+def test_training_loss_ignores_padding_and_prompt_tokens():
+    """Right padding must not change a sequence's loss: one sample alone and the same
+    sample padded next to a longer one give the same per-sample loss."""
+    chain = stages("tiny-llama-m", [0, 2, 4])
+    short = (prompts([6], seed=9)[0], [70, 71, 72])
+    long = (prompts([15], seed=8)[0], [80, 81])
+    ids, labels, lengths = training_batch([short, long])
+    x = chain[0].train_forward(0, ids, lengths)
+    full = chain[1].executor.forward_train(x, lengths).detach()
+    ids1, labels1, lengths1 = training_batch([short])
+    x1 = chain[0].train_forward(1, ids1, lengths1)
+    alone = chain[1].executor.forward_train(x1, lengths1).detach()
+    torch.testing.assert_close(full[0, :lengths[0]], alone[0], rtol=1e-9, atol=1e-9)
+    assert labels[0, :6].eq(-100).all() and labels[0, lengths[0]:].eq(-100).all()
+
+
+def test_a_lora_update_is_visible_to_the_next_forward_and_nothing_else_changes_it():
+    chain = stages("tiny-llama-m", [0, 2, 4])
+    probe = prompts([11], seed=5)
+    first = chain_forward(chain, [100], probe)
+    for st in chain:
+        st.release(100)
+    again = chain_forward(chain, [101], probe)              # no step between: identical
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    pipelined_step(chain, training_batch([(p, p[2:9]) for p in prompts([7, 9], seed=6)]))
+    after = chain_forward(chain, [102], probe)             # one step: the logits move
+    assert (after - first).abs().max() > 1e-4
+
+
+def test_exported_adapter_loads_in_peft_and_matches_the_stages(tmp_path):
+    from peft import PeftModel
+    from raycolo.executor.adapters import export_adapter
+
+    chain = stages("tiny-llama-m", [0, 2, 4])
+    pipelined_step(chain, training_batch([(p, p[1:5]) for p in prompts([6, 9], seed=2)]))
+    out = export_adapter([st.lora_state() for st in chain], LORA, tmp_path / "adapter")
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == LORA.rank
+    assert (out / "adapter_model.safetensors").exists()
+    loaded = PeftModel.from_pretrained(base("tiny-llama-m"), str(out)).eval()
+    probe = prompts([10], seed=7)
+    with torch.no_grad():
+        ref = loaded(torch.tensor(probe)).logits[0, -1]
+    got = chain_forward(chain, [5], probe)[0]
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_stage_frees_blocks_and_drops_other_stages_layers():
+    chain = stages("tiny-llama-m", [0, 2, 4], lora=None)
+    chain_forward(chain, [1, 2], prompts([9, 5]))
+    assert chain[0].allocator.blocks_of(1) and chain[1].contexts == {1: 9, 2: 5}
+    for st in chain:
+        st.release(1)
+        st.release(2)
+        st.allocator.check()
+        assert st.contexts == {}
+    layers = chain[0].model.model.layers
+    assert isinstance(layers[3], torch.nn.Identity) and not isinstance(layers[0], torch.nn.Identity)
+    assert chain[0].optimizer is None    # no LoRA: nothing to train
