@@ -94,6 +94,8 @@ class StageModel:
         for i in range(len(decoder)):
             if not self.first <= i < self.last:
                 decoder[i] = torch.nn.Identity()   # another stage's layer: free its weights
+        if not hasattr(model, "peft_config"):   # no adapters: serving only, nothing trains
+            model.requires_grad_(False)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=lr) if self.trainable else None
         self.allocator = BlockAllocator(num_blocks)
@@ -119,7 +121,7 @@ class StageModel:
         chunks = []
         for rid, toks in zip(requests, tokens):
             start = self.contexts.get(rid, 0)
-            need = math.ceil((start + len(toks)) / self.block_size) - len(self.allocator.blocks_of(rid))
+            need = math.ceil((start + len(toks)) / self.block_size) - self.allocator.blocks_of(rid)
             if need > 0:
                 self.allocator.allocate(rid, need)
             chunks.append(SeqChunk(list(toks), start=start, table=self.allocator.tables[rid]))
