@@ -188,3 +188,38 @@ def test_stage_frees_blocks_and_drops_other_stages_layers():
     layers = chain[0].model.model.layers
     assert isinstance(layers[3], torch.nn.Identity) and not isinstance(layers[0], torch.nn.Identity)
     assert chain[0].optimizer is None    # no LoRA: nothing to train
+
+
+def test_packed_projections_match_plain_ones_and_leave_training_to_the_plain_weights():
+    """float32 on the CPU: the executor packs frozen projections for oneDNN; logits agree
+    with an unpacked executor, LoRA's A/B stay plain, and a training step still reaches the
+    LoRA weights through the packed layers."""
+    from raycolo.executor import SeqChunk
+    from raycolo.executor.model import ModelExecutor
+    from raycolo.executor.packed import PackedLinear
+    from raycolo.sim.blocks import BlockAllocator
+
+    packed = StageModel(add_lora(build_tiny_model("tiny-llama-m", 0, "float32")[0], LORA), (0, 4), 64, 4,
+                        lr=LORA.lr)
+    plain = ModelExecutor(add_lora(build_tiny_model("tiny-llama-m", 0, "float32")[0], LORA), 64, 4,
+                          pack_weights=False)
+    assert packed.executor.packed == 4 * 7 + 1 and plain.packed == 0   # 7 projections x 4 layers + head
+    attn = packed.model.base_model.model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj.base_layer, PackedLinear)
+    assert type(attn.q_proj.lora_A["default"]) is torch.nn.Linear      # the adapter stays trainable
+    ps = prompts([9, 13])
+    got = packed.forward([0, 1], ps)
+    alloc = BlockAllocator(64)
+    chunks = []
+    for rid, p in enumerate(ps):
+        alloc.allocate(rid, -(-len(p) // 4))
+        chunks.append(SeqChunk(p, start=0, table=alloc.tables[rid]))
+    torch.testing.assert_close(got, plain.execute(plain.batch(chunks)), rtol=1e-4, atol=1e-4)
+    before = {k: v.clone() for k, v in packed.lora_state().items()}
+    ids, labels, lengths = training_batch([(ps[0], ps[0][1:4])])
+    packed.train_forward(0, ids, lengths, labels)
+    packed.train_backward(0)
+    after = packed.lora_state()
+    # B starts at zero, so only a gradient moves it; layer 0's gradient passed backward
+    # through the packed projections of layers 1-3
+    assert all(not torch.equal(before[k], after[k]) for k in before if "lora_B" in k)

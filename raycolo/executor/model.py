@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from raycolo.errors import ConfigError
 from raycolo.executor.batch import SeqChunk, StepBatch
 from raycolo.executor.kv_cache import PagedKVCache
+from raycolo.executor.packed import pack_linears
 
 log = logging.getLogger("raycolo.executor")
 
@@ -58,7 +59,7 @@ class ModelExecutor:
     paged = True
 
     def __init__(self, model, num_blocks: int, block_size: int,
-                 layers: Optional[tuple[int, int]] = None):
+                 layers: Optional[tuple[int, int]] = None, pack_weights: bool = True):
         base = _unwrap(model)
         family = fast_path_family(base)
         if family is None:
@@ -74,6 +75,9 @@ class ModelExecutor:
         self.lm_head = base.lm_head if self.is_last else None
         self.rotary = inner.rotary_emb
         self.layers = list(inner.layers[self.first:self.last])
+        # On the CPU, frozen projections multiply with oneDNN-packed weights (packed.py).
+        self.packed = pack_linears(self.layers, base if self.is_last else None) if pack_weights else 0
+        self.lm_head = base.lm_head if self.is_last else None
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.heads = cfg.num_attention_heads
