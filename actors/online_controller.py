@@ -101,6 +101,7 @@ class OnlineController:
         self.run_token = uuid.uuid4().hex[:8]
         self.adapter_dir = Path(cfg.storage_path) / f"adapter-{self.run_token}"
         self.last_trained_node = 0
+        self.exports: dict[int, asyncio.Task] = {}
         self.oob_seq = -1_000_000     # seq numbers of out-of-band payloads (checkpoint, lora)
 
     # -- start and stop ----------------------------------------------------------------------
@@ -200,7 +201,7 @@ class OnlineController:
 
     # -- the op runner (ClusterDriver calls it) ---------------------------------------------
     async def run(self, op: Op):
-        if op.kind == "sync" and op.stage == 0:
+        if op.kind == "sync":   # every stage of a serving node waits for the exported adapter
             await self._export_for_sync(op.tasks[0])
         await self.gates[op.node].wait()
         payload = self._payload(op)
@@ -438,9 +439,10 @@ class OnlineController:
 
     async def _export_for_sync(self, version: int) -> None:
         """SEPARATE: the training group's adapter, exported once per synced version."""
-        target = self.adapter_dir / f"v{version}"
-        if not (target / "adapter_model.safetensors").exists():
-            await self.export_adapter(str(target))
+        if version not in self.exports:
+            target = self.adapter_dir / f"v{version}"
+            self.exports[version] = asyncio.get_running_loop().create_task(self.export_adapter(str(target)))
+        await self.exports[version]
 
 
 def _pct(values, q) -> float:

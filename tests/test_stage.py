@@ -223,3 +223,20 @@ def test_packed_projections_match_plain_ones_and_leave_training_to_the_plain_wei
     # B starts at zero, so only a gradient moves it; layer 0's gradient passed backward
     # through the packed projections of layers 1-3
     assert all(not torch.equal(before[k], after[k]) for k in before if "lora_B" in k)
+
+
+def test_interleaved_training_tasks_use_the_weights_of_their_own_forward():
+    """Task 1's forward runs before task 0's backward steps the optimizer (stages
+    pipeline): task 1's backward must still work, with the weights its forward used."""
+    chain = stages("tiny-llama-m", [0, 2, 4])
+    b0 = training_batch([(p, p[1:5]) for p in prompts([7, 9], seed=11)])
+    b1 = training_batch([(p, p[1:6]) for p in prompts([8, 6], seed=12)])
+    x0 = chain[0].train_forward(0, b0[0], b0[2])
+    chain[1].train_forward(0, x0, b0[2], b0[1])
+    x1 = chain[0].train_forward(1, b1[0], b1[2])          # task 1 enters before task 0 steps
+    g = chain[1].train_backward(0)
+    chain[0].train_backward(0, g)                          # stage 0 steps: its weights change
+    chain[1].train_forward(1, x1, b1[2], b1[1])
+    g = chain[1].train_backward(1)
+    chain[0].train_backward(1, g)                          # no in-place error
+    assert chain[0].steps == chain[1].steps == 2

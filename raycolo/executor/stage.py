@@ -98,6 +98,7 @@ class StageModel:
             model.requires_grad_(False)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=lr) if self.trainable else None
+        self._train_module = _TrainForward(model, self.executor)
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
         self.contexts: dict[int, int] = {}           # request id -> tokens in this stage's cache
@@ -142,7 +143,12 @@ class StageModel:
         the last stage the loss (a float; ``labels`` required there)."""
         with torch.enable_grad():
             inp = x if self.is_first else x.detach().requires_grad_(True)
-            out = self.executor.forward_train(inp, lengths)
+            # Weight stashing (PipeDream): the forward runs on clones of the trainable
+            # weights, so the optimizer steps of other tasks' backwards, which update the
+            # weights in place while this task is between its forward and backward, cannot
+            # corrupt its graph; its gradient flows through the clones to the weights.
+            stash = {f"model.{n}": p.clone() for n, p in self.model.named_parameters() if p.requires_grad}
+            out = torch.func.functional_call(self._train_module, stash, (inp, lengths))
             if self.is_last:
                 if labels is None:
                     raise ValueError("last stage: train_forward needs labels")
@@ -183,6 +189,19 @@ class StageModel:
 
         mine = self.lora_state()
         set_peft_model_state_dict(self.model, {k: v for k, v in state.items() if k in mine})
+
+
+class _TrainForward(torch.nn.Module):
+    """The executor's training forward as a module over the model's parameters, so that
+    ``torch.func.functional_call`` can run it on stashed weights."""
+
+    def __init__(self, model, executor):
+        super().__init__()
+        self.model = model
+        self.executor = executor
+
+    def forward(self, x, lengths):
+        return self.executor.forward_train(x, lengths)
 
 
 def _decoder_layers(model) -> torch.nn.ModuleList:
