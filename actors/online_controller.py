@@ -385,6 +385,7 @@ class OnlineController:
         self.cluster = Cluster(self.policy, self.cluster.learner.current, cfg.nodes, cfg.lemix)
         self.driver = self._driver()
         self.tasks = {}
+        self.hops = 0
 
     async def stats(self) -> dict:
         tasks = [r.task for r in self.requests.values()]

@@ -119,11 +119,6 @@ class StageProcess:
         result["seconds"] = time.perf_counter() - started
         return result
 
-    def flush(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending = []
-
 
 def stage_loop(config: dict) -> None:
     """``train_loop_per_worker`` of a node's TorchTrainer."""
@@ -165,10 +160,10 @@ def stage_loop(config: dict) -> None:
     while True:
         op = ray.get(controller.next_op.remote(node, stage, epoch))
         if op is None:          # the deployment stops
-            proc.flush()
             return
         if op["kind"] == "checkpoint":
-            proc.flush()
+            # No flush of pending sends first: their receivers may be ops the controller
+            # holds back until the checkpoint is done (the weights do not depend on them).
             _report_checkpoint(stage_model, stage, op)
             ray.get(controller.op_done.remote(node, stage, epoch, op["seq"], {"seconds": 0.0}))
             continue

@@ -378,19 +378,26 @@ def cmd_simulate_online(args) -> int:
     result = simulate(tasks, profile, args.nodes, policy, params)
     summary = {"model": args.model, "nodes": args.nodes, "stages": args.stages, "rate": args.rate,
                "train_rate": args.train_rate, **result.summary()}
+    return _report_online(result, summary, args,
+                          f"{args.policy}: {args.nodes} x {args.stages} {args.model}, {args.rate:g} rps, "
+                          f"training {args.train_rate:.0%}",
+                          f"{args.policy} on {args.nodes} x {args.stages} {args.model}, {len(tasks)} tasks "
+                          f"({result.inference} inference, {result.train} training)")
+
+
+def _report_online(result, summary: dict, args, title: str, heading: str) -> int:
+    """What simulate-online and online run print: JSON, or a few lines; a timeline plot."""
     if args.plot:
         from raycolo.online.sweep import plot_timeline
-        summary["plot"] = str(plot_timeline(result, args.plot, f"{args.policy}: {args.nodes} x {args.stages} "
-                                            f"{args.model}, {args.rate:g} rps, training {args.train_rate:.0%}"))
+        summary["plot"] = str(plot_timeline(result, args.plot, title))
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"{args.policy} on {args.nodes} x {args.stages} {args.model}, {len(tasks)} tasks "
-          f"({result.inference} inference, {result.train} training)")
+    ms = lambda v, digits=0: "-" if v is None else f"{v * 1e3:.{digits}f} ms"  # noqa: E731
+    print(heading)
     print(f"  throughput {summary['throughput']:.2f} tasks/s, SLO attainment {summary['slo_attainment']:.1%} "
           f"(TTFT <= {summary['slo_s'] * 1e3:.0f} ms)")
-    print(f"  TTFT p50 {summary['ttft_p50_s'] * 1e3:.0f} ms, p99 {summary['ttft_p99_s'] * 1e3:.0f} ms; "
-          f"TBT p50 {summary['tbt_p50_s'] * 1e3:.1f} ms")
+    print(f"  TTFT p50 {ms(summary['ttft_p50_s'])}, p99 {ms(summary['ttft_p99_s'])}; TBT p50 {ms(summary['tbt_p50_s'], 1)}")
     print(f"  GPU idle {summary['idle_fraction']:.1%}, active nodes {summary['active_nodes_mean']:.2f}, "
           f"training done {summary['train_done']}, staleness {summary['staleness_mean']:.1f} tasks, "
           f"decision {summary['decision_us_mean']:.0f} us/task")
@@ -480,18 +487,11 @@ def cmd_online(args) -> int:
     summary.update({"nodes": config.nodes, "stages": config.stages, "rate": args.rate,
                     "train_rate": config.train_rate, "actor_hops": stats["actor_hops"],
                     "adapter_version": stats["adapter_version"], "errors": stats["errors"]})
-    if args.plot:
-        from raycolo.online.sweep import plot_timeline
-        summary["plot"] = str(plot_timeline(result, args.plot, f"{config.policy} live: {config.nodes} x "
-                                            f"{config.stages} {config.model_loading_config.model_id}"))
-    if args.json:
-        print(json.dumps(summary, indent=2))
-        return 0
-    print(f"{config.policy} live on {config.nodes} x {config.stages} {config.model_loading_config.model_id}, "
-          f"{summary['tasks']} tasks, completed {summary['completed']}")
-    print(f"  throughput {summary['throughput']:.2f} tasks/s, SLO attainment {summary['slo_attainment']:.1%}, "
-          f"TTFT p50 {summary['ttft_p50_s'] * 1e3:.0f} ms, training done {summary['train_done']}")
-    return 0
+    return _report_online(result, summary, args,
+                          f"{config.policy} live: {config.nodes} x {config.stages} {config.model_loading_config.model_id}",
+                          f"{config.policy} live on {config.nodes} x {config.stages} "
+                          f"{config.model_loading_config.model_id}, {summary['tasks']} tasks "
+                          f"({result.inference} inference, {result.train} training)")
 
 
 COMMANDS = {"online": cmd_online, "simulate-online": cmd_simulate_online, "sweep-online": cmd_sweep_online,"plan": cmd_plan, "compare": cmd_compare, "profile": cmd_profile,

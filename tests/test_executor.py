@@ -21,12 +21,7 @@ from raycolo.executor import FallbackExecutor, ModelExecutor, SeqChunk, create_e
 from raycolo.sim.blocks import BlockAllocator
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_prompts(lengths, seed=1):

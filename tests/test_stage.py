@@ -7,28 +7,22 @@ float64 keeps every comparison far below argmax margins and float noise.
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 
-from raycolo.engines.models import BOS_ID, BYTE_OFFSET, build_tiny_model
+from raycolo.engines.models import build_tiny_model
 from raycolo.executor.stage import LoraSettings, StageModel, add_lora, causal_lm_loss, training_batch
+
+from test_executor import random_prompts  # noqa: E402
 
 LORA = LoraSettings(rank=4, alpha=8, lr=1e-2, seed=3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def prompts(lengths, seed=1):
-    rng = random.Random(seed)
-    return [[BOS_ID] + [rng.randrange(BYTE_OFFSET, BYTE_OFFSET + 256) for _ in range(n - 1)] for n in lengths]
+prompts = random_prompts
 
 
 def base(model_id="tiny-llama-m"):
