@@ -211,6 +211,15 @@ class OnlineController:
         try:
             self.queues[(op.node, op.stage)].put_nowait(payload)
             result = await future
+        except Exception as exc:
+            # the requests this op carried get a clear error in their streams
+            if op.kind in ("prefill", "decode"):
+                for r in op.tasks:
+                    req = self.requests.get(r.task_id)
+                    if req is not None and req.finish_reason is None:
+                        req.finish_reason = "error"
+                        req.events.put_nowait(("error", f"node-{op.node}/stage-{op.stage}: {exc}"))
+            raise
         finally:
             self.inflight[op.node] -= 1
         return self._absorb_result(op, result)
@@ -339,14 +348,18 @@ class OnlineController:
                 return
 
     async def result(self, rid: int) -> dict:
+        """The whole completion: tokens, and finish_reason "stop", "length" or "error"
+        (with ``error``, what failed)."""
         req = self.requests[rid]
         tokens = []
         while True:
             kind, value = await req.events.get()
             if kind == "token":
                 tokens.append(value)
-            else:
+            elif kind == "done":
                 return {"id": rid, "tokens": tokens, "finish_reason": value}
+            else:
+                return {"id": rid, "tokens": tokens, "finish_reason": "error", "error": value}
 
     async def add_samples(self, samples: list) -> dict:
         """Persist training samples (fsynced) before acknowledging them."""
