@@ -26,6 +26,9 @@ TOY = NodeProfile(name="toy", stages=2, eta_f=1e-3, eta_b=2e-3, decode_floor_s=0
                   gpu_memory_bytes=1000.0, forward_latency_s=1.0, backward_latency_s=2.0,
                   reference_length=256)
 PARAMS = LemixParams(max_batch=4, max_wait=0.5, check_interval=0.05, max_memory_wait=1.0)
+SLOW = TOY.model_copy(update={"forward_latency_s": 2.0})      # T_w = 1 s, Δt = 0.1 s, T_max = 2 s
+NO_KV = TOY.model_copy(update={"kv_bytes_per_token": 0.0, "activation_bytes_per_token": 10.0})
+SLOW_LINK = PARAMS.model_copy(update={"offload_bandwidth": 100.0})  # 100 bytes take 1 s
 
 
 def inf(i, length=10, decode=3, max_tokens=None, batch=1, at=0.0):
@@ -55,13 +58,16 @@ def run_all(n, steps, now=0.0, finished=lambda op: ends_with(op)):
 
     for step in steps:
         push(step, now)
-    while heap:
+    for _ in range(100_000):                     # bounded: a node that never settles fails
+        if not heap:
+            break
         now, _, action = heapq.heappop(heap)
         if isinstance(action, Timer):
             push(n.timer(action, now), now)
         else:
             last = action.stage == len(n.stages) - 1 and action.kind in ("prefill", "decode")
             push(n.op_done(action, now, finished(action) if last else ()), now)
+    assert not heap, "the node never settled"
     return started
 
 
@@ -105,6 +111,23 @@ def test_a_training_task_closes_the_open_batch_before_it_queues():
     step = n.dispatch(train(1), now=0.1)
     assert [op.kind for op in step.started] == ["prefill"]     # stage 0 takes the prefill first
     assert [op.kind for _, _, op in n.stages[0].ready] == ["train_f"]
+
+
+def test_a_stale_window_never_closes_a_later_batch():
+    n = node()
+    step = n.dispatch(inf(0, batch=4), now=0.0)               # opens and fills batch 1 at once
+    (t1,), p0 = step.timers, only_op(step)
+    n.op_done(p0, now=0.4)                                     # stage 0 is free again
+    (t2,) = n.dispatch(inf(1), now=0.45).timers                # batch 2's window: 0.95
+    assert n.timer(t1, now=0.5).actions == []                  # batch 1's window is stale
+    assert [t.task_id for t in n.batch] == [1]
+    p = only_op(n.dispatch(inf(2, batch=3), now=0.6))          # 1 + 3 queries close batch 2
+    assert [r.task_id for r in p.tasks] == [1, 2]
+    (t3,) = n.dispatch(inf(3), now=0.7).timers                 # batch 3's window: 1.2
+    assert n.timer(t2, now=0.95).actions == []                 # batch 2's window is stale too
+    assert [t.task_id for t in n.batch] == [3]
+    n.timer(t3, now=1.2)                                       # its own window closes batch 3
+    assert n.batch == [] and [r.task_id for _, _, op in n.stages[0].ready for r in op.tasks] == [3]
 
 
 # -- memory ledger -------------------------------------------------------------------------------
@@ -156,6 +179,47 @@ def test_training_holds_activations_from_forward_to_backward_on_each_stage():
     assert [o[:3] for o in step.observed] == [(0, 0, "backward")]
 
 
+def test_a_prefill_walks_the_stages_and_reports_its_forward_times():
+    n = node()
+    p0 = only_op(n.dispatch(inf(0, batch=4), now=0.0))
+    step = n.op_done(p0, now=0.4)
+    assert step.observed == [(0, 0, "forward", 0.0, 0.4)]
+    p1 = only_op(step)
+    assert (p1.kind, p1.stage, p1.after) == ("prefill", 1, p0.seq)   # it consumes p0's output
+    assert n.op_done(p1, now=0.8).observed == [(0, 1, "forward", 0.4, 0.8)]
+
+
+def test_a_memory_blind_prefill_overruns_on_every_stage_it_overfills():
+    n = node(memory_aware=False)
+    f0 = only_op(n.dispatch(train(0, length=95), now=0.0))          # 950 bytes on stage 0
+    for i in range(1, 5):                                            # a 4-query batch: 80 bytes
+        n.dispatch(inf(i, length=10, decode=1, max_tokens=10), now=0.0)
+    step = n.op_done(f0, now=9.0)                                    # train 0 holds 950 on stage 1 too
+    assert [(op.kind, op.stage) for op in step.started] == [("train_f", 1), ("prefill", 0)]
+    f1, p0 = step.started
+    assert n.op_done(p0, now=9.5).started == []                      # stage 1 still runs f1
+    p1 = only_op(n.op_done(f1, now=18.0))                            # the older prefill goes first
+    assert (p1.kind, p1.stage, p1.mem_bytes) == ("prefill", 1, 80)
+    assert p1.overrun and n.overruns == 2 and n.stages[1].used_bytes == 1030   # 950 + 80 > 1000
+    assert op_duration(p1, TOY, PARAMS) == pytest.approx(PARAMS.overrun_slowdown * 0.4)
+
+
+def test_a_forward_that_exactly_fills_the_stage_is_no_overrun():
+    n = node(memory_aware=False)
+    f0 = only_op(n.dispatch(train(0, length=90), now=0.0))          # 900 bytes on stage 0
+    n.dispatch(inf(1, length=10, decode=1, max_tokens=15, batch=4), now=0.0)  # 4 x 25 = 100 bytes
+    (prefill,) = [op for op in n.op_done(f0, now=1.0).started if op.kind == "prefill"]
+    assert n.stages[0].used_bytes == 1000 and not prefill.overrun and n.overruns == 0
+
+
+def test_check_released_reports_a_task_left_holding_even_zero_bytes():
+    n = node(profile=NO_KV)                                          # requests reserve no bytes
+    only_op(n.dispatch(inf(0, batch=4), now=0.0))                    # the request is running
+    assert n.stages[0].used_bytes == 0
+    with pytest.raises(RuntimeError, match="stage 0: memory left held after the run: 1 tasks, 0 bytes"):
+        n.check_released()
+
+
 # -- Algorithm 2: wait, then offload; or overrun ---------------------------------------------------
 def test_memory_aware_forward_waits_in_steps_then_runs_offloaded():
     n = node(memory_aware=True)
@@ -168,10 +232,8 @@ def test_memory_aware_forward_waits_in_steps_then_runs_offloaded():
     assert step.timers and step.timers[0].kind == "memory_retry"
     assert step.timers[0].at_s == pytest.approx(0.25) and n.memory_waits == 1
     timer = step.timers[0]
-    waited = 0
-    while True:
+    for waited in range(1, 100):                 # bounded: a wait that never ends fails
         step = n.timer(timer, now=timer.at_s)
-        waited += 1
         if step.started:
             break
         (timer,) = step.timers
@@ -217,6 +279,96 @@ def test_a_backward_of_offloaded_activations_reloads_them():
     assert op_duration(ops[("train_b", 0, 1)], TOY, PARAMS) == pytest.approx(
         2e-3 * 10 ** 2 + 100 / PARAMS.offload_bandwidth)
     assert n.offloads == 1 and n.memory_waits >= 1
+    n.check_released()
+
+
+def test_memory_steps_and_the_batch_window_scale_with_the_forward_latency():
+    n = node(profile=SLOW)                                           # a 2 s forward latency
+    (window,) = n.dispatch(inf(9), now=0.0).timers
+    assert window.at_s == 1.0                                        # T_w = 0.5 x 2 s
+    n = node(profile=SLOW)
+    big = only_op(n.dispatch(train(0, length=85), now=0.0))
+    n.dispatch(train(1, length=10), now=0.0)
+    (timer,) = n.op_done(big, now=0.2).timers
+    assert (timer.at_s, timer.step_s) == pytest.approx((0.3, 0.1))   # Δt = 0.05 x 2 s
+    for waited in range(1, 100):
+        step = n.timer(timer, now=timer.at_s)
+        if step.started:
+            break
+        (timer,) = step.timers
+    # T_max = 1 x 2 s: still 20 steps of Δt = 0.1 s
+    assert waited == 20 and n.memory_waits == 20 and n.offloads == 1
+    assert step.started[0].offloaded
+
+
+def test_waiting_exactly_t_max_is_enough_to_offload():
+    n = node(params=PARAMS.model_copy(update={"check_interval": 0.25}))   # T_max = 4 exact steps
+    big = only_op(n.dispatch(train(0, length=85), now=0.0))
+    n.dispatch(train(1, length=10), now=0.0)
+    (timer,) = n.op_done(big, now=1.0).timers
+    for waited in range(1, 100):
+        step = n.timer(timer, now=timer.at_s)
+        if step.started:
+            break
+        (timer,) = step.timers
+    assert waited == 4 and timer.at_s == 2.0 and n.memory_waits == 4 and step.started[0].offloaded
+
+
+def test_a_stage_arms_one_retry_timer_at_a_time():
+    n = node(memory_aware=True)
+    big = only_op(n.dispatch(train(0, length=85), now=0.0))
+    n.dispatch(train(1, length=10), now=0.0)
+    assert len(n.op_done(big, now=1.0).timers) == 1
+    step = n.dispatch(train(2, length=10), now=1.01)                 # stage 0 looks again
+    assert step.actions == [] and n.memory_waits == 1                # the pending retry serves
+
+
+def test_a_later_forward_that_would_fit_keeps_its_place_behind_a_waiting_one():
+    n = node(memory_aware=True)
+    big = only_op(n.dispatch(train(0, length=85), now=0.0))         # 850 bytes
+    n.dispatch(train(1, length=10), now=0.0)                         # 850 + 100 > 900: waits
+    n.dispatch(train(2, length=5), now=0.0)                          # 850 + 50 = 900 would fit
+    step = n.op_done(big, now=1.0)
+    assert [(op.kind, op.stage) for op in step.started] == [("train_f", 1)]
+    assert [op.tasks[0].task_id for _, _, op in sorted(n.stages[0].ready)] == [1, 2]
+
+
+def test_a_backward_passes_every_forward_that_waits_for_memory():
+    n = node(memory_aware=True)
+    f0 = only_op(n.dispatch(train(0, length=85), now=0.0))          # 850 bytes
+    n.dispatch(train(1, length=10), now=0.1)                         # both wait for memory
+    n.dispatch(train(2, length=10), now=0.2)
+    f1 = only_op(n.op_done(f0, now=1.0))
+    b1 = only_op(n.op_done(f1, now=2.0))
+    b0 = only_op(n.op_done(b1, now=3.0))                             # train 0's backward on stage 0
+    assert (b0.kind, b0.stage, b0.tasks[0].task_id) == ("train_b", 0, 0)
+    assert [(op.kind, op.tasks[0].task_id) for op in n.op_done(b0, now=4.0).started] == [("train_f", 1)]
+
+
+def test_a_forward_that_holds_no_memory_passes_a_waiting_forward():
+    n = node(memory_aware=True, profile=NO_KV)                       # a prefill reserves nothing
+    f0 = only_op(n.dispatch(train(0, length=85), now=0.0))          # 850 bytes
+    n.dispatch(train(1, length=10), now=0.0)                         # 850 + 100 > 900: waits
+    assert n.dispatch(inf(2, batch=4), now=0.0).started == []       # closes at once; stage 0 runs f0
+    step = n.op_done(f0, now=1.0)
+    assert [(op.kind, op.stage) for op in step.started] == [("train_f", 1), ("prefill", 0)]
+    assert step.started[1].mem_bytes == 0 and len(step.timers) == 1
+
+
+def test_a_forward_offloaded_on_the_last_stage_reloads_for_its_backward_there():
+    n = node(memory_aware=True, params=SLOW_LINK)
+    # request 0 reserves 10 + 840 = 850 bytes on both stages while it decodes 30 tokens
+    steps = [n.dispatch(inf(0, length=10, decode=30, max_tokens=840), now=0.0),
+             n.dispatch(train(1, length=10), now=0.0)]              # closes the batch; 100 bytes
+    started = run_all(n, steps)
+    ops = {(op.kind, op.stage): op for op in started if op.kind.startswith("train")}
+    assert ops[("train_f", 0)].offloaded and ops[("train_f", 1)].offloaded
+    assert ops[("train_b", 1)].reload and ops[("train_b", 0)].reload
+    # 100 bytes at 100 B/s: each backward takes 2e-3 x 10² + 1 s
+    assert op_duration(ops[("train_b", 1)], TOY, SLOW_LINK) == pytest.approx(1.2)
+    assert op_duration(ops[("train_b", 0)], TOY, SLOW_LINK) == pytest.approx(1.2)
+    # T_max / Δt = 20 steps waited on each stage
+    assert n.offloads == 2 and n.memory_waits == 40
     n.check_released()
 
 
@@ -289,6 +441,35 @@ def test_busy_seconds_count_ops_in_flight():
     assert n.busy_seconds(2.5) == pytest.approx(1.0 + 0.5)   # stage 0 done, stage 1 running
     with pytest.raises(ValueError):
         n.op_done(f0, now=3.0)                                  # it is not running any more
+
+
+def test_a_node_records_its_first_op_start_and_its_last_op_end():
+    n = node()
+    assert n.first_start is None and n.last_end == 0.0               # nothing ran yet
+    f0 = only_op(n.dispatch(train(0), now=1.0))
+    n.dispatch(train(1), now=1.5)
+    assert n.first_start == 1.0 and n.last_end == 0.0
+    assert len(n.op_done(f0, now=2.0).started) == 2                   # train 0 on stage 1, train 1 on 0
+    assert n.first_start == 1.0 and n.last_end == 2.0
+
+
+def test_a_node_that_went_idle_reports_its_next_activation():
+    n = node()
+    s0, s1 = n.sync(3, now=0.0).started
+    assert n.op_done(s0, now=1.0).idle is False
+    assert n.op_done(s1, now=1.0).idle
+    step = n.dispatch(inf(0), now=2.0)
+    assert step.activated and not n.dispatch(inf(1), now=2.1).activated
+
+
+def test_bad_calls_say_what_went_wrong():
+    n = node()
+    with pytest.raises(ValueError, match="unknown timer kind 'alarm'"):
+        n.timer(Timer(0.0, 0, "alarm"), now=0.0)
+    f0 = only_op(n.dispatch(train(0), now=0.0))
+    n.op_done(f0, now=1.0)
+    with pytest.raises(ValueError, match="node 0 stage 0: train_f op was not running"):
+        n.op_done(f0, now=2.0)
 
 
 def test_profile_learner_fits_after_warmup_and_refits_when_samples_double():

@@ -75,3 +75,14 @@ def test_layer_bounds_cut_contiguous_near_equal_slices():
     assert layer_bounds(2, 2) == [0, 1, 2]
     with pytest.raises(ConfigError, match="stages: 3 stages for a model of 2 decoder layers"):
         layer_bounds(2, 3)
+
+
+def test_the_shipped_online_example_loads():
+    from pathlib import Path
+
+    from raycolo.online.config import load_online_config, model_hf_config
+
+    config = load_online_config(Path(__file__).resolve().parent.parent / "examples" / "online.yaml")
+    assert (config.nodes, config.stages, config.policy) == (2, 2, "lemix")
+    bounds = layer_bounds(model_hf_config(config.model_loading_config.model_id).num_hidden_layers, config.stages)
+    assert bounds[0] == 0 and len(bounds) == config.stages + 1
