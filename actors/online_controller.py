@@ -31,7 +31,7 @@ from raycolo.executor.adapters import export_adapter
 from raycolo.executor.stage import LoraSettings
 from raycolo.online.cluster import Cluster
 from raycolo.online.config import OnlineConfig, layer_bounds, model_hf_config, prior_profile
-from raycolo.online.driver import ClusterDriver
+from raycolo.online.driver import ClusterDriver, OpLost
 from raycolo.online.node import Op
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.samples import Cursor, SampleStore
@@ -87,6 +87,12 @@ class OnlineController:
         self.requests: dict[int, LiveRequest] = {}
         self.tasks: dict[int, OnlineTask] = {}
         self.train_tasks: dict[int, list] = {}
+        self.train_seqs: dict[int, list[int]] = {}          # training task -> its samples' seqs
+        self.sample_trained: dict[int, int] = {}            # seq -> trainings the adapters keep
+        self.since_checkpoint = [[] for _ in range(cfg.nodes)]  # seqs trained since the node's checkpoint
+        self.checkpoint_version = [0] * cfg.nodes
+        self.restarts: list[dict] = []                       # node, reason, time, lost, replayed
+        self.dead: dict[int, str] = {}                       # node -> why its worker group is gone
         self.losses: list[tuple[float, int, float]] = []    # (time, task, loss)
         self.next_id = 0
         self.adapter_version = 0
@@ -106,7 +112,7 @@ class OnlineController:
 
     # -- start and stop ----------------------------------------------------------------------
     async def start(self, timeout_s: float = 300.0) -> dict:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self.driver = self._driver()
         for n in range(self.config.nodes):
             trainer = self._trainer(n)
@@ -156,8 +162,19 @@ class OnlineController:
     def _fit(self, n: int, trainer) -> None:
         try:
             trainer.fit()
-        except Exception as exc:  # the worker group is gone for good
-            self.errors.append(f"node {n}: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # past max_failures: the worker group is gone for good
+            why = f"node {n}: {type(exc).__name__}: {exc}"
+            self.errors.append(why)
+            self._loop.call_soon_threadsafe(self._node_dead, n, why)
+
+    def _node_dead(self, node: int, why: str) -> None:
+        """Everything in flight on ``node`` fails with ``why`` (streams get an error
+        event), and so does every op placed there from now on."""
+        self.dead[node] = why
+        for key in [k for k in self.waiting if k[0] == node]:
+            future = self.waiting.pop(key)
+            if not future.done():
+                future.set_exception(RuntimeError(why))
 
     async def stop(self) -> dict:
         for q in self.queues.values():
@@ -172,6 +189,10 @@ class OnlineController:
 
     # -- the stage workers' side ------------------------------------------------------------
     async def register(self, node: int, stage: int, info: dict) -> int:
+        """A stage worker starts; returns its epoch (the node's worker-group generation).
+        A stage registering twice means Ray Train restarted the node's group."""
+        if stage in self.registered[node]:
+            self._node_lost(node, f"node-{node}/stage-{stage} registered again (worker group restarted)")
         key = f"node-{node}/stage-{stage}"
         self.workers[key] = dict(info, node=node, stage=stage, epoch=self.epochs[node],
                                  registered_s=time.time())
@@ -181,20 +202,53 @@ class OnlineController:
         return self.epochs[node]
 
     async def next_op(self, node: int, stage: int, epoch: int) -> Optional[dict]:
+        """The stage's next payload; None tells a worker of an old group to stop."""
         self.hops += 1
+        if epoch != self.epochs[node]:
+            return None
         return await self.queues[(node, stage)].get()
 
     async def op_done(self, node: int, stage: int, epoch: int, seq: int, result: dict) -> None:
         self.hops += 1
+        if epoch != self.epochs[node]:
+            return           # an op of a worker group that is gone: its node was reset
         future = self.waiting.pop((node, stage, seq), None)
         if future is not None and not future.done():
             future.set_result(result)
 
     async def op_failed(self, node: int, stage: int, epoch: int, seq: int, error: str) -> None:
+        """An op raised on its stage (the worker then exits and Ray Train restarts the
+        group, up to ``max_failures``): the node is reset now rather than at the new
+        group's registration, and its work is placed again."""
         self.errors.append(f"node-{node}/stage-{stage} op {seq}: {error}")
-        future = self.waiting.pop((node, stage, seq), None)
-        if future is not None and not future.done():
-            future.set_exception(RuntimeError(error))
+        if epoch == self.epochs[node]:
+            self._node_lost(node, f"node-{node}/stage-{stage} op {seq} failed: {error}")
+
+    def _node_lost(self, node: int, reason: str) -> None:
+        """Node ``node``'s worker group is gone (its KV caches, activations, queued ops)
+        and its adapter rolls back to its last checkpoint: a new epoch starts, its ops in
+        flight are dropped, its requests resume (prompt + streamed tokens, re-prefilled),
+        its training tasks start over, and the samples it trained since the checkpoint
+        are trained again."""
+        self.epochs[node] += 1
+        self.registered[node] = set()
+        for s in range(self.config.stages):    # an old worker still waiting for an op stops
+            self.queues[(node, s)].put_nowait(None)
+            self.queues[(node, s)] = asyncio.Queue()
+        resumed = self.cluster.resumed
+        self.driver.node_lost(node)
+        for key in [k for k in self.waiting if k[0] == node]:
+            future = self.waiting.pop(key)
+            if not future.done():
+                future.set_exception(OpLost(reason))
+        seqs, self.since_checkpoint[node] = self.since_checkpoint[node], []
+        for seq in seqs:
+            self.sample_trained[seq] -= 1
+        for i in range(0, len(seqs), self.config.lora.micro_batch):
+            self._submit_samples(self.store.get(seqs[i:i + self.config.lora.micro_batch]))
+        self.restarts.append({"node": node, "reason": reason, "time_s": self.driver.now(),
+                              "epoch": self.epochs[node], "resumed_tasks": self.cluster.resumed - resumed,
+                              "replayed_samples": len(seqs), "adapter_version": self.checkpoint_version[node]})
 
     def registry(self) -> dict:
         return dict(self.workers)
@@ -204,6 +258,11 @@ class OnlineController:
         if op.kind == "sync":   # every stage of a serving node waits for the exported adapter
             await self._export_for_sync(op.tasks[0])
         await self.gates[op.node].wait()
+        if op.generation != self.cluster.nodes[op.node].generation:
+            raise OpLost("its node was reset")
+        if op.node in self.dead:
+            self._fail_requests(op, self.dead[op.node])
+            raise RuntimeError(self.dead[op.node])
         payload = self._payload(op)
         future = asyncio.get_running_loop().create_future()
         self.waiting[(op.node, op.stage, op.seq)] = future
@@ -211,26 +270,33 @@ class OnlineController:
         try:
             self.queues[(op.node, op.stage)].put_nowait(payload)
             result = await future
+        except OpLost:
+            raise            # its requests were placed again
         except Exception as exc:
-            # the requests this op carried get a clear error in their streams
-            if op.kind in ("prefill", "decode"):
-                for r in op.tasks:
-                    req = self.requests.get(r.task_id)
-                    if req is not None and req.finish_reason is None:
-                        req.finish_reason = "error"
-                        req.events.put_nowait(("error", f"node-{op.node}/stage-{op.stage}: {exc}"))
+            self._fail_requests(op, f"node-{op.node}/stage-{op.stage}: {exc}")
             raise
         finally:
             self.inflight[op.node] -= 1
+        if op.generation != self.cluster.nodes[op.node].generation:
+            raise OpLost("its node was reset as it finished")
         return self._absorb_result(op, result)
+
+    def _fail_requests(self, op: Op, why: str) -> None:
+        """The requests ``op`` carried get a clear error in their streams."""
+        if op.kind in ("prefill", "decode"):
+            for r in op.tasks:
+                req = self.requests.get(r.task_id)
+                if req is not None and req.finish_reason is None:
+                    req.finish_reason = "error"
+                    req.events.put_nowait(("error", why))
 
     def _payload(self, op: Op) -> dict:
         s, last = op.stage, op.stage == self.config.stages - 1
         base = {"kind": op.kind, "seq": op.seq, "after": op.after}
         if op.kind in ("prefill", "decode"):
             reqs = [self.requests[r.task_id] for r in op.tasks]
-            if op.kind == "prefill":
-                tokens = [q.prompt for q in reqs]
+            if op.kind == "prefill":      # a resumed request re-prefills what it streamed too
+                tokens = [q.prompt + q.generated for q in reqs]
             else:
                 tokens = [[q.generated[-1]] for q in reqs]
             base.update(requests=[q.task.task_id for q in reqs], counts=[len(t) for t in tokens])
@@ -276,6 +342,9 @@ class OnlineController:
             self.losses.append((time.time(), op.tasks[0].task_id, result["loss"]))
         elif op.kind == "train_b" and op.stage == 0:
             self.train_tasks.pop(op.tasks[0].task_id, None)
+            for seq in self.train_seqs.pop(op.tasks[0].task_id, []):
+                self.sample_trained[seq] = self.sample_trained.get(seq, 0) + 1
+                self.since_checkpoint[op.node].append(seq)
             self.last_trained_node = op.node
             self.trained_steps[op.node] += 1
             if self.trained_steps[op.node] % self.config.lora.checkpoint_every == 0:
@@ -314,12 +383,23 @@ class OnlineController:
     async def _checkpoint(self, node: int) -> None:
         """Every stage reports its adapter through Ray Train (a barrier), between ops."""
         self.adapter_version += 1
+        version = self.adapter_version
         payloads = []
         for _ in range(self.config.stages):
             self.oob_seq -= 1
-            payloads.append({"kind": "checkpoint", "seq": self.oob_seq, "version": self.adapter_version,
+            payloads.append({"kind": "checkpoint", "seq": self.oob_seq, "version": version,
                              "cursor": json.dumps(self.cursor.__dict__)})
-        await self._paused(node, payloads)
+        try:
+            results = await self._paused(node, payloads)
+        except OpLost:
+            return           # the group restarted first: it resumes from the previous checkpoint
+        if results[0].get("committed") != version:
+            self.errors.append(f"node {node}: adapter checkpoint v{version} was not committed by Ray Train "
+                               f"(last committed: {results[0].get('committed')})")
+            return
+        # No op of the node ran since the pause: the checkpoint holds every sample trained.
+        self.since_checkpoint[node] = []
+        self.checkpoint_version[node] = version
 
     # -- clients ---------------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -361,6 +441,11 @@ class OnlineController:
             else:
                 return {"id": rid, "tokens": tokens, "finish_reason": "error", "error": value}
 
+    async def progress(self, rid: int) -> dict:
+        """Tokens request ``rid`` has streamed so far, and how it ended (None: running)."""
+        req = self.requests[rid]
+        return {"id": rid, "tokens": len(req.generated), "finish_reason": req.finish_reason}
+
     async def add_samples(self, samples: list) -> dict:
         """Persist training samples (fsynced) before acknowledging them."""
         seqs = self.store.append([(p, c) for p, c in samples])
@@ -371,11 +456,15 @@ class OnlineController:
         samples, self.cursor = self.store.take(self.cursor, self.config.lora.micro_batch)
         if not samples:
             return None
+        return self._submit_samples(samples)
+
+    def _submit_samples(self, samples: list) -> int:
         tid = self._new_id()
         pairs = [(s.prompt, s.completion) for s in samples]
         length = max(min(len(p) + len(c), self.config.lora.max_len) for p, c in pairs)
         task = OnlineTask(tid, "train", self.driver.now(), length, len(pairs), 0)
         self.train_tasks[tid] = pairs
+        self.train_seqs[tid] = [s.seq for s in samples]
         self.tasks[tid] = task
         self.driver.submit(task)
         return tid
@@ -418,7 +507,18 @@ class OnlineController:
             "decision_us_p50": _pct(self.cluster.scheduler.decision_us, 50),
             "decision_us_p99": _pct(self.cluster.scheduler.decision_us, 99),
             "losses": self.losses[-20:],
+            "restarts": list(self.restarts), "dead_nodes": dict(self.dead),
+            "checkpoint_versions": list(self.checkpoint_version),
+            "samples_since_checkpoint": [len(x) for x in self.since_checkpoint],
+            "resumed_tasks": self.cluster.resumed,
         }
+
+    async def sample_ledger(self) -> dict:
+        """How often each stored sample's training is kept in the adapters (a restart's
+        rollback takes back what the node trained since its checkpoint), and how many
+        samples were handed to training in this epoch."""
+        return {"trained": dict(self.sample_trained), "taken": self.cursor.next_seq,
+                "epoch": self.cursor.epoch, "stored": len(self.store)}
 
     async def metrics(self):
         """The run's :class:`OnlineResult`: ``summary()`` has ``simulate-online``'s keys."""

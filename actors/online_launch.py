@@ -80,6 +80,10 @@ class OnlineDeployment:
     def result(self, rid: int) -> dict:
         return ray.get(self.controller.result.remote(rid))
 
+    def progress(self, rid: int) -> dict:
+        """Tokens ``rid`` has streamed so far and its finish_reason (None while running)."""
+        return ray.get(self.controller.progress.remote(rid))
+
     def add_samples(self, samples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict:
         return ray.get(self.controller.add_samples.remote([(list(p), list(c)) for p, c in samples]))
 
@@ -107,6 +111,10 @@ class OnlineDeployment:
         from pathlib import Path
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(ray.get(self.controller.profile_json.remote()))
+
+    def sample_ledger(self) -> dict:
+        """Per stored sample, how often the adapters keep its training (see the controller)."""
+        return ray.get(self.controller.sample_ledger.remote())
 
     def registry(self) -> dict:
         return ray.get(self.controller.registry.remote())

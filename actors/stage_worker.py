@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import torch
 
@@ -143,20 +144,23 @@ def stage_loop(config: dict) -> None:
     stage_model = StageModel(model, (bounds[stage], bounds[stage + 1]), config["num_blocks"],
                              config["block_size"], lr=lora.lr)
     checkpoint = ray.train.get_checkpoint()
-    restored = None
+    restored = None          # the adapter version a restarted group resumes from
     if checkpoint is not None:
+        import json
+
         from safetensors.torch import load_file
         with checkpoint.as_directory() as d:
             path = os.path.join(d, f"stage-{stage}.safetensors")
             if os.path.exists(path):
                 stage_model.load_lora_state(load_file(path))
-                restored = d
+                with open(os.path.join(d, f"stage-{stage}.json")) as f:
+                    restored = json.load(f)["adapter_version"]
     proc = StageProcess(stage_model, stage, stages, model.config.hidden_size,
                         next(stage_model.executor.layers[0].parameters()).dtype, dist)
     me = ray.get_runtime_context()
     epoch = ray.get(controller.register.remote(node, stage, {
         "actor_id": me.get_actor_id(), "pid": os.getpid(), "node_ip": me.get_node_id(),
-        "restored": restored is not None}))
+        "restored_version": restored}))
     while True:
         op = ray.get(controller.next_op.remote(node, stage, epoch))
         if op is None:          # the deployment stops
@@ -164,8 +168,8 @@ def stage_loop(config: dict) -> None:
         if op["kind"] == "checkpoint":
             # No flush of pending sends first: their receivers may be ops the controller
             # holds back until the checkpoint is done (the weights do not depend on them).
-            _report_checkpoint(stage_model, stage, op)
-            ray.get(controller.op_done.remote(node, stage, epoch, op["seq"], {"seconds": 0.0}))
+            committed = _report_checkpoint(stage_model, stage, op)
+            ray.get(controller.op_done.remote(node, stage, epoch, op["seq"], {"committed": committed}))
             continue
         if op["kind"] == "lora":
             controller.op_done.remote(node, stage, epoch, op["seq"], {"state": stage_model.lora_state()})
@@ -181,8 +185,12 @@ def stage_loop(config: dict) -> None:
         controller.op_done.remote(node, stage, epoch, op["seq"], result)
 
 
-def _report_checkpoint(stage_model, stage: int, op: dict) -> None:
-    """Every stage calls ``ray.train.report`` (a barrier) with its adapter weights."""
+def _report_checkpoint(stage_model, stage: int, op: dict) -> Optional[int]:
+    """Every stage calls ``ray.train.report`` (a barrier) with its adapter weights. Stage 0
+    then waits until Ray Train committed the checkpoint (a report is only collected by the
+    Train controller's next poll: a group that dies before it restarts from the previous
+    one), and returns the adapter version committed last."""
+    import json
     import tempfile
 
     import ray.train
@@ -191,8 +199,15 @@ def _report_checkpoint(stage_model, stage: int, op: dict) -> None:
     with tempfile.TemporaryDirectory() as d:
         state = {k: v.contiguous() for k, v in stage_model.lora_state().items()}
         save_file(state, os.path.join(d, f"stage-{stage}.safetensors"))
+        with open(os.path.join(d, f"stage-{stage}.json"), "w") as f:
+            json.dump({"adapter_version": op["version"]}, f)
         if stage == 0:
             with open(os.path.join(d, "cursor.json"), "w") as f:
                 f.write(op["cursor"])
         ray.train.report({"adapter_version": op["version"], "stage": stage},
                          checkpoint=ray.train.Checkpoint.from_directory(d))
+    if stage != 0:
+        return None
+    reported = ray.train.get_all_reported_checkpoints(
+        consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=120)
+    return max((r.metrics["adapter_version"] for r in reported), default=None)

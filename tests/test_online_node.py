@@ -527,3 +527,82 @@ def test_simulator_and_asyncio_executor_give_the_same_op_log(policy):
         assert simulated.memory_waits > 0          # the trace exercises Algorithm 2
     if policy == "separate":
         assert any(entry[4] == "sync" for entry in a)
+
+
+# -- a node that loses its state (a worker-group restart) ---------------------------------------
+def test_reset_drops_every_op_and_returns_the_unfinished_work():
+    n = node(memory_aware=False)
+    n.dispatch(inf(0, decode=5), 0.0)
+    n.dispatch(inf(1, decode=5), 0.0)
+    stale = n.dispatch(inf(2, decode=5), 0.0).timers     # its window timer, armed before the reset
+    first = n.dispatch(train(3), 0.1)                    # closes the batch, queues train_f
+    prefill = only_op(first)
+    step = n.op_done(prefill, 1.0)                       # prefill moves to stage 1, train_f starts
+    assert {op.kind for op in step.started} == {"prefill", "train_f"}
+    assert n.stages[0].used_bytes > 0 and n.stages[1].used_bytes > 0
+    out = n.reset(1.5)
+    assert [x.task_id for x in out.lost] == [0, 1, 2, 3]
+    assert [x.generated for x in out.lost[:3]] == [0, 0, 0]
+    assert out.lost[3].is_train and out.idle and out.actions == []
+    assert all(not st.ready and st.busy is None and not st.held and st.used_bytes == 0 for st in n.stages)
+    assert n.queued_ops == 0 and not n.joining and not n.batch and n.generation == 1
+    assert n.busy_seconds(1.5) == pytest.approx(0.9 + 0.5 + 0.5)   # ops in flight count until the reset
+    for timer in stale:                                  # void after the reset
+        assert n.timer(timer, 2.0).actions == []
+    with pytest.raises(ValueError):                      # a dropped op is not running any more
+        n.op_done(step.started[0], 2.0)
+    again = only_op(n.dispatch(train(4), 3.0))
+    assert again.generation == 1 and again.kind == "train_f"
+
+
+def test_reset_of_a_decoding_node_returns_requests_with_the_tokens_they_streamed():
+    n = node(memory_aware=False, params=PARAMS.model_copy(update={"max_batch": 1}))
+    ops = run_all(n, [n.dispatch(inf(0, decode=3), 0.0)])   # completes: 3 tokens
+    assert [op.kind for op in ops].count("decode") == 4
+    n2 = node(memory_aware=False, params=PARAMS.model_copy(update={"max_batch": 1}))
+    prefill = only_op(n2.dispatch(inf(0, decode=10), 0.0))
+    step = n2.op_done(only_op(n2.op_done(prefill, 1.0)), 2.0)   # first token out, decode starts
+    step = n2.op_done(only_op(step), 2.1)
+    step = n2.op_done(only_op(step), 2.2)                    # second token out
+    assert len(step.tokens) == 1
+    out = n2.reset(2.25)
+    assert len(out.lost) == 1 and out.lost[0].generated == 2 and out.lost[0].context == 11
+
+
+@pytest.mark.parametrize("policy", ["lemix", "mix-rr", "separate"])
+def test_a_node_reset_mid_trace_loses_no_task_and_no_token(policy):
+    """A node loses its state twice mid-trace on the asyncio executor: every task still
+    completes exactly once, every request gets exactly its tokens (those streamed before
+    the reset and the rest after it), and memory is conserved."""
+    profile, params = preset("llama-70b", 2), LemixParams(sync_every=5)
+    tasks = poisson_workload(60, 0.6, 80, seed=2)
+    cluster = Cluster(make_online_policy(policy, params, nodes=3, train_rate=0.6), profile, 3, params)
+    tokens = {}
+    count = cluster.metrics.token
+
+    def counting(task, now, staleness):
+        tokens[task.task_id] = tokens.get(task.task_id, 0) + 1
+        count(task, now, staleness)
+
+    cluster.metrics.token = counting
+    loop = looptime.new_event_loop(start=0.0, resolution=1e-9)
+    lost = []
+
+    async def main():
+        driver = ClusterDriver(cluster, ProfiledRunner(profile, params))
+        driver.start()
+        for at, n in ((tasks[len(tasks) // 3].arrival_s, 0), (tasks[2 * len(tasks) // 3].arrival_s, 2)):
+            loop.call_at(at, lambda n=n: lost.append(sum(len(st.ready) + (st.busy is not None)
+                                                        for st in cluster.nodes[n].stages)
+                                                    + len(cluster.nodes[n].joining)) or driver.node_lost(n))
+        await driver.replay(tasks)
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    result = cluster.result(tasks)
+    assert result.completions == {t.task_id: 1 for t in tasks}
+    assert tokens == {t.task_id: t.decode_tokens for t in tasks if not t.is_train}
+    assert sum(lost) > 0 and cluster.resumed > 0
+    assert all(node.generation == (1 if i in (0, 2) else 0) for i, node in enumerate(cluster.nodes))

@@ -20,7 +20,7 @@ the training group to the serving nodes every ``sync_every`` training tasks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Collection, Optional
 
 from raycolo.online.metrics import OnlineMetrics, OnlineResult
@@ -62,6 +62,7 @@ class Cluster:
                 self.serving_nodes = sorted(set(serve) - set(train))
         self._now = 0.0
         self._tasks: dict[int, OnlineTask] = {}
+        self.resumed = 0     # tasks placed again after their node lost them
         self.op_log: list[tuple] = []   # (start, end, node, stage, kind, task ids or version)
 
     # -- events ----------------------------------------------------------------------------
@@ -112,6 +113,31 @@ class Cluster:
         out.decisions.extend(self.scheduler.retry(now))
         return out
 
+    def node_lost(self, n: int, now: float) -> ClusterStep:
+        """Node ``n``'s executor lost its state (a worker-group restart). Its unfinished
+        work is placed again, under the same task ids: an inference request resumes from
+        its prompt plus the tokens it already streamed (its KV is rebuilt by a prefill of
+        both, for the tokens it has left), and a training task starts over. A SEPARATE
+        serving node reloads the weights it served. :attr:`resumed` counts the tasks
+        placed again (a deferred training task is placed by a later retry)."""
+        self._now = now
+        node = self.nodes[n]
+        served = node.update_count
+        out = ClusterStep()
+        step = node.reset(now)
+        self.scheduler.node_reset(n, [x.task_id for x in step.lost], now)
+        self._absorb(n, step, out)
+        for x in step.lost:
+            task = x if isinstance(x, OnlineTask) else resumed_task(x.task, x.generated)
+            self._tasks[task.task_id] = task
+            self.resumed += 1
+            decision = self.scheduler.resubmit(task, now)
+            if decision is not None:
+                out.decisions.append(decision)
+        if self.serving_nodes is not None and n in self.serving_nodes and served:
+            self._absorb(n, node.sync(served, now), out)
+        return out
+
     # -- reading ---------------------------------------------------------------------------
     def utilization(self, n: int) -> float:
         """Busy fraction of node ``n``'s GPUs so far, counting ops in flight."""
@@ -160,3 +186,14 @@ class Cluster:
             self.active -= 1
             self.metrics.active_change(now, -1)
             self.scheduler.node_idle(n, now)
+
+
+def resumed_task(task: OnlineTask, generated: int) -> OnlineTask:
+    """``task`` after ``generated`` of its tokens came out: its prompt now includes them,
+    and they count against its budget (same id and arrival, so its latencies include the
+    interruption)."""
+    if generated == 0:
+        return task
+    return replace(task, length=task.length + generated,
+                   decode_tokens=max(0, task.decode_tokens - generated),
+                   max_tokens=task.token_budget - generated)

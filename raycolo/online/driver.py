@@ -21,10 +21,16 @@ from raycolo.online.scheduler import Decision
 from raycolo.online.tasks import OnlineTask
 
 
+class OpLost(Exception):
+    """The op's node lost its state (its stage workers restarted) before the op's result
+    was taken in: the node scheduler already dropped the op and placed its tasks again."""
+
+
 class OpRunner(Protocol):
     async def run(self, op: Op) -> Collection[int]:
         """Execute ``op`` on its stage; return the ids of requests whose token from it
-        (a last-stage prefill or decode) was their last."""
+        (a last-stage prefill or decode) was their last. Raises :class:`OpLost` if the
+        op's node was reset (:meth:`ClusterDriver.node_lost`) meanwhile."""
 
 
 class ClusterDriver:
@@ -56,6 +62,12 @@ class ClusterDriver:
         """A task arrives now."""
         self._expected += 1
         self._apply(self.cluster.arrive(task, self.now(), last))
+
+    def node_lost(self, n: int) -> None:
+        """Node ``n``'s executor lost its state now (a worker-group restart): its ops in
+        flight are void (their runners raise :class:`OpLost`) and its unfinished tasks
+        are placed again."""
+        self._apply(self.cluster.node_lost(n, self.now()))
 
     async def replay(self, tasks: list[OnlineTask]) -> None:
         """Submit ``tasks`` at their arrival times, then wait until every one completed."""
@@ -113,8 +125,12 @@ class ClusterDriver:
     async def _run(self, op: Op) -> None:
         try:
             finished = await self.runner.run(op)
+        except OpLost:           # its node was reset: node_lost already placed its tasks again
+            return
         except Exception as exc:  # an op failed: the run stops with it
             self.error = exc
             self._done.set()
             return
+        if op.generation != self.cluster.nodes[op.node].generation:
+            return                # finished as its node was reset: dropped like the others
         self._apply(self.cluster.op_done(op, self.now(), finished))

@@ -70,6 +70,7 @@ class Op:
     reload: bool = False         # a backward whose activations were offloaded
     start_s: float = 0.0
     after: Optional[int] = None  # seq of the op on the neighbour stage whose output this consumes
+    generation: int = 0          # the node's resets before this op was made
 
     @property
     def batch(self) -> int:
@@ -90,6 +91,7 @@ class Timer:
     stage: int = 0               # memory_retry: the stage and the op that waits
     op: Optional[Op] = None
     step_s: float = 0.0
+    generation: int = 0          # a timer armed before the node was reset is ignored
 
 
 @dataclass
@@ -101,6 +103,7 @@ class NodeStep:
     tokens: list = field(default_factory=list)     # Requests whose token left the last stage
     finished: list = field(default_factory=list)   # Requests that ended (after their last token)
     trained: list = field(default_factory=list)    # OnlineTasks whose backward reached stage 0
+    lost: list = field(default_factory=list)       # reset: unfinished Requests and training OnlineTasks
     synced: Optional[int] = None                   # weights version the node serves from now
     activated: bool = False                        # the node went from idle to active
     idle: bool = False                             # the node has nothing left to do
@@ -145,6 +148,7 @@ class NodeScheduler:
         self.first_start: Optional[float] = None
         self.last_end = 0.0
         self.memory_waits = self.offloads = self.overruns = 0
+        self.generation = 0          # resets so far
         self._seq = itertools.count()
         self._out = NodeStep()
         self._now = 0.0
@@ -162,7 +166,8 @@ class NodeScheduler:
             if not self.batch:
                 self.batch_token += 1
                 wait = self.params.max_wait * self.profile.forward_latency_s
-                self._out.actions.append(Timer(now + wait, self.index, "close_batch", token=self.batch_token))
+                self._out.actions.append(Timer(now + wait, self.index, "close_batch", token=self.batch_token,
+                                               generation=self.generation))
             self.batch.append(task)
             self.batch_c += task.batch
             self._set_active()
@@ -173,6 +178,8 @@ class NodeScheduler:
     def timer(self, timer: Timer, now: float) -> NodeStep:
         """A timer this node armed fires."""
         self._begin(now)
+        if timer.generation != self.generation:
+            return self._end()
         if timer.kind == "close_batch":
             self._close_batch(timer.token)
         elif timer.kind == "memory_retry":
@@ -246,6 +253,38 @@ class NodeScheduler:
         self._maybe_idle()
         return self._end()
 
+    def reset(self, now: float) -> NodeStep:
+        """The node's executor lost its state (its stage workers restarted: KV caches,
+        activations and ops in flight are gone). Every op ready or running is dropped, the
+        memory ledger is emptied, timers armed so far are void, and the work that was on
+        the node comes back in ``lost``: each unfinished inference :class:`Request` (its
+        ``generated`` tokens are already out) and each training task whose backward had
+        not reached stage 0. The executor must not report the dropped ops' completion."""
+        self._begin(now)
+        lost: dict[int, object] = {}
+        for r in self.joining:
+            lost[r.task_id] = r
+        for t in self.batch:
+            lost[t.task_id] = Request(t, t.length)
+        for stage in self.stages:
+            ops = [op for _, _, op in stage.ready] + ([stage.busy] if stage.busy else [])
+            for op in sorted(ops, key=lambda o: o.seq):
+                for x in op.tasks if op.kind != "sync" else ():
+                    lost.setdefault(x.task_id, x)
+            if stage.busy is not None:
+                stage.busy_s += now - stage.busy.start_s
+            stage.ready, stage.busy, stage.held, stage.used_bytes = [], None, {}, 0.0
+            stage.retry_pending = False
+        self._out.lost = sorted(lost.values(), key=lambda x: x.task_id)
+        self.batch, self.batch_c, self.joining = [], 0, []
+        self.batch_token += 1
+        self.decode_inflight = False
+        self.queued_ops = self.syncing = 0
+        self.generation += 1
+        self.last_end = max(self.last_end, now)
+        self._maybe_idle()
+        return self._end()
+
     # -- reading ---------------------------------------------------------------------------
     def busy_seconds(self, now: float) -> float:
         """Seconds the stages have been busy, counting ops in flight up to ``now``."""
@@ -262,7 +301,7 @@ class NodeScheduler:
 
     def _op(self, kind: str, stage: int, tasks: list, mem: float = 0.0, after: Optional[Op] = None) -> Op:
         return Op(kind, self.index, stage, self._now, next(self._seq), tasks, mem,
-                  after=None if after is None else after.seq)
+                  after=None if after is None else after.seq, generation=self.generation)
 
     def _close_batch(self, token: int) -> None:
         if token != self.batch_token or not self.batch:
@@ -307,7 +346,7 @@ class NodeScheduler:
                 step = self.params.check_interval * self.profile.forward_latency_s
                 self.memory_waits += 1
                 self._out.actions.append(Timer(self._now + step, self.index, "memory_retry",
-                                               stage=s, op=op, step_s=step))
+                                               stage=s, op=op, step_s=step, generation=self.generation))
         if chosen is None:
             return
         stage.ready.remove((chosen.ready_s, chosen.seq, chosen))

@@ -111,6 +111,11 @@ class SampleStore:
             end = min(total, cursor.next_seq + count)
             return self._samples[cursor.next_seq:end], Cursor(cursor.epoch, end)
 
+    def get(self, seqs: Iterable[int]) -> list[Sample]:
+        """The stored samples of ``seqs`` (to train again those a restart rolled back)."""
+        with self._lock:
+            return [self._samples[seq] for seq in seqs]
+
     def pending(self, cursor: Cursor) -> int:
         """Samples of the current epoch not yet handed to training."""
         return max(0, len(self._samples) - cursor.next_seq)

@@ -81,6 +81,14 @@ class OnlineScheduler:
             self.deferred.append(task)
         return decision
 
+    def resubmit(self, task: OnlineTask, now: float) -> Optional[Decision]:
+        """Place again a task whose node lost it (not an arrival: the arrival statistics
+        stay as they are); a training task may be deferred as usual."""
+        decision = self._decide(task, now, interarrival=0.0)
+        if decision is None:
+            self.deferred.append(task)
+        return decision
+
     def retry(self, now: float, limit: int = 1) -> list[Decision]:
         """Deferred training tasks, oldest first, until one is still held back; at most
         ``limit`` per call. Executors call this on every completion, so a backlog drains
@@ -130,6 +138,16 @@ class OnlineScheduler:
         calibrate(path, stage, kind, start, end)
         if (kind == "backward" and stage == 0) or (kind == "forward" and stage == len(path.stages) - 1
                                                    and not path.is_train):
+            self.paths.pop(task_id, None)
+
+    def node_reset(self, node: int, task_ids, now: float) -> None:
+        """Node ``node`` lost its work (``task_ids``): its planned paths are void and it
+        is idle from ``now``; what it learnt of allocated lengths stays."""
+        old = self.traces[node]
+        trace = NodeTrace(old.stages, idle_since=now)
+        trace.count, trace.length_mean, trace.length_m2 = old.count, old.length_mean, old.length_m2
+        self.traces[node] = trace
+        for task_id in task_ids:
             self.paths.pop(task_id, None)
 
     def node_idle(self, node: int, now: float) -> None:
