@@ -127,7 +127,7 @@ class OnlineController:
 
     def _driver(self) -> ClusterDriver:
         tick = self.config.lemix.slo_s(self.cluster.profile.forward_latency_s) / 4
-        driver = ClusterDriver(self.cluster, self, retry_every_s=tick)
+        driver = ClusterDriver(self.cluster, self, retry_every_s=tick, on_failed=self._task_failed)
         driver.start()
         return driver
 
@@ -168,13 +168,20 @@ class OnlineController:
             self._loop.call_soon_threadsafe(self._node_dead, n, why)
 
     def _node_dead(self, node: int, why: str) -> None:
-        """Everything in flight on ``node`` fails with ``why`` (streams get an error
-        event), and so does every op placed there from now on."""
+        """The node's group failed past its restarts: nothing is placed there any more and
+        its work moves to the other nodes; with none left, requests get an error event."""
         self.dead[node] = why
-        for key in [k for k in self.waiting if k[0] == node]:
-            future = self.waiting.pop(key)
-            if not future.done():
-                future.set_exception(RuntimeError(why))
+        self._node_lost(node, why, down=True)
+
+    def _task_failed(self, task: OnlineTask) -> None:
+        """No node is left to run ``task``."""
+        why = "no stage-worker node is alive: " + "; ".join(self.dead.values())
+        req = self.requests.get(task.task_id)
+        if req is not None and req.finish_reason is None:
+            req.finish_reason = "error"
+            req.events.put_nowait(("error", why))
+        elif task.is_train:
+            self.errors.append(f"training task {task.task_id} not run: {why}")
 
     async def stop(self) -> dict:
         for q in self.queues.values():
@@ -197,6 +204,10 @@ class OnlineController:
         self.workers[key] = dict(info, node=node, stage=stage, epoch=self.epochs[node],
                                  registered_s=time.time())
         self.registered[node].add(stage)
+        if len(self.registered[node]) == self.config.stages:
+            for r in self.restarts:      # the node's new group is complete: it serves again
+                if r["node"] == node and r["epoch"] == self.epochs[node]:
+                    r["back_s"] = self.driver.now()
         if all(len(r) == self.config.stages for r in self.registered):
             self.ready.set()
         return self.epochs[node]
@@ -224,7 +235,7 @@ class OnlineController:
         if epoch == self.epochs[node]:
             self._node_lost(node, f"node-{node}/stage-{stage} op {seq} failed: {error}")
 
-    def _node_lost(self, node: int, reason: str) -> None:
+    def _node_lost(self, node: int, reason: str, down: bool = False) -> None:
         """Node ``node``'s worker group is gone (its KV caches, activations, queued ops)
         and its adapter rolls back to its last checkpoint: a new epoch starts, its ops in
         flight are dropped, its requests resume (prompt + streamed tokens, re-prefilled),
@@ -236,7 +247,10 @@ class OnlineController:
             self.queues[(node, s)].put_nowait(None)
             self.queues[(node, s)] = asyncio.Queue()
         resumed = self.cluster.resumed
-        self.driver.node_lost(node)
+        if down:
+            self.driver.node_down(node)
+        else:
+            self.driver.node_lost(node)
         for key in [k for k in self.waiting if k[0] == node]:
             future = self.waiting.pop(key)
             if not future.done():
@@ -244,11 +258,12 @@ class OnlineController:
         seqs, self.since_checkpoint[node] = self.since_checkpoint[node], []
         for seq in seqs:
             self.sample_trained[seq] -= 1
-        for i in range(0, len(seqs), self.config.lora.micro_batch):
+        for i in range(0, len(seqs), self.config.lora.micro_batch):   # trained again elsewhere if down
             self._submit_samples(self.store.get(seqs[i:i + self.config.lora.micro_batch]))
         self.restarts.append({"node": node, "reason": reason, "time_s": self.driver.now(),
                               "epoch": self.epochs[node], "resumed_tasks": self.cluster.resumed - resumed,
-                              "replayed_samples": len(seqs), "adapter_version": self.checkpoint_version[node]})
+                              "replayed_samples": len(seqs), "adapter_version": self.checkpoint_version[node],
+                              "down": down})
 
     def registry(self) -> dict:
         return dict(self.workers)
@@ -260,9 +275,6 @@ class OnlineController:
         await self.gates[op.node].wait()
         if op.generation != self.cluster.nodes[op.node].generation:
             raise OpLost("its node was reset")
-        if op.node in self.dead:
-            self._fail_requests(op, self.dead[op.node])
-            raise RuntimeError(self.dead[op.node])
         payload = self._payload(op)
         future = asyncio.get_running_loop().create_future()
         self.waiting[(op.node, op.stage, op.seq)] = future

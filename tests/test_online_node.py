@@ -606,3 +606,44 @@ def test_a_node_reset_mid_trace_loses_no_task_and_no_token(policy):
     assert tokens == {t.task_id: t.decode_tokens for t in tasks if not t.is_train}
     assert sum(lost) > 0 and cluster.resumed > 0
     assert all(node.generation == (1 if i in (0, 2) else 0) for i, node in enumerate(cluster.nodes))
+
+
+def _drive_with_faults(policy, faults, nodes=3, count=60):
+    """Replay a trace on fake time with ``faults``: (arrival index, node, "lost"|"down")."""
+    profile, params = preset("llama-70b", 2), LemixParams(sync_every=5)
+    tasks = poisson_workload(count, 0.6, 80, seed=2)
+    cluster = Cluster(make_online_policy(policy, params, nodes=nodes, train_rate=0.6), profile, nodes, params)
+    failed = []
+    loop = looptime.new_event_loop(start=0.0, resolution=1e-9)
+
+    async def main():
+        driver = ClusterDriver(cluster, ProfiledRunner(profile, params), on_failed=failed.append)
+        driver.start()
+        for index, n, kind in faults:
+            act = driver.node_down if kind == "down" else driver.node_lost
+            loop.call_at(tasks[index].arrival_s, act, n)
+        await driver.replay(tasks)
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    return tasks, cluster, failed
+
+
+@pytest.mark.parametrize("policy", ["lemix", "mix-rr", "separate"])
+def test_a_node_that_goes_down_gets_no_more_work_and_loses_none(policy):
+    tasks, cluster, failed = _drive_with_faults(policy, [(20, 1, "down")])
+    down_at = tasks[20].arrival_s
+    assert failed == [] and cluster.resumed > 0
+    assert cluster.result(tasks).completions == {t.task_id: 1 for t in tasks}
+    assert not [e for e in cluster.op_log if e[2] == 1 and e[0] > down_at]   # nothing ran there after
+
+
+def test_with_every_node_down_the_rest_fails_and_the_run_ends():
+    tasks, cluster, failed = _drive_with_faults("mix-rr", [(10, 0, "down"), (20, 1, "down")], nodes=2)
+    done = set(cluster.metrics.completions)
+    assert failed and {t.task_id for t in failed} | done == {t.task_id for t in tasks}
+    assert not {t.task_id for t in failed} & done
+    later = {t.task_id for t in tasks if t.arrival_s > tasks[20].arrival_s}
+    assert later and later <= {t.task_id for t in failed}      # arrivals after the last node died

@@ -39,6 +39,7 @@ class ClusterStep:
 
     decisions: list = field(default_factory=list)   # Decision
     actions: list = field(default_factory=list)     # Op | Timer
+    failed: list = field(default_factory=list)      # OnlineTasks no node can run any more
 
 
 class Cluster:
@@ -72,6 +73,9 @@ class Cluster:
         self._tasks[task.task_id] = task
         self.scheduler.arrivals_done = last
         out = ClusterStep()
+        if self.all_down:
+            self._fail(task, out)
+            return out
         decision = self.scheduler.submit(task, now)
         if decision is not None:
             out.decisions.append(decision)
@@ -112,6 +116,35 @@ class Cluster:
         self._absorb(op.node, self.nodes[op.node].op_done(op, now, finished), out)
         out.decisions.extend(self.scheduler.retry(now))
         return out
+
+    @property
+    def all_down(self) -> bool:
+        return len(self.scheduler.down) == len(self.nodes)
+
+    def node_down(self, n: int, now: float) -> ClusterStep:
+        """Node ``n`` is gone for good (its worker group failed past its restarts): nothing
+        is placed there any more (a policy's choice of it goes to the next live node), and
+        its unfinished work is placed again on the others. With no node left, that work
+        and every later arrival fail (``failed``)."""
+        self.scheduler.down.add(n)
+        if not self.all_down:
+            return self.node_lost(n, now)
+        self._now = now
+        out = ClusterStep()
+        step = self.nodes[n].reset(now)
+        self.scheduler.node_reset(n, [x.task_id for x in step.lost], now)
+        self._absorb(n, step, out)
+        for x in step.lost:
+            self._fail(x if isinstance(x, OnlineTask) else x.task, out)
+        for task in self.scheduler.deferred:
+            self._fail(task, out)
+        self.scheduler.deferred = []
+        return out
+
+    def _fail(self, task: OnlineTask, out: ClusterStep) -> None:
+        self._tasks.pop(task.task_id, None)
+        self.metrics.failed[task.task_id] = task
+        out.failed.append(task)
 
     def node_lost(self, n: int, now: float) -> ClusterStep:
         """Node ``n``'s executor lost its state (a worker-group restart). Its unfinished

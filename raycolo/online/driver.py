@@ -13,7 +13,7 @@ wraps this class.
 from __future__ import annotations
 
 import asyncio
-from typing import Collection, Optional, Protocol
+from typing import Callable, Collection, Optional, Protocol
 
 from raycolo.online.cluster import Cluster, ClusterStep
 from raycolo.online.node import Op, Timer
@@ -35,13 +35,15 @@ class OpRunner(Protocol):
 
 class ClusterDriver:
     def __init__(self, cluster: Cluster, runner: OpRunner, query_cost_s: float = 0.0,
-                 retry_every_s: Optional[float] = None):
+                 retry_every_s: Optional[float] = None,
+                 on_failed: Optional[Callable[[OnlineTask], None]] = None):
         self.cluster = cluster
         self.runner = runner
         self.query_cost_s = query_cost_s   # a simulated decision cost; live: 0 (it is real)
         # Live: while training tasks are held back, retry them at least this often even if
         # nothing arrives or finishes (a simulator needs no tick: its trace ends).
         self.retry_every_s = retry_every_s
+        self.on_failed = on_failed      # told of each task no node can run any more
         self._tick_armed = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._t0 = 0.0
@@ -69,6 +71,10 @@ class ClusterDriver:
         are placed again."""
         self._apply(self.cluster.node_lost(n, self.now()))
 
+    def node_down(self, n: int) -> None:
+        """Node ``n`` is gone for good: as :meth:`node_lost`, and nothing goes there again."""
+        self._apply(self.cluster.node_down(n, self.now()))
+
     async def replay(self, tasks: list[OnlineTask]) -> None:
         """Submit ``tasks`` at their arrival times, then wait until every one completed."""
         if self._loop is None:
@@ -94,9 +100,13 @@ class ClusterDriver:
 
     # -- internals -------------------------------------------------------------------------
     def _all_done(self) -> bool:
-        return self.error is not None or len(self.cluster.metrics.completions) >= self._expected
+        metrics = self.cluster.metrics
+        return self.error is not None or len(metrics.completions) + len(metrics.failed) >= self._expected
 
     def _apply(self, step: ClusterStep) -> None:
+        for task in step.failed:
+            if self.on_failed is not None:
+                self.on_failed(task)
         for decision in step.decisions:
             self._loop.call_at(self._t0 + decision.decided_s + self.query_cost_s, self._dispatch, decision)
         for action in step.actions:

@@ -74,6 +74,7 @@ class OnlineMetrics:
         self.staleness: list[int] = []
         self.active_steps: list[tuple[float, int]] = [(0.0, 0)]
         self.deferred_max = 0
+        self.failed: dict[int, OnlineTask] = {}     # tasks no node could run (all were down)
 
     def token(self, task: OnlineTask, now: float, staleness: int) -> None:
         times = self.token_times.setdefault(task.task_id, [])

@@ -52,6 +52,7 @@ class OnlineScheduler:
     decision_us: list = field(default_factory=list)   # per decision, for percentiles
     pending_path: Optional[TaskPath] = None  # set by a policy that planned the task
     interarrival: float = 0.0                 # Δa of the task being decided (eq. 1)
+    down: set = field(default_factory=set)    # nodes gone for good: nothing is placed there
 
     def __post_init__(self) -> None:
         self.traces = [NodeTrace(p.stages) for p in self.profiles]
@@ -109,6 +110,10 @@ class OnlineScheduler:
         self.interarrival = interarrival
         self.pending_path = None
         node = self.policy.allocate(task, self, now)
+        if node is not None and node in self.down:
+            # The policy does not know the node is gone: its share goes to the next live one.
+            node = min((m for m in range(self.nodes) if m not in self.down), key=lambda m: (m - node) % self.nodes)
+            self.pending_path = None
         spent = (time.perf_counter() - started) * 1e6
         self.decisions += 1
         self.decision_us_total += spent
