@@ -306,3 +306,31 @@ def test_fit_profile_from_dicts_keeps_the_rest():
 def test_fit_errors(samples, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         fit_coefficients(samples)
+
+
+def test_fit_with_intercept_recovers_a_fixed_cost_per_op():
+    rng = seeded_rng(3, "test", "fit-intercept")
+    batch = rng.integers(1, 5, 60)
+    length = rng.integers(8, 64, 60)
+    x = batch * length.astype(float) ** 2
+    a, eta_f, eta_b = 4e-3, 2e-7, 5e-7
+    noise = 1 + 0.01 * rng.standard_normal((2, 60))
+    data = np.column_stack([batch, length, (a + eta_f * x) * noise[0], (a + eta_b * x) * noise[1]])
+    fit = fit_coefficients(data, intercept=True)
+    assert fit.overhead_s == pytest.approx(a, rel=0.05)
+    assert fit.eta_f == pytest.approx(eta_f, rel=0.05) and fit.eta_b == pytest.approx(eta_b, rel=0.05)
+    plain = fit_coefficients(data)          # through the origin: η soaks up the fixed cost
+    assert plain.overhead_s == 0 and plain.eta_f > 1.5 * eta_f
+    base = preset("gpt-400m")
+    fitted = fit_profile(data, base, intercept=True, decode_s=[a + 1e-3] * 5)
+    assert fitted.op_overhead_s == pytest.approx(a, rel=0.05)
+    assert fitted.decode_floor_s == pytest.approx(1e-3, abs=3e-4)
+    assert fitted.forward_s(1, 10) == pytest.approx(fitted.op_overhead_s + fitted.eta_f * 100)
+    assert fitted.decode_step_s(1, 10) == pytest.approx(fitted.op_overhead_s + fitted.decode_floor_s)
+
+
+def test_fit_with_intercept_falls_back_to_the_origin_when_the_cost_would_be_negative():
+    data = synthetic_samples(1e-7, 2e-7, n=50, noise=0.0, seed=4)
+    data[:, 2:] -= 0.5 * data[:, 2:].min()       # y = η·x − c: the best intercept is negative
+    fit = fit_coefficients(data, intercept=True)
+    assert fit.overhead_s == 0.0 and fit == fit_coefficients(data)

@@ -49,7 +49,7 @@ class Cluster:
         self.profile = profile
         self.nodes = [NodeScheduler(n, profile, params, policy.capabilities.memory_aware)
                       for n in range(nodes)]
-        self.learner = ProfileLearner(profile, params.profile_warmup)
+        self.learner = ProfileLearner(profile, params.profile_warmup, params.fit_op_cost)
         self.scheduler = OnlineScheduler(policy, [profile] * nodes, [policy.estimator(profile)] * nodes,
                                          params, utilization=self.utilization)
         self.metrics = OnlineMetrics()
@@ -112,6 +112,8 @@ class Cluster:
         self._now = now
         ids = tuple(getattr(x, "task_id", x) for x in op.tasks)
         self.op_log.append((op.start_s, now, op.node, op.stage, op.kind, ids))
+        if op.kind == "decode":
+            self.learner.observe_decode(now - op.start_s)
         out = ClusterStep()
         self._absorb(op.node, self.nodes[op.node].op_done(op, now, finished), out)
         out.decisions.extend(self.scheduler.retry(now))

@@ -49,6 +49,9 @@ class LemixParams(BaseModel):
     # Planning profile (η_F, η_B) fitted from observed training ops after this many
     # training tasks, and again each time their count doubles; until then the prior.
     profile_warmup: int = Field(default=8, ge=1, le=1 << 40)
+    # ... with a fixed cost per op fitted beside η (dispatch and actor hops a live executor
+    # pays on every op); false: LeMix's η·C·ℓ² alone. Decode steps then set the decode floor.
+    fit_op_cost: bool = True
 
     def slo_s(self, forward_latency_s: float) -> float:
         return self.slo_ms / 1e3 if self.slo_ms is not None else self.slo_multiplier * forward_latency_s

@@ -18,8 +18,9 @@ Memory sizes ("GB" in the paper and on the GPU) are GiB; bandwidths are decimal 
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Mapping, NamedTuple, Union
+from typing import Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -53,6 +54,9 @@ class NodeProfile(BaseModel):
     forward_latency_s: float = Field(gt=0)  # whole model, C = 1, ℓ_ref: the SLO base
     backward_latency_s: float = Field(gt=0)  # whole model, C = 1, ℓ_ref
     reference_length: int = Field(gt=0)
+    # A fixed cost every op pays on a stage whatever its size (dispatch, actor hops, kernel
+    # launches): 0 in the paper's model and its presets; fitted from a live executor's ops.
+    op_overhead_s: float = Field(default=0.0, ge=0)
 
     @model_validator(mode="after")
     def _weights_fit(self) -> "NodeProfile":
@@ -62,10 +66,10 @@ class NodeProfile(BaseModel):
 
     def forward_s(self, batch, length):
         """One stage's forward (prefill) of C queries of ℓ tokens."""
-        return self.eta_f * batch * length**2
+        return self.op_overhead_s + self.eta_f * batch * length**2
 
     def backward_s(self, batch, length):
-        return self.eta_b * batch * length**2
+        return self.op_overhead_s + self.eta_b * batch * length**2
 
     def decode_step_s(self, batch, context):
         """One stage's decode step with ``context`` tokens cached.
@@ -73,7 +77,7 @@ class NodeProfile(BaseModel):
         The ℓ² model's increment for one more token is η_F·C·((ℓ+1)² − ℓ²); a decode step is
         memory-bound at small batch, so it never beats reading the stage's weights once.
         """
-        return np.maximum(self.decode_floor_s, self.eta_f * batch * (2 * context + 1))
+        return self.op_overhead_s + np.maximum(self.decode_floor_s, self.eta_f * batch * (2 * context + 1))
 
     def inference_bytes(self, batch, length):
         """KV cache of C sequences of ℓ tokens on one stage."""
@@ -178,6 +182,7 @@ class ProfileFit(NamedTuple):
     eta_b: float
     r2_f: float
     r2_b: float
+    overhead_s: float = 0.0     # the fixed cost per op, with ``intercept``
 
 
 def _sample_matrix(samples: Samples) -> np.ndarray:
@@ -219,43 +224,87 @@ def _fit_through_origin(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return eta, 1.0 - ss_res / ss_tot
 
 
-def fit_coefficients(samples: Samples) -> ProfileFit:
+def _r2(y: np.ndarray, predicted: np.ndarray) -> float:
+    ss_res = float(np.sum((y - predicted) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    if ss_tot == 0:
+        return 1.0 if ss_res <= 1e-12 * float(np.dot(y, y)) else 0.0
+    return 1.0 - ss_res / ss_tot
+
+
+def _fit_shared_intercept(x: np.ndarray, forward: np.ndarray, backward: np.ndarray):
+    """(a, η_F, η_B) of forward = a + η_F·x and backward = a + η_B·x by least squares,
+    one fixed cost a for both passes; None unless all three come out positive."""
+    n = len(x)
+    design = np.zeros((2 * n, 3))
+    design[:, 0] = 1.0
+    design[:n, 1] = x
+    design[n:, 2] = x
+    coef, *_ = np.linalg.lstsq(design, np.concatenate([forward, backward]), rcond=None)
+    return tuple(float(c) for c in coef) if (coef > 0).all() else None
+
+
+def fit_coefficients(samples: Samples, intercept: bool = False) -> ProfileFit:
     """η_F, η_B (per stage) and their R² from measured stage latencies.
 
     ``samples``: dicts with keys batch, length, forward_s, backward_s, or an (n, 4) array
-    of those columns; seconds are one stage's forward and backward of that task.
+    of those columns; seconds are one stage's forward and backward of that task. With
+    ``intercept``, a fixed cost per op shared by both passes is fitted too (kept only if it
+    and both η's come out positive; else the fit goes through the origin).
     """
     data = _sample_matrix(samples)
     x = data[:, 0] * data[:, 1] ** 2  # C·ℓ²
+    if intercept and len(x) >= 3:
+        coef = _fit_shared_intercept(x, data[:, 2], data[:, 3])
+        if coef is not None:
+            a, eta_f, eta_b = coef
+            return ProfileFit(eta_f, eta_b, _r2(data[:, 2], a + eta_f * x), _r2(data[:, 3], a + eta_b * x), a)
     eta_f, r2_f = _fit_through_origin(x, data[:, 2])
     eta_b, r2_b = _fit_through_origin(x, data[:, 3])
     return ProfileFit(eta_f, eta_b, r2_f, r2_b)
 
 
-def fit_profile(samples: Samples, base: NodeProfile) -> NodeProfile:
-    """``base`` with η_F and η_B fitted to ``samples``; everything else, the SLO base
-    (Table II latencies) included, is kept."""
-    fit = fit_coefficients(samples)
+def fit_profile(samples: Samples, base: NodeProfile, intercept: bool = False,
+                decode_s: Optional[Sequence[float]] = None) -> NodeProfile:
+    """``base`` with η_F and η_B fitted to ``samples`` (and with ``intercept`` the fixed
+    cost per op; with ``decode_s``, observed stage decode-step seconds, the decode floor
+    becomes their median less that cost); everything else, the SLO base (Table II
+    latencies) included, is kept."""
+    fit = fit_coefficients(samples, intercept)
+    update = {"eta_f": fit.eta_f, "eta_b": fit.eta_b}
+    if intercept:
+        update["op_overhead_s"] = fit.overhead_s
+    if decode_s:
+        update["decode_floor_s"] = max(0.0, float(np.median(decode_s)) - fit.overhead_s)
     # model_validate rather than model_copy(update=...): the copy would skip validation.
-    return NodeProfile.model_validate({**base.model_dump(), "eta_f": fit.eta_f,
-                                       "eta_b": fit.eta_b})
+    return NodeProfile.model_validate({**base.model_dump(), **update})
+
+
+DECODE_WINDOW = 4096
 
 
 class ProfileLearner:
-    """η_F and η_B fitted from observed training ops, for planning (Algorithm 1).
+    """η_F, η_B and a fixed cost per op fitted from observed ops, for planning (Algorithm 1).
 
     Every training task's stage forwards and backwards, as the executor timed them, make
-    one sample (batch, length, mean stage forward, mean stage backward). Until ``warmup``
+    one sample (batch, length, mean stage forward, mean stage backward); η_F, η_B and one
+    fixed cost per op shared by both passes are fitted to them (LeMix's η·C·ℓ² plus the
+    per-op cost a live executor pays for dispatch and actor hops, which η alone cannot
+    carry on a small model; the simulator's own ops have none, though memory slowdowns
+    can make it find one). The last ``DECODE_WINDOW`` decode steps set the decode floor
+    (their median less the fixed cost). ``op_cost=False``: η alone, as in the paper. Until ``warmup``
     samples are in, plans use ``prior`` (a preset, or a profile saved earlier); then the
     fit is refreshed each time the sample count doubles (``warmup``, 2·``warmup``, ...),
     so early noise is averaged out without refitting on every task.
     """
 
-    def __init__(self, prior: NodeProfile, warmup: int):
+    def __init__(self, prior: NodeProfile, warmup: int, op_cost: bool = True):
         self.prior = prior
         self.warmup = warmup
+        self.op_cost = op_cost
         self.current = prior
         self.samples: list[tuple[int, int, float, float]] = []
+        self.decode_s: deque = deque(maxlen=DECODE_WINDOW)   # stage decode steps, as timed
         self._open: dict[int, dict] = {}
         self._next_fit = warmup
 
@@ -264,6 +313,10 @@ class ProfileLearner:
         entry = self._open.setdefault(task_id, {"batch": batch, "length": length,
                                                 "forward": [], "backward": []})
         entry[kind].append(seconds)
+
+    def observe_decode(self, seconds: float) -> None:
+        """One stage's decode step, ``seconds`` long."""
+        self.decode_s.append(seconds)
 
     def task_done(self, task_id: int) -> bool:
         """The task's backward reached stage 0; True when this refitted the profile."""
@@ -278,5 +331,6 @@ class ProfileLearner:
         if len(self.samples) < self._next_fit:
             return False
         self._next_fit *= 2
-        self.current = fit_profile(self.samples, self.prior)
+        self.current = fit_profile(self.samples, self.prior, intercept=self.op_cost,
+                                   decode_s=list(self.decode_s) if self.op_cost else None)
         return True
