@@ -91,6 +91,9 @@ class OnlineController:
         self.sample_trained: dict[int, int] = {}            # seq -> trainings the adapters keep
         self.since_checkpoint = [[] for _ in range(cfg.nodes)]  # seqs trained since the node's checkpoint
         self.checkpoint_version = [0] * cfg.nodes
+        self.uncommitted: dict[tuple[int, int], int] = {}  # (node, version) -> end of what it holds
+        self.since_base = [0] * cfg.nodes     # trained-sample index of since_checkpoint[n][0]
+        self.lost_training: dict[int, tuple] = {}   # node -> (seqs, base, held) until it restores
         self.restarts: list[dict] = []                       # node, reason, time, lost, replayed
         self.dead: dict[int, str] = {}                       # node -> why its worker group is gone
         self.losses: list[tuple[float, int, float]] = []    # (time, task, loss)
@@ -109,6 +112,7 @@ class OnlineController:
         self.last_trained_node = 0
         self.exports: dict[int, asyncio.Task] = {}
         self.oob_seq = -1_000_000     # seq numbers of out-of-band payloads (checkpoint, lora)
+        self.background: set[asyncio.Task] = set()   # checkpoints under way
 
     # -- start and stop ----------------------------------------------------------------------
     async def start(self, timeout_s: float = 300.0) -> dict:
@@ -204,10 +208,11 @@ class OnlineController:
         self.workers[key] = dict(info, node=node, stage=stage, epoch=self.epochs[node],
                                  registered_s=time.time())
         self.registered[node].add(stage)
-        if len(self.registered[node]) == self.config.stages:
+        if len(self.registered[node]) == self.config.stages and node in self.lost_training:
             for r in self.restarts:      # the node's new group is complete: it serves again
                 if r["node"] == node and r["epoch"] == self.epochs[node]:
                     r["back_s"] = self.driver.now()
+            self._restored(node)
         if all(len(r) == self.config.stages for r in self.registered):
             self.ready.set()
         return self.epochs[node]
@@ -255,15 +260,44 @@ class OnlineController:
             future = self.waiting.pop(key)
             if not future.done():
                 future.set_exception(OpLost(reason))
-        seqs, self.since_checkpoint[node] = self.since_checkpoint[node], []
-        for seq in seqs:
+        seqs, base = self.since_checkpoint[node], self.since_base[node]
+        self.since_checkpoint[node], self.since_base[node] = [], base + len(seqs)
+        held = {v: end for (n, v), end in self.uncommitted.items() if n == node}
+        for key in [(node, v) for v in held]:
+            del self.uncommitted[key]
+        for seq in seqs:           # rolled back, unless the restored checkpoint holds them
             self.sample_trained[seq] -= 1
-        for i in range(0, len(seqs), self.config.lora.micro_batch):   # trained again elsewhere if down
-            self._submit_samples(self.store.get(seqs[i:i + self.config.lora.micro_batch]))
+        earlier, _, held_before = self.lost_training.pop(node, ([], 0, {}))   # a restart that never completed
+        held = {**held_before, **held}
         self.restarts.append({"node": node, "reason": reason, "time_s": self.driver.now(),
                               "epoch": self.epochs[node], "resumed_tasks": self.cluster.resumed - resumed,
-                              "replayed_samples": len(seqs), "adapter_version": self.checkpoint_version[node],
+                              "replayed_samples": None, "adapter_version": self.checkpoint_version[node],
                               "down": down})
+        if down:                   # trained again on the other nodes
+            self._replay(node, earlier + seqs)
+        else:                      # replayed once the new group says what it restored
+            self.lost_training[node] = (earlier + seqs, base - len(earlier), held)
+
+    def _restored(self, node: int) -> None:
+        """The node's new group is complete: the samples its restored checkpoint does not
+        hold are trained again. It is normally the last committed one; it may be a later
+        one whose commit Ray Train finished but had not yet been reported here."""
+        seqs, base, held = self.lost_training.pop(node, ([], 0, {}))
+        restored = self.workers[f"node-{node}/stage-0"].get("restored_version")
+        keep = max(0, min(len(seqs), held[restored] - base)) if restored in held else 0
+        for seq in seqs[:keep]:
+            self.sample_trained[seq] += 1
+        if restored in held:
+            self.checkpoint_version[node] = restored
+        self._replay(node, seqs[keep:])
+
+    def _replay(self, node: int, seqs: list) -> None:
+        for r in reversed(self.restarts):
+            if r["node"] == node:
+                r["replayed_samples"] = len(seqs)
+                break
+        for i in range(0, len(seqs), self.config.lora.micro_batch):
+            self._submit_samples(self.store.get(seqs[i:i + self.config.lora.micro_batch]))
 
     def registry(self) -> dict:
         return dict(self.workers)
@@ -360,7 +394,9 @@ class OnlineController:
             self.last_trained_node = op.node
             self.trained_steps[op.node] += 1
             if self.trained_steps[op.node] % self.config.lora.checkpoint_every == 0:
-                asyncio.get_running_loop().create_task(self._checkpoint(op.node))
+                task = asyncio.get_running_loop().create_task(self._checkpoint(op.node))
+                self.background.add(task)
+                task.add_done_callback(self.background.discard)
         return finished
 
     async def _paused(self, node: int, payloads: list) -> list:
@@ -402,16 +438,28 @@ class OnlineController:
             payloads.append({"kind": "checkpoint", "seq": self.oob_seq, "version": version,
                              "cursor": json.dumps(self.cursor.__dict__)})
         try:
-            results = await self._paused(node, payloads)
+            await self._paused(node, payloads)
         except OpLost:
             return           # the group restarted first: it resumes from the previous checkpoint
-        if results[0].get("committed") != version:
+        # No op of the node ran during the pause: the checkpoint holds the samples trained
+        # so far; they count as kept once Ray Train commits it (checkpoint_committed).
+        self.uncommitted[(node, version)] = self.since_base[node] + len(self.since_checkpoint[node])
+
+    async def checkpoint_committed(self, node: int, epoch: int, version: int, committed: Optional[int]) -> None:
+        """Stage 0 of ``node`` saw Ray Train commit up to ``committed`` after reporting
+        ``version``."""
+        end = self.uncommitted.pop((node, version), None)
+        if epoch != self.epochs[node] or end is None:
+            return           # the group restarted meanwhile (_node_lost replayed the samples)
+        if committed is None or committed < version:
             self.errors.append(f"node {node}: adapter checkpoint v{version} was not committed by Ray Train "
-                               f"(last committed: {results[0].get('committed')})")
+                               f"(last committed: {committed})")
             return
-        # No op of the node ran since the pause: the checkpoint holds every sample trained.
-        self.since_checkpoint[node] = []
-        self.checkpoint_version[node] = version
+        cut = end - self.since_base[node]     # the samples the checkpoint holds
+        if cut > 0:
+            self.since_checkpoint[node] = self.since_checkpoint[node][cut:]
+            self.since_base[node] = end
+        self.checkpoint_version[node] = max(self.checkpoint_version[node], version)
 
     # -- clients ---------------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -482,7 +530,10 @@ class OnlineController:
         return tid
 
     async def drain(self) -> None:
+        """Wait until every task submitted so far completed, and any checkpoint it started."""
         await self.driver.drain()
+        while self.background:
+            await asyncio.gather(*list(self.background), return_exceptions=True)
 
     async def use_policy(self, name: str) -> None:
         """Switch the policy between runs (nothing may be in flight): a fresh cluster
@@ -490,8 +541,12 @@ class OnlineController:
         metrics from zero. The stage workers and their adapters stay."""
         from raycolo.policies import make_online_policy
 
-        await self.driver.drain()
-        if any(self.inflight) or any(not q.empty() for q in self.queues.values()):
+        await self.drain()
+        for _ in range(1000):   # the stages take the last releases
+            if not any(self.inflight) and all(q.empty() for q in self.queues.values()):
+                break
+            await asyncio.sleep(0.01)
+        else:
             raise RuntimeError("use_policy: work is still in flight")
         cfg = self.config
         self.config = cfg.model_copy(update={"policy": name})
@@ -522,6 +577,7 @@ class OnlineController:
             "restarts": list(self.restarts), "dead_nodes": dict(self.dead),
             "checkpoint_versions": list(self.checkpoint_version),
             "samples_since_checkpoint": [len(x) for x in self.since_checkpoint],
+            "checkpoints_uncommitted": len(self.uncommitted),
             "resumed_tasks": self.cluster.resumed,
         }
 

@@ -17,8 +17,8 @@ neighbour to be free.
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import Optional
 
 import torch
 
@@ -168,8 +168,11 @@ def stage_loop(config: dict) -> None:
         if op["kind"] == "checkpoint":
             # No flush of pending sends first: their receivers may be ops the controller
             # holds back until the checkpoint is done (the weights do not depend on them).
-            committed = _report_checkpoint(stage_model, stage, op)
-            ray.get(controller.op_done.remote(node, stage, epoch, op["seq"], {"committed": committed}))
+            _report_checkpoint(stage_model, stage, op)
+            ray.get(controller.op_done.remote(node, stage, epoch, op["seq"], {"seconds": 0.0}))
+            if stage == 0:   # the node serves on while Ray Train commits the checkpoint
+                threading.Thread(target=_await_commit, args=(controller, node, epoch, op["version"]),
+                                 daemon=True).start()
             continue
         if op["kind"] == "lora":
             controller.op_done.remote(node, stage, epoch, op["seq"], {"state": stage_model.lora_state()})
@@ -185,11 +188,20 @@ def stage_loop(config: dict) -> None:
         controller.op_done.remote(node, stage, epoch, op["seq"], result)
 
 
-def _report_checkpoint(stage_model, stage: int, op: dict) -> Optional[int]:
-    """Every stage calls ``ray.train.report`` (a barrier) with its adapter weights. Stage 0
-    then waits until Ray Train committed the checkpoint (a report is only collected by the
-    Train controller's next poll: a group that dies before it restarts from the previous
-    one), and returns the adapter version committed last."""
+def _await_commit(controller, node: int, epoch: int, version: int) -> None:
+    """Tell the controller once Ray Train committed checkpoint ``version``. A report is
+    only collected at the Train controller's next poll (about a second here): a group that
+    dies before that restarts from the checkpoint before, so only a committed one counts."""
+    import ray.train
+
+    reported = ray.train.get_all_reported_checkpoints(
+        consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=300)
+    committed = max((r.metrics["adapter_version"] for r in reported), default=None)
+    controller.checkpoint_committed.remote(node, epoch, version, committed)
+
+
+def _report_checkpoint(stage_model, stage: int, op: dict) -> None:
+    """Every stage calls ``ray.train.report`` (a barrier) with its adapter weights."""
     import json
     import tempfile
 
@@ -206,8 +218,3 @@ def _report_checkpoint(stage_model, stage: int, op: dict) -> Optional[int]:
                 f.write(op["cursor"])
         ray.train.report({"adapter_version": op["version"], "stage": stage},
                          checkpoint=ray.train.Checkpoint.from_directory(d))
-    if stage != 0:
-        return None
-    reported = ray.train.get_all_reported_checkpoints(
-        consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=120)
-    return max((r.metrics["adapter_version"] for r in reported), default=None)

@@ -47,7 +47,7 @@ class Lemix(OnlinePolicy):
                                  p.tau * sched.profiles[n].forward_latency_s)
             lc = length_consistency(task.length, trace.count, trace.length_mean, trace.length_std)
             plans.append(plan)
-            scores.append(priority(ip, lc, plan.response, p.lambda1, p.lambda2))
+            scores.append(priority(ip, lc, plan.response, p.lambda1, p.lambda2, p.score_rule))
         n = best_node(scores)
         if task.is_train and self.capabilities.prioritize and self._at_risk(sched, n, plans[n], now):
             return None

@@ -87,6 +87,10 @@ def test_priority_is_eq3_for_positive_numerators_and_decreasing_in_r_otherwise()
     assert priority(0.2, 0.01, 2.0, lambda1=1.0, lambda2=10.0) == pytest.approx((0.2 + 0.1) / 2.0)
     assert priority(-0.2, 0.0, 2.0, 1.0, 10.0) == pytest.approx(-0.4)
     assert priority(-0.2, 0.0, 1.0, 1.0, 10.0) > priority(-0.2, 0.0, 2.0, 1.0, 10.0)
+    # LeMix's code: the plain quotient, which prefers the larger R below zero
+    assert priority(-0.2, 0.0, 2.0, 1.0, 10.0, rule="quotient") == pytest.approx(-0.1)
+    assert priority(-0.2, 0.0, 2.0, 1.0, 10.0, "quotient") > priority(-0.2, 0.0, 1.0, 1.0, 10.0, "quotient")
+    assert priority(0.2, 0.01, 2.0, 1.0, 10.0, "quotient") == priority(0.2, 0.01, 2.0, 1.0, 10.0)
     assert idleness_profit(idle=4.0, stages=2, interarrival=0.5, tau=0.1) == -1.5
     assert idleness_profit(idle=0.0, stages=2, interarrival=0.5, tau=0.1) == -0.1
     assert length_consistency(100, 1, 100.0, 0.0) == 0.0  # no spread yet

@@ -129,7 +129,10 @@ def test_a_killed_stage_worker_restarts_its_group_and_loses_nothing(deployment):
     for _ in range(2):
         dep.train()
     dep.drain()
-    stats = dep.stats()
+    deadline = time.monotonic() + 60
+    while (stats := dep.stats())["checkpoints_uncommitted"]:     # Ray Train commits in ~1 s
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     victim = max(range(config.nodes), key=lambda n: stats["samples_since_checkpoint"][n])
     since = stats["samples_since_checkpoint"][victim]
     assert since > 0, stats      # the restart has samples to train again

@@ -613,35 +613,40 @@ def _drive_with_faults(policy, faults, nodes=3, count=60):
     profile, params = preset("llama-70b", 2), LemixParams(sync_every=5)
     tasks = poisson_workload(count, 0.6, 80, seed=2)
     cluster = Cluster(make_online_policy(policy, params, nodes=nodes, train_rate=0.6), profile, nodes, params)
-    failed = []
+    failed, hit = [], []
     loop = looptime.new_event_loop(start=0.0, resolution=1e-9)
+
+    def fault(n, kind, driver):
+        if n is None:   # the node with the most work on it now
+            n = max(range(nodes), key=lambda m: (cluster.nodes[m].queued_ops + len(cluster.nodes[m].joining), -m))
+        hit.append(n)
+        (driver.node_down if kind == "down" else driver.node_lost)(n)
 
     async def main():
         driver = ClusterDriver(cluster, ProfiledRunner(profile, params), on_failed=failed.append)
         driver.start()
         for index, n, kind in faults:
-            act = driver.node_down if kind == "down" else driver.node_lost
-            loop.call_at(tasks[index].arrival_s, act, n)
+            loop.call_at(tasks[index].arrival_s, fault, n, kind, driver)
         await driver.replay(tasks)
 
     try:
         loop.run_until_complete(main())
     finally:
         loop.close()
-    return tasks, cluster, failed
+    return tasks, cluster, failed, hit
 
 
 @pytest.mark.parametrize("policy", ["lemix", "mix-rr", "separate"])
 def test_a_node_that_goes_down_gets_no_more_work_and_loses_none(policy):
-    tasks, cluster, failed = _drive_with_faults(policy, [(20, 1, "down")])
+    tasks, cluster, failed, [down] = _drive_with_faults(policy, [(20, None, "down")])
     down_at = tasks[20].arrival_s
     assert failed == [] and cluster.resumed > 0
     assert cluster.result(tasks).completions == {t.task_id: 1 for t in tasks}
-    assert not [e for e in cluster.op_log if e[2] == 1 and e[0] > down_at]   # nothing ran there after
+    assert not [e for e in cluster.op_log if e[2] == down and e[0] > down_at]   # nothing ran there after
 
 
 def test_with_every_node_down_the_rest_fails_and_the_run_ends():
-    tasks, cluster, failed = _drive_with_faults("mix-rr", [(10, 0, "down"), (20, 1, "down")], nodes=2)
+    tasks, cluster, failed, _ = _drive_with_faults("mix-rr", [(10, 0, "down"), (20, 1, "down")], nodes=2)
     done = set(cluster.metrics.completions)
     assert failed and {t.task_id for t in failed} | done == {t.task_id for t in tasks}
     assert not {t.task_id for t in failed} & done

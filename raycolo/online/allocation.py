@@ -5,10 +5,12 @@
 * f  = (IP + λ2·LC) / (λ1·R)                              priority, eq. 3
 
 Eq. 3 divides by R so that faster nodes score higher, which holds while the numerator
-is positive. With a negative numerator (a node whose idle time grows faster than tasks
-arrive) the quotient would *prefer* the slower node; there we use (IP + λ2·LC)·(λ1·R),
+is positive. With a negative numerator (IP <= -τ makes it the usual case) the quotient
+prefers the node with the *larger* R. LeMix's own code computes exactly that quotient and
+takes the argmax (``score_rule="quotient"``); with our LC it puts every task on one node
+(docs/online.md). The default ``score_rule="monotone"`` uses (IP + λ2·LC)·(λ1·R) there,
 which keeps f decreasing in R and increasing in the numerator on both sides of zero.
-Where the numerator is positive, f is exactly eq. 3.
+Where the numerator is positive, both are exactly eq. 3.
 
 Deprioritization (eq. 4): a training task is held back when the next inference task,
 placed on the node where it would answer soonest, would still exceed τ_R.
@@ -34,10 +36,13 @@ def length_consistency(length: int, count: int, mean: float, std: float) -> floa
     return math.exp(-((length - mean) ** 2) / (2 * sigma * sigma)) / (sigma * math.sqrt(2 * math.pi))
 
 
-def priority(ip: float, lc: float, response: float, lambda1: float, lambda2: float) -> float:
+def priority(ip: float, lc: float, response: float, lambda1: float, lambda2: float,
+             rule: str = "monotone") -> float:
     numerator = ip + lambda2 * lc
     scale = lambda1 * max(response, 1e-12)
-    return numerator / scale if numerator >= 0 else numerator * scale
+    if numerator < 0 and rule == "monotone":
+        return numerator * scale
+    return numerator / scale
 
 
 def best_node(scores: Sequence[float]) -> int:

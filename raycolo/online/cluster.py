@@ -114,6 +114,8 @@ class Cluster:
         self.op_log.append((op.start_s, now, op.node, op.stage, op.kind, ids))
         if op.kind == "decode":
             self.learner.observe_decode(now - op.start_s)
+        elif op.kind == "prefill" and self.learner.op_cost:
+            self.learner.observe_prefill(op.batch, max(r.task.length for r in op.tasks), now - op.start_s)
         out = ClusterStep()
         self._absorb(op.node, self.nodes[op.node].op_done(op, now, finished), out)
         out.decisions.extend(self.scheduler.retry(now))

@@ -5,7 +5,7 @@ Times given as multiples are multiples of the model's whole-forward reference la
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +20,11 @@ class LemixParams(BaseModel):
     # every other node whatever its R (eq. 3's sign boundary; docs/online.md).
     lambda1: float = Field(default=1.0, gt=0)
     lambda2: float = Field(default=1.0, ge=0)
+    # Eq. 3 with a negative numerator (the usual case: IP <= -τ). "monotone": num · λ1·R,
+    # under which a faster node always scores higher. "quotient": num / (λ1·R), as LeMix's
+    # code computes it (pejoule/LeMix distributed_llm.py): the largest planned R wins, which
+    # with our LC put every task on one node in all 7 settings we tried (docs/online.md).
+    score_rule: Literal["monotone", "quotient"] = "monotone"
     # τ of eq. 1, in forward latencies: idle-time increases below τ are tolerated alike
     # (IP = -max(Π/S - Δa, τ) <= -τ). With eq. 3 as we read it (docs/online.md) a busy
     # node keeps winning until τ·R exceeds an idle node's penalty, so τ = 1 forward

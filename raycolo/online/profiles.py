@@ -232,45 +232,52 @@ def _r2(y: np.ndarray, predicted: np.ndarray) -> float:
     return 1.0 - ss_res / ss_tot
 
 
-def _fit_shared_intercept(x: np.ndarray, forward: np.ndarray, backward: np.ndarray):
+def _fit_shared_intercept(xf: np.ndarray, forward: np.ndarray, xb: np.ndarray, backward: np.ndarray):
     """(a, η_F, η_B) of forward = a + η_F·x and backward = a + η_B·x by least squares,
     one fixed cost a for both passes; None unless all three come out positive."""
-    n = len(x)
-    design = np.zeros((2 * n, 3))
+    nf, nb = len(xf), len(xb)
+    design = np.zeros((nf + nb, 3))
     design[:, 0] = 1.0
-    design[:n, 1] = x
-    design[n:, 2] = x
+    design[:nf, 1] = xf
+    design[nf:, 2] = xb
     coef, *_ = np.linalg.lstsq(design, np.concatenate([forward, backward]), rcond=None)
     return tuple(float(c) for c in coef) if (coef > 0).all() else None
 
 
-def fit_coefficients(samples: Samples, intercept: bool = False) -> ProfileFit:
+def fit_coefficients(samples: Samples, intercept: bool = False,
+                     prefills: Optional[Sequence[tuple[int, int, float]]] = None) -> ProfileFit:
     """η_F, η_B (per stage) and their R² from measured stage latencies.
 
     ``samples``: dicts with keys batch, length, forward_s, backward_s, or an (n, 4) array
     of those columns; seconds are one stage's forward and backward of that task. With
     ``intercept``, a fixed cost per op shared by both passes is fitted too (kept only if it
-    and both η's come out positive; else the fit goes through the origin).
+    and both η's come out positive; else the fit goes through the origin), and
+    ``prefills`` (batch, length, seconds of one stage's prefill forward) join the
+    forward rows: their small C·ℓ² is what pins the fixed cost down.
     """
     data = _sample_matrix(samples)
     x = data[:, 0] * data[:, 1] ** 2  # C·ℓ²
     if intercept and len(x) >= 3:
-        coef = _fit_shared_intercept(x, data[:, 2], data[:, 3])
+        pre = np.asarray(prefills if prefills else np.zeros((0, 3)), dtype=float).reshape(-1, 3)
+        xf = np.concatenate([x, pre[:, 0] * pre[:, 1] ** 2])
+        yf = np.concatenate([data[:, 2], pre[:, 2]])
+        coef = _fit_shared_intercept(xf, yf, x, data[:, 3])
         if coef is not None:
             a, eta_f, eta_b = coef
-            return ProfileFit(eta_f, eta_b, _r2(data[:, 2], a + eta_f * x), _r2(data[:, 3], a + eta_b * x), a)
+            return ProfileFit(eta_f, eta_b, _r2(yf, a + eta_f * xf), _r2(data[:, 3], a + eta_b * x), a)
     eta_f, r2_f = _fit_through_origin(x, data[:, 2])
     eta_b, r2_b = _fit_through_origin(x, data[:, 3])
     return ProfileFit(eta_f, eta_b, r2_f, r2_b)
 
 
 def fit_profile(samples: Samples, base: NodeProfile, intercept: bool = False,
-                decode_s: Optional[Sequence[float]] = None) -> NodeProfile:
+                decode_s: Optional[Sequence[float]] = None,
+                prefills: Optional[Sequence[tuple[int, int, float]]] = None) -> NodeProfile:
     """``base`` with η_F and η_B fitted to ``samples`` (and with ``intercept`` the fixed
     cost per op; with ``decode_s``, observed stage decode-step seconds, the decode floor
     becomes their median less that cost); everything else, the SLO base (Table II
     latencies) included, is kept."""
-    fit = fit_coefficients(samples, intercept)
+    fit = fit_coefficients(samples, intercept, prefills)
     update = {"eta_f": fit.eta_f, "eta_b": fit.eta_b}
     if intercept:
         update["op_overhead_s"] = fit.overhead_s
@@ -292,7 +299,9 @@ class ProfileLearner:
     per-op cost a live executor pays for dispatch and actor hops, which η alone cannot
     carry on a small model; the simulator's own ops have none, though memory slowdowns
     can make it find one). The last ``DECODE_WINDOW`` decode steps set the decode floor
-    (their median less the fixed cost). ``op_cost=False``: η alone, as in the paper. Until ``warmup``
+    (their median less the fixed cost), and the last prefills join the forward rows (a
+    prefill is timed as the simulator costs it: C queries at the batch's longest ℓ).
+    ``op_cost=False``: η alone from training tasks, as in the paper. Until ``warmup``
     samples are in, plans use ``prior`` (a preset, or a profile saved earlier); then the
     fit is refreshed each time the sample count doubles (``warmup``, 2·``warmup``, ...),
     so early noise is averaged out without refitting on every task.
@@ -305,6 +314,7 @@ class ProfileLearner:
         self.current = prior
         self.samples: list[tuple[int, int, float, float]] = []
         self.decode_s: deque = deque(maxlen=DECODE_WINDOW)   # stage decode steps, as timed
+        self.prefills: deque = deque(maxlen=DECODE_WINDOW)   # (batch, length, seconds) per stage
         self._open: dict[int, dict] = {}
         self._next_fit = warmup
 
@@ -313,6 +323,10 @@ class ProfileLearner:
         entry = self._open.setdefault(task_id, {"batch": batch, "length": length,
                                                 "forward": [], "backward": []})
         entry[kind].append(seconds)
+
+    def observe_prefill(self, batch: int, length: int, seconds: float) -> None:
+        """One stage's prefill of ``batch`` queries, the longest of ``length`` tokens."""
+        self.prefills.append((batch, length, seconds))
 
     def observe_decode(self, seconds: float) -> None:
         """One stage's decode step, ``seconds`` long."""
@@ -332,5 +346,6 @@ class ProfileLearner:
             return False
         self._next_fit *= 2
         self.current = fit_profile(self.samples, self.prior, intercept=self.op_cost,
-                                   decode_s=list(self.decode_s) if self.op_cost else None)
+                                   decode_s=list(self.decode_s) if self.op_cost else None,
+                                   prefills=list(self.prefills) if self.op_cost else None)
         return True
