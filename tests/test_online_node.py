@@ -652,3 +652,53 @@ def test_with_every_node_down_the_rest_fails_and_the_run_ends():
     assert not {t.task_id for t in failed} & done
     later = {t.task_id for t in tasks if t.arrival_s > tasks[20].arrival_s}
     assert later and later <= {t.task_id for t in failed}      # arrivals after the last node died
+
+
+def _started(step, kind):
+    (op,) = [o for o in step.started if o.kind == kind]
+    return op
+
+
+def test_reset_returns_open_batch_joining_and_decoding_requests_with_their_progress():
+    n = node(memory_aware=False)
+    for i in range(4):                                       # 4 queries close a batch
+        step = n.dispatch(inf(i, length=10, decode=9), 0.0)
+    prefill = _started(step, "prefill")
+    step = n.op_done(_started(n.op_done(prefill, 1.0), "prefill"), 2.0)
+    decode = _started(step, "decode")                        # 0-3 decode, 1 token out each
+    (window,) = n.dispatch(inf(4, length=20, decode=9), 2.0).timers
+    assert n.timer(window, window.at_s).started == []        # stage 0 is busy with the decode
+    step = n.op_done(decode, 2.6)                            # decode to stage 1, prefill of 4 starts
+    decode1, prefill4 = _started(step, "decode"), _started(step, "prefill")
+    n.op_done(prefill4, 3.0)                                 # waits for stage 1
+    step = n.op_done(decode1, 3.1)                           # 0-3: second token; next decode; 4's prefill on stage 1
+    n.op_done(_started(step, "prefill"), 3.5)                # 4's first token: it joins (a decode is in flight)
+    assert [r.task_id for r in n.joining] == [4]
+    n.dispatch(inf(5, length=30, decode=9), 3.6)             # an open batch
+    out = n.reset(3.7)
+    assert [(x.task_id, x.generated, x.context) for x in out.lost] == \
+        [(0, 2, 11), (1, 2, 11), (2, 2, 11), (3, 2, 11), (4, 1, 20), (5, 0, 30)]
+    assert n.batch_c == 0 and not n.decode_inflight
+    for i in range(6, 9):                                    # 3 queries: the new batch stays open
+        assert n.dispatch(inf(i), 4.0).started == []
+
+
+def test_reset_drops_sync_ops_and_counts_every_reset():
+    n = node()
+    n.sync(7, 0.0)
+    assert n.reset(0.5).lost == [] and n.syncing == 0 and n.update_count == 0
+    n.reset(0.6)
+    assert n.generation == 2
+
+
+def test_a_memory_wait_after_a_reset_arms_a_live_retry_timer():
+    n = node(memory_aware=True)
+    big = only_op(n.dispatch(train(0, length=85), 0.0))
+    n.dispatch(train(1, length=10), 0.0)
+    assert n.op_done(big, 0.2).timers                        # the second forward waits
+    n.reset(0.3)
+    big = only_op(n.dispatch(train(2, length=85), 1.0))
+    n.dispatch(train(3, length=10), 1.0)
+    (timer,) = n.op_done(big, 1.2).timers                    # a wait after the reset arms its own timer
+    assert timer.generation == 1
+    assert n.timer(timer, timer.at_s).actions                # and it is not void

@@ -277,7 +277,6 @@ class NodeScheduler:
             stage.retry_pending = False
         self._out.lost = sorted(lost.values(), key=lambda x: x.task_id)
         self.batch, self.batch_c, self.joining = [], 0, []
-        self.batch_token += 1
         self.decode_inflight = False
         self.queued_ops = self.syncing = 0
         self.generation += 1
