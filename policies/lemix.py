@@ -43,8 +43,9 @@ class Lemix(OnlinePolicy):
             est = sched.estimators[n]
             plan = compute_idleness(trace, task.task_id, task.arrival_s, task.length, task.batch,
                                     task.is_train, est, now, idle_cap=slo)
-            ip = idleness_profit(plan.idle, trace.stages, sched.interarrival,
-                                 p.tau * sched.profiles[n].forward_latency_s)
+            gap = sched.interarrival if p.arrival_gap == "global" else \
+                (max(0.0, now - trace.last.arrival_s) if trace.last is not None else 0.0)
+            ip = idleness_profit(plan.idle, trace.stages, gap, p.tau * sched.profiles[n].forward_latency_s)
             lc = length_consistency(task.length, trace.count, trace.length_mean, trace.length_std)
             plans.append(plan)
             scores.append(priority(ip, lc, plan.response, p.lambda1, p.lambda2, p.score_rule))

@@ -68,7 +68,7 @@ def _two_node_scheduler(params=None):
     (0.49, 0, -0.03 * 1.5, -0.14 * 1.0),
 ])
 def test_allocation_picks_the_node_eq3_scores_highest(previous_arrival, expected_node, f0, f1):
-    sched = _two_node_scheduler()
+    sched = _two_node_scheduler(LemixParams(arrival_gap="global"))
     sched.last_arrival_s = previous_arrival
     arrival = 0.5
     scores = []
@@ -81,6 +81,16 @@ def test_allocation_picks_the_node_eq3_scores_highest(previous_arrival, expected
     assert best_node(scores) == expected_node
     task = OnlineTask(1, "inference", arrival, 10, 1, 4)
     assert sched.submit(task, now=arrival).node == expected_node
+
+
+def test_node_arrival_gap_measures_from_the_task_last_placed_on_each_node():
+    # As above, with LeMix's code's Δa: node 0's last task arrived at 0 (Δa = .5), node 1
+    # has none (Δa = 0): IP1 = -max(.15 - 0, .03) = -.15, f1 = -.15·1 < f0 = -.03·1.5, so
+    # the task joins busy node 0 whatever arrived elsewhere in between.
+    for previous_arrival in (0.0, 0.49):
+        sched = _two_node_scheduler(LemixParams(arrival_gap="node"))
+        sched.last_arrival_s = previous_arrival
+        assert sched.submit(OnlineTask(1, "inference", 0.5, 10, 1, 4), now=0.5).node == 0
 
 
 def test_priority_is_eq3_for_positive_numerators_and_decreasing_in_r_otherwise():

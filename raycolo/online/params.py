@@ -25,6 +25,11 @@ class LemixParams(BaseModel):
     # code computes it (pejoule/LeMix distributed_llm.py): the largest planned R wins, which
     # with our LC put every task on one node in all 7 settings we tried (docs/online.md).
     score_rule: Literal["monotone", "quotient"] = "monotone"
+    # Δa of eq. 1: "node", the gap since the task last placed on the scored node (LeMix's
+    # code, distributed_llm.py: task_arrival[last_taskID] of that node's trace; the paper's
+    # a - a_prev does not say which previous task); "global", since the previous arrival
+    # anywhere (raycolo's earlier reading).
+    arrival_gap: Literal["global", "node"] = "node"
     # τ of eq. 1, in forward latencies: idle-time increases below τ are tolerated alike
     # (IP = -max(Π/S - Δa, τ) <= -τ). With eq. 3 as we read it (docs/online.md) a busy
     # node keeps winning until τ·R exceeds an idle node's penalty, so τ = 1 forward
