@@ -573,6 +573,11 @@ class OnlineController:
             "hops_per_decode_iteration": self.hops / max(1, len(self.cluster.op_log)) * self.config.stages,
             "decision_us_p50": _pct(self.cluster.scheduler.decision_us, 50),
             "decision_us_p99": _pct(self.cluster.scheduler.decision_us, 99),
+            # everything the controller's schedulers did (policy, cluster, node schedulers)
+            "scheduling_us_per_task": (self.driver.scheduling_total_s * 1e6 / max(1, len(self.tasks)))
+            if self.driver else 0.0,
+            "scheduling_us_p50": _pct([x * 1e6 for x in self.driver.scheduling_s], 50) if self.driver else 0.0,
+            "scheduling_us_p99": _pct([x * 1e6 for x in self.driver.scheduling_s], 99) if self.driver else 0.0,
             "losses": self.losses[-20:],
             "restarts": list(self.restarts), "dead_nodes": dict(self.dead),
             "checkpoint_versions": list(self.checkpoint_version),

@@ -13,6 +13,8 @@ wraps this class.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
 from typing import Callable, Collection, Optional, Protocol
 
 from raycolo.online.cluster import Cluster, ClusterStep
@@ -51,6 +53,10 @@ class ClusterDriver:
         self._expected = 0
         self._done = asyncio.Event()
         self.error: Optional[BaseException] = None
+        # CPU seconds spent in cluster callbacks (policy, cluster and node schedulers): the
+        # live decision overhead, per event and in total (measured, never simulated).
+        self.scheduling_s: deque = deque(maxlen=100_000)
+        self.scheduling_total_s = 0.0
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -63,17 +69,17 @@ class ClusterDriver:
     def submit(self, task: OnlineTask, last: bool = False) -> None:
         """A task arrives now."""
         self._expected += 1
-        self._apply(self.cluster.arrive(task, self.now(), last))
+        self._step(self.cluster.arrive, task, self.now(), last)
 
     def node_lost(self, n: int) -> None:
         """Node ``n``'s executor lost its state now (a worker-group restart): its ops in
         flight are void (their runners raise :class:`OpLost`) and its unfinished tasks
         are placed again."""
-        self._apply(self.cluster.node_lost(n, self.now()))
+        self._step(self.cluster.node_lost, n, self.now())
 
     def node_down(self, n: int) -> None:
         """Node ``n`` is gone for good: as :meth:`node_lost`, and nothing goes there again."""
-        self._apply(self.cluster.node_down(n, self.now()))
+        self._step(self.cluster.node_down, n, self.now())
 
     async def replay(self, tasks: list[OnlineTask]) -> None:
         """Submit ``tasks`` at their arrival times, then wait until every one completed."""
@@ -91,7 +97,7 @@ class ClusterDriver:
         """Wait until every submitted task completed (or an op failed: re-raised). No more
         arrivals are expected meanwhile, so held-back training tasks are released."""
         if self.cluster.scheduler.deferred and not self.cluster.scheduler.arrivals_done:
-            self._apply(self.cluster.retry(self.now(), end_of_arrivals=True))
+            self._step(self.cluster.retry, self.now(), end_of_arrivals=True)
         while not self._all_done():
             self._done.clear()
             await self._done.wait()
@@ -102,6 +108,16 @@ class ClusterDriver:
     def _all_done(self) -> bool:
         metrics = self.cluster.metrics
         return self.error is not None or len(metrics.completions) + len(metrics.failed) >= self._expected
+
+    def _step(self, call, *args, **kwargs) -> None:
+        """Run one cluster callback (the controller's and the node schedulers' work for an
+        event), time it, and carry out what it returned."""
+        started = time.perf_counter()
+        step = call(*args, **kwargs)
+        spent = time.perf_counter() - started
+        self.scheduling_s.append(spent)
+        self.scheduling_total_s += spent
+        self._apply(step)
 
     def _apply(self, step: ClusterStep) -> None:
         for task in step.failed:
@@ -124,13 +140,13 @@ class ClusterDriver:
 
     def _tick(self) -> None:
         self._tick_armed = False
-        self._apply(self.cluster.retry(self.now()))
+        self._step(self.cluster.retry, self.now())
 
     def _dispatch(self, decision: Decision) -> None:
-        self._apply(self.cluster.dispatch(decision, self.now()))
+        self._step(self.cluster.dispatch, decision, self.now())
 
     def _timer(self, timer: Timer) -> None:
-        self._apply(self.cluster.timer(timer, self.now()))
+        self._step(self.cluster.timer, timer, self.now())
 
     async def _run(self, op: Op) -> None:
         try:
@@ -143,4 +159,4 @@ class ClusterDriver:
             return
         if op.generation != self.cluster.nodes[op.node].generation:
             return                # finished as its node was reset: dropped like the others
-        self._apply(self.cluster.op_done(op, self.now(), finished))
+        self._step(self.cluster.op_done, op, self.now(), finished)
