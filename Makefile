@@ -41,6 +41,7 @@ demo: venv
 	$(VENV)/bin/raycolo plan examples/chain_summary.yaml --gantt out/chain_summary_gantt.png
 	rm -rf out/demo-tiny
 	$(VENV)/bin/raycolo run examples/tiny.yaml --profile cpu --gpus 2 --output out/demo-tiny
+	$(VENV)/bin/raycolo online run examples/online.yaml --rate 2 --train-rate 0.5 --tasks 20 --plot out/online_live.png
 
 bench: venv
 	$(VPY) bench/planner.py
