@@ -125,31 +125,6 @@ class Cluster:
     def all_down(self) -> bool:
         return len(self.scheduler.down) == len(self.nodes)
 
-    def node_down(self, n: int, now: float) -> ClusterStep:
-        """Node ``n`` is gone for good (its worker group failed past its restarts): nothing
-        is placed there any more (a policy's choice of it goes to the next live node), and
-        its unfinished work is placed again on the others. With no node left, that work
-        and every later arrival fail (``failed``)."""
-        self.scheduler.down.add(n)
-        if not self.all_down:
-            return self.node_lost(n, now)
-        self._now = now
-        out = ClusterStep()
-        step = self.nodes[n].reset(now)
-        self.scheduler.node_reset(n, [x.task_id for x in step.lost], now)
-        self._absorb(n, step, out)
-        for x in step.lost:
-            self._fail(x if isinstance(x, OnlineTask) else x.task, out)
-        for task in self.scheduler.deferred:
-            self._fail(task, out)
-        self.scheduler.deferred = []
-        return out
-
-    def _fail(self, task: OnlineTask, out: ClusterStep) -> None:
-        self._tasks.pop(task.task_id, None)
-        self.metrics.failed[task.task_id] = task
-        out.failed.append(task)
-
     def node_lost(self, n: int, now: float) -> ClusterStep:
         """Node ``n``'s executor lost its state (a worker-group restart). Its unfinished
         work is placed again, under the same task ids: an inference request resumes from
@@ -157,23 +132,54 @@ class Cluster:
         both, for the tokens it has left), and a training task starts over. A SEPARATE
         serving node reloads the weights it served. :attr:`resumed` counts the tasks
         placed again (a deferred training task is placed by a later retry)."""
-        self._now = now
-        node = self.nodes[n]
-        served = node.update_count
+        served = self.nodes[n].update_count
         out = ClusterStep()
-        step = node.reset(now)
+        self._place_again(self._reset(n, now, out), now, out)
+        if self.serving_nodes is not None and n in self.serving_nodes and served:
+            self._absorb(n, self.nodes[n].sync(served, now), out)
+        return out
+
+    def node_down(self, n: int, now: float) -> ClusterStep:
+        """Node ``n`` is gone for good (its worker group failed past its restarts): nothing
+        is placed or synced there any more (a policy's choice of it goes to the next live
+        node), and its unfinished work is placed again on the others. With no node left,
+        that work and every later arrival fail (``failed``)."""
+        self.scheduler.down.add(n)
+        out = ClusterStep()
+        lost = self._reset(n, now, out)
+        if not self.all_down:
+            self._place_again(lost, now, out)
+            return out
+        for task in [x if isinstance(x, OnlineTask) else x.task for x in lost] + self.scheduler.deferred:
+            self._fail(task, out)
+        self.scheduler.deferred = []
+        return out
+
+    @property
+    def all_down(self) -> bool:
+        return len(self.scheduler.down) == len(self.nodes)
+
+    def _reset(self, n: int, now: float, out: ClusterStep) -> list:
+        """Reset node ``n`` (its plans too); returns its unfinished work."""
+        self._now = now
+        step = self.nodes[n].reset(now)
         self.scheduler.node_reset(n, [x.task_id for x in step.lost], now)
         self._absorb(n, step, out)
-        for x in step.lost:
+        return step.lost
+
+    def _place_again(self, lost: list, now: float, out: ClusterStep) -> None:
+        for x in lost:
             task = x if isinstance(x, OnlineTask) else resumed_task(x.task, x.generated)
             self._tasks[task.task_id] = task
             self.resumed += 1
             decision = self.scheduler.resubmit(task, now)
             if decision is not None:
                 out.decisions.append(decision)
-        if self.serving_nodes is not None and n in self.serving_nodes and served:
-            self._absorb(n, node.sync(served, now), out)
-        return out
+
+    def _fail(self, task: OnlineTask, out: ClusterStep) -> None:
+        self._tasks.pop(task.task_id, None)
+        self.metrics.failed[task.task_id] = task
+        out.failed.append(task)
 
     # -- reading ---------------------------------------------------------------------------
     def utilization(self, n: int) -> float:
@@ -217,8 +223,9 @@ class Cluster:
             if self.learner.task_done(task.task_id):
                 self.scheduler.estimators = [self.policy.estimator(self.learner.current)] * len(self.nodes)
             if self.serving_nodes is not None and self.train_done % self.params.sync_every == 0:
-                for m in self.serving_nodes:  # SEPARATE: push the weights to the servers
-                    self._absorb(m, self.nodes[m].sync(self.train_done, now), out)
+                for m in self.serving_nodes:  # SEPARATE: push the weights to the live servers
+                    if m not in self.scheduler.down:
+                        self._absorb(m, self.nodes[m].sync(self.train_done, now), out)
         if step.idle:
             self.active -= 1
             self.metrics.active_change(now, -1)

@@ -212,24 +212,20 @@ def _sample_matrix(samples: Samples) -> np.ndarray:
     return data
 
 
-def _fit_through_origin(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """Slope of y = η·x by least squares, and the (centred) R² of that line."""
-    eta = float(np.dot(x, y) / np.dot(x, x))
-    ss_res = float(np.sum((y - eta * x) ** 2))
-    ss_tot = float(np.sum((y - y.mean()) ** 2))
-    # Centred R² (can go negative) says how much of the spread the ℓ² model explains; the
-    # uncentred version of a no-intercept fit is near 1 for almost any data.
-    if ss_tot == 0:
-        return eta, 1.0 if ss_res <= 1e-12 * float(np.dot(y, y)) else 0.0
-    return eta, 1.0 - ss_res / ss_tot
-
-
 def _r2(y: np.ndarray, predicted: np.ndarray) -> float:
+    """Centred R² (can go negative): how much of the spread the model explains; the
+    uncentred version of a no-intercept fit is near 1 for almost any data."""
     ss_res = float(np.sum((y - predicted) ** 2))
     ss_tot = float(np.sum((y - y.mean()) ** 2))
     if ss_tot == 0:
         return 1.0 if ss_res <= 1e-12 * float(np.dot(y, y)) else 0.0
     return 1.0 - ss_res / ss_tot
+
+
+def _fit_through_origin(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Slope of y = η·x by least squares, and the R² of that line."""
+    eta = float(np.dot(x, y) / np.dot(x, x))
+    return eta, _r2(y, eta * x)
 
 
 def _fit_shared_intercept(xf: np.ndarray, forward: np.ndarray, xb: np.ndarray, backward: np.ndarray):
