@@ -34,7 +34,7 @@ from raycolo.online.config import OnlineConfig, layer_bounds, model_hf_config, p
 from raycolo.online.driver import ClusterDriver, OpLost
 from raycolo.online.node import Op
 from raycolo.online.profiles import NodeProfile
-from raycolo.online.samples import Cursor, SampleStore
+from raycolo.online.samples import Cursor, SampleStore, TrainingLedger
 from raycolo.online.tasks import OnlineTask
 
 EOS_ID = 2
@@ -88,12 +88,7 @@ class OnlineController:
         self.tasks: dict[int, OnlineTask] = {}
         self.train_tasks: dict[int, list] = {}
         self.train_seqs: dict[int, list[int]] = {}          # training task -> its samples' seqs
-        self.sample_trained: dict[int, int] = {}            # seq -> trainings the adapters keep
-        self.since_checkpoint = [[] for _ in range(cfg.nodes)]  # seqs trained since the node's checkpoint
-        self.checkpoint_version = [0] * cfg.nodes
-        self.uncommitted: dict[tuple[int, int], int] = {}  # (node, version) -> end of what it holds
-        self.since_base = [0] * cfg.nodes     # trained-sample index of since_checkpoint[n][0]
-        self.lost_training: dict[int, tuple] = {}   # node -> (seqs, base, held) until it restores
+        self.ledger = TrainingLedger(cfg.nodes)             # which samples the adapters keep
         self.restarts: list[dict] = []                       # node, reason, time, lost, replayed
         self.dead: dict[int, str] = {}                       # node -> why its worker group is gone
         self.losses: list[tuple[float, int, float]] = []    # (time, task, loss)
@@ -208,11 +203,12 @@ class OnlineController:
         self.workers[key] = dict(info, node=node, stage=stage, epoch=self.epochs[node],
                                  registered_s=time.time())
         self.registered[node].add(stage)
-        if len(self.registered[node]) == self.config.stages and node in self.lost_training:
+        if len(self.registered[node]) == self.config.stages and self.ledger.restoring(node):
             for r in self.restarts:      # the node's new group is complete: it serves again
                 if r["node"] == node and r["epoch"] == self.epochs[node]:
                     r["back_s"] = self.driver.now()
-            self._restored(node)
+            # train again what the restored checkpoint does not hold
+            self._replay(node, self.ledger.restore(node, self.workers[f"node-{node}/stage-0"].get("restored_version")))
         if all(len(r) == self.config.stages for r in self.registered):
             self.ready.set()
         return self.epochs[node]
@@ -260,36 +256,14 @@ class OnlineController:
             future = self.waiting.pop(key)
             if not future.done():
                 future.set_exception(OpLost(reason))
-        seqs, base = self.since_checkpoint[node], self.since_base[node]
-        self.since_checkpoint[node], self.since_base[node] = [], base + len(seqs)
-        held = {v: end for (n, v), end in self.uncommitted.items() if n == node}
-        for key in [(node, v) for v in held]:
-            del self.uncommitted[key]
-        for seq in seqs:           # rolled back, unless the restored checkpoint holds them
-            self.sample_trained[seq] -= 1
-        earlier, _, held_before = self.lost_training.pop(node, ([], 0, {}))   # a restart that never completed
-        held = {**held_before, **held}
+        self.ledger.lose(node)
         self.restarts.append({"node": node, "reason": reason, "time_s": self.driver.now(),
                               "epoch": self.epochs[node], "resumed_tasks": self.cluster.resumed - resumed,
-                              "replayed_samples": None, "adapter_version": self.checkpoint_version[node],
+                              "replayed_samples": None, "adapter_version": self.ledger.version[node],
                               "down": down})
         if down:                   # trained again on the other nodes
-            self._replay(node, earlier + seqs)
-        else:                      # replayed once the new group says what it restored
-            self.lost_training[node] = (earlier + seqs, base - len(earlier), held)
-
-    def _restored(self, node: int) -> None:
-        """The node's new group is complete: the samples its restored checkpoint does not
-        hold are trained again. It is normally the last committed one; it may be a later
-        one whose commit Ray Train finished but had not yet been reported here."""
-        seqs, base, held = self.lost_training.pop(node, ([], 0, {}))
-        restored = self.workers[f"node-{node}/stage-0"].get("restored_version")
-        keep = max(0, min(len(seqs), held[restored] - base)) if restored in held else 0
-        for seq in seqs[:keep]:
-            self.sample_trained[seq] += 1
-        if restored in held:
-            self.checkpoint_version[node] = restored
-        self._replay(node, seqs[keep:])
+            self._replay(node, self.ledger.abandon(node))
+        # else: replayed once the new group says which checkpoint it restored (register)
 
     def _replay(self, node: int, seqs: list) -> None:
         for r in reversed(self.restarts):
@@ -388,9 +362,7 @@ class OnlineController:
             self.losses.append((time.time(), op.tasks[0].task_id, result["loss"]))
         elif op.kind == "train_b" and op.stage == 0:
             self.train_tasks.pop(op.tasks[0].task_id, None)
-            for seq in self.train_seqs.pop(op.tasks[0].task_id, []):
-                self.sample_trained[seq] = self.sample_trained.get(seq, 0) + 1
-                self.since_checkpoint[op.node].append(seq)
+            self.ledger.train(op.node, self.train_seqs.pop(op.tasks[0].task_id, []))
             self.last_trained_node = op.node
             self.trained_steps[op.node] += 1
             if self.trained_steps[op.node] % self.config.lora.checkpoint_every == 0:
@@ -443,23 +415,19 @@ class OnlineController:
             return           # the group restarted first: it resumes from the previous checkpoint
         # No op of the node ran during the pause: the checkpoint holds the samples trained
         # so far; they count as kept once Ray Train commits it (checkpoint_committed).
-        self.uncommitted[(node, version)] = self.since_base[node] + len(self.since_checkpoint[node])
+        self.ledger.report(node, version)
 
     async def checkpoint_committed(self, node: int, epoch: int, version: int, committed: Optional[int]) -> None:
         """Stage 0 of ``node`` saw Ray Train commit up to ``committed`` after reporting
         ``version``."""
-        end = self.uncommitted.pop((node, version), None)
-        if epoch != self.epochs[node] or end is None:
-            return           # the group restarted meanwhile (_node_lost replayed the samples)
+        if epoch != self.epochs[node]:
+            return           # the group restarted meanwhile (the ledger dropped its reports)
         if committed is None or committed < version:
+            self.ledger.reported.pop((node, version), None)
             self.errors.append(f"node {node}: adapter checkpoint v{version} was not committed by Ray Train "
                                f"(last committed: {committed})")
             return
-        cut = end - self.since_base[node]     # the samples the checkpoint holds
-        if cut > 0:
-            self.since_checkpoint[node] = self.since_checkpoint[node][cut:]
-            self.since_base[node] = end
-        self.checkpoint_version[node] = max(self.checkpoint_version[node], version)
+        self.ledger.commit(node, version)
 
     # -- clients ---------------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -580,9 +548,9 @@ class OnlineController:
             "scheduling_us_p99": _pct([x * 1e6 for x in self.driver.scheduling_s], 99) if self.driver else 0.0,
             "losses": self.losses[-20:],
             "restarts": list(self.restarts), "dead_nodes": dict(self.dead),
-            "checkpoint_versions": list(self.checkpoint_version),
-            "samples_since_checkpoint": [len(x) for x in self.since_checkpoint],
-            "checkpoints_uncommitted": len(self.uncommitted),
+            "checkpoint_versions": list(self.ledger.version),
+            "samples_since_checkpoint": [len(x) for x in self.ledger.since],
+            "checkpoints_uncommitted": len(self.ledger.reported),
             "resumed_tasks": self.cluster.resumed,
         }
 
@@ -590,7 +558,7 @@ class OnlineController:
         """How often each stored sample's training is kept in the adapters (a restart's
         rollback takes back what the node trained since its checkpoint), and how many
         samples were handed to training in this epoch."""
-        return {"trained": dict(self.sample_trained), "taken": self.cursor.next_seq,
+        return {"trained": dict(self.ledger.trained), "taken": self.cursor.next_seq,
                 "epoch": self.cursor.epoch, "stored": len(self.store)}
 
     async def metrics(self):

@@ -7,7 +7,7 @@ import pytest
 
 from raycolo.errors import ConfigError
 from raycolo.online.config import layer_bounds, parse_online_config
-from raycolo.online.samples import Cursor, SampleStore, load_cursor, save_cursor
+from raycolo.online.samples import Cursor, SampleStore, TrainingLedger, load_cursor, save_cursor
 
 
 def test_append_persists_before_it_returns_and_survives_a_reload(tmp_path):
@@ -86,3 +86,32 @@ def test_the_shipped_online_example_loads():
     assert (config.nodes, config.stages, config.policy) == (2, 2, "lemix")
     bounds = layer_bounds(model_hf_config(config.model_loading_config.model_id).num_hidden_layers, config.stages)
     assert bounds[0] == 0 and len(bounds) == config.stages + 1
+
+
+def test_ledger_rolls_back_to_the_restored_checkpoint_and_hands_back_the_rest():
+    ledger = TrainingLedger(2)
+    ledger.train(0, [0, 1])
+    ledger.report(0, 1)
+    ledger.train(0, [2, 3])          # after the report: not in checkpoint 1
+    ledger.commit(0, 1)
+    assert ledger.version == [1, 0] and ledger.since[0] == [2, 3]
+    ledger.train(1, [4])
+    ledger.train(0, [5])
+    ledger.report(0, 2)              # holds 0-3 and 5; its commit has not been reported
+    ledger.lose(0)
+    assert ledger.restoring(0) and ledger.trained == {0: 1, 1: 1, 2: 0, 3: 0, 4: 1, 5: 0}
+    assert ledger.restore(0, 1) == [2, 3, 5]              # back to checkpoint 1
+    assert ledger.version[0] == 1 and not ledger.restoring(0)
+    ledger.train(0, [2, 3, 5])
+    assert set(ledger.trained.values()) == {1}
+
+    ledger.train(0, [6])
+    ledger.report(0, 3)              # Ray Train commits 3 but the group dies before we hear
+    ledger.lose(0)
+    assert ledger.restore(0, 3) == [] and ledger.version[0] == 3   # 3 came back: it holds 6
+    assert ledger.trained[6] == 1
+
+    ledger.train(1, [7])
+    ledger.lose(1)
+    ledger.lose(1)                   # a second failure before the group came back
+    assert ledger.abandon(1) == [4, 7] and ledger.trained[4] == 0 == ledger.trained[7]

@@ -136,3 +136,75 @@ def load_cursor(path) -> Optional[Cursor]:
         return None
     row = json.loads(path.read_text())
     return Cursor(int(row["epoch"]), int(row["next_seq"]))
+
+
+class TrainingLedger:
+    """Which acknowledged samples the nodes' adapters keep, across checkpoints and
+    worker-group restarts (pure: no Ray, no clock).
+
+    A node trains samples in order. A checkpoint *reported* at some point holds everything
+    the node trained before it; once *committed* (Ray Train may commit a report later, or
+    never, if the group dies first) only what came after it can be lost. When the group
+    restarts, the adapter rolls back to the checkpoint the new group restored: the samples
+    that checkpoint does not hold are handed back to be trained again.
+    """
+
+    def __init__(self, nodes: int):
+        self.trained: dict[int, int] = {}        # seq -> trainings the adapters keep
+        self.since = [[] for _ in range(nodes)]  # seqs trained since the last committed checkpoint
+        self.base = [0] * nodes                  # seqs the node trained before since[n][0]
+        self.reported: dict[tuple[int, int], int] = {}   # (node, version) -> seqs trained it holds
+        self.version = [0] * nodes               # last committed checkpoint per node
+        self._lost: dict[int, tuple] = {}        # node -> (seqs, base, reported) until it restores
+
+    def train(self, node: int, seqs: Iterable[int]) -> None:
+        for seq in seqs:
+            self.trained[seq] = self.trained.get(seq, 0) + 1
+            self.since[node].append(seq)
+
+    def report(self, node: int, version: int) -> None:
+        """Checkpoint ``version`` of ``node`` was taken now (nothing trained meanwhile)."""
+        self.reported[(node, version)] = self.base[node] + len(self.since[node])
+
+    def commit(self, node: int, version: int) -> None:
+        """Ray Train committed checkpoint ``version``: what it holds is kept for good."""
+        end = self.reported.pop((node, version), None)
+        if end is None:
+            return
+        cut = end - self.base[node]
+        if cut > 0:
+            del self.since[node][:cut]
+            self.base[node] = end
+        self.version[node] = max(self.version[node], version)
+
+    def lose(self, node: int) -> None:
+        """The node's group is gone: what it trained since its last committed checkpoint no
+        longer counts, until :meth:`restore` says which checkpoint came back."""
+        seqs, base = self.since[node], self.base[node]
+        self.since[node], self.base[node] = [], base + len(seqs)
+        held = {v: end for (n, v), end in self.reported.items() if n == node}
+        for v in held:
+            del self.reported[(node, v)]
+        for seq in seqs:
+            self.trained[seq] -= 1
+        earlier, earlier_base, earlier_held = self._lost.pop(node, ([], base, {}))  # a restart that never completed
+        self._lost[node] = (earlier + seqs, earlier_base, {**earlier_held, **held})
+
+    def restore(self, node: int, version: Optional[int]) -> list[int]:
+        """The node's new group restored checkpoint ``version`` (normally the last
+        committed; it may be a later one whose commit was not reported yet): returns the
+        samples to train again, those that checkpoint does not hold."""
+        seqs, base, held = self._lost.pop(node, ([], 0, {}))
+        keep = max(0, min(len(seqs), held[version] - base)) if version in held else 0
+        for seq in seqs[:keep]:
+            self.trained[seq] += 1
+        if version in held:
+            self.version[node] = version
+        return seqs[keep:]
+
+    def abandon(self, node: int) -> list[int]:
+        """The node is gone for good: everything lost on it is to be trained elsewhere."""
+        return self._lost.pop(node, ([], 0, {}))[0]
+
+    def restoring(self, node: int) -> bool:
+        return node in self._lost
