@@ -249,3 +249,84 @@ def test_throughput_at_64_concurrent_requests_beats_8_on_the_same_work():
     assert ratio > 1.3
     # float32, different batch compositions: the first tokens still agree
     assert [o.token_ids[:3] for o in outs[8]] == [o.token_ids[:3] for o in outs[64]]
+
+
+# -- the native CPU attention kernel ---------------------------------------------------------
+def mixed_steps(executor, prompts, block_size=4):
+    """A prefill of ``prompts`` in two chunks per prompt (the second continues from cached
+    positions), then two decode steps; returns the logits of each step."""
+    alloc = BlockAllocator(256)
+    for i, p in enumerate(prompts):
+        alloc.allocate(i, -(-(len(p) + 2) // block_size))
+    out = []
+    half = [len(p) // 2 for p in prompts]
+    out.append(executor.execute(executor.batch(
+        [SeqChunk(p[:h], 0, alloc.tables[i]) for i, (p, h) in enumerate(zip(prompts, half))])))
+    seqs = [list(p) for p in prompts]
+    # the rest of the prompts, alongside nothing else; then decode steps of every row
+    out.append(executor.execute(executor.batch(
+        [SeqChunk(p[h:], h, alloc.tables[i]) for i, (p, h) in enumerate(zip(prompts, half))])))
+    for _ in range(2):
+        for s, t in zip(seqs, out[-1].argmax(-1).tolist()):
+            s.append(t)
+        out.append(executor.execute(executor.batch(
+            [SeqChunk([s[-1]], len(s) - 1, alloc.tables[i]) for i, s in enumerate(seqs)])))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("model_id", ["tiny-llama-l", "tiny-mistral-s", "tiny-qwen2-s"])
+def test_native_attention_equals_the_torch_path(model_id, dtype):
+    """The C kernel (GQA groups, sliding windows, chunked prefill, decode) against the
+    executor's torch attention (gathered K/V, masks, matmuls) on the same model."""
+    model, _ = build_tiny_model(model_id, 0, dtype)
+    prompts = random_prompts([3, 70, 41, 9, 64])   # beyond the tiny sliding window
+    native = ModelExecutor(model, 256, 4)
+    assert native.native, "the native CPU attention kernel did not build (see the log)"
+    torch_path = ModelExecutor(model, 256, 4, native_attention=False)
+    assert not torch_path.native
+    tol = 1e-10 if dtype == "float64" else 1e-4
+    for a, b in zip(mixed_steps(native, prompts), mixed_steps(torch_path, prompts)):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol)
+
+
+def test_native_kernel_build_failure_falls_back_and_says_so(tmp_path, monkeypatch, caplog):
+    from raycolo.executor import native
+
+    saved = dict(native._state)
+    try:
+        native._state.clear()
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        with caplog.at_level(logging.WARNING, logger="raycolo.executor"):
+            assert native.native_library() is None
+            model, _ = build_tiny_model("tiny-llama-s", 0, "float64")
+            ex = ModelExecutor(model, 64, 4)
+        assert not ex.native
+        assert [r.getMessage() for r in caplog.records if "native" in r.getMessage()] == [
+            f"raycolo executor: native CPU attention unavailable (no C compiler "
+            f"({tmp_path / 'no-such-compiler'}) on PATH); using the torch attention path "
+            f"(correct, slower)"]
+        # a fresh build into an empty cache directory lands under its content key
+        native._state.clear()
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv("RAYCOLO_KERNEL_CACHE", str(tmp_path / "cache"))
+        assert native.native_library() is not None
+        built = list((tmp_path / "cache").iterdir())
+        assert [p.name for p in built] == [native.library_path(native._compiler()).name]
+    finally:
+        native._state.clear()
+        native._state.update(saved)
+
+
+def test_freed_step_memory_is_reused_without_new_page_faults():
+    """After the heap policy, a 64 MiB temporary allocated again after being freed reuses
+    the heap's pages; glibc's default would mmap it afresh and fault in 16,384 pages."""
+    import resource
+
+    from raycolo.executor.heap import keep_freed_memory
+
+    assert keep_freed_memory()
+    torch.ones(16 << 20)                      # allocate, touch, free
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(16 << 20)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000

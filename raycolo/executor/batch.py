@@ -7,6 +7,8 @@ for a prefill, one token for a decode step, any number in between) starting at p
 row of ``num_tokens`` for the projections and the MLP. Attention runs per *group* of
 sequences of similar length, each padded only to its own longest context, so that a
 batch of short and long requests does not pay the longest one's context for all.
+The native CPU kernel (:mod:`raycolo.executor.native`) needs no groups: it reads each
+token's keys through ``tables`` at ``table_start``, up to the token's position.
 """
 from __future__ import annotations
 
@@ -63,12 +65,17 @@ class StepBatch:
     positions: torch.Tensor             # (num_tokens,) long
     slots: torch.Tensor                 # (num_tokens,) flat KV slot of each new token
     last_index: torch.Tensor            # (num_seqs,) packed index of each sequence's last token
-    groups: list[AttentionGroup]
+    groups: list[AttentionGroup]        # empty when built with groups=False
+    tables: Optional[torch.Tensor] = None       # every sequence's block table, concatenated
+    table_start: Optional[torch.Tensor] = None  # (num_tokens,) where its sequence's table starts
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu",
-              with_ids: bool = True) -> "StepBatch":
+              with_ids: bool = True, groups: bool = True) -> "StepBatch":
+        """The step's index tensors: attention groups (``groups=True``, the torch attention
+        path), or flat block tables (``groups=False``, the native kernel)."""
         ids, positions, slots, last, offsets = [], [], [], [], []
+        flat_tables, table_start = [], []
         offset = 0
         for c in chunks:
             n = c.length
@@ -82,6 +89,9 @@ class StepBatch:
             slots.extend(c.table[p // block_size] * block_size + p % block_size for p in pos)
             if with_ids:
                 ids.extend(c.tokens)
+            if not groups:
+                table_start.extend([len(flat_tables)] * n)
+                flat_tables.extend(c.table)
             offsets.append(offset)
             offset += n
             last.append(offset - 1)
@@ -89,10 +99,13 @@ class StepBatch:
         def tensor(values):
             return torch.tensor(values, dtype=torch.long, device=device)
 
-        groups = [cls._group(chunks, rows, offsets, block_size, tensor)
-                  for rows in _split_rows(chunks, block_size)]
+        if not groups:
+            return cls(len(chunks), offset, tensor(ids) if with_ids else None, tensor(positions),
+                       tensor(slots), tensor(last), [], tensor(flat_tables), tensor(table_start))
+        built = [cls._group(chunks, rows, offsets, block_size, tensor)
+                 for rows in _split_rows(chunks, block_size)]
         return cls(len(chunks), offset, tensor(ids) if with_ids else None, tensor(positions),
-                   tensor(slots), tensor(last), groups)
+                   tensor(slots), tensor(last), built)
 
     @staticmethod
     def _group(chunks, rows, offsets, block_size, tensor) -> AttentionGroup:

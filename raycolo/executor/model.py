@@ -26,7 +26,9 @@ import torch.nn.functional as F
 
 from raycolo.errors import ConfigError
 from raycolo.executor.batch import SeqChunk, StepBatch
+from raycolo.executor.heap import keep_freed_memory
 from raycolo.executor.kv_cache import PagedKVCache
+from raycolo.executor.native import native_attention_supported, paged_attention
 from raycolo.executor.packed import pack_linears
 
 log = logging.getLogger("raycolo.executor")
@@ -59,7 +61,8 @@ class ModelExecutor:
     paged = True
 
     def __init__(self, model, num_blocks: int, block_size: int,
-                 layers: Optional[tuple[int, int]] = None, pack_weights: bool = True):
+                 layers: Optional[tuple[int, int]] = None, pack_weights: bool = True,
+                 native_attention: bool = True):
         base = _unwrap(model)
         family = fast_path_family(base)
         if family is None:
@@ -88,9 +91,13 @@ class ModelExecutor:
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         param = next(base.parameters())
         self.dtype, self.device = param.dtype, param.device
+        if self.device.type == "cpu":
+            keep_freed_memory()    # reuse step temporaries instead of faulting in new pages
         self.block_size = block_size
         self.cache = PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads,
                                   self.head_dim, self.dtype, self.device)
+        # On the CPU, attention reads the cache in place with a native kernel (native.py).
+        self.native = native_attention and native_attention_supported(self.dtype, self.device)
 
     def _window(self, attn) -> Optional[int]:
         if hasattr(attn, "sliding_window"):      # Qwen2: per layer type
@@ -106,7 +113,14 @@ class ModelExecutor:
         return self.last == self.num_layers
 
     def batch(self, chunks: Sequence[SeqChunk]) -> StepBatch:
-        return StepBatch.build(chunks, self.block_size, self.device, with_ids=self.is_first)
+        native = self.native
+        if native:
+            top = max((b for c in chunks for b in c.table), default=0)
+            if top >= self.cache.num_blocks or min((b for c in chunks for b in c.table), default=0) < 0:
+                raise ValueError(f"a block table names block {top}; the cache has "
+                                 f"{self.cache.num_blocks}")
+        return StepBatch.build(chunks, self.block_size, self.device, with_ids=self.is_first,
+                               groups=not native)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -191,6 +205,13 @@ class ModelExecutor:
         v = attn.v_proj(h).view(n, self.kv_heads, d)
         q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
         self.cache.write(i, batch.slots, k, v)
+        if batch.tables is not None:  # the native kernel reads K/V in place
+            if q.requires_grad:
+                raise ValueError("the native attention kernel has no backward: run the "
+                                 "executor under torch.inference_mode (execute)")
+            o = paged_attention(q, self.cache.keys[i], self.cache.values[i], batch.tables,
+                                batch.table_start, batch.positions, self.windows[i], self.scale)
+            return attn.o_proj(o.view(n, self.heads * d))
         groups = batch.groups
         if len(groups) == 1 and groups[0].out_index is None:  # decode, rows in batch order
             return attn.o_proj(self._group_attention(i, q, groups[0]))
