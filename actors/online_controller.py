@@ -53,6 +53,7 @@ class LiveRequest:
     finish_reason: Optional[str] = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted_s: float = 0.0
+    cancelled: Optional[str] = None     # finish it at its next token with this reason
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -108,9 +109,35 @@ class OnlineController:
         self.exports: dict[int, asyncio.Task] = {}
         self.oob_seq = -1_000_000     # seq numbers of out-of-band payloads (checkpoint, lora)
         self.background: set[asyncio.Task] = set()   # checkpoints under way
+        self.rejections = 0                           # admissions refused (429)
+        self.auto_train = False                       # samples arrive over HTTP: train them as they come
+        self.adapter_changed_s = time.time()          # the served adapter last changed
+        self.fronts: set[str] = set()                 # HTTP replicas attached (serve_app.py)
+        self._starting: Optional[asyncio.Task] = None
+        self.cancelled = 0                            # requests ended early by their clients
 
     # -- start and stop ----------------------------------------------------------------------
     async def start(self, timeout_s: float = 300.0) -> dict:
+        """Start the stage workers and wait until all registered. Idempotent: a second
+        caller (another HTTP replica, a restarted one) waits for the same start."""
+        if self._starting is None:
+            self._starting = asyncio.get_running_loop().create_task(self._start(timeout_s))
+        return await asyncio.shield(self._starting)
+
+    async def attach(self, front: str) -> None:
+        """An HTTP replica uses this deployment."""
+        self.fronts.add(front)
+
+    async def detach(self, front: str, grace_s: float = 30.0) -> None:
+        """An HTTP replica shut down; with none attached after ``grace_s`` (a replica that is
+        only being replaced attaches again), the deployment stops and this actor exits."""
+        self.fronts.discard(front)
+        await asyncio.sleep(grace_s)
+        if not self.fronts:
+            await self.stop()
+            ray.actor.exit_actor()
+
+    async def _start(self, timeout_s: float) -> dict:
         loop = self._loop = asyncio.get_running_loop()
         self.driver = self._driver()
         for n in range(self.config.nodes):
@@ -344,13 +371,14 @@ class OnlineController:
         if op.kind in ("prefill", "decode") and last:
             for r, token in zip(op.tasks, result["tokens"]):
                 req = self.requests[r.task_id]
-                req.generated.append(token)
-                reason = None
-                if token == EOS_ID and not req.ignore_eos:
-                    reason = "stop"
-                elif len(req.generated) >= req.max_tokens:
-                    reason = "length"
-                req.events.put_nowait(("token", token))
+                reason = req.cancelled
+                if reason is None:
+                    req.generated.append(token)
+                    if token == EOS_ID and not req.ignore_eos:
+                        reason = "stop"
+                    elif len(req.generated) >= req.max_tokens:
+                        reason = "length"
+                    req.events.put_nowait(("token", token))
                 if reason:
                     req.finish_reason = reason
                     finished.add(r.task_id)
@@ -365,6 +393,9 @@ class OnlineController:
             self.ledger.train(op.node, self.train_seqs.pop(op.tasks[0].task_id, []))
             self.last_trained_node = op.node
             self.trained_steps[op.node] += 1
+            self.adapter_changed_s = time.time()
+            if self.auto_train:
+                self._pump_training()
             if self.trained_steps[op.node] % self.config.lora.checkpoint_every == 0:
                 task = asyncio.get_running_loop().create_task(self._checkpoint(op.node))
                 self.background.add(task)
@@ -446,6 +477,30 @@ class OnlineController:
         self.driver.submit(task)
         return tid
 
+    async def admit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
+                    top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False) -> dict:
+        """The HTTP front's submit: ``{"id"}``, or ``{"rejected": "overloaded"}`` beyond
+        ``serve.max_ongoing_requests`` unfinished requests, or ``{"rejected": "unavailable"}``
+        when no node is alive. A rejected request was never accepted; an accepted one ends
+        with its tokens or an error event, never silently."""
+        if len(self.dead) == self.config.nodes:
+            return {"rejected": "unavailable", "why": "; ".join(self.dead.values())}
+        if self.unfinished() >= self.config.serve.max_ongoing_requests:
+            self.rejections += 1
+            return {"rejected": "overloaded", "retry_after_s": self.config.serve.retry_after_s}
+        return {"id": await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos)}
+
+    def unfinished(self) -> int:
+        return sum(1 for r in self.requests.values() if r.finish_reason is None)
+
+    async def cancel(self, rid: int, reason: str = "stop") -> None:
+        """End request ``rid`` at its next step (a stop string matched, or its client went
+        away): no more tokens are sent, and its KV blocks are released like a finished one's."""
+        req = self.requests.get(rid)
+        if req is not None and req.finish_reason is None and req.cancelled is None:
+            req.cancelled = reason
+            self.cancelled += 1
+
     async def stream(self, rid: int):
         """Tokens of request ``rid`` as they come: ("token", id) ... then ("done", reason)."""
         req = self.requests[rid]
@@ -474,10 +529,59 @@ class OnlineController:
         req = self.requests[rid]
         return {"id": rid, "tokens": len(req.generated), "finish_reason": req.finish_reason}
 
-    async def add_samples(self, samples: list) -> dict:
-        """Persist training samples (fsynced) before acknowledging them."""
+    async def add_samples(self, samples: list, train: bool = False) -> dict:
+        """Persist training samples (fsynced) before acknowledging them. With ``train``
+        (the HTTP front), every full micro-batch of pending samples becomes a training task."""
         seqs = self.store.append([(p, c) for p, c in samples])
+        if train:
+            self.auto_train = True
+            self._pump_training()
         return {"ids": seqs, "stored": len(self.store)}
+
+    def _pump_training(self) -> None:
+        """Samples that came over HTTP: full micro-batches of pending samples become training
+        tasks, at most ``lora.queued_tasks`` per node outstanding (more follow as they finish)."""
+        limit = self.config.lora.queued_tasks * (self.config.nodes - len(self.dead))
+        micro = self.config.lora.micro_batch
+        while len(self.train_tasks) < limit and self.store.pending(self.cursor) >= micro:
+            samples, self.cursor = self.store.take(self.cursor, micro)
+            self._submit_samples(samples)
+
+    async def train_status(self) -> dict:
+        trained = sum(1 for n in self.ledger.trained.values() if n > 0)
+        last = max(((n, v) for n, v in enumerate(self.ledger.version) if v),
+                    key=lambda x: x[1], default=None)
+        return {"received": len(self.store), "trained": trained,
+                "pending": self.store.pending(self.cursor), "adapter_version": self.adapter_version,
+                "last_checkpoint": None if last is None else {"node": last[0], "version": last[1]}}
+
+    async def monitor(self) -> dict:
+        """The figures the HTTP front exports as gauges (actors/serve_metrics.py)."""
+        now = self.driver.now() if self.driver else 0.0
+        nodes = self.cluster.nodes
+        running = sum(len(node.batch) + len(node.joining) for node in nodes)
+        busy: dict = {}
+        for start, end, n, st, _kind, _ids in self.cluster.op_log:
+            busy[(n, st)] = busy.get((n, st), 0.0) + (end - start)
+        result = await self.metrics()
+        status = await self.train_status()
+        return {
+            "running": running, "waiting": max(0, self.unfinished() - running),
+            "samples_trained": status["trained"], "samples_pending": status["pending"],
+            "optimizer_steps": sum(self.trained_steps), "adapter_version": self.adapter_version,
+            "adapter_staleness_s": time.time() - self.adapter_changed_s,
+            "slo_attainment": result.slo_attainment,
+            "decision_us_p50": _pct(self.cluster.scheduler.decision_us, 50),
+            "nodes_alive": self.config.nodes - len(self.dead),
+            "stages": [{"node": n, "stage": st, "busy_fraction": min(1.0, busy.get((n, st), 0.0) / now) if now else 0.0,
+                        "memory_bytes": nodes[n].stages[st].used_bytes}
+                       for n in range(self.config.nodes) for st in range(self.config.stages)],
+        }
+
+    async def health(self) -> dict:
+        alive = self.config.nodes - len(self.dead)
+        return {"status": "ok" if alive == self.config.nodes else "degraded",
+                "nodes_alive": alive, "nodes": self.config.nodes}
 
     async def submit_training(self) -> Optional[int]:
         """Turn the next micro-batch of stored samples into a training task."""

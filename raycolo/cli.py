@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     orun.add_argument("--save-profile", default=None, metavar="JSON", help="write the fitted node profile")
     orun.add_argument("--plot", default=None, metavar="PNG", help="active nodes over time and the TTFT CDF")
     orun.add_argument("--json", action="store_true")
+    srv = sub.add_parser("serve", help="serve the online deployment over OpenAI-compatible HTTP "
+                         "(Ray Serve) on a local cluster, until Ctrl-C")
+    srv.add_argument("config", help="online deployment config (YAML), e.g. examples/online.yaml")
+    srv.add_argument("--address", default=None, help="Ray cluster to join (default: a local cluster)")
+    srv.add_argument("--host", default=None, help="HTTP host (default: the config's serve.host, 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's serve.port, 8000)")
     run_dag = sub.add_parser("run-dag", help="what jobs/run_dag.py runs under 'ray job submit'")
     run_dag.add_argument("--dag", required=True, help="application graph (YAML)")
     _add_run_flags(run_dag, local=False)
@@ -494,7 +500,24 @@ def cmd_online(args) -> int:
                           f"({result.inference} inference, {result.train} training)")
 
 
-COMMANDS = {"online": cmd_online, "simulate-online": cmd_simulate_online, "sweep-online": cmd_sweep_online,"plan": cmd_plan, "compare": cmd_compare, "profile": cmd_profile,
+def cmd_serve(args) -> int:
+    from raycolo.errors import ConfigError
+    from raycolo.online.config import layer_bounds, load_online_config, model_hf_config
+
+    config = load_online_config(args.config)
+    layer_bounds(model_hf_config(config.model_loading_config.model_id).num_hidden_layers, config.stages)
+    update = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port: must lie in [1, 65535], got {args.port}")
+    if update:
+        config = config.model_copy(update={"serve": config.serve.model_copy(update=update)})
+    from raycolo.actors.serve_launch import serve_until_stopped
+
+    return serve_until_stopped(config, address=args.address,
+                               say=lambda m: print(m, file=sys.stderr, flush=True))
+
+
+COMMANDS = {"serve": cmd_serve, "online": cmd_online, "simulate-online": cmd_simulate_online, "sweep-online": cmd_sweep_online,"plan": cmd_plan, "compare": cmd_compare, "profile": cmd_profile,
             "validate": cmd_validate, "run": cmd_run, "run-dag": cmd_run}
 
 

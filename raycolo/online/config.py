@@ -35,6 +35,7 @@ class LoraSpec(BaseModel):
     micro_batch: int = Field(default=4, gt=0, le=1024)       # samples per training task (C)
     checkpoint_every: int = Field(default=8, gt=0)            # optimizer steps between checkpoints
     max_len: int = Field(default=256, gt=1, le=1 << 16)       # tokens per training sample, at most
+    queued_tasks: int = Field(default=2, gt=0, le=1024)       # HTTP samples: training tasks outstanding per node
 
 
 class StageSpec(BaseModel):
@@ -49,6 +50,36 @@ class StageSpec(BaseModel):
     kv_cache_tokens: int = Field(default=16384, gt=0)
     memory_bytes: float = Field(default=2 * GIB, gt=0)        # the stage's memory budget
     max_failures: int = Field(default=1, ge=0)                # worker-group restarts per node
+
+
+class ServeSpec(BaseModel):
+    """The HTTP front (``raycolo serve``, ``serve run examples/serve.yaml``, docs/serve.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"                                   # Serve's HTTP proxy; loopback only
+    port: int = Field(default=8000, ge=1, le=65535)           # Ray Serve's own default
+    route_prefix: str = "/"
+    app_name: str = "raycolo"
+    served_model_name: Optional[str] = None                   # default: model_loading_config.model_id
+    api_key_env: Optional[str] = None                         # env var holding the Bearer key
+    max_ongoing_requests: int = Field(default=64, gt=0, le=1 << 20)  # admission limit (429 beyond)
+    retry_after_s: int = Field(default=1, ge=1, le=3600)
+    max_body_bytes: int = Field(default=1 << 20, gt=0)        # 413 beyond
+    replicas: int = Field(default=1, gt=0, le=64)             # ingress replicas
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError("must start with '/'")
+        return v
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not v.replace("_", "").isalnum():
+            raise ValueError("must be an environment variable name (letters, digits, '_')")
+        return v
 
 
 class OnlineConfig(BaseModel):
@@ -66,6 +97,10 @@ class OnlineConfig(BaseModel):
     storage_path: str = "out/online/checkpoints"
     profile: Optional[str] = None                             # a saved node profile (JSON) to start from
     prior_gflops: float = Field(default=20.0, gt=0)           # the prior profile's assumed rate
+    serve: ServeSpec = Field(default_factory=ServeSpec)
+
+    def served_model_name(self) -> str:
+        return self.serve.served_model_name or self.model_loading_config.model_id
 
     @field_validator("policy")
     @classmethod

@@ -89,3 +89,18 @@ class TextStream:
         delta = text[self.sent:]
         self.sent = len(text)
         return delta
+
+
+def encode_completion(tokenizer, text: str) -> list[int]:
+    """A training completion's ids: the text without a leading BOS, ending with EOS (so the
+    adapter learns where an answer stops)."""
+    hf = getattr(tokenizer, "tok", None)
+    if hf is not None:
+        ids = list(hf(text, add_special_tokens=False)["input_ids"])
+    else:
+        ids = tokenizer.encode(text)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if ids and ids[0] == bos:
+            ids = ids[1:]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return ids + ([eos] if eos is not None else [])

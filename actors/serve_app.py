@@ -1,0 +1,387 @@
+"""raycolo's HTTP front: an OpenAI-compatible Ray Serve FastAPI ingress over the live
+co-located deployment (docs/serve.md).
+
+    serve run examples/serve.yaml                       # import_path: raycolo.actors.serve_app:build_app
+    raycolo serve examples/online.yaml                  # a local cluster
+    ray job submit --working-dir . -- python jobs/serve.py --config examples/online.yaml
+
+The ingress tokenizes, renders chats, checks requests, streams server-sent events and
+records metrics; the :class:`~raycolo.actors.online_controller.OnlineController` (one per
+deployment, a detached named actor that every replica attaches to) admits requests and
+places them and the training they bring with LeMix on the stage workers.
+"""
+
+import asyncio
+import hmac
+import json
+import os
+import secrets
+import time
+import uuid
+from typing import Optional
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from pydantic import BaseModel
+from ray import serve
+
+from raycolo.errors import ConfigError
+from raycolo.online.config import OnlineConfig, load_online_config, parse_online_config
+from raycolo.serving.errors import OpenAIError, from_validation
+from raycolo.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health,
+                                      ModelCard, ModelList, TrainSamplesRequest, TrainSamplesResponse,
+                                      TrainStatus, CompletionResponse, ChatCompletionResponse)
+from raycolo.serving.text import TextStream, chat_sample, encode_completion, render_chat
+
+NAMESPACE = "raycolo"
+MONITOR_EVERY_S = 2.0
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+             "description": "JSON, or server-sent events with stream: true"}}
+
+app = FastAPI(title="raycolo", version="0.1.0",
+              description="OpenAI-compatible serving with co-located LoRA retraining (LeMix on Ray).")
+_settings: dict = {}          # this replica's limits and key (set by the ingress's __init__)
+
+
+def _error(exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(request: Request, exc: OpenAIError):
+    return _error(exc)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return _error(OpenAIError(400, "the body is not valid JSON", code="invalid_json"))
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[") or None
+    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        msg = "is required"
+    return _error(OpenAIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_parameter"))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    status = exc.status_code if exc.status_code in (400, 401, 404, 405, 413) else 400
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    text = message.get(status) or ("the body could not be parsed (malformed or nested too deeply)"
+                                   if "parsing the body" in str(exc.detail) else str(exc.detail))
+    return _error(OpenAIError(status, text, code="invalid_request"))
+
+
+@app.exception_handler(RecursionError)
+async def _too_deep(request: Request, exc: RecursionError):
+    return _error(OpenAIError(400, "the body is nested too deeply", code="invalid_json"))
+
+
+@app.middleware("http")
+async def _guard(request: Request, call_next):
+    """API key and body size, before the body is parsed."""
+    key = _settings.get("api_key")
+    if key and request.url.path not in ("/health", "/openapi.json", "/docs"):
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return _error(OpenAIError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                                      code="invalid_api_key"))
+    limit = _settings.get("max_body_bytes")
+    if limit and request.method == "POST":
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return _error(OpenAIError(413, f"the body is larger than {limit} bytes", code="body_too_large"))
+        body = await request.body()          # chunked bodies: counted once read
+        if len(body) > limit:
+            return _error(OpenAIError(413, f"the body is larger than {limit} bytes", code="body_too_large"))
+    return await call_next(request)
+
+
+@serve.deployment(name="raycolo-openai", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, config: dict, controller_name: str):
+        from raycolo.actors.online_controller import OnlineController
+        from raycolo.actors.serve_metrics import DeploymentMetrics, FrontMetrics
+        from raycolo.engines.models import load_tokenizer
+        from raycolo.online.config import model_hf_config
+
+        self.config = OnlineConfig.model_validate(config)
+        cfg = self.config
+        self.model_name = cfg.served_model_name()
+        self.tokenizer = load_tokenizer(cfg.model_loading_config.model_id)
+        hf = model_hf_config(cfg.model_loading_config.model_id)
+        self.context = int(getattr(hf, "max_position_embeddings", 1 << 30))
+        self.vocab = int(hf.vocab_size)
+        key = os.environ.get(cfg.serve.api_key_env) if cfg.serve.api_key_env else None
+        if cfg.serve.api_key_env and not key:
+            raise ConfigError(f"serve.api_key_env: the environment variable {cfg.serve.api_key_env} "
+                              "is not set in the Ray cluster's environment")
+        _settings.update(api_key=key, max_body_bytes=cfg.serve.max_body_bytes)
+        self.controller = OnlineController.options(
+            name=controller_name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+            max_restarts=0).remote(cfg.model_dump(), controller_name, NAMESPACE)
+        ray.get(self.controller.start.remote())
+        self.front_id = uuid.uuid4().hex[:8]
+        ray.get(self.controller.attach.remote(self.front_id))
+        self.created = int(time.time())
+        self.metrics = FrontMetrics()
+        self.gauges = DeploymentMetrics()
+        self.monitor = None
+
+    def __del__(self):
+        try:
+            self.controller.detach.remote(self.front_id)
+        except Exception:   # the cluster is going away
+            pass
+
+    async def _monitor(self) -> None:
+        while True:
+            try:
+                self.gauges.update(self.model_name, await self.controller.monitor.remote())
+            except Exception:    # the controller restarts or stops: try again
+                pass
+            await asyncio.sleep(MONITOR_EVERY_S)
+
+    def _ensure_monitor(self) -> None:
+        if self.monitor is None:
+            self.monitor = asyncio.get_running_loop().create_task(self._monitor())
+
+    # -- models ----------------------------------------------------------------------------
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, root=self.model_name,
+                                         adapter="latest")])
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise OpenAIError(404, f"model '{name}' does not exist; this server serves '{self.model_name}' "
+                              "(GET /v1/models)", param="model", code="model_not_found")
+
+    # -- generation -------------------------------------------------------------------------
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**ERRORS, **SSE})
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            ids = self.tokenizer.encode(body.prompt)
+        else:
+            ids = list(body.prompt)
+            if max(ids) >= self.vocab:
+                raise OpenAIError(400, f"prompt: token ids must be below the vocabulary size {self.vocab}",
+                                  param="prompt", code="invalid_parameter")
+        return await self._generate(body, ids, body.max_tokens, "prompt", chat=False)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **SSE})
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self._check_model(body.model)
+        text = render_chat(self.tokenizer, [(m.role, m.text()) for m in body.messages])
+        return await self._generate(body, self.tokenizer.encode(text), body.limit(), "messages", chat=True)
+
+    async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool):
+        self._ensure_monitor()
+        limit = max_tokens if max_tokens is not None else self.config.max_tokens
+        kv = self.config.stage.kv_cache_tokens
+        context = min(self.context, kv)
+        if len(ids) >= context:
+            raise OpenAIError(400, f"{prompt_param}: the prompt has {len(ids)} tokens; this model's "
+                              f"context is {context} tokens", param=prompt_param, code="context_length_exceeded")
+        if len(ids) + limit > context:
+            param = "max_tokens" if not chat or body.max_completion_tokens is None else "max_completion_tokens"
+            raise OpenAIError(400, f"{param}: {len(ids)} prompt tokens + {limit} completion tokens exceed "
+                              f"this model's context of {context} tokens", param=param,
+                              code="context_length_exceeded")
+        seed = body.seed if body.seed is not None else secrets.randbits(31)
+        started = time.perf_counter()
+        admitted = await self.controller.admit.remote(ids, limit, body.temperature, body.top_p, seed,
+                                                      body.ignore_eos)
+        if admitted.get("rejected") == "overloaded":
+            self.metrics.rejected.inc(tags={"model_name": self.model_name})
+            retry = admitted["retry_after_s"]
+            raise OpenAIError(429, f"the server is at its limit of {self.config.serve.max_ongoing_requests} "
+                              f"ongoing requests; retry after {retry} s", code="overloaded",
+                              headers={"Retry-After": str(retry)})
+        if admitted.get("rejected"):
+            raise OpenAIError(503, f"no stage-worker node is alive: {admitted.get('why', '')}",
+                              code="unavailable")
+        rid = admitted["id"]
+        self.metrics.prompt_tokens.inc(len(ids), tags={"model_name": self.model_name})
+        kind = "chat.completion" if chat else "text_completion"
+        out_id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}-{uuid.uuid4().hex[:8]}"
+        events = self._events(rid, body.stop_list(), started)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse(events, out_id, kind, len(ids), include_usage),
+                                     media_type="text/event-stream")
+        text, reason, count = [], None, 0
+        async for delta, finish, n in events:
+            text.append(delta)
+            count = n
+            if finish == "error":
+                raise OpenAIError(503, f"generation failed: {delta}", code="generation_failed")
+            reason = finish or reason
+        usage = {"prompt_tokens": len(ids), "completion_tokens": count, "total_tokens": len(ids) + count}
+        body_out = {"id": out_id, "object": kind, "created": int(time.time()), "model": self.model_name,
+                    "usage": usage}
+        content = "".join(text)
+        if chat:
+            body_out["choices"] = [{"index": 0, "message": {"role": "assistant", "content": content},
+                                    "logprobs": None, "finish_reason": reason}]
+        else:
+            body_out["choices"] = [{"index": 0, "text": content, "logprobs": None, "finish_reason": reason}]
+        return JSONResponse(body_out)
+
+    async def _events(self, rid: int, stop: list[str], started: float):
+        """(text delta, finish_reason or None, tokens so far) as tokens arrive; an "error"
+        finish carries the error's text. Cancels the request upstream when a stop string
+        matched or the client went away."""
+        tags = {"model_name": self.model_name}
+        stream = TextStream(self.tokenizer, stop)
+        count, last, finished = 0, None, False
+        try:
+            gen = self.controller.stream.options(num_returns="streaming").remote(rid)
+            async for ref in gen:
+                kind, value = await ref
+                now = time.perf_counter()
+                if kind == "token":
+                    count += 1
+                    if last is None:
+                        self.metrics.ttft.observe(now - started, tags)
+                    else:
+                        self.metrics.itl.observe(now - last, tags)
+                    last = now
+                    self.metrics.generation_tokens.inc(1, tags)
+                    delta = stream.add(value)
+                    if stream.stopped is not None:
+                        finished = True
+                        await self.controller.cancel.remote(rid, "stop")
+                        self._finish("stop", started)
+                        yield delta, "stop", count
+                        return
+                    if delta:
+                        yield delta, None, count
+                elif kind == "done":
+                    finished = True
+                    self._finish(value, started)
+                    yield stream.flush(), value, count
+                    return
+                else:
+                    finished = True
+                    self._finish("error", started)
+                    yield str(value), "error", count
+                    return
+        finally:
+            if not finished:      # the client disconnected: free the request's work
+                await self.controller.cancel.remote(rid, "abort")
+                self._finish("abort", started)
+
+    def _finish(self, reason: str, started: float) -> None:
+        tags = {"model_name": self.model_name}
+        self.metrics.success.inc(tags=dict(tags, finished_reason=reason))
+        self.metrics.e2e.observe(time.perf_counter() - started, tags)
+
+    async def _sse(self, events, out_id: str, kind: str, prompt_tokens: int, include_usage: bool):
+        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+        created = int(time.time())
+
+        def chunk(delta: Optional[str], finish, role: bool = False, usage=None) -> str:
+            if kind == "chat.completion":
+                d = {"role": "assistant"} if role else ({} if delta is None else {"content": delta})
+                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            out = {"id": out_id, "object": chunk_kind, "created": created, "model": self.model_name,
+                   "choices": [] if usage else [choice]}
+            if usage:
+                out["usage"] = usage
+            return f"data: {json.dumps(out)}\n\n"
+
+        if kind == "chat.completion":
+            yield chunk(None, None, role=True)
+        count = 0
+        async for delta, finish, count in events:
+            if finish == "error":       # after the 200: the failure travels inside the stream
+                err = OpenAIError(503, f"generation failed: {delta}", code="generation_failed").body()
+                yield f"data: {json.dumps(err)}\n\n"
+                break
+            if delta:
+                yield chunk(delta, None)
+            if finish:
+                yield chunk(None, finish)
+        if include_usage:
+            yield chunk(None, None, usage={"prompt_tokens": prompt_tokens, "completion_tokens": count,
+                                           "total_tokens": prompt_tokens + count})
+        yield "data: [DONE]\n\n"
+
+    # -- training samples -------------------------------------------------------------------
+    @app.post("/v1/train_samples", response_model=TrainSamplesResponse, responses=ERRORS)
+    async def train_samples(self, body: TrainSamplesRequest) -> TrainSamplesResponse:
+        pairs = []
+        max_len = self.config.lora.max_len
+        for i, s in enumerate(body.samples):
+            if s.messages is not None:
+                prompt, completion = chat_sample(self.tokenizer, [(m.role, m.text()) for m in s.messages])
+            else:
+                prompt, completion = s.prompt, s.completion
+            p_ids, c_ids = self.tokenizer.encode(prompt), encode_completion(self.tokenizer, completion)
+            if len(p_ids) >= max_len:
+                raise OpenAIError(400, f"samples[{i}]: the prompt has {len(p_ids)} tokens; training "
+                                  f"samples hold at most lora.max_len = {max_len}", param=f"samples[{i}]",
+                                  code="sample_too_long")
+            pairs.append((p_ids, c_ids))
+        out = await self.controller.add_samples.remote(pairs, True)
+        self.metrics.samples_received.inc(len(pairs), tags={"model_name": self.model_name})
+        return TrainSamplesResponse(ids=out["ids"], sequence=out["stored"], persisted=True)
+
+    @app.get("/v1/train_samples/status", response_model=TrainStatus, responses=ERRORS)
+    async def train_status(self) -> TrainStatus:
+        return TrainStatus(**await self.controller.train_status.remote())
+
+    @app.get("/v1/stats", responses=ERRORS)
+    async def stats(self) -> dict:
+        """Per-node queues, SLO attainment, throughput, training rate, staleness."""
+        stats = await self.controller.stats.remote()
+        monitor = await self.controller.monitor.remote()
+        result = (await self.controller.metrics.remote()).summary()
+        return {"model": self.model_name, **{k: stats[k] for k in (
+                    "policy", "nodes", "stages", "now_s", "requests", "completed", "train_done",
+                    "samples_stored", "samples_pending", "adapter_version", "queues", "restarts",
+                    "dead_nodes", "checkpoint_versions", "decision_us_p50", "decision_us_p99")},
+                "slo_attainment": monitor["slo_attainment"],
+                "throughput_tasks_per_s": result.get("throughput_tasks_per_s"),
+                "training_rate_steps_per_s": monitor["optimizer_steps"] / stats["now_s"] if stats["now_s"] else 0.0,
+                "adapter_staleness_s": monitor["adapter_staleness_s"],
+                "stages": monitor["stages"], "running": monitor["running"], "waiting": monitor["waiting"]}
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    async def health(self):
+        h = await self.controller.health.remote()
+        return JSONResponse(h, status_code=200 if h["nodes_alive"] else 503)
+
+
+class BuildArgs(BaseModel):
+    """``args`` of the Serve application: ``config`` is a path to an online config (YAML)
+    or the online config itself (a mapping)."""
+
+    config: object = "examples/online.yaml"
+
+
+def resolve_config(config) -> OnlineConfig:
+    if isinstance(config, OnlineConfig):
+        return config
+    if isinstance(config, dict):
+        return parse_online_config(config, "args.config")
+    return load_online_config(str(config))
+
+
+def build_app(args: BuildArgs):
+    """The Serve application (``import_path: raycolo.actors.serve_app:build_app``)."""
+    config = resolve_config(args.config if isinstance(args, BuildArgs) else BuildArgs(**args).config)
+    name = f"raycolo-online-{config.serve.app_name}"
+    return OpenAIIngress.options(num_replicas=config.serve.replicas).bind(config.model_dump(), name)

@@ -1,0 +1,91 @@
+"""Starting the HTTP front: ``raycolo serve CONFIG`` (a local cluster) and ``jobs/serve.py``
+(under ``ray job submit``). ``serve run examples/serve.yaml`` needs neither: Serve imports
+:func:`raycolo.actors.serve_app.build_app` itself."""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from typing import Optional
+
+import ray
+
+from raycolo.online.config import OnlineConfig
+
+NAMESPACE = "raycolo"
+
+
+def init_ray(config: OnlineConfig, address: Optional[str] = None,
+             metrics_port: Optional[int] = None) -> tuple[bool, Optional[str]]:
+    """Join ``address`` (or RAY_ADDRESS), or start a local cluster with ``nodes x stages``
+    logical GPUs, the dashboard on 127.0.0.1 and metrics exported every second. Returns
+    whether this process started the cluster, and the dashboard's URL."""
+    if ray.is_initialized():
+        return False, None
+    if address:
+        ctx = ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        return False, ctx.dashboard_url
+    need = config.nodes * config.stages
+    ctx = ray.init(address="local", num_gpus=need, num_cpus=max(2, int(need * config.stage.cpus_per_worker) + 2),
+             namespace=NAMESPACE, include_dashboard=True, dashboard_host="127.0.0.1",
+             log_to_driver=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
+    return True, ctx.dashboard_url
+
+
+def start(config: OnlineConfig, timeout_s: float = 600.0) -> str:
+    """Deploy the front on the connected cluster; returns its URL once it answers."""
+    from ray import serve
+
+    from raycolo.actors.serve_app import build_app
+
+    serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
+    serve.run(build_app({"config": config}), name=config.serve.app_name,
+              route_prefix=config.serve.route_prefix, blocking=False)
+    prefix = config.serve.route_prefix.rstrip("/")
+    return f"http://{config.serve.host}:{config.serve.port}{prefix}"
+
+
+def stop(config: OnlineConfig, started_ray: bool) -> None:
+    from ray import serve
+
+    try:
+        serve.delete(config.serve.app_name)
+    finally:
+        try:     # the deployment's controller (and its stage workers) go with the app
+            controller = ray.get_actor(f"raycolo-online-{config.serve.app_name}", namespace=NAMESPACE)
+            ray.get(controller.stop.remote(), timeout=120)
+            ray.kill(controller)
+        except (ValueError, ray.exceptions.RayError):
+            pass
+        if started_ray:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def serve_until_stopped(config: OnlineConfig, address: Optional[str] = None, say=print) -> int:
+    """Start, print the URL, and wait for Ctrl-C (or SIGTERM, or the app being deleted with
+    ``serve shutdown``); then stop cleanly."""
+    from ray import serve
+
+    started, dashboard = init_ray(config, address)
+    stopped = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.set())
+    try:
+        say(f"starting {config.nodes} x {config.stages} stage workers "
+            f"({config.model_loading_config.model_id}, policy {config.policy}) and the HTTP front")
+        url = start(config)
+        say(f"raycolo: serving '{config.served_model_name()}' at {url}/v1 (OpenAI API; Ctrl-C stops)")
+        if dashboard:
+            say(f"Ray dashboard: http://{dashboard}" if "://" not in dashboard else f"Ray dashboard: {dashboard}")
+        sys.stdout.flush()
+        while not stopped.wait(2.0):
+            if config.serve.app_name not in serve.status().applications:
+                say("raycolo: the application was deleted; stopping")
+                break
+    finally:
+        say("raycolo: stopping")
+        stop(config, started)
+    return 0

@@ -1,0 +1,73 @@
+"""The HTTP front's metrics, through ``ray.util.metrics`` (Ray exports them to Prometheus
+with a ``ray_`` prefix). Names follow vLLM's where the meaning is the same, with
+``raycolo:`` in place of ``vllm:`` (docs/serve.md lists them all)."""
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
+MODEL = ("model_name",)
+
+
+class FrontMetrics:
+    """Recorded by every ingress replica."""
+
+    def __init__(self):
+        self.ttft = Histogram("raycolo:time_to_first_token_seconds", "Time to first token",
+                              boundaries=LATENCY_BUCKETS, tag_keys=MODEL)
+        self.itl = Histogram("raycolo:inter_token_latency_seconds", "Time between streamed tokens",
+                             boundaries=LATENCY_BUCKETS, tag_keys=MODEL)
+        self.e2e = Histogram("raycolo:e2e_request_latency_seconds", "End-to-end request latency",
+                             boundaries=LATENCY_BUCKETS, tag_keys=MODEL)
+        self.prompt_tokens = Counter("raycolo:prompt_tokens", "Prompt tokens of accepted requests",
+                                     tag_keys=MODEL)
+        self.generation_tokens = Counter("raycolo:generation_tokens", "Generated tokens sent",
+                                         tag_keys=MODEL)
+        self.success = Counter("raycolo:request_success", "Finished requests by finish reason",
+                               tag_keys=MODEL + ("finished_reason",))
+        self.rejected = Counter("raycolo:admission_rejections", "Requests refused with 429 (overload)",
+                                tag_keys=MODEL)
+        self.samples_received = Counter("raycolo:train_samples_received",
+                                        "Training samples persisted and acknowledged", tag_keys=MODEL)
+
+
+class DeploymentMetrics:
+    """Gauges of the whole deployment, set from the controller's stats by one replica."""
+
+    def __init__(self):
+        self.running = Gauge("raycolo:num_requests_running", "Requests in a node's batch", tag_keys=MODEL)
+        self.waiting = Gauge("raycolo:num_requests_waiting", "Requests accepted, not yet running",
+                             tag_keys=MODEL)
+        self.trained = Gauge("raycolo:train_samples_trained", "Samples the adapters hold", tag_keys=MODEL)
+        self.pending = Gauge("raycolo:train_samples_pending", "Samples not trained yet", tag_keys=MODEL)
+        self.steps = Gauge("raycolo:optimizer_steps", "Optimizer steps taken", tag_keys=MODEL)
+        self.adapter_version = Gauge("raycolo:adapter_version", "Latest adapter checkpoint version",
+                                     tag_keys=MODEL)
+        self.staleness = Gauge("raycolo:adapter_staleness_seconds",
+                               "Seconds since the served adapter last changed", tag_keys=MODEL)
+        self.slo = Gauge("raycolo:slo_attainment", "Fraction of finished requests within the TTFT SLO",
+                         tag_keys=MODEL)
+        self.busy = Gauge("raycolo:stage_busy_fraction", "Fraction of time a stage ran ops",
+                          tag_keys=MODEL + ("node", "stage"))
+        self.memory = Gauge("raycolo:stage_memory_bytes", "Bytes in use on a stage (KV and training)",
+                            tag_keys=MODEL + ("node", "stage"))
+        self.decision = Gauge("raycolo:decision_latency_seconds", "Scheduling decision latency, p50",
+                              tag_keys=MODEL)
+        self.alive = Gauge("raycolo:nodes_alive", "Stage-worker nodes alive", tag_keys=MODEL)
+
+    def update(self, model: str, s: dict) -> None:
+        tags = {"model_name": model}
+        self.running.set(s["running"], tags)
+        self.waiting.set(s["waiting"], tags)
+        self.trained.set(s["samples_trained"], tags)
+        self.pending.set(s["samples_pending"], tags)
+        self.steps.set(s["optimizer_steps"], tags)
+        self.adapter_version.set(s["adapter_version"], tags)
+        self.staleness.set(s["adapter_staleness_s"], tags)
+        self.slo.set(s["slo_attainment"], tags)
+        self.decision.set(s["decision_us_p50"] / 1e6, tags)
+        self.alive.set(s["nodes_alive"], tags)
+        for st in s["stages"]:
+            t = dict(tags, node=str(st["node"]), stage=str(st["stage"]))
+            self.busy.set(st["busy_fraction"], t)
+            self.memory.set(st["memory_bytes"], t)

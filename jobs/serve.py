@@ -1,0 +1,31 @@
+"""The HTTP front under ``ray job submit``:
+
+    ray job submit --working-dir . -- python jobs/serve.py --config examples/online.yaml
+
+Joins the job's cluster (RAY_ADDRESS), deploys the front with Ray Serve, prints the URL
+and runs until the job is stopped (``ray job stop``) or the application is deleted
+(``serve shutdown``). Invalid input: one ``error:`` line, exit 2.
+"""
+import argparse
+import sys
+
+from raycolo.errors import RaycoloError
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="online deployment config (YAML)")
+    args = ap.parse_args()
+    from raycolo.actors.serve_launch import serve_until_stopped
+    from raycolo.online.config import load_online_config
+
+    try:
+        config = load_online_config(args.config)
+    except RaycoloError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return serve_until_stopped(config, address="auto", say=lambda m: print(m, flush=True))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
