@@ -44,7 +44,9 @@ SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
 
 app = FastAPI(title="raycolo", version="0.1.0",
               description="OpenAI-compatible serving with co-located LoRA retraining (LeMix on Ray).")
-_settings: dict = {}          # this replica's limits and key (set by the ingress's __init__)
+# This replica's limits, set by the ingress's __init__ in the process environment: Serve
+# ships the FastAPI app to the replica by value, so a module global would be a copy.
+BODY_LIMIT_ENV, KEY_NAME_ENV = "RAYCOLO_SERVE_MAX_BODY_BYTES", "RAYCOLO_SERVE_API_KEY_ENV"
 
 
 def _error(exc: OpenAIError) -> JSONResponse:
@@ -87,13 +89,14 @@ async def _too_deep(request: Request, exc: RecursionError):
 @app.middleware("http")
 async def _guard(request: Request, call_next):
     """API key and body size, before the body is parsed."""
-    key = _settings.get("api_key")
+    key_env = os.environ.get(KEY_NAME_ENV)
+    key = os.environ.get(key_env) if key_env else None
     if key and request.url.path not in ("/health", "/openapi.json", "/docs"):
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             return _error(OpenAIError(401, "missing or wrong API key (Authorization: Bearer ...)",
                                       code="invalid_api_key"))
-    limit = _settings.get("max_body_bytes")
+    limit = int(os.environ.get(BODY_LIMIT_ENV, "0"))
     if limit and request.method == "POST":
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
@@ -124,7 +127,8 @@ class OpenAIIngress:
         if cfg.serve.api_key_env and not key:
             raise ConfigError(f"serve.api_key_env: the environment variable {cfg.serve.api_key_env} "
                               "is not set in the Ray cluster's environment")
-        _settings.update(api_key=key, max_body_bytes=cfg.serve.max_body_bytes)
+        os.environ[BODY_LIMIT_ENV] = str(cfg.serve.max_body_bytes)
+        os.environ[KEY_NAME_ENV] = cfg.serve.api_key_env or ""
         self.controller = OnlineController.options(
             name=controller_name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             max_restarts=0).remote(cfg.model_dump(), controller_name, NAMESPACE)

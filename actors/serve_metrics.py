@@ -1,6 +1,8 @@
 """The HTTP front's metrics, through ``ray.util.metrics`` (Ray exports them to Prometheus
 with a ``ray_`` prefix). Names follow vLLM's where the meaning is the same, with
-``raycolo:`` in place of ``vllm:`` (docs/serve.md lists them all)."""
+``raycolo_`` in place of ``vllm:``: Ray 2.60's OpenTelemetry exporter drops metric names
+that contain a colon (measured), so ``vllm:time_to_first_token_seconds`` is
+``ray_raycolo_time_to_first_token_seconds`` here (docs/serve.md lists them all)."""
 from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge, Histogram
@@ -13,21 +15,21 @@ class FrontMetrics:
     """Recorded by every ingress replica."""
 
     def __init__(self):
-        self.ttft = Histogram("raycolo:time_to_first_token_seconds", "Time to first token",
+        self.ttft = Histogram("raycolo_time_to_first_token_seconds", "Time to first token",
                               boundaries=LATENCY_BUCKETS, tag_keys=MODEL)
-        self.itl = Histogram("raycolo:inter_token_latency_seconds", "Time between streamed tokens",
+        self.itl = Histogram("raycolo_inter_token_latency_seconds", "Time between streamed tokens",
                              boundaries=LATENCY_BUCKETS, tag_keys=MODEL)
-        self.e2e = Histogram("raycolo:e2e_request_latency_seconds", "End-to-end request latency",
+        self.e2e = Histogram("raycolo_e2e_request_latency_seconds", "End-to-end request latency",
                              boundaries=LATENCY_BUCKETS, tag_keys=MODEL)
-        self.prompt_tokens = Counter("raycolo:prompt_tokens", "Prompt tokens of accepted requests",
+        self.prompt_tokens = Counter("raycolo_prompt_tokens", "Prompt tokens of accepted requests",
                                      tag_keys=MODEL)
-        self.generation_tokens = Counter("raycolo:generation_tokens", "Generated tokens sent",
+        self.generation_tokens = Counter("raycolo_generation_tokens", "Generated tokens sent",
                                          tag_keys=MODEL)
-        self.success = Counter("raycolo:request_success", "Finished requests by finish reason",
+        self.success = Counter("raycolo_request_success", "Finished requests by finish reason",
                                tag_keys=MODEL + ("finished_reason",))
-        self.rejected = Counter("raycolo:admission_rejections", "Requests refused with 429 (overload)",
+        self.rejected = Counter("raycolo_admission_rejections", "Requests refused with 429 (overload)",
                                 tag_keys=MODEL)
-        self.samples_received = Counter("raycolo:train_samples_received",
+        self.samples_received = Counter("raycolo_train_samples_received",
                                         "Training samples persisted and acknowledged", tag_keys=MODEL)
 
 
@@ -35,25 +37,25 @@ class DeploymentMetrics:
     """Gauges of the whole deployment, set from the controller's stats by one replica."""
 
     def __init__(self):
-        self.running = Gauge("raycolo:num_requests_running", "Requests in a node's batch", tag_keys=MODEL)
-        self.waiting = Gauge("raycolo:num_requests_waiting", "Requests accepted, not yet running",
+        self.running = Gauge("raycolo_num_requests_running", "Requests in a node's batch", tag_keys=MODEL)
+        self.waiting = Gauge("raycolo_num_requests_waiting", "Requests accepted, not yet running",
                              tag_keys=MODEL)
-        self.trained = Gauge("raycolo:train_samples_trained", "Samples the adapters hold", tag_keys=MODEL)
-        self.pending = Gauge("raycolo:train_samples_pending", "Samples not trained yet", tag_keys=MODEL)
-        self.steps = Gauge("raycolo:optimizer_steps", "Optimizer steps taken", tag_keys=MODEL)
-        self.adapter_version = Gauge("raycolo:adapter_version", "Latest adapter checkpoint version",
+        self.trained = Gauge("raycolo_train_samples_trained", "Samples the adapters hold", tag_keys=MODEL)
+        self.pending = Gauge("raycolo_train_samples_pending", "Samples not trained yet", tag_keys=MODEL)
+        self.steps = Gauge("raycolo_optimizer_steps", "Optimizer steps taken", tag_keys=MODEL)
+        self.adapter_version = Gauge("raycolo_adapter_version", "Latest adapter checkpoint version",
                                      tag_keys=MODEL)
-        self.staleness = Gauge("raycolo:adapter_staleness_seconds",
+        self.staleness = Gauge("raycolo_adapter_staleness_seconds",
                                "Seconds since the served adapter last changed", tag_keys=MODEL)
-        self.slo = Gauge("raycolo:slo_attainment", "Fraction of finished requests within the TTFT SLO",
+        self.slo = Gauge("raycolo_slo_attainment", "Fraction of finished requests within the TTFT SLO",
                          tag_keys=MODEL)
-        self.busy = Gauge("raycolo:stage_busy_fraction", "Fraction of time a stage ran ops",
+        self.busy = Gauge("raycolo_stage_busy_fraction", "Fraction of time a stage ran ops",
                           tag_keys=MODEL + ("node", "stage"))
-        self.memory = Gauge("raycolo:stage_memory_bytes", "Bytes in use on a stage (KV and training)",
+        self.memory = Gauge("raycolo_stage_memory_bytes", "Bytes in use on a stage (KV and training)",
                             tag_keys=MODEL + ("node", "stage"))
-        self.decision = Gauge("raycolo:decision_latency_seconds", "Scheduling decision latency, p50",
+        self.decision = Gauge("raycolo_decision_latency_seconds", "Scheduling decision latency, p50",
                               tag_keys=MODEL)
-        self.alive = Gauge("raycolo:nodes_alive", "Stage-worker nodes alive", tag_keys=MODEL)
+        self.alive = Gauge("raycolo_nodes_alive", "Stage-worker nodes alive", tag_keys=MODEL)
 
     def update(self, model: str, s: dict) -> None:
         tags = {"model_name": model}

@@ -1,0 +1,312 @@
+"""The HTTP front (actors/serve_app.py) against a real deployment on a local Ray cluster:
+Ray Serve, the official ``openai`` client, httpx, Prometheus's parser, schemathesis.
+
+One deployment (2 nodes x 2 stages of tiny-llama-s) serves the module, with an API key,
+a small admission limit and a small body limit so that each error path is reachable.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import ray
+
+from raycolo.online.config import parse_online_config
+
+KEY_ENV, KEY = "RAYCOLO_TEST_API_KEY", "test-key-1234"
+MODEL = "tiny-llama-s"
+TOKENS_SENT = {"n": 0}          # generated tokens the tests received (checked against the metrics)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    from raycolo.actors import serve_launch
+
+    out = tmp_path_factory.mktemp("serve")
+    config = parse_online_config({
+        "model_loading_config": {"model_id": MODEL, "dtype": "float32"},
+        "nodes": 2, "stages": 2, "policy": "lemix",
+        "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2},
+        "lora": {"rank": 4, "alpha": 8, "lr": 0.01, "micro_batch": 2, "checkpoint_every": 2},
+        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 512},
+        "max_tokens": 8,
+        "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
+        "serve": {"port": free_port(), "api_key_env": KEY_ENV, "max_ongoing_requests": 6,
+                  "max_body_bytes": 65536, "app_name": "raycolo-test"},
+    })
+    os.environ[KEY_ENV] = KEY            # the local cluster's processes inherit it
+    metrics_port = free_port()
+    started, _ = serve_launch.init_ray(config, metrics_port=metrics_port)
+    try:
+        url = serve_launch.start(config)
+        yield {"url": url, "config": config, "out": out, "metrics_port": metrics_port}
+    finally:
+        serve_launch.stop(config, started)
+        os.environ.pop(KEY_ENV, None)
+
+
+def client(front) -> openai.OpenAI:
+    return openai.OpenAI(base_url=front["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def http(front) -> httpx.Client:
+    return httpx.Client(base_url=front["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+
+def hf_greedy(prompt_ids, n):
+    import torch
+    from transformers import GenerationConfig
+
+    from raycolo.engines.models import build_tiny_model
+    model, _ = build_tiny_model(MODEL, 0, "float32")
+    model.generation_config.eos_token_id = None
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             generation_config=cfg)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def expected_text(prompt_text: str, n: int) -> str:
+    from raycolo.engines.models import load_tokenizer
+    tok = load_tokenizer(MODEL)
+    return tok.decode(hf_greedy(tok.encode(prompt_text), n))
+
+
+# -- OpenAI routes, with the official client ---------------------------------------------------
+def test_models_lists_the_served_model(front):
+    assert [m.id for m in client(front).models.list().data] == [MODEL]
+
+
+def test_completion_is_the_models_greedy_text_streamed_or_not(front):
+    c = client(front)
+    prompt = "The quick brown fox"
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(prompt.encode()) + 1 and r.usage.completion_tokens == 6
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+    assert r.choices[0].text == expected_text(prompt, 6)     # fresh LoRA (B = 0): the base model
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    TOKENS_SENT["n"] += 12
+
+
+def test_chat_uses_the_plain_template_streamed_or_not(front):
+    from raycolo.serving.text import render_plain
+
+    c = client(front)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    want = expected_text(render_plain([(m["role"], m["content"]) for m in messages]), 5)
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 5
+    stream = c.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == 5 and not chunks[-1].choices
+    TOKENS_SENT["n"] += 10
+
+
+def test_raw_stream_is_server_sent_events_ending_with_done(front):
+    with http(front) as h, h.stream("POST", "/v1/completions", json={
+            "model": MODEL, "prompt": "abc", "max_tokens": 4, "stream": True, "ignore_eos": True,
+            "temperature": 0}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][6:])
+    assert last["object"] == "text_completion" and last["choices"][0]["finish_reason"] == "length"
+    TOKENS_SENT["n"] += 4
+
+
+def test_stop_string_ends_the_text_before_it(front):
+    c = client(front)
+    full = c.completions.create(model=MODEL, prompt="stop test", max_tokens=16, temperature=0,
+                                extra_body={"ignore_eos": True}).choices[0].text
+    TOKENS_SENT["n"] += 16
+    visible = [ch for ch in full if ch.isprintable() and ch != "\ufffd"]
+    if not visible:
+        pytest.fail(f"the tiny model's greedy text has no printable character: {full!r}")
+    stop = visible[-1]      # its first occurrence ends the text
+    r = c.completions.create(model=MODEL, prompt="stop test", max_tokens=16, temperature=0, stop=[stop],
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[:full.index(stop)]
+    assert r.usage.completion_tokens < 16
+    TOKENS_SENT["n"] += r.usage.completion_tokens
+
+
+# -- errors --------------------------------------------------------------------------------------
+def error_of(response):
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ('{"model": "tiny-llama-s", "prompt": "x", "max_tokens": "five"}', "max_tokens"),
+    ('{"model": "tiny-llama-s", "prompt": "x", "temperature": NaN}', "temperature"),
+    ('{"model": "tiny-llama-s", "prompt": "x", "temperature": 1e400}', "temperature"),
+    ('{"model": "tiny-llama-s", "prompt": "x", "top_p": -1}', "top_p"),
+    ('{"model": "tiny-llama-s", "prompt": "x", "n": 2}', "n"),
+    ('{"model": "tiny-llama-s", "prompt": "x", "max_tokens": 99999999999999999999999}', "max_tokens"),
+    ('{"model": "tiny-llama-s", "prompt": "x", "stop": ' + json.dumps(["s"] * 5000) + '}', "stop"),
+    ('{"prompt": "x"}', "model"),
+    ('{"model": "tiny-llama-s", "prompt": "x"', None),
+    ('[' * 20000 + ']' * 20000, None),
+])
+def test_malformed_requests_get_400_naming_the_parameter(front, body, param):
+    with http(front) as h:
+        r = h.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert "pydantic" not in r.text and "Traceback" not in r.text
+
+
+def test_unknown_model_long_prompt_big_body_and_missing_key(front):
+    c = client(front)
+    with pytest.raises(openai.NotFoundError) as exc:
+        c.completions.create(model="gpt-4", prompt="x")
+    assert exc.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as exc:      # context 512 tokens (the KV cache)
+        c.completions.create(model=MODEL, prompt="x" * 600)
+    assert exc.value.body["code"] == "context_length_exceeded" and exc.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.completions.create(model=MODEL, prompt="x" * 100, max_tokens=500)
+    assert exc.value.body["param"] == "max_tokens"
+    with http(front) as h:
+        r = h.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 70000})
+        assert r.status_code == 413 and error_of(r)["code"] == "body_too_large", r.text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=front["url"] + "/v1", api_key="wrong", max_retries=0).models.list()
+    r = httpx.get(front["url"] + "/v1/models")
+    assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+    assert httpx.get(front["url"] + "/health").status_code == 200      # health needs no key
+
+
+def test_overload_gets_429_with_retry_after_and_loses_nothing_accepted(front):
+    async def one(h, i):
+        r = await h.post("/v1/completions", json={"model": MODEL, "prompt": f"load {i}", "max_tokens": 16,
+                                                  "ignore_eos": True, "temperature": 0})
+        return r
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=front["url"], headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=300) as h:
+            return await asyncio.gather(*[one(h, i) for i in range(20)])
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 6, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1" and error_of(r)["type"] == "rate_limit_error"
+        else:
+            body = r.json()
+            assert body["usage"]["completion_tokens"] == 16 and body["choices"][0]["finish_reason"] == "length"
+            TOKENS_SENT["n"] += 16
+
+
+# -- training samples ------------------------------------------------------------------------------
+def test_train_samples_are_persisted_before_the_ack_and_trained(front):
+    samples = [{"prompt": f"Q{i}: copy abc", "completion": "abc abc"} for i in range(6)]
+    samples.append({"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]})
+    with http(front) as h:
+        r = h.post("/v1/train_samples", json={"samples": samples})
+        assert r.status_code == 200, r.text
+        ack = r.json()
+        stored = [json.loads(line) for line in (front["out"] / "samples" / "samples.jsonl").read_text().splitlines()]
+        assert ack["persisted"] is True and len(ack["ids"]) == 7
+        assert [s["seq"] for s in stored][-7:] == ack["ids"] and ack["sequence"] == len(stored)
+        assert stored[-1]["completion"][-1] == 2          # completions end with EOS
+        bad = h.post("/v1/train_samples", json={"samples": [{"prompt": "only a prompt"}]})
+        assert bad.status_code == 400 and error_of(bad)["param"].startswith("samples")
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            status = h.get("/v1/train_samples/status").json()
+            if status["trained"] >= 6:
+                break
+            time.sleep(1)
+        assert status["received"] == len(stored) and status["trained"] >= 6, status
+        assert status["pending"] <= 1       # 7 samples, micro-batches of 2
+        stats = h.get("/v1/stats").json()
+    assert stats["policy"] == "lemix" and len(stats["stages"]) == 4 and stats["completed"] > 0
+
+
+# -- metrics ------------------------------------------------------------------------------------
+def scrape(port) -> dict[str, float]:
+    """Every ray_raycolo sample on the node's Prometheus endpoint, summed over labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("ray_raycolo"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_metrics_reach_prometheus_and_count_what_was_sent(front):
+    want = TOKENS_SENT["n"]
+    assert want > 0
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        got = scrape(front["metrics_port"])
+        if got.get("ray_raycolo_generation_tokens_total", 0) >= want and got.get("ray_raycolo_optimizer_steps", 0) >= 3:
+            break
+        time.sleep(2)
+    assert got.get("ray_raycolo_generation_tokens_total") == want, (got, want)
+    assert got["ray_raycolo_train_samples_received_total"] == 7
+    assert got["ray_raycolo_admission_rejections_total"] >= 1
+    assert got["ray_raycolo_time_to_first_token_seconds_count"] >= 6
+    assert got["ray_raycolo_optimizer_steps"] >= 3 and got["ray_raycolo_nodes_alive"] == 2
+    for name in ("ray_raycolo_request_success_total", "ray_raycolo_num_requests_running",
+                 "ray_raycolo_stage_busy_fraction", "ray_raycolo_slo_attainment",
+                 "ray_raycolo_e2e_request_latency_seconds_bucket", "ray_raycolo_inter_token_latency_seconds_sum",
+                 "ray_raycolo_stage_memory_bytes", "ray_raycolo_adapter_staleness_seconds"):
+        assert name in got, name
+
+
+# -- the schema, fuzzed --------------------------------------------------------------------------
+def test_openapi_schema_holds_under_schemathesis(front):
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    schema = schemathesis.openapi.from_url(front["url"] + "/openapi.json")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    ran = []
+    for result in schema.get_all_operations():
+        op = result.ok()
+
+        @given(case=op.as_strategy())
+        @settings(max_examples=12, deadline=None, phases=[Phase.generate], database=None,
+                  suppress_health_check=list(HealthCheck))
+        def check(case):
+            case.call_and_validate(base_url=front["url"], headers=headers)
+            ran.append(op.label)
+
+        check()
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/train_samples",
+            "GET /v1/models", "GET /health"} <= set(ran)
