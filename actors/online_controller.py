@@ -27,6 +27,7 @@ from typing import Optional
 
 import ray
 
+from raycolo.errors import ConfigError
 from raycolo.executor.adapters import export_adapter
 from raycolo.executor.stage import LoraSettings
 from raycolo.online.cluster import Cluster
@@ -138,6 +139,12 @@ class OnlineController:
             ray.actor.exit_actor()
 
     async def _start(self, timeout_s: float) -> dict:
+        need = self.config.nodes * self.config.stages
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if gpus < need:
+            raise ConfigError(f"nodes x stages: the deployment needs {need} GPUs (one per stage worker); "
+                              f"the Ray cluster has {gpus:g}. On a CPU machine give the cluster logical "
+                              f"GPUs: ray start --head --num-gpus={need}")
         loop = self._loop = asyncio.get_running_loop()
         self.driver = self._driver()
         for n in range(self.config.nodes):

@@ -9,9 +9,9 @@ describes them truthfully.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 # Request limits (a stop list beyond these is refused with a 400 naming ``stop``).
 MAX_STOP_STRINGS = 16
@@ -19,6 +19,14 @@ MAX_STOP_CHARS = 256
 MAX_SEED = (1 << 63) - 1
 MAX_TOKENS_LIMIT = 1 << 31
 MAX_TRAIN_SAMPLES = 1024                      # per POST /v1/train_samples
+
+
+def _whole(v):
+    """JSON Schema counts 5.0 as an integer; so do we (5.5 and "5" stay errors)."""
+    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 63 else v
+
+
+WholeInt = Annotated[int, BeforeValidator(_whole)]
 
 
 class _Strict(BaseModel):
@@ -31,12 +39,12 @@ class StreamOptions(_Strict):
 
 class SamplingFields(_Strict):
     model: str = Field(min_length=1, max_length=512)
-    max_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: Optional[WholeInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: Optional[int] = Field(default=None, ge=0, le=MAX_SEED)
+    seed: Optional[WholeInt] = Field(default=None, ge=0, le=MAX_SEED)
     stop: Optional[Union[str, list[str]]] = None
-    n: int = Field(default=1, ge=1, le=1, description="only 1 is supported")
+    n: WholeInt = Field(default=1, ge=1, le=1, description="only 1 is supported")
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = Field(default=False, description="vLLM's extension: keep generating past EOS")
@@ -63,8 +71,8 @@ class SamplingFields(_Strict):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions: one prompt (text, a list of one text, or token ids)."""
 
-    prompt: Union[str, list[int], list[str]] = Field(description="a text, or token ids")
-    echo: bool = False
+    prompt: Union[str, list[WholeInt], list[str]] = Field(description="a text, or token ids")
+    echo: Literal[False] = Field(default=False, description="not supported (only false)")
 
     @field_validator("prompt")
     @classmethod
@@ -79,12 +87,6 @@ class CompletionRequest(SamplingFields):
             if any(t < 0 for t in prompt):
                 raise ValueError("token ids must be >= 0")
         return prompt
-
-    @model_validator(mode="after")
-    def _no_echo(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
-        return self
 
 
 class TextPart(_Strict):
@@ -105,7 +107,7 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: Optional[WholeInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
 
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
