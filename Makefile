@@ -42,6 +42,7 @@ demo: venv
 	rm -rf out/demo-tiny
 	$(VENV)/bin/raycolo run examples/tiny.yaml --profile cpu --gpus 2 --output out/demo-tiny
 	$(VENV)/bin/raycolo online run examples/online.yaml --rate 2 --train-rate 0.5 --tasks 20 --plot out/online_live.png
+	$(VPY) examples/serve_demo.py --config examples/online.yaml
 
 bench: venv
 	$(VPY) bench/planner.py

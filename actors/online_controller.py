@@ -585,6 +585,11 @@ class OnlineController:
                        for n in range(self.config.nodes) for st in range(self.config.stages)],
         }
 
+    async def last_node(self) -> int:
+        """The live node that trained last (its adapter is the freshest)."""
+        node = self.last_trained_node
+        return node if node not in self.dead else next(n for n in range(self.config.nodes) if n not in self.dead)
+
     async def health(self) -> dict:
         alive = self.config.nodes - len(self.dead)
         return {"status": "ok" if alive == self.config.nodes else "degraded",

@@ -33,7 +33,7 @@ from raycolo.online.config import OnlineConfig, load_online_config, parse_online
 from raycolo.serving.errors import OpenAIError, from_validation
 from raycolo.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health,
                                       ModelCard, ModelList, TrainSamplesRequest, TrainSamplesResponse,
-                                      TrainStatus, CompletionResponse, ChatCompletionResponse)
+                                      TrainStatus, CompletionResponse, ChatCompletionResponse, EvalResponse)
 from raycolo.serving.text import TextStream, chat_sample, encode_completion, render_chat
 
 NAMESPACE = "raycolo"
@@ -324,8 +324,7 @@ class OpenAIIngress:
         yield "data: [DONE]\n\n"
 
     # -- training samples -------------------------------------------------------------------
-    @app.post("/v1/train_samples", response_model=TrainSamplesResponse, responses=ERRORS)
-    async def train_samples(self, body: TrainSamplesRequest) -> TrainSamplesResponse:
+    def _pairs(self, body: TrainSamplesRequest) -> list[tuple[list[int], list[int]]]:
         pairs = []
         max_len = self.config.lora.max_len
         for i, s in enumerate(body.samples):
@@ -339,9 +338,23 @@ class OpenAIIngress:
                                   f"samples hold at most lora.max_len = {max_len}", param=f"samples[{i}]",
                                   code="sample_too_long")
             pairs.append((p_ids, c_ids))
+        return pairs
+
+    @app.post("/v1/train_samples", response_model=TrainSamplesResponse, responses=ERRORS)
+    async def train_samples(self, body: TrainSamplesRequest) -> TrainSamplesResponse:
+        """Validate, persist (fsync) and acknowledge samples; they are trained as they come."""
+        pairs = self._pairs(body)
         out = await self.controller.add_samples.remote(pairs, True)
         self.metrics.samples_received.inc(len(pairs), tags={"model_name": self.model_name})
         return TrainSamplesResponse(ids=out["ids"], sequence=out["stored"], persisted=True)
+
+    @app.post("/v1/eval", response_model=EvalResponse, responses=ERRORS)
+    async def evaluate(self, body: TrainSamplesRequest) -> EvalResponse:
+        """Loss of the served model on held-out samples (forward only; nothing is stored)."""
+        pairs = self._pairs(body)
+        loss = await self.controller.held_out_loss.remote(pairs, await self.controller.last_node.remote())
+        status = await self.controller.train_status.remote()
+        return EvalResponse(loss=loss, samples=len(pairs), adapter_version=status["adapter_version"])
 
     @app.get("/v1/train_samples/status", response_model=TrainStatus, responses=ERRORS)
     async def train_status(self) -> TrainStatus:

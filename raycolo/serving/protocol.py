@@ -211,6 +211,12 @@ class TrainSamplesRequest(_Strict):
     samples: list[TrainSample] = Field(min_length=1, max_length=MAX_TRAIN_SAMPLES)
 
 
+class EvalResponse(BaseModel):
+    loss: float = Field(description="mean next-token loss over the samples' completions, no training")
+    samples: int
+    adapter_version: int
+
+
 class TrainSamplesResponse(BaseModel):
     ids: list[int] = Field(description="the samples' sequence numbers in the store")
     sequence: int = Field(description="the store's sequence number after this append (samples stored)")
