@@ -74,7 +74,7 @@ class TextStream:
         if text.endswith("\ufffd"):
             end -= 1                   # an incomplete character: wait for its other bytes
         if self.stop:
-            end = min(end, len(text) - self.hold)
+            end -= self.hold           # what could still begin a stop string
         if end <= self.sent:
             return ""
         delta = text[self.sent:end]

@@ -1,0 +1,207 @@
+"""HTTP front benchmark: what HTTP adds to streaming latency, and an open-loop load.
+
+    .venv/bin/python bench/serve.py [--config examples/online.yaml] [--policies lemix,separate]
+                                     [--seconds 20] [--json out/bench_serve.json]
+
+For each policy, on one local deployment (the config's nodes x stages, tiny model on CPU):
+
+1. **HTTP overhead.** ``--overhead-requests`` streamed completions one at a time through
+   HTTP (httpx, server-sent events), and the same requests through the in-process Python
+   API (the controller actor's stream, as ``OnlineDeployment.stream`` uses): TTFT and
+   time between tokens (TBT) for each, and the added latency (HTTP minus Python), p50/p99.
+2. **Capacity.** A closed loop of ``--concurrency`` clients for ``--seconds``: completed
+   requests per second.
+3. **Open-loop load** at 0.5x, 1x and 2x that capacity, Poisson arrivals for ``--seconds``
+   each, from a separate process on loopback (bench/serve_load.py): p50/p99 TTFT and TBT,
+   throughput, shed rate (429 with Retry-After), error rate, and the resident memory of
+   the cluster's processes before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(values, q):
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def cluster_rss_mb() -> float:
+    import psutil
+
+    total = 0
+    for p in psutil.process_iter(["name", "cmdline", "memory_info"]):
+        cmd = " ".join(p.info.get("cmdline") or [])
+        if "ray::" in cmd or "raylet" in cmd or "gcs_server" in cmd or "ray/" in cmd:
+            total += p.info["memory_info"].rss if p.info.get("memory_info") else 0
+    return total / 2 ** 20
+
+
+async def http_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
+    started = time.perf_counter()
+    times = []
+    async with client.stream("POST", "/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0}) as r:
+        if r.status_code != 200:
+            return {"status": r.status_code}
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                times.append(time.perf_counter())
+    return {"status": 200, "ttft": times[0] - started, "tbt": list(np.diff(times))}
+
+
+async def python_stream(controller, tokenizer, prompt: str, max_tokens: int) -> dict:
+    started = time.perf_counter()
+    admitted = await controller.admit.remote(tokenizer.encode(prompt), max_tokens, 0.0, 1.0, 0, True)
+    times = []
+    async for ref in controller.stream.options(num_returns="streaming").remote(admitted["id"]):
+        kind, _ = await ref
+        if kind == "token":
+            times.append(time.perf_counter())
+    return {"ttft": times[0] - started, "tbt": list(np.diff(times))}
+
+
+async def overhead(url, controller, tokenizer, model, n, max_tokens) -> dict:
+    out = {"http": [], "python": []}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        for i in range(n):     # alternate, so drift hits both
+            out["http"].append(await http_stream(client, model, f"overhead probe {i}", max_tokens))
+            out["python"].append(await python_stream(controller, tokenizer, f"overhead probe {i}", max_tokens))
+    row = {}
+    for k in ("http", "python"):
+        row[f"{k}_ttft_ms_p50"] = pct([r["ttft"] * 1e3 for r in out[k]], 50)
+        row[f"{k}_ttft_ms_p99"] = pct([r["ttft"] * 1e3 for r in out[k]], 99)
+        row[f"{k}_tbt_ms_p50"] = pct([t * 1e3 for r in out[k] for t in r["tbt"]], 50)
+        row[f"{k}_tbt_ms_p99"] = pct([t * 1e3 for r in out[k] for t in r["tbt"]], 99)
+    added = [(h["ttft"] - p["ttft"]) * 1e3 for h, p in zip(out["http"], out["python"])]
+    row["added_ttft_ms_p50"], row["added_ttft_ms_p99"] = pct(added, 50), pct(added, 99)
+    return row
+
+
+async def capacity(url, model, concurrency, seconds, max_tokens) -> float:
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker(client, w):
+        nonlocal done
+        i = 0
+        while time.perf_counter() < stop:
+            r = await http_stream(client, model, f"capacity {w}-{i}", max_tokens)
+            done += r["status"] == 200
+            i += 1
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        await asyncio.gather(*[worker(client, w) for w in range(concurrency)])
+    return done / (time.perf_counter() - started)
+
+
+def load(url, model, rate, seconds, max_tokens, seed) -> dict:
+    cmd = [sys.executable, str(ROOT / "bench" / "serve_load.py"), "--url", url, "--model", model,
+           "--rate", str(rate), "--seconds", str(seconds), "--max-tokens", str(max_tokens), "--seed", str(seed)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 10 + 300)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "examples" / "online.yaml"))
+    ap.add_argument("--policies", default="lemix,separate")
+    ap.add_argument("--seconds", type=float, default=20.0, help="per load level and for capacity")
+    ap.add_argument("--overhead-requests", type=int, default=20)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import ray
+
+    from raycolo.actors import serve_launch
+    from raycolo.engines.models import load_tokenizer
+    from raycolo.online.config import load_online_config
+
+    base = load_online_config(args.config)
+    report = {"config": vars(args), "policies": {}}
+    started_all = time.perf_counter()
+    for policy in args.policies.split(","):
+        config = base.model_copy(update={
+            "policy": policy, "sample_store": f"out/bench-serve/{policy}/samples",
+            "storage_path": f"out/bench-serve/{policy}/checkpoints",
+            "serve": base.serve.model_copy(update={"port": free_port(), "app_name": f"bench-{policy}",
+                                                   "max_ongoing_requests": 4 * args.concurrency})})
+        started, _ = serve_launch.init_ray(config)
+        try:
+            print(f"[{policy}] starting {config.nodes} x {config.stages} ...", file=sys.stderr, flush=True)
+            url = serve_launch.start(config)
+            controller = ray.get_actor(f"raycolo-online-{config.serve.app_name}", namespace="raycolo")
+            model = config.served_model_name()
+            tokenizer = load_tokenizer(config.model_loading_config.model_id)
+            row = {"overhead": asyncio.run(overhead(url, controller, tokenizer, model, args.overhead_requests,
+                                                    args.max_tokens))}
+            cap = asyncio.run(capacity(url, model, args.concurrency, args.seconds, args.max_tokens))
+            row["capacity_rps"] = cap
+            print(f"[{policy}] capacity {cap:.2f} requests/s", file=sys.stderr, flush=True)
+            row["load"] = {}
+            for mult in (0.5, 1.0, 2.0):
+                rss0 = cluster_rss_mb()
+                res = load(url, model, cap * mult, args.seconds, args.max_tokens, args.seed)
+                res.update(rss_before_mb=rss0, rss_after_mb=cluster_rss_mb(),
+                           health=httpx.get(url + "/health", timeout=30).status_code)
+                row["load"][mult] = res
+                print(f"[{policy}] {mult}x: {json.dumps(res)}", file=sys.stderr, flush=True)
+            report["policies"][policy] = row
+        finally:
+            serve_launch.stop(config, started)
+    print_tables(report)
+    print(f"wall time {time.perf_counter() - started_all:.0f} s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def print_tables(report) -> None:
+    print("\nHTTP overhead (streamed completions one at a time; ms):")
+    print("| policy | HTTP TTFT p50/p99 | Python TTFT p50/p99 | added TTFT p50/p99 | HTTP TBT p50/p99 | Python TBT p50/p99 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for policy, row in report["policies"].items():
+        o = row["overhead"]
+        print(f"| {policy} | {o['http_ttft_ms_p50']:.1f}/{o['http_ttft_ms_p99']:.1f} | "
+              f"{o['python_ttft_ms_p50']:.1f}/{o['python_ttft_ms_p99']:.1f} | "
+              f"{o['added_ttft_ms_p50']:.1f}/{o['added_ttft_ms_p99']:.1f} | "
+              f"{o['http_tbt_ms_p50']:.1f}/{o['http_tbt_ms_p99']:.1f} | {o['python_tbt_ms_p50']:.1f}/{o['python_tbt_ms_p99']:.1f} |")
+    print("\nOpen-loop load (Poisson, separate process; capacity from a closed loop):")
+    print("| policy | load | offered/s | done/s | TTFT p50/p99 ms | TBT p50/p99 ms | shed | errors | RSS MB before -> after | /health |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for policy, row in report["policies"].items():
+        for mult, r in row["load"].items():
+            print(f"| {policy} | {mult}x of {row['capacity_rps']:.2f}/s | {r['offered_rps']:.2f} | {r['done_rps']:.2f} | "
+                  f"{r['ttft_ms_p50']:.0f}/{r['ttft_ms_p99']:.0f} | {r['tbt_ms_p50']:.0f}/{r['tbt_ms_p99']:.0f} | "
+                  f"{r['shed_rate']:.2f} | {r['error_rate']:.2f} | {r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} | "
+                  f"{r['health']} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
