@@ -19,6 +19,7 @@ from raycolo.actors.online_launch import OnlineDeployment, learnable_pair
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.online.config import parse_online_config
 from raycolo.online.tasks import poisson_workload
+from tiny_reference import hf_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,19 +44,6 @@ def deployment(tmp_path_factory):
     ray.shutdown()
 
 
-def _hf_greedy(prompt, n):
-    from transformers import GenerationConfig
-
-    from raycolo.engines.models import build_tiny_model
-    model, _ = build_tiny_model("tiny-llama-s", 0, "float32")
-    model.generation_config.eos_token_id = None
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             generation_config=cfg)
-    return out[0, len(prompt):].tolist()
-
-
 def test_workers_register_by_node_and_stage(deployment):
     dep, _, _ = deployment
     reg = dep.registry()
@@ -68,7 +56,7 @@ def test_streamed_greedy_completion_equals_the_unsplit_model(deployment):
     prompt = [1] + [40 + i % 50 for i in range(17)]
     rid = dep.submit(prompt, max_tokens=6, ignore_eos=True)
     tokens = list(dep.stream(rid))
-    assert tokens == _hf_greedy(prompt, 6)   # fresh LoRA (B = 0): the base model's tokens
+    assert tokens == hf_greedy("tiny-llama-s", prompt, 6)   # fresh LoRA (B = 0): the base model's tokens
 
 
 def test_samples_are_persisted_before_the_ack_and_training_changes_the_adapter(deployment, tmp_path):

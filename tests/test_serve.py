@@ -19,6 +19,7 @@ import pytest
 import ray
 
 from raycolo.online.config import parse_online_config
+from tiny_reference import hf_greedy
 
 KEY_ENV, KEY = "RAYCOLO_TEST_API_KEY", "test-key-1234"
 MODEL = "tiny-llama-s"
@@ -66,24 +67,10 @@ def http(front) -> httpx.Client:
     return httpx.Client(base_url=front["url"], headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
 
 
-def hf_greedy(prompt_ids, n):
-    import torch
-    from transformers import GenerationConfig
-
-    from raycolo.engines.models import build_tiny_model
-    model, _ = build_tiny_model(MODEL, 0, "float32")
-    model.generation_config.eos_token_id = None
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             generation_config=cfg)
-    return out[0, len(prompt_ids):].tolist()
-
-
 def expected_text(prompt_text: str, n: int) -> str:
     from raycolo.engines.models import load_tokenizer
     tok = load_tokenizer(MODEL)
-    return tok.decode(hf_greedy(tok.encode(prompt_text), n))
+    return tok.decode(hf_greedy(MODEL, tok.encode(prompt_text), n))
 
 
 # -- OpenAI routes, with the official client ---------------------------------------------------
