@@ -15,8 +15,8 @@ from raycolo.dag import AppSpec, load_app, parse_app
 from raycolo.errors import ConfigError, RaycoloError
 
 REPO = Path(__file__).resolve().parents[1]
-# Application graphs; examples/online.yaml is an online deployment config (tests/test_online_samples.py).
-EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml") if p.name != "online.yaml")
+# Application graphs; examples/online.yaml and serve.yaml are online deployment configs (tests/test_online_samples.py, test_serve_run.py).
+EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml") if p.name not in ("online.yaml", "serve.yaml"))
 
 BASE = {
     "name": "t",

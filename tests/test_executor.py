@@ -330,3 +330,15 @@ def test_freed_step_memory_is_reused_without_new_page_faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.ones(16 << 20)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000
+
+
+def test_loading_the_native_kernel_keeps_subnormal_floats():
+    """The kernel library must not switch the process to flush-to-zero (a -ffast-math
+    link does, through crtfastmath.o): subnormals must survive in every process that loads it."""
+    import sys
+
+    from raycolo.executor.native import native_library
+
+    assert native_library() is not None
+    assert sys.float_info.min / 2 > 0
+    assert torch.tensor(sys.float_info.min, dtype=torch.float64).div(2).item() > 0

@@ -232,12 +232,15 @@ def test_the_runtime_adapts_when_models_finish_in_another_order(cluster, tmp_pat
     from raycolo.policies import get_policy
     from raycolo.runtime.setup import prepare
 
-    # 'small' really answers in at most 4 tokens and 'medium' in up to 64, so the real order
-    # does not hang on timing noise; the plan believes small's answers are 1000 tokens.
+    # 'small' really answers in at most 4 tokens and 'medium' in up to 512 (seconds of work
+    # even on the fast executor, more than replica starts vary), so the real order does not
+    # hang on timing noise; the plan believes small's answers are 1000 tokens.
     dag = tmp_path / "short_small.yaml"
     dag.write_text((EXAMPLES / "tiny.yaml").read_text().replace(
         "{name: small, model: tiny-llama-s, max_output_tokens: 64}",
-        "{name: small, model: tiny-llama-s, max_output_tokens: 4}"))
+        "{name: small, model: tiny-llama-s, max_output_tokens: 4}").replace(
+        "{name: medium, model: tiny-llama-m, max_output_tokens: 64}",
+        "{name: medium, model: tiny-llama-m, max_output_tokens: 512}"))
     config = _config(tmp_path, str(dag), requests=8)
     run = prepare(config)
     believed = run.workload.nodes["small"].output_len.copy()

@@ -22,8 +22,8 @@ from raycolo.errors import ConfigError
 from raycolo.workload import build_workload, template_tokens
 
 REPO = Path(__file__).resolve().parents[1]
-# Application graphs; examples/online.yaml is an online deployment config (tests/test_online_samples.py).
-EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml") if p.name != "online.yaml")
+# Application graphs; examples/online.yaml and serve.yaml are online deployment configs (tests/test_online_samples.py, test_serve_run.py).
+EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml") if p.name not in ("online.yaml", "serve.yaml"))
 ROUTE_COUNTS = {"llama70b": 408, "mixtral": 1267, "wizardlm": 2068, "codellama": 456,
                 "mistral": 2657}
 

@@ -5,7 +5,9 @@ attends to its sequence's keys and values read in place from the paged cache thr
 block table, so a decode step no longer gathers every sequence's K/V into a padded copy
 (that gather and the copy were 37 % of decode time at 256 requests, docs/executor.md).
 
-* **Build.** ``$CC`` (default ``cc``) with ``-O3 -march=native -ffast-math -fopenmp``, into
+* **Build.** ``$CC`` (default ``cc``) compiles with ``-O3 -march=native -ffast-math -fopenmp``
+  and links without ``-ffast-math`` (so loading it never changes the process's floating
+  point mode: subnormals stay), into
   ``$RAYCOLO_KERNEL_CACHE`` (default ``~/.cache/raycolo/kernels``), one file per source,
   flags, compiler and CPU; built once (about 1 s) and reused by every process. A build
   goes to a temporary name and is renamed into place, so actors starting together never
@@ -33,7 +35,12 @@ import torch
 log = logging.getLogger("raycolo.executor")
 
 SOURCE = Path(__file__).with_name("kernels") / "paged_attention.c"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+# Linked without -ffast-math: GCC 12 links crtfastmath.o into a -ffast-math shared library,
+# whose constructor sets flush-to-zero for the whole process on load (subnormal floats
+# vanish in torch, numpy and everything else; hypothesis noticed). The compile keeps it.
+LINK_FLAGS = ("-shared", "-fopenmp")
+FLAGS = COMPILE_FLAGS + LINK_FLAGS
 DISABLE_ENV = "RAYCOLO_NATIVE_KERNELS"
 CACHE_ENV = "RAYCOLO_KERNEL_CACHE"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -68,16 +75,19 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
+    obj = tmp + ".o"
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-                              capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip()
-                               else f"{compiler} exited {done.returncode}")
+        for cmd in ([compiler, *COMPILE_FLAGS, "-c", "-o", obj, str(SOURCE)],
+                    [compiler, *LINK_FLAGS, "-o", tmp, obj, "-lm"]):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip()
+                                   else f"{compiler} exited {done.returncode}")
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def _load() -> Optional[ctypes.CDLL]:
