@@ -22,6 +22,18 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <math.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+/* Flush-to-zero and denormals-are-zero while the kernel runs, in each of its threads, and
+ * the caller's mode back afterwards: softmax weights of far-away keys underflow to
+ * subnormals, which cost microcode assists. The library never changes the process's mode
+ * (it is linked without -ffast-math). */
+#define FAST_FP_BEGIN unsigned int saved_csr = _mm_getcsr(); _mm_setcsr(saved_csr | 0x8040);
+#define FAST_FP_END _mm_setcsr(saved_csr);
+#else
+#define FAST_FP_BEGIN
+#define FAST_FP_END
+#endif
 
 #define DEFINE_PAGED_ATTENTION(NAME, T, EXP)                                                   \
 static inline __attribute__((always_inline)) void NAME##_item(                               \
@@ -73,6 +85,7 @@ int NAME(const T *q, const T *key, const T *value, const int64_t *tables,       
     int failed = 0;                                                                          \
     _Pragma("omp parallel num_threads(threads)")                                             \
     {                                                                                        \
+        FAST_FP_BEGIN                                                                        \
         T *buf = NULL;                                                                       \
         int64_t cap = 0;                                                                     \
         _Pragma("omp for schedule(dynamic, 4)")                                              \
@@ -101,6 +114,7 @@ int NAME(const T *q, const T *key, const T *value, const int64_t *tables,       
             }                                                                                \
         }                                                                                    \
         free(buf);                                                                           \
+        FAST_FP_END                                                                          \
     }                                                                                        \
     return failed;                                                                           \
 }
