@@ -55,6 +55,7 @@ class LiveRequest:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted_s: float = 0.0
     cancelled: Optional[str] = None     # finish it at its next token with this reason
+    base: bool = False                  # served by the base model, without the adapter
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -353,7 +354,8 @@ class OnlineController:
                 tokens = [q.prompt + q.generated for q in reqs]
             else:
                 tokens = [[q.generated[-1]] for q in reqs]
-            base.update(requests=[q.task.task_id for q in reqs], counts=[len(t) for t in tokens])
+            base.update(requests=[q.task.task_id for q in reqs], counts=[len(t) for t in tokens],
+                        base=[q.task.task_id for q in reqs if q.base])
             if s == 0:
                 base["tokens"] = tokens
             if last:
@@ -473,19 +475,20 @@ class OnlineController:
         return self.next_id - 1
 
     async def submit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
-                     top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False) -> int:
-        """Accept a completion request; returns its id (stream it with :meth:`stream`)."""
+                     top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False) -> int:
+        """Accept a completion request; returns its id (stream it with :meth:`stream`).
+        ``base``: serve it with the base model (the adapter switched off for its rows)."""
         max_tokens = max_tokens or self.config.max_tokens
         tid = self._new_id()
         task = OnlineTask(tid, "inference", self.driver.now(), len(prompt), 1, 0, max_tokens)
         self.requests[tid] = LiveRequest(task, list(prompt), max_tokens, temperature, top_p, seed,
-                                         ignore_eos, submitted_s=self.driver.now())
+                                         ignore_eos, submitted_s=self.driver.now(), base=base)
         self.tasks[tid] = task
         self.driver.submit(task)
         return tid
 
     async def admit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
-                    top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False) -> dict:
+                    top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False) -> dict:
         """The HTTP front's submit: ``{"id"}``, or ``{"rejected": "overloaded"}`` beyond
         ``serve.max_ongoing_requests`` unfinished requests, or ``{"rejected": "unavailable"}``
         when no node is alive. A rejected request was never accepted; an accepted one ends
@@ -495,7 +498,7 @@ class OnlineController:
         if self.unfinished() >= self.config.serve.max_ongoing_requests:
             self.rejections += 1
             return {"rejected": "overloaded", "retry_after_s": self.config.serve.retry_after_s}
-        return {"id": await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos)}
+        return {"id": await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos, base)}
 
     def unfinished(self) -> int:
         return sum(1 for r in self.requests.values() if r.finish_reason is None)

@@ -38,6 +38,7 @@ from raycolo.serving.text import TextStream, chat_sample, encode_completion, ren
 
 NAMESPACE = "raycolo"
 MONITOR_EVERY_S = 2.0
+BASE_SUFFIX = "@base"          # <model>@base: the base model, without the adapter
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
              "description": "JSON, or server-sent events with stream: true"}}
@@ -186,18 +187,26 @@ class OpenAIIngress:
     # -- models ----------------------------------------------------------------------------
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, root=self.model_name,
-                                         adapter="latest")])
+        """The served model (its latest adapter) and ``<model>@base`` (no adapter)."""
+        return ModelList(data=[
+            ModelCard(id=self.model_name, created=self.created, root=self.model_name, adapter="latest"),
+            ModelCard(id=f"{self.model_name}{BASE_SUFFIX}", created=self.created, root=self.model_name,
+                      parent=self.model_name, adapter="base")])
 
-    def _check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise OpenAIError(404, f"model '{name}' does not exist; this server serves '{self.model_name}' "
-                              "(GET /v1/models)", param="model", code="model_not_found")
+    def _check_model(self, name: str) -> bool:
+        """Whether ``name`` pins the base model; 404 for a name this server does not serve."""
+        if name == self.model_name:
+            return False
+        if name == f"{self.model_name}{BASE_SUFFIX}":
+            return True
+        raise OpenAIError(404, f"model '{name}' does not exist; this server serves '{self.model_name}' "
+                          f"and '{self.model_name}{BASE_SUFFIX}' (GET /v1/models)", param="model",
+                          code="model_not_found")
 
     # -- generation -------------------------------------------------------------------------
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**ERRORS, **SSE})
     async def completions(self, body: CompletionRequest, request: Request):
-        self._check_model(body.model)
+        base = self._check_model(body.model)
         if isinstance(body.prompt, str):
             ids = self.tokenizer.encode(body.prompt)
         else:
@@ -205,15 +214,17 @@ class OpenAIIngress:
             if max(ids) >= self.vocab:
                 raise OpenAIError(400, f"prompt: token ids must be below the vocabulary size {self.vocab}",
                                   param="prompt", code="invalid_parameter")
-        return await self._generate(body, ids, body.max_tokens, "prompt", chat=False)
+        return await self._generate(body, ids, body.max_tokens, "prompt", chat=False, base=base)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **SSE})
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        self._check_model(body.model)
+        base = self._check_model(body.model)
         text = render_chat(self.tokenizer, [(m.role, m.text()) for m in body.messages])
-        return await self._generate(body, self.tokenizer.encode(text), body.limit(), "messages", chat=True)
+        return await self._generate(body, self.tokenizer.encode(text), body.limit(), "messages", chat=True,
+                                    base=base)
 
-    async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool):
+    async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool,
+                        base: bool = False):
         self._ensure_monitor()
         limit = max_tokens if max_tokens is not None else self.config.max_tokens
         kv = self.config.stage.kv_cache_tokens
@@ -229,7 +240,7 @@ class OpenAIIngress:
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         started = time.perf_counter()
         admitted = await self.controller.admit.remote(ids, limit, body.temperature, body.top_p, seed,
-                                                      body.ignore_eos)
+                                                      body.ignore_eos, base)
         if admitted.get("rejected") == "overloaded":
             self.metrics.rejected.inc(tags={"model_name": self.model_name})
             retry = admitted["retry_after_s"]
@@ -246,7 +257,7 @@ class OpenAIIngress:
         events = self._events(rid, body.stop_list(), started)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(events, out_id, kind, len(ids), include_usage),
+            return StreamingResponse(self._sse(events, out_id, kind, len(ids), include_usage, body.model),
                                      media_type="text/event-stream")
         text, reason, count = [], None, 0
         async for delta, finish, n in events:
@@ -256,7 +267,7 @@ class OpenAIIngress:
                 raise OpenAIError(503, f"generation failed: {delta}", code="generation_failed")
             reason = finish or reason
         usage = {"prompt_tokens": len(ids), "completion_tokens": count, "total_tokens": len(ids) + count}
-        body_out = {"id": out_id, "object": kind, "created": int(time.time()), "model": self.model_name,
+        body_out = {"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
                     "usage": usage}
         content = "".join(text)
         if chat:
@@ -315,7 +326,7 @@ class OpenAIIngress:
         self.metrics.success.inc(tags=dict(tags, finished_reason=reason))
         self.metrics.e2e.observe(time.perf_counter() - started, tags)
 
-    async def _sse(self, events, out_id: str, kind: str, prompt_tokens: int, include_usage: bool):
+    async def _sse(self, events, out_id: str, kind: str, prompt_tokens: int, include_usage: bool, model: str):
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
         created = int(time.time())
 
@@ -325,7 +336,7 @@ class OpenAIIngress:
                 choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-            out = {"id": out_id, "object": chunk_kind, "created": created, "model": self.model_name,
+            out = {"id": out_id, "object": chunk_kind, "created": created, "model": model,
                    "choices": [] if usage else [choice]}
             if usage:
                 out["usage"] = usage

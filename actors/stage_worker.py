@@ -71,7 +71,7 @@ class StageProcess:
             counts = op["counts"]
             hidden = None if first else self._recv((sum(counts), self.hidden), self.stage - 1, op["after"])
             tokens = op["tokens"] if first else [[0] * n for n in counts]
-            out = self.model.forward(op["requests"], tokens, hidden)
+            out = self.model.forward(op["requests"], tokens, hidden, base=op.get("base", ()))
             if last:
                 result["tokens"] = _sample(out, op["sampling"])
             else:

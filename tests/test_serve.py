@@ -74,8 +74,8 @@ def expected_text(prompt_text: str, n: int) -> str:
 
 
 # -- OpenAI routes, with the official client ---------------------------------------------------
-def test_models_lists_the_served_model(front):
-    assert [m.id for m in client(front).models.list().data] == [MODEL]
+def test_models_lists_the_served_model_and_its_base(front):
+    assert [m.id for m in client(front).models.list().data] == [MODEL, MODEL + "@base"]
 
 
 def test_completion_is_the_models_greedy_text_streamed_or_not(front):
@@ -238,6 +238,12 @@ def test_train_samples_are_persisted_before_the_ack_and_trained(front):
         assert status["received"] == len(stored) and status["trained"] >= 6, status
         assert status["pending"] <= 1       # 7 samples, micro-batches of 2
         stats = h.get("/v1/stats").json()
+    # the adapter has trained; <model>@base still serves the model without it, token for token
+    prompt = "The quick brown fox"
+    pinned = client(front).completions.create(model=MODEL + "@base", prompt=prompt, max_tokens=6, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    assert pinned.model == MODEL + "@base" and pinned.choices[0].text == expected_text(prompt, 6)
+    TOKENS_SENT["n"] += 6
     assert stats["policy"] == "lemix" and len(stats["stages"]) == 4 and stats["completed"] > 0
 
 

@@ -237,3 +237,36 @@ def test_interleaved_training_tasks_use_the_weights_of_their_own_forward():
     g = chain[1].train_backward(1)
     chain[0].train_backward(1, g)                          # no in-place error
     assert chain[0].steps == chain[1].steps == 2
+
+
+def test_base_rows_run_without_the_adapter_in_the_same_step():
+    """Requests pinned to the base model share prefill and decode steps with adapter
+    requests through a two-stage chain: their rows equal the model without LoRA, the
+    others equal the model with it (each checked against a chain of its own)."""
+    with_lora = stages("tiny-llama-m", [0, 2, 4])
+    for st in with_lora:      # a LoRA that matters (peft starts B at zero)
+        with torch.no_grad():
+            for name, p in st.model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn_like(p) * 0.1)
+    reference_lora = stages("tiny-llama-m", [0, 2, 4])
+    for src, dst in zip(with_lora, reference_lora):
+        dst.load_lora_state(src.lora_state())
+    reference_base = stages("tiny-llama-m", [0, 2, 4], lora=None)
+    ps = prompts([7, 12, 5])
+    rids, pinned = [0, 1, 2], [1]
+
+    def chain(chain_, toks, base=()):
+        hidden = None
+        for st in chain_:
+            hidden = st.forward(rids, toks, hidden, base=base)
+        return hidden
+
+    mixed, lora_only, base_only = chain(with_lora, ps, pinned), chain(reference_lora, ps), chain(reference_base, ps)
+    for step in range(3):
+        torch.testing.assert_close(mixed[[0, 2]], lora_only[[0, 2]], rtol=0, atol=1e-10)
+        torch.testing.assert_close(mixed[[1]], base_only[[1]], rtol=0, atol=1e-10)
+        assert (lora_only[1] - base_only[1]).abs().max() > 1e-3     # the adapter changes row 1
+        nxt = [[int(t)] for t in mixed.argmax(-1)]
+        mixed, lora_only, base_only = (chain(with_lora, nxt, pinned), chain(reference_lora, nxt),
+                                       chain(reference_base, nxt))

@@ -21,6 +21,7 @@ tokens and the LoRA weights after a pipelined step). Pure torch and peft: no Ray
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -115,10 +116,32 @@ class StageModel:
 
     # -- inference -------------------------------------------------------------------------
     def forward(self, requests: Sequence[int], tokens: Sequence[Sequence[int]],
-                hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+                hidden: Optional[torch.Tensor] = None, base: Sequence[int] = ()) -> torch.Tensor:
         """Append ``tokens[i]`` to request ``requests[i]`` (a prefill: its prompt; a decode
         step: one token) and run the slice. Token ids matter on the first stage only;
-        later stages need their counts and ``hidden`` from the stage before."""
+        later stages need their counts and ``hidden`` from the stage before. Requests in
+        ``base`` run with the adapter switched off (peft's ``disable_adapter``): the base
+        model, in a second pass over their rows only."""
+        chunks = self._chunks(requests, tokens)
+        base = set(base)
+        if not base.intersection(requests) or not hasattr(self.model, "disable_adapter"):
+            return self.executor.execute(self.executor.batch(chunks), hidden)
+        counts = [c.length for c in chunks]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        pieces: list = [None] * len(chunks)
+        for off in (False, True):
+            rows = [i for i, r in enumerate(requests) if (r in base) == off]
+            if not rows:
+                continue
+            part = None if hidden is None else torch.cat([hidden[starts[i]:starts[i] + counts[i]] for i in rows])
+            with self.model.disable_adapter() if off else contextlib.nullcontext():
+                out = self.executor.execute(self.executor.batch([chunks[i] for i in rows]), part)
+            split = [1] * len(rows) if self.is_last else [counts[i] for i in rows]
+            for i, piece in zip(rows, torch.split(out, split)):
+                pieces[i] = piece
+        return torch.cat(pieces)
+
+    def _chunks(self, requests: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[SeqChunk]:
         chunks = []
         for rid, toks in zip(requests, tokens):
             start = self.contexts.get(rid, 0)
@@ -127,7 +150,7 @@ class StageModel:
                 self.allocator.allocate(rid, need)
             chunks.append(SeqChunk(list(toks), start=start, table=self.allocator.tables[rid]))
             self.contexts[rid] = start + len(toks)
-        return self.executor.execute(self.executor.batch(chunks), hidden)
+        return chunks
 
     def release(self, request: int) -> None:
         """The request ended (or was preempted): free its blocks."""

@@ -167,7 +167,8 @@ class ModelCard(BaseModel):
     owned_by: str = "raycolo"
     root: str
     parent: Optional[str] = None
-    adapter: str = Field(description="'latest' (follows retraining), 'base' (no adapter)")
+    adapter: Literal["latest", "base"] = Field(description="'latest' follows retraining; 'base' is the model "
+                                                            "without the adapter (<model>@base)")
 
 
 class ModelList(BaseModel):
