@@ -44,8 +44,11 @@ def test_serve_run_with_the_shipped_config(tmp_path):
                    capture_output=True, cwd=tmp_path)
     proc = None
     try:
+        # Ctrl-C must reach it as KeyboardInterrupt even when this suite runs as a background
+        # job (whose children start with SIGINT ignored, so Python would never raise it)
         proc = subprocess.Popen([str(BIN / "serve"), "run", str(config)], env=env, cwd=tmp_path,
-                                stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT, text=True)
+                                stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline, healthy = time.time() + 300, False
         while time.time() < deadline and proc.poll() is None and not healthy:
             try:
