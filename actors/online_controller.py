@@ -115,6 +115,8 @@ class OnlineController:
         self.auto_train = False                       # samples arrive over HTTP: train them as they come
         self.adapter_changed_s = time.time()          # the served adapter last changed
         self.fronts: set[str] = set()                 # HTTP replicas attached (serve_app.py)
+        self.busy_s: dict = {}                        # (node, stage) -> seconds of ops run (monitor)
+        self.busy_seen = 0                            # op_log entries counted into busy_s
         self._starting: Optional[asyncio.Task] = None
         self.cancelled = 0                            # requests ended early by their clients
 
@@ -570,9 +572,10 @@ class OnlineController:
         now = self.driver.now() if self.driver else 0.0
         nodes = self.cluster.nodes
         running = sum(len(node.batch) + len(node.joining) for node in nodes)
-        busy: dict = {}
-        for start, end, n, st, _kind, _ids in self.cluster.op_log:
+        log, busy = self.cluster.op_log, self.busy_s
+        for start, end, n, st, _kind, _ids in log[self.busy_seen:]:   # only ops logged since the last call
             busy[(n, st)] = busy.get((n, st), 0.0) + (end - start)
+        self.busy_seen = len(log)
         result = await self.metrics()
         status = await self.train_status()
         return {
@@ -639,6 +642,7 @@ class OnlineController:
         self.config = cfg.model_copy(update={"policy": name})
         self.policy = make_online_policy(name, cfg.lemix, nodes=cfg.nodes, train_rate=cfg.train_rate)
         self.cluster = Cluster(self.policy, self.cluster.learner.current, cfg.nodes, cfg.lemix)
+        self.busy_s, self.busy_seen = {}, 0          # busy fractions count the new cluster's ops
         self.driver = self._driver()
         self.tasks = {}
         self.hops = 0

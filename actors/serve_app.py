@@ -30,7 +30,7 @@ from ray import serve
 
 from raycolo.errors import ConfigError
 from raycolo.online.config import OnlineConfig, load_online_config, parse_online_config
-from raycolo.serving.errors import OpenAIError, from_validation
+from raycolo.serving.errors import OpenAIError, from_error
 from raycolo.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health,
                                       ModelCard, ModelList, TrainSamplesRequest, TrainSamplesResponse,
                                       TrainStatus, CompletionResponse, ChatCompletionResponse, EvalResponse)
@@ -62,15 +62,7 @@ async def _openai_error(request: Request, exc: OpenAIError):
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    if first.get("type") == "json_invalid":
-        return _error(OpenAIError(400, "the body is not valid JSON", code="invalid_json"))
-    loc = [p for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[") or None
-    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
-    if first.get("type") == "missing":
-        msg = "is required"
-    return _error(OpenAIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_parameter"))
+    return _error(from_error(errors[0] if errors else {}))
 
 
 @app.exception_handler(StarletteHTTPException)

@@ -43,11 +43,12 @@ def param_path(loc) -> str:
     return out
 
 
-def from_validation(exc: ValidationError) -> OpenAIError:
-    """400 naming the first invalid parameter, in words (not pydantic's dump)."""
-    err = exc.errors(include_url=False)[0]
-    param = param_path(err["loc"]) or None
-    msg = err["msg"].removeprefix("Value error, ")
+def from_error(err: dict) -> OpenAIError:
+    """400 naming the invalid parameter of one pydantic (or FastAPI) error, in words."""
+    if err.get("type") == "json_invalid":
+        return OpenAIError(400, "the body is not valid JSON", code="invalid_json")
+    param = param_path(err.get("loc", ())) or None
+    msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
     kind = err.get("type", "")
     if kind == "missing":
         msg = "is required"
@@ -55,3 +56,8 @@ def from_validation(exc: ValidationError) -> OpenAIError:
         msg = "is not a supported parameter"
     text = f"{param}: {msg}" if param else msg
     return OpenAIError(400, text, param=param, code="invalid_parameter")
+
+
+def from_validation(exc: ValidationError) -> OpenAIError:
+    """400 naming the first invalid parameter, in words (not pydantic's dump)."""
+    return from_error(exc.errors(include_url=False)[0])
