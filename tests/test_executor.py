@@ -274,20 +274,107 @@ def mixed_steps(executor, prompts, block_size=4):
     return out
 
 
+@pytest.mark.parametrize("block_size", [4, 16])   # 16 + float32: the kernel's vector body
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("model_id", ["tiny-llama-l", "tiny-mistral-s", "tiny-qwen2-s"])
-def test_native_attention_equals_the_torch_path(model_id, dtype):
+def test_native_attention_equals_the_torch_path(model_id, dtype, block_size):
     """The C kernel (GQA groups, sliding windows, chunked prefill, decode) against the
     executor's torch attention (gathered K/V, masks, matmuls) on the same model."""
     model, _ = build_tiny_model(model_id, 0, dtype)
     prompts = random_prompts([3, 70, 41, 9, 64])   # beyond the tiny sliding window
-    native = ModelExecutor(model, 256, 4)
+    native = ModelExecutor(model, 256, block_size)
     assert native.native, "the native CPU attention kernel did not build (see the log)"
-    torch_path = ModelExecutor(model, 256, 4, native_attention=False)
+    torch_path = ModelExecutor(model, 256, block_size, native_attention=False)
     assert not torch_path.native
     tol = 1e-10 if dtype == "float64" else 1e-4
-    for a, b in zip(mixed_steps(native, prompts), mixed_steps(torch_path, prompts)):
+    for a, b in zip(mixed_steps(native, prompts, block_size), mixed_steps(torch_path, prompts, block_size)):
         torch.testing.assert_close(a, b, rtol=0, atol=tol)
+
+
+def test_fused_pointwise_kernels_equal_the_model_modules():
+    """The native add + RMSNorm and in-place rotary against transformers' own LlamaRMSNorm
+    and apply_rotary_pos_emb, on random rows (float32)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from raycolo.executor.native import add_rms_norm, rotary_
+
+    gen = torch.Generator().manual_seed(3)
+    for rows, dim in ((1, 64), (37, 384), (300, 768)):
+        norm = LlamaRMSNorm(dim, eps=1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(dim, generator=gen) * 2)
+        residual, x = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen) * 3
+        expected_sum = residual + x
+        with torch.inference_mode():
+            out = add_rms_norm(residual, x, norm.weight, norm.variance_epsilon)
+            torch.testing.assert_close(residual, expected_sum, rtol=0, atol=0)
+            torch.testing.assert_close(out, norm(expected_sum), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(add_rms_norm(residual, None, norm.weight, 1e-5), out)
+    for tokens, heads, kv_heads, d in ((1, 4, 2, 32), (50, 12, 4, 64), (9, 2, 1, 128)):
+        q, k = torch.randn(tokens, heads, d, generator=gen), torch.randn(tokens, kv_heads, d, generator=gen)
+        angle = torch.rand(tokens, d // 2, generator=gen) * 100
+        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+        eq, ek = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        rotary_(q, k, cos, sin)
+        torch.testing.assert_close(q, eq, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k, ek, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_forward_equals_the_unfused_one():
+    """The executor's fused float32 forward (native norms, rotary, in-place SiLU) against
+    its own module-by-module forward on the same steps, and the first choice of each."""
+    model, _ = build_tiny_model("tiny-llama-l", 0, "float32")
+    prompts = random_prompts([5, 70, 33, 12])
+    fused = ModelExecutor(model, 256, 16)
+    assert fused.fused, "the fused pointwise kernels are off (see the log)"
+    plain = ModelExecutor(model, 256, 16)
+    plain.fused = False
+    for a, b in zip(mixed_steps(fused, prompts, 16), mixed_steps(plain, prompts, 16)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("head_dim,block_size,group,window", [
+    (64, 16, 3, None), (128, 16, 2, 37), (32, 16, 1, None), (48, 16, 4, 20), (64, 8, 3, None)])
+def test_native_kernel_equals_dense_attention(head_dim, block_size, group, window):
+    """The kernel on its own, over blocks scattered at random through the cache, against
+    dense softmax attention computed from each sequence's keys and values in order
+    (float64 reference): both bodies (vector: float32, 16-slot blocks, head_dim 32/64/128;
+    plain loops otherwise), GQA groups and sliding windows."""
+    from raycolo.executor.kv_cache import PagedKVCache
+    from raycolo.executor.native import paged_attention
+
+    gen = torch.Generator().manual_seed(head_dim + block_size + group)
+    kv_heads, lengths = 2, [1, 15, 16, 17, 83, 200]
+    heads = kv_heads * group
+    blocks_per_seq = [-(-n // block_size) for n in lengths]
+    cache = PagedKVCache(1, sum(blocks_per_seq) + 5, block_size, kv_heads, head_dim, torch.float32)
+    order = torch.randperm(cache.num_blocks, generator=gen).tolist()
+    seq_keys, seq_values, tables = [], [], []
+    for n, nb in zip(lengths, blocks_per_seq):
+        table, order = order[:nb], order[nb:]
+        k = torch.randn(n, kv_heads, head_dim, generator=gen)
+        v = torch.randn(n, kv_heads, head_dim, generator=gen)
+        slots = torch.tensor([table[t // block_size] * block_size + t % block_size for t in range(n)])
+        cache.write(0, slots, k, v)
+        seq_keys.append(k), seq_values.append(v), tables.append(table)
+    # one query at the last position of every sequence, and three mid-sequence ones
+    queries = [(s, n - 1) for s, n in enumerate(lengths)] + [(4, 40), (5, 0), (5, 150)]
+    q = torch.randn(len(queries), heads, head_dim, generator=gen)
+    flat, starts = [], {}
+    for s, table in enumerate(tables):
+        starts[s] = len(flat)
+        flat += table
+    out = paged_attention(q, cache.keys[0], cache.values[0], torch.tensor(flat),
+                          torch.tensor([starts[s] for s, _ in queries]),
+                          torch.tensor([p for _, p in queries]), window, head_dim ** -0.5)
+    for row, (s, p) in enumerate(queries):
+        lo = 0 if window is None else max(0, p - window + 1)
+        k = seq_keys[s][lo:p + 1].double().repeat_interleave(group, dim=1)   # (len, heads, d)
+        v = seq_values[s][lo:p + 1].double().repeat_interleave(group, dim=1)
+        w = torch.einsum("hd,thd->ht", q[row].double(), k).mul(head_dim ** -0.5).softmax(-1)
+        expected = torch.einsum("ht,thd->hd", w, v)
+        torch.testing.assert_close(out[row].double(), expected, rtol=0, atol=2e-5)
 
 
 def test_native_kernel_build_failure_falls_back_and_says_so(tmp_path, monkeypatch, caplog):

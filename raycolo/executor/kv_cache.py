@@ -1,9 +1,12 @@
 """A preallocated, paged KV cache for a slice of a model's layers.
 
-Per layer, keys and values live in one tensor each of shape
-``(num_blocks, block_size, kv_heads, head_dim)``. Token ``t`` of a request is stored in
-block ``table[t // block_size]`` at offset ``t % block_size``, where ``table`` is the
-request's block table from :class:`raycolo.sim.blocks.BlockAllocator`. Nothing is ever
+Per layer, keys live in one tensor of shape ``(num_blocks, kv_heads, head_dim,
+block_size)`` and values in one of shape ``(num_blocks, kv_heads, block_size, head_dim)``:
+within a block, each head's keys are stored transposed, so that the native attention
+kernel computes a block's scores as whole vectors (kernels/paged_attention.c). Token
+``t`` of a request is stored in block ``table[t // block_size]`` at offset
+``t % block_size``, where ``table`` is the request's block table from
+:class:`raycolo.sim.blocks.BlockAllocator`. Nothing is ever
 concatenated or grown: a step writes its new keys/values into their slots in place and
 attention reads them back through the block tables.
 """
@@ -33,9 +36,10 @@ class PagedKVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.keys = [_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.values = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.keys = [_zeros((num_blocks, kv_heads, head_dim, block_size), dtype, device)
+                     for _ in range(num_layers)]
+        self.values = [_zeros((num_blocks, kv_heads, block_size, head_dim), dtype, device)
+                       for _ in range(num_layers)]
 
     @property
     def bytes_per_token(self) -> int:
@@ -47,17 +51,19 @@ class PagedKVCache:
         return self.bytes_per_token * self.num_blocks * self.block_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` of shape (tokens, kv_heads, head_dim) at flat ``slots``."""
-        flat = (-1, self.kv_heads, self.head_dim)
-        self.keys[layer].view(flat).index_copy_(0, slots, k)
-        self.values[layer].view(flat).index_copy_(0, slots, v)
+        """Store ``k``/``v`` of shape (tokens, kv_heads, head_dim) at flat ``slots``
+        (``block * block_size + offset``)."""
+        block, offset = slots.div(self.block_size, rounding_mode="floor"), slots.remainder(self.block_size)
+        self.keys[layer][block, :, :, offset] = k
+        self.values[layer][block, :, offset, :] = v
 
     def read(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of each row's blocks, as (rows, kv_heads, blocks * block_size,
         head_dim); positions past a row's context hold stale data and must be masked."""
         rows, blocks = tables.shape
-        shape = (rows, blocks * self.block_size, self.kv_heads, self.head_dim)
+        bs, kvh, d = self.block_size, self.kv_heads, self.head_dim
+        shape = (rows, kvh, blocks * bs, d)
         flat = tables.view(-1)  # index_select is several times faster than tensor[tables]
-        k = self.keys[layer].index_select(0, flat).view(shape).transpose(1, 2)
-        v = self.values[layer].index_select(0, flat).view(shape).transpose(1, 2)
-        return k, v
+        k = self.keys[layer].index_select(0, flat).view(rows, blocks, kvh, d, bs)
+        v = self.values[layer].index_select(0, flat).view(rows, blocks, kvh, bs, d)
+        return (k.permute(0, 2, 1, 4, 3).reshape(shape), v.transpose(1, 2).reshape(shape))

@@ -28,7 +28,8 @@ from raycolo.errors import ConfigError
 from raycolo.executor.batch import SeqChunk, StepBatch
 from raycolo.executor.heap import keep_freed_memory
 from raycolo.executor.kv_cache import PagedKVCache
-from raycolo.executor.native import native_attention_supported, paged_attention
+from raycolo.executor.native import (add_rms_norm, fused_pointwise_supported,
+                                     native_attention_supported, paged_attention, rotary_)
 from raycolo.executor.packed import pack_linears
 
 log = logging.getLogger("raycolo.executor")
@@ -98,6 +99,10 @@ class ModelExecutor:
                                   self.head_dim, self.dtype, self.device)
         # On the CPU, attention reads the cache in place with a native kernel (native.py).
         self.native = native_attention and native_attention_supported(self.dtype, self.device)
+        # ... and, in float32 inference, the residual adds, RMSNorms, rotary and SiLU fuse.
+        self.fused = (self.native and fused_pointwise_supported(self.dtype, self.device)
+                      and all(_fusable(layer) for layer in self.layers)
+                      and (self.norm is None or _is_rms_norm(self.norm)))
 
     def _window(self, attn) -> Optional[int]:
         if hasattr(attn, "sliding_window"):      # Qwen2: per layer type
@@ -139,6 +144,8 @@ class ModelExecutor:
                 raise ValueError(f"layers [{self.first}, {self.last}): need hidden states for "
                                  f"{batch.num_tokens} tokens")
             x = hidden
+        if self.fused and not torch.is_grad_enabled():
+            return self._forward_fused(batch, x.clone() if hidden is not None else x)
         x = x.unsqueeze(0)  # (1, tokens, hidden): the modules' (batch, seq, hidden)
         cos, sin = self.rotary(x, batch.positions.unsqueeze(0))
         rope = (cos[0], sin[0])
@@ -153,6 +160,28 @@ class ModelExecutor:
             return x
         last = x.index_select(0, batch.last_index)
         return self.lm_head(self.norm(last))
+
+    def _forward_fused(self, batch: StepBatch, x: torch.Tensor) -> torch.Tensor:
+        """The same layers with native fused pointwise steps (float32, CPU, no autograd):
+        ``x`` is the residual stream, updated in place; each residual add runs in one pass
+        with the RMSNorm after it, rotary runs in place, SiLU and the gate product in place.
+        The projections are still the model's modules (LoRA applies)."""
+        cos, sin = self.rotary(x, batch.positions.unsqueeze(0))
+        rope = (cos[0].contiguous(), sin[0].contiguous())
+        h = add_rms_norm(x, None, *_norm_args(self.layers[0].input_layernorm))
+        for i, layer in enumerate(self.layers):
+            a = self._attention(i, layer.self_attn, h, rope, batch, fused=True)
+            h = add_rms_norm(x, a, *_norm_args(layer.post_attention_layernorm))
+            mlp = layer.mlp
+            m = mlp.down_proj(F.silu(mlp.gate_proj(h), inplace=True).mul_(mlp.up_proj(h)))
+            if i + 1 < len(self.layers):
+                h = add_rms_norm(x, m, *_norm_args(self.layers[i + 1].input_layernorm))
+            else:
+                x += m
+        if not self.is_last:
+            return x
+        last = x.index_select(0, batch.last_index)
+        return self.lm_head(add_rms_norm(last, None, *_norm_args(self.norm)))
 
     def forward_train(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """The slice over whole sequences, with autograd and without the KV cache (a
@@ -198,12 +227,16 @@ class ModelExecutor:
                                            enable_gqa=self.group > 1)
         return attn.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * d))
 
-    def _attention(self, i: int, attn, h: torch.Tensor, rope, batch: StepBatch) -> torch.Tensor:
+    def _attention(self, i: int, attn, h: torch.Tensor, rope, batch: StepBatch,
+                   fused: bool = False) -> torch.Tensor:
         n, d = h.shape[0], self.head_dim
         q = attn.q_proj(h).view(n, self.heads, d)
         k = attn.k_proj(h).view(n, self.kv_heads, d)
         v = attn.v_proj(h).view(n, self.kv_heads, d)
-        q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
+        if fused and q.is_contiguous() and k.is_contiguous():
+            rotary_(q, k, *rope)
+        else:
+            q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
         self.cache.write(i, batch.slots, k, v)
         if batch.tables is not None:  # the native kernel reads K/V in place
             if q.requires_grad:
@@ -233,6 +266,23 @@ class ModelExecutor:
                 rows, 1, grp * lq, mask.shape[-1])
         o = _attend(qg, keys, values, mask, self.scale)
         return o.view(rows, kvh, grp, lq, d).permute(0, 3, 1, 2, 4).reshape(rows * lq, kvh * grp * d)
+
+
+def _is_rms_norm(norm) -> bool:
+    """transformers' Llama/Qwen2/Mistral RMSNorm: ``weight * x * rsqrt(mean(x**2) + eps)``."""
+    return type(norm).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+
+
+def _norm_args(norm) -> tuple[torch.Tensor, float]:
+    return norm.weight, norm.variance_epsilon
+
+
+def _fusable(layer) -> bool:
+    """Whether a decoder layer's norms and MLP are the ones the fused forward computes."""
+    mlp = layer.mlp
+    return (_is_rms_norm(layer.input_layernorm) and _is_rms_norm(layer.post_attention_layernorm)
+            and type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP", "MistralMLP")
+            and getattr(mlp.config, "hidden_act", None) == "silu")
 
 
 def _attend(q, k, v, mask, scale):
