@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class LiveRequest:
     submitted_s: float = 0.0
     cancelled: Optional[str] = None     # finish it at its next token with this reason
     base: bool = False                  # served by the base model, without the adapter
+    version: Optional[int] = None       # served by this saved adapter version (<model>@v<k>)
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -109,6 +111,7 @@ class OnlineController:
         self.adapter_dir = Path(cfg.storage_path) / f"adapter-{self.run_token}"
         self.last_trained_node = 0
         self.exports: dict[int, asyncio.Task] = {}
+        self.versions: list[int] = []                 # adapter versions servable as @v<k>
         self.oob_seq = -1_000_000     # seq numbers of out-of-band payloads (checkpoint, lora)
         self.background: set[asyncio.Task] = set()   # checkpoints under way
         self.rejections = 0                           # admissions refused (429)
@@ -183,7 +186,7 @@ class OnlineController:
                      "target_modules": tuple(cfg.lora.target_modules), "lr": cfg.lora.lr,
                      "seed": cfg.model_loading_config.seed},
             "layer_bounds": self.bounds, "num_blocks": blocks, "block_size": cfg.stage.block_size,
-            "cpu_threads": cfg.stage.cpu_threads,
+            "cpu_threads": cfg.stage.cpu_threads, "pinned_versions": cfg.serve.pinned_versions,
         }
         return TorchTrainer(
             stage_loop, train_loop_config=loop_config,
@@ -357,7 +360,9 @@ class OnlineController:
             else:
                 tokens = [[q.generated[-1]] for q in reqs]
             base.update(requests=[q.task.task_id for q in reqs], counts=[len(t) for t in tokens],
-                        base=[q.task.task_id for q in reqs if q.base])
+                        base=[q.task.task_id for q in reqs if q.base],
+                        pinned={q.task.task_id: str(self._version_dir(q.version))
+                                for q in reqs if q.version is not None})
             if s == 0:
                 base["tokens"] = tokens
             if last:
@@ -452,12 +457,37 @@ class OnlineController:
             payloads.append({"kind": "checkpoint", "seq": self.oob_seq, "version": version,
                              "cursor": json.dumps(self.cursor.__dict__)})
         try:
-            await self._paused(node, payloads)
+            results = await self._paused(node, payloads)
         except OpLost:
             return           # the group restarted first: it resumes from the previous checkpoint
+        await self._keep_version(version, [r["state"] for r in results])
         # No op of the node ran during the pause: the checkpoint holds the samples trained
         # so far; they count as kept once Ray Train commits it (checkpoint_committed).
         self.ledger.report(node, version)
+
+    def _version_dir(self, version: int) -> Path:
+        return self.adapter_dir / "versions" / f"v{version}"
+
+    async def _keep_version(self, version: int, states: list) -> None:
+        """Make checkpoint ``version`` servable as ``<model>@v<version>``: its adapter in
+        peft's format on disk (every stage loads its layers' part when a request pins it),
+        the newest ``serve.pinned_versions`` of them listed; older ones leave the list, and
+        their files go unless an unfinished request still runs on them."""
+        keep = self.config.serve.pinned_versions
+        if keep == 0:
+            return
+        await asyncio.to_thread(export_adapter, states, self._lora_settings(), self._version_dir(version),
+                                self.config.model_loading_config.model_id)
+        held = sorted(self.versions + [version])
+        self.versions = held[-keep:]
+        pinned = {r.version for r in self.requests.values() if r.finish_reason is None}
+        for old in held[:-keep]:      # no longer listed: its files go once nothing runs on it
+            if old not in pinned:
+                await asyncio.to_thread(shutil.rmtree, self._version_dir(old), True)
+
+    async def adapter_versions(self) -> list[int]:
+        """The saved adapter versions requests may pin (``<model>@v<k>``), oldest first."""
+        return list(self.versions)
 
     async def checkpoint_committed(self, node: int, epoch: int, version: int, committed: Optional[int]) -> None:
         """Stage 0 of ``node`` saw Ray Train commit up to ``committed`` after reporting
@@ -477,30 +507,40 @@ class OnlineController:
         return self.next_id - 1
 
     async def submit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
-                     top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False) -> int:
+                     top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
+                     version: Optional[int] = None) -> int:
         """Accept a completion request; returns its id (stream it with :meth:`stream`).
-        ``base``: serve it with the base model (the adapter switched off for its rows)."""
+        ``base``: serve it with the base model (the adapter switched off for its rows);
+        ``version``: with that saved adapter version (one of :meth:`adapter_versions`)."""
+        if version is not None and version not in self.versions:
+            raise ValueError(f"adapter version {version} is not servable; these are: {self.versions}")
         max_tokens = max_tokens or self.config.max_tokens
         tid = self._new_id()
         task = OnlineTask(tid, "inference", self.driver.now(), len(prompt), 1, 0, max_tokens)
         self.requests[tid] = LiveRequest(task, list(prompt), max_tokens, temperature, top_p, seed,
-                                         ignore_eos, submitted_s=self.driver.now(), base=base)
+                                         ignore_eos, submitted_s=self.driver.now(), base=base,
+                                         version=version)
         self.tasks[tid] = task
         self.driver.submit(task)
         return tid
 
     async def admit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
-                    top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False) -> dict:
+                    top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
+                    version: Optional[int] = None) -> dict:
         """The HTTP front's submit: ``{"id"}``, or ``{"rejected": "overloaded"}`` beyond
-        ``serve.max_ongoing_requests`` unfinished requests, or ``{"rejected": "unavailable"}``
-        when no node is alive. A rejected request was never accepted; an accepted one ends
-        with its tokens or an error event, never silently."""
+        ``serve.max_ongoing_requests`` unfinished requests, ``{"rejected": "unavailable"}``
+        when no node is alive, or ``{"rejected": "unknown_version", "versions"}`` for an
+        adapter version that is not (or no longer) servable. A rejected request was never
+        accepted; an accepted one ends with its tokens or an error event, never silently."""
+        if version is not None and version not in self.versions:
+            return {"rejected": "unknown_version", "versions": list(self.versions)}
         if len(self.dead) == self.config.nodes:
             return {"rejected": "unavailable", "why": "; ".join(self.dead.values())}
         if self.unfinished() >= self.config.serve.max_ongoing_requests:
             self.rejections += 1
             return {"rejected": "overloaded", "retry_after_s": self.config.serve.retry_after_s}
-        return {"id": await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos, base)}
+        return {"id": await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos, base,
+                                        version)}
 
     def unfinished(self) -> int:
         return sum(1 for r in self.requests.values() if r.finish_reason is None)
@@ -565,7 +605,8 @@ class OnlineController:
                     key=lambda x: x[1], default=None)
         return {"received": len(self.store), "trained": trained,
                 "pending": self.store.pending(self.cursor), "adapter_version": self.adapter_version,
-                "last_checkpoint": None if last is None else {"node": last[0], "version": last[1]}}
+                "last_checkpoint": None if last is None else {"node": last[0], "version": last[1]},
+                "pinned_versions": list(self.versions)}
 
     async def monitor(self) -> dict:
         """The figures the HTTP front exports as gauges (actors/serve_metrics.py)."""
@@ -709,11 +750,14 @@ class OnlineController:
         """Join the adapter of ``node``'s stages (default: the node that trained last) into
         one directory in peft's format (adapter_config.json, adapter_model.safetensors)."""
         node = self.last_trained_node if node is None else node
-        cfg = self.config
-        lora = LoraSettings(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules), cfg.lora.lr,
-                            cfg.model_loading_config.seed)
         states = await self._stage_states(node)
-        return str(export_adapter(states, lora, directory, cfg.model_loading_config.model_id))
+        return str(export_adapter(states, self._lora_settings(), directory,
+                                  self.config.model_loading_config.model_id))
+
+    def _lora_settings(self) -> LoraSettings:
+        cfg = self.config
+        return LoraSettings(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules), cfg.lora.lr,
+                            cfg.model_loading_config.seed)
 
     async def _export_for_sync(self, version: int) -> None:
         """SEPARATE: the training group's adapter, exported once per synced version."""

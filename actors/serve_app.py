@@ -18,7 +18,7 @@ import os
 import secrets
 import time
 import uuid
-from typing import Optional
+from typing import Optional, Union
 
 import ray
 from fastapi import FastAPI, Request
@@ -33,12 +33,12 @@ from raycolo.online.config import OnlineConfig, load_online_config, parse_online
 from raycolo.serving.errors import OpenAIError, from_error
 from raycolo.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health,
                                       ModelCard, ModelList, TrainSamplesRequest, TrainSamplesResponse,
-                                      TrainStatus, CompletionResponse, ChatCompletionResponse, EvalResponse)
+                                      TrainStatus, CompletionResponse, ChatCompletionResponse, EvalResponse,
+                                      BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant)
 from raycolo.serving.text import TextStream, chat_sample, encode_completion, render_chat
 
 NAMESPACE = "raycolo"
 MONITOR_EVERY_S = 2.0
-BASE_SUFFIX = "@base"          # <model>@base: the base model, without the adapter
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
              "description": "JSON, or server-sent events with stream: true"}}
@@ -179,26 +179,32 @@ class OpenAIIngress:
     # -- models ----------------------------------------------------------------------------
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def models(self) -> ModelList:
-        """The served model (its latest adapter) and ``<model>@base`` (no adapter)."""
-        return ModelList(data=[
-            ModelCard(id=self.model_name, created=self.created, root=self.model_name, adapter="latest"),
-            ModelCard(id=f"{self.model_name}{BASE_SUFFIX}", created=self.created, root=self.model_name,
-                      parent=self.model_name, adapter="base")])
+        """The served model (its latest adapter), ``<model>@base`` (no adapter) and
+        ``<model>@v<k>`` for each saved adapter version still servable."""
+        name = self.model_name
+        cards = [ModelCard(id=name, created=self.created, root=name, adapter=LATEST),
+                 ModelCard(id=f"{name}{BASE_SUFFIX}", created=self.created, root=name, parent=name,
+                           adapter=BASE)]
+        for k in await self.controller.adapter_versions.remote():
+            cards.append(ModelCard(id=f"{name}{VERSION_SUFFIX}{k}", created=self.created, root=name,
+                                   parent=name, adapter="version", adapter_version=k))
+        return ModelList(data=cards)
 
-    def _check_model(self, name: str) -> bool:
-        """Whether ``name`` pins the base model; 404 for a name this server does not serve."""
-        if name == self.model_name:
-            return False
-        if name == f"{self.model_name}{BASE_SUFFIX}":
-            return True
-        raise OpenAIError(404, f"model '{name}' does not exist; this server serves '{self.model_name}' "
-                          f"and '{self.model_name}{BASE_SUFFIX}' (GET /v1/models)", param="model",
-                          code="model_not_found")
+    def _check_model(self, name: str) -> Union[str, int]:
+        """The variant ``name`` asks for (model_variant); 404 for a name this server does
+        not serve. Whether a version is still servable is the controller's answer (admit)."""
+        variant = model_variant(name, self.model_name)
+        if variant is None:
+            raise OpenAIError(404, f"model '{name}' does not exist; this server serves '{self.model_name}', "
+                              f"'{self.model_name}{BASE_SUFFIX}' and '{self.model_name}{VERSION_SUFFIX}<k>' "
+                              "for saved adapter versions (GET /v1/models)", param="model",
+                              code="model_not_found")
+        return variant
 
     # -- generation -------------------------------------------------------------------------
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**ERRORS, **SSE})
     async def completions(self, body: CompletionRequest, request: Request):
-        base = self._check_model(body.model)
+        variant = self._check_model(body.model)
         if isinstance(body.prompt, str):
             ids = self.tokenizer.encode(body.prompt)
         else:
@@ -206,17 +212,17 @@ class OpenAIIngress:
             if max(ids) >= self.vocab:
                 raise OpenAIError(400, f"prompt: token ids must be below the vocabulary size {self.vocab}",
                                   param="prompt", code="invalid_parameter")
-        return await self._generate(body, ids, body.max_tokens, "prompt", chat=False, base=base)
+        return await self._generate(body, ids, body.max_tokens, "prompt", chat=False, variant=variant)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **SSE})
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        base = self._check_model(body.model)
+        variant = self._check_model(body.model)
         text = render_chat(self.tokenizer, [(m.role, m.text()) for m in body.messages])
         return await self._generate(body, self.tokenizer.encode(text), body.limit(), "messages", chat=True,
-                                    base=base)
+                                    variant=variant)
 
     async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool,
-                        base: bool = False):
+                        variant: Union[str, int] = LATEST):
         self._ensure_monitor()
         limit = max_tokens if max_tokens is not None else self.config.max_tokens
         kv = self.config.stage.kv_cache_tokens
@@ -231,14 +237,20 @@ class OpenAIIngress:
                               code="context_length_exceeded")
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         started = time.perf_counter()
+        version = variant if isinstance(variant, int) else None
         admitted = await self.controller.admit.remote(ids, limit, body.temperature, body.top_p, seed,
-                                                      body.ignore_eos, base)
+                                                      body.ignore_eos, variant == BASE, version)
         if admitted.get("rejected") == "overloaded":
             self.metrics.rejected.inc(tags={"model_name": self.model_name})
             retry = admitted["retry_after_s"]
             raise OpenAIError(429, f"the server is at its limit of {self.config.serve.max_ongoing_requests} "
                               f"ongoing requests; retry after {retry} s", code="overloaded",
                               headers={"Retry-After": str(retry)})
+        if admitted.get("rejected") == "unknown_version":
+            held = ", ".join(f"'{self.model_name}{VERSION_SUFFIX}{k}'" for k in admitted["versions"]) or "none yet"
+            raise OpenAIError(404, f"model '{body.model}': adapter version {version} is not servable (only the "
+                              f"newest {self.config.serve.pinned_versions} saved versions are); servable: {held}",
+                              param="model", code="model_not_found")
         if admitted.get("rejected"):
             raise OpenAIError(503, f"no stage-worker node is alive: {admitted.get('why', '')}",
                               code="unavailable")

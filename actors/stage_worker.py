@@ -71,7 +71,8 @@ class StageProcess:
             counts = op["counts"]
             hidden = None if first else self._recv((sum(counts), self.hidden), self.stage - 1, op["after"])
             tokens = op["tokens"] if first else [[0] * n for n in counts]
-            out = self.model.forward(op["requests"], tokens, hidden, base=op.get("base", ()))
+            out = self.model.forward(op["requests"], tokens, hidden, base=op.get("base", ()),
+                                     pinned={int(r): d for r, d in op.get("pinned", {}).items()})
             if last:
                 result["tokens"] = _sample(out, op["sampling"])
             else:
@@ -111,7 +112,9 @@ class StageProcess:
         elif kind == "sync":
             from safetensors.torch import load_file
 
-            self.model.load_lora_state(load_file(os.path.join(op["adapter"], "adapter_model.safetensors")))
+            from raycolo.executor.stage import ADAPTER_WEIGHTS_FILE
+
+            self.model.load_lora_state(load_file(os.path.join(op["adapter"], ADAPTER_WEIGHTS_FILE)))
         elif kind == "release":
             for rid in op["requests"]:
                 self.model.release(rid)
@@ -142,7 +145,7 @@ def stage_loop(config: dict) -> None:
     model = add_lora(model, lora)
     bounds = config["layer_bounds"]
     stage_model = StageModel(model, (bounds[stage], bounds[stage + 1]), config["num_blocks"],
-                             config["block_size"], lr=lora.lr)
+                             config["block_size"], lr=lora.lr, pinned_cache=config["pinned_versions"])
     checkpoint = ray.train.get_checkpoint()
     restored = None          # the adapter version a restarted group resumes from
     if checkpoint is not None:
@@ -169,7 +172,9 @@ def stage_loop(config: dict) -> None:
             # No flush of pending sends first: their receivers may be ops the controller
             # holds back until the checkpoint is done (the weights do not depend on them).
             _report_checkpoint(stage_model, stage, op)
-            ray.get(controller.op_done.remote(node, stage, epoch, op["seq"], {"seconds": 0.0}))
+            # the weights come back too: the controller keeps the version servable (@v<k>)
+            ray.get(controller.op_done.remote(node, stage, epoch, op["seq"],
+                                              {"seconds": 0.0, "state": stage_model.lora_state()}))
             if stage == 0:   # the node serves on while Ray Train commits the checkpoint
                 threading.Thread(target=_await_commit, args=(controller, node, epoch, op["version"]),
                                  daemon=True).start()

@@ -24,6 +24,7 @@ from tiny_reference import hf_greedy
 KEY_ENV, KEY = "RAYCOLO_TEST_API_KEY", "test-key-1234"
 MODEL = "tiny-llama-s"
 TOKENS_SENT = {"n": 0}          # generated tokens the tests received (checked against the metrics)
+SAMPLES_SENT = {"n": 0}         # training samples the tests had acknowledged
 
 
 def free_port() -> int:
@@ -75,7 +76,9 @@ def expected_text(prompt_text: str, n: int) -> str:
 
 # -- OpenAI routes, with the official client ---------------------------------------------------
 def test_models_lists_the_served_model_and_its_base(front):
-    assert [m.id for m in client(front).models.list().data] == [MODEL, MODEL + "@base"]
+    ids = [m.id for m in client(front).models.list().data]
+    assert ids[:2] == [MODEL, MODEL + "@base"]
+    assert all(i.startswith(MODEL + "@v") for i in ids[2:])     # saved versions, once training ran
 
 
 def test_completion_is_the_models_greedy_text_streamed_or_not(front):
@@ -223,6 +226,7 @@ def test_train_samples_are_persisted_before_the_ack_and_trained(front):
         r = h.post("/v1/train_samples", json={"samples": samples})
         assert r.status_code == 200, r.text
         ack = r.json()
+        SAMPLES_SENT["n"] += len(ack["ids"])
         stored = [json.loads(line) for line in (front["out"] / "samples" / "samples.jsonl").read_text().splitlines()]
         assert ack["persisted"] is True and len(ack["ids"]) == 7
         assert [s["seq"] for s in stored][-7:] == ack["ids"] and ack["sequence"] == len(stored)
@@ -245,6 +249,45 @@ def test_train_samples_are_persisted_before_the_ack_and_trained(front):
     assert pinned.model == MODEL + "@base" and pinned.choices[0].text == expected_text(prompt, 6)
     TOKENS_SENT["n"] += 6
     assert stats["policy"] == "lemix" and len(stats["stages"]) == 4 and stats["completed"] > 0
+
+
+def test_saved_adapter_versions_are_listed_and_served_as_pinned_models(front):
+    """Checkpoints are servable as <model>@v<k>: listed by /v1/models and the training
+    status; a pinned completion equals transformers' greedy generate() with that version
+    loaded by peft from its saved directory, while training goes on; an unknown version
+    is a 404 naming the model."""
+    samples = [{"prompt": f"V{i}: spell", "completion": "x y z"} for i in range(8)]
+    with http(front) as h:
+        r = h.post("/v1/train_samples", json={"samples": samples})
+        assert r.status_code == 200, r.text
+        SAMPLES_SENT["n"] += len(r.json()["ids"])
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            status = h.get("/v1/train_samples/status").json()
+            if len(status["pinned_versions"]) >= 2:
+                break
+            time.sleep(1)
+    versions = status["pinned_versions"]
+    assert len(versions) >= 2 and versions == sorted(versions), status
+    listed = [m for m in client(front).models.list().data if m.id.startswith(MODEL + "@v")]
+    assert [m.id for m in listed] == [f"{MODEL}@v{k}" for k in versions]
+    assert all(m.adapter == "version" and m.parent == MODEL for m in listed)
+    from raycolo.engines.models import load_tokenizer
+    tok = load_tokenizer(MODEL)
+    prompt = "Pinned adapters"
+    texts = {}
+    for k in versions[-2:]:
+        directory = next(front["out"].glob(f"checkpoints/adapter-*/versions/v{k}"))
+        reply = client(front).completions.create(model=f"{MODEL}@v{k}", prompt=prompt, max_tokens=6,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+        TOKENS_SENT["n"] += 6
+        assert reply.model == f"{MODEL}@v{k}"
+        texts[k] = reply.choices[0].text
+        assert texts[k] == tok.decode(hf_greedy(MODEL, tok.encode(prompt), 6, adapter_dir=directory)), k
+    for bad in (f"{MODEL}@v{versions[-1] + 1000}", f"{MODEL}@v-1", f"{MODEL}@v01"):
+        with pytest.raises(openai.NotFoundError) as exc:
+            client(front).completions.create(model=bad, prompt="x", max_tokens=1)
+        assert exc.value.body["param"] == "model" and exc.value.body["code"] == "model_not_found", bad
 
 
 # -- metrics ------------------------------------------------------------------------------------
@@ -271,7 +314,7 @@ def test_metrics_reach_prometheus_and_count_what_was_sent(front):
             break
         time.sleep(2)
     assert got.get("ray_raycolo_generation_tokens_total") == want, (got, want)
-    assert got["ray_raycolo_train_samples_received_total"] == 7
+    assert got["ray_raycolo_train_samples_received_total"] == SAMPLES_SENT["n"] == 15
     assert got["ray_raycolo_admission_rejections_total"] >= 1
     assert got["ray_raycolo_time_to_first_token_seconds_count"] >= 6
     assert got["ray_raycolo_optimizer_steps"] >= 3 and got["ray_raycolo_nodes_alive"] == 2

@@ -98,3 +98,15 @@ def test_grafana_dashboard_uses_only_exported_metrics():
     used = set(re.findall(r"ray_(raycolo_[a-z_]+?)(?:_total|_bucket)?\b", exprs))
     defined = set(re.findall(r'"(raycolo_[a-z_]+)"', (ROOT / "actors" / "serve_metrics.py").read_text()))
     assert used and used <= defined, used - defined
+
+
+def test_model_variant_names():
+    from raycolo.serving.protocol import model_variant
+
+    served = "tiny-llama-s"
+    assert model_variant(served, served) == "latest"
+    assert model_variant(served + "@base", served) == "base"
+    assert model_variant(served + "@v0", served) == 0 and model_variant(served + "@v17", served) == 17
+    for name in ("gpt-4", served + "@v", served + "@v01", served + "@v-1", served + "@v1.0",
+                 served + "@vÙ£", served + "@v" + "9" * 10, served + "@Base", served[:-1], served + "x"):
+        assert model_variant(name, served) is None, name

@@ -270,3 +270,50 @@ def test_base_rows_run_without_the_adapter_in_the_same_step():
         nxt = [[int(t)] for t in mixed.argmax(-1)]
         mixed, lora_only, base_only = (chain(with_lora, nxt, pinned), chain(reference_lora, nxt),
                                        chain(reference_base, nxt))
+
+
+def test_pinned_rows_run_with_their_saved_adapter_version_in_the_same_step(tmp_path):
+    """Version 1 of the adapter is exported (peft's format), then training moves on. A
+    step mixing a request pinned to v1, one on the latest adapter and one on the base
+    model gives each row what a chain holding only that variant gives; the latest weights
+    are exactly as before afterwards, and the next training step still works."""
+    from raycolo.executor.adapters import export_adapter
+
+    chain = stages("tiny-llama-m", [0, 2, 4])
+    for st in chain:          # a LoRA that matters (peft starts B at zero)
+        with torch.no_grad():
+            for name, p in st.model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn_like(p) * 0.1)
+    v1 = export_adapter([st.lora_state() for st in chain], LORA, tmp_path / "v1")
+    reference_v1 = stages("tiny-llama-m", [0, 2, 4])
+    for src, dst in zip(chain, reference_v1):
+        dst.load_lora_state(src.lora_state())
+    for seed in (8, 9):       # training moves the latest adapter away from v1
+        pipelined_step(chain, training_batch([(p, p[1:7]) for p in prompts([9, 6], seed=seed)]))
+    reference_latest = stages("tiny-llama-m", [0, 2, 4])
+    for src, dst in zip(chain, reference_latest):
+        dst.load_lora_state(src.lora_state())
+    reference_base = stages("tiny-llama-m", [0, 2, 4], lora=None)
+    latest_before = [st.lora_state() for st in chain]
+    ps, rids = prompts([7, 12, 5]), [0, 1, 2]
+
+    def run(chain_, toks, **variants):
+        hidden = None
+        for st in chain_:
+            hidden = st.forward(rids, toks, hidden, **variants)
+        return hidden
+
+    variants = {"base": [2], "pinned": {0: str(v1)}}
+    references = [reference_v1, reference_latest, reference_base]     # row i: variant i
+    mixed, refs = run(chain, ps, **variants), [run(r, ps) for r in references]
+    for step in range(3):
+        for row, ref in enumerate(refs):
+            torch.testing.assert_close(mixed[row], ref[row], rtol=0, atol=1e-10)
+        assert (refs[0][0] - refs[1][0]).abs().max() > 1e-3     # v1 differs from the latest
+        nxt = [[int(t)] for t in mixed.argmax(-1)]
+        mixed, refs = run(chain, nxt, **variants), [run(r, nxt) for r in references]
+    for st, before in zip(chain, latest_before):
+        for key, value in st.lora_state().items():
+            assert torch.equal(value, before[key])
+    pipelined_step(chain, training_batch([(p, p[1:7]) for p in prompts([9, 6], seed=10)]))

@@ -15,10 +15,10 @@ from typing import Iterable, Mapping
 
 import torch
 
-from raycolo.executor.stage import LoraSettings
+from raycolo.executor.stage import ADAPTER_WEIGHTS_FILE, LoraSettings
 
 CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+WEIGHTS_FILE = ADAPTER_WEIGHTS_FILE
 
 
 def lora_config_dict(lora: LoraSettings, base_model: str = "") -> dict:

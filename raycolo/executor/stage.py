@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -33,6 +35,8 @@ from raycolo.executor.model import ModelExecutor
 from raycolo.sim.blocks import BlockAllocator
 
 IGNORE_INDEX = -100
+LATEST = "latest"            # a request's adapter variant: the weights as they train
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"   # peft's file name (adapters.py)
 
 
 @dataclass(frozen=True)
@@ -85,9 +89,10 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class StageModel:
     def __init__(self, model, layers: tuple[int, int], num_blocks: int, block_size: int,
-                 lr: float = 1e-3):
+                 lr: float = 1e-3, pinned_cache: int = 4):
         """``model``: the whole causal LM, already wrapped by :func:`add_lora` where the
-        stage trains. Layers outside the slice are dropped from the module tree."""
+        stage trains. Layers outside the slice are dropped from the module tree.
+        ``pinned_cache``: saved adapter versions kept loaded (:meth:`forward`'s ``pinned``)."""
         self.model = model
         self.executor = ModelExecutor(model, num_blocks, block_size, layers)
         self.first, self.last = self.executor.first, self.executor.last
@@ -103,6 +108,8 @@ class StageModel:
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
         self.contexts: dict[int, int] = {}           # request id -> tokens in this stage's cache
+        self._pinned: OrderedDict[str, dict] = OrderedDict()   # adapter directory -> its weights
+        self.pinned_cache = max(1, pinned_cache)
         self._train: dict[int, tuple] = {}           # task id -> (input, output or loss)
         self.steps = 0
 
@@ -116,30 +123,88 @@ class StageModel:
 
     # -- inference -------------------------------------------------------------------------
     def forward(self, requests: Sequence[int], tokens: Sequence[Sequence[int]],
-                hidden: Optional[torch.Tensor] = None, base: Sequence[int] = ()) -> torch.Tensor:
+                hidden: Optional[torch.Tensor] = None, base: Sequence[int] = (),
+                pinned: Optional[Mapping[int, str]] = None) -> torch.Tensor:
         """Append ``tokens[i]`` to request ``requests[i]`` (a prefill: its prompt; a decode
         step: one token) and run the slice. Token ids matter on the first stage only;
-        later stages need their counts and ``hidden`` from the stage before. Requests in
-        ``base`` run with the adapter switched off (peft's ``disable_adapter``): the base
-        model, in a second pass over their rows only."""
+        later stages need their counts and ``hidden`` from the stage before.
+
+        Requests run with the latest adapter, except those in ``base``, which run with the
+        adapter switched off (peft's ``disable_adapter``), and those in ``pinned``, which
+        run with the adapter version saved in the directory it maps them to (peft's format,
+        :func:`raycolo.executor.adapters.export_adapter`). Each such variant is one more
+        pass over its own rows."""
         chunks = self._chunks(requests, tokens)
-        base = set(base)
-        if not base.intersection(requests) or not hasattr(self.model, "disable_adapter"):
+        base, pinned = set(base), dict(pinned or {})
+        variants = ["base" if r in base else pinned.get(r, LATEST) for r in requests]
+        kinds = list(dict.fromkeys(variants))
+        if kinds == [LATEST] or not hasattr(self.model, "disable_adapter"):
             return self.executor.execute(self.executor.batch(chunks), hidden)
         counts = [c.length for c in chunks]
         starts = [sum(counts[:i]) for i in range(len(counts))]
         pieces: list = [None] * len(chunks)
-        for off in (False, True):
-            rows = [i for i, r in enumerate(requests) if (r in base) == off]
-            if not rows:
-                continue
+        for variant in kinds:
+            rows = [i for i, v in enumerate(variants) if v == variant]
             part = None if hidden is None else torch.cat([hidden[starts[i]:starts[i] + counts[i]] for i in rows])
-            with self.model.disable_adapter() if off else contextlib.nullcontext():
+            with self._variant(variant):
                 out = self.executor.execute(self.executor.batch([chunks[i] for i in rows]), part)
             split = [1] * len(rows) if self.is_last else [counts[i] for i in rows]
             for i, piece in zip(rows, torch.split(out, split)):
                 pieces[i] = piece
         return torch.cat(pieces)
+
+    @contextlib.contextmanager
+    def _variant(self, variant: str):
+        """The adapter weights a variant runs with: the latest (as they are), none (peft's
+        ``disable_adapter``), or a saved version swapped in place for the pass and the
+        latest weights copied back after it, exactly (training forwards in flight hold
+        their own stashed weights, so they never see the swap)."""
+        if variant == LATEST:
+            yield
+            return
+        if variant == "base":
+            with self.model.disable_adapter():
+                yield
+            return
+        params = self._lora_params()
+        saved = self._pinned_state(variant)
+        latest = {name: params[name].detach().clone() for name in saved}
+        with torch.no_grad():
+            for name, value in saved.items():
+                params[name].copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, value in latest.items():
+                    params[name].copy_(value)
+
+    def _pinned_state(self, directory: str) -> dict[str, torch.Tensor]:
+        """A saved adapter version's weights for this stage's layers, keyed like
+        :meth:`_lora_params`; the last ``pinned_cache`` versions stay loaded."""
+        state = self._pinned.pop(directory, None)
+        if state is None:
+            from safetensors.torch import load_file
+
+            params = self._lora_params()
+            state = {}
+            for key, value in load_file(os.path.join(directory, ADAPTER_WEIGHTS_FILE)).items():
+                name = _param_name(key, self._adapter_name())
+                if name in params:            # another stage's layer: not ours
+                    state[name] = value.to(params[name].dtype)
+            if not state:
+                raise ValueError(f"adapter {directory}: no weights for layers [{self.first}, {self.last})")
+            while len(self._pinned) >= self.pinned_cache:
+                self._pinned.pop(next(iter(self._pinned)))
+        self._pinned[directory] = state
+        return state
+
+    def _lora_params(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if "lora_" in n}
+
+    def _adapter_name(self) -> str:
+        active = self.model.active_adapter
+        return active if isinstance(active, str) else active[0]
 
     def _chunks(self, requests: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[SeqChunk]:
         chunks = []
@@ -212,6 +277,17 @@ class StageModel:
 
         mine = self.lora_state()
         set_peft_model_state_dict(self.model, {k: v for k, v in state.items() if k in mine})
+
+
+def _param_name(key: str, adapter: str) -> str:
+    """A saved LoRA weight's key (peft's file format, no adapter name) as the parameter's
+    name in the model: ``...lora_A.weight`` -> ``...lora_A.<adapter>.weight``."""
+    for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+        marker = f".{part}."
+        if marker in key:
+            head, tail = key.rsplit(marker, 1)
+            return f"{head}.{part}.{adapter}.{tail}"
+    return key
 
 
 class _TrainForward(torch.nn.Module):

@@ -66,6 +66,8 @@ class ServeSpec(BaseModel):
     retry_after_s: int = Field(default=1, ge=1, le=3600)
     max_body_bytes: int = Field(default=1 << 20, gt=0)        # 413 beyond
     replicas: int = Field(default=1, gt=0, le=64)             # ingress replicas
+    # adapter checkpoints servable as <model>@v<k>: the newest this many
+    pinned_versions: int = Field(default=4, ge=0, le=64)
 
     @field_validator("route_prefix")
     @classmethod

@@ -160,6 +160,27 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+BASE_SUFFIX = "@base"          # <model>@base: the base model, without the adapter
+VERSION_SUFFIX = "@v"          # <model>@v<k>: adapter checkpoint k, as it was saved
+LATEST, BASE = "latest", "base"
+
+
+def model_variant(name: str, served: str) -> Union[str, int, None]:
+    """What a request's ``model`` names: ``"latest"`` (the served model, whose adapter
+    follows retraining), ``"base"`` (``<served>@base``), an adapter version ``k``
+    (``<served>@v<k>``), or None when it names nothing this server serves."""
+    if name == served:
+        return LATEST
+    if name == served + BASE_SUFFIX:
+        return BASE
+    prefix = served + VERSION_SUFFIX
+    digits = name[len(prefix):]
+    if name.startswith(prefix) and digits.isascii() and digits.isdigit() and len(digits) <= 9 \
+            and str(int(digits)) == digits:
+        return int(digits)
+    return None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -167,8 +188,10 @@ class ModelCard(BaseModel):
     owned_by: str = "raycolo"
     root: str
     parent: Optional[str] = None
-    adapter: Literal["latest", "base"] = Field(description="'latest' follows retraining; 'base' is the model "
-                                                            "without the adapter (<model>@base)")
+    adapter: Literal["latest", "base", "version"] = Field(
+        description="'latest' follows retraining; 'base' is the model without the adapter "
+                    "(<model>@base); 'version' is a saved adapter checkpoint (<model>@v<k>)")
+    adapter_version: Optional[int] = Field(default=None, description="k of <model>@v<k>")
 
 
 class ModelList(BaseModel):
@@ -230,6 +253,8 @@ class TrainStatus(BaseModel):
     pending: int
     adapter_version: int
     last_checkpoint: Optional[dict] = None
+    pinned_versions: list[int] = Field(default_factory=list,
+                                       description="adapter versions servable as <model>@v<k>")
 
 
 class Health(BaseModel):
