@@ -12,14 +12,15 @@ completion feeds the cluster scheduler (calibration of LeMix's planned paths, th
 learner, node idleness), so a separate node actor would add an actor hop per op without
 saving one. The node logic stays a separate object (``NodeScheduler``) all the same.
 
+Adapter checkpoints, pins and exports live in :mod:`.online_adapters`, read-only reports
+(status, health, stats, monitor) in :mod:`.online_reports`: mixins of this actor.
+
 Each node is one ``TorchTrainer`` (S workers, one logical or real GPU each), fitted in a
 thread of this actor; its workers register as ``node-<n>/stage-<s>``.
 """
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,8 +30,8 @@ from typing import Optional
 import ray
 
 from raycolo.errors import ConfigError
-from raycolo.executor.adapters import export_adapter
-from raycolo.executor.stage import LoraSettings
+from raycolo.actors.online_adapters import AdapterVersions
+from raycolo.actors.online_reports import Reports
 from raycolo.online.cluster import Cluster
 from raycolo.online.config import OnlineConfig, layer_bounds, model_hf_config, prior_profile
 from raycolo.online.driver import ClusterDriver, OpLost
@@ -61,7 +62,7 @@ class LiveRequest:
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
-class OnlineController:
+class OnlineController(AdapterVersions, Reports):
     def __init__(self, config: dict, name: str, namespace: str):
         from raycolo.engines.models import load_tokenizer
         from raycolo.policies import make_online_policy
@@ -438,69 +439,6 @@ class OnlineController:
         finally:
             gate.set()
 
-    async def held_out_loss(self, pairs: list, node: int = 0) -> float:
-        """Loss of the model on ``pairs`` (prompt, completion), forward only, on ``node``."""
-        self.oob_seq -= 1
-        t = max(len(p) + len(c) for p, c in pairs)
-        payload = {"kind": "eval", "seq": self.oob_seq, "after": self.oob_seq, "shape": (len(pairs), t),
-                   "samples": [(list(p), list(c)) for p, c in pairs]}
-        results = await self._paused(node, [dict(payload) for _ in range(self.config.stages)])
-        return results[-1]["loss"]
-
-    async def _checkpoint(self, node: int) -> None:
-        """Every stage reports its adapter through Ray Train (a barrier), between ops."""
-        self.adapter_version += 1
-        version = self.adapter_version
-        payloads = []
-        for _ in range(self.config.stages):
-            self.oob_seq -= 1
-            payloads.append({"kind": "checkpoint", "seq": self.oob_seq, "version": version,
-                             "cursor": json.dumps(self.cursor.__dict__)})
-        try:
-            results = await self._paused(node, payloads)
-        except OpLost:
-            return           # the group restarted first: it resumes from the previous checkpoint
-        await self._keep_version(version, [r["state"] for r in results])
-        # No op of the node ran during the pause: the checkpoint holds the samples trained
-        # so far; they count as kept once Ray Train commits it (checkpoint_committed).
-        self.ledger.report(node, version)
-
-    def _version_dir(self, version: int) -> Path:
-        return self.adapter_dir / "versions" / f"v{version}"
-
-    async def _keep_version(self, version: int, states: list) -> None:
-        """Make checkpoint ``version`` servable as ``<model>@v<version>``: its adapter in
-        peft's format on disk (every stage loads its layers' part when a request pins it),
-        the newest ``serve.pinned_versions`` of them listed; older ones leave the list, and
-        their files go unless an unfinished request still runs on them."""
-        keep = self.config.serve.pinned_versions
-        if keep == 0:
-            return
-        await asyncio.to_thread(export_adapter, states, self._lora_settings(), self._version_dir(version),
-                                self.config.model_loading_config.model_id)
-        held = sorted(self.versions + [version])
-        self.versions = held[-keep:]
-        pinned = {r.version for r in self.requests.values() if r.finish_reason is None}
-        for old in held[:-keep]:      # no longer listed: its files go once nothing runs on it
-            if old not in pinned:
-                await asyncio.to_thread(shutil.rmtree, self._version_dir(old), True)
-
-    async def adapter_versions(self) -> list[int]:
-        """The saved adapter versions requests may pin (``<model>@v<k>``), oldest first."""
-        return list(self.versions)
-
-    async def checkpoint_committed(self, node: int, epoch: int, version: int, committed: Optional[int]) -> None:
-        """Stage 0 of ``node`` saw Ray Train commit up to ``committed`` after reporting
-        ``version``."""
-        if epoch != self.epochs[node]:
-            return           # the group restarted meanwhile (the ledger dropped its reports)
-        if committed is None or committed < version:
-            self.ledger.reported.pop((node, version), None)
-            self.errors.append(f"node {node}: adapter checkpoint v{version} was not committed by Ray Train "
-                               f"(last committed: {committed})")
-            return
-        self.ledger.commit(node, version)
-
     # -- clients ---------------------------------------------------------------------------
     def _new_id(self) -> int:
         self.next_id += 1
@@ -599,49 +537,6 @@ class OnlineController:
             samples, self.cursor = self.store.take(self.cursor, micro)
             self._submit_samples(samples)
 
-    async def train_status(self) -> dict:
-        trained = sum(1 for n in self.ledger.trained.values() if n > 0)
-        last = max(((n, v) for n, v in enumerate(self.ledger.version) if v),
-                    key=lambda x: x[1], default=None)
-        return {"received": len(self.store), "trained": trained,
-                "pending": self.store.pending(self.cursor), "adapter_version": self.adapter_version,
-                "last_checkpoint": None if last is None else {"node": last[0], "version": last[1]},
-                "pinned_versions": list(self.versions)}
-
-    async def monitor(self) -> dict:
-        """The figures the HTTP front exports as gauges (actors/serve_metrics.py)."""
-        now = self.driver.now() if self.driver else 0.0
-        nodes = self.cluster.nodes
-        running = sum(len(node.batch) + len(node.joining) for node in nodes)
-        log, busy = self.cluster.op_log, self.busy_s
-        for start, end, n, st, _kind, _ids in log[self.busy_seen:]:   # only ops logged since the last call
-            busy[(n, st)] = busy.get((n, st), 0.0) + (end - start)
-        self.busy_seen = len(log)
-        result = await self.metrics()
-        status = await self.train_status()
-        return {
-            "running": running, "waiting": max(0, self.unfinished() - running),
-            "samples_trained": status["trained"], "samples_pending": status["pending"],
-            "optimizer_steps": sum(self.trained_steps), "adapter_version": self.adapter_version,
-            "adapter_staleness_s": time.time() - self.adapter_changed_s,
-            "slo_attainment": result.slo_attainment,
-            "decision_us_p50": _pct(self.cluster.scheduler.decision_us, 50),
-            "nodes_alive": self.config.nodes - len(self.dead),
-            "stages": [{"node": n, "stage": st, "busy_fraction": min(1.0, busy.get((n, st), 0.0) / now) if now else 0.0,
-                        "memory_bytes": nodes[n].stages[st].used_bytes}
-                       for n in range(self.config.nodes) for st in range(self.config.stages)],
-        }
-
-    async def last_node(self) -> int:
-        """The live node that trained last (its adapter is the freshest)."""
-        node = self.last_trained_node
-        return node if node not in self.dead else next(n for n in range(self.config.nodes) if n not in self.dead)
-
-    async def health(self) -> dict:
-        alive = self.config.nodes - len(self.dead)
-        return {"status": "ok" if alive == self.config.nodes else "degraded",
-                "nodes_alive": alive, "nodes": self.config.nodes}
-
     async def submit_training(self) -> Optional[int]:
         """Turn the next micro-batch of stored samples into a training task."""
         samples, self.cursor = self.store.take(self.cursor, self.config.lora.micro_batch)
@@ -687,86 +582,3 @@ class OnlineController:
         self.driver = self._driver()
         self.tasks = {}
         self.hops = 0
-
-    async def stats(self) -> dict:
-        tasks = [r.task for r in self.requests.values()]
-        nodes = self.cluster.nodes
-        return {
-            "policy": self.policy.name, "nodes": self.config.nodes, "stages": self.config.stages,
-            "now_s": self.driver.now() if self.driver else 0.0,
-            "requests": len(tasks), "completed": len(self.cluster.metrics.completions),
-            "train_done": self.cluster.train_done, "samples_stored": len(self.store),
-            "samples_pending": self.store.pending(self.cursor), "adapter_version": self.adapter_version,
-            "queues": [{"node": n, "ready": [len(st.ready) for st in node.stages],
-                        "busy": [st.busy is not None for st in node.stages],
-                        "batch": len(node.batch), "decoding": len(node.joining)} for n, node in enumerate(nodes)],
-            "actor_hops": self.hops, "errors": list(self.errors),
-            "last_trained_node": self.last_trained_node,
-            "hops_per_decode_iteration": self.hops / max(1, len(self.cluster.op_log)) * self.config.stages,
-            "decision_us_p50": _pct(self.cluster.scheduler.decision_us, 50),
-            "decision_us_p99": _pct(self.cluster.scheduler.decision_us, 99),
-            # everything the controller's schedulers did (policy, cluster, node schedulers)
-            "scheduling_us_per_task": (self.driver.scheduling_total_s * 1e6 / max(1, len(self.tasks)))
-            if self.driver else 0.0,
-            "scheduling_us_p50": _pct([x * 1e6 for x in self.driver.scheduling_s], 50) if self.driver else 0.0,
-            "scheduling_us_p99": _pct([x * 1e6 for x in self.driver.scheduling_s], 99) if self.driver else 0.0,
-            "losses": self.losses[-20:],
-            "restarts": list(self.restarts), "dead_nodes": dict(self.dead),
-            "checkpoint_versions": list(self.ledger.version),
-            "samples_since_checkpoint": [len(x) for x in self.ledger.since],
-            "checkpoints_uncommitted": len(self.ledger.reported),
-            "resumed_tasks": self.cluster.resumed,
-        }
-
-    async def sample_ledger(self) -> dict:
-        """How often each stored sample's training is kept in the adapters (a restart's
-        rollback takes back what the node trained since its checkpoint), and how many
-        samples were handed to training in this epoch."""
-        return {"trained": dict(self.ledger.trained), "taken": self.cursor.next_seq,
-                "epoch": self.cursor.epoch, "stored": len(self.store)}
-
-    async def metrics(self):
-        """The run's :class:`OnlineResult`: ``summary()`` has ``simulate-online``'s keys."""
-        return self.cluster.metrics.result(self.policy.name, list(self.tasks.values()), self.cluster.nodes,
-                                           self.config.lemix.slo_s(self.cluster.profile.forward_latency_s),
-                                           self.cluster.train_done, self.cluster.scheduler.mean_decision_us)
-
-    async def profile_json(self) -> str:
-        """The node profile planning uses now (fitted from observed ops after the warm-up)."""
-        return self.cluster.learner.current.model_dump_json(indent=2)
-
-    async def op_log(self) -> list:
-        return list(self.cluster.op_log)
-
-    async def _stage_states(self, node: int) -> list[dict]:
-        """Every stage's adapter weights, pulled between ops."""
-        payloads = []
-        for _ in range(self.config.stages):
-            self.oob_seq -= 1
-            payloads.append({"kind": "lora", "seq": self.oob_seq})
-        return [r["state"] for r in await self._paused(node, payloads)]
-
-    async def export_adapter(self, directory: str, node: Optional[int] = None) -> str:
-        """Join the adapter of ``node``'s stages (default: the node that trained last) into
-        one directory in peft's format (adapter_config.json, adapter_model.safetensors)."""
-        node = self.last_trained_node if node is None else node
-        states = await self._stage_states(node)
-        return str(export_adapter(states, self._lora_settings(), directory,
-                                  self.config.model_loading_config.model_id))
-
-    def _lora_settings(self) -> LoraSettings:
-        cfg = self.config
-        return LoraSettings(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules), cfg.lora.lr,
-                            cfg.model_loading_config.seed)
-
-    async def _export_for_sync(self, version: int) -> None:
-        """SEPARATE: the training group's adapter, exported once per synced version."""
-        if version not in self.exports:
-            target = self.adapter_dir / f"v{version}"
-            self.exports[version] = asyncio.get_running_loop().create_task(self.export_adapter(str(target)))
-        await self.exports[version]
-
-
-def _pct(values, q) -> float:
-    import numpy as np
-    return float(np.percentile(values, q)) if len(values) else 0.0

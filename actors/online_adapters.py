@@ -1,0 +1,114 @@
+"""The online controller's adapter versions: checkpoints, pins and exports.
+
+A mixin of :class:`~raycolo.actors.online_controller.OnlineController` (it uses the
+controller's config, ledger, op queues and ``_paused``). Every ``lora.checkpoint_every``
+optimizer steps a node's stages report their adapter through Ray Train (a barrier between
+ops); the same weights are written in peft's format under ``versions/v<k>`` and the newest
+``serve.pinned_versions`` of them are servable as ``<model>@v<k>``. ``export_adapter``
+joins a node's current adapter into one peft directory on demand; SEPARATE's sync op
+loads such an export on the serving nodes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from raycolo.executor.adapters import export_adapter
+from raycolo.executor.stage import LoraSettings
+from raycolo.online.driver import OpLost
+
+
+class AdapterVersions:
+    async def held_out_loss(self, pairs: list, node: int = 0) -> float:
+        """Loss of the model on ``pairs`` (prompt, completion), forward only, on ``node``."""
+        self.oob_seq -= 1
+        t = max(len(p) + len(c) for p, c in pairs)
+        payload = {"kind": "eval", "seq": self.oob_seq, "after": self.oob_seq, "shape": (len(pairs), t),
+                   "samples": [(list(p), list(c)) for p, c in pairs]}
+        results = await self._paused(node, [dict(payload) for _ in range(self.config.stages)])
+        return results[-1]["loss"]
+
+    async def _checkpoint(self, node: int) -> None:
+        """Every stage reports its adapter through Ray Train (a barrier), between ops."""
+        self.adapter_version += 1
+        version = self.adapter_version
+        payloads = []
+        for _ in range(self.config.stages):
+            self.oob_seq -= 1
+            payloads.append({"kind": "checkpoint", "seq": self.oob_seq, "version": version,
+                             "cursor": json.dumps(self.cursor.__dict__)})
+        try:
+            results = await self._paused(node, payloads)
+        except OpLost:
+            return           # the group restarted first: it resumes from the previous checkpoint
+        await self._keep_version(version, [r["state"] for r in results])
+        # No op of the node ran during the pause: the checkpoint holds the samples trained
+        # so far; they count as kept once Ray Train commits it (checkpoint_committed).
+        self.ledger.report(node, version)
+
+    def _version_dir(self, version: int) -> Path:
+        return self.adapter_dir / "versions" / f"v{version}"
+
+    async def _keep_version(self, version: int, states: list) -> None:
+        """Make checkpoint ``version`` servable as ``<model>@v<version>``: its adapter in
+        peft's format on disk (every stage loads its layers' part when a request pins it),
+        the newest ``serve.pinned_versions`` of them listed; older ones leave the list, and
+        their files go unless an unfinished request still runs on them."""
+        keep = self.config.serve.pinned_versions
+        if keep == 0:
+            return
+        await asyncio.to_thread(export_adapter, states, self._lora_settings(), self._version_dir(version),
+                                self.config.model_loading_config.model_id)
+        held = sorted(self.versions + [version])
+        self.versions = held[-keep:]
+        pinned = {r.version for r in self.requests.values() if r.finish_reason is None}
+        for old in held[:-keep]:      # no longer listed: its files go once nothing runs on it
+            if old not in pinned:
+                await asyncio.to_thread(shutil.rmtree, self._version_dir(old), True)
+
+    async def adapter_versions(self) -> list[int]:
+        """The saved adapter versions requests may pin (``<model>@v<k>``), oldest first."""
+        return list(self.versions)
+
+    async def checkpoint_committed(self, node: int, epoch: int, version: int, committed: Optional[int]) -> None:
+        """Stage 0 of ``node`` saw Ray Train commit up to ``committed`` after reporting
+        ``version``."""
+        if epoch != self.epochs[node]:
+            return           # the group restarted meanwhile (the ledger dropped its reports)
+        if committed is None or committed < version:
+            self.ledger.reported.pop((node, version), None)
+            self.errors.append(f"node {node}: adapter checkpoint v{version} was not committed by Ray Train "
+                               f"(last committed: {committed})")
+            return
+        self.ledger.commit(node, version)
+
+    async def _stage_states(self, node: int) -> list[dict]:
+        """Every stage's adapter weights, pulled between ops."""
+        payloads = []
+        for _ in range(self.config.stages):
+            self.oob_seq -= 1
+            payloads.append({"kind": "lora", "seq": self.oob_seq})
+        return [r["state"] for r in await self._paused(node, payloads)]
+
+    async def export_adapter(self, directory: str, node: Optional[int] = None) -> str:
+        """Join the adapter of ``node``'s stages (default: the node that trained last) into
+        one directory in peft's format (adapter_config.json, adapter_model.safetensors)."""
+        node = self.last_trained_node if node is None else node
+        states = await self._stage_states(node)
+        return str(export_adapter(states, self._lora_settings(), directory,
+                                  self.config.model_loading_config.model_id))
+
+    def _lora_settings(self) -> LoraSettings:
+        cfg = self.config
+        return LoraSettings(cfg.lora.rank, cfg.lora.alpha, tuple(cfg.lora.target_modules), cfg.lora.lr,
+                            cfg.model_loading_config.seed)
+
+    async def _export_for_sync(self, version: int) -> None:
+        """SEPARATE: the training group's adapter, exported once per synced version."""
+        if version not in self.exports:
+            target = self.adapter_dir / f"v{version}"
+            self.exports[version] = asyncio.get_running_loop().create_task(self.export_adapter(str(target)))
+        await self.exports[version]
