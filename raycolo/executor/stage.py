@@ -225,10 +225,12 @@ class StageModel:
 
     # -- training --------------------------------------------------------------------------
     def train_forward(self, task: int, x: torch.Tensor, lengths: Sequence[int],
-                      labels: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                      labels: Optional[torch.Tensor] = None, loss_scale: float = 1.0) -> Optional[torch.Tensor]:
         """Forward of a micro-batch: ``x`` is token ids (first stage) or the hidden states
         of the stage before. Returns the hidden states for the next stage (detached), or on
-        the last stage the loss (a float; ``labels`` required there)."""
+        the last stage the loss (a float; ``labels`` required there). ``loss_scale``
+        weights the loss that is backpropagated: a micro-batch's share of the effective
+        batch's labelled tokens, when micro-batches accumulate into one step."""
         with torch.enable_grad():
             inp = x if self.is_first else x.detach().requires_grad_(True)
             # Weight stashing (PipeDream): the forward runs on clones of the trainable
@@ -240,13 +242,18 @@ class StageModel:
             if self.is_last:
                 if labels is None:
                     raise ValueError("last stage: train_forward needs labels")
-                out = causal_lm_loss(out, labels)
+                loss = causal_lm_loss(out, labels)
+                self._train[task] = (inp, loss * loss_scale)
+                return loss.detach()
         self._train[task] = (inp, out)
         return out.detach()
 
-    def train_backward(self, task: int, grad_output: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def train_backward(self, task: int, grad_output: Optional[torch.Tensor] = None,
+                       step: bool = True) -> Optional[torch.Tensor]:
         """Backward of the task's forward and one optimizer step on this stage's LoRA
-        weights. Returns the gradient of the stage's input (None on the first stage)."""
+        weights. Returns the gradient of the stage's input (None on the first stage).
+        ``step=False`` only accumulates the gradients (a micro-batch of a larger effective
+        batch); :meth:`optimizer_step` applies them."""
         inp, out = self._train.pop(task)
         if self.is_last:
             out.backward()
@@ -255,14 +262,21 @@ class StageModel:
                 raise ValueError("train_backward needs the gradient of this stage's output")
             out.backward(grad_output)
         grad_in = None if self.is_first else inp.grad.detach()
+        if step:
+            self.optimizer_step()
+        return grad_in
+
+    def optimizer_step(self) -> None:
+        """Apply the accumulated gradients (one AdamW step) and clear them."""
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        return grad_in
 
     def drop_training(self, task: int) -> None:
-        """Forget a task's forward without stepping (its backward will not come)."""
+        """Forget a task's forward without stepping (its backward will not come): an
+        aborted micro-batch. The adapter, the optimizer state and the gradients accumulated
+        by earlier micro-batches stay exactly as they were; its activations are freed."""
         self._train.pop(task, None)
 
     # -- adapters --------------------------------------------------------------------------
