@@ -42,7 +42,7 @@ def policy_names() -> list[str]:
 # Online allocation policies (LeMix and its baselines) live in their own registry: they
 # decide where each arriving task runs, not an offline plan.
 _ONLINE: dict[str, Callable] = {}
-_ONLINE_MODULES = ["lemix", "online_baselines"]
+_ONLINE_MODULES = ["lemix", "online_baselines", "online_colocation"]
 
 
 def register_online(name: str):

@@ -135,7 +135,8 @@ def _simulate(policy, model="llama-8b", rate=50, alpha=0.5, tasks=400, seed=0, p
 
 
 @pytest.mark.parametrize("policy", ["lemix", "mix-rr", "mix-luf", "separate", "lemix-noprofile",
-                                    "lemix-noprioritize", "lemix-nomemory"])
+                                    "lemix-noprioritize", "lemix-nomemory", "harli", "lemix+harli",
+                                    "mace", "lemix+mace"])
 def test_every_task_completes_exactly_once(policy):
     workload, result = _simulate(policy, model="llama-70b", rate=100, alpha=0.5, tasks=300)
     assert result.completions == {t.task_id: 1 for t in workload}
@@ -185,7 +186,8 @@ def test_separate_partitions_nodes_and_syncs_weights():
 
 
 def test_online_policies_are_registered():
-    assert {"lemix", "mix-rr", "mix-luf", "separate"} <= set(online_policy_names())
+    assert {"lemix", "mix-rr", "mix-luf", "separate", "harli", "lemix+harli", "mace",
+            "lemix+mace"} <= set(online_policy_names())
 
 
 def _cli(*args):

@@ -47,7 +47,8 @@ class Cluster:
         self.policy = policy
         self.params = params
         self.profile = profile
-        self.nodes = [NodeScheduler(n, profile, params, policy.capabilities.memory_aware)
+        self.nodes = [NodeScheduler(n, profile, params, policy.capabilities.memory_aware,
+                                    rule=policy.stage_rule(profile, params))
                       for n in range(nodes)]
         self.learner = ProfileLearner(profile, params.profile_warmup, params.fit_op_cost)
         self.scheduler = OnlineScheduler(policy, [profile] * nodes, [policy.estimator(profile)] * nodes,

@@ -17,7 +17,8 @@ what happened (observed op times, tokens out, finished requests, trained tasks).
   stage S-1 to 0; each stage keeps the task's activations between the two.
 * SEPARATE's weight *sync* op runs on every stage of a serving node.
 
-A stage runs one op at a time, oldest ready first. Memory is a ledger per stage: a
+A stage runs one op at a time, oldest ready first, unless the policy's stage rule
+(:mod:`raycolo.online.stage_rules`: Harli, MACE) orders or holds back its ready ops. Memory is a ledger per stage: a
 prefill reserves each request's KV for its prompt plus ``max_tokens`` (what a real
 engine knows, not the decode length it will turn out to have) until the request ends; a
 training forward holds its activations until its backward on that stage. Memory-aware
@@ -35,6 +36,7 @@ from typing import Collection, Optional
 
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import NodeProfile
+from raycolo.online.stage_rules import StageRule
 from raycolo.online.tasks import OnlineTask
 
 FORWARD_KINDS = ("prefill", "train_f")
@@ -130,8 +132,10 @@ class Stage:
 class NodeScheduler:
     """Algorithms 2 and 3 for one node; see the module docstring."""
 
-    def __init__(self, index: int, profile: NodeProfile, params: LemixParams, memory_aware: bool):
+    def __init__(self, index: int, profile: NodeProfile, params: LemixParams, memory_aware: bool,
+                 rule: Optional[StageRule] = None):
         self.index = index
+        self.rule = rule if rule is not None else StageRule()   # which ready op a stage runs
         self.profile = profile
         self.params = params
         self.memory_aware = memory_aware
@@ -250,6 +254,10 @@ class NodeScheduler:
                 self.update_count = op.tasks[0]
                 self._out.synced = op.tasks[0]
         self._try_start(s)
+        if self.rule.holds:       # a held op may fit now that this one ended
+            for other in range(len(self.stages)):
+                if other != s:
+                    self._try_start(other)
         self._maybe_idle()
         return self._end()
 
@@ -325,7 +333,7 @@ class NodeScheduler:
         capacity = self.profile.free_bytes
         limit = self.params.memory_threshold * capacity
         chosen, blocked = None, False
-        for _, _, op in sorted(stage.ready, key=lambda item: item[:2]):
+        for op in self.rule.order(self, s, [item[2] for item in stage.ready], self._now):
             if op.kind not in FORWARD_KINDS or op.offloaded or op.mem_bytes == 0:
                 chosen = op
                 break

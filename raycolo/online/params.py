@@ -52,6 +52,9 @@ class LemixParams(BaseModel):
     overrun_slowdown: float = Field(default=2.0, ge=1)
     # SEPARATE: weight sync every K training tasks over the inter-node network (bytes/s).
     sync_every: int = Field(default=100, gt=0, le=1 << 40)
+    # Harli's rule: the TPOT target, in units of the node's predicted decode iteration of
+    # one request at the reference length (raycolo's default; Harli sets a QoS target).
+    tpot_multiplier: float = Field(default=3.0, gt=0)
     sync_bandwidth: float = Field(default=12.5e9, gt=0)
     # MIX-LUF's GPU-utilization query before each allocation (Table III: 76 ms); the
     # simulator charges it, a live executor pays what its query really takes.

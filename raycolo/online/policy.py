@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from raycolo.online.planning import LatencyEstimator
     from raycolo.online.profiles import NodeProfile
     from raycolo.online.scheduler import OnlineScheduler
+    from raycolo.online.stage_rules import StageRule
     from raycolo.online.tasks import OnlineTask
 
 
@@ -55,6 +56,11 @@ class OnlinePolicy(ABC):
 
     def groups(self, nodes: int) -> Optional[tuple[list[int], list[int]]]:
         """(training nodes, serving nodes) for ``dedicated_nodes`` policies; else None."""
+        return None
+
+    def stage_rule(self, profile: "NodeProfile", params) -> "Optional[StageRule]":
+        """What each stage runs next on a node (raycolo.online.stage_rules); None: the
+        oldest ready op (LeMix's node logic). Called once per node: a rule may keep state."""
         return None
 
     def estimator(self, profile: "NodeProfile") -> "LatencyEstimator":

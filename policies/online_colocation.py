@@ -1,0 +1,55 @@
+"""Harli's and MACE's per-GPU rules as online policies, composed with a node allocation.
+
+A co-location policy here is two halves: which node each task goes to (an allocation
+policy: round robin or LeMix) and what each stage of a node runs next (a stage rule,
+:mod:`raycolo.online.stage_rules`). Names say both:
+
+* ``harli``, ``mace``: round-robin allocation (``mix-rr``), then Harli's or MACE's rule;
+* ``lemix+harli``, ``lemix+mace``: LeMix's allocation (eq. 1-4, Algorithm 2), then the rule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from raycolo.online.policy import OnlinePolicy
+from raycolo.online.stage_rules import harli_rule, mace_rule
+from raycolo.online.tasks import OnlineTask
+from raycolo.policies import register_online
+
+
+@dataclass
+class WithStageRule(OnlinePolicy):
+    """``inner``'s allocation with ``rule`` on every node's stages."""
+
+    inner: OnlinePolicy
+    rule: Callable
+    name: str = "policy"
+
+    def __post_init__(self) -> None:
+        self.capabilities = self.inner.capabilities
+
+    def allocate(self, task: OnlineTask, scheduler, now: float) -> Optional[int]:
+        return self.inner.allocate(task, scheduler, now)
+
+    def groups(self, nodes: int):
+        return self.inner.groups(nodes)
+
+    def estimator(self, profile):
+        return self.inner.estimator(profile)
+
+    def stage_rule(self, profile, params):
+        return self.rule(profile, params)
+
+
+def _compose(allocation: str, rule: Callable, name: str):
+    def factory(params, **kw):
+        from raycolo.policies import make_online_policy
+
+        return WithStageRule(make_online_policy(allocation, params, **kw), rule, name=name)
+    return factory
+
+
+for _rule_name, _rule in (("harli", harli_rule), ("mace", mace_rule)):
+    register_online(_rule_name)(_compose("mix-rr", _rule, _rule_name))
+    register_online(f"lemix+{_rule_name}")(_compose("lemix", _rule, f"lemix+{_rule_name}"))

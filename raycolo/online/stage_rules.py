@@ -1,0 +1,150 @@
+"""Which ready op a stage runs next: the per-GPU half of a co-location policy.
+
+A node's stages run one op at a time (:mod:`raycolo.online.node`). By default a stage
+starts its oldest ready op (LeMix's node logic). A :class:`StageRule` orders, and may
+hold back, the ready ops of one stage each time the stage is free; the node scheduler
+then applies its memory rules (Algorithm 2) in that order. The same rule object runs in
+the simulator and in the live controller, because both drive the same ``NodeScheduler``.
+
+* :class:`HarliRule` (Harli §6, on time shares): inference first; between decode
+  iterations a fine-tune op runs only when the predicted decode iteration plus that op
+  still meets the TPOT target, else fine-tuning pauses until the inference load falls.
+  Harli partitions SMs inside one iteration; with one op per stage at a time, raycolo
+  shares time at op granularity instead, and the predictor is stage 1 of Harli's
+  (:class:`~raycolo.online.latency_predictor.DecodeLatencyPredictor`) built from the
+  node profile.
+* :class:`MaceRule` (MACE §4.1): every ready op gets the priority
+  ``P_w(t) = pi_w + delta_w * (t - t_arr)`` of its workload type (prefill, decode,
+  fine-tune), plus ``gamma * loss`` for a fine-tune op whose training loss is known; the
+  highest runs first. MACE sets ``pi_decode > pi_prefill > pi_ft`` and
+  ``delta_ft > delta_prefill > delta_decode`` without giving values: the defaults below
+  are raycolo's, in forward latencies. MACE's best-fit bin packing of several ops into
+  one iteration has no counterpart here (a stage runs one op at a time).
+
+Pure Python, no clock: the node scheduler passes ``now``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from raycolo.online.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit
+
+if TYPE_CHECKING:  # pragma: no cover
+    from raycolo.online.node import NodeScheduler, Op
+
+INFERENCE_KINDS = ("prefill", "decode")
+TRAIN_KINDS = ("train_f", "train_b")
+
+
+def oldest_first(ops: Sequence["Op"]) -> list["Op"]:
+    return sorted(ops, key=lambda op: (op.ready_s, op.seq))
+
+
+class StageRule:
+    """The default: the oldest ready op first, nothing held back."""
+
+    name = "fifo"
+    holds = False              # True: a rule that may leave a free stage idle
+
+    def order(self, node: "NodeScheduler", stage: int, ops: Sequence["Op"], now: float) -> list["Op"]:
+        """The ready ops of ``stage`` that may start now, most preferred first."""
+        return oldest_first(ops)
+
+
+def _arrival(op: "Op") -> float:
+    task = op.tasks[0]
+    return getattr(task, "task", task).arrival_s      # a Request wraps its task
+
+
+@dataclass
+class HarliRule(StageRule):
+    """Inference first; fine-tune ops only where they fit under the TPOT target."""
+
+    predictor: DecodeLatencyPredictor      # one stage's decode step
+    tpot_target_s: float
+    profile: object                        # the node's NodeProfile (training op durations)
+    name: str = "harli"
+    holds = True                           # may leave a stage idle: retry on every op end
+    paused: int = 0            # times a fine-tune op was held back (a predicted violation)
+
+    def decode_iteration_s(self, node: "NodeScheduler") -> float:
+        """The predicted latency of the node's next decode iteration (every stage)."""
+        running = list(node.joining)
+        for st in node.stages:
+            for op in ([st.busy] if st.busy is not None else []) + [item[2] for item in st.ready]:
+                if op.kind == "decode":
+                    running.extend(op.tasks)
+        if not running:
+            return 0.0
+        context = sum(r.context for r in running) / len(running)
+        return self.profile.stages * self.predictor.solo(len(running), context)
+
+    def order(self, node, stage, ops, now):
+        inference = oldest_first([op for op in ops if op.kind not in TRAIN_KINDS])
+        training = oldest_first([op for op in ops if op.kind in TRAIN_KINDS])
+        if inference or not training:
+            return inference
+        iteration = self.decode_iteration_s(node)
+        if iteration == 0.0 and not node.batch:
+            return training                   # no inference on the node: fine-tune freely
+        fits = [op for op in training if iteration + expected_op_s(op, self.profile) <= self.tpot_target_s]
+        if len(fits) < len(training):
+            self.paused += 1
+        return fits
+
+
+@dataclass
+class MaceRule(StageRule):
+    """MACE's dynamic priorities (no bin packing: one op per stage at a time)."""
+
+    unit_s: float                                     # the node's forward latency
+    pi: dict = field(default_factory=lambda: {"decode": 3.0, "prefill": 2.0, "ft": 1.0})
+    delta: dict = field(default_factory=lambda: {"ft": 0.5, "prefill": 0.2, "decode": 0.1})
+    gamma: float = 0.1
+    losses: dict = field(default_factory=dict)        # task id -> its current training loss
+    name: str = "mace"
+
+    def __post_init__(self) -> None:
+        if not (self.pi["decode"] > self.pi["prefill"] > self.pi["ft"]
+                and self.delta["ft"] > self.delta["prefill"] > self.delta["decode"]):
+            raise ValueError("mace: needs pi_decode > pi_prefill > pi_ft and "
+                             "delta_ft > delta_prefill > delta_decode (MACE §4.1)")
+
+    def priority(self, op: "Op", now: float) -> float:
+        kind = "ft" if op.kind in TRAIN_KINDS else op.kind
+        waited = (now - _arrival(op)) / self.unit_s
+        p = self.pi.get(kind, 0.0) + self.delta.get(kind, 0.0) * waited
+        if kind == "ft":
+            p += self.gamma * self.losses.get(op.tasks[0].task_id, 0.0)
+        return p
+
+    def order(self, node, stage, ops, now):
+        return sorted(ops, key=lambda op: (-self.priority(op, now), op.ready_s, op.seq))
+
+
+def harli_rule(profile, params) -> HarliRule:
+    """Harli's rule for a node. Its predictor (stage 1, per stage) is fitted by least
+    squares to the node profile's decode-step model over batch sizes 1-256 and contexts
+    16-4,096 (in the live runtime the profile is the one fitted from measured ops); the
+    TPOT target is ``params.tpot_multiplier`` x the predicted decode iteration of one
+    request at the profile's reference length."""
+    grid = [DecodeSample(bs, ctx, float(profile.decode_step_s(bs, ctx)))
+            for bs in (1, 2, 4, 8, 16, 32, 64, 128, 256) for ctx in (16, 64, 256, 1024, 4096)]
+    predictor = fit(grid)
+    single = profile.stages * predictor.solo(1, profile.reference_length)
+    return HarliRule(predictor, params.tpot_multiplier * single, profile)
+
+
+def mace_rule(profile, params) -> MaceRule:
+    return MaceRule(profile.forward_latency_s)
+
+
+def expected_op_s(op: "Op", profile) -> float:
+    """A training op's duration by the node profile (what Harli's rule compares)."""
+    task = op.tasks[0]
+    if op.kind == "train_f":
+        return profile.forward_s(task.batch, task.length)
+    if op.kind == "train_b":
+        return profile.backward_s(task.batch, task.length)
+    raise ValueError(f"expected_op_s: {op.kind} is not a training op")
