@@ -291,6 +291,10 @@ def cmd_profile(args) -> int:
         print(f"{args.model}: {stats['iterations']} iterations, fit R2 {stats['r2']:.3f}, "
               f"median |error| {stats['median_abs_error']:.1%}, load {stats['load_s']:.2f}s, "
               f"output length mean {stats['ecdf_mean']:.0f} (max {stats['ecdf_max']})")
+        dp = stats["decode_predictor"]
+        print(f"{args.model}: Harli decode predictor (bs*b0 + c0 + bs*k0*seqlen) b0 {dp['b0']:.3g} s, "
+              f"c0 {dp['c0']:.3g} s, k0 {dp['k0']:.3g} s; held-out error {dp['held_out_mape']:.1%} "
+              f"on {dp['held_out_iterations']} decode iterations")
         print(f"profile: {Path(args.out) / f'{args.model}.tp{args.tp}.json'}")
     return 0
 

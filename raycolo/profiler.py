@@ -125,6 +125,7 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
                f"MEASURED output lengths of {model_id} ({len(lengths)} requests, torch engine, "
                f"temperature {ECDF_TEMPERATURE}, max_tokens {ECDF_MAX_TOKENS}, seed {seed}).\n"
                "Written by raycolo profile.")
+    stats["decode_predictor"] = fit_decode_predictor(records)
     stats.update(model=model_id, tp=tp, device=device, threads=threads, seed=seed,
                  load_s=load_s, iterations=len(records),
                  ecdf_mean=float(np.mean(lengths)), ecdf_max=int(np.max(lengths)),
@@ -133,3 +134,20 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
                         "decode_steps": settings.decode_steps})
     (out / f"{model_id}.tp{tp}.fit.json").write_text(json.dumps(stats, indent=2))
     return profile, stats
+
+
+def fit_decode_predictor(records, held_out_every: int = 5) -> dict:
+    """Harli's stage-1 decode predictor (raycolo.online.latency_predictor) fitted to the
+    decode iterations measured here, with every ``held_out_every``-th iteration held out
+    for its error (Harli reports 3 %). Co-located iterations need a trainer running
+    beside the engine, which the profiler does not run: stage 2 keeps ``b1 = 1, k1 = 0``."""
+    from raycolo.online.latency_predictor import DecodeSample, fit, mape
+
+    samples = [DecodeSample(r.num_seqs, float(np.mean(r.context_lens)), r.seconds)
+               for r in records if r.kind == "decode" and r.seconds > 0 and not r.preempted]
+    held = samples[::held_out_every]
+    train = [s for i, s in enumerate(samples) if i % held_out_every]
+    predictor = fit(train)
+    return {"b0": predictor.b0, "c0": predictor.c0, "k0": predictor.k0, "b1": predictor.b1,
+            "k1": predictor.k1, "fit_iterations": len(train), "held_out_iterations": len(held),
+            "held_out_mape": mape(predictor, held)}

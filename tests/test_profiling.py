@@ -105,6 +105,8 @@ def test_profiler_writes_the_files_the_cost_model_reads(small_profile):
     values, cdf = load_ecdf(str(out / "ecdf" / "tiny-llama-s.csv"))
     assert values.max() <= 256 and cdf[-1] == 1.0
     assert stats["iterations"] > 20 and stats["r2"] > 0.1  # timing noise on a shared CPU
+    dp = stats["decode_predictor"]      # Harli's stage 1, fitted and checked on held-out iterations
+    assert dp["held_out_iterations"] > 3 and 0 <= dp["held_out_mape"] < 1 and dp["c0"] > 0
     fit = json.loads((out / "tiny-llama-s.tp1.fit.json").read_text())
     assert fit["model"] == "tiny-llama-s"
 
