@@ -4,16 +4,21 @@ A co-location policy here is two halves: which node each task goes to (an alloca
 policy: round robin or LeMix) and what each stage of a node runs next (a stage rule,
 :mod:`raycolo.online.stage_rules`). Names say both:
 
-* ``harli``, ``mace``: round-robin allocation (``mix-rr``), then Harli's or MACE's rule;
-* ``lemix+harli``, ``lemix+mace``: LeMix's allocation (eq. 1-4, Algorithm 2), then the rule.
+* ``harli``, ``sirius``, ``mace``: round-robin allocation (``mix-rr``), then the rule
+  (``sirius`` makes the nodes memory-aware: a forward that does not fit waits, and a
+  prefill may take memory back from training);
+* ``lemix+harli``, ``lemix+sirius``, ``lemix+mace``: LeMix's allocation (eq. 1-4,
+  Algorithm 2), then the rule.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from dataclasses import replace
+
 from raycolo.online.policy import OnlinePolicy
-from raycolo.online.stage_rules import harli_rule, mace_rule
+from raycolo.online.stage_rules import harli_rule, mace_rule, sirius_rule
 from raycolo.online.tasks import OnlineTask
 from raycolo.policies import register_online
 
@@ -26,8 +31,11 @@ class WithStageRule(OnlinePolicy):
     rule: Callable
     name: str = "policy"
 
+    memory: bool = False           # the rule needs memory-aware nodes (SIRIUS)
+
     def __post_init__(self) -> None:
-        self.capabilities = self.inner.capabilities
+        self.capabilities = replace(self.inner.capabilities,
+                                    memory_aware=self.inner.capabilities.memory_aware or self.memory)
 
     def allocate(self, task: OnlineTask, scheduler, now: float) -> Optional[int]:
         return self.inner.allocate(task, scheduler, now)
@@ -42,14 +50,15 @@ class WithStageRule(OnlinePolicy):
         return self.rule(profile, params)
 
 
-def _compose(allocation: str, rule: Callable, name: str):
+def _compose(allocation: str, rule: Callable, name: str, memory: bool):
     def factory(params, **kw):
         from raycolo.policies import make_online_policy
 
-        return WithStageRule(make_online_policy(allocation, params, **kw), rule, name=name)
+        return WithStageRule(make_online_policy(allocation, params, **kw), rule, name=name, memory=memory)
     return factory
 
 
-for _rule_name, _rule in (("harli", harli_rule), ("mace", mace_rule)):
-    register_online(_rule_name)(_compose("mix-rr", _rule, _rule_name))
-    register_online(f"lemix+{_rule_name}")(_compose("lemix", _rule, f"lemix+{_rule_name}"))
+for _rule_name, _rule, _memory in (("harli", harli_rule, False), ("sirius", sirius_rule, True),
+                                   ("mace", mace_rule, False)):
+    register_online(_rule_name)(_compose("mix-rr", _rule, _rule_name, _memory))
+    register_online(f"lemix+{_rule_name}")(_compose("lemix", _rule, f"lemix+{_rule_name}", _memory))

@@ -77,7 +77,7 @@ def test_samples_are_persisted_before_the_ack_and_training_changes_the_adapter(d
     assert dep.stats()["train_done"] >= 2
 
 
-@pytest.mark.parametrize("policy", ["lemix", "mix-rr", "separate", "lemix+harli", "mace"])
+@pytest.mark.parametrize("policy", ["lemix", "mix-rr", "separate", "lemix+harli", "sirius", "mace"])
 def test_every_task_of_a_short_trace_completes_exactly_once(deployment, policy):
     dep, _, _ = deployment
     dep.use_policy(policy)

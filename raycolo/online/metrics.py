@@ -40,6 +40,7 @@ class OnlineResult:
     memory_waits: int
     offloads: int
     overruns: int
+    training_aborts: int = 0     # training tasks aborted to give a prefill memory (SIRIUS)
     completions: dict = field(default_factory=dict)   # task id -> completion count
 
     def summary(self) -> dict:
@@ -58,6 +59,7 @@ class OnlineResult:
             "staleness_mean": float(self.staleness.mean()) if len(self.staleness) else 0.0,
             "decision_us_mean": self.decision_us_mean, "deferred_max": self.deferred_max,
             "memory_waits": self.memory_waits, "offloads": self.offloads, "overruns": self.overruns,
+            "training_aborts": self.training_aborts,
         }
 
 
@@ -127,4 +129,4 @@ class OnlineMetrics:
             staleness=np.array(self.staleness), decision_us_mean=decision_us_mean,
             deferred_max=self.deferred_max, memory_waits=sum(n.memory_waits for n in nodes),
             offloads=sum(n.offloads for n in nodes), overruns=sum(n.overruns for n in nodes),
-            completions=dict(self.completions))
+            training_aborts=sum(n.aborts for n in nodes), completions=dict(self.completions))

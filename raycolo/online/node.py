@@ -152,6 +152,8 @@ class NodeScheduler:
         self.first_start: Optional[float] = None
         self.last_end = 0.0
         self.memory_waits = self.offloads = self.overruns = 0
+        self.aborts = 0              # training tasks aborted for a prefill's memory (SIRIUS)
+        self.aborted_bytes = 0.0
         self.generation = 0          # resets so far
         self._seq = itertools.count()
         self._out = NodeStep()
@@ -342,6 +344,10 @@ class NodeScheduler:
             if not self.memory_aware or stage.used_bytes + op.mem_bytes <= limit:
                 chosen = op
                 break
+            if op.kind == "prefill" and self.rule.reclaims and \
+                    self._reclaim(s, stage.used_bytes + op.mem_bytes - limit):
+                chosen = op
+                break
             if op.waited_s >= self.params.max_memory_wait * self.profile.forward_latency_s:
                 op.offloaded = True  # Algorithm 2 line 10: give the stage its memory back
                 self.offloads += 1
@@ -371,6 +377,39 @@ class NodeScheduler:
         stage.busy = chosen
         self.first_start = self._now if self.first_start is None else self.first_start
         self._out.actions.append(chosen)
+
+    def _reclaim(self, s: int, need: float) -> bool:
+        """SIRIUS: free ``need`` bytes on stage ``s`` by aborting training tasks that wait
+        for their first backward (their forward is done on every stage, nothing of theirs
+        runs or travels between stages), largest first; each runs again from its first
+        forward. True when enough was freed (nothing is aborted otherwise)."""
+        last = self.stages[-1]
+        waiting = [op for _, _, op in last.ready if op.kind == "train_b"]
+        held = self.stages[s].held
+        victims, freed = [], 0.0
+        for op in sorted(waiting, key=lambda o: -held.get(("train", o.tasks[0].task_id), 0.0)):
+            if freed >= need:
+                break
+            size = held.get(("train", op.tasks[0].task_id), 0.0)
+            if size > 0:
+                victims.append(op)
+                freed += size
+        if freed < need:
+            return False
+        for op in victims:
+            task = op.tasks[0]
+            last.ready.remove((op.ready_s, op.seq, op))
+            self.queued_ops -= 1
+            for stage in self.stages:
+                self.aborted_bytes += stage.held.get(("train", task.task_id), 0.0)
+                self._release(stage, ("train", task.task_id))
+            self.aborts += 1
+            # queued, not started: the stage that called this is about to start the prefill
+            retry = self._op("train_f", 0, [task], op.mem_bytes)
+            heapq.heappush(self.stages[0].ready, (retry.ready_s, retry.seq, retry))
+            self.queued_ops += 1
+        heapq.heapify(last.ready)
+        return True
 
     @staticmethod
     def _holdings(op: Op) -> list[tuple[tuple, float]]:

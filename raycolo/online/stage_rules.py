@@ -13,6 +13,13 @@ the simulator and in the live controller, because both drive the same ``NodeSche
   shares time at op granularity instead, and the predictor is stage 1 of Harli's
   (:class:`~raycolo.online.latency_predictor.DecodeLatencyPredictor`) built from the
   node profile.
+* :class:`SiriusRule` (SIRIUS §4): inference first; a prefill that does not fit the
+  stage's memory aborts training tasks waiting for their backward (their activations are
+  freed on every stage, and they run again from their first forward: SIRIUS discards
+  the batch in its gradient phase and retries its samples). Only tasks with no op in
+  flight and no activation or gradient on the wire are aborted, so the live pipeline's
+  point-to-point messages stay matched. What SIRIUS adds on a real GPU (a shared memory
+  pool, 5 ms handovers) is the memory broker's business (memory_broker.py).
 * :class:`MaceRule` (MACE §4.1): every ready op gets the priority
   ``P_w(t) = pi_w + delta_w * (t - t_arr)`` of its workload type (prefill, decode,
   fine-tune), plus ``gamma * loss`` for a fine-tune op whose training loss is known; the
@@ -46,6 +53,7 @@ class StageRule:
 
     name = "fifo"
     holds = False              # True: a rule that may leave a free stage idle
+    reclaims = False           # True: a prefill short of memory aborts waiting training
 
     def order(self, node: "NodeScheduler", stage: int, ops: Sequence["Op"], now: float) -> list["Op"]:
         """The ready ops of ``stage`` that may start now, most preferred first."""
@@ -92,6 +100,25 @@ class HarliRule(StageRule):
         if len(fits) < len(training):
             self.paused += 1
         return fits
+
+
+@dataclass
+class SiriusRule(StageRule):
+    """SIRIUS on a pipeline stage: inference first with the whole device; training runs on
+    what is left, and a prefill short of memory takes it back from training (the node
+    scheduler aborts training tasks that wait for their backward, frees their
+    activations on every stage and runs them again; :meth:`NodeScheduler._reclaim`)."""
+
+    name: str = "sirius"
+    reclaims = True
+
+    def order(self, node, stage, ops, now):
+        inference = oldest_first([op for op in ops if op.kind not in TRAIN_KINDS])
+        return inference + oldest_first([op for op in ops if op.kind in TRAIN_KINDS])
+
+
+def sirius_rule(profile, params) -> SiriusRule:
+    return SiriusRule()
 
 
 @dataclass
