@@ -8,7 +8,9 @@ policy: round robin or LeMix) and what each stage of a node runs next (a stage r
   (``sirius`` makes the nodes memory-aware: a forward that does not fit waits, and a
   prefill may take memory back from training);
 * ``lemix+harli``, ``lemix+sirius``, ``lemix+mace``: LeMix's allocation (eq. 1-4,
-  Algorithm 2), then the rule.
+  Algorithm 2), then the rule;
+* baselines: ``sirius-timeshare`` (inference first, no memory awareness: SIRIUS's time
+  sharing) and ``mace-sync`` (fine-tuning first: MACE's sync retraining, AdaInf).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Callable, Optional
 from dataclasses import replace
 
 from raycolo.online.policy import OnlinePolicy
-from raycolo.online.stage_rules import harli_rule, mace_rule, sirius_rule
+from raycolo.online.stage_rules import harli_rule, mace_rule, sirius_rule, training_first_rule
 from raycolo.online.tasks import OnlineTask
 from raycolo.policies import register_online
 
@@ -62,3 +64,11 @@ for _rule_name, _rule, _memory in (("harli", harli_rule, False), ("sirius", siri
                                    ("mace", mace_rule, False)):
     register_online(_rule_name)(_compose("mix-rr", _rule, _rule_name, _memory))
     register_online(f"lemix+{_rule_name}")(_compose("lemix", _rule, f"lemix+{_rule_name}", _memory))
+
+# The papers' baselines, where they are not an existing policy already (Harli's
+# SeparateMode is ``separate``; MACE's continuous retraining, FIFO on each GPU, is
+# ``mix-rr``):
+# * SIRIUS's time sharing by preemption: inference first, without memory awareness;
+register_online("sirius-timeshare")(_compose("mix-rr", sirius_rule, "sirius-timeshare", False))
+# * MACE's sync retraining (AdaInf): fine-tuning first.
+register_online("mace-sync")(_compose("mix-rr", training_first_rule, "mace-sync", False))

@@ -133,3 +133,31 @@ def test_sirius_serves_first_under_memory_pressure_and_completes_everything_once
         assert r.train_done == sum(t.is_train for t in tasks)
     assert runs["sirius"].overruns == 0 < runs["mix-rr"].overruns
     assert runs["sirius"].slo_attainment > 2 * runs["mix-rr"].slo_attainment
+
+
+def test_training_first_baseline_orders_fine_tuning_before_inference():
+    from raycolo.online.stage_rules import TrainingFirstRule
+
+    decode = _op("decode", [], 1, ready_s=0.0)
+    ft = _op("train_f", [OnlineTask(3, "train", 0.0, 50, 1, 0)], 2, ready_s=1.0)
+    assert TrainingFirstRule().order(None, 0, [decode, ft], 2.0) == [ft, decode]
+
+
+def test_bursty_workload_keeps_the_mean_rate_and_is_burstier_than_poisson():
+    import numpy as np
+
+    from raycolo.errors import ConfigError
+    from raycolo.online.tasks import bursty_workload, poisson_workload
+
+    tasks = bursty_workload(20.0, 0.3, 20_000, seed=4)
+    gaps = np.diff([0.0] + [t.arrival_s for t in tasks])
+    assert abs(1 / gaps.mean() - 20.0) / 20.0 < 0.05
+    poisson_gaps = np.diff([0.0] + [t.arrival_s for t in poisson_workload(20.0, 0.3, 20_000, seed=4)])
+    assert gaps.std() / gaps.mean() > 1.5 > poisson_gaps.std() / poisson_gaps.mean() > 0.9
+    again = bursty_workload(20.0, 0.3, 20_000, seed=4)
+    assert [t.arrival_s for t in again] == [t.arrival_s for t in tasks]
+    assert abs(np.mean([t.is_train for t in tasks]) - 0.3) < 0.02
+    for bad in (dict(rate=0.0), dict(rate=float("nan")), dict(burst_share=1.0)):
+        kw = dict(rate=5.0, train_rate=0.5, tasks=10) | bad
+        with pytest.raises(ConfigError):
+            bursty_workload(**kw)

@@ -121,6 +121,20 @@ def sirius_rule(profile, params) -> SiriusRule:
     return SiriusRule()
 
 
+class TrainingFirstRule(StageRule):
+    """MACE's "sync retraining" baseline (AdaInf-like): fine-tune ops before inference."""
+
+    name = "training-first"
+
+    def order(self, node, stage, ops, now):
+        training = oldest_first([op for op in ops if op.kind in TRAIN_KINDS])
+        return training + oldest_first([op for op in ops if op.kind not in TRAIN_KINDS])
+
+
+def training_first_rule(profile, params) -> TrainingFirstRule:
+    return TrainingFirstRule()
+
+
 @dataclass
 class MaceRule(StageRule):
     """MACE's dynamic priorities (no bin packing: one op per stage at a time)."""

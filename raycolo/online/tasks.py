@@ -152,11 +152,38 @@ def poisson_workload(rate: float, train_rate: float, tasks: int, lengths: str = 
         raise ConfigError(f"--rate: must be finite, got {rate:g}")
     _check_train_rate(train_rate)
     count = _check_count("--tasks", tasks)
-    batch = _check_count("--batch", batch)
-    dist = get_length_distribution(lengths)
-
+    _check_count("--batch", batch)
+    get_length_distribution(lengths)
     gaps = seeded_rng(seed, "online", "arrivals").exponential(1.0 / rate, count)
-    arrivals = np.cumsum(gaps)
+    return _workload(np.cumsum(gaps), train_rate, lengths, seed, batch)
+
+
+def bursty_workload(rate: float, train_rate: float, tasks: int, lengths: str = "hh-rlhf",
+                    seed: int = 0, batch: int = 1, burst_share: float = 0.8,
+                    sigma: float = 1.0) -> list[OnlineTask]:
+    """Bursty arrivals at a mean of ``rate`` tasks/s, like SIRIUS's generated traces
+    (SIRIUS §6): inter-arrival gaps from a mixture of two LogNormals, a share
+    ``burst_share`` of short gaps (a fifth of the mean gap on average) inside bursts and
+    long gaps between them, each LogNormal with shape ``sigma``, scaled so that the mean
+    gap is ``1 / rate``. Kinds, lengths and decode lengths as :func:`poisson_workload`."""
+    if not rate > 0 or math.isinf(rate):
+        raise ConfigError(f"--rate: must be positive and finite, got {rate:g}")
+    if not 0 < burst_share < 1 or not 0 < sigma < 10:
+        raise ConfigError("bursty workload: burst_share must be in (0, 1) and sigma in (0, 10)")
+    count = _check_count("--tasks", tasks)
+    rng = seeded_rng(seed, "online", "bursty-arrivals")
+    short, long_ = 0.2 / rate, (1 - burst_share * 0.2) / (1 - burst_share) / rate
+    means = np.where(rng.random(count) < burst_share, short, long_)
+    gaps = rng.lognormal(np.log(means) - sigma ** 2 / 2, sigma)   # E[gap] = means
+    return _workload(np.cumsum(gaps), train_rate, lengths, seed, batch)
+
+
+def _workload(arrivals: np.ndarray, train_rate: float, lengths: str, seed: int,
+              batch: int) -> list[OnlineTask]:
+    _check_train_rate(train_rate)
+    batch = _check_count("--batch", batch)
+    count = len(arrivals)
+    dist = get_length_distribution(lengths)
     query_lengths = dist.sample(count, seeded_rng(seed, "online", "lengths", dist.name))
     is_train = _train_flags(count, train_rate, seed)
     decode = _decode_lengths(count, seed)
