@@ -22,7 +22,8 @@ def sequence_logprob(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     """Sum over each row's labelled positions of log p(label | prefix): logits (B, T, V)
     predict the next token, labels (B, T) with ``IGNORE_INDEX`` where nothing counts."""
     targets = labels[:, 1:]
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    logits = logits[:, :-1]
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     mask = targets != IGNORE_INDEX
     picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return (picked * mask).sum(-1)

@@ -279,6 +279,38 @@ class StageModel:
         by earlier micro-batches stay exactly as they were; its activations are freed."""
         self._train.pop(task, None)
 
+    # -- preference pairs (DPO) ------------------------------------------------------------
+    def preference_logprobs(self, pairs: Sequence[tuple], reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence log-probabilities of the chosen and the rejected completion of each
+        ``(prompt, chosen, rejected)`` pair (token ids), by the policy (the model with its
+        adapter, with autograd) or, with ``reference``, by the frozen base (the adapter
+        switched off, no autograd). A whole-model stage only: DPO across pipeline stages
+        is not built yet."""
+        from raycolo.executor.losses import sequence_logprob
+
+        if not (self.is_first and self.is_last):
+            raise ValueError("preference pairs train on a whole-model stage only (not across pipeline stages yet)")
+        rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
+        ids, labels, lengths = training_batch(rows)
+        context = (self.model.disable_adapter() if reference else contextlib.nullcontext())
+        with context, (torch.no_grad() if reference else torch.enable_grad()):
+            logp = sequence_logprob(self.executor.forward_train(ids, lengths), labels)
+        return logp[:len(pairs)], logp[len(pairs):]
+
+    def dpo_step(self, pairs: Sequence[tuple], beta: float = 0.1, step: bool = True) -> float:
+        """One DPO update of the adapter on preference pairs (MACE's retraining loss): the
+        loss against the frozen base as the reference, backward, and (with ``step``) an
+        optimizer step. Returns the loss before the update."""
+        from raycolo.executor.losses import dpo_loss
+
+        ref_chosen, ref_rejected = self.preference_logprobs(pairs, reference=True)
+        chosen, rejected = self.preference_logprobs(pairs)
+        loss = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)
+        loss.backward()
+        if step:
+            self.optimizer_step()
+        return float(loss)
+
     # -- adapters --------------------------------------------------------------------------
     def lora_state(self) -> dict[str, torch.Tensor]:
         """This stage's adapter weights in peft's saved format (keys without the adapter name)."""
