@@ -405,7 +405,9 @@ class OnlineController(AdapterVersions, Reports):
                                                                "requests": [r.task_id]})
         elif op.kind == "train_f" and last:
             self.losses.append((time.time(), op.tasks[0].task_id, result["loss"]))
+            self.cluster.nodes[op.node].rule.observe_loss(op.tasks[0].task_id, result["loss"])
         elif op.kind == "train_b" and op.stage == 0:
+            self.cluster.nodes[op.node].rule.forget(op.tasks[0].task_id)
             self.train_tasks.pop(op.tasks[0].task_id, None)
             self.ledger.train(op.node, self.train_seqs.pop(op.tasks[0].task_id, []))
             self.last_trained_node = op.node

@@ -161,3 +161,14 @@ def test_bursty_workload_keeps_the_mean_rate_and_is_burstier_than_poisson():
         kw = dict(rate=5.0, train_rate=0.5, tasks=10) | bad
         with pytest.raises(ConfigError):
             bursty_workload(**kw)
+
+
+def test_mace_keeps_reported_losses_until_the_task_is_done():
+    rule = MaceRule(unit_s=1.0)
+    ft = _op("train_b", [OnlineTask(3, "train", 0.0, 50, 1, 0)], 1)
+    base = rule.priority(ft, 0.0)
+    rule.observe_loss(3, 4.0)
+    assert rule.priority(ft, 0.0) == pytest.approx(base + 0.4)
+    rule.forget(3)
+    assert rule.priority(ft, 0.0) == pytest.approx(base) and not rule.losses
+    StageRule().observe_loss(3, 1.0)          # the default keeps nothing

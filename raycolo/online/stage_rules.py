@@ -23,7 +23,8 @@ the simulator and in the live controller, because both drive the same ``NodeSche
 * :class:`MaceRule` (MACE §4.1): every ready op gets the priority
   ``P_w(t) = pi_w + delta_w * (t - t_arr)`` of its workload type (prefill, decode,
   fine-tune), plus ``gamma * loss`` for a fine-tune op whose training loss is known; the
-  highest runs first. MACE sets ``pi_decode > pi_prefill > pi_ft`` and
+  highest runs first (the live controller reports each training forward's loss, so
+  the task's backward ops carry it). MACE sets ``pi_decode > pi_prefill > pi_ft`` and
   ``delta_ft > delta_prefill > delta_decode`` without giving values: the defaults below
   are raycolo's, in forward latencies. MACE's best-fit bin packing of several ops into
   one iteration has no counterpart here (a stage runs one op at a time).
@@ -58,6 +59,12 @@ class StageRule:
     def order(self, node: "NodeScheduler", stage: int, ops: Sequence["Op"], now: float) -> list["Op"]:
         """The ready ops of ``stage`` that may start now, most preferred first."""
         return oldest_first(ops)
+
+    def observe_loss(self, task_id: int, loss: float) -> None:
+        """A training task's loss came out of its forward (the live executor reports it)."""
+
+    def forget(self, task_id: int) -> None:
+        """A training task is done: drop what the rule kept about it."""
 
 
 def _arrival(op: "Op") -> float:
@@ -162,6 +169,12 @@ class MaceRule(StageRule):
 
     def order(self, node, stage, ops, now):
         return sorted(ops, key=lambda op: (-self.priority(op, now), op.ready_s, op.seq))
+
+    def observe_loss(self, task_id: int, loss: float) -> None:
+        self.losses[task_id] = loss         # its backward ops get gamma * loss
+
+    def forget(self, task_id: int) -> None:
+        self.losses.pop(task_id, None)
 
 
 def harli_rule(profile, params) -> HarliRule:
