@@ -120,6 +120,7 @@ class OnlineController(AdapterVersions, Reports):
         self.adapter_changed_s = time.time()          # the served adapter last changed
         self.fronts: set[str] = set()                 # HTTP replicas attached (serve_app.py)
         self.busy_s: dict = {}                        # (node, stage) -> seconds of ops run (monitor)
+        self.device: dict = {}                        # (node, stage) -> its device's last reading
         self.busy_seen = 0                            # op_log entries counted into busy_s
         self._starting: Optional[asyncio.Task] = None
         self.cancelled = 0                            # requests ended early by their clients
@@ -265,6 +266,8 @@ class OnlineController(AdapterVersions, Reports):
         self.hops += 1
         if epoch != self.epochs[node]:
             return           # an op of a worker group that is gone: its node was reset
+        if "device" in result:
+            self.device[(node, stage)] = result.pop("device")
         future = self.waiting.pop((node, stage, seq), None)
         if future is not None and not future.done():
             future.set_result(result)

@@ -53,6 +53,12 @@ class DeploymentMetrics:
                           tag_keys=MODEL + ("node", "stage"))
         self.memory = Gauge("raycolo_stage_memory_bytes", "Bytes in use on a stage (KV and training)",
                             tag_keys=MODEL + ("node", "stage"))
+        self.device_memory = Gauge("raycolo_device_memory_used_bytes",
+                                   "A stage's device memory in use: NVML on a GPU (source=nvml), the "
+                                   "worker process's resident memory on a CPU (source=process_rss)",
+                                   tag_keys=MODEL + ("node", "stage", "source"))
+        self.device_util = Gauge("raycolo_device_utilization", "A stage's GPU utilization (NVML), 0-1",
+                                 tag_keys=MODEL + ("node", "stage"))
         self.decision = Gauge("raycolo_decision_latency_seconds", "Scheduling decision latency, p50",
                               tag_keys=MODEL)
         self.alive = Gauge("raycolo_nodes_alive", "Stage-worker nodes alive", tag_keys=MODEL)
@@ -73,3 +79,8 @@ class DeploymentMetrics:
             t = dict(tags, node=str(st["node"]), stage=str(st["stage"]))
             self.busy.set(st["busy_fraction"], t)
             self.memory.set(st["memory_bytes"], t)
+            device = st.get("device")
+            if device:
+                self.device_memory.set(device["memory_used_bytes"], dict(t, source=device["source"]))
+                if device["utilization"] is not None:
+                    self.device_util.set(device["utilization"], t)

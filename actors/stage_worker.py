@@ -22,7 +22,10 @@ import time
 
 import torch
 
+from raycolo.engines.device_stats import device_reading
+
 TAG_MOD = 1 << 30
+DEVICE_READING_EVERY_S = 2.0      # how often a stage reports its device's memory (and GPU use)
 
 
 def _sample(logits: torch.Tensor, sampling: list[dict]) -> list[int]:
@@ -164,6 +167,8 @@ def stage_loop(config: dict) -> None:
     epoch = ray.get(controller.register.remote(node, stage, {
         "actor_id": me.get_actor_id(), "pid": os.getpid(), "node_ip": me.get_node_id(),
         "restored_version": restored}))
+    device = next(stage_model.executor.layers[0].parameters()).device
+    next_reading = 0.0
     while True:
         op = ray.get(controller.next_op.remote(node, stage, epoch))
         if op is None:          # the deployment stops
@@ -190,6 +195,9 @@ def stage_loop(config: dict) -> None:
         except Exception as exc:  # the op failed: the controller fails what it carried
             ray.get(controller.op_failed.remote(node, stage, epoch, op["seq"], repr(exc)))
             raise
+        if time.monotonic() >= next_reading:   # the device's figures, every few seconds
+            result["device"] = device_reading(device)
+            next_reading = time.monotonic() + DEVICE_READING_EVERY_S
         controller.op_done.remote(node, stage, epoch, op["seq"], result)
 
 

@@ -249,3 +249,14 @@ def test_dpo_on_a_stage_matches_peft_by_hand_and_learns_the_preference():
     after = preference_stats(*[t.detach() for t in stage.preference_logprobs(pairs)])
     assert after["clpd"] > before["clpd"] + 1.0 and last < expected
     assert stage.steps == 6
+
+
+def test_device_reading_on_the_cpu_is_the_process_rss():
+    import psutil
+
+    from raycolo.engines.device_stats import device_reading
+
+    r = device_reading()
+    assert r["source"] == "process_rss" and r["utilization"] is None
+    rss = psutil.Process().memory_info().rss
+    assert 0.5 * rss < r["memory_used_bytes"] < 2 * rss <= 2 * r["memory_total_bytes"]

@@ -323,6 +323,8 @@ def test_metrics_reach_prometheus_and_count_what_was_sent(front):
                  "ray_raycolo_e2e_request_latency_seconds_bucket", "ray_raycolo_inter_token_latency_seconds_sum",
                  "ray_raycolo_stage_memory_bytes", "ray_raycolo_adapter_staleness_seconds"):
         assert name in got, name
+    # on the CPU the device figure is the stage workers' resident memory: 4 torch processes
+    assert got["ray_raycolo_device_memory_used_bytes"] > 4 * 100e6
 
 
 # -- the schema, fuzzed --------------------------------------------------------------------------
