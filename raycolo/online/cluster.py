@@ -156,10 +156,6 @@ class Cluster:
         self.scheduler.deferred = []
         return out
 
-    @property
-    def all_down(self) -> bool:
-        return len(self.scheduler.down) == len(self.nodes)
-
     def _reset(self, n: int, now: float, out: ClusterStep) -> list:
         """Reset node ``n`` (its plans too); returns its unfinished work."""
         self._now = now

@@ -34,7 +34,7 @@ Pure Python, no clock: the node scheduler passes ``now``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from raycolo.online.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit
 
