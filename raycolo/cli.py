@@ -38,6 +38,12 @@ def _add_problem_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def _online_policy_names() -> list[str]:
+    from raycolo.policies import online_policy_names
+
+    return online_policy_names()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="raycolo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -72,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     # jobs/run_dag.py: the same, on the cluster the job was submitted to
     online = sub.add_parser("simulate-online", help="simulate co-located serving and retraining")
     _add_online_flags(online)
-    online.add_argument("--policy", default="lemix", help="online policy (default lemix)")
+    online.add_argument("--policy", default="lemix",
+                        help=f"online policy (default lemix): {', '.join(_online_policy_names())}")
     online.add_argument("--rate", type=float, default=50.0, help="requests per second (default 50)")
     online.add_argument("--train-rate", type=float, default=0.5, help="fraction of training tasks α")
     online.add_argument("--trace", default=None, metavar="CSV", help="replay a trace instead of Poisson arrivals")
