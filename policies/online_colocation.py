@@ -9,8 +9,9 @@ policy: round robin or LeMix) and what each stage of a node runs next (a stage r
   prefill may take memory back from training);
 * ``lemix+harli``, ``lemix+sirius``, ``lemix+mace``: LeMix's allocation (eq. 1-4,
   Algorithm 2), then the rule;
-* baselines: ``sirius-timeshare`` (inference first, no memory awareness: SIRIUS's time
-  sharing) and ``mace-sync`` (fine-tuning first: MACE's sync retraining, AdaInf).
+* baselines: ``harli-static`` (a fixed half of each stage's time for fine-tuning:
+  Harli's StaticMode), ``sirius-timeshare`` (inference first, no memory awareness:
+  SIRIUS's time sharing) and ``mace-sync`` (fine-tuning first: MACE's sync retraining, AdaInf).
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import Callable, Optional
 from dataclasses import replace
 
 from raycolo.online.policy import OnlinePolicy
-from raycolo.online.stage_rules import harli_rule, mace_rule, sirius_rule, training_first_rule
+from raycolo.online.stage_rules import (harli_rule, mace_rule, sirius_rule, static_share_rule,
+                                        training_first_rule)
 from raycolo.online.tasks import OnlineTask
 from raycolo.policies import register_online
 
@@ -70,5 +72,7 @@ for _rule_name, _rule, _memory in (("harli", harli_rule, False), ("sirius", siri
 # ``mix-rr``):
 # * SIRIUS's time sharing by preemption: inference first, without memory awareness;
 register_online("sirius-timeshare")(_compose("mix-rr", sirius_rule, "sirius-timeshare", False))
+# * Harli's StaticMode: a fixed half of each stage's time for fine-tuning;
+register_online("harli-static")(_compose("mix-rr", static_share_rule, "harli-static", False))
 # * MACE's sync retraining (AdaInf): fine-tuning first.
 register_online("mace-sync")(_compose("mix-rr", training_first_rule, "mace-sync", False))

@@ -137,7 +137,7 @@ def _simulate(policy, model="llama-8b", rate=50, alpha=0.5, tasks=400, seed=0, p
 @pytest.mark.parametrize("policy", ["lemix", "mix-rr", "mix-luf", "separate", "lemix-noprofile",
                                     "lemix-noprioritize", "lemix-nomemory", "harli", "lemix+harli",
                                     "sirius", "lemix+sirius", "mace", "lemix+mace", "sirius-timeshare",
-                                    "mace-sync"])
+                                    "mace-sync", "harli-static"])
 def test_every_task_completes_exactly_once(policy):
     workload, result = _simulate(policy, model="llama-70b", rate=100, alpha=0.5, tasks=300)
     assert result.completions == {t.task_id: 1 for t in workload}

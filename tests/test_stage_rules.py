@@ -172,3 +172,21 @@ def test_mace_keeps_reported_losses_until_the_task_is_done():
     rule.forget(3)
     assert rule.priority(ft, 0.0) == pytest.approx(base) and not rule.losses
     StageRule().observe_loss(3, 1.0)          # the default keeps nothing
+
+
+def test_harli_static_mode_gives_fine_tuning_a_fixed_time_share():
+    from raycolo.online.stage_rules import StaticShareRule
+
+    profile = preset("llama-8b", 2)
+    rule = StaticShareRule(share=0.5)
+    node = NodeScheduler(0, profile, LemixParams(), False, rule=rule)
+    node.first_start = 0.0
+    node.joining = [Request(OnlineTask(1, "inference", 0.0, 10, 1, 5, 5), context=10)]   # inference runs
+    f = _op("train_f", [OnlineTask(9, "train", 0.0, 64, 1, 0)], 2)
+    node.stages[0].train_busy_s = 4.0
+    assert rule.order(node, 0, [f], 10.0) == [f]          # 4 s of 10: within half
+    assert rule.order(node, 0, [f], 7.0) == []            # 4 s of 7: over half, held
+    node.joining = []
+    assert rule.order(node, 0, [f], 7.0) == [f]           # no inference: free
+    decode = _op("decode", [], 3)
+    assert rule.order(node, 0, [f, decode], 10.0) == [decode]

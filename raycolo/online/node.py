@@ -126,6 +126,7 @@ class Stage:
     used_bytes: float = 0.0
     held: dict = field(default_factory=dict)    # (kind, task id) -> bytes this stage holds
     busy_s: float = 0.0
+    train_busy_s: float = 0.0                   # of busy_s, in training ops
     retry_pending: bool = False
 
 
@@ -215,6 +216,8 @@ class NodeScheduler:
             raise ValueError(f"node {self.index} stage {s}: {op.kind} op was not running")
         stage.busy = None
         stage.busy_s += now - op.start_s
+        if op.kind in ("train_f", "train_b"):
+            stage.train_busy_s += now - op.start_s
         self.queued_ops -= 1
         self.last_end = now
         last = s == len(self.stages) - 1

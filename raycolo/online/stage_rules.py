@@ -20,6 +20,8 @@ the simulator and in the live controller, because both drive the same ``NodeSche
   flight and no activation or gradient on the wire are aborted, so the live pipeline's
   point-to-point messages stay matched. What SIRIUS adds on a real GPU (a shared memory
   pool, 5 ms handovers) is the memory broker's business (memory_broker.py).
+* :class:`StaticShareRule`: Harli's StaticMode baseline, a fixed time share for
+  fine-tuning whatever the load.
 * :class:`MaceRule` (MACE §4.1): every ready op gets the priority
   ``P_w(t) = pi_w + delta_w * (t - t_arr)`` of its workload type (prefill, decode,
   fine-tune), plus ``gamma * loss`` for a fine-tune op whose training loss is known; the
@@ -126,6 +128,35 @@ class SiriusRule(StageRule):
 
 def sirius_rule(profile, params) -> SiriusRule:
     return SiriusRule()
+
+
+@dataclass
+class StaticShareRule(StageRule):
+    """Harli's StaticMode baseline on time shares: inference first, and fine-tuning gets a
+    fixed share of each stage's time whatever the load (it may run while the stage's
+    training time so far is within ``share`` of the time since the node first ran an op;
+    with no inference on the node, freely)."""
+
+    share: float = 0.5
+    name: str = "static-share"
+    holds = True
+
+    def order(self, node, stage, ops, now):
+        inference = oldest_first([op for op in ops if op.kind not in TRAIN_KINDS])
+        training = oldest_first([op for op in ops if op.kind in TRAIN_KINDS])
+        if inference or not training:
+            return inference
+        idle_of_inference = not node.joining and not node.batch and not any(
+            (st.busy is not None and st.busy.kind not in TRAIN_KINDS)
+            or any(item[2].kind not in TRAIN_KINDS for item in st.ready) for st in node.stages)
+        elapsed = now - (node.first_start if node.first_start is not None else now)
+        if idle_of_inference or node.stages[stage].train_busy_s <= self.share * elapsed:
+            return training
+        return []
+
+
+def static_share_rule(profile, params) -> StaticShareRule:
+    return StaticShareRule()
 
 
 class TrainingFirstRule(StageRule):
