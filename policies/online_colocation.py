@@ -1,4 +1,4 @@
-"""Harli's and MACE's per-GPU rules as online policies, composed with a node allocation.
+"""Harli's, SIRIUS's and MACE's per-GPU rules as online policies, composed with a node allocation.
 
 A co-location policy here is two halves: which node each task goes to (an allocation
 policy: round robin or LeMix) and what each stage of a node runs next (a stage rule,
@@ -15,10 +15,8 @@ policy: round robin or LeMix) and what each stage of a node runs next (a stage r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
-
-from dataclasses import replace
 
 from raycolo.online.policy import OnlinePolicy
 from raycolo.online.stage_rules import (harli_rule, mace_rule, sirius_rule, static_share_rule,
@@ -34,7 +32,6 @@ class WithStageRule(OnlinePolicy):
     inner: OnlinePolicy
     rule: Callable
     name: str = "policy"
-
     memory: bool = False           # the rule needs memory-aware nodes (SIRIUS)
 
     def __post_init__(self) -> None:

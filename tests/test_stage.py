@@ -41,6 +41,24 @@ def stages(model_id, cuts, lora=LORA, blocks=64):
     return out
 
 
+def nonzero_lora(chain):
+    """Random LoRA B matrices, so the adapter changes the outputs (peft starts B at zero)."""
+    with torch.no_grad():
+        for st in chain:
+            for name, p in st.model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn_like(p) * 0.1)
+
+
+def copy_of(chain):
+    """Fresh stages of tiny-llama-m cut like ``chain``, holding its current LoRA weights."""
+    cuts = [chain[0].first] + [st.last for st in chain]
+    out = stages("tiny-llama-m", cuts)
+    for src, dst in zip(chain, out):
+        dst.load_lora_state(src.lora_state())
+    return out
+
+
 def chain_forward(chain, rids, toks):
     hidden = None
     for st in chain:
@@ -244,14 +262,8 @@ def test_base_rows_run_without_the_adapter_in_the_same_step():
     requests through a two-stage chain: their rows equal the model without LoRA, the
     others equal the model with it (each checked against a chain of its own)."""
     with_lora = stages("tiny-llama-m", [0, 2, 4])
-    for st in with_lora:      # a LoRA that matters (peft starts B at zero)
-        with torch.no_grad():
-            for name, p in st.model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn_like(p) * 0.1)
-    reference_lora = stages("tiny-llama-m", [0, 2, 4])
-    for src, dst in zip(with_lora, reference_lora):
-        dst.load_lora_state(src.lora_state())
+    nonzero_lora(with_lora)
+    reference_lora = copy_of(with_lora)
     reference_base = stages("tiny-llama-m", [0, 2, 4], lora=None)
     ps = prompts([7, 12, 5])
     rids, pinned = [0, 1, 2], [1]
@@ -280,20 +292,12 @@ def test_pinned_rows_run_with_their_saved_adapter_version_in_the_same_step(tmp_p
     from raycolo.executor.adapters import export_adapter
 
     chain = stages("tiny-llama-m", [0, 2, 4])
-    for st in chain:          # a LoRA that matters (peft starts B at zero)
-        with torch.no_grad():
-            for name, p in st.model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn_like(p) * 0.1)
+    nonzero_lora(chain)
     v1 = export_adapter([st.lora_state() for st in chain], LORA, tmp_path / "v1")
-    reference_v1 = stages("tiny-llama-m", [0, 2, 4])
-    for src, dst in zip(chain, reference_v1):
-        dst.load_lora_state(src.lora_state())
+    reference_v1 = copy_of(chain)
     for seed in (8, 9):       # training moves the latest adapter away from v1
         pipelined_step(chain, training_batch([(p, p[1:7]) for p in prompts([9, 6], seed=seed)]))
-    reference_latest = stages("tiny-llama-m", [0, 2, 4])
-    for src, dst in zip(chain, reference_latest):
-        dst.load_lora_state(src.lora_state())
+    reference_latest = copy_of(chain)
     reference_base = stages("tiny-llama-m", [0, 2, 4], lora=None)
     latest_before = [st.lora_state() for st in chain]
     ps, rids = prompts([7, 12, 5]), [0, 1, 2]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from raycolo.executor.stage import IGNORE_INDEX
 
 
 def sequence_logprob(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ tokens and the LoRA weights after a pipelined step). Pure torch and peft: no Ray
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import math
 import os
 from collections import OrderedDict
@@ -141,7 +143,7 @@ class StageModel:
         if kinds == [LATEST] or not hasattr(self.model, "disable_adapter"):
             return self.executor.execute(self.executor.batch(chunks), hidden)
         counts = [c.length for c in chunks]
-        starts = [sum(counts[:i]) for i in range(len(counts))]
+        starts = [0, *itertools.accumulate(counts)]
         pieces: list = [None] * len(chunks)
         for variant in kinds:
             rows = [i for i, v in enumerate(variants) if v == variant]
@@ -166,7 +168,7 @@ class StageModel:
             with self.model.disable_adapter():
                 yield
             return
-        params = self._lora_params()
+        params = self._lora_params
         saved = self._pinned_state(variant)
         latest = {name: params[name].detach().clone() for name in saved}
         with torch.no_grad():
@@ -186,7 +188,7 @@ class StageModel:
         if state is None:
             from safetensors.torch import load_file
 
-            params = self._lora_params()
+            params = self._lora_params
             state = {}
             for key, value in load_file(os.path.join(directory, ADAPTER_WEIGHTS_FILE)).items():
                 name = _param_name(key, self._adapter_name())
@@ -199,7 +201,9 @@ class StageModel:
         self._pinned[directory] = state
         return state
 
+    @functools.cached_property
     def _lora_params(self) -> dict[str, torch.nn.Parameter]:
+        """The adapter's parameters by name (peft creates them once, with the model)."""
         return {n: p for n, p in self.model.named_parameters() if "lora_" in n}
 
     def _adapter_name(self) -> str:

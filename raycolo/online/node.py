@@ -18,7 +18,8 @@ what happened (observed op times, tokens out, finished requests, trained tasks).
 * SEPARATE's weight *sync* op runs on every stage of a serving node.
 
 A stage runs one op at a time, oldest ready first, unless the policy's stage rule
-(:mod:`raycolo.online.stage_rules`: Harli, MACE) orders or holds back its ready ops. Memory is a ledger per stage: a
+(:mod:`raycolo.online.stage_rules`: Harli, SIRIUS, MACE) orders or holds back its ready
+ops. Memory is a ledger per stage: a
 prefill reserves each request's KV for its prompt plus ``max_tokens`` (what a real
 engine knows, not the decode length it will turn out to have) until the request ends; a
 training forward holds its activations until its backward on that stage. Memory-aware
@@ -36,7 +37,7 @@ from typing import Collection, Optional
 
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import NodeProfile
-from raycolo.online.stage_rules import StageRule
+from raycolo.online.stage_rules import TRAIN_KINDS, StageRule
 from raycolo.online.tasks import OnlineTask
 
 FORWARD_KINDS = ("prefill", "train_f")
@@ -216,7 +217,7 @@ class NodeScheduler:
             raise ValueError(f"node {self.index} stage {s}: {op.kind} op was not running")
         stage.busy = None
         stage.busy_s += now - op.start_s
-        if op.kind in ("train_f", "train_b"):
+        if op.kind in TRAIN_KINDS:
             stage.train_busy_s += now - op.start_s
         self.queued_ops -= 1
         self.last_end = now

@@ -51,6 +51,12 @@ def oldest_first(ops: Sequence["Op"]) -> list["Op"]:
     return sorted(ops, key=lambda op: (op.ready_s, op.seq))
 
 
+def split_oldest_first(ops: Sequence["Op"]) -> tuple[list["Op"], list["Op"]]:
+    """(inference ops, training ops), each oldest first."""
+    return (oldest_first([op for op in ops if op.kind not in TRAIN_KINDS]),
+            oldest_first([op for op in ops if op.kind in TRAIN_KINDS]))
+
+
 class StageRule:
     """The default: the oldest ready op first, nothing held back."""
 
@@ -98,8 +104,7 @@ class HarliRule(StageRule):
         return self.profile.stages * self.predictor.solo(len(running), context)
 
     def order(self, node, stage, ops, now):
-        inference = oldest_first([op for op in ops if op.kind not in TRAIN_KINDS])
-        training = oldest_first([op for op in ops if op.kind in TRAIN_KINDS])
+        inference, training = split_oldest_first(ops)
         if inference or not training:
             return inference
         iteration = self.decode_iteration_s(node)
@@ -122,8 +127,8 @@ class SiriusRule(StageRule):
     reclaims = True
 
     def order(self, node, stage, ops, now):
-        inference = oldest_first([op for op in ops if op.kind not in TRAIN_KINDS])
-        return inference + oldest_first([op for op in ops if op.kind in TRAIN_KINDS])
+        inference, training = split_oldest_first(ops)
+        return inference + training
 
 
 def sirius_rule(profile, params) -> SiriusRule:
@@ -142,8 +147,7 @@ class StaticShareRule(StageRule):
     holds = True
 
     def order(self, node, stage, ops, now):
-        inference = oldest_first([op for op in ops if op.kind not in TRAIN_KINDS])
-        training = oldest_first([op for op in ops if op.kind in TRAIN_KINDS])
+        inference, training = split_oldest_first(ops)
         if inference or not training:
             return inference
         idle_of_inference = not node.joining and not node.batch and not any(
@@ -165,8 +169,8 @@ class TrainingFirstRule(StageRule):
     name = "training-first"
 
     def order(self, node, stage, ops, now):
-        training = oldest_first([op for op in ops if op.kind in TRAIN_KINDS])
-        return training + oldest_first([op for op in ops if op.kind not in TRAIN_KINDS])
+        inference, training = split_oldest_first(ops)
+        return training + inference
 
 
 def training_first_rule(profile, params) -> TrainingFirstRule:
