@@ -19,17 +19,29 @@ from typing import Optional
 from raycolo.executor.adapters import export_adapter
 from raycolo.executor.stage import LoraSettings
 from raycolo.online.driver import OpLost
+from raycolo.online.samples import clip_sample, training_rows
 
 
 class AdapterVersions:
     async def held_out_loss(self, pairs: list, node: int = 0) -> float:
         """Loss of the model on ``pairs`` (prompt, completion), forward only, on ``node``."""
+        return (await self._evaluate(pairs, node))["loss"]
+
+    async def held_out_preference(self, pairs: list, node: int = 0) -> dict:
+        """MACE's alignment metrics on held-out preference pairs (prompt, chosen, rejected),
+        forward only, on ``node``: ``win_rate`` and ``clpd`` (raycolo.executor.losses)."""
+        out = await self._evaluate(pairs, node)
+        return {"win_rate": out["win_rate"], "clpd": out["clpd"], "pairs": len(pairs)}
+
+    async def _evaluate(self, samples: list, node: int) -> dict:
+        """A forward-only pass of ``samples`` through ``node``'s stages, between its ops."""
         self.oob_seq -= 1
-        t = max(len(p) + len(c) for p, c in pairs)
-        payload = {"kind": "eval", "seq": self.oob_seq, "after": self.oob_seq, "shape": (len(pairs), t),
-                   "samples": [(list(p), list(c)) for p, c in pairs]}
+        samples = [clip_sample(x, self.config.lora.max_len) for x in samples]
+        rows, _ = training_rows(samples)
+        payload = {"kind": "eval", "seq": self.oob_seq, "after": self.oob_seq,
+                   "shape": (len(rows), max(len(p) + len(c) for p, c in rows)), "samples": samples}
         results = await self._paused(node, [dict(payload) for _ in range(self.config.stages)])
-        return results[-1]["loss"]
+        return results[-1]
 
     async def _checkpoint(self, node: int) -> None:
         """Every stage reports its adapter through Ray Train (a barrier), between ops."""

@@ -37,7 +37,7 @@ from raycolo.online.config import OnlineConfig, layer_bounds, model_hf_config, p
 from raycolo.online.driver import ClusterDriver, OpLost
 from raycolo.online.node import Op
 from raycolo.online.profiles import NodeProfile
-from raycolo.online.samples import Cursor, SampleStore, TrainingLedger
+from raycolo.online.samples import Cursor, SampleStore, TrainingLedger, clip_sample, training_rows
 from raycolo.online.tasks import OnlineTask
 
 EOS_ID = 2
@@ -374,13 +374,13 @@ class OnlineController(AdapterVersions, Reports):
                                      "seed": q.seed * 1_000_003 + len(q.generated)} for q in reqs]
         elif op.kind in ("train_f", "train_b"):
             task = op.tasks[0]
-            samples = self.train_tasks[task.task_id]
-            t = max(min(len(p) + len(c), self.config.lora.max_len) for p, c in samples)
-            base.update(task=task.task_id, shape=(len(samples), t),
-                        lengths=[min(len(p) + len(c), self.config.lora.max_len) for p, c in samples])
+            samples = [clip_sample(x, self.config.lora.max_len) for x in self.train_tasks[task.task_id]]
+            rows, preference = training_rows(samples)
+            lengths = [len(p) + len(c) for p, c in rows]
+            base.update(task=task.task_id, shape=(len(rows), max(lengths)), lengths=lengths,
+                        preference=preference, beta=self.config.lora.dpo_beta)
             if op.kind == "train_f" and (s == 0 or last):
-                base["samples"] = [(list(p)[:self.config.lora.max_len],
-                                    list(c)[:max(0, self.config.lora.max_len - len(p))]) for p, c in samples]
+                base["samples"] = samples
         elif op.kind == "sync":
             base["adapter"] = str(self.adapter_dir / f"v{op.tasks[0]}")
         return base
@@ -525,9 +525,10 @@ class OnlineController(AdapterVersions, Reports):
         return {"id": rid, "tokens": len(req.generated), "finish_reason": req.finish_reason}
 
     async def add_samples(self, samples: list, train: bool = False) -> dict:
-        """Persist training samples (fsynced) before acknowledging them. With ``train``
+        """Persist training samples (fsynced) before acknowledging them: (prompt,
+        completion) token ids, or preference pairs (prompt, chosen, rejected). With ``train``
         (the HTTP front), every full micro-batch of pending samples becomes a training task."""
-        seqs = self.store.append([(p, c) for p, c in samples])
+        seqs = self.store.append([tuple(x) for x in samples])   # (prompt, completion) or pairs
         if train:
             self.auto_train = True
             self._pump_training()
@@ -547,18 +548,25 @@ class OnlineController(AdapterVersions, Reports):
         samples, self.cursor = self.store.take(self.cursor, self.config.lora.micro_batch)
         if not samples:
             return None
-        return self._submit_samples(samples)
+        return self._submit_samples(samples)[0]
 
-    def _submit_samples(self, samples: list) -> int:
-        tid = self._new_id()
-        pairs = [(s.prompt, s.completion) for s in samples]
-        length = max(min(len(p) + len(c), self.config.lora.max_len) for p, c in pairs)
-        task = OnlineTask(tid, "train", self.driver.now(), length, len(pairs), 0)
-        self.train_tasks[tid] = pairs
-        self.train_seqs[tid] = [s.seq for s in samples]
-        self.tasks[tid] = task
-        self.driver.submit(task)
-        return tid
+    def _submit_samples(self, samples: list) -> list[int]:
+        """Stored samples become training tasks: one for the (prompt, completion) samples,
+        one for the preference pairs (trained with the DPO loss), as there are."""
+        tids = []
+        for group in ([s for s in samples if not s.is_pair], [s for s in samples if s.is_pair]):
+            if not group:
+                continue
+            tid = self._new_id()
+            ids = [s.ids() for s in group]
+            rows, _ = training_rows([clip_sample(x, self.config.lora.max_len) for x in ids])
+            task = OnlineTask(tid, "train", self.driver.now(), max(len(p) + len(c) for p, c in rows), len(rows), 0)
+            self.train_tasks[tid] = ids
+            self.train_seqs[tid] = [s.seq for s in group]
+            self.tasks[tid] = task
+            self.driver.submit(task)
+            tids.append(tid)
+        return tids
 
     async def drain(self) -> None:
         """Wait until every task submitted so far completed, and any checkpoint it started."""

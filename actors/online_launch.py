@@ -36,6 +36,15 @@ def learnable_pair(rng: np.random.Generator, prompt_len: int, vocab: int) -> tup
     return prompt, body[:3] * 2
 
 
+def learnable_preference(rng: np.random.Generator, prompt_len: int, vocab: int) -> tuple[list[int], ...]:
+    """A preference pair a small model can learn: :func:`learnable_pair`'s prompt, its copy
+    completion as the chosen answer, and the copy with every token shifted by one (within
+    the same 64 tokens) as the rejected answer."""
+    prompt, chosen = learnable_pair(rng, prompt_len, vocab)
+    span = min(vocab, FIRST_BYTE + 64) - FIRST_BYTE
+    return prompt, chosen, [FIRST_BYTE + (t - FIRST_BYTE + 1) % span for t in chosen]
+
+
 class OnlineDeployment:
     def __init__(self, controller, config: OnlineConfig, name: str, started_ray: bool):
         self.controller = controller
@@ -84,8 +93,10 @@ class OnlineDeployment:
         """Tokens ``rid`` has streamed so far and its finish_reason (None while running)."""
         return ray.get(self.controller.progress.remote(rid))
 
-    def add_samples(self, samples: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict:
-        return ray.get(self.controller.add_samples.remote([(list(p), list(c)) for p, c in samples]))
+    def add_samples(self, samples: Sequence[Sequence[Sequence[int]]]) -> dict:
+        """Store (fsynced) ``(prompt, completion)`` samples or ``(prompt, chosen, rejected)``
+        preference pairs (token ids); returns their sequence numbers."""
+        return ray.get(self.controller.add_samples.remote([tuple(list(part) for part in s) for s in samples]))
 
     def train(self) -> Optional[int]:
         return ray.get(self.controller.submit_training.remote())
@@ -106,6 +117,17 @@ class OnlineDeployment:
         vocab = _vocab(self.config)
         return ray.get(self.controller.held_out_loss.remote(
             [learnable_pair(rng, 12, vocab) for _ in range(count)], node))
+
+    def held_out_preference(self, seed: int = 999, count: int = 16, node: Optional[int] = 0) -> dict:
+        """Win rate and CLPD on ``count`` fresh preference pairs of the training
+        distribution (:func:`learnable_preference`; forward only) on ``node`` (None: the
+        node that trained last)."""
+        rng = seeded_rng(seed, "online-live", "held-out-preference")
+        vocab = _vocab(self.config)
+        if node is None:
+            node = ray.get(self.controller.last_node.remote())
+        return ray.get(self.controller.held_out_preference.remote(
+            [learnable_preference(rng, 12, vocab) for _ in range(count)], node))
 
     def save_profile(self, path) -> None:
         from pathlib import Path
@@ -137,17 +159,23 @@ class OnlineDeployment:
         return out
 
     # -- trace replay ----------------------------------------------------------------------------
-    def replay(self, tasks: list[OnlineTask], seed: int = 0, progress=None) -> dict:
+    def replay(self, tasks: list[OnlineTask], seed: int = 0, progress=None,
+               preference_share: float = 0.0) -> dict:
         """Submit ``tasks`` at their arrival times (seconds from now): inference tasks as
         completions with prompts of the trace's lengths that generate exactly
         ``decode_tokens`` tokens (EOS ignored, as in the simulator); training tasks as
-        ``micro_batch`` learnable samples, stored, then trained. Waits for all to finish and
-        returns the run's OnlineResult."""
-        return asyncio.run(self._replay(tasks, seed, progress))
+        ``micro_batch`` learnable samples, stored, then trained: with probability
+        ``preference_share`` (seeded) preference pairs (:func:`learnable_preference`,
+        trained with the DPO loss), else (prompt, completion) samples. Waits for all to
+        finish and returns the run's OnlineResult."""
+        if not 0.0 <= preference_share <= 1.0:
+            raise ValueError(f"preference_share: must lie in [0, 1], got {preference_share}")
+        return asyncio.run(self._replay(tasks, seed, progress, preference_share))
 
-    async def _replay(self, tasks, seed, progress):
+    async def _replay(self, tasks, seed, progress, preference_share=0.0):
         vocab = _vocab(self.config)
         rng = seeded_rng(seed, "online-live", "prompts")
+        kinds = seeded_rng(seed, "online-live", "preference")
         started = time.perf_counter()
         pending = []
         ordered = sorted(tasks, key=lambda t: (t.arrival_s, t.task_id))
@@ -156,7 +184,8 @@ class OnlineDeployment:
             if delay > 0:
                 await asyncio.sleep(delay)
             if task.is_train:
-                pairs = [learnable_pair(rng, task.length, vocab) for _ in range(self.config.lora.micro_batch)]
+                make = learnable_preference if kinds.random() < preference_share else learnable_pair
+                pairs = [make(rng, task.length, vocab) for _ in range(self.config.lora.micro_batch)]
                 await self.controller.add_samples.remote(pairs)
                 pending.append(self.controller.submit_training.remote())
             else:

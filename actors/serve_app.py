@@ -364,21 +364,22 @@ class OpenAIIngress:
         yield "data: [DONE]\n\n"
 
     # -- training samples -------------------------------------------------------------------
-    def _pairs(self, body: TrainSamplesRequest) -> list[tuple[list[int], list[int]]]:
-        pairs = []
+    def _pairs(self, body: TrainSamplesRequest) -> list[tuple[list[int], ...]]:
+        """Each sample as token ids: (prompt, completion), or (prompt, chosen, rejected)."""
+        out = []
         max_len = self.config.lora.max_len
         for i, s in enumerate(body.samples):
             if s.messages is not None:
-                prompt, completion = chat_sample(self.tokenizer, [(m.role, m.text()) for m in s.messages])
+                prompt, *completions = chat_sample(self.tokenizer, [(m.role, m.text()) for m in s.messages])
             else:
-                prompt, completion = s.prompt, s.completion
-            p_ids, c_ids = self.tokenizer.encode(prompt), encode_completion(self.tokenizer, completion)
+                prompt, *completions = (s.prompt, s.chosen, s.rejected) if s.is_pair else (s.prompt, s.completion)
+            p_ids = self.tokenizer.encode(prompt)
             if len(p_ids) >= max_len:
                 raise OpenAIError(400, f"samples[{i}]: the prompt has {len(p_ids)} tokens; training "
                                   f"samples hold at most lora.max_len = {max_len}", param=f"samples[{i}]",
                                   code="sample_too_long")
-            pairs.append((p_ids, c_ids))
-        return pairs
+            out.append((p_ids, *[encode_completion(self.tokenizer, c) for c in completions]))
+        return out
 
     @app.post("/v1/train_samples", response_model=TrainSamplesResponse, responses=ERRORS)
     async def train_samples(self, body: TrainSamplesRequest) -> TrainSamplesResponse:
@@ -390,11 +391,20 @@ class OpenAIIngress:
 
     @app.post("/v1/eval", response_model=EvalResponse, responses=ERRORS)
     async def evaluate(self, body: TrainSamplesRequest) -> EvalResponse:
-        """Loss of the served model on held-out samples (forward only; nothing is stored)."""
+        """Loss of the served model on held-out samples, or its win rate and CLPD on held-out
+        preference pairs (forward only; nothing is stored)."""
         pairs = self._pairs(body)
-        loss = await self.controller.held_out_loss.remote(pairs, await self.controller.last_node.remote())
+        if len({len(x) for x in pairs}) > 1:
+            raise OpenAIError(400, "samples: evaluate (prompt, completion) samples or preference pairs, "
+                              "not both in one request", param="samples")
+        node = await self.controller.last_node.remote()
+        if len(pairs[0]) == 3:
+            out = await self.controller.held_out_preference.remote(pairs, node)
+            figures = {"win_rate": out["win_rate"], "clpd": out["clpd"]}
+        else:
+            figures = {"loss": await self.controller.held_out_loss.remote(pairs, node)}
         status = await self.controller.train_status.remote()
-        return EvalResponse(loss=loss, samples=len(pairs), adapter_version=status["adapter_version"])
+        return EvalResponse(**figures, samples=len(pairs), adapter_version=status["adapter_version"])
 
     @app.get("/v1/train_samples/status", response_model=TrainStatus, responses=ERRORS)
     async def train_status(self) -> TrainStatus:

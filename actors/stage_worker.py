@@ -83,32 +83,42 @@ class StageProcess:
             for rid in op.get("release", []):
                 self.model.release(rid)
         elif kind == "train_f":
-            from raycolo.executor.stage import training_batch
+            from raycolo.executor.stage import training_batch, training_rows
 
-            b, t = op["shape"]
-            ids, labels, lengths = training_batch([(s[0], s[1]) for s in op["samples"]]) if (first or last) \
+            rows, t = op["shape"]
+            preference = op.get("preference", False)
+            ids, labels, lengths = training_batch(training_rows(op["samples"])[0]) if (first or last) \
                 else (None, None, op["lengths"])
-            x = ids if first else self._recv((b, t, self.hidden), self.stage - 1, op["after"])
-            out = self.model.train_forward(op["task"], x, lengths, labels if last else None)
+            # a preference batch's hidden states carry the frozen base's rows too
+            x = ids if first else self._recv((rows * (1 + preference), t, self.hidden), self.stage - 1, op["after"])
+            out = self.model.train_forward(op["task"], x, lengths, labels if last else None,
+                                           preference=preference, beta=op.get("beta", 0.1))
             if last:
                 result["loss"] = float(out)
             else:
                 self._send(out, self.stage + 1, op["seq"])
         elif kind == "train_b":
-            b, t = op["shape"]
-            grad = None if last else self._recv((b, t, self.hidden), self.stage + 1, op["after"])
+            rows, t = op["shape"]
+            rows *= 1 + op.get("preference", False)
+            grad = None if last else self._recv((rows, t, self.hidden), self.stage + 1, op["after"])
             grad_in = self.model.train_backward(op["task"], grad)
             if not first:
                 self._send(grad_in, self.stage - 1, op["seq"])
-        elif kind == "eval":     # a forward-only pass of a held-out batch: its loss
-            from raycolo.executor.stage import causal_lm_loss, training_batch
+        elif kind == "eval":     # a forward-only pass of a held-out batch: its loss, or a
+            # preference batch's win rate and CLPD (MACE's alignment metrics)
+            from raycolo.executor.losses import preference_stats, sequence_logprob
+            from raycolo.executor.stage import causal_lm_loss, training_batch, training_rows
 
             b, t = op["shape"]
-            ids, labels, lengths = training_batch([(s[0], s[1]) for s in op["samples"]])
+            rows, preference = training_rows(op["samples"])
+            ids, labels, lengths = training_batch(rows)
             with torch.no_grad():
                 x = ids if first else self._recv((b, t, self.hidden), self.stage - 1, op["after"])
                 out = self.model.executor.forward_train(x, lengths)
-            if last:
+            if last and preference:
+                logp = sequence_logprob(out, labels)
+                result.update(preference_stats(logp[:b // 2], logp[b // 2:]))
+            elif last:
                 result["loss"] = float(causal_lm_loss(out, labels))
             else:
                 self._send(out, self.stage + 1, op["seq"])

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     orun.add_argument("--lengths", default="hh-rlhf", help="query lengths: hh-rlhf or shp")
     orun.add_argument("--max-length", type=int, default=64, help="clip query lengths to this (default 64)")
     orun.add_argument("--max-decode", type=int, default=16, help="clip decode lengths to this (default 16)")
+    orun.add_argument("--preference-share", type=float, default=0.0,
+                      help="fraction of training tasks that are preference pairs, trained with the DPO "
+                           "loss; >0 also reports held-out win rate and CLPD before and after (default 0)")
     orun.add_argument("--seed", type=int, default=0)
     orun.add_argument("--address", default=None, help="Ray cluster address (default: a local cluster)")
     orun.add_argument("--save-profile", default=None, metavar="JSON", help="write the fitted node profile")
@@ -478,6 +481,8 @@ def cmd_online(args) -> int:
     for flag, value in (("--tasks", args.tasks), ("--max-length", args.max_length),
                         ("--max-decode", args.max_decode)):
         _check_count(flag, value)
+    if not 0 <= args.preference_share <= 1:
+        raise ConfigError(f"--preference-share: must lie in [0, 1], got {args.preference_share:g}")
     if args.trace:
         tasks = load_trace(args.trace, seed=args.seed, limit=args.tasks)
     else:
@@ -494,9 +499,13 @@ def cmd_online(args) -> int:
         f"policy {config.policy})")
     dep = OnlineDeployment.start(config, address=args.address)
     try:
-        result = dep.replay(tasks, seed=args.seed, progress=say)
+        preference = {"before": dep.held_out_preference(node=None)} if args.preference_share else None
+        result = dep.replay(tasks, seed=args.seed, progress=say, preference_share=args.preference_share)
         summary = result.summary()
         stats = dep.stats()
+        if preference:
+            preference["after"] = dep.held_out_preference(node=None)
+            summary["preference"] = preference
         if args.save_profile:
             dep.save_profile(args.save_profile)
     finally:
@@ -504,6 +513,10 @@ def cmd_online(args) -> int:
     summary.update({"nodes": config.nodes, "stages": config.stages, "rate": args.rate,
                     "train_rate": config.train_rate, "actor_hops": stats["actor_hops"],
                     "adapter_version": stats["adapter_version"], "errors": stats["errors"]})
+    if preference and not args.json:
+        b, a = preference["before"], preference["after"]
+        say(f"held-out preference pairs ({b['pairs']}): win rate {b['win_rate']:.0%} -> {a['win_rate']:.0%}, "
+            f"CLPD {b['clpd']:+.2f} -> {a['clpd']:+.2f}")
     return _report_online(result, summary, args,
                           f"{config.policy} live: {config.nodes} x {config.stages} {config.model_loading_config.model_id}",
                           f"{config.policy} live on {config.nodes} x {config.stages} "

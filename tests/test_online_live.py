@@ -6,6 +6,7 @@ policies are switched on it between traces.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import pytest
 import ray
 import torch
 
-from raycolo.actors.online_launch import OnlineDeployment, learnable_pair
+from raycolo.actors.online_launch import OnlineDeployment, learnable_pair, learnable_preference
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.online.config import parse_online_config
 from raycolo.online.tasks import poisson_workload
@@ -75,6 +76,29 @@ def test_samples_are_persisted_before_the_ack_and_training_changes_the_adapter(d
     b = load_file(Path(after) / "adapter_model.safetensors")
     assert set(a) == set(b) and any(not torch.equal(a[k], b[k]) for k in a)
     assert dep.stats()["train_done"] >= 2
+
+
+def test_preference_pairs_train_with_dpo_across_the_pipeline_stages(deployment):
+    """Preference pairs are stored with their rejected answer, become a DPO training task
+    whose forward carries the frozen base's rows beside the policy's through both stages,
+    and raise the margin of the chosen answers on the node that trained them."""
+    dep, _, out = deployment
+    rng = seeded_rng(3, "test-live-dpo")
+    pairs = [learnable_preference(rng, 10, 259) for _ in range(2)]          # micro_batch = 2
+    before = [ray.get(dep.controller.held_out_preference.remote(pairs, n)) for n in range(2)]
+    ack = dep.add_samples(pairs)
+    stored = [json.loads(line) for line in (out / "samples" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["seq"], r["rejected"]) for r in stored[-2:]] == list(zip(ack["ids"], [p[2] for p in pairs]))
+    done = dep.stats()["train_done"]
+    assert dep.train() is not None
+    dep.drain()
+    assert dep.stats()["train_done"] == done + 1
+    node = dep.stats()["last_trained_node"]
+    after = ray.get(dep.controller.held_out_preference.remote(pairs, node))
+    assert after["clpd"] > before[node]["clpd"] and 0.0 <= after["win_rate"] <= 1.0
+    assert ray.get(dep.controller.sample_ledger.remote())["trained"].get(ack["ids"][0]) == 1
+    figures = dep.held_out_preference(node=None)            # the Python API's held-out set
+    assert figures["pairs"] == 16 and math.isfinite(figures["clpd"])
 
 
 @pytest.mark.parametrize("policy", ["lemix", "mix-rr", "separate", "lemix+harli", "sirius", "mace"])
@@ -172,6 +196,8 @@ def _cli(*args):
     (["online", "run", "missing.yaml"], "missing.yaml: config file not found"),
     (["online", "run", "examples/online.yaml", "--tasks", "0"], "--tasks: must be positive"),
     (["online", "run", "examples/online.yaml", "--train-rate", "nan"], "--train-rate"),
+    (["online", "run", "examples/online.yaml", "--preference-share", "1.5"], "--preference-share"),
+    (["online", "run", "examples/online.yaml", "--preference-share", "nan"], "--preference-share"),
 ])
 def test_online_run_cli_errors(args, field):
     proc = _cli(*args)

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from raycolo.errors import ConfigError
 from raycolo.online.config import layer_bounds, parse_online_config
-from raycolo.online.samples import Cursor, SampleStore, TrainingLedger, load_cursor, save_cursor
+from raycolo.online.samples import (Cursor, SampleStore, TrainingLedger, clip_sample, load_cursor, save_cursor,
+                                    training_rows)
 
 
 def test_append_persists_before_it_returns_and_survives_a_reload(tmp_path):
@@ -18,6 +20,20 @@ def test_append_persists_before_it_returns_and_survives_a_reload(tmp_path):
     store.close()
     again = SampleStore(tmp_path)                       # a new process reads what was acked
     assert len(again) == 2 and again.append([([1], [2])]) == [2]
+
+
+def test_preference_pairs_are_stored_with_their_rejected_answer_and_split_into_rows(tmp_path):
+    store = SampleStore(tmp_path)
+    assert store.append([([1, 5], [7, 8], [9]), ([1], [2])]) == [0, 1]
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert rows[0]["rejected"] == [9] and "rejected" not in rows[1]
+    store.close()
+    pair, plain = SampleStore(tmp_path).get([0, 1])
+    assert pair.is_pair and pair.ids() == ((1, 5), (7, 8), (9,)) and not plain.is_pair and plain.ids() == ((1,), (2,))
+    assert training_rows([pair.ids(), ((1,), (3,), (4,))]) == \
+        ([((1, 5), (7, 8)), ((1,), (3,)), ((1, 5), (9,)), ((1,), (4,))], True)
+    assert training_rows([plain.ids()]) == ([((1,), (2,))], False)
+    assert clip_sample(([1, 2, 3], [4, 5], [6, 7, 8]), 4) == ([1, 2, 3], [4], [6])
 
 
 def test_a_torn_last_line_was_never_acknowledged_and_is_dropped(tmp_path):
@@ -49,10 +65,14 @@ def test_take_trains_each_sample_once_per_epoch_in_order(tmp_path):
     (([1, -2], [1]), "samples[0].prompt: token ids must be non-negative integers"),
     (([1, True], [1]), "samples[0].prompt: token ids must be non-negative integers"),
     (([1, 2.5], [1]), "samples[0].prompt: token ids must be non-negative integers"),
+    (([1], [2], [2]), "samples[0].rejected: must differ from chosen"),
+    (([1], [2], []), "samples[0].rejected: must be a non-empty list of token ids"),
+    (([1],), "samples[0]: must be (prompt, completion) or (prompt, chosen, rejected)"),
+    (([1], [2], [3], [4]), "samples[0]: must be (prompt, completion) or (prompt, chosen, rejected)"),
 ])
 def test_bad_samples_are_refused_and_nothing_is_stored(tmp_path, sample, message):
     store = SampleStore(tmp_path)
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         store.append([([1], [2]), sample][::-1])
     assert len(store) == 0 and (tmp_path / "samples.jsonl").read_text() == ""
 

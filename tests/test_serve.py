@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import time
@@ -325,6 +326,36 @@ def test_metrics_reach_prometheus_and_count_what_was_sent(front):
         assert name in got, name
     # on the CPU the device figure is the stage workers' resident memory: 4 torch processes
     assert got["ray_raycolo_device_memory_used_bytes"] > 4 * 100e6
+
+
+def test_preference_pairs_over_http_are_stored_trained_and_evaluated(front):
+    """{prompt, chosen, rejected} samples are persisted with the rejected answer, trained
+    (DPO), and /v1/eval gives their win rate and CLPD; malformed pairs are 400s."""
+    pairs = [{"prompt": f"Pick {i}:", "chosen": "yes yes", "rejected": "no no"} for i in range(2)]
+    with http(front) as h:
+        trained = h.get("/v1/train_samples/status").json()["trained"]
+        r = h.post("/v1/train_samples", json={"samples": pairs})
+        assert r.status_code == 200, r.text
+        stored = [json.loads(line) for line in (front["out"] / "samples" / "samples.jsonl").read_text().splitlines()]
+        from raycolo.engines.models import load_tokenizer
+        tok = load_tokenizer(MODEL)
+        assert [s["seq"] for s in stored[-2:]] == r.json()["ids"]
+        assert all(tok.decode(s["rejected"][:-1]) == "no no" and tok.decode(s["completion"][:-1]) == "yes yes"
+                   for s in stored[-2:])
+        deadline = time.time() + 120
+        while time.time() < deadline and h.get("/v1/train_samples/status").json()["trained"] < trained + 2:
+            time.sleep(1)
+        assert h.get("/v1/train_samples/status").json()["trained"] >= trained + 2
+        e = h.post("/v1/eval", json={"samples": pairs})
+        assert e.status_code == 200, e.text
+        body = e.json()
+        assert body["loss"] is None and 0.0 <= body["win_rate"] <= 1.0 and math.isfinite(body["clpd"])
+        for bad in ({"prompt": "p", "chosen": "a", "rejected": "a"}, {"prompt": "p", "chosen": "a"},
+                    {"prompt": "p", "completion": "a", "rejected": "b"}, {"chosen": "a", "rejected": "b"}):
+            r = h.post("/v1/train_samples", json={"samples": [bad]})
+            assert r.status_code == 400 and error_of(r)["param"].startswith("samples"), (bad, r.text)
+        mixed = h.post("/v1/eval", json={"samples": [pairs[0], {"prompt": "p", "completion": "a"}]})
+        assert mixed.status_code == 400 and error_of(mixed)["param"] == "samples"
 
 
 # -- the schema, fuzzed --------------------------------------------------------------------------

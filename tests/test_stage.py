@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from raycolo.engines.models import build_tiny_model
-from raycolo.executor.stage import LoraSettings, StageModel, add_lora, causal_lm_loss, training_batch
+from raycolo.executor.stage import (LoraSettings, StageModel, add_lora, causal_lm_loss, training_batch,
+                                    training_rows)
 
 from test_executor import random_prompts  # noqa: E402
 
@@ -101,12 +102,12 @@ def test_chained_stages_give_the_unsplit_models_logits_and_greedy_tokens(model_i
         assert o == ref
 
 
-def pipelined_step(chain, batch, task=7):
+def pipelined_step(chain, batch, task=7, **kw):
     ids, labels, lengths = batch
     x = ids
     for st in chain[:-1]:
-        x = st.train_forward(task, x, lengths)
-    loss = chain[-1].train_forward(task, x, lengths, labels)
+        x = st.train_forward(task, x, lengths, **kw)
+    loss = chain[-1].train_forward(task, x, lengths, labels, **kw)
     grad = None
     for st in reversed(chain):
         grad = st.train_backward(task, grad)
@@ -140,6 +141,31 @@ def test_a_pipelined_training_step_gives_the_unsplit_models_lora_weights():
     assert set(merged) == set(ref_state)
     for k in ref_state:
         torch.testing.assert_close(merged[k], ref_state[k], rtol=1e-7, atol=1e-10)
+
+
+def test_dpo_across_pipeline_stages_matches_the_whole_model_step():
+    """Preference pairs through three stages (policy and frozen-base rows side by side):
+    the DPO loss and the LoRA weights after each step equal one whole-model stage's
+    dpo_step, which the DPO tests check against peft by hand."""
+    g = torch.Generator().manual_seed(11)
+    pairs = [(p, torch.randint(3, 200, (4,), generator=g).tolist(), torch.randint(3, 200, (3,), generator=g).tolist())
+             for p in prompts([6, 9], seed=5)]
+    rows, preference = training_rows(pairs)
+    assert preference and len(rows) == 4
+    chain = stages("tiny-llama-m", [0, 1, 3, 4])
+    nonzero_lora(chain)
+    whole = stages("tiny-llama-m", [0, 4])[0]
+    for st in chain:
+        whole.load_lora_state(st.lora_state())
+    for step in range(2):
+        ref = whole.dpo_step(pairs, beta=0.5)
+        got = pipelined_step(chain, training_batch(rows), task=step, preference=True, beta=0.5)
+        assert got == pytest.approx(ref, rel=1e-9)
+    merged = {k: v for st in chain for k, v in st.lora_state().items()}
+    for k, v in whole.lora_state().items():
+        torch.testing.assert_close(merged[k], v, rtol=1e-7, atol=1e-10)
+    with pytest.raises(ValueError, match="not both"):
+        training_rows([pairs[0], pairs[0][:2]])
 
 
 def test_training_loss_ignores_padding_and_prompt_tokens():

@@ -34,9 +34,11 @@ import torch
 
 from raycolo.executor.batch import SeqChunk
 from raycolo.executor.model import ModelExecutor
+from raycolo.online.samples import training_rows  # noqa: F401  (the stage's row layout)
 from raycolo.sim.blocks import BlockAllocator
 
 IGNORE_INDEX = -100
+_DPO_STEP = -1               # the training-task key of a dpo_step (live tasks have ids >= 0)
 LATEST = "latest"            # a request's adapter variant: the weights as they train
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"   # peft's file name (adapters.py)
 
@@ -80,6 +82,16 @@ def training_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], max_l
         input_ids[i, :len(ids)] = torch.tensor(ids)
         label_ids[i, :len(labels)] = torch.tensor(labels)
     return input_ids, label_ids, [len(ids) for ids, _ in rows]
+
+
+def _dpo_of_rows(policy_logits: torch.Tensor, reference_logits: torch.Tensor, labels: torch.Tensor,
+                 beta: float) -> torch.Tensor:
+    """DPO loss of a preference micro-batch's rows (chosen rows, then rejected rows)."""
+    from raycolo.executor.losses import dpo_loss, sequence_logprob
+
+    n = labels.shape[0] // 2
+    policy, reference = sequence_logprob(policy_logits, labels), sequence_logprob(reference_logits, labels)
+    return dpo_loss(policy[:n], policy[n:], reference[:n], reference[n:], beta)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -229,26 +241,43 @@ class StageModel:
 
     # -- training --------------------------------------------------------------------------
     def train_forward(self, task: int, x: torch.Tensor, lengths: Sequence[int],
-                      labels: Optional[torch.Tensor] = None, loss_scale: float = 1.0) -> Optional[torch.Tensor]:
+                      labels: Optional[torch.Tensor] = None, loss_scale: float = 1.0,
+                      preference: bool = False, beta: float = 0.1) -> Optional[torch.Tensor]:
         """Forward of a micro-batch: ``x`` is token ids (first stage) or the hidden states
         of the stage before. Returns the hidden states for the next stage (detached), or on
         the last stage the loss (a float; ``labels`` required there). ``loss_scale``
         weights the loss that is backpropagated: a micro-batch's share of the effective
-        batch's labelled tokens, when micro-batches accumulate into one step."""
+        batch's labelled tokens, when micro-batches accumulate into one step.
+
+        ``preference``: the rows are preference pairs (:func:`training_rows`: the chosen
+        rows, then the rejected ones) trained with the DPO loss (``beta``) against the
+        frozen base. Each stage then also runs the base (adapter off, no autograd) on the
+        same rows and passes both on: its hidden states are the policy's rows followed by
+        the reference's (twice the rows of ``lengths``). The last stage's loss is DPO's;
+        the gradient that flows back is zero on the reference rows."""
         with torch.enable_grad():
             inp = x if self.is_first else x.detach().requires_grad_(True)
+            rows = len(lengths)
+            policy_in = inp if self.is_first or not preference else inp[:rows]
             # Weight stashing (PipeDream): the forward runs on clones of the trainable
             # weights, so the optimizer steps of other tasks' backwards, which update the
             # weights in place while this task is between its forward and backward, cannot
             # corrupt its graph; its gradient flows through the clones to the weights.
             stash = {f"model.{n}": p.clone() for n, p in self.model.named_parameters() if p.requires_grad}
-            out = torch.func.functional_call(self._train_module, stash, (inp, lengths))
+            out = torch.func.functional_call(self._train_module, stash, (policy_in, lengths))
+            reference = None
+            if preference:
+                with self.model.disable_adapter(), torch.no_grad():
+                    reference = self.executor.forward_train(inp if self.is_first else inp[rows:].detach(), lengths)
             if self.is_last:
                 if labels is None:
                     raise ValueError("last stage: train_forward needs labels")
-                loss = causal_lm_loss(out, labels)
+                loss = causal_lm_loss(out, labels) if not preference else \
+                    _dpo_of_rows(out, reference, labels, beta)
                 self._train[task] = (inp, loss * loss_scale)
                 return loss.detach()
+            if preference:
+                out = torch.cat([out, reference])
         self._train[task] = (inp, out)
         return out.detach()
 
@@ -288,13 +317,13 @@ class StageModel:
         """Sequence log-probabilities of the chosen and the rejected completion of each
         ``(prompt, chosen, rejected)`` pair (token ids), by the policy (the model with its
         adapter, with autograd) or, with ``reference``, by the frozen base (the adapter
-        switched off, no autograd). A whole-model stage only: DPO across pipeline stages
-        is not built yet."""
+        switched off, no autograd). A whole-model stage (across pipeline stages, the
+        ``eval`` op of a preference batch computes them on the last stage)."""
         from raycolo.executor.losses import sequence_logprob
 
         if not (self.is_first and self.is_last):
-            raise ValueError("preference pairs train on a whole-model stage only (not across pipeline stages yet)")
-        rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
+            raise ValueError("preference_logprobs: a whole-model stage only")
+        rows, _ = training_rows(pairs)
         ids, labels, lengths = training_batch(rows)
         context = (self.model.disable_adapter() if reference else contextlib.nullcontext())
         with context, (torch.no_grad() if reference else torch.enable_grad()):
@@ -302,17 +331,13 @@ class StageModel:
         return logp[:len(pairs)], logp[len(pairs):]
 
     def dpo_step(self, pairs: Sequence[tuple], beta: float = 0.1, step: bool = True) -> float:
-        """One DPO update of the adapter on preference pairs (MACE's retraining loss): the
-        loss against the frozen base as the reference, backward, and (with ``step``) an
-        optimizer step. Returns the loss before the update."""
-        from raycolo.executor.losses import dpo_loss
-
-        ref_chosen, ref_rejected = self.preference_logprobs(pairs, reference=True)
-        chosen, rejected = self.preference_logprobs(pairs)
-        loss = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)
-        loss.backward()
-        if step:
-            self.optimizer_step()
+        """One DPO update of the adapter on preference pairs (MACE's retraining loss) on a
+        whole-model stage: :meth:`train_forward` with ``preference``, its backward, and
+        (with ``step``) an optimizer step. Returns the loss before the update."""
+        rows, _ = training_rows(pairs)
+        ids, labels, lengths = training_batch(rows)
+        loss = self.train_forward(_DPO_STEP, ids, lengths, labels, preference=True, beta=beta)
+        self.train_backward(_DPO_STEP, step=step)
         return float(loss)
 
     # -- adapters --------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The training-sample store: append-only, fsynced before a sample is acknowledged.
 
-A sample is a prompt plus a reference completion (token ids). :meth:`SampleStore.append`
+A sample is a prompt plus a reference completion (token ids), or a preference pair: a
+prompt, the chosen completion and the rejected one (trained with the DPO loss; the
+chosen one is kept as ``completion``). :meth:`SampleStore.append`
 writes a batch to ``samples.jsonl`` and fsyncs it before returning the samples' sequence
 numbers, so an acknowledged sample survives any process's death. Training reads samples
 in sequence order, one pass (epoch) at a time, each sample exactly once per epoch.
@@ -30,7 +32,16 @@ MAX_SAMPLE_TOKENS = 1 << 16
 class Sample:
     seq: int
     prompt: tuple[int, ...]
-    completion: tuple[int, ...]
+    completion: tuple[int, ...]          # the reference completion; of a pair, the chosen one
+    rejected: tuple[int, ...] = ()       # a preference pair's rejected completion; () otherwise
+
+    @property
+    def is_pair(self) -> bool:
+        return bool(self.rejected)
+
+    def ids(self) -> tuple:
+        """(prompt, completion) or (prompt, chosen, rejected): what training takes."""
+        return (self.prompt, self.completion, self.rejected) if self.rejected else (self.prompt, self.completion)
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,42 @@ def _check_ids(name: str, ids, index: int) -> tuple[int, ...]:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ConfigError(f"samples[{index}].{name}: token ids must be non-negative integers")
     return tuple(ids)
+
+
+def _check_sample(sample, index: int) -> tuple:
+    if not isinstance(sample, (list, tuple)) or len(sample) not in (2, 3):
+        raise ConfigError(f"samples[{index}]: must be (prompt, completion) or (prompt, chosen, rejected)")
+    names = ("prompt", "completion") if len(sample) == 2 else ("prompt", "chosen", "rejected")
+    ids = tuple(_check_ids(name, part, index) for name, part in zip(names, sample))
+    if len(ids) == 3 and ids[1] == ids[2]:
+        raise ConfigError(f"samples[{index}].rejected: must differ from chosen")
+    return ids
+
+
+def _row(sample: Sample) -> dict:
+    row = {"seq": sample.seq, "prompt": list(sample.prompt), "completion": list(sample.completion)}
+    if sample.rejected:
+        row["rejected"] = list(sample.rejected)
+    return row
+
+
+def training_rows(samples: Sequence[Sequence[Sequence[int]]]) -> tuple[list[tuple], bool]:
+    """A micro-batch's rows (prompt, completion), and whether it is preference pairs:
+    ``(prompt, completion)`` samples are one row each; ``(prompt, chosen, rejected)`` pairs
+    give the chosen rows, then the rejected rows. A micro-batch is all of one kind."""
+    kinds = {len(s) for s in samples}
+    if kinds == {2}:
+        return [(p, c) for p, c in samples], False
+    if kinds == {3}:
+        return [(p, c) for p, c, _ in samples] + [(p, r) for p, _, r in samples], True
+    raise ValueError("a training micro-batch holds (prompt, completion) samples or "
+                     "(prompt, chosen, rejected) pairs, not both")
+
+
+def clip_sample(sample: Sequence[Sequence[int]], max_len: int) -> tuple[list[int], ...]:
+    """A sample cut to ``max_len`` tokens per row: the prompt first, then each completion."""
+    prompt = list(sample[0])[:max_len]
+    return (prompt, *[list(c)[:max(0, max_len - len(prompt))] for c in sample[1:]])
 
 
 class SampleStore:
@@ -76,20 +123,20 @@ class SampleStore:
                 if not line.endswith("\n"):
                     break  # a torn last line was never acknowledged: drop it
                 row = json.loads(line)
-                self._samples.append(Sample(row["seq"], tuple(row["prompt"]), tuple(row["completion"])))
+                self._samples.append(Sample(row["seq"], tuple(row["prompt"]), tuple(row["completion"]),
+                                            tuple(row.get("rejected", ()))))
 
     def __len__(self) -> int:
         return len(self._samples)
 
-    def append(self, samples: Iterable[tuple[Sequence[int], Sequence[int]]]) -> list[int]:
-        """Validate, persist (fsync) and return the sequence numbers of ``samples``."""
-        checked = [(_check_ids("prompt", p, i), _check_ids("completion", c, i))
-                   for i, (p, c) in enumerate(samples)]
+    def append(self, samples: Iterable[Sequence[Sequence[int]]]) -> list[int]:
+        """Validate, persist (fsync) and return the sequence numbers of ``samples``: each
+        ``(prompt, completion)`` or a preference pair ``(prompt, chosen, rejected)``."""
+        checked = [_check_sample(sample, i) for i, sample in enumerate(samples)]
         with self._lock:
             first = len(self._samples)
-            rows = [Sample(first + i, p, c) for i, (p, c) in enumerate(checked)]
-            text = "".join(json.dumps({"seq": s.seq, "prompt": list(s.prompt),
-                                       "completion": list(s.completion)}) + "\n" for s in rows)
+            rows = [Sample(first + i, *ids) for i, ids in enumerate(checked)]
+            text = "".join(json.dumps(_row(s)) + "\n" for s in rows)
             try:
                 self._file.write(text)
                 self._file.flush()

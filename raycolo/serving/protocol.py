@@ -212,20 +212,32 @@ class ErrorResponse(BaseModel):
 
 # -- raycolo's routes -----------------------------------------------------------------------
 class TrainSample(_Strict):
-    """A training sample: ``prompt`` and ``completion`` texts, or chat ``messages`` whose
-    last message is the assistant's (the completion)."""
+    """A training sample: ``prompt`` and ``completion`` texts; chat ``messages`` whose last
+    message is the assistant's (the completion); or a preference pair, ``prompt`` with the
+    ``chosen`` and the ``rejected`` completion (trained with the DPO loss against the
+    frozen base)."""
 
     prompt: Optional[str] = None
     completion: Optional[str] = None
+    chosen: Optional[str] = None
+    rejected: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=2)
+
+    @property
+    def is_pair(self) -> bool:
+        return self.chosen is not None or self.rejected is not None
 
     @model_validator(mode="after")
     def _one_form(self):
-        pair = self.prompt is not None or self.completion is not None
-        if pair == (self.messages is not None):
-            raise ValueError("give either prompt and completion, or messages")
-        if pair and (self.prompt is None or not self.completion):
+        forms = [self.completion is not None, self.is_pair, self.messages is not None]
+        if sum(forms) != 1 or (self.messages is not None and self.prompt is not None):
+            raise ValueError("give prompt and completion, prompt with chosen and rejected, or messages")
+        if forms[0] and (self.prompt is None or not self.completion):
             raise ValueError("prompt and a non-empty completion are both required")
+        if self.is_pair and (self.prompt is None or not self.chosen or not self.rejected):
+            raise ValueError("a preference pair needs prompt, and non-empty chosen and rejected")
+        if self.is_pair and self.chosen == self.rejected:
+            raise ValueError("chosen and rejected must differ")
         if self.messages is not None and self.messages[-1].role != "assistant":
             raise ValueError("the last message must be the assistant's (the completion)")
         return self
@@ -236,7 +248,12 @@ class TrainSamplesRequest(_Strict):
 
 
 class EvalResponse(BaseModel):
-    loss: float = Field(description="mean next-token loss over the samples' completions, no training")
+    loss: Optional[float] = Field(default=None, description="mean next-token loss over the samples' "
+                                  "completions, no training ((prompt, completion) samples)")
+    win_rate: Optional[float] = Field(default=None, description="preference pairs: the fraction where the "
+                                      "chosen completion is more probable than the rejected one")
+    clpd: Optional[float] = Field(default=None, description="preference pairs: the mean log-probability "
+                                  "of the chosen completion minus the rejected one's")
     samples: int
     adapter_version: int
 
