@@ -38,13 +38,17 @@ from raycolo.policies import make_online_policy  # noqa: E402
 from common import write_json  # noqa: E402
 
 POLICIES = ("lemix", "separate", "mix-rr", "harli", "lemix+harli", "harli-static", "sirius",
-            "lemix+sirius", "sirius-timeshare", "mace", "lemix+mace", "mace-sync")
+            "lemix+sirius", "sirius-timeshare", "sirius-static", "mace", "lemix+mace", "mace-sync",
+            "mace-periodic")
 # Each paper's headline and the comparison that gives it here (policy, baseline).
 HEADLINES = [
     ("Harli", "+46 % fine-tune throughput at zero TPOT violations over Separate", "harli", "separate"),
     ("Harli", "(its other baseline: StaticMode)", "harli", "harli-static"),
     ("SIRIUS", "+57 % SLO compliance and 2.2x training throughput over time sharing", "sirius", "sirius-timeshare"),
-    ("MACE", "up to 63 % lower latency than its baselines (sync retraining here)", "mace", "mace-sync"),
+    ("SIRIUS", "(its other baseline: static partition)", "sirius", "sirius-static"),
+    ("MACE", "up to 63 % lower latency than its baselines (sync retraining, AdaInf)", "mace", "mace-sync"),
+    ("MACE", "(periodic retraining, Ekya)", "mace", "mace-periodic"),
+    ("MACE", "(continuous retraining: FIFO on each GPU)", "mace", "mix-rr"),
 ]
 
 

@@ -11,7 +11,10 @@ policy: round robin or LeMix) and what each stage of a node runs next (a stage r
   Algorithm 2), then the rule;
 * baselines: ``harli-static`` (a fixed half of each stage's time for fine-tuning:
   Harli's StaticMode), ``sirius-timeshare`` (inference first, no memory awareness:
-  SIRIUS's time sharing) and ``mace-sync`` (fine-tuning first: MACE's sync retraining, AdaInf).
+  SIRIUS's time sharing), ``sirius-static`` (fixed halves of each stage's time and
+  memory: SIRIUS's static partition), ``mace-sync`` (fine-tuning first: MACE's sync
+  retraining, AdaInf) and ``mace-periodic`` (retraining epochs at fixed intervals that
+  preempt inference: MACE's periodic retraining, Ekya).
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from raycolo.online.policy import OnlinePolicy
-from raycolo.online.stage_rules import (harli_rule, mace_rule, sirius_rule, static_share_rule,
-                                        training_first_rule)
+from raycolo.online.stage_rules import (harli_rule, mace_rule, periodic_rule, sirius_rule,
+                                        static_partition_rule, static_share_rule, training_first_rule)
 from raycolo.online.tasks import OnlineTask
 from raycolo.policies import register_online
 
@@ -71,5 +74,10 @@ for _rule_name, _rule, _memory in (("harli", harli_rule, False), ("sirius", siri
 register_online("sirius-timeshare")(_compose("mix-rr", sirius_rule, "sirius-timeshare", False))
 # * Harli's StaticMode: a fixed half of each stage's time for fine-tuning;
 register_online("harli-static")(_compose("mix-rr", static_share_rule, "harli-static", False))
-# * MACE's sync retraining (AdaInf): fine-tuning first.
+# * SIRIUS's static partition: fixed halves of each device's time and memory;
+register_online("sirius-static")(_compose("mix-rr", static_partition_rule, "sirius-static", True))
+# * MACE's sync retraining (AdaInf): fine-tuning first;
 register_online("mace-sync")(_compose("mix-rr", training_first_rule, "mace-sync", False))
+# * MACE's periodic retraining (Ekya): fine-tuning waits for an epoch every 200 forward
+#   latencies, which preempts inference until it is done.
+register_online("mace-periodic")(_compose("mix-rr", periodic_rule, "mace-periodic", False))

@@ -134,10 +134,7 @@ def _simulate(policy, model="llama-8b", rate=50, alpha=0.5, tasks=400, seed=0, p
                               make_online_policy(policy, params, nodes=4, train_rate=alpha), params)
 
 
-@pytest.mark.parametrize("policy", ["lemix", "mix-rr", "mix-luf", "separate", "lemix-noprofile",
-                                    "lemix-noprioritize", "lemix-nomemory", "harli", "lemix+harli",
-                                    "sirius", "lemix+sirius", "mace", "lemix+mace", "sirius-timeshare",
-                                    "mace-sync", "harli-static"])
+@pytest.mark.parametrize("policy", online_policy_names())
 def test_every_task_completes_exactly_once(policy):
     workload, result = _simulate(policy, model="llama-70b", rate=100, alpha=0.5, tasks=300)
     assert result.completions == {t.task_id: 1 for t in workload}
@@ -187,8 +184,9 @@ def test_separate_partitions_nodes_and_syncs_weights():
 
 
 def test_online_policies_are_registered():
-    assert {"lemix", "mix-rr", "mix-luf", "separate", "harli", "lemix+harli", "mace",
-            "lemix+mace"} <= set(online_policy_names())
+    assert {"lemix", "mix-rr", "mix-luf", "separate", "harli", "lemix+harli", "harli-static", "sirius",
+            "lemix+sirius", "sirius-timeshare", "sirius-static", "mace", "lemix+mace", "mace-sync",
+            "mace-periodic"} <= set(online_policy_names())
 
 
 def _cli(*args):

@@ -8,7 +8,8 @@ from raycolo.online.latency_predictor import DecodeLatencyPredictor
 from raycolo.online.node import NodeScheduler, Op, Request
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import preset
-from raycolo.online.stage_rules import HarliRule, MaceRule, StageRule, expected_op_s, harli_rule
+from raycolo.online.stage_rules import (HarliRule, MaceRule, PeriodicRule, StageRule, StaticPartitionRule,
+                                        expected_op_s, harli_rule, mace_rule, pack_bins)
 from raycolo.online.tasks import OnlineTask
 
 
@@ -190,3 +191,81 @@ def test_harli_static_mode_gives_fine_tuning_a_fixed_time_share():
     assert rule.order(node, 0, [f], 7.0) == [f]           # no inference: free
     decode = _op("decode", [], 3)
     assert rule.order(node, 0, [f, decode], 10.0) == [decode]
+
+
+def test_mace_bin_packing_is_algorithm_1_by_hand():
+    # priority order a, b, c, d; capacity 100, tau_mem 0.9
+    items = [("a", 60, 1.0), ("b", 50, 1.0), ("c", 30, 2.0), ("d", 10, 1.0)]
+    bins = pack_bins(items, 100, 0.9, 10)
+    # a opens bin 1; b (50) does not fit its 40 free: bin 2; c fits both, and scores
+    # |40-30|/100 + |1-2| = 1.1 in bin 1 against 1.2 in bin 2; bin 1 then holds 90 >= 0.9 x 100,
+    # so d is not dequeued (it waits for the next iteration)
+    assert [b.items for b in bins] == [["a", "c"], ["b"]]
+    assert (bins[0].memory, bins[0].max_latency) == (90, 2.0)
+    assert [b.items for b in pack_bins(items, 100, 0.9, 2)] == [["a"], ["b"]]           # tau_task
+    # z fits both bins: memory alone prefers bin 1 (|30-25| against |60-25|), the latency term
+    # bin 2 (its ops take 5, like z, against 1): 0.05 + 4 = 4.05 against 0.35 + 0 = 0.35
+    three = [("x", 70, 1.0), ("y", 40, 5.0), ("z", 25, 5.0)]
+    assert [b.items for b in pack_bins(three, 100, 2.0, 10)] == [["x"], ["y", "z"]]
+    assert [b.items for b in pack_bins(three, 100, 2.0, 10, (1.0, 0.0))] == [["x", "z"], ["y"]]
+    with pytest.raises(ValueError, match="tau_task"):
+        pack_bins(items, 100, 0.9, 0)
+
+
+def test_mace_runs_its_first_bin_before_anything_that_came_later():
+    profile = preset("llama-8b", 2)
+    rule = mace_rule(profile, LemixParams())
+    rule.tau_task = 2
+    node = NodeScheduler(0, profile, LemixParams(), False, rule=rule)
+    req = lambda i: Request(OnlineTask(i, "inference", 0.0, 64, 1, 5, 5), context=64)  # noqa: E731
+    d1, d2, d3 = (_op("decode", [req(i)], i) for i in (1, 2, 3))
+    assert rule.order(node, 0, [d1, d2, d3], 0.0) == [d1, d2]          # tau_task = 2: bin 1 is d1, d2
+    rule.started(0, d1)
+    late = _op("decode", [Request(OnlineTask(9, "inference", -50.0, 64, 1, 5, 5), context=64)], 9)
+    assert rule.priority(late, 0.1) > rule.priority(d2, 0.1)
+    assert rule.order(node, 0, [d2, d3, late], 0.1) == [d2]            # bin 1 first, though late ranks higher
+    rule.started(0, d2)
+    assert rule.order(node, 0, [d3, late], 0.2) == [late, d3] and rule.iterations == 2
+
+
+def test_sirius_static_partition_splits_each_stages_memory():
+    from raycolo.online.node import Stage
+
+    rule = StaticPartitionRule(train_memory=0.25)
+    stage = Stage(used_bytes=60.0, held={("train", 1): 20.0, ("req", 2): 40.0})
+    train, prefill = _op("train_f", [OnlineTask(3, "train", 0, 8, 1, 0)], 1), _op("prefill", [], 2)
+    train.mem_bytes, prefill.mem_bytes = 5.0, 35.0
+    assert rule.fits(stage, train, 100.0)            # 20 + 5 <= 25
+    train.mem_bytes = 6.0
+    assert not rule.fits(stage, train, 100.0)        # 26 > 25, though the stage has 40 free
+    assert rule.fits(stage, prefill, 100.0)          # 40 + 35 <= 75
+    prefill.mem_bytes = 36.0
+    assert not rule.fits(stage, prefill, 100.0)
+    assert StageRule().fits(stage, prefill, 100.0)   # the default: the whole stage
+
+
+def test_periodic_retraining_waits_for_its_epoch_then_preempts_inference():
+    profile = preset("llama-8b", 2)
+    rule = PeriodicRule(period_s=10.0)
+    node = NodeScheduler(0, profile, LemixParams(), False, rule=rule)
+    f = _op("train_f", [OnlineTask(9, "train", 0.0, 64, 1, 0)], 1)
+    node.stages[0].ready = [(0.0, 1, f)]
+    d = _op("decode", [Request(OnlineTask(1, "inference", 0.0, 10, 1, 5, 5), context=10)], 2)
+    assert rule.order(node, 0, [f, d], 1.0) == [d]                 # the first epoch is due at 11
+    assert rule.order(node, 0, [f], 2.0) == [] and rule.wake_at(node, 0, 2.0) == 11.0
+    assert rule.order(node, 0, [f, d], 11.0) == [f]                # the epoch: inference waits
+    assert rule.order(node, 1, [d], 11.5) == []                    # on every stage of the node
+    node.stages[0].ready = []                                      # the fine-tuning is done
+    assert rule.order(node, 0, [d], 12.0) == [d] and rule.next_s == 22.0
+
+
+def test_a_held_rule_wakes_its_stage_without_another_event():
+    """The periodic baseline's only task is a fine-tune op and nothing else happens: the
+    node arms a rule_wake timer for the epoch and the op starts when it fires."""
+    profile = preset("llama-8b", 2)
+    rule = PeriodicRule(period_s=10.0)
+    node = NodeScheduler(0, profile, LemixParams(), False, rule=rule)
+    step = node.dispatch(OnlineTask(9, "train", 0.0, 64, 1, 0), now=0.0)
+    assert step.started == [] and [(t.kind, t.at_s) for t in step.timers] == [("rule_wake", 10.0)]
+    step = node.timer(step.timers[0], now=10.0)
+    assert [op.kind for op in step.started] == ["train_f"]

@@ -89,9 +89,9 @@ class Timer:
 
     at_s: float
     node: int
-    kind: str                    # close_batch | memory_retry
+    kind: str                    # close_batch | memory_retry | rule_wake
     token: int = 0               # close_batch: the batch it closes
-    stage: int = 0               # memory_retry: the stage and the op that waits
+    stage: int = 0               # memory_retry, rule_wake: the stage (and the op that waits)
     op: Optional[Op] = None
     step_s: float = 0.0
     generation: int = 0          # a timer armed before the node was reset is ignored
@@ -129,6 +129,7 @@ class Stage:
     busy_s: float = 0.0
     train_busy_s: float = 0.0                   # of busy_s, in training ops
     retry_pending: bool = False
+    wake_at: Optional[float] = None             # a rule_wake timer armed for this time
 
 
 class NodeScheduler:
@@ -190,6 +191,11 @@ class NodeScheduler:
             return self._end()
         if timer.kind == "close_batch":
             self._close_batch(timer.token)
+        elif timer.kind == "rule_wake":
+            stage = self.stages[timer.stage]
+            if stage.wake_at is not None and stage.wake_at <= now:
+                stage.wake_at = None
+            self._try_start(timer.stage)
         elif timer.kind == "memory_retry":
             stage = self.stages[timer.stage]
             stage.retry_pending = False
@@ -288,7 +294,7 @@ class NodeScheduler:
             if stage.busy is not None:
                 stage.busy_s += now - stage.busy.start_s
             stage.ready, stage.busy, stage.held, stage.used_bytes = [], None, {}, 0.0
-            stage.retry_pending = False
+            stage.retry_pending, stage.wake_at = False, None
         self._out.lost = sorted(lost.values(), key=lambda x: x.task_id)
         self.batch, self.batch_c, self.joining = [], 0, []
         self.decode_inflight = False
@@ -345,7 +351,7 @@ class NodeScheduler:
                 break
             if blocked:
                 continue  # forwards keep their order behind a waiting forward
-            if not self.memory_aware or stage.used_bytes + op.mem_bytes <= limit:
+            if not self.memory_aware or self.rule.fits(stage, op, limit):
                 chosen = op
                 break
             if op.kind == "prefill" and self.rule.reclaims and \
@@ -365,7 +371,10 @@ class NodeScheduler:
                 self._out.actions.append(Timer(self._now + step, self.index, "memory_retry",
                                                stage=s, op=op, step_s=step, generation=self.generation))
         if chosen is None:
+            if not blocked and self.rule.holds:
+                self._wake(s)
             return
+        self.rule.started(s, chosen)
         stage.ready.remove((chosen.ready_s, chosen.seq, chosen))
         heapq.heapify(stage.ready)
         chosen.start_s = self._now
@@ -381,6 +390,15 @@ class NodeScheduler:
         stage.busy = chosen
         self.first_start = self._now if self.first_start is None else self.first_start
         self._out.actions.append(chosen)
+
+    def _wake(self, s: int) -> None:
+        """The rule held back every ready op of stage ``s``: look again when it says."""
+        stage = self.stages[s]
+        at = self.rule.wake_at(self, s, self._now)
+        if at is None or at <= self._now or (stage.wake_at is not None and stage.wake_at <= at):
+            return
+        stage.wake_at = at
+        self._out.actions.append(Timer(at, self.index, "rule_wake", stage=s, generation=self.generation))
 
     def _reclaim(self, s: int, need: float) -> bool:
         """SIRIUS: free ``need`` bytes on stage ``s`` by aborting training tasks that wait

@@ -21,7 +21,6 @@ import heapq
 import itertools
 from typing import Callable, Optional
 
-import numpy as np
 
 from raycolo.online.clock import SimClock
 from raycolo.online.cluster import Cluster, ClusterStep
@@ -31,21 +30,16 @@ from raycolo.online.params import LemixParams
 from raycolo.online.policy import OnlinePolicy
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.scheduler import Decision
+from raycolo.online.stage_rules import expected_op_s
 from raycolo.online.tasks import OnlineTask
 
 
 def op_duration(op: Op, profile: NodeProfile, params: LemixParams) -> float:
     """Seconds ``op`` takes on its stage according to ``profile``."""
-    p = profile
-    if op.kind == "prefill":
-        seconds = p.forward_s(op.batch, max(r.task.length for r in op.tasks))
-    elif op.kind in ("train_f", "train_b"):
-        task = op.tasks[0]
-        seconds = (p.forward_s if op.kind == "train_f" else p.backward_s)(task.batch, task.length)
-    elif op.kind == "decode":
-        seconds = p.decode_step_s(op.batch, int(np.mean([r.context for r in op.tasks])))
-    else:  # sync
-        seconds = p.weight_bytes_per_stage / params.sync_bandwidth
+    if op.kind == "sync":
+        seconds = profile.weight_bytes_per_stage / params.sync_bandwidth
+    else:
+        seconds = expected_op_s(op, profile)
     if op.kind in FORWARD_KINDS:
         if op.offloaded:
             seconds += op.mem_bytes / params.offload_bandwidth

@@ -36,12 +36,13 @@ Pure Python, no clock: the node scheduler passes ``now``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+import math
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from raycolo.online.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raycolo.online.node import NodeScheduler, Op
+    from raycolo.online.node import NodeScheduler, Op, Stage
 
 INFERENCE_KINDS = ("prefill", "decode")
 TRAIN_KINDS = ("train_f", "train_b")
@@ -67,6 +68,19 @@ class StageRule:
     def order(self, node: "NodeScheduler", stage: int, ops: Sequence["Op"], now: float) -> list["Op"]:
         """The ready ops of ``stage`` that may start now, most preferred first."""
         return oldest_first(ops)
+
+    def fits(self, stage: "Stage", op: "Op", limit: float) -> bool:
+        """Whether forward ``op`` fits the memory of a memory-aware stage (``limit``: the
+        threshold of Algorithm 2, in bytes)."""
+        return stage.used_bytes + op.mem_bytes <= limit
+
+    def wake_at(self, node: "NodeScheduler", stage: int, now: float) -> Optional[float]:
+        """A rule that held every ready op of ``stage`` back: when to look again even if
+        no op ends meanwhile (None: at the next event)."""
+        return None
+
+    def started(self, stage: int, op: "Op") -> None:
+        """The node started ``op`` on ``stage`` (after :meth:`order` offered it)."""
 
     def observe_loss(self, task_id: int, loss: float) -> None:
         """A training task's loss came out of its forward (the live executor reports it)."""
@@ -158,6 +172,73 @@ class StaticShareRule(StageRule):
             return training
         return []
 
+    def wake_at(self, node, stage, now):
+        """When the stage's training time falls back within its share."""
+        if node.first_start is None or self.share <= 0:
+            return None
+        return node.first_start + node.stages[stage].train_busy_s / self.share
+
+
+@dataclass
+class StaticPartitionRule(StaticShareRule):
+    """SIRIUS's static-partition baseline: training gets a fixed part of each device, both
+    of its time (:class:`StaticShareRule`'s share, standing in for a fixed SM partition)
+    and of its memory (``train_memory`` of the stage's memory threshold; inference
+    forwards fit in the rest). Neither side takes the other's part when it is idle."""
+
+    train_memory: float = 0.5
+    name: str = "static-partition"
+
+    def fits(self, stage, op, limit):
+        train = sum(v for (kind, _), v in stage.held.items() if kind == "train")
+        if op.kind == "train_f":
+            return train + op.mem_bytes <= self.train_memory * limit
+        return stage.used_bytes - train + op.mem_bytes <= (1 - self.train_memory) * limit
+
+
+def static_partition_rule(profile, params) -> StaticPartitionRule:
+    return StaticPartitionRule()
+
+
+@dataclass
+class PeriodicRule(StageRule):
+    """MACE's periodic-retraining baseline (Ekya): fine-tuning waits for the next retraining
+    epoch, every ``period_s``; an epoch preempts inference on the node (inference queues,
+    synchronous blocking) until no fine-tune op is left, and the next epoch is due
+    ``period_s`` after it ends."""
+
+    period_s: float
+    name: str = "periodic"
+    holds = True
+    next_s: Optional[float] = None         # when the next epoch may start
+    in_epoch: bool = False
+
+    def order(self, node, stage, ops, now):
+        inference, training = split_oldest_first(ops)
+        pending = _node_has_training(node)
+        if self.next_s is None:
+            self.next_s = now + self.period_s
+        if self.in_epoch and not pending:
+            self.in_epoch, self.next_s = False, now + self.period_s
+        if not self.in_epoch and pending and now >= self.next_s:
+            self.in_epoch = True
+        return training if self.in_epoch else inference
+
+    def wake_at(self, node, stage, now):
+        return self.next_s if not self.in_epoch and self.next_s is not None and self.next_s > now else None
+
+
+PERIOD_FORWARDS = 200       # the periodic baseline's interval, in forward latencies
+
+
+def periodic_rule(profile, params) -> PeriodicRule:
+    return PeriodicRule(PERIOD_FORWARDS * profile.forward_latency_s)
+
+
+def _node_has_training(node: "NodeScheduler") -> bool:
+    return any((st.busy is not None and st.busy.kind in TRAIN_KINDS)
+               or any(item[2].kind in TRAIN_KINDS for item in st.ready) for st in node.stages)
+
 
 def static_share_rule(profile, params) -> StaticShareRule:
     return StaticShareRule()
@@ -178,14 +259,66 @@ def training_first_rule(profile, params) -> TrainingFirstRule:
 
 
 @dataclass
+class Bin:
+    """One iteration's bin of MACE's Algorithm 1: its items, memory and longest latency."""
+
+    items: list = field(default_factory=list)
+    memory: float = 0.0
+    max_latency: float = 0.0
+
+
+def pack_bins(items: Sequence[tuple], capacity: float, tau_mem: float, tau_task: int,
+              lambdas: tuple[float, float] = (1.0, 1.0), latency_unit: float = 1.0) -> list[Bin]:
+    """MACE's Algorithm 1 (GPU-local request scheduling): ``items`` are ``(item, memory,
+    latency)`` in priority order. Each is dequeued in turn (until bin 1 holds
+    ``tau_mem * capacity`` bytes or ``tau_task`` items were dequeued) and goes to the bin
+    with room for it whose best-fit score ``f = l1 |free - m| + l2 |max_latency - l|`` is
+    lowest, else to a new bin. Memory is scored in fractions of ``capacity`` and latency in
+    ``latency_unit`` (raycolo's normalisation: the paper leaves the units open). Bin 1 runs
+    this iteration; the others' items go back to the queue."""
+    if capacity < 0 or tau_mem <= 0 or tau_task < 1:
+        raise ValueError("pack_bins: capacity >= 0, tau_mem > 0, tau_task >= 1")
+    l1, l2 = lambdas
+    bins: list[Bin] = []
+    for count, (item, m, latency) in enumerate(items):
+        if bins and (bins[0].memory >= tau_mem * capacity or count >= tau_task):
+            break
+        best, best_score = None, math.inf
+        for b in bins:
+            free = capacity - b.memory
+            if free >= m:
+                score = l1 * abs(free - m) / max(capacity, 1.0) + l2 * abs(b.max_latency - latency) / latency_unit
+                if score < best_score:
+                    best, best_score = b, score
+        if best is None:
+            best = Bin()
+            bins.append(best)
+        best.items.append(item)
+        best.memory += m
+        best.max_latency = max(best.max_latency, latency)
+    return bins
+
+
+@dataclass
 class MaceRule(StageRule):
-    """MACE's dynamic priorities (no bin packing: one op per stage at a time)."""
+    """MACE's dynamic priorities and iteration bins (§4.1-4.2). Each time a stage's current
+    bin is used up, its ready ops, highest priority first, are packed by
+    :func:`pack_bins` into bins of the stage's free memory; only bin 1 runs, and its ops
+    start before anything that became ready later (the others go back to the queue with
+    their priorities rising). On a GPU a bin's ops share one iteration; a raycolo stage
+    runs one op at a time, so a bin's ops run back to back."""
 
     unit_s: float                                     # the node's forward latency
+    profile: object = None                            # the node's NodeProfile (op latencies)
     pi: dict = field(default_factory=lambda: {"decode": 3.0, "prefill": 2.0, "ft": 1.0})
     delta: dict = field(default_factory=lambda: {"ft": 0.5, "prefill": 0.2, "decode": 0.1})
     gamma: float = 0.1
+    tau_mem: float = 0.9                              # bin 1 closes at this share of free memory
+    tau_task: int = 4                                 # ... or after this many ops were dequeued
+    lambdas: tuple = (1.0, 1.0)                       # best-fit weights: memory, latency
     losses: dict = field(default_factory=dict)        # task id -> its current training loss
+    current: dict = field(default_factory=dict)       # stage -> seqs of its bin 1 not started yet
+    iterations: int = 0                               # bins formed
     name: str = "mace"
 
     def __post_init__(self) -> None:
@@ -203,7 +336,23 @@ class MaceRule(StageRule):
         return p
 
     def order(self, node, stage, ops, now):
-        return sorted(ops, key=lambda op: (-self.priority(op, now), op.ready_s, op.seq))
+        ranked = sorted(ops, key=lambda op: (-self.priority(op, now), op.ready_s, op.seq))
+        if self.profile is None:
+            return ranked
+        current = self.current.get(stage, set())
+        chosen = [op for op in ranked if op.seq in current]
+        if not chosen:
+            free = max(0.0, node.profile.free_bytes - node.stages[stage].used_bytes)
+            items = [(op, op.mem_bytes if op.kind in ("prefill", "train_f") else 0.0,
+                      expected_op_s(op, self.profile) if op.kind != "sync" else 0.0) for op in ranked]
+            first = pack_bins(items, free, self.tau_mem, self.tau_task, self.lambdas, self.unit_s)[0]
+            self.iterations += 1
+            chosen = [op for op in ranked if op in first.items]
+        self.current[stage] = {op.seq for op in chosen}
+        return chosen
+
+    def started(self, stage: int, op: "Op") -> None:
+        self.current.get(stage, set()).discard(op.seq)
 
     def observe_loss(self, task_id: int, loss: float) -> None:
         self.losses[task_id] = loss         # its backward ops get gamma * loss
@@ -226,14 +375,18 @@ def harli_rule(profile, params) -> HarliRule:
 
 
 def mace_rule(profile, params) -> MaceRule:
-    return MaceRule(profile.forward_latency_s)
+    return MaceRule(profile.forward_latency_s, profile)
 
 
 def expected_op_s(op: "Op", profile) -> float:
-    """A training op's duration by the node profile (what Harli's rule compares)."""
-    task = op.tasks[0]
-    if op.kind == "train_f":
-        return profile.forward_s(task.batch, task.length)
-    if op.kind == "train_b":
-        return profile.backward_s(task.batch, task.length)
-    raise ValueError(f"expected_op_s: {op.kind} is not a training op")
+    """An op's duration on its stage by the node profile, before any offload or overrun
+    cost (the simulator's ``op_duration`` adds those; what Harli's and MACE's rules
+    compare)."""
+    if op.kind == "prefill":
+        return profile.forward_s(op.batch, max(r.task.length for r in op.tasks))
+    if op.kind == "decode":
+        return profile.decode_step_s(op.batch, int(sum(r.context for r in op.tasks) / len(op.tasks)))
+    if op.kind in TRAIN_KINDS:
+        task = op.tasks[0]
+        return (profile.forward_s if op.kind == "train_f" else profile.backward_s)(task.batch, task.length)
+    raise ValueError(f"expected_op_s: no profile duration for a {op.kind} op")
