@@ -168,7 +168,8 @@ class OnlineController(AdapterVersions, Reports):
 
     def _driver(self) -> ClusterDriver:
         tick = self.config.lemix.slo_s(self.cluster.profile.forward_latency_s) / 4
-        driver = ClusterDriver(self.cluster, self, retry_every_s=tick, on_failed=self._task_failed)
+        driver = ClusterDriver(self.cluster, self, retry_every_s=tick, on_failed=self._task_failed,
+                               on_aborted=self._training_aborted, on_error=self._run_failed)
         driver.start()
         return driver
 
@@ -374,16 +375,50 @@ class OnlineController(AdapterVersions, Reports):
                                      "seed": q.seed * 1_000_003 + len(q.generated)} for q in reqs]
         elif op.kind in ("train_f", "train_b"):
             task = op.tasks[0]
-            samples = [clip_sample(x, self.config.lora.max_len) for x in self.train_tasks[task.task_id]]
+            root, samples, share = self._samples_of(op)
             rows, preference = training_rows(samples)
             lengths = [len(p) + len(c) for p, c in rows]
             base.update(task=task.task_id, shape=(len(rows), max(lengths)), lengths=lengths,
-                        preference=preference, beta=self.config.lora.dpo_beta)
+                        preference=preference, beta=self.config.lora.dpo_beta, group=root,
+                        step=op.step, loss_scale=share)
             if op.kind == "train_f" and (s == 0 or last):
                 base["samples"] = samples
         elif op.kind == "sync":
             base["adapter"] = str(self.adapter_dir / f"v{op.tasks[0]}")
         return base
+
+    def _samples_of(self, op: Op) -> tuple[int, list, float]:
+        """A training op's task: its root task id, its samples (clipped to lora.max_len)
+        and its share of the root's loss (1 unless SIRIUS split the task into micro-batches:
+        then its share of the labelled tokens, or of the pairs, so that the micro-batches'
+        gradients add up to the whole task's)."""
+        task = op.tasks[0]
+        piece = self.cluster.nodes[op.node].micro.piece(task.task_id)
+        root = task.task_id if piece is None else piece.root
+        everything = [clip_sample(x, self.config.lora.max_len) for x in self.train_tasks[root]]
+        if piece is None:
+            return root, everything, 1.0
+        mine = everything[piece.first:piece.first + piece.samples]
+        if len(everything[0]) == 3:
+            return root, mine, len(mine) / len(everything)
+        return root, mine, sum(len(c) for _, c in mine) / sum(len(c) for _, c in everything)
+
+    def _run_failed(self, exc: BaseException) -> None:
+        """An op failed and the driver stopped: no request may wait for ever, so every one
+        still running ends with the error in its stream."""
+        why = f"the run stopped: {exc!r}"
+        self.errors.append(why)
+        for req in self.requests.values():
+            if req.finish_reason is None:
+                req.finish_reason = "error"
+                req.events.put_nowait(("error", why))
+
+    def _training_aborted(self, aborted: list) -> None:
+        """SIRIUS took memory back from training micro-batches: every stage of their node
+        drops their activations now (they run again from their first forward)."""
+        for node, task_id in aborted:
+            for s in range(self.config.stages):
+                self.queues[(node, s)].put_nowait({"kind": "drop", "seq": -1, "tasks": [task_id]})
 
     def _absorb_result(self, op: Op, result: dict):
         last = op.stage == self.config.stages - 1
@@ -411,8 +446,11 @@ class OnlineController(AdapterVersions, Reports):
             self.cluster.nodes[op.node].rule.observe_loss(op.tasks[0].task_id, result["loss"])
         elif op.kind == "train_b" and op.stage == 0:
             self.cluster.nodes[op.node].rule.forget(op.tasks[0].task_id)
-            self.train_tasks.pop(op.tasks[0].task_id, None)
-            self.ledger.train(op.node, self.train_seqs.pop(op.tasks[0].task_id, []))
+            if not op.step:           # a micro-batch of a task whose last one is still to come
+                return finished
+            root, _, _ = self._samples_of(op)
+            self.train_tasks.pop(root, None)
+            self.ledger.train(op.node, self.train_seqs.pop(root, []))
             self.last_trained_node = op.node
             self.trained_steps[op.node] += 1
             self.adapter_changed_s = time.time()

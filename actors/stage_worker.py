@@ -92,6 +92,7 @@ class StageProcess:
             # a preference batch's hidden states carry the frozen base's rows too
             x = ids if first else self._recv((rows * (1 + preference), t, self.hidden), self.stage - 1, op["after"])
             out = self.model.train_forward(op["task"], x, lengths, labels if last else None,
+                                           loss_scale=op.get("loss_scale", 1.0),
                                            preference=preference, beta=op.get("beta", 0.1))
             if last:
                 result["loss"] = float(out)
@@ -101,7 +102,9 @@ class StageProcess:
             rows, t = op["shape"]
             rows *= 1 + op.get("preference", False)
             grad = None if last else self._recv((rows, t, self.hidden), self.stage + 1, op["after"])
-            grad_in = self.model.train_backward(op["task"], grad)
+            # a micro-batch of a task SIRIUS split accumulates with the task's others
+            # (``group``); the last of them on this stage takes the step
+            grad_in = self.model.train_backward(op["task"], grad, step=op.get("step", True), group=op.get("group"))
             if not first:
                 self._send(grad_in, self.stage - 1, op["seq"])
         elif kind == "eval":     # a forward-only pass of a held-out batch: its loss, or a
@@ -131,6 +134,9 @@ class StageProcess:
         elif kind == "release":
             for rid in op["requests"]:
                 self.model.release(rid)
+        elif kind == "drop":            # SIRIUS took the memory back: free the activations now
+            for task in op["tasks"]:
+                self.model.drop_training(task)
         else:
             raise ValueError(f"unknown op kind {kind!r}")
         result["seconds"] = time.perf_counter() - started
@@ -197,7 +203,7 @@ def stage_loop(config: dict) -> None:
         if op["kind"] == "lora":
             controller.op_done.remote(node, stage, epoch, op["seq"], {"state": stage_model.lora_state()})
             continue
-        if op["kind"] == "release":   # a request ended: free its KV blocks (nothing to report)
+        if op["kind"] in ("release", "drop"):   # free KV blocks or activations (nothing to report)
             proc.run(op)
             continue
         try:

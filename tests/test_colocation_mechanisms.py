@@ -184,6 +184,36 @@ def test_accumulated_micro_batches_give_the_full_batch_update():
     assert full.steps == acc.steps == 1
 
 
+def test_a_tasks_micro_batches_accumulate_apart_from_other_tasks_steps():
+    """Two micro-batches of one task (a group) with another task's optimizer step between
+    their backwards: the other step neither applies nor clears the group's gradients, and
+    the result equals the other task's step followed by the whole task's, unsplit."""
+    pairs, other = _pairs(5), _pairs(6)[:2]
+    ref, split = _stage(), _stage()
+    ref.train_forward(1, *_batch(pairs))
+    ref.train_forward(2, *_batch(other))
+    ref.train_backward(2)
+    ref.train_backward(1)
+    tokens = sum(len(c) for _, c in pairs)
+    parts = [pairs[:3], pairs[3:]]
+    for k, part in enumerate(parts):
+        split.train_forward(10 + k, *_batch(part), loss_scale=sum(len(c) for _, c in part) / tokens)
+    split.train_forward(2, *_batch(other))
+    split.train_backward(10, step=False, group=1)
+    split.train_backward(2)                                   # another task steps in between
+    split.train_backward(11, step=True, group=1)
+    for key, value in ref.lora_state().items():
+        torch.testing.assert_close(split.lora_state()[key], value, rtol=0, atol=1e-12)
+    assert ref.steps == split.steps == 2 and not split._groups
+
+
+def _batch(pairs):
+    from raycolo.executor.stage import training_batch
+
+    ids, labels, lengths = training_batch(pairs)
+    return ids, lengths, labels
+
+
 def test_an_aborted_micro_batch_leaves_adapter_optimizer_and_gradients_untouched():
     from raycolo.executor.stage import training_batch
 

@@ -498,10 +498,12 @@ class ProfiledRunner:
         return ends_with(op) if last and op.kind in ("prefill", "decode") else ()
 
 
-@pytest.mark.parametrize("policy", ["lemix", "mix-rr", "mix-luf", "separate"])
+@pytest.mark.parametrize("policy", ["lemix", "mix-rr", "mix-luf", "separate", "sirius", "mace",
+                                    "mace-periodic", "harli-static"])
 def test_simulator_and_asyncio_executor_give_the_same_op_log(policy):
     profile, params = preset("llama-70b", 2), LemixParams(sync_every=5)
-    tasks = poisson_workload(100, 0.6, 80, seed=1)
+    # SIRIUS: training tasks of 8 samples, so that it splits them into micro-batches
+    tasks = poisson_workload(100, 0.6, 80, seed=1, train_batch=8 if policy == "sirius" else None)
     sim = ClusterSimulator(tasks, profile, 3, make_online_policy(policy, params, nodes=3, train_rate=0.6),
                            params)
     simulated = sim.run()
@@ -527,6 +529,35 @@ def test_simulator_and_asyncio_executor_give_the_same_op_log(policy):
         assert simulated.memory_waits > 0          # the trace exercises Algorithm 2
     if policy == "separate":
         assert any(entry[4] == "sync" for entry in a)
+    if policy == "sirius":
+        assert sum(n.micro.count for n in cluster.nodes) > 0   # the trace exercises the splits
+
+
+def test_a_failed_op_stops_the_run_once_and_says_so():
+    """An op that raises stops the driver: ``on_error`` hears of it once (the live
+    controller then ends every open stream with the error) and ``drain`` re-raises it."""
+    profile, params = preset("llama-8b", 2), LemixParams()
+    cluster = Cluster(make_online_policy("mix-rr", params, nodes=2), profile, 2, params)
+    errors = []
+
+    class Failing(ProfiledRunner):
+        async def run(self, op):
+            if op.kind == "decode":
+                raise RuntimeError("stage died")
+            return await super().run(op)
+
+    loop = looptime.new_event_loop(start=0.0, resolution=1e-9)
+
+    async def main():
+        driver = ClusterDriver(cluster, Failing(profile, params), on_error=errors.append)
+        await driver.replay(poisson_workload(50, 0.0, 20, seed=3))
+
+    try:
+        with pytest.raises(RuntimeError, match="stage died"):
+            loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert len(errors) == 1 and str(errors[0]) == "stage died"
 
 
 # -- a node that loses its state (a worker-group restart) ---------------------------------------
@@ -702,3 +733,43 @@ def test_a_memory_wait_after_a_reset_arms_a_live_retry_timer():
     (timer,) = n.op_done(big, 1.2).timers                    # a wait after the reset arms its own timer
     assert timer.generation == 1
     assert n.timer(timer, timer.at_s).actions                # and it is not void
+
+
+# -- SIRIUS: elastic micro-batches --------------------------------------------------------------
+def test_sirius_splits_a_training_task_that_does_not_fit_into_micro_batches():
+    """TOY holds 10 bytes per training token and 900 under the threshold: a task of 4 x 25
+    tokens (1,000 bytes) starts as a micro-batch of 3 (750) and leaves 1 waiting; each stage
+    steps once, on the task's last micro-batch, and the task is trained once."""
+    from raycolo.online.stage_rules import SiriusRule
+
+    n = NodeScheduler(0, TOY, PARAMS, True, rule=SiriusRule())
+    trained, done = [], n.op_done
+
+    def op_done(op, now, finished=()):
+        step = done(op, now, finished)
+        trained.extend(step.trained)
+        return step
+    n.op_done = op_done
+    root = train(7, length=25, batch=4)
+    started = run_all(n, [n.dispatch(root, 0.0)])
+    forwards = [op for op in started if op.kind == "train_f" and op.stage == 0]
+    assert [op.tasks[0].batch for op in forwards] == [3, 1] and n.micro.count == 1
+    assert all(op.tasks[0].task_id < 0 for op in forwards)           # pieces have ids of their own
+    assert forwards[0].mem_bytes == 750
+    backwards = [op for op in started if op.kind == "train_b"]
+    assert sorted((op.stage, op.step) for op in backwards) == [(0, False), (0, True), (1, False), (1, True)]
+    last = [op for op in backwards if op.step]
+    assert all(op.tasks[0] is forwards[1].tasks[0] for op in last)   # the remainder steps
+    assert trained == [root] and not n.micro.pieces and not n.micro.splits
+    n.check_released()
+
+
+def test_a_task_that_fits_is_not_split_and_other_rules_never_split():
+    from raycolo.online.stage_rules import SiriusRule
+
+    n = NodeScheduler(0, TOY, PARAMS, True, rule=SiriusRule())
+    run_all(n, [n.dispatch(train(1, length=20, batch=4), 0.0)])      # 800 bytes fit
+    assert n.micro.count == 0
+    n = node()                                                        # LeMix's memory rule: wait, offload
+    started = run_all(n, [n.dispatch(train(1, length=25, batch=4), 0.0)])
+    assert n.micro.count == 0 and [op.offloaded for op in started if op.kind == "train_f"][0]

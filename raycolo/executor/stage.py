@@ -125,6 +125,7 @@ class StageModel:
         self._pinned: OrderedDict[str, dict] = OrderedDict()   # adapter directory -> its weights
         self.pinned_cache = max(1, pinned_cache)
         self._train: dict[int, tuple] = {}           # task id -> (input, output or loss)
+        self._groups: dict[int, list] = {}           # task id -> its micro-batches' gradients so far
         self.steps = 0
 
     @property
@@ -282,11 +283,14 @@ class StageModel:
         return out.detach()
 
     def train_backward(self, task: int, grad_output: Optional[torch.Tensor] = None,
-                       step: bool = True) -> Optional[torch.Tensor]:
+                       step: bool = True, group: Optional[int] = None) -> Optional[torch.Tensor]:
         """Backward of the task's forward and one optimizer step on this stage's LoRA
         weights. Returns the gradient of the stage's input (None on the first stage).
         ``step=False`` only accumulates the gradients (a micro-batch of a larger effective
-        batch); :meth:`optimizer_step` applies them."""
+        batch); :meth:`optimizer_step` applies them. With ``group`` (the micro-batches of
+        one training task) the gradients accumulate apart from everything else, so other
+        tasks' steps in between neither apply nor clear them; the group's ``step`` applies
+        its sum."""
         inp, out = self._train.pop(task)
         if self.is_last:
             out.backward()
@@ -295,6 +299,15 @@ class StageModel:
                 raise ValueError("train_backward needs the gradient of this stage's output")
             out.backward(grad_output)
         grad_in = None if self.is_first else inp.grad.detach()
+        if group is not None:
+            kept = self._groups.setdefault(group, [None] * len(self.trainable))
+            for i, p in enumerate(self.trainable):
+                if p.grad is not None:
+                    kept[i] = p.grad if kept[i] is None else kept[i] + p.grad
+                    p.grad = None
+            if step:
+                for p, g in zip(self.trainable, self._groups.pop(group)):
+                    p.grad = g
         if step:
             self.optimizer_step()
         return grad_in

@@ -40,6 +40,7 @@ class ClusterStep:
     decisions: list = field(default_factory=list)   # Decision
     actions: list = field(default_factory=list)     # Op | Timer
     failed: list = field(default_factory=list)      # OnlineTasks no node can run any more
+    aborted: list = field(default_factory=list)     # (node, training task id): drop its activations
 
 
 class Cluster:
@@ -199,13 +200,14 @@ class Cluster:
         node = self.nodes[n]
         now = self._now
         out.actions.extend(step.actions)
+        out.aborted.extend((n, task_id) for task_id in step.aborted)
         if step.activated:
             self.active += 1
             self.metrics.active_change(now, +1)
         for task_id, stage, kind, start, end in step.observed:
             self.scheduler.observe(task_id, stage, kind, start, end)
             task = self._tasks.get(task_id)
-            if task is not None and task.is_train:
+            if task is not None and task.is_train and task_id not in node.micro.split_roots:
                 self.learner.observe(task_id, task.batch, task.length, kind, end - start)
         for r in step.tokens:
             self.metrics.token(r.task, now, self.train_done - node.update_count)
@@ -213,6 +215,7 @@ class Cluster:
             self.metrics.request_finished(r.task, now)
             self._tasks.pop(r.task_id, None)
         for task in step.trained:
+            node.micro.split_roots.discard(task.task_id)
             self.train_done += 1
             self.metrics.trained(task, now)
             self._tasks.pop(task.task_id, None)

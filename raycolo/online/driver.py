@@ -38,7 +38,9 @@ class OpRunner(Protocol):
 class ClusterDriver:
     def __init__(self, cluster: Cluster, runner: OpRunner, query_cost_s: float = 0.0,
                  retry_every_s: Optional[float] = None,
-                 on_failed: Optional[Callable[[OnlineTask], None]] = None):
+                 on_failed: Optional[Callable[[OnlineTask], None]] = None,
+                 on_aborted: Optional[Callable[[list], None]] = None,
+                 on_error: Optional[Callable[[BaseException], None]] = None):
         self.cluster = cluster
         self.runner = runner
         self.query_cost_s = query_cost_s   # a simulated decision cost; live: 0 (it is real)
@@ -46,6 +48,8 @@ class ClusterDriver:
         # nothing arrives or finishes (a simulator needs no tick: its trace ends).
         self.retry_every_s = retry_every_s
         self.on_failed = on_failed      # told of each task no node can run any more
+        self.on_aborted = on_aborted    # told of (node, task id) training aborts (SIRIUS)
+        self.on_error = on_error        # told once when an op fails and the run stops
         self._tick_armed = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._t0 = 0.0
@@ -123,6 +127,8 @@ class ClusterDriver:
         for task in step.failed:
             if self.on_failed is not None:
                 self.on_failed(task)
+        if step.aborted and self.on_aborted is not None:
+            self.on_aborted(step.aborted)
         for decision in step.decisions:
             self._loop.call_at(self._t0 + decision.decided_s + self.query_cost_s, self._dispatch, decision)
         for action in step.actions:
@@ -154,8 +160,11 @@ class ClusterDriver:
         except OpLost:           # its node was reset: node_lost already placed its tasks again
             return
         except Exception as exc:  # an op failed: the run stops with it
+            first = self.error is None
             self.error = exc
             self._done.set()
+            if first and self.on_error is not None:
+                self.on_error(exc)
             return
         if op.generation != self.cluster.nodes[op.node].generation:
             return                # finished as its node was reset: dropped like the others

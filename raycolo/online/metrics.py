@@ -41,6 +41,7 @@ class OnlineResult:
     offloads: int
     overruns: int
     training_aborts: int = 0     # training tasks aborted to give a prefill memory (SIRIUS)
+    training_splits: int = 0     # training micro-batches split to fit memory (SIRIUS)
     completions: dict = field(default_factory=dict)   # task id -> completion count
 
     def summary(self) -> dict:
@@ -60,6 +61,7 @@ class OnlineResult:
             "decision_us_mean": self.decision_us_mean, "deferred_max": self.deferred_max,
             "memory_waits": self.memory_waits, "offloads": self.offloads, "overruns": self.overruns,
             "training_aborts": self.training_aborts,
+            "training_splits": self.training_splits,
         }
 
 
@@ -129,4 +131,5 @@ class OnlineMetrics:
             staleness=np.array(self.staleness), decision_us_mean=decision_us_mean,
             deferred_max=self.deferred_max, memory_waits=sum(n.memory_waits for n in nodes),
             offloads=sum(n.offloads for n in nodes), overruns=sum(n.overruns for n in nodes),
-            training_aborts=sum(n.aborts for n in nodes), completions=dict(self.completions))
+            training_aborts=sum(n.aborts for n in nodes), training_splits=sum(n.micro.count for n in nodes),
+            completions=dict(self.completions))

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Collection, Optional
 
+from raycolo.online.microbatches import MicroBatches
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.stage_rules import TRAIN_KINDS, StageRule
@@ -74,6 +75,8 @@ class Op:
     start_s: float = 0.0
     after: Optional[int] = None  # seq of the op on the neighbour stage whose output this consumes
     generation: int = 0          # the node's resets before this op was made
+    step: bool = True            # train_b: the stage takes its optimizer step after it (the
+                                 # last micro-batch of its task there; microbatches.py)
 
     @property
     def batch(self) -> int:
@@ -107,6 +110,7 @@ class NodeStep:
     finished: list = field(default_factory=list)   # Requests that ended (after their last token)
     trained: list = field(default_factory=list)    # OnlineTasks whose backward reached stage 0
     lost: list = field(default_factory=list)       # reset: unfinished Requests and training OnlineTasks
+    aborted: list = field(default_factory=list)    # training task ids whose activations the stages drop (SIRIUS)
     synced: Optional[int] = None                   # weights version the node serves from now
     activated: bool = False                        # the node went from idle to active
     idle: bool = False                             # the node has nothing left to do
@@ -156,6 +160,7 @@ class NodeScheduler:
         self.last_end = 0.0
         self.memory_waits = self.offloads = self.overruns = 0
         self.aborts = 0              # training tasks aborted for a prefill's memory (SIRIUS)
+        self.micro = MicroBatches(index, profile.stages)   # elastic micro-batches (SIRIUS)
         self.aborted_bytes = 0.0
         self.generation = 0          # resets so far
         self._seq = itertools.count()
@@ -193,8 +198,8 @@ class NodeScheduler:
             self._close_batch(timer.token)
         elif timer.kind == "rule_wake":
             stage = self.stages[timer.stage]
-            if stage.wake_at is not None and stage.wake_at <= now:
-                stage.wake_at = None
+            if stage.wake_at is not None and stage.wake_at <= timer.at_s:
+                stage.wake_at = None    # (a live clock may fire it a hair early: the rule re-arms)
             self._try_start(timer.stage)
         elif timer.kind == "memory_retry":
             stage = self.stages[timer.stage]
@@ -239,18 +244,19 @@ class NodeScheduler:
                 self._decode_next()
         elif op.kind == "train_f":
             task = op.tasks[0]
-            self._out.observed.append((task.task_id, s, "forward", op.start_s, now))
+            self._out.observed.append((self.micro.root_of(task).task_id, s, "forward", op.start_s, now))
             nxt = self._op("train_f", s + 1, op.tasks, op.mem_bytes, after=op) if not last else \
                 self._op("train_b", s, op.tasks, op.mem_bytes)
             self._ready(nxt)
         elif op.kind == "train_b":
             task = op.tasks[0]
-            self._out.observed.append((task.task_id, s, "backward", op.start_s, now))
+            self._out.observed.append((self.micro.root_of(task).task_id, s, "backward", op.start_s, now))
             self._release(stage, ("train", task.task_id))
+            root = self.micro.backward_done(task, s)
             if s > 0:
                 self._ready(self._op("train_b", s - 1, op.tasks, op.mem_bytes, after=op))
-            else:
-                self._out.trained.append(task)
+            elif root is not None:
+                self._out.trained.append(root)
         elif op.kind == "decode":
             if not last:
                 self._ready(self._op("decode", s + 1, op.tasks, after=op))
@@ -295,7 +301,7 @@ class NodeScheduler:
                 stage.busy_s += now - stage.busy.start_s
             stage.ready, stage.busy, stage.held, stage.used_bytes = [], None, {}, 0.0
             stage.retry_pending, stage.wake_at = False, None
-        self._out.lost = sorted(lost.values(), key=lambda x: x.task_id)
+        self._out.lost = sorted(self.micro.lost(list(lost.values())), key=lambda x: x.task_id)
         self.batch, self.batch_c, self.joining = [], 0, []
         self.decode_inflight = False
         self.queued_ops = self.syncing = 0
@@ -358,6 +364,9 @@ class NodeScheduler:
                     self._reclaim(s, stage.used_bytes + op.mem_bytes - limit):
                 chosen = op
                 break
+            if op.kind == "train_f" and s == 0 and self.rule.elastic and self._shrink(stage, op, limit):
+                chosen = op
+                break
             if op.waited_s >= self.params.max_memory_wait * self.profile.forward_latency_s:
                 op.offloaded = True  # Algorithm 2 line 10: give the stage its memory back
                 self.offloads += 1
@@ -385,8 +394,12 @@ class NodeScheduler:
             for key, size in self._holdings(chosen):
                 stage.held[key] = size
                 stage.used_bytes += size
-        if chosen.kind == "train_b" and ("train", chosen.tasks[0].task_id) not in stage.held:
-            chosen.reload = True
+        if chosen.kind == "train_f" and s == 0:
+            self.micro.forward_started(chosen.tasks[0])
+        if chosen.kind == "train_b":
+            chosen.step = self.micro.steps(chosen.tasks[0], s)
+            if ("train", chosen.tasks[0].task_id) not in stage.held:
+                chosen.reload = True
         stage.busy = chosen
         self.first_start = self._now if self.first_start is None else self.first_start
         self._out.actions.append(chosen)
@@ -399,6 +412,24 @@ class NodeScheduler:
             return
         stage.wake_at = at
         self._out.actions.append(Timer(at, self.index, "rule_wake", stage=s, generation=self.generation))
+
+    def _shrink(self, stage: Stage, op: Op, limit: float) -> bool:
+        """SIRIUS: the first forward ``op`` of a training task does not fit; start the
+        largest micro-batch of its samples that does, and leave the rest waiting as another
+        micro-batch (:mod:`raycolo.online.microbatches`). False: not even one sample fits."""
+        task = op.tasks[0]
+        for samples in range(task.batch - 1, 0, -1):
+            mem = self.profile.train_bytes(samples, task.length)
+            if self.rule.fits(stage, replace(op, mem_bytes=mem), limit):
+                break
+        else:
+            return False
+        now_piece, rest = self.micro.split(task, samples)
+        op.tasks, op.mem_bytes = [now_piece], mem
+        later = self._op("train_f", 0, [rest], self.profile.train_bytes(rest.batch, rest.length))
+        heapq.heappush(stage.ready, (later.ready_s, later.seq, later))   # queued: the stage starts op now
+        self.queued_ops += 1
+        return True
 
     def _reclaim(self, s: int, need: float) -> bool:
         """SIRIUS: free ``need`` bytes on stage ``s`` by aborting training tasks that wait
@@ -426,7 +457,9 @@ class NodeScheduler:
                 self.aborted_bytes += stage.held.get(("train", task.task_id), 0.0)
                 self._release(stage, ("train", task.task_id))
             self.aborts += 1
+            self._out.aborted.append(task.task_id)
             # queued, not started: the stage that called this is about to start the prefill
+            self.micro.restarted(task)
             retry = self._op("train_f", 0, [task], op.mem_bytes)
             heapq.heappush(self.stages[0].ready, (retry.ready_s, retry.seq, retry))
             self.queued_ops += 1

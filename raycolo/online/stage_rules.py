@@ -64,6 +64,7 @@ class StageRule:
     name = "fifo"
     holds = False              # True: a rule that may leave a free stage idle
     reclaims = False           # True: a prefill short of memory aborts waiting training
+    elastic = False            # True: a training task short of memory runs in smaller micro-batches
 
     def order(self, node: "NodeScheduler", stage: int, ops: Sequence["Op"], now: float) -> list["Op"]:
         """The ready ops of ``stage`` that may start now, most preferred first."""
@@ -133,12 +134,15 @@ class HarliRule(StageRule):
 @dataclass
 class SiriusRule(StageRule):
     """SIRIUS on a pipeline stage: inference first with the whole device; training runs on
-    what is left, and a prefill short of memory takes it back from training (the node
-    scheduler aborts training tasks that wait for their backward, frees their
-    activations on every stage and runs them again; :meth:`NodeScheduler._reclaim`)."""
+    what is left, in micro-batches as large as that memory allows (gradient accumulation
+    keeps the task's effective batch: :mod:`raycolo.online.microbatches`), and a prefill
+    short of memory takes memory back from training (the node scheduler aborts training
+    micro-batches that wait for their backward, frees their activations on every stage and
+    runs them again; :meth:`NodeScheduler._reclaim`)."""
 
     name: str = "sirius"
     reclaims = True
+    elastic = True
 
     def order(self, node, stage, ops, now):
         inference, training = split_oldest_first(ops)

@@ -139,12 +139,14 @@ def _decode_lengths(count: int, seed: int) -> np.ndarray:
 
 
 def poisson_workload(rate: float, train_rate: float, tasks: int, lengths: str = "hh-rlhf",
-                     seed: int = 0, batch: int = 1) -> list[OnlineTask]:
+                     seed: int = 0, batch: int = 1, train_batch: Optional[int] = None) -> list[OnlineTask]:
     """The paper's synthetic workload: Poisson arrivals at ``rate`` tasks/s (§VI-A).
 
     The process starts at t = 0, so the first task arrives after one exponential gap.
     Each task is training with probability ``train_rate``; inference tasks get decode
     lengths from ``DECODE_DISTRIBUTIONS["default"]``. Task ids follow arrival order.
+    Tasks are batches of ``batch`` queries; training tasks of ``train_batch`` (default:
+    ``batch``), e.g. the live runtime's ``lora.micro_batch``.
     """
     if not rate > 0:  # also rejects NaN
         raise ConfigError(f"--rate: must be positive, got {rate:g}")
@@ -155,12 +157,12 @@ def poisson_workload(rate: float, train_rate: float, tasks: int, lengths: str = 
     _check_count("--batch", batch)
     get_length_distribution(lengths)
     gaps = seeded_rng(seed, "online", "arrivals").exponential(1.0 / rate, count)
-    return _workload(np.cumsum(gaps), train_rate, lengths, seed, batch)
+    return _workload(np.cumsum(gaps), train_rate, lengths, seed, batch, train_batch)
 
 
 def bursty_workload(rate: float, train_rate: float, tasks: int, lengths: str = "hh-rlhf",
                     seed: int = 0, batch: int = 1, burst_share: float = 0.8,
-                    sigma: float = 1.0) -> list[OnlineTask]:
+                    sigma: float = 1.0, train_batch: Optional[int] = None) -> list[OnlineTask]:
     """Bursty arrivals at a mean of ``rate`` tasks/s, like SIRIUS's generated traces
     (SIRIUS §6): inter-arrival gaps from a mixture of two LogNormals, a share
     ``burst_share`` of short gaps (a fifth of the mean gap on average) inside bursts and
@@ -175,20 +177,22 @@ def bursty_workload(rate: float, train_rate: float, tasks: int, lengths: str = "
     short, long_ = 0.2 / rate, (1 - burst_share * 0.2) / (1 - burst_share) / rate
     means = np.where(rng.random(count) < burst_share, short, long_)
     gaps = rng.lognormal(np.log(means) - sigma ** 2 / 2, sigma)   # E[gap] = means
-    return _workload(np.cumsum(gaps), train_rate, lengths, seed, batch)
+    return _workload(np.cumsum(gaps), train_rate, lengths, seed, batch, train_batch)
 
 
 def _workload(arrivals: np.ndarray, train_rate: float, lengths: str, seed: int,
-              batch: int) -> list[OnlineTask]:
+              batch: int, train_batch: Optional[int] = None) -> list[OnlineTask]:
     _check_train_rate(train_rate)
     batch = _check_count("--batch", batch)
+    train_batch = batch if train_batch is None else _check_count("--train-batch", train_batch)
     count = len(arrivals)
     dist = get_length_distribution(lengths)
     query_lengths = dist.sample(count, seeded_rng(seed, "online", "lengths", dist.name))
     is_train = _train_flags(count, train_rate, seed)
     decode = _decode_lengths(count, seed)
     return [OnlineTask(task_id=i, kind="train" if is_train[i] else "inference",
-                       arrival_s=float(arrivals[i]), length=int(query_lengths[i]), batch=batch,
+                       arrival_s=float(arrivals[i]), length=int(query_lengths[i]),
+                       batch=train_batch if is_train[i] else batch,
                        decode_tokens=0 if is_train[i] else int(decode[i]),
                        max_tokens=None if is_train[i] else DEFAULT_MAX_TOKENS)
             for i in range(count)]
