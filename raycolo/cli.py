@@ -305,6 +305,10 @@ def cmd_profile(args) -> int:
         print(f"{args.model}: Harli decode predictor (bs*b0 + c0 + bs*k0*seqlen) b0 {dp['b0']:.3g} s, "
               f"c0 {dp['c0']:.3g} s, k0 {dp['k0']:.3g} s; held-out error {dp['held_out_mape']:.1%} "
               f"on {dp['held_out_iterations']} decode iterations")
+        if "colocated_held_out_mape" in dp:
+            print(f"{args.model}: stage 2 (co-located, time shares) b1 {dp['b1']:.3f}, k1 {dp['k1']:.3f}; "
+                  f"held-out error {dp['colocated_held_out_mape']:.1%} on {dp['colocated_held_out_iterations']} "
+                  f"co-located iterations (set lemix.harli_b1 / harli_k1 to use them online)")
         print(f"profile: {Path(args.out) / f'{args.model}.tp{args.tp}.json'}")
     return 0
 

@@ -125,7 +125,9 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
                f"MEASURED output lengths of {model_id} ({len(lengths)} requests, torch engine, "
                f"temperature {ECDF_TEMPERATURE}, max_tokens {ECDF_MAX_TOKENS}, seed {seed}).\n"
                "Written by raycolo profile.")
-    stats["decode_predictor"] = fit_decode_predictor(records)
+    say(f"{model_id}: co-located iterations (fine-tune ops between decode iterations)")
+    colocated = measure_colocated(model_id, seed, device, settings)
+    stats["decode_predictor"] = fit_decode_predictor(records, colocated)
     stats.update(model=model_id, tp=tp, device=device, threads=threads, seed=seed,
                  load_s=load_s, iterations=len(records),
                  ecdf_mean=float(np.mean(lengths)), ecdf_max=int(np.max(lengths)),
@@ -136,18 +138,94 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     return profile, stats
 
 
-def fit_decode_predictor(records, held_out_every: int = 5) -> dict:
-    """Harli's stage-1 decode predictor (raycolo.online.latency_predictor) fitted to the
-    decode iterations measured here, with every ``held_out_every``-th iteration held out
-    for its error (Harli reports 3 %). Co-located iterations need a trainer running
-    beside the engine, which the profiler does not run: stage 2 keeps ``b1 = 1, k1 = 0``."""
+def fit_decode_predictor(records, colocated=(), held_out_every: int = 5) -> dict:
+    """Harli's decode predictor (raycolo.online.latency_predictor). Stage 1 is fitted to
+    the engine's decode iterations measured here. Stage 2 is fitted to the iterations of
+    :func:`measure_colocated` (solo and co-located, on a pipeline stage: its interference
+    factor is relative to that stage's own solo iterations). Every ``held_out_every``-th
+    iteration of each kind is held out for its error (Harli reports 3 % for stage 1 and
+    about 5 % for stage 2)."""
     from raycolo.online.latency_predictor import DecodeSample, fit, mape
 
     samples = [DecodeSample(r.num_seqs, float(np.mean(r.context_lens)), r.seconds)
                for r in records if r.kind == "decode" and r.seconds > 0 and not r.preempted]
     held = samples[::held_out_every]
-    train = [s for i, s in enumerate(samples) if i % held_out_every]
-    predictor = fit(train)
-    return {"b0": predictor.b0, "c0": predictor.c0, "k0": predictor.k0, "b1": predictor.b1,
-            "k1": predictor.k1, "fit_iterations": len(train), "held_out_iterations": len(held),
-            "held_out_mape": mape(predictor, held)}
+    predictor = fit([s for i, s in enumerate(samples) if i % held_out_every])
+    out = {"b0": predictor.b0, "c0": predictor.c0, "k0": predictor.k0, "b1": 1.0, "k1": 1.0,
+           "fit_iterations": len(samples) - len(held), "held_out_iterations": len(held),
+           "held_out_mape": mape(predictor, held)}
+    colocated = list(colocated)
+    if colocated:
+        held_colo = [s for s in colocated[::held_out_every] if not s.solo]
+        stage = fit([s for i, s in enumerate(colocated) if i % held_out_every])
+        out.update(b1=stage.b1, k1=stage.k1, colocated_iterations=sum(not s.solo for s in colocated),
+                   colocated_held_out_iterations=len(held_colo),
+                   colocated_held_out_mape=mape(stage, held_colo))
+    return out
+
+
+COLOCATED_BATCHES = (1, 4, 16)
+COLOCATED_CONTEXTS = (16, 128)
+COLOCATED_FINETUNE = ((1, 32), (2, 64), (4, 96))      # fine-tune ops: samples x tokens
+
+
+def measure_colocated(model_id: str, seed: int, device: str, settings: SweepSettings,
+                      repeats: int = 3) -> list:
+    """Co-located decode iterations as a raycolo stage runs them under time shares: a
+    whole-model stage with LoRA runs a fine-tune op (forward and backward of a micro-batch)
+    and then a decode iteration of ``bs`` requests at context ``seqlen``. Each gives a
+    :class:`DecodeSample` whose latency is the period (fine-tune op plus the decode
+    iteration after it) and whose shares are the solo decode's and the fine-tune op's parts
+    of the solo-time period; the solo iteration timed before each is a sample too. Harli's
+    stage 2 then fits the interference (caches and memory traffic the fine-tune op leaves
+    behind)."""
+    import torch
+
+    from raycolo.engines.models import load_model
+    from raycolo.executor.stage import LoraSettings, StageModel, add_lora, training_batch
+    from raycolo.online.latency_predictor import DecodeSample
+
+    model, _ = load_model(model_id, seed=seed, dtype="float32", device=device)
+    layers = model.config.num_hidden_layers
+    stage = StageModel(add_lora(model, LoraSettings(seed=seed)), (0, layers), 4096, 16)
+    rng = seeded_rng(seed, "profile", model_id, "colocated")
+    vocab = get_model(model_id).vocab
+    out, rid, task = [], 0, 0
+    batches = [b for b in COLOCATED_BATCHES if b <= max(settings.batch_sizes)]
+    for bs in batches:
+        for ctx in COLOCATED_CONTEXTS:
+            requests = list(range(rid, rid + bs))
+            rid += bs
+            with torch.no_grad():
+                stage.forward(requests, random_prompts(rng, bs, ctx, vocab))
+            for samples, tokens in COLOCATED_FINETUNE:
+                pairs = [(p[: tokens // 2], p[tokens // 2:]) for p in random_prompts(rng, samples, tokens, vocab)]
+                ids, labels, lengths = training_batch(pairs)
+                for _ in range(repeats):
+                    solo = _timed(lambda: _decode(stage, requests, rng, vocab))
+                    task += 1
+                    ft = _timed(lambda: (stage.train_forward(task, ids, lengths, labels),
+                                         stage.train_backward(task, step=False)))
+                    after = _timed(lambda: _decode(stage, requests, rng, vocab))
+                    share = solo / (solo + ft)
+                    seqlen = float(np.mean([stage.contexts[r] for r in requests]))
+                    out.append(DecodeSample(bs, seqlen - 1, solo))
+                    out.append(DecodeSample(bs, seqlen, ft + after, share, 1.0 - share))
+            for r in requests:
+                stage.release(r)
+    if stage.optimizer is not None:
+        stage.optimizer.zero_grad(set_to_none=True)   # nothing is applied: the gradients go
+    return out
+
+
+def _decode(stage, requests, rng, vocab) -> None:
+    import torch
+
+    with torch.no_grad():
+        stage.forward(requests, [[int(t)] for t in rng.integers(3, vocab, len(requests))])
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started

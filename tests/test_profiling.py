@@ -107,6 +107,9 @@ def test_profiler_writes_the_files_the_cost_model_reads(small_profile):
     assert stats["iterations"] > 20 and stats["r2"] > 0.1  # timing noise on a shared CPU
     dp = stats["decode_predictor"]      # Harli's stage 1, fitted and checked on held-out iterations
     assert dp["held_out_iterations"] > 3 and 0 <= dp["held_out_mape"] < 1 and dp["c0"] > 0
+    # stage 2, fitted to fine-tune ops run between decode iterations on a LoRA stage
+    assert dp["colocated_iterations"] >= 18 and dp["colocated_held_out_iterations"] >= 3
+    assert (dp["b1"], dp["k1"]) != (1.0, 1.0) and 0 <= dp["colocated_held_out_mape"] < 1
     fit = json.loads((out / "tiny-llama-s.tp1.fit.json").read_text())
     assert fit["model"] == "tiny-llama-s"
 

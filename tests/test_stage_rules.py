@@ -19,7 +19,7 @@ def _op(kind, tasks, seq, ready_s=0.0, stage=0):
 
 def test_harli_runs_inference_first_and_fine_tunes_only_within_the_tpot_target():
     profile = preset("llama-8b", 2)
-    predictor = DecodeLatencyPredictor(b0=1e-4, c0=5e-3, k0=2e-7)
+    predictor = DecodeLatencyPredictor(b0=1e-4, c0=5e-3, k0=2e-7, b1=1.0, k1=1.0)   # no interference
     train = OnlineTask(9, "train", 0.0, 128, 2, 0)
     decoding = [Request(OnlineTask(i, "inference", 0.0, 100, 1, 10, 10), context=300) for i in range(4)]
     f = _op("train_f", [train], 1)
@@ -39,6 +39,14 @@ def test_harli_runs_inference_first_and_fine_tunes_only_within_the_tpot_target()
     prefill = _op("prefill", decoding[:1], 2, ready_s=5.0)
     assert tight.order(node, 0, [f, prefill], 6.0) == [prefill]     # inference first, even if younger
     assert tight.order(node, 0, [f], 6.0) == [f]                     # no inference on the node: train
+    # stage 2 with interference, b1 = 1.5: the op's stage takes (1.5 s + (1 - s)) solo / s
+    # = 1.5 solo + d_train, half a solo iteration more than the target that fitted before
+    from dataclasses import replace
+    slowed = HarliRule(replace(predictor, b1=1.5), iteration + d_train + 1e-9, profile)
+    node = NodeScheduler(0, profile, LemixParams(), False, rule=slowed)
+    node.joining = list(decoding)
+    assert slowed.with_finetune_s(node, f) == pytest.approx(iteration + iteration / 4 + d_train)
+    assert slowed.order(node, 0, [f], 0.0) == []
 
 
 def test_harli_predictor_is_fitted_to_the_node_profile():

@@ -55,6 +55,11 @@ class LemixParams(BaseModel):
     # Harli's rule: the TPOT target, in units of the node's predicted decode iteration of
     # one request at the reference length (raycolo's default; Harli sets a QoS target).
     tpot_multiplier: float = Field(default=3.0, gt=0)
+    # Harli's predictor, stage 2 under time shares (b1, k1 of latency_predictor.py; what
+    # ``raycolo profile`` prints): 1, 1 is no interference, an iteration's period is its
+    # decode plus the fine-tune op run before it.
+    harli_b1: float = Field(default=1.0, gt=0, le=100)
+    harli_k1: float = Field(default=1.0, gt=0, le=100)
     sync_bandwidth: float = Field(default=12.5e9, gt=0)
     # MIX-LUF's GPU-utilization query before each allocation (Table III: 76 ms); the
     # simulator charges it, a live executor pays what its query really takes.

@@ -35,7 +35,7 @@ Pure Python, no clock: the node scheduler passes ``now``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import math
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -106,26 +106,39 @@ class HarliRule(StageRule):
     holds = True                           # may leave a stage idle: retry on every op end
     paused: int = 0            # times a fine-tune op was held back (a predicted violation)
 
-    def decode_iteration_s(self, node: "NodeScheduler") -> float:
-        """The predicted latency of the node's next decode iteration (every stage)."""
+    def running(self, node: "NodeScheduler") -> tuple[int, float]:
+        """The node's decoding requests: how many, and their mean context."""
         running = list(node.joining)
         for st in node.stages:
             for op in ([st.busy] if st.busy is not None else []) + [item[2] for item in st.ready]:
                 if op.kind == "decode":
                     running.extend(op.tasks)
         if not running:
-            return 0.0
-        context = sum(r.context for r in running) / len(running)
-        return self.profile.stages * self.predictor.solo(len(running), context)
+            return 0, 0.0
+        return len(running), sum(r.context for r in running) / len(running)
+
+    def decode_iteration_s(self, node: "NodeScheduler") -> float:
+        """The predicted latency of the node's next decode iteration (every stage), solo."""
+        bs, context = self.running(node)
+        return self.profile.stages * self.predictor.solo(bs, context) if bs else 0.0
+
+    def with_finetune_s(self, node: "NodeScheduler", op: "Op") -> float:
+        """The next decode iteration's predicted latency with fine-tune ``op`` run on one
+        stage before it: that stage's part by stage 2 at the time shares the op leaves
+        (with ``b1 = k1 = 1``, its decode plus the op), the other stages' solo."""
+        bs, context = self.running(node)
+        solo = self.predictor.solo(bs, context)
+        op_s = expected_op_s(op, self.profile)
+        share = solo / (solo + op_s)
+        return (self.profile.stages - 1) * solo + self.predictor.colocated(bs, context, share, 1.0 - share)
 
     def order(self, node, stage, ops, now):
         inference, training = split_oldest_first(ops)
         if inference or not training:
             return inference
-        iteration = self.decode_iteration_s(node)
-        if iteration == 0.0 and not node.batch:
+        if self.decode_iteration_s(node) == 0.0 and not node.batch:
             return training                   # no inference on the node: fine-tune freely
-        fits = [op for op in training if iteration + expected_op_s(op, self.profile) <= self.tpot_target_s]
+        fits = [op for op in training if self.with_finetune_s(node, op) <= self.tpot_target_s]
         if len(fits) < len(training):
             self.paused += 1
         return fits
@@ -368,12 +381,13 @@ class MaceRule(StageRule):
 def harli_rule(profile, params) -> HarliRule:
     """Harli's rule for a node. Its predictor (stage 1, per stage) is fitted by least
     squares to the node profile's decode-step model over batch sizes 1-256 and contexts
-    16-4,096 (in the live runtime the profile is the one fitted from measured ops); the
+    16-4,096 (in the live runtime the profile is the one fitted from measured ops), stage 2
+    is ``params.harli_b1`` / ``harli_k1`` (``raycolo profile`` measures them); the
     TPOT target is ``params.tpot_multiplier`` x the predicted decode iteration of one
     request at the profile's reference length."""
     grid = [DecodeSample(bs, ctx, float(profile.decode_step_s(bs, ctx)))
             for bs in (1, 2, 4, 8, 16, 32, 64, 128, 256) for ctx in (16, 64, 256, 1024, 4096)]
-    predictor = fit(grid)
+    predictor = replace(fit(grid), b1=params.harli_b1, k1=params.harli_k1)
     single = profile.stages * predictor.solo(1, profile.reference_length)
     return HarliRule(predictor, params.tpot_multiplier * single, profile)
 
