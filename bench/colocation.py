@@ -13,7 +13,7 @@ headline comparison, as ratios measured here against the same baselines, and SIR
 memory handover timed on a real stage (``--handover-trials``).
 
     .venv/bin/python bench/colocation.py [--model llama-8b] [--nodes 4] [--stages 2]
-        [--rate 100] [--train-rate 0.5] [--tasks 1000] [--seed 0] [--trace CSV]
+        [--rate 100] [--train-rate 0.5] [--tasks 1000] [--train-batch 1] [--seed 0] [--trace CSV]
         [--json out/bench_colocation.json]
 
 Live runs of the same policies: ``bench/online_live.py --policies lemix,harli,sirius,mace``.
@@ -55,9 +55,9 @@ HEADLINES = [
 def write_csv(tasks, path: Path) -> None:
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["timestamp", "length", "kind", "decode_tokens"])
+        w.writerow(["timestamp", "length", "kind", "decode_tokens", "batch"])
         for t in tasks:
-            w.writerow([f"{t.arrival_s:.6f}", t.length, t.kind, t.decode_tokens if not t.is_train else ""])
+            w.writerow([f"{t.arrival_s:.6f}", t.length, t.kind, t.decode_tokens if not t.is_train else "", t.batch])
 
 
 def run(tasks, args, policy: str) -> dict:
@@ -118,6 +118,8 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=100.0)
     ap.add_argument("--train-rate", type=float, default=0.5)
     ap.add_argument("--tasks", type=int, default=1000)
+    ap.add_argument("--train-batch", type=int, default=1,
+                    help="samples per training task (SIRIUS splits those that do not fit; default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", default=None, help="CSV to replay (default: the Poisson trace, written and read back)")
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -126,9 +128,10 @@ def main() -> int:
     args = ap.parse_args()
 
     started = time.perf_counter()
-    poisson = poisson_workload(args.rate, args.train_rate, args.tasks, seed=args.seed)
+    poisson = poisson_workload(args.rate, args.train_rate, args.tasks, seed=args.seed, train_batch=args.train_batch)
     traces = {"poisson": poisson,
-              "bursty": bursty_workload(args.rate, args.train_rate, args.tasks, seed=args.seed)}
+              "bursty": bursty_workload(args.rate, args.train_rate, args.tasks, seed=args.seed,
+                                        train_batch=args.train_batch)}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.trace) if args.trace else Path(tmp) / "poisson.csv"
         if not args.trace:
@@ -141,7 +144,8 @@ def main() -> int:
         print(f"[colocation] {name}: {len(tasks)} tasks done", file=sys.stderr, flush=True)
 
     print(f"Co-location policies, simulated: {args.model} preset, {args.nodes} nodes x {args.stages} stages, "
-          f"{args.tasks} tasks at {args.rate:g}/s, training share {args.train_rate:g}, seed {args.seed}")
+          f"{args.tasks} tasks at {args.rate:g}/s, training share {args.train_rate:g} in tasks of "
+          f"{args.train_batch} samples, seed {args.seed}")
     for name, rows in report["runs"].items():
         print(f"\n### {name}\n| policy | TTFT p50/p99 ms | TPOT p50/p99 ms | SLO att. | fine-tune/s | "
               "aborts/splits | exactly once |\n|---|---:|---:|---:|---:|---:|---|")

@@ -101,7 +101,9 @@ def test_preference_pairs_train_with_dpo_across_the_pipeline_stages(deployment):
     assert figures["pairs"] == 16 and math.isfinite(figures["clpd"])
 
 
-@pytest.mark.parametrize("policy", ["lemix", "mix-rr", "separate", "lemix+harli", "sirius", "mace"])
+@pytest.mark.parametrize("policy", ["lemix", "mix-rr", "separate", "harli", "lemix+harli", "harli-static",
+                                    "sirius", "lemix+sirius", "sirius-timeshare", "sirius-static", "mace",
+                                    "lemix+mace", "mace-sync", "mace-periodic"])
 def test_every_task_of_a_short_trace_completes_exactly_once(deployment, policy):
     dep, _, _ = deployment
     dep.use_policy(policy)
