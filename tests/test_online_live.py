@@ -141,14 +141,16 @@ def test_a_killed_stage_worker_restarts_its_group_and_loses_nothing(deployment):
     dep, config, _ = deployment
     dep.use_policy("mix-rr")
     rng = seeded_rng(1, "test-kill")
-    dep.add_samples([learnable_pair(rng, 12, 259) for _ in range(4)])
-    for _ in range(2):
+    for _ in range(config.lora.checkpoint_every):   # until a node trained since its checkpoint
+        dep.add_samples([learnable_pair(rng, 12, 259) for _ in range(2)])
         dep.train()
-    dep.drain()
-    deadline = time.monotonic() + 60
-    while (stats := dep.stats())["checkpoints_uncommitted"]:     # Ray Train commits in ~1 s
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+        dep.drain()
+        deadline = time.monotonic() + 60
+        while (stats := dep.stats())["checkpoints_uncommitted"]:     # Ray Train commits in ~1 s
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        if max(stats["samples_since_checkpoint"]) > 0:
+            break
     victim = max(range(config.nodes), key=lambda n: stats["samples_since_checkpoint"][n])
     since = stats["samples_since_checkpoint"][victim]
     assert since > 0, stats      # the restart has samples to train again
