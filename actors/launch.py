@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import ray
 
+from raycolo.actors.local_cluster import start_local
 from raycolo.actors.engine_actor import EngineActor
 from raycolo.errors import ConfigError
 from raycolo.planner.problem import PlanningProblem
@@ -38,8 +39,7 @@ def connect(config: RunConfig, local_gpus: Optional[int] = None) -> None:
         ray.init(address=config.address, log_to_driver=False)
         return
     gpus = local_gpus or config.gpus or 2
-    ray.init(address="local", num_gpus=gpus, num_cpus=gpus + 2, include_dashboard=False,
-             log_to_driver=False)
+    start_local(num_gpus=gpus, num_cpus=gpus + 2, include_dashboard=False, log_to_driver=False)
 
 
 def cluster_gpus() -> int:

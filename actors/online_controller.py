@@ -123,7 +123,7 @@ class OnlineController(AdapterVersions, Reports):
         self.device: dict = {}                        # (node, stage) -> its device's last reading
         self.busy_seen = 0                            # op_log entries counted into busy_s
         self._starting: Optional[asyncio.Task] = None
-        self.cancelled = 0                            # requests ended early by their clients
+        self.cancelled: dict[str, int] = {}           # requests ended early, by reason: stop, abort (client gone)
 
     # -- start and stop ----------------------------------------------------------------------
     async def start(self, timeout_s: float = 300.0) -> dict:
@@ -532,7 +532,7 @@ class OnlineController(AdapterVersions, Reports):
         req = self.requests.get(rid)
         if req is not None and req.finish_reason is None and req.cancelled is None:
             req.cancelled = reason
-            self.cancelled += 1
+            self.cancelled[reason] = self.cancelled.get(reason, 0) + 1
 
     async def stream(self, rid: int):
         """Tokens of request ``rid`` as they come: ("token", id) ... then ("done", reason)."""

@@ -19,6 +19,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import ray
 
+from raycolo.actors.local_cluster import start_local
 from raycolo.actors.online_controller import OnlineController
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.online.config import OnlineConfig
@@ -63,8 +64,8 @@ class OnlineDeployment:
                 ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
             else:
                 need = config.nodes * config.stages
-                ray.init(address="local", num_gpus=gpus or need, num_cpus=max(2, int(need * config.stage.cpus_per_worker) + 2),
-                         namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+                start_local(num_gpus=gpus or need, num_cpus=max(2, int(need * config.stage.cpus_per_worker) + 2),
+                            namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
                 started = True
         name = f"raycolo-online-{uuid.uuid4().hex[:8]}"
         controller = OnlineController.options(name=name, namespace=NAMESPACE).remote(

@@ -88,6 +88,8 @@ class Reports:
             "samples_since_checkpoint": [len(x) for x in self.ledger.since],
             "checkpoints_uncommitted": len(self.ledger.reported),
             "resumed_tasks": self.cluster.resumed,
+            "cancelled": dict(self.cancelled),      # by reason: "stop" (a stop string), "abort" (client gone)
+            "unfinished": self.unfinished(),
         }
 
     async def sample_ledger(self) -> dict:

@@ -30,6 +30,7 @@ from ray import serve
 
 from raycolo.errors import ConfigError
 from raycolo.online.config import OnlineConfig, load_online_config, parse_online_config
+from raycolo.online.samples import StoreFull
 from raycolo.serving.errors import OpenAIError, from_error
 from raycolo.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health,
                                       ModelCard, ModelList, TrainSamplesRequest, TrainSamplesResponse,
@@ -385,7 +386,11 @@ class OpenAIIngress:
     async def train_samples(self, body: TrainSamplesRequest) -> TrainSamplesResponse:
         """Validate, persist (fsync) and acknowledge samples; they are trained as they come."""
         pairs = self._pairs(body)
-        out = await self.controller.add_samples.remote(pairs, True)
+        try:
+            out = await self.controller.add_samples.remote(pairs, True)
+        except StoreFull as exc:        # nothing was stored, so nothing is acknowledged
+            raise OpenAIError(507, str(exc).splitlines()[-1].split("StoreFull: ")[-1],
+                              code="sample_store_full") from None
         self.metrics.samples_received.inc(len(pairs), tags={"model_name": self.model_name})
         return TrainSamplesResponse(ids=out["ids"], sequence=out["stored"], persisted=True)
 
@@ -419,7 +424,8 @@ class OpenAIIngress:
         return {"model": self.model_name, **{k: stats[k] for k in (
                     "policy", "nodes", "stages", "now_s", "requests", "completed", "train_done",
                     "samples_stored", "samples_pending", "adapter_version", "queues", "restarts",
-                    "dead_nodes", "checkpoint_versions", "decision_us_p50", "decision_us_p99")},
+                    "dead_nodes", "checkpoint_versions", "decision_us_p50", "decision_us_p99", "cancelled",
+                    "unfinished")},
                 "slo_attainment": monitor["slo_attainment"],
                 "throughput_tasks_per_s": result.get("throughput_tasks_per_s"),
                 "training_rate_steps_per_s": monitor["optimizer_steps"] / stats["now_s"] if stats["now_s"] else 0.0,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-import time
 from typing import Optional
 
 import ray
 
+from raycolo.actors.local_cluster import start_local
 from raycolo.online.config import OnlineConfig
 
 NAMESPACE = "raycolo"
@@ -27,10 +27,10 @@ def init_ray(config: OnlineConfig, address: Optional[str] = None,
         ctx = ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         return False, ctx.dashboard_url
     need = config.nodes * config.stages
-    ctx = ray.init(address="local", num_gpus=need, num_cpus=max(2, int(need * config.stage.cpus_per_worker) + 2),
-             namespace=NAMESPACE, include_dashboard=True, dashboard_host="127.0.0.1",
-             log_to_driver=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000})
+    ctx = start_local(num_gpus=need, num_cpus=max(2, int(need * config.stage.cpus_per_worker) + 2),
+                      namespace=NAMESPACE, include_dashboard=True, dashboard_host="127.0.0.1",
+                      log_to_driver=False, _metrics_export_port=metrics_port,
+                      _system_config={"metrics_report_interval_ms": 1000})
     return True, ctx.dashboard_url
 
 

@@ -42,7 +42,10 @@ def test_a_torn_last_line_was_never_acknowledged_and_is_dropped(tmp_path):
     store.close()
     with open(tmp_path / "samples.jsonl", "a") as f:
         f.write('{"seq": 1, "prompt": [1')               # a crash mid-write
-    assert len(SampleStore(tmp_path)) == 1
+    again = SampleStore(tmp_path)
+    assert len(again) == 1 and again.append([([5], [6])]) == [1]   # the torn line is cut, not merged
+    again.close()
+    assert [s.completion for s in SampleStore(tmp_path).get([0, 1])] == [(3,), (6,)]
 
 
 def test_take_trains_each_sample_once_per_epoch_in_order(tmp_path):
@@ -135,3 +138,42 @@ def test_ledger_rolls_back_to_the_restored_checkpoint_and_hands_back_the_rest():
     ledger.lose(1)
     ledger.lose(1)                   # a second failure before the group came back
     assert ledger.abandon(1) == [4, 7] and ledger.trained[4] == 0 == ledger.trained[7]
+
+
+def test_a_full_disk_refuses_the_batch_whole_and_keeps_what_was_acknowledged(tmp_path):
+    """The store's file handle on a device that is always full (/dev/full: every write
+    fails with ENOSPC): append raises StoreFull naming the file, nothing is counted as
+    stored, and once the store is back on its own file the refused batch's buffered text
+    never reaches it."""
+    from raycolo.online.samples import StoreFull
+
+    store = SampleStore(tmp_path)
+    store.append([([1], [2])])
+    store._file.close()
+    store._file = open("/dev/full", "a", encoding="utf-8")     # the disk fills up
+    with pytest.raises(StoreFull, match=r"samples.jsonl: No space left on device; nothing was stored"):
+        store.append([([1], [2]), ([3], [4])])
+    assert len(store) == 1
+    assert store.append([([7], [8])]) == [1]                 # space again: the store reopened its file
+    store.close()
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [(r["seq"], r["completion"]) for r in rows] == [(0, [2]), (1, [8])]
+
+
+def test_a_failed_write_is_cut_back_so_the_file_holds_only_acknowledged_samples(tmp_path):
+    """A write that fails (here: the store's descriptor went bad under it) leaves the file
+    as it was before the batch, and the store goes on."""
+    import os
+
+    from raycolo.online.samples import StoreFull
+
+    store = SampleStore(tmp_path)
+    store.append([([1], [2])])
+    before = (tmp_path / "samples.jsonl").read_bytes()
+    os.close(store._file.fileno())           # the descriptor goes bad under the store
+    with pytest.raises(StoreFull, match="nothing was stored"):
+        store.append([([3], [4])])
+    assert (tmp_path / "samples.jsonl").read_bytes() == before and len(store) == 1
+    assert store.append([([5], [6])]) == [1]   # the store reopened its file and goes on
+    store.close()
+    assert len(SampleStore(tmp_path)) == 2

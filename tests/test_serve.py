@@ -165,6 +165,7 @@ def error_of(response):
     ('{"prompt": "x"}', "model"),
     ('{"model": "tiny-llama-s", "prompt": "x"', None),
     ('[' * 20000 + ']' * 20000, None),
+    (b'{"model": "tiny-llama-s", "prompt": "\xff\xfe not UTF-8"}', None),
 ])
 def test_malformed_requests_get_400_naming_the_parameter(front, body, param):
     with http(front) as h:
@@ -356,6 +357,106 @@ def test_preference_pairs_over_http_are_stored_trained_and_evaluated(front):
             assert r.status_code == 400 and error_of(r)["param"].startswith("samples"), (bad, r.text)
         mixed = h.post("/v1/eval", json={"samples": [pairs[0], {"prompt": "p", "completion": "a"}]})
         assert mixed.status_code == 400 and error_of(mixed)["param"] == "samples"
+
+
+# -- clients that go away or never read -------------------------------------------------------------
+def _stats(h):
+    return h.get("/v1/stats").json()
+
+
+def test_a_client_that_disconnects_mid_stream_is_cancelled_and_its_kv_freed(front):
+    with http(front) as h:
+        before = _stats(h)["cancelled"].get("abort", 0)
+        with h.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "go away", "max_tokens": 400,
+                                                       "stream": True, "ignore_eos": True}) as r:
+            assert r.status_code == 200
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks >= 2:
+                    break                               # and the connection closes here
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            stats = _stats(h)
+            if stats["cancelled"].get("abort", 0) > before and stats["unfinished"] == 0:
+                break
+            time.sleep(0.2)
+        assert stats["cancelled"].get("abort", 0) == before + 1, stats["cancelled"]
+        assert stats["unfinished"] == 0
+        assert sum(st["memory_bytes"] for st in stats["stages"]) == 0      # its KV reservation is gone
+        # and the service goes on
+        r = h.post("/v1/completions", json={"model": MODEL, "prompt": "still here", "max_tokens": 3,
+                                            "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_stream_nobody_reads_does_not_stall_the_others(front):
+    """A client opens a stream and reads nothing for 5 s: other requests complete meanwhile,
+    /health answers, and once the slow client goes its request is cancelled."""
+    import socket as sockets
+
+    host, port = front["url"].removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": "slow", "max_tokens": 300, "stream": True, "ignore_eos": True})
+    slow = sockets.create_connection((host, int(port)))
+    slow.setsockopt(sockets.SOL_SOCKET, sockets.SO_RCVBUF, 1024)
+    slow.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    try:
+        started = time.time()
+        with http(front) as h:
+            before = _stats(h)["cancelled"].get("abort", 0)
+            while time.time() - started < 5:
+                assert h.get("/health").status_code == 200
+                r = h.post("/v1/completions", json={"model": MODEL, "prompt": "meanwhile", "max_tokens": 2,
+                                                    "ignore_eos": True})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        slow.close()
+    with http(front) as h:
+        deadline = time.time() + 60
+        while time.time() < deadline and _stats(h)["unfinished"]:
+            time.sleep(0.2)
+        stats = _stats(h)
+    assert stats["unfinished"] == 0
+    assert stats["cancelled"].get("abort", 0) + stats["completed"] > before
+
+
+# -- security --------------------------------------------------------------------------------------
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def test_everything_the_deployment_started_listens_on_loopback_only(front):
+    """Every listening socket of every process this deployment started (Ray's GCS, raylet,
+    agents, workers, Serve's proxy, the stage workers) is on a loopback address."""
+    import psutil
+
+    me = psutil.Process()
+    listening = []
+    for proc in [me] + me.children(recursive=True):
+        try:
+            for c in proc.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    listening.append((proc.name(), c.laddr.ip, c.laddr.port))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    ports = {port for _, _, port in listening}
+    assert int(front["url"].rsplit(":", 1)[1]) in ports and front["metrics_port"] in ports
+    assert len(listening) > 5 and all(ip in LOOPBACK for _, ip, _ in listening), \
+        [x for x in listening if x[1] not in LOOPBACK]
+
+
+def test_the_api_key_is_in_no_log_metric_or_report(front):
+    import ray
+
+    with http(front) as h:
+        texts = [h.get("/v1/stats").text, h.get("/v1/train_samples/status").text, h.get("/v1/models").text]
+    texts.append(httpx.get(f"http://127.0.0.1:{front['metrics_port']}/metrics", timeout=30).text)
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    logs = [f for f in (session / "logs").rglob("*") if f.is_file()]
+    assert len(logs) > 10
+    texts.extend(f.read_bytes().decode("utf-8", "replace") for f in logs)
+    texts.extend(f.read_text(errors="replace") for f in front["out"].rglob("*.json"))
+    assert not [t for t in texts if KEY in t]
 
 
 # -- the schema, fuzzed --------------------------------------------------------------------------

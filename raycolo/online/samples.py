@@ -100,6 +100,10 @@ def clip_sample(sample: Sequence[Sequence[int]], max_len: int) -> tuple[list[int
     return (prompt, *[list(c)[:max(0, max_len - len(prompt))] for c in sample[1:]])
 
 
+class StoreFull(OSError):
+    """The store could not persist a batch (disk full, read-only): nothing of it is stored."""
+
+
 class SampleStore:
     def __init__(self, directory):
         self.directory = Path(directory)
@@ -116,15 +120,23 @@ class SampleStore:
             self._file = open(self.path, "a", encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"sample_store: cannot write {self.path}: {exc.strerror}") from None
+        self._acknowledged = self.path.stat().st_size   # bytes of acknowledged samples on disk
 
     def _load(self) -> None:
-        with open(self.path, encoding="utf-8") as f:
+        good = 0
+        with open(self.path, "rb") as f:
             for line in f:
-                if not line.endswith("\n"):
+                if not line.endswith(b"\n"):
                     break  # a torn last line was never acknowledged: drop it
                 row = json.loads(line)
                 self._samples.append(Sample(row["seq"], tuple(row["prompt"]), tuple(row["completion"]),
                                             tuple(row.get("rejected", ()))))
+                good += len(line)
+        if self.path.stat().st_size > good:
+            try:                 # cut the torn line, so the next append starts a line of its own
+                os.truncate(self.path, good)
+            except OSError as exc:
+                raise ConfigError(f"sample_store: cannot repair {self.path}: {exc.strerror}") from None
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -142,9 +154,26 @@ class SampleStore:
                 self._file.flush()
                 os.fsync(self._file.fileno())
             except OSError as exc:
-                raise OSError(f"sample_store: {self.path}: {exc.strerror}; nothing was stored") from exc
+                self._rollback()
+                raise StoreFull(f"sample_store: {self.path}: {exc.strerror or exc}; nothing was stored") from None
+            self._acknowledged = self.path.stat().st_size
             self._samples.extend(rows)
             return [s.seq for s in rows]
+
+    def _rollback(self) -> None:
+        """A write failed part way (a full or read-only disk): cut the file back to its last
+        acknowledged byte and drop whatever the buffer still holds, so that nothing of the
+        refused batch reaches the disk later."""
+        try:
+            self._file.close()
+        except OSError:
+            pass                 # closing flushes the refused text: it fails again, and is dropped
+        try:
+            if self.path.stat().st_size > self._acknowledged:
+                os.truncate(self.path, self._acknowledged)
+        except OSError:
+            pass                 # not writable: the next append fails the same way
+        self._file = open(self.path, "a", encoding="utf-8")
 
     def take(self, cursor: Cursor, count: int) -> tuple[list[Sample], Cursor]:
         """Up to ``count`` samples from ``cursor`` on, and the cursor after them. An epoch

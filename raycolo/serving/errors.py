@@ -13,7 +13,7 @@ from pydantic import ValidationError
 # status -> OpenAI's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
-               503: "service_unavailable"}
+               503: "service_unavailable", 507: "insufficient_storage"}
 
 
 class OpenAIError(Exception):

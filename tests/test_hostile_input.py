@@ -1,0 +1,292 @@
+"""Hostile and malformed input, generated (hypothesis): every surface either accepts the
+input or refuses it with one ``error:`` line that names the field or file. Never a
+traceback, never a hang.
+
+Surfaces: application-graph YAML, request files, online deployment configs, trace CSVs,
+and the flags of the CLI commands that run in-process. Each file surface gets
+``FUZZ_EXAMPLES`` generated inputs (default 500; ``make fuzz`` sets
+``RAYCOLO_FUZZ_EXAMPLES`` higher); the CLI flags get a fifth of that per command, since
+an accepted flag runs the command. Every run counts what it tried and how each ended
+(``FUZZ_COUNTS``, printed at the end of the session: tried, rejected cleanly, accepted;
+a crash fails the test that met it).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from raycolo.errors import RaycoloError
+
+ROOT = Path(__file__).resolve().parent.parent
+FUZZ_EXAMPLES = int(os.environ.get("RAYCOLO_FUZZ_EXAMPLES", "500"))
+FUZZ_COUNTS: Counter = Counter()
+FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
+                suppress_health_check=list(HealthCheck))
+
+# -- hostile values ------------------------------------------------------------------------------
+NUMBERS = st.one_of(
+    st.integers(min_value=-(10 ** 30), max_value=10 ** 30),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, -1, 1, 2 ** 63, -(2 ** 63), 10 ** 40, 1e308, float("nan"), float("inf")]),
+)
+TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=24)
+SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, TEXT)
+VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(TEXT, inner, max_size=4)),
+                      max_leaves=12)
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _clean(surface: str, fn) -> None:
+    """``fn()`` returns, or raises a RaycoloError whose text is one line; anything else fails."""
+    FUZZ_COUNTS[(surface, "tried")] += 1
+    try:
+        fn()
+    except RaycoloError as exc:
+        text = str(exc)
+        assert text.strip() and "\n" not in text and "Traceback" not in text, repr(text)
+        FUZZ_COUNTS[(surface, "rejected")] += 1
+        return
+    FUZZ_COUNTS[(surface, "accepted")] += 1
+
+
+def _mutate(base: dict, path: list, value) -> dict:
+    """``base`` with the value at ``path`` (keys/indices, created where missing) replaced."""
+    data = json.loads(json.dumps(base))
+    node = data
+    for key in path[:-1]:
+        if isinstance(node, dict):
+            node = node.setdefault(key, {}) if not isinstance(node.get(key), (dict, list)) else node[key]
+        elif isinstance(node, list) and node:
+            node = node[key % len(node)] if isinstance(key, int) else node[0]
+        else:
+            return data
+        if not isinstance(node, (dict, list)):
+            return data
+    last = path[-1]
+    if isinstance(node, dict):
+        node[last if not isinstance(last, int) else str(last)] = value
+    elif isinstance(node, list) and node:
+        node[last % len(node) if isinstance(last, int) else 0] = value
+    return data
+
+
+def _paths(base) -> list[list]:
+    """Every key path in ``base`` (to mutate one)."""
+    out = []
+    if isinstance(base, dict):
+        for k, v in base.items():
+            out.append([k])
+            out.extend([k] + p for p in _paths(v))
+    elif isinstance(base, list):
+        for i, v in enumerate(base):
+            out.append([i])
+            out.extend([i] + p for p in _paths(v))
+    return out
+
+
+def _write_yaml(path: Path, data) -> Path:
+    try:
+        path.write_text(yaml.safe_dump(data, allow_unicode=True), encoding="utf-8")
+    except (yaml.YAMLError, RecursionError, UnicodeEncodeError):
+        path.write_text(json.dumps(data, default=str), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _report_counts():
+    yield
+    if FUZZ_COUNTS:
+        surfaces = sorted({s for s, _ in FUZZ_COUNTS})
+        lines = [f"  {s}: tried {FUZZ_COUNTS[(s, 'tried')]}, rejected cleanly {FUZZ_COUNTS[(s, 'rejected')]}, "
+                 f"accepted {FUZZ_COUNTS[(s, 'accepted')]}, crashed 0" for s in surfaces]
+        print("\nhostile input:\n" + "\n".join(lines))
+
+
+# -- application graphs (raycolo plan / compare / run) ------------------------------------------
+TINY = yaml.safe_load((ROOT / "examples" / "tiny.yaml").read_text())
+TINY_PATHS = _paths(TINY)
+
+
+@FUZZ
+@given(path=st.sampled_from(TINY_PATHS), value=VALUES, extra=st.sampled_from([None, "tail", "deep"]))
+def test_application_graphs(tmp_path_factory, path, value, extra):
+    from raycolo.dag import load_app
+    from raycolo.workload import build_workload
+
+    f = tmp_path_factory.mktemp("app") / "app.yaml"
+    if extra == "deep":
+        f.write_text(f"name: x\nnodes: {_deep(5000)}\n")
+    else:
+        _write_yaml(f, _mutate(TINY, path if extra is None else path + ["tail"], value))
+    _clean("application graph YAML", lambda: build_workload(load_app(f), requests=4))
+
+
+@FUZZ
+@given(raw=st.binary(max_size=200))
+def test_application_graph_bytes(tmp_path_factory, raw):
+    from raycolo.dag import load_app
+
+    f = tmp_path_factory.mktemp("app") / "app.yaml"
+    f.write_bytes(raw)
+    _clean("application graph bytes", lambda: load_app(f))
+
+
+# -- request files ---------------------------------------------------------------------------------
+@FUZZ
+@given(rows=st.lists(st.one_of(st.dictionaries(st.sampled_from(["prompt", "input_tokens", "output_tokens",
+                                                                 "text", "id"]), VALUES, max_size=3),
+                               VALUES), min_size=0, max_size=5),
+       junk=st.sampled_from(["", "\xff\xfe", "{", "[1, 2]", "null"]))
+def test_request_files(tmp_path_factory, rows, junk):
+    from raycolo.workload import _read_request_file
+
+    f = tmp_path_factory.mktemp("req") / "requests.jsonl"
+    lines = []
+    for r in rows:
+        try:
+            lines.append(json.dumps(r, allow_nan=True))
+        except (TypeError, ValueError):
+            lines.append(str(r))
+    data = ("\n".join(lines) + "\n" + junk).encode("utf-8", "surrogateescape") if junk != "\xff\xfe" \
+        else "\n".join(lines).encode() + b"\n\xff\xfe\n"
+    f.write_bytes(data)
+    _clean("request file", lambda: _read_request_file(f, None))
+
+
+# -- online configs (raycolo online run / serve) -------------------------------------------------
+ONLINE = yaml.safe_load((ROOT / "examples" / "online.yaml").read_text())
+ONLINE_PATHS = _paths(ONLINE) + [["lora", "dpo_beta"], ["lemix", "harli_b1"], ["serve", "host"], ["stage", "memory_bytes"]]
+
+
+@FUZZ
+@given(path=st.sampled_from(ONLINE_PATHS), value=VALUES, deep=st.booleans())
+def test_online_configs(tmp_path_factory, path, value, deep):
+    from raycolo.online.config import layer_bounds, load_online_config, model_hf_config
+
+    f = tmp_path_factory.mktemp("online") / "online.yaml"
+    if deep:
+        f.write_text("lora: " + _deep(3000) + "\n")
+    else:
+        _write_yaml(f, _mutate(ONLINE, path, value))
+
+    def load():
+        config = load_online_config(str(f))
+        layer_bounds(model_hf_config(config.model_loading_config.model_id).num_hidden_layers, config.stages)
+    _clean("online config", load)
+
+
+# -- trace CSVs (simulate-online --trace, online run --trace) -------------------------------------
+CELLS = st.one_of(st.sampled_from(["", "nan", "inf", "-inf", "-1", "0", "1e400", "train", "inference", "x",
+                                   "99999999999999999999", "1.5", " 3", "\"", ","]),
+                  NUMBERS.map(str), TEXT)
+
+
+@FUZZ
+@given(header=st.lists(st.sampled_from(["timestamp", "length", "kind", "decode_tokens", "batch", "max_tokens",
+                                        "extra", ""]), min_size=0, max_size=6),
+       rows=st.lists(st.lists(CELLS, min_size=0, max_size=6), min_size=0, max_size=6))
+def test_trace_csvs(tmp_path_factory, header, rows):
+    from raycolo.online.tasks import load_trace
+
+    f = tmp_path_factory.mktemp("trace") / "trace.csv"
+    with f.open("w", encoding="utf-8", errors="surrogateescape") as out:
+        out.write(",".join(header) + "\n")
+        for row in rows:
+            out.write(",".join(row) + "\n")
+    _clean("trace CSV", lambda: load_trace(f, seed=0, limit=50))
+
+
+# -- CLI flags (in-process; an accepted value runs the command, kept small) -----------------------
+HOSTILE_FLAG_VALUES = st.one_of(
+    st.sampled_from(["nan", "NaN", "inf", "-inf", "-1", "0", "1e400", "1e12", "99999999999999999999", "abc", "",
+                     " ", "0x10", "1,2", ",", "1e-300", "-0", "١٢", "--json", "\x00", "../../etc/passwd",
+                     _deep(200)]),
+    TEXT.filter(lambda s: "\x00" not in s),
+)
+SMALL = {"plan": ["--requests", "8", "--gpus", "2", "--nvlink-group", "1", "--gpu-memory", "4GiB", "--profile", "cpu"],
+         "compare": ["--requests", "8", "--gpus", "2", "--nvlink-group", "1", "--gpu-memory", "4GiB",
+                     "--profile", "cpu", "--policies", "samullm,max"],
+         "simulate-online": ["--tasks", "20"],
+         "sweep-online": ["--tasks", "10", "--rates", "10", "--train-rates", "0.5", "--policies", "mix-rr"]}
+SKIP_FLAGS = {"--help"}
+
+
+def _value_flags(command: str) -> list[str]:
+    from raycolo.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    return sorted(opt for a in sub._actions for opt in a.option_strings
+                  if opt.startswith("--") and a.nargs != 0 and opt not in SKIP_FLAGS)
+
+
+def _run_cli(argv: list[str], seconds: int = 60) -> tuple[int, str]:
+    from raycolo.cli import main
+
+    def timeout(*_):
+        raise TimeoutError(f"raycolo {' '.join(argv)} did not finish in {seconds} s")
+
+    err, out = io.StringIO(), io.StringIO()
+    old = signal.signal(signal.SIGALRM, timeout)
+    signal.alarm(seconds)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                rc = main(argv)
+            except SystemExit as exc:
+                rc = exc.code
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    return rc, err.getvalue()
+
+
+@pytest.mark.parametrize("command", sorted(SMALL))
+def test_cli_flags(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                      # output flags write here, never in the repo
+    flags = _value_flags(command)
+    app = [str(ROOT / "examples" / "tiny.yaml")] if command in ("plan", "compare") else []
+
+    @settings(max_examples=max(20, FUZZ_EXAMPLES // 5), deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(flag=st.sampled_from(flags), value=HOSTILE_FLAG_VALUES)
+    def check(flag, value):
+        base = [x for i, x in enumerate(SMALL[command])
+                if not (x == flag or (i > 0 and SMALL[command][i - 1] == flag))]
+        rc, err = _run_cli([command, *app, *base, flag, value])
+        FUZZ_COUNTS[(f"CLI {command} flags", "tried")] += 1
+        assert "Traceback" not in err, err
+        if rc == 0:
+            FUZZ_COUNTS[(f"CLI {command} flags", "accepted")] += 1
+            return
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (flag, value, rc, err)
+        FUZZ_COUNTS[(f"CLI {command} flags", "rejected")] += 1
+        named = flag in lines[0] or flag.lstrip("-").replace("-", "_") in lines[0] or \
+            any(ch in lines[0] for ch in (value.strip() or "\x01",)) or "argument" in lines[0]
+        assert named, (flag, value, lines[0])
+
+    check()
+
+
+def test_numbers_that_no_surface_may_take_silently():
+    """A few values every count flag must refuse, whatever else the fuzz tried."""
+    for command, flag in (("simulate-online", "--tasks"), ("simulate-online", "--rate"),
+                          ("sweep-online", "--tasks"), ("plan", "--requests"), ("plan", "--gpus")):
+        app = [str(ROOT / "examples" / "tiny.yaml")] if command == "plan" else []
+        for value in ("nan", "-1", "1e400", "99999999999999999999"):
+            rc, err = _run_cli([command, *app, flag, value])
+            assert rc == 2 and err.count("\n") == 1 and err.startswith("error: "), (command, flag, value, err)
