@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from raycolo.costmodel.latency import resolve_profile_dir  # noqa: F401  (also imported from here)
-from raycolo.errors import RaycoloError
+from raycolo.errors import RaycoloError, one_line
 
 EXIT_USAGE = 2
 EXIT_RUNTIME = 1
@@ -20,19 +20,39 @@ EXIT_RUNTIME = 1
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage block
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {one_line(message.removeprefix('argument '))}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
+
+
+def _int(lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi] (a huge count is refused, not tried)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(
+                f"must be positive, got {value}" if lo == 1 else f"must be at least {lo}, got {value}")
+        if value > hi:
+            raise argparse.ArgumentTypeError(f"must be at most {hi}, got {value}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+GPUS, COUNT, SEED, THREADS, TOKENS = _int(1, 4096), _int(1, 10_000_000), _int(0, 2 ** 63 - 1), _int(1, 1024), _int(1, 1 << 16)
 
 
 def _add_problem_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("dag", help="application graph (YAML)")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs on the node (default 8)")
+    p.add_argument("--gpus", type=GPUS, default=8, help="GPUs on the node (default 8)")
     p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU (default 80GiB)")
-    p.add_argument("--nvlink-group", type=int, default=2,
+    p.add_argument("--nvlink-group", type=GPUS, default=2,
                    help="GPUs per NVLink group; TP stays inside one (default 2)")
-    p.add_argument("--requests", type=int, default=None,
+    p.add_argument("--requests", type=COUNT, default=None,
                    help="override the request count of every source")
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling (default 0)")
+    p.add_argument("--seed", type=SEED, default=0, help="seed for sampling (default 0)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="directory of latency profiles (<model>.tp<T>.json); defaults otherwise")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -57,20 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
                          help="comma-separated subset (default: all that apply)")
     profile = sub.add_parser("profile", help="measure a model on the torch engine and fit the cost model")
     profile.add_argument("--model", required=True, help="tiny catalog model or checkpoint directory")
-    profile.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torch engine: 1)")
+    profile.add_argument("--tp", type=_int(1, 64), default=1, help="tensor-parallel degree (torch engine: 1)")
     profile.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     profile.add_argument("--out", default="profiles", metavar="DIR", help="output directory")
-    profile.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
-    profile.add_argument("--seed", type=int, default=0)
+    profile.add_argument("--threads", type=THREADS, default=1, help="CPU threads for torch (default 1)")
+    profile.add_argument("--seed", type=SEED, default=0)
     profile.add_argument("--quick", action="store_true", help="a smaller sweep (~30 s)")
     profile.add_argument("--json", action="store_true", help="print the fit statistics as JSON")
     validate = sub.add_parser("validate", help="compare predicted and measured run times")
     validate.add_argument("--profile", default="cpu", metavar="DIR",
                           help="profile directory, or 'cpu' for the shipped tiny-model profiles")
     validate.add_argument("--models", default=None, help="comma-separated tiny models")
-    validate.add_argument("--requests", type=int, default=48, help="requests per case (default 48)")
-    validate.add_argument("--threads", type=int, default=1)
-    validate.add_argument("--seed", type=int, default=4242)
+    validate.add_argument("--requests", type=_int(1, 100_000), default=48, help="requests per case (default 48)")
+    validate.add_argument("--threads", type=THREADS, default=1)
+    validate.add_argument("--seed", type=SEED, default=4242)
     validate.add_argument("--json", action="store_true")
     run = sub.add_parser("run", help="run an application for real on an embedded local Ray cluster")
     run.add_argument("dag", help="application graph (YAML)")
@@ -101,14 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     orun.add_argument("--rate", type=float, default=2.0, help="tasks per second (default 2)")
     orun.add_argument("--train-rate", type=float, default=None,
                       help="fraction of training tasks α (default: the config's train_rate)")
-    orun.add_argument("--tasks", type=int, default=20, help="tasks to replay (default 20)")
+    orun.add_argument("--tasks", type=COUNT, default=20, help="tasks to replay (default 20)")
     orun.add_argument("--lengths", default="hh-rlhf", help="query lengths: hh-rlhf or shp")
-    orun.add_argument("--max-length", type=int, default=64, help="clip query lengths to this (default 64)")
-    orun.add_argument("--max-decode", type=int, default=16, help="clip decode lengths to this (default 16)")
+    orun.add_argument("--max-length", type=TOKENS, default=64, help="clip query lengths to this (default 64)")
+    orun.add_argument("--max-decode", type=TOKENS, default=16, help="clip decode lengths to this (default 16)")
     orun.add_argument("--preference-share", type=float, default=0.0,
                       help="fraction of training tasks that are preference pairs, trained with the DPO "
                            "loss; >0 also reports held-out win rate and CLPD before and after (default 0)")
-    orun.add_argument("--seed", type=int, default=0)
+    orun.add_argument("--seed", type=SEED, default=0)
     orun.add_argument("--address", default=None, help="Ray cluster address (default: a local cluster)")
     orun.add_argument("--save-profile", default=None, metavar="JSON", help="write the fitted node profile")
     orun.add_argument("--plot", default=None, metavar="PNG", help="active nodes over time and the TTFT CDF")
@@ -118,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("config", help="online deployment config (YAML), e.g. examples/online.yaml")
     srv.add_argument("--address", default=None, help="Ray cluster to join (default: a local cluster)")
     srv.add_argument("--host", default=None, help="HTTP host (default: the config's serve.host, 127.0.0.1)")
-    srv.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's serve.port, 8000)")
+    srv.add_argument("--port", type=_int(1, 65535), default=None, help="HTTP port (default: the config's serve.port, 8000)")
     run_dag = sub.add_parser("run-dag", help="what jobs/run_dag.py runs under 'ray job submit'")
     run_dag.add_argument("--dag", required=True, help="application graph (YAML)")
     _add_run_flags(run_dag, local=False)
@@ -127,11 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_online_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-8b", help="preset: gpt-400m ... llama-70b (default llama-8b)")
-    p.add_argument("--nodes", type=int, default=4, help="nodes (default 4)")
-    p.add_argument("--stages", type=int, default=2, help="pipeline stages (GPUs) per node (default 2)")
-    p.add_argument("--tasks", type=int, default=1000, help="tasks to simulate (default 1000)")
+    p.add_argument("--nodes", type=GPUS, default=4, help="nodes (default 4)")
+    p.add_argument("--stages", type=GPUS, default=2, help="pipeline stages (GPUs) per node (default 2)")
+    p.add_argument("--tasks", type=COUNT, default=1000, help="tasks to simulate (default 1000)")
     p.add_argument("--lengths", default="hh-rlhf", help="query lengths: hh-rlhf or shp")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--slo-multiplier", type=float, default=None, help="SLO = k x forward latency (default 5)")
     p.add_argument("--slo-ms", type=float, default=None, help="absolute TTFT SLO in ms")
 
@@ -144,23 +164,23 @@ def _add_run_flags(p: argparse.ArgumentParser, local: bool) -> None:
     p.add_argument("--policy", default="samullm", help="planning policy (default samullm)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="latency profiles and eCDFs, a directory or 'cpu' (shipped tiny-model profiles)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--requests", type=int, default=None, help="override every source's count")
-    p.add_argument("--gpus", type=int, default=2 if local else None,
+    p.add_argument("--seed", type=SEED, default=0)
+    p.add_argument("--requests", type=COUNT, default=None, help="override every source's count")
+    p.add_argument("--gpus", type=GPUS, default=2 if local else None,
                    help="logical GPUs of the local cluster (default 2)" if local else
                    "GPUs to plan for (default: the cluster's)")
     p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU for planning (default 80GiB)")
-    p.add_argument("--nvlink-group", type=int, default=None, help="GPUs per NVLink group (default min(2, gpus))")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="engine batch limit (default 64)")
+    p.add_argument("--nvlink-group", type=GPUS, default=None, help="GPUs per NVLink group (default min(2, gpus))")
+    p.add_argument("--max-num-seqs", type=TOKENS, default=64, help="engine batch limit (default 64)")
     p.add_argument("--backend", default="torch", help="engine backend: torch or vllm")
     p.add_argument("--dtype", default="float32", help="model dtype (default float32)")
-    p.add_argument("--block-size", type=int, default=None, help="engine KV block size (default 16)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per replica")
+    p.add_argument("--block-size", type=_int(1, 4096), default=None, help="engine KV block size (default 16)")
+    p.add_argument("--threads", type=THREADS, default=None, help="torch CPU threads per replica")
     p.add_argument("--replica-start-s", type=float, default=None,
                    help="seconds a replica takes to start, for planning (default: measured once)")
     p.add_argument("--slice-s", type=float, default=0.2, help="engine time per controller round trip")
     p.add_argument("--placement-strategy", default="PACK", help="placement group strategy (default PACK)")
-    p.add_argument("--max-restarts", type=int, default=3, help="restarts per replica before failing")
+    p.add_argument("--max-restarts", type=_int(0, 100), default=3, help="restarts per replica before failing")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: local / RAY_ADDRESS)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report JSON before the last line")
@@ -259,10 +279,15 @@ def cmd_compare(args) -> int:
     from raycolo.policies import get_policy
 
     problem = _problem(args)
-    if args.policies:
+    if args.policies is not None:
         names = [n.strip() for n in args.policies.split(",") if n.strip()]
+        if not names:
+            raise RaycoloError(f"--policies: no policy named in '{args.policies}'")
         for n in names:
-            get_policy(n)
+            try:
+                get_policy(n)
+            except RaycoloError as exc:
+                raise RaycoloError(f"--policies: {str(exc).removeprefix('--policy: ')}") from None
     else:
         names = comparable_policies(problem)
     report = run_comparison(problem, names, progress=not args.json)
@@ -379,9 +404,12 @@ def _online_setup(args):
     return preset(args.model, args.stages), LemixParams(**values)
 
 
-def _check_online_policy(name: str) -> None:
+def _check_online_policy(name: str, flag: str = "--policy") -> None:
     from raycolo.policies import get_online_policy
-    get_online_policy(name)
+    try:
+        get_online_policy(name)
+    except RaycoloError as exc:
+        raise RaycoloError(f"{flag}: {str(exc).split(': ', 1)[-1]}") from None
 
 
 def cmd_simulate_online(args) -> int:
@@ -447,8 +475,10 @@ def cmd_sweep_online(args) -> int:
 
     profile, params = _online_setup(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise ConfigError(f"--policies: no policy named in '{args.policies}'")
     for policy in policies:
-        _check_online_policy(policy)
+        _check_online_policy(policy, "--policies")
     rates = _float_list(args.rates, "--rates")
     alphas = _float_list(args.train_rates, "--train-rates")
     if any(r <= 0 for r in rates):
@@ -554,7 +584,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except RaycoloError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
 
 

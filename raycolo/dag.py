@@ -11,11 +11,11 @@ import re
 from pathlib import Path
 from typing import Literal, Optional
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from raycolo.catalog import get_model
 from raycolo.errors import ConfigError
+from raycolo.yamlio import load_yaml
 
 # ``{name}`` in a prompt template is a placeholder; other braces are literal text.
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_\-]*)\}")
@@ -205,6 +205,8 @@ def parse_app(data: object, origin: str = "<dict>") -> AppSpec:
         app = AppSpec.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{origin}: {_format_validation_error(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{origin}: nested too deeply") from None
     try:
         app.validate_graph()
     except ConfigError as exc:
@@ -214,17 +216,6 @@ def parse_app(data: object, origin: str = "<dict>") -> AppSpec:
 
 def load_app(path: str | Path) -> AppSpec:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark else ""
-        raise ConfigError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    data = load_yaml(path)
     app = parse_app(data, str(path))
     return app.model_copy(update={"base_dir": str(path.parent.resolve())})

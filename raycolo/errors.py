@@ -2,7 +2,19 @@
 
 
 class RaycoloError(ValueError):
-    """Invalid user input. ``str(err)`` is the single line the CLI prints after ``error:``."""
+    """Invalid user input. ``str(err)`` is the single line the CLI prints after ``error:``:
+    a message built from a library's text (pandas, pyarrow) or from what the user typed is
+    folded into one printable line here, whatever it held."""
+
+    def __init__(self, message: object = "") -> None:
+        super().__init__(one_line(message))
+
+
+def one_line(text: object) -> str:
+    """``text`` as one printable line: line breaks become spaces, other characters that
+    do not print (control characters, separators) are shown escaped."""
+    joined = " ".join(x for x in (line.strip() for line in str(text).split("\n")) if x)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in joined)
 
 
 class ConfigError(RaycoloError):

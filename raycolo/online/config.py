@@ -8,12 +8,12 @@ import math
 from pathlib import Path
 from typing import Literal, Optional
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from raycolo.errors import ConfigError
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import GIB, NodeProfile
+from raycolo.yamlio import load_yaml
 
 
 class ModelLoadingConfig(BaseModel):
@@ -179,10 +179,7 @@ def load_online_config(path) -> OnlineConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except (yaml.YAMLError, RecursionError) as exc:
-        raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    values = load_yaml(path) or {}
     if isinstance(values, dict) and "online" in values and isinstance(values["online"], dict):
         values = values["online"]   # a Serve config that carries raycolo's online config
     return parse_online_config(values, str(path))

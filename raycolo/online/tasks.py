@@ -115,6 +115,9 @@ def _check_train_rate(train_rate: float) -> None:
         raise ConfigError(f"--train-rate: must lie in [0, 1], got {train_rate:g}")
 
 
+MAX_COUNT = 10_000_000        # tasks, or queries per task: more is a typo, not a workload
+
+
 def _check_count(flag: str, value) -> int:
     try:
         whole = not isinstance(value, (bool, np.bool_)) and int(value) == value
@@ -124,6 +127,8 @@ def _check_count(flag: str, value) -> int:
         raise ConfigError(f"{flag}: must be an integer, got {value}")
     if value <= 0:
         raise ConfigError(f"{flag}: must be positive, got {value}")
+    if value > MAX_COUNT:
+        raise ConfigError(f"{flag}: must be at most {MAX_COUNT}, got {value}")
     return int(value)
 
 
