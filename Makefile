@@ -5,6 +5,8 @@
 #   make bench-engine - engine benchmark (bench/engine.py): raycolo vs transformers
 #                       generate(), plus vLLM eager/compiled where .venv-vllm exists
 #   make bench-engine-vllm - the same, installing .venv-vllm first (as make test-vllm)
+#   make fuzz   - the hostile-input suite with 5,000 generated inputs per surface
+#   make soak   - 30 minutes of open-loop load at the measured capacity (bench/serve.py)
 #   make clean  - remove the venv and build outputs
 
 PYTHON ?= python3
@@ -14,7 +16,7 @@ PIP    := $(VENV)/bin/pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: venv test demo bench bench-runtime bench-online bench-engine bench-engine-vllm clean test-vllm
+.PHONY: fuzz soak venv test demo bench bench-runtime bench-online bench-engine bench-engine-vllm clean test-vllm
 
 # Internal: make sure .venv exists and holds torch (pinned CPU wheel) and raycolo[test].
 venv: $(STAMP)
@@ -43,6 +45,12 @@ demo: venv
 	$(VENV)/bin/raycolo run examples/tiny.yaml --profile cpu --gpus 2 --output out/demo-tiny
 	$(VENV)/bin/raycolo online run examples/online.yaml --rate 2 --train-rate 0.5 --tasks 20 --plot out/online_live.png
 	$(VPY) examples/serve_demo.py --config examples/online.yaml
+
+fuzz: venv
+	RAYCOLO_FUZZ_EXAMPLES=5000 $(VPY) -m pytest -q -s tests/test_hostile_input.py
+
+soak: venv
+	$(VPY) bench/serve.py --policies lemix --levels 1 --seconds 1800 --skip-overhead --json out/bench_soak.json
 
 bench: venv
 	$(VPY) bench/planner.py

@@ -15,10 +15,16 @@ For each policy, on one local deployment (the config's nodes x stages, tiny mode
    first token's own arrival (``python_first_token_ms_p50``).
 2. **Capacity.** A closed loop of ``--concurrency`` clients for ``--seconds``: completed
    requests per second.
-3. **Open-loop load** at 0.5x, 1x and 2x that capacity, Poisson arrivals for ``--seconds``
-   each, from a separate process on loopback (bench/serve_load.py): p50/p99 TTFT and TBT,
-   throughput, shed rate (429 with Retry-After), error rate, and the resident memory of
-   the cluster's processes before and after.
+3. **Open-loop load** at ``--levels`` (default 0.5x, 1x, 2x and 4x) that capacity,
+   Poisson arrivals for ``--seconds`` each, from a separate process on loopback
+   (bench/serve_load.py): p50/p99 TTFT and TBT, throughput, shed rate (429 with
+   Retry-After), error rate; meanwhile two training samples are posted every 2 s and the
+   resident memory of the cluster's processes is read every 5 s: the samples trained
+   during the level, and memory's first, last and largest reading and its drift (a
+   least-squares slope, MB per minute).
+
+``make soak`` is the long run: ``--policies lemix --levels 1 --seconds 1800
+--skip-overhead``.
 """
 from __future__ import annotations
 
@@ -26,9 +32,9 @@ import argparse
 import asyncio
 import json
 import socket
-import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -140,6 +146,51 @@ def load(url, model, rate, seconds, max_tokens, seed) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+class Sidecar(threading.Thread):
+    """During a load level: posts 2 training samples every 2 s (does the service still
+    train?) and reads the cluster's resident memory every 5 s (does it grow?)."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.halt = url, threading.Event()
+        self.rss: list[tuple[float, float]] = []
+        self.posted = self.refused = 0
+
+    def run(self) -> None:
+        started, next_rss = time.perf_counter(), 0.0
+        with httpx.Client(base_url=self.url, timeout=60) as h:
+            self.trained0 = h.get("/v1/train_samples/status").json()["trained"]
+            i = 0
+            while not self.halt.is_set():
+                now = time.perf_counter() - started
+                if now >= next_rss:
+                    self.rss.append((now, cluster_rss_mb()))
+                    next_rss = now + 5.0
+                r = h.post("/v1/train_samples", json={"samples": [
+                    {"prompt": f"soak {i}.{k}: copy abc", "completion": "abc abc"} for k in range(2)]})
+                self.posted += 2 if r.status_code == 200 else 0
+                self.refused += r.status_code != 200
+                i += 1
+                self.halt.wait(2.0)
+
+    def stop(self) -> dict:
+        self.halt.set()
+        self.join()
+        self.rss.append((self.rss[-1][0] + 1e-9 if self.rss else 0.0, cluster_rss_mb()))
+        deadline = time.time() + 60          # the samples posted last get a moment to train
+        with httpx.Client(base_url=self.url, timeout=60) as h:
+            while True:
+                status = h.get("/v1/train_samples/status").json()
+                if status["pending"] <= 1 or time.time() > deadline:
+                    break
+                time.sleep(1)
+        t, mb = np.array([x for x, _ in self.rss]), np.array([y for _, y in self.rss])
+        slope = float(np.polyfit(t, mb, 1)[0] * 60) if len(t) >= 3 and np.ptp(t) > 0 else 0.0
+        return {"rss_before_mb": float(mb[0]), "rss_after_mb": float(mb[-1]), "rss_max_mb": float(mb.max()),
+                "rss_mb_per_min": slope, "samples_posted": self.posted, "sample_posts_refused": self.refused,
+                "samples_trained": status["trained"] - self.trained0}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "examples" / "online.yaml"))
@@ -148,9 +199,12 @@ def main() -> int:
     ap.add_argument("--overhead-requests", type=int, default=20)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--levels", default="0.5,1,2,4", help="load levels, x the measured capacity")
+    ap.add_argument("--skip-overhead", action="store_true", help="skip the HTTP-overhead probes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    levels = [float(x) for x in args.levels.split(",") if x.strip()]
 
     import ray
 
@@ -174,17 +228,17 @@ def main() -> int:
             controller = ray.get_actor(f"raycolo-online-{config.serve.app_name}", namespace="raycolo")
             model = config.served_model_name()
             tokenizer = load_tokenizer(config.model_loading_config.model_id)
-            row = {"overhead": asyncio.run(overhead(url, controller, tokenizer, model, args.overhead_requests,
-                                                    args.max_tokens))}
+            row = {"overhead": None if args.skip_overhead else asyncio.run(
+                overhead(url, controller, tokenizer, model, args.overhead_requests, args.max_tokens))}
             cap = asyncio.run(capacity(url, model, args.concurrency, args.seconds, args.max_tokens))
             row["capacity_rps"] = cap
             print(f"[{policy}] capacity {cap:.2f} requests/s", file=sys.stderr, flush=True)
             row["load"] = {}
-            for mult in (0.5, 1.0, 2.0):
-                rss0 = cluster_rss_mb()
+            for mult in levels:
+                side = Sidecar(url)
+                side.start()
                 res = load(url, model, cap * mult, args.seconds, args.max_tokens, args.seed)
-                res.update(rss_before_mb=rss0, rss_after_mb=cluster_rss_mb(),
-                           health=httpx.get(url + "/health", timeout=30).status_code)
+                res.update(side.stop(), health=httpx.get(url + "/health", timeout=30).status_code)
                 row["load"][mult] = res
                 print(f"[{policy}] {mult}x: {json.dumps(res)}", file=sys.stderr, flush=True)
             report["policies"][policy] = row
@@ -204,18 +258,22 @@ def print_tables(report) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for policy, row in report["policies"].items():
         o = row["overhead"]
+        if o is None:
+            continue
         print(f"| {policy} | {o['http_ttft_ms_p50']:.1f}/{o['http_ttft_ms_p99']:.1f} | "
               f"{o['python_ttft_ms_p50']:.1f}/{o['python_ttft_ms_p99']:.1f} | "
               f"{o['added_ttft_ms_p50']:.1f}/{o['added_ttft_ms_p99']:.1f} | "
               f"{o['http_tbt_ms_p50']:.1f}/{o['http_tbt_ms_p99']:.1f} | {o['python_tbt_ms_p50']:.1f}/{o['python_tbt_ms_p99']:.1f} |")
     print("\nOpen-loop load (Poisson, separate process; capacity from a closed loop):")
-    print("| policy | load | offered/s | done/s | TTFT p50/p99 ms | TBT p50/p99 ms | shed | errors | RSS MB before -> after | /health |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| policy | load | offered/s | done/s | TTFT p50/p99 ms | TBT p50/p99 ms | shed | errors | "
+          "RSS MB first -> last (max), MB/min | samples posted/trained | /health |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for policy, row in report["policies"].items():
         for mult, r in row["load"].items():
             print(f"| {policy} | {mult}x of {row['capacity_rps']:.2f}/s | {r['offered_rps']:.2f} | {r['done_rps']:.2f} | "
                   f"{r['ttft_ms_p50']:.0f}/{r['ttft_ms_p99']:.0f} | {r['tbt_ms_p50']:.0f}/{r['tbt_ms_p99']:.0f} | "
-                  f"{r['shed_rate']:.2f} | {r['error_rate']:.2f} | {r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} | "
+                  f"{r['shed_rate']:.2f} | {r['error_rate']:.2f} | {r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} "
+                  f"({r['rss_max_mb']:.0f}), {r['rss_mb_per_min']:+.1f} | {r['samples_posted']}/{r['samples_trained']} | "
                   f"{r['health']} |")
 
 
