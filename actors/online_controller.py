@@ -43,6 +43,9 @@ from raycolo.online.tasks import OnlineTask
 EOS_ID = 2
 
 
+KEPT_FINISHED = 4096      # finished requests the controller keeps (result(), progress())
+
+
 @dataclass
 class LiveRequest:
     task: OnlineTask
@@ -498,6 +501,7 @@ class OnlineController(AdapterVersions, Reports):
         max_tokens = max_tokens or self.config.max_tokens
         tid = self._new_id()
         task = OnlineTask(tid, "inference", self.driver.now(), len(prompt), 1, 0, max_tokens)
+        self._forget_finished()
         self.requests[tid] = LiveRequest(task, list(prompt), max_tokens, temperature, top_p, seed,
                                          ignore_eos, submitted_s=self.driver.now(), base=base,
                                          version=version)
@@ -522,6 +526,16 @@ class OnlineController(AdapterVersions, Reports):
             return {"rejected": "overloaded", "retry_after_s": self.config.serve.retry_after_s}
         return {"id": await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos, base,
                                         version)}
+
+    def _forget_finished(self) -> None:
+        """A long-running service keeps at most ``KEPT_FINISHED`` finished requests (their
+        prompts, tokens and event queues; the oldest go first), so memory does not grow
+        with every request served. Their latencies stay in the run's metrics."""
+        finished = len(self.requests) - self.unfinished()
+        if finished <= KEPT_FINISHED + KEPT_FINISHED // 4:
+            return
+        for rid in [rid for rid, r in self.requests.items() if r.finish_reason is not None][:finished - KEPT_FINISHED]:
+            del self.requests[rid]
 
     def unfinished(self) -> int:
         return sum(1 for r in self.requests.values() if r.finish_reason is None)
