@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from pydantic import ValidationError
 
 from raycolo.engines.models import ByteTokenizer
@@ -27,6 +27,8 @@ def stream_all(text_ids, stop):
 
 @given(st.text(max_size=40), st.lists(st.text(min_size=1, max_size=4), max_size=3))
 @settings(max_examples=300, deadline=None)
+@example("\x80", ["\ufffd"])        # half a character is not a replacement character yet
+@example("a\ufffd", ["\ufffd"])     # a real one, last: the stop still holds at the end
 def test_streamed_text_equals_the_decoded_text_cut_at_the_first_stop(text, stop):
     """Whatever the byte boundaries, the deltas add up to the decoded text, cut before the
     earliest stop string (the reference: str.find on the whole text)."""

@@ -61,15 +61,11 @@ class TextStream:
             return ""
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids)
-        if self.stop:
-            start = max(0, self.sent - self.hold)
-            hits = [(text.find(s, start), s) for s in self.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                at, self.stopped = min(hits)
-                delta = text[self.sent:at]
-                self.sent = max(self.sent, at)
-                return delta
+        # an incomplete character decodes as U+FFFD until its other bytes come: not yet text
+        # a stop string may match
+        hit = self._stop_hit(text[:-1] if text.endswith("\ufffd") else text)
+        if hit is not None:
+            return hit
         end = len(text)
         if text.endswith("\ufffd"):
             end -= 1                   # an incomplete character: wait for its other bytes
@@ -86,8 +82,25 @@ class TextStream:
         if self.stopped is not None:
             return ""
         text = self.tokenizer.decode(self.ids)
+        hit = self._stop_hit(text)
+        if hit is not None:
+            return hit
         delta = text[self.sent:]
         self.sent = len(text)
+        return delta
+
+    def _stop_hit(self, text: str) -> Optional[str]:
+        """The delta up to the earliest stop string in ``text`` (and the stream stops), or
+        None when no stop string is there."""
+        if not self.stop:
+            return None
+        start = max(0, self.sent - self.hold)
+        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
+        if not hits:
+            return None
+        at, self.stopped = min(hits)
+        delta = text[self.sent:at]
+        self.sent = max(self.sent, at)
         return delta
 
 
