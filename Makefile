@@ -50,7 +50,7 @@ fuzz: venv
 	RAYCOLO_FUZZ_EXAMPLES=5000 $(VPY) -m pytest -q -s tests/test_hostile_input.py
 
 soak: venv
-	$(VPY) bench/serve.py --policies lemix --levels 1 --seconds 1800 --skip-overhead --json out/bench_soak.json
+	$(VPY) bench/serve.py --policies lemix --levels 1 --seconds 1800 --capacity-seconds 20 --skip-overhead --json out/bench_soak.json
 
 bench: venv
 	$(VPY) bench/planner.py

@@ -24,7 +24,7 @@ For each policy, on one local deployment (the config's nodes x stages, tiny mode
    least-squares slope, MB per minute).
 
 ``make soak`` is the long run: ``--policies lemix --levels 1 --seconds 1800
---skip-overhead``.
+--capacity-seconds 20 --skip-overhead``.
 """
 from __future__ import annotations
 
@@ -195,7 +195,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "examples" / "online.yaml"))
     ap.add_argument("--policies", default="lemix,separate")
-    ap.add_argument("--seconds", type=float, default=20.0, help="per load level and for capacity")
+    ap.add_argument("--seconds", type=float, default=20.0, help="per load level")
+    ap.add_argument("--capacity-seconds", type=float, default=None, help="the capacity probe (default: --seconds)")
     ap.add_argument("--overhead-requests", type=int, default=20)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -230,7 +231,8 @@ def main() -> int:
             tokenizer = load_tokenizer(config.model_loading_config.model_id)
             row = {"overhead": None if args.skip_overhead else asyncio.run(
                 overhead(url, controller, tokenizer, model, args.overhead_requests, args.max_tokens))}
-            cap = asyncio.run(capacity(url, model, args.concurrency, args.seconds, args.max_tokens))
+            cap = asyncio.run(capacity(url, model, args.concurrency, args.capacity_seconds or args.seconds,
+                                       args.max_tokens))
             row["capacity_rps"] = cap
             print(f"[{policy}] capacity {cap:.2f} requests/s", file=sys.stderr, flush=True)
             row["load"] = {}
