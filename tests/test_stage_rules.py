@@ -124,22 +124,28 @@ def test_sirius_takes_memory_back_from_training_that_waits_for_its_backward():
     assert retried.kind == "train_f" and retried.tasks[0].task_id == 2 and retried.mem_bytes == 500.0
 
 
+def _each_once_on_llama_70b(tasks, policies):
+    """Simulate ``tasks`` on 4 x 2 llama-70b under each policy; every task completes once."""
+    from raycolo.online.sim import simulate
+    from raycolo.policies import make_online_policy
+
+    params = LemixParams()
+    runs = {name: simulate(tasks, preset("llama-70b", 2), 4,
+                           make_online_policy(name, params, nodes=4, train_rate=0.5), params)
+            for name in policies}
+    for r in runs.values():
+        assert r.completions == {t.task_id: 1 for t in tasks}
+        assert r.train_done == sum(t.is_train for t in tasks)
+    return runs
+
+
 def test_sirius_serves_first_under_memory_pressure_and_completes_everything_once():
     """llama-70b, 100 rps, half training: memory is tight. SIRIUS's inference-first rule
     on memory-aware nodes keeps far more requests within the SLO than round robin with
     the same allocation, and every task completes exactly once."""
-    from raycolo.online.sim import simulate
     from raycolo.online.tasks import poisson_workload
-    from raycolo.policies import make_online_policy
 
-    params = LemixParams()
-    tasks = poisson_workload(100, 0.5, 400, seed=0)
-    runs = {name: simulate(tasks, preset("llama-70b", 2), 4,
-                           make_online_policy(name, params, nodes=4, train_rate=0.5), params)
-            for name in ("mix-rr", "sirius")}
-    for r in runs.values():
-        assert r.completions == {t.task_id: 1 for t in tasks}
-        assert r.train_done == sum(t.is_train for t in tasks)
+    runs = _each_once_on_llama_70b(poisson_workload(100, 0.5, 400, seed=0), ("mix-rr", "sirius"))
     assert runs["sirius"].overruns == 0 < runs["mix-rr"].overruns
     assert runs["sirius"].slo_attainment > 2 * runs["mix-rr"].slo_attainment
 
@@ -149,19 +155,11 @@ def test_sirius_trains_in_micro_batches_that_fit_and_finishes_sooner_than_waitin
     SIRIUS runs them as micro-batches that fit, LeMix's memory rule waits and offloads
     them whole; each task is trained exactly once either way, and SIRIUS's training ends
     sooner with fewer offloads."""
-    from raycolo.online.sim import simulate
     from raycolo.online.tasks import poisson_workload
-    from raycolo.policies import make_online_policy
 
-    params = LemixParams()
     tasks = poisson_workload(100, 0.5, 300, seed=0, train_batch=8)
     assert {t.batch for t in tasks if t.is_train} == {8} and {t.batch for t in tasks if not t.is_train} == {1}
-    runs = {name: simulate(tasks, preset("llama-70b", 2), 4,
-                           make_online_policy(name, params, nodes=4, train_rate=0.5), params)
-            for name in ("lemix", "sirius")}
-    for r in runs.values():
-        assert r.completions == {t.task_id: 1 for t in tasks}
-        assert r.train_done == sum(t.is_train for t in tasks)
+    runs = _each_once_on_llama_70b(tasks, ("lemix", "sirius"))
     assert runs["sirius"].summary()["training_splits"] > 0 == runs["lemix"].summary()["training_splits"]
     assert runs["sirius"].offloads < runs["lemix"].offloads
     assert runs["sirius"].summary()["makespan_s"] < runs["lemix"].summary()["makespan_s"]

@@ -109,10 +109,9 @@ class HarliRule(StageRule):
     def running(self, node: "NodeScheduler") -> tuple[int, float]:
         """The node's decoding requests: how many, and their mean context."""
         running = list(node.joining)
-        for st in node.stages:
-            for op in ([st.busy] if st.busy is not None else []) + [item[2] for item in st.ready]:
-                if op.kind == "decode":
-                    running.extend(op.tasks)
+        for op in _node_ops(node):
+            if op.kind == "decode":
+                running.extend(op.tasks)
         if not running:
             return 0, 0.0
         return len(running), sum(r.context for r in running) / len(running)
@@ -182,8 +181,7 @@ class StaticShareRule(StageRule):
         if inference or not training:
             return inference
         idle_of_inference = not node.joining and not node.batch and not any(
-            (st.busy is not None and st.busy.kind not in TRAIN_KINDS)
-            or any(item[2].kind not in TRAIN_KINDS for item in st.ready) for st in node.stages)
+            op.kind not in TRAIN_KINDS for op in _node_ops(node))
         elapsed = now - (node.first_start if node.first_start is not None else now)
         if idle_of_inference or node.stages[stage].train_busy_s <= self.share * elapsed:
             return training
@@ -253,8 +251,16 @@ def periodic_rule(profile, params) -> PeriodicRule:
 
 
 def _node_has_training(node: "NodeScheduler") -> bool:
-    return any((st.busy is not None and st.busy.kind in TRAIN_KINDS)
-               or any(item[2].kind in TRAIN_KINDS for item in st.ready) for st in node.stages)
+    return any(op.kind in TRAIN_KINDS for op in _node_ops(node))
+
+
+def _node_ops(node: "NodeScheduler"):
+    """Every op running or ready on the node's stages."""
+    for st in node.stages:
+        if st.busy is not None:
+            yield st.busy
+        for item in st.ready:
+            yield item[2]
 
 
 def static_share_rule(profile, params) -> StaticShareRule:
