@@ -155,9 +155,10 @@ class Sidecar(threading.Thread):
         self.url, self.halt = url, threading.Event()
         self.rss: list[tuple[float, float]] = []
         self.posted = self.refused = 0
+        self.started = time.perf_counter()
 
     def run(self) -> None:
-        started, next_rss = time.perf_counter(), 0.0
+        started, next_rss = self.started, 0.0
         with httpx.Client(base_url=self.url, timeout=60) as h:
             self.trained0 = h.get("/v1/train_samples/status").json()["trained"]
             i = 0
@@ -176,7 +177,7 @@ class Sidecar(threading.Thread):
     def stop(self) -> dict:
         self.halt.set()
         self.join()
-        self.rss.append((self.rss[-1][0] + 1e-9 if self.rss else 0.0, cluster_rss_mb()))
+        self.rss.append((time.perf_counter() - self.started, cluster_rss_mb()))
         deadline = time.time() + 60          # the samples posted last get a moment to train
         with httpx.Client(base_url=self.url, timeout=60) as h:
             while True:
