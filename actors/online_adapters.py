@@ -19,7 +19,7 @@ from typing import Optional
 from raycolo.executor.adapters import export_adapter
 from raycolo.executor.stage import LoraSettings
 from raycolo.online.driver import OpLost
-from raycolo.online.samples import clip_sample, training_rows
+from raycolo.online.samples import clip_sample, to_ranges, training_rows
 
 
 class AdapterVersions:
@@ -47,11 +47,16 @@ class AdapterVersions:
         """Every stage reports its adapter through Ray Train (a barrier), between ops."""
         self.adapter_version += 1
         version = self.adapter_version
-        payloads = []
-        for _ in range(self.config.stages):
-            self.oob_seq -= 1
-            payloads.append({"kind": "checkpoint", "seq": self.oob_seq, "version": version,
-                             "cursor": json.dumps(self.cursor.__dict__)})
+
+        def payloads() -> list:      # built once the node's ops are done: what the adapter holds now
+            held = json.dumps(to_ranges(self.ledger.holds(node)))
+            out = []
+            for _ in range(self.config.stages):
+                self.oob_seq -= 1
+                out.append({"kind": "checkpoint", "seq": self.oob_seq, "version": version,
+                            "cursor": json.dumps(self.cursor.__dict__), "held": held})
+            return out
+
         try:
             results = await self._paused(node, payloads)
         except OpLost:

@@ -21,6 +21,7 @@ thread of this actor; its workers register as ``node-<n>/stage-<s>``.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,7 +38,8 @@ from raycolo.online.config import OnlineConfig, layer_bounds, model_hf_config, p
 from raycolo.online.driver import ClusterDriver, OpLost
 from raycolo.online.node import Op
 from raycolo.online.profiles import NodeProfile
-from raycolo.online.samples import Cursor, SampleStore, TrainingLedger, clip_sample, training_rows
+from raycolo.online.samples import (Cursor, SampleStore, TrainingLedger, clip_sample, from_ranges, plan_resumption,
+                                    training_rows)
 from raycolo.online.tasks import OnlineTask
 
 EOS_ID = 2
@@ -62,6 +64,9 @@ class LiveRequest:
     cancelled: Optional[str] = None     # finish it at its next token with this reason
     base: bool = False                  # served by the base model, without the adapter
     version: Optional[int] = None       # served by this saved adapter version (<model>@v<k>)
+
+
+START_TIMEOUT_S = 300.0    # stage workers must register within this
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -127,14 +132,24 @@ class OnlineController(AdapterVersions, Reports):
         self.busy_seen = 0                            # op_log entries counted into busy_s
         self._starting: Optional[asyncio.Task] = None
         self.cancelled: dict[str, int] = {}           # requests ended early, by reason: stop, abort (client gone)
+        self.restored: dict[int, tuple] = {}          # node -> (version, seqs held, cursor) of an earlier run
+        self.resumption: Optional[dict] = None        # what this deployment took up from an earlier one
+        self.train_runs = [0] * cfg.nodes             # Ray Train runs started per node (a new one after its controller died)
 
     # -- start and stop ----------------------------------------------------------------------
-    async def start(self, timeout_s: float = 300.0) -> dict:
+    async def start(self, timeout_s: float = START_TIMEOUT_S) -> dict:
         """Start the stage workers and wait until all registered. Idempotent: a second
-        caller (another HTTP replica, a restarted one) waits for the same start."""
+        caller (another HTTP replica, a restarted one) waits for the same start. Requests
+        and samples start it too: a controller Ray restarted after a crash starts again on
+        its first call, resuming from the checkpoints and the sample store."""
         if self._starting is None:
             self._starting = asyncio.get_running_loop().create_task(self._start(timeout_s))
         return await asyncio.shield(self._starting)
+
+    def _wake(self) -> None:
+        """Start (in the background) if nobody did: a controller Ray restarted."""
+        if self._starting is None:
+            self._starting = asyncio.get_running_loop().create_task(self._start(START_TIMEOUT_S))
 
     async def attach(self, front: str) -> None:
         """An HTTP replica uses this deployment."""
@@ -157,6 +172,7 @@ class OnlineController(AdapterVersions, Reports):
                               f"the Ray cluster has {gpus:g}. On a CPU machine give the cluster logical "
                               f"GPUs: ray start --head --num-gpus={need}")
         loop = self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self._release_groups)   # of an earlier controller of this deployment
         self.driver = self._driver()
         for n in range(self.config.nodes):
             trainer = self._trainer(n)
@@ -175,6 +191,13 @@ class OnlineController(AdapterVersions, Reports):
                                on_aborted=self._training_aborted, on_error=self._run_failed)
         driver.start()
         return driver
+
+    def run_name(self, n: int) -> str:
+        """Node ``n``'s Ray Train run: fixed per storage path and adapter shape when the
+        deployment resumes (a new run of the same name restores its newest checkpoint)."""
+        if self.config.resume:
+            return f"raycolo-{self.config.adapter_fingerprint()}-node{n}"
+        return f"raycolo-node{n}-{self.run_token}"
 
     def _trainer(self, n: int):
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -199,18 +222,74 @@ class OnlineController(AdapterVersions, Reports):
             scaling_config=ScalingConfig(num_workers=cfg.stages, use_gpu=True,
                                          resources_per_worker={"CPU": cfg.stage.cpus_per_worker, "GPU": 1}),
             torch_config=TorchConfig(backend=cfg.stage.backend),
-            run_config=RunConfig(name=f"raycolo-node{n}-{self.run_token}",
+            run_config=RunConfig(name=self.run_name(n),
                                  storage_path=str(Path(cfg.storage_path).resolve()),
                                  failure_config=FailureConfig(max_failures=cfg.stage.max_failures),
                                  checkpoint_config=CheckpointConfig(num_to_keep=2)))
 
     def _fit(self, n: int, trainer) -> None:
-        try:
-            trainer.fit()
-        except Exception as exc:  # past max_failures: the worker group is gone for good
-            why = f"node {n}: {type(exc).__name__}: {exc}"
-            self.errors.append(why)
-            self._loop.call_soon_threadsafe(self._node_dead, n, why)
+        """Run node ``n``'s worker group. Past ``max_failures`` restarts of the group the
+        node is gone for good; if instead the run's own Ray Train controller died (its
+        workers die with it), a new run of the same name restores the newest checkpoint,
+        at most ``max_failures`` times too."""
+        from ray.exceptions import RayActorError
+
+        while True:
+            self.train_runs[n] += 1
+            try:
+                trainer.fit()
+                return
+            except Exception as exc:
+                why = f"node {n}: {type(exc).__name__}: {exc}"
+                self.errors.append(why)
+                lost_controller = isinstance(exc, RayActorError) or isinstance(exc.__cause__, RayActorError)
+                if lost_controller and self.train_runs[n] <= self.config.stage.max_failures and self.config.resume:
+                    self._loop.call_soon_threadsafe(self._node_lost, n, f"node {n}: its Ray Train controller died")
+                    self._release_groups([n])
+                    trainer = self._trainer(n)
+                    continue
+                self._loop.call_soon_threadsafe(self._node_dead, n, why)
+                return
+
+    def _groups_file(self) -> Path:
+        run = self.config.adapter_fingerprint() if self.config.resume else self.run_token
+        return Path(self.config.storage_path) / f"placement-groups-{run}.json"
+
+    def _note_group(self, node: int, group: Optional[str]) -> None:
+        """Remember (on disk: a restarted controller reads it) the placement group that
+        holds node ``node``'s stage workers."""
+        if not group:
+            return
+        path = self._groups_file()
+        held = json.loads(path.read_text()) if path.exists() else {}
+        if held.get(str(node)) != group:
+            held[str(node)] = group
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(held))
+            tmp.replace(path)
+
+    def _release_groups(self, nodes=None) -> None:
+        """Remove the placement groups of worker groups whose Ray Train controller died.
+        Ray removes a placement group with the job that created it, not with the actor, and
+        Ray Train's own cleaner needs the dashboard's state API; without this, their GPUs
+        stay reserved and a new run of the node never starts."""
+        from ray._raylet import PlacementGroupID
+        from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+        path = self._groups_file()
+        if not path.exists():
+            return
+        held = json.loads(path.read_text())
+        for node, group in list(held.items()):
+            if nodes is not None and int(node) not in nodes:
+                continue
+            pg = PlacementGroup(PlacementGroupID(bytes.fromhex(group)))
+            if placement_group_table(pg).get("state") not in (None, "REMOVED"):
+                remove_placement_group(pg)
+                self.errors.append(f"node {node}: released the placement group {group[:12]} of a dead worker group")
+            del held[node]
+        path.write_text(json.dumps(held))
 
     def _node_dead(self, node: int, why: str) -> None:
         """The node's group failed past its restarts: nothing is placed there any more and
@@ -248,6 +327,11 @@ class OnlineController(AdapterVersions, Reports):
         key = f"node-{node}/stage-{stage}"
         self.workers[key] = dict(info, node=node, stage=stage, epoch=self.epochs[node],
                                  registered_s=time.time())
+        if stage == 0:
+            self._note_group(node, info.get("placement_group"))
+        if stage == 0 and not self.ready.is_set() and self.config.resume and info.get("restored_version"):
+            self.restored[node] = (info["restored_version"], from_ranges(info.get("restored_held") or []),
+                                   Cursor(**info["restored_cursor"]) if info.get("restored_cursor") else Cursor())
         self.registered[node].add(stage)
         if len(self.registered[node]) == self.config.stages and self.ledger.restoring(node):
             for r in self.restarts:      # the node's new group is complete: it serves again
@@ -255,9 +339,28 @@ class OnlineController(AdapterVersions, Reports):
                     r["back_s"] = self.driver.now()
             # train again what the restored checkpoint does not hold
             self._replay(node, self.ledger.restore(node, self.workers[f"node-{node}/stage-0"].get("restored_version")))
-        if all(len(r) == self.config.stages for r in self.registered):
+        if all(len(r) == self.config.stages for r in self.registered) and not self.ready.is_set():
+            self._resume()
             self.ready.set()
         return self.epochs[node]
+
+    def _resume(self) -> None:
+        """Every node registered for the first time: take up an earlier deployment's
+        training (its checkpoints, restored by the nodes, and the samples stored since),
+        then the samples that arrived while the workers started."""
+        if self.config.resume:
+            plan = plan_resumption(self.restored, len(self.store))
+            for node, (version, seqs, _) in self.restored.items():
+                self.ledger.resume(node, version, seqs)
+            self.adapter_version, self.cursor = plan.adapter_version, plan.cursor
+            self.resumption = {"adapter_version": plan.adapter_version, "samples_held": plan.held,
+                               "samples_resumed": len(plan.pending),
+                               "nodes_restored": sorted(self.restored)}
+            micro = self.config.lora.micro_batch
+            for i in range(0, len(plan.pending), micro):
+                self._submit_samples(self.store.get(plan.pending[i:i + micro]))
+        if self.auto_train:
+            self._pump_training()
 
     async def next_op(self, node: int, stage: int, epoch: int) -> Optional[dict]:
         """The stage's next payload; None tells a worker of an old group to stop."""
@@ -467,7 +570,8 @@ class OnlineController(AdapterVersions, Reports):
 
     async def _paused(self, node: int, payloads: list) -> list:
         """Run out-of-band payloads, one per stage, with the node's scheduled ops held back
-        and none in flight (so no stage waits on a neighbour busy with something else)."""
+        and none in flight (so no stage waits on a neighbour busy with something else).
+        ``payloads`` may be a function, called once nothing is in flight."""
         gate = self.gates[node]
         while not gate.is_set():
             await asyncio.sleep(0.001)
@@ -475,6 +579,8 @@ class OnlineController(AdapterVersions, Reports):
         try:
             while self.inflight[node] > 0:
                 await asyncio.sleep(0.001)
+            if callable(payloads):
+                payloads = payloads()
             futures = []
             for s, payload in enumerate(payloads):
                 fut = asyncio.get_running_loop().create_future()
@@ -496,6 +602,7 @@ class OnlineController(AdapterVersions, Reports):
         """Accept a completion request; returns its id (stream it with :meth:`stream`).
         ``base``: serve it with the base model (the adapter switched off for its rows);
         ``version``: with that saved adapter version (one of :meth:`adapter_versions`)."""
+        await self.start()
         if version is not None and version not in self.versions:
             raise ValueError(f"adapter version {version} is not servable; these are: {self.versions}")
         max_tokens = max_tokens or self.config.max_tokens
@@ -516,7 +623,12 @@ class OnlineController(AdapterVersions, Reports):
         ``serve.max_ongoing_requests`` unfinished requests, ``{"rejected": "unavailable"}``
         when no node is alive, or ``{"rejected": "unknown_version", "versions"}`` for an
         adapter version that is not (or no longer) servable. A rejected request was never
-        accepted; an accepted one ends with its tokens or an error event, never silently."""
+        accepted; an accepted one ends with its tokens or an error event, never silently.
+        ``{"rejected": "starting"}`` while the stage workers (re)start."""
+        if not self.ready.is_set():
+            self._wake()
+            return {"rejected": "starting", "retry_after_s": self.config.serve.retry_after_s,
+                    "why": "the deployment is starting (or restarting after its controller failed)"}
         if version is not None and version not in self.versions:
             return {"rejected": "unknown_version", "versions": list(self.versions)}
         if len(self.dead) == self.config.nodes:
@@ -583,7 +695,10 @@ class OnlineController(AdapterVersions, Reports):
         seqs = self.store.append([tuple(x) for x in samples])   # (prompt, completion) or pairs
         if train:
             self.auto_train = True
-            self._pump_training()
+            if self.ready.is_set():
+                self._pump_training()
+            else:                      # a restarted controller: pumped once its workers are back
+                self._wake()
         return {"ids": seqs, "stored": len(self.store)}
 
     def _pump_training(self) -> None:
@@ -597,6 +712,7 @@ class OnlineController(AdapterVersions, Reports):
 
     async def submit_training(self) -> Optional[int]:
         """Turn the next micro-batch of stored samples into a training task."""
+        await self.start()
         samples, self.cursor = self.store.take(self.cursor, self.config.lora.micro_batch)
         if not samples:
             return None

@@ -68,7 +68,7 @@ class OnlineDeployment:
                             namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
                 started = True
         name = f"raycolo-online-{uuid.uuid4().hex[:8]}"
-        controller = OnlineController.options(name=name, namespace=NAMESPACE).remote(
+        controller = OnlineController.options(name=name, namespace=NAMESPACE, max_restarts=-1).remote(
             config.model_dump(), name, NAMESPACE)
         ray.get(controller.start.remote(timeout_s))
         return cls(controller, config, name, started)
@@ -104,6 +104,11 @@ class OnlineDeployment:
 
     def stats(self) -> dict:
         return ray.get(self.controller.stats.remote())
+
+    def train_status(self) -> dict:
+        """Samples received, trained and pending, the adapter version, and what the
+        deployment resumed from an earlier one (``resumed``)."""
+        return ray.get(self.controller.train_status.remote())
 
     def metrics(self):
         """The run's OnlineResult (``.summary()``: simulate-online's keys)."""

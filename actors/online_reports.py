@@ -23,7 +23,7 @@ class Reports:
         return {"received": len(self.store), "trained": trained,
                 "pending": self.store.pending(self.cursor), "adapter_version": self.adapter_version,
                 "last_checkpoint": None if last is None else {"node": last[0], "version": last[1]},
-                "pinned_versions": list(self.versions)}
+                "pinned_versions": list(self.versions), "resumed": self.resumption}
 
     async def monitor(self) -> dict:
         """The figures the HTTP front exports as gauges (actors/serve_metrics.py)."""
@@ -56,6 +56,9 @@ class Reports:
         return node if node not in self.dead else next(n for n in range(self.config.nodes) if n not in self.dead)
 
     async def health(self) -> dict:
+        if not self.ready.is_set():     # (re)starting: a restarted controller starts on this call
+            self._wake()
+            return {"status": "starting", "nodes_alive": 0, "nodes": self.config.nodes}
         alive = self.config.nodes - len(self.dead)
         return {"status": "ok" if alive == self.config.nodes else "degraded",
                 "nodes_alive": alive, "nodes": self.config.nodes}

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raycolo.errors import ConfigError
 from raycolo.online.config import OnlineConfig, load_online_config, parse_online_config
@@ -73,6 +74,15 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     text = message.get(status) or ("the body could not be parsed (malformed or nested too deeply)"
                                    if "parsing the body" in str(exc.detail) else str(exc.detail))
     return _error(OpenAIError(status, text, code="invalid_request"))
+
+
+@app.exception_handler(RayActorError)
+@app.exception_handler(ActorUnavailableError)
+async def _controller_gone(request: Request, exc: Exception):
+    """The controller died while serving this call; Ray restarts it and it resumes from its
+    checkpoints and sample store. Nothing of this call was acknowledged."""
+    return _error(OpenAIError(503, "the deployment's controller failed and is restarting; retry",
+                              code="unavailable", headers={"Retry-After": "5"}))
 
 
 @app.exception_handler(RecursionError)
@@ -150,7 +160,7 @@ class OpenAIIngress:
         os.environ[KEY_NAME_ENV] = cfg.serve.api_key_env or ""
         self.controller = OnlineController.options(
             name=controller_name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-            max_restarts=0).remote(cfg.model_dump(), controller_name, NAMESPACE)
+            max_restarts=-1).remote(cfg.model_dump(), controller_name, NAMESPACE)
         ray.get(self.controller.start.remote())
         self.front_id = uuid.uuid4().hex[:8]
         ray.get(self.controller.attach.remote(self.front_id))
@@ -252,6 +262,9 @@ class OpenAIIngress:
             raise OpenAIError(404, f"model '{body.model}': adapter version {version} is not servable (only the "
                               f"newest {self.config.serve.pinned_versions} saved versions are); servable: {held}",
                               param="model", code="model_not_found")
+        if admitted.get("rejected") == "starting":
+            raise OpenAIError(503, admitted["why"], code="unavailable",
+                              headers={"Retry-After": str(admitted["retry_after_s"])})
         if admitted.get("rejected"):
             raise OpenAIError(503, f"no stage-worker node is alive: {admitted.get('why', '')}",
                               code="unavailable")
@@ -321,9 +334,16 @@ class OpenAIIngress:
                     self._finish("error", started)
                     yield str(value), "error", count
                     return
+        except (RayActorError, ActorUnavailableError):   # the controller died: the stream ends with an error
+            finished = True
+            self._finish("error", started)
+            yield "the deployment's controller failed mid-request (it restarts); retry", "error", count
         finally:
             if not finished:      # the client disconnected: free the request's work
-                await self.controller.cancel.remote(rid, "abort")
+                try:
+                    await self.controller.cancel.remote(rid, "abort")
+                except (RayActorError, ActorUnavailableError):
+                    pass          # the controller died: the request died with it
                 self._finish("abort", started)
 
     def _finish(self, reason: str, started: float) -> None:

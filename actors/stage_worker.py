@@ -167,6 +167,7 @@ def stage_loop(config: dict) -> None:
                              config["block_size"], lr=lora.lr, pinned_cache=config["pinned_versions"])
     checkpoint = ray.train.get_checkpoint()
     restored = None          # the adapter version a restarted group resumes from
+    resumed = {}             # stage 0: the samples that version holds, and the cursor saved with it
     if checkpoint is not None:
         import json
 
@@ -177,12 +178,18 @@ def stage_loop(config: dict) -> None:
                 stage_model.load_lora_state(load_file(path))
                 with open(os.path.join(d, f"stage-{stage}.json")) as f:
                     restored = json.load(f)["adapter_version"]
+                if stage == 0:       # what the checkpoint's adapter was trained on
+                    for key, name in (("held", "held.json"), ("cursor", "cursor.json")):
+                        if os.path.exists(os.path.join(d, name)):
+                            with open(os.path.join(d, name)) as f:
+                                resumed[key] = json.load(f)
     proc = StageProcess(stage_model, stage, stages, model.config.hidden_size,
                         next(stage_model.executor.layers[0].parameters()).dtype, dist)
     me = ray.get_runtime_context()
     epoch = ray.get(controller.register.remote(node, stage, {
         "actor_id": me.get_actor_id(), "pid": os.getpid(), "node_ip": me.get_node_id(),
-        "restored_version": restored}))
+        "restored_version": restored, "restored_held": resumed.get("held"),
+        "restored_cursor": resumed.get("cursor"), "placement_group": me.get_placement_group_id()}))
     device = next(stage_model.executor.layers[0].parameters()).device
     next_reading = 0.0
     while True:
@@ -245,5 +252,7 @@ def _report_checkpoint(stage_model, stage: int, op: dict) -> None:
         if stage == 0:
             with open(os.path.join(d, "cursor.json"), "w") as f:
                 f.write(op["cursor"])
+            with open(os.path.join(d, "held.json"), "w") as f:
+                f.write(op["held"])
         ray.train.report({"adapter_version": op["version"], "stage": stage},
                          checkpoint=ray.train.Checkpoint.from_directory(d))

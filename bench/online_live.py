@@ -56,7 +56,7 @@ def main() -> int:
     args = ap.parse_args()
     from raycolo.actors.online_launch import OnlineDeployment
 
-    config = load_online_config(args.config)
+    config = load_online_config(args.config).model_copy(update={"resume": False})   # each run from the base model
     if args.train_rate is not None:
         config = config.model_copy(update={"train_rate": args.train_rate})
     tasks = trace(args, config.train_rate)

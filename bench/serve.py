@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -54,15 +55,27 @@ def pct(values, q):
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def cluster_rss_mb() -> float:
+def rss_by_process() -> dict[str, float]:
+    """Resident MB of each Ray process, keyed ``<title>:<pid>`` (ray::OnlineController, raylet, ...)."""
     import psutil
 
-    total = 0
-    for p in psutil.process_iter(["name", "cmdline", "memory_info"]):
+    out = {}
+    for p in psutil.process_iter(["pid", "cmdline", "memory_info"]):
         cmd = " ".join(p.info.get("cmdline") or [])
-        if "ray::" in cmd or "raylet" in cmd or "gcs_server" in cmd or "ray/" in cmd:
-            total += p.info["memory_info"].rss if p.info.get("memory_info") else 0
-    return total / 2 ** 20
+        if ("ray::" in cmd or "raylet" in cmd or "gcs_server" in cmd or "ray/" in cmd) and p.info.get("memory_info"):
+            title = cmd.split()[0].split(".")[0] if cmd.startswith("ray::") else cmd.split()[0].rsplit("/", 1)[-1]
+            out[f"{title}:{p.info['pid']}"] = p.info["memory_info"].rss / 2 ** 20
+    return out
+
+
+def cluster_rss_mb() -> float:
+    return sum(rss_by_process().values())
+
+
+def rss_growth(before: dict, after: dict, top: int = 5) -> list[tuple[str, float]]:
+    """The processes whose resident memory grew most between two readings (MB)."""
+    grew = {k: after[k] - before.get(k, 0.0) for k in after}
+    return sorted(grew.items(), key=lambda kv: -kv[1])[:top]
 
 
 async def http_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
@@ -156,6 +169,7 @@ class Sidecar(threading.Thread):
         self.rss: list[tuple[float, float]] = []
         self.posted = self.refused = 0
         self.started = time.perf_counter()
+        self.by_process = rss_by_process()
 
     def run(self) -> None:
         started, next_rss = self.started, 0.0
@@ -178,6 +192,7 @@ class Sidecar(threading.Thread):
         self.halt.set()
         self.join()
         self.rss.append((time.perf_counter() - self.started, cluster_rss_mb()))
+        growth = rss_growth(self.by_process, rss_by_process())
         deadline = time.time() + 60          # the samples posted last get a moment to train
         with httpx.Client(base_url=self.url, timeout=60) as h:
             while True:
@@ -188,7 +203,7 @@ class Sidecar(threading.Thread):
         t, mb = np.array([x for x, _ in self.rss]), np.array([y for _, y in self.rss])
         slope = float(np.polyfit(t, mb, 1)[0] * 60) if len(t) >= 3 and np.ptp(t) > 0 else 0.0
         return {"rss_before_mb": float(mb[0]), "rss_after_mb": float(mb[-1]), "rss_max_mb": float(mb.max()),
-                "rss_mb_per_min": slope, "samples_posted": self.posted, "sample_posts_refused": self.refused,
+                "rss_mb_per_min": slope, "rss_growth_mb": growth, "samples_posted": self.posted, "sample_posts_refused": self.refused,
                 "samples_trained": status["trained"] - self.trained0}
 
 
@@ -218,8 +233,9 @@ def main() -> int:
     report = {"config": vars(args), "policies": {}}
     started_all = time.perf_counter()
     for policy in args.policies.split(","):
+        shutil.rmtree(f"out/bench-serve/{policy}", ignore_errors=True)   # each run from an empty store
         config = base.model_copy(update={
-            "policy": policy, "sample_store": f"out/bench-serve/{policy}/samples",
+            "policy": policy, "resume": False, "sample_store": f"out/bench-serve/{policy}/samples",
             "storage_path": f"out/bench-serve/{policy}/checkpoints",
             "serve": base.serve.model_copy(update={"port": free_port(), "app_name": f"bench-{policy}",
                                                    "max_ongoing_requests": 4 * args.concurrency})})

@@ -506,7 +506,8 @@ def cmd_online(args) -> int:
     from raycolo.online.config import layer_bounds, load_online_config, model_hf_config
     from raycolo.online.tasks import _check_count, load_trace, poisson_workload
 
-    config = load_online_config(args.config)
+    # a trace replay measures one run from the base model: it takes up no earlier run's training
+    config = load_online_config(args.config).model_copy(update={"resume": False})
     layer_bounds(model_hf_config(config.model_loading_config.model_id).num_hidden_layers, config.stages)
     if args.train_rate is not None:
         if not 0 <= args.train_rate <= 1:

@@ -8,8 +8,8 @@ import pytest
 
 from raycolo.errors import ConfigError
 from raycolo.online.config import layer_bounds, parse_online_config
-from raycolo.online.samples import (Cursor, SampleStore, TrainingLedger, clip_sample, load_cursor, save_cursor,
-                                    training_rows)
+from raycolo.online.samples import (Cursor, SampleStore, TrainingLedger, clip_sample, from_ranges, load_cursor,
+                                    plan_resumption, save_cursor, to_ranges, training_rows)
 
 
 def test_append_persists_before_it_returns_and_survives_a_reload(tmp_path):
@@ -138,6 +138,50 @@ def test_ledger_rolls_back_to_the_restored_checkpoint_and_hands_back_the_rest():
     ledger.lose(1)
     ledger.lose(1)                   # a second failure before the group came back
     assert ledger.abandon(1) == [4, 7] and ledger.trained[4] == 0 == ledger.trained[7]
+
+
+def test_the_ledger_says_what_a_checkpoint_taken_now_holds():
+    ledger = TrainingLedger(1)
+    ledger.train(0, [0, 1])
+    ledger.report(0, 1)
+    ledger.commit(0, 1)
+    ledger.train(0, [2])
+    assert ledger.holds(0) == [0, 1, 2]
+    ledger.train(0, [3])
+    ledger.lose(0)                   # 2 and 3 were not in checkpoint 1
+    assert ledger.holds(0) == [0, 1]
+    assert ledger.restore(0, 1) == [2, 3]
+    assert ledger.holds(0) == [0, 1]
+
+
+@pytest.mark.parametrize("seqs", [[], [5], [0, 1, 2, 7, 9, 10], [3, 1, 2, 2]])
+def test_seq_ranges_round_trip(seqs):
+    runs = to_ranges(seqs)
+    assert from_ranges(runs) == sorted(set(seqs))
+    assert all(a < b for a, b in runs) and all(runs[i][1] < runs[i + 1][0] for i in range(len(runs) - 1))
+
+
+def test_a_resumed_deployment_trains_exactly_the_stored_samples_no_checkpoint_holds():
+    # node 0's checkpoint v3 holds 0-4, node 1's v5 holds 5-6 and 9; 12 samples are stored
+    restored = {0: (3, [0, 1, 2, 3, 4], Cursor(0, 8)), 1: (5, [5, 6, 9], Cursor(0, 10))}
+    plan = plan_resumption(restored, 12)
+    assert plan.pending == [7, 8, 10, 11] and plan.held == 8
+    assert plan.adapter_version == 5 and plan.cursor == Cursor(0, 12)
+    # nothing restored: every stored sample is pending, the version counts from 0
+    fresh = plan_resumption({}, 3)
+    assert fresh.pending == [0, 1, 2] and fresh.adapter_version == 0
+    # a later pass over the store: from the newest checkpoint's cursor on
+    later = plan_resumption({0: (9, [0, 1, 2], Cursor(1, 2))}, 4)
+    assert later.pending == [2, 3] and later.cursor == Cursor(1, 4)
+
+    ledger = TrainingLedger(2)
+    for node, (version, seqs, _) in restored.items():
+        ledger.resume(node, version, seqs)
+    assert ledger.version == [3, 5] and ledger.holds(1) == [5, 6, 9]
+    ledger.train(1, [7])
+    ledger.report(1, 6)
+    ledger.commit(1, 6)
+    assert ledger.holds(1) == [5, 6, 9, 7] and sum(1 for v in ledger.trained.values() if v) == 9
 
 
 def test_a_full_disk_refuses_the_batch_whole_and_keeps_what_was_acknowledged(tmp_path):

@@ -98,12 +98,25 @@ class OnlineConfig(BaseModel):
     max_tokens: int = Field(default=64, gt=0)                 # a completion's default limit
     sample_store: str = "out/online/samples"
     storage_path: str = "out/online/checkpoints"
+    # take up where an earlier deployment on the same storage_path and sample_store stopped:
+    # each node restores its newest adapter checkpoint and trains the stored samples no
+    # checkpoint holds (False: start from the base model, ignoring earlier checkpoints)
+    resume: bool = True
     profile: Optional[str] = None                             # a saved node profile (JSON) to start from
     prior_gflops: float = Field(default=20.0, gt=0)           # the prior profile's assumed rate
     serve: ServeSpec = Field(default_factory=ServeSpec)
 
     def served_model_name(self) -> str:
         return self.serve.served_model_name or self.model_loading_config.model_id
+
+    def adapter_fingerprint(self) -> str:
+        """What an adapter checkpoint must match to be restored: the model, its split into
+        stages and the LoRA shape (a checkpoint of another shape belongs to another run)."""
+        import hashlib
+
+        m, lora = self.model_loading_config, self.lora
+        key = f"{m.model_id}|{m.seed}|{m.dtype}|{self.stages}|{lora.rank}|{lora.alpha}|{sorted(lora.target_modules)}"
+        return hashlib.sha256(key.encode()).hexdigest()[:10]
 
     @field_validator("policy")
     @classmethod

@@ -231,6 +231,7 @@ class TrainingLedger:
         self.base = [0] * nodes                  # seqs the node trained before since[n][0]
         self.reported: dict[tuple[int, int], int] = {}   # (node, version) -> seqs trained it holds
         self.version = [0] * nodes               # last committed checkpoint per node
+        self.kept = [[] for _ in range(nodes)]   # seqs in the node's last committed checkpoint
         self._lost: dict[int, tuple] = {}        # node -> (seqs, base, reported) until it restores
 
     def train(self, node: int, seqs: Iterable[int]) -> None:
@@ -249,6 +250,7 @@ class TrainingLedger:
             return
         cut = end - self.base[node]
         if cut > 0:
+            self.kept[node].extend(self.since[node][:cut])
             del self.since[node][:cut]
             self.base[node] = end
         self.version[node] = max(self.version[node], version)
@@ -274,6 +276,7 @@ class TrainingLedger:
         keep = max(0, min(len(seqs), held[version] - base)) if version in held else 0
         for seq in seqs[:keep]:
             self.trained[seq] += 1
+        self.kept[node].extend(seqs[:keep])
         if version in held:
             self.version[node] = version
         return seqs[keep:]
@@ -284,3 +287,59 @@ class TrainingLedger:
 
     def restoring(self, node: int) -> bool:
         return node in self._lost
+
+    def holds(self, node: int) -> list[int]:
+        """The seqs the node's adapter holds now (what a checkpoint taken now keeps)."""
+        return self.kept[node] + self.since[node]
+
+    def resume(self, node: int, version: int, seqs: Sequence[int]) -> None:
+        """A new deployment's node restored checkpoint ``version`` of an earlier one, which
+        holds ``seqs``."""
+        for seq in seqs:
+            self.trained[seq] = self.trained.get(seq, 0) + 1
+        self.kept[node], self.base[node], self.version[node] = list(seqs), len(seqs), version
+
+
+def to_ranges(seqs: Iterable[int]) -> list[list[int]]:
+    """Sorted distinct seqs as ``[start, end)`` runs (a checkpoint stores them so)."""
+    runs: list[list[int]] = []
+    for seq in sorted(set(seqs)):
+        if runs and runs[-1][1] == seq:
+            runs[-1][1] += 1
+        else:
+            runs.append([seq, seq + 1])
+    return runs
+
+
+def from_ranges(runs: Iterable[Sequence[int]]) -> list[int]:
+    return [seq for start, end in runs for seq in range(int(start), int(end))]
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """What a deployment restarted on an earlier one's sample store and checkpoints takes
+    up: the adapter version to count on from, where training stands, and the stored
+    samples no restored checkpoint holds (to train now)."""
+
+    adapter_version: int
+    cursor: Cursor
+    held: int
+    pending: list[int]
+
+
+def plan_resumption(restored: dict[int, tuple[int, list[int], Cursor]], stored: int) -> Resumption:
+    """``restored``: node -> (adapter version, seqs its checkpoint holds, cursor saved with
+    it) for the nodes that restored a checkpoint; ``stored``: samples in the store. In the
+    first pass over the store every sample no node holds is pending; in a later pass, the
+    samples from the newest checkpoint's cursor on."""
+    version = max((v for v, _, _ in restored.values()), default=0)
+    held = set()
+    for _, seqs, _ in restored.values():
+        held.update(seqs)
+    epoch = max((c.epoch for _, _, c in restored.values()), default=0)
+    if epoch == 0:
+        pending = [seq for seq in range(stored) if seq not in held]
+    else:
+        newest = max(c.next_seq for _, _, c in restored.values() if c.epoch == epoch)
+        pending = list(range(min(newest, stored), stored))
+    return Resumption(version, Cursor(epoch, stored), len(held), pending)

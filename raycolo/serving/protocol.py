@@ -272,9 +272,11 @@ class TrainStatus(BaseModel):
     last_checkpoint: Optional[dict] = None
     pinned_versions: list[int] = Field(default_factory=list,
                                        description="adapter versions servable as <model>@v<k>")
+    resumed: Optional[dict] = Field(default=None, description="what this deployment took up from an earlier "
+                                    "one on the same storage: adapter_version, samples_held, samples_resumed")
 
 
 class Health(BaseModel):
-    status: Literal["ok", "degraded"]
+    status: Literal["ok", "degraded", "starting"]
     nodes_alive: int
     nodes: int

@@ -1,0 +1,159 @@
+"""Faults of the live online runtime beyond a stage worker's death (test_online_live.py):
+the whole deployment restarted on its storage, its controller killed (Ray restarts it),
+and a node's Ray Train controller killed. After each, every acknowledged training sample
+is trained exactly once in what the adapters keep, every accepted request ended with its
+tokens or an error, and the adapter version never went back past the last checkpoint.
+
+One node of two stages keeps the module to a few worker-group starts (~15 s each).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+from ray.exceptions import RayActorError
+
+from raycolo.actors.online_launch import OnlineDeployment, learnable_pair
+from raycolo.costmodel.sampler import seeded_rng
+from raycolo.online.config import parse_online_config
+
+VOCAB = 259
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults")
+    config = parse_online_config({
+        "model_loading_config": {"model_id": "tiny-llama-s", "dtype": "float32"},
+        "nodes": 1, "stages": 2, "policy": "lemix", "train_rate": 0.5,
+        "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2},
+        "lora": {"rank": 4, "alpha": 8, "lr": 0.01, "micro_batch": 2, "checkpoint_every": 1},
+        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 4096, "max_failures": 2},
+        "max_tokens": 8,
+        "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
+    })
+    ray.init(address="local", num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False,
+             namespace="raycolo")
+    state = {"config": config, "rng": seeded_rng(3, "test-faults")}
+    yield state
+    if state.get("dep") is not None:
+        state["dep"].stop()
+    ray.shutdown()
+
+
+def _wait_committed(dep, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (stats := dep.stats())["checkpoints_uncommitted"]:    # Ray Train commits in ~1 s
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return stats
+
+
+def _trained_exactly_once(dep, timeout_s: float = 120.0) -> dict:
+    """Every stored sample is trained exactly once in what the adapters keep (waits for the
+    resumed training to finish)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        dep.drain()
+        ledger = dep.sample_ledger()
+        counts = {seq: ledger["trained"].get(seq, 0) for seq in range(ledger["stored"])}
+        if set(counts.values()) <= {1} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert counts == {seq: 1 for seq in range(ledger["stored"])}
+    return ledger
+
+
+def test_a_restarted_deployment_takes_up_its_checkpoint_and_the_samples_stored_since(setup):
+    config, rng = setup["config"], setup["rng"]
+    dep = OnlineDeployment.start(config, timeout_s=240)
+    assert dep.train_status()["resumed"]["samples_resumed"] == 0      # nothing earlier
+    for _ in range(2):
+        dep.add_samples([learnable_pair(rng, 12, VOCAB) for _ in range(2)])
+        dep.train()
+        dep.drain()
+    _wait_committed(dep)
+    version = dep.train_status()["adapter_version"]
+    assert version >= 2
+    dep.add_samples([learnable_pair(rng, 12, VOCAB) for _ in range(2)])   # acknowledged, not trained
+    dep.stop()
+
+    dep = setup["dep"] = OnlineDeployment.start(config, timeout_s=240)
+    status = dep.train_status()
+    assert status["resumed"]["adapter_version"] == version
+    assert status["resumed"]["samples_held"] == 4 and status["resumed"]["samples_resumed"] == 2
+    assert {w["restored_version"] for w in dep.registry().values()} == {version}
+    ledger = _trained_exactly_once(dep)
+    assert ledger["stored"] == 6
+    _wait_committed(dep)
+    assert dep.train_status()["adapter_version"] > version      # counts on from the restored one
+
+
+def test_a_killed_controller_is_restarted_and_resumes_without_losing_work(setup):
+    """ray.kill the controller while requests decode and a training task runs: the calls in
+    flight fail (the client sees an error), Ray restarts the controller, its first call
+    starts the stage workers again from the newest checkpoint, and the acknowledged
+    samples are all trained exactly once."""
+    dep, rng = setup["dep"], setup["rng"]
+    _wait_committed(dep)
+    committed = dep.train_status()["adapter_version"]
+    dep.add_samples([learnable_pair(rng, 12, VOCAB) for _ in range(2)])
+    rids = [dep.submit([1] + [40 + (i * 7 + j) % 50 for j in range(15)], max_tokens=60, ignore_eos=True)
+            for i in range(3)]
+    dep.train()
+    deadline = time.monotonic() + 60
+    while min(dep.progress(r)["tokens"] for r in rids) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    killed = time.monotonic()
+    ray.kill(dep.controller, no_restart=False)
+    outcomes = []
+    for rid in rids:      # each ends with its tokens or an error: here the actor's death
+        try:
+            outcomes.append(dep.result(rid)["finish_reason"])
+        except RayActorError:
+            outcomes.append("error")
+    assert set(outcomes) <= {"length", "error"} and "error" in outcomes
+    rid = dep.submit([1, 50, 51, 52], max_tokens=4, ignore_eos=True)    # starts it again
+    assert len(list(dep.stream(rid))) == 4
+    recovery_s = time.monotonic() - killed
+    assert recovery_s < 120
+    status = dep.train_status()
+    assert status["resumed"]["adapter_version"] >= committed          # never behind the checkpoint
+    _trained_exactly_once(dep)
+
+
+def test_a_killed_train_controller_starts_a_new_run_from_the_checkpoint(setup):
+    """The node's Ray Train controller (the process that owns its worker group) dies: its
+    workers die with it; a new run of the same name restores the newest checkpoint, the
+    requests in flight end with their tokens or an error, and nothing trained is lost."""
+    import psutil
+
+    dep, rng = setup["dep"], setup["rng"]
+    _wait_committed(dep)
+    before = dep.registry()
+    dep.add_samples([learnable_pair(rng, 12, VOCAB) for _ in range(2)])
+    rids = [dep.submit([1] + [40 + (i * 5 + j) % 50 for j in range(15)], max_tokens=60, ignore_eos=True)
+            for i in range(3)]
+    dep.train()
+    alive = [p.pid for p in psutil.process_iter(["cmdline"])
+             if (p.info["cmdline"] or [""])[0].startswith("ray::TrainController")]
+    assert len(alive) == 1
+    os.kill(alive[0], signal.SIGKILL)
+    results = [dep.result(rid) for rid in rids]
+    for r in results:
+        assert r["finish_reason"] in ("length", "error")
+        if r["finish_reason"] == "length":
+            assert len(r["tokens"]) == 60
+        else:
+            assert "node" in r["error"]
+    rid = dep.submit([1, 50, 51, 52], max_tokens=4, ignore_eos=True)
+    assert len(list(dep.stream(rid))) == 4
+    stats = dep.stats()
+    assert any("Ray Train controller died" in r["reason"] for r in stats["restarts"])
+    after = dep.registry()
+    assert all(after[k]["pid"] != before[k]["pid"] for k in before)
+    _trained_exactly_once(dep)
