@@ -642,12 +642,18 @@ class OnlineController(AdapterVersions, Reports):
     def _forget_finished(self) -> None:
         """A long-running service keeps at most ``KEPT_FINISHED`` finished requests (their
         prompts, tokens and event queues; the oldest go first), so memory does not grow
-        with every request served. Their latencies stay in the run's metrics."""
+        with every request served; the scheduler and metrics forget them too (the run's
+        figures then cover the requests kept; Prometheus histograms hold the rest)."""
         finished = len(self.requests) - self.unfinished()
         if finished <= KEPT_FINISHED + KEPT_FINISHED // 4:
             return
-        for rid in [rid for rid, r in self.requests.items() if r.finish_reason is not None][:finished - KEPT_FINISHED]:
-            del self.requests[rid]
+        gone = [rid for rid, r in self.requests.items() if r.finish_reason is not None][:finished - KEPT_FINISHED]
+        trained = [tid for tid, t in self.tasks.items() if t.is_train and tid not in self.train_tasks]
+        gone += trained[:max(0, len(trained) - KEPT_FINISHED)]
+        for rid in gone:
+            self.requests.pop(rid, None)
+            self.tasks.pop(rid, None)
+        self.cluster.forget(gone)
 
     def unfinished(self) -> int:
         return sum(1 for r in self.requests.values() if r.finish_reason is None)

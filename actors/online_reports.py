@@ -31,9 +31,10 @@ class Reports:
         nodes = self.cluster.nodes
         running = sum(len(node.batch) + len(node.joining) for node in nodes)
         log, busy = self.cluster.op_log, self.busy_s
-        for start, end, n, st, _kind, _ids in log[self.busy_seen:]:   # only ops logged since the last call
+        offset = self.cluster.op_log_dropped
+        for start, end, n, st, _kind, _ids in log[max(0, self.busy_seen - offset):]:   # ops logged since the last call
             busy[(n, st)] = busy.get((n, st), 0.0) + (end - start)
-        self.busy_seen = len(log)
+        self.busy_seen = offset + len(log)
         result = await self.metrics()
         status = await self.train_status()
         return {
@@ -69,7 +70,7 @@ class Reports:
         return {
             "policy": self.policy.name, "nodes": self.config.nodes, "stages": self.config.stages,
             "now_s": self.driver.now() if self.driver else 0.0,
-            "requests": len(tasks), "completed": len(self.cluster.metrics.completions),
+            "requests": len(tasks), "completed": self.cluster.metrics.completed,
             "train_done": self.cluster.train_done, "samples_stored": len(self.store),
             "samples_pending": self.store.pending(self.cursor), "adapter_version": self.adapter_version,
             "queues": [{"node": n, "ready": [len(st.ready) for st in node.stages],
@@ -77,7 +78,7 @@ class Reports:
                         "batch": len(node.batch), "decoding": len(node.joining)} for n, node in enumerate(nodes)],
             "actor_hops": self.hops, "errors": list(self.errors),
             "last_trained_node": self.last_trained_node,
-            "hops_per_decode_iteration": self.hops / max(1, len(self.cluster.op_log)) * self.config.stages,
+            "hops_per_decode_iteration": self.hops / max(1, self.cluster.op_log_dropped + len(self.cluster.op_log)) * self.config.stages,
             "decision_us_p50": _pct(self.cluster.scheduler.decision_us, 50),
             "decision_us_p99": _pct(self.cluster.scheduler.decision_us, 99),
             # everything the controller's schedulers did (policy, cluster, node schedulers)

@@ -67,6 +67,19 @@ class Cluster:
         self._tasks: dict[int, OnlineTask] = {}
         self.resumed = 0     # tasks placed again after their node lost them
         self.op_log: list[tuple] = []   # (start, end, node, stage, kind, task ids or version)
+        self.op_log_dropped = 0          # entries forget() dropped from the front of op_log
+
+    def forget(self, task_ids, keep_ops: int = 50_000) -> None:
+        """A long-running service drops what it recorded of finished ``task_ids`` and all
+        but the last ``keep_ops`` entries of the op log, so memory does not grow with every
+        request served (its results then cover what is kept)."""
+        for tid in task_ids:
+            self._tasks.pop(tid, None)
+        self.metrics.forget(task_ids)
+        if len(self.op_log) > 2 * keep_ops:
+            cut = len(self.op_log) - keep_ops
+            del self.op_log[:cut]
+            self.op_log_dropped += cut
 
     # -- events ----------------------------------------------------------------------------
     def arrive(self, task: OnlineTask, now: float, last: bool = False) -> ClusterStep:

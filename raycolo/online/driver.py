@@ -111,7 +111,7 @@ class ClusterDriver:
     # -- internals -------------------------------------------------------------------------
     def _all_done(self) -> bool:
         metrics = self.cluster.metrics
-        return self.error is not None or len(metrics.completions) + len(metrics.failed) >= self._expected
+        return self.error is not None or metrics.completed + len(metrics.failed) >= self._expected
 
     def _step(self, call, *args, **kwargs) -> None:
         """Run one cluster callback (the controller's and the node schedulers' work for an

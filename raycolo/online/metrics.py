@@ -75,8 +75,10 @@ class OnlineMetrics:
         self.token_times: dict[int, list[float]] = {}
         self.first_staleness: dict[int, int] = {}
         self.completions: dict[int, int] = {}
-        self.staleness: list[int] = []
+        self.staleness: dict[int, int] = {}
         self.active_steps: list[tuple[float, int]] = [(0.0, 0)]
+        self.forgotten = 0          # completed tasks whose records were dropped (forget)
+        self.folded_area = 0.0      # active-node seconds of the steps folded away (forget)
         self.deferred_max = 0
         self.failed: dict[int, OnlineTask] = {}     # tasks no node could run (all were down)
 
@@ -91,7 +93,7 @@ class OnlineMetrics:
         times = self.token_times.pop(task.task_id, [])
         self.tbt[task.task_id] = float(np.mean(np.diff(times))) if len(times) > 1 else 0.0
         self.e2e[task.task_id] = now - task.arrival_s
-        self.staleness.append(self.first_staleness.pop(task.task_id, 0))
+        self.staleness[task.task_id] = self.first_staleness.pop(task.task_id, 0)
         self._complete(task)
 
     def trained(self, task: OnlineTask, now: float) -> None:
@@ -104,6 +106,25 @@ class OnlineMetrics:
     def active_change(self, now: float, delta: int) -> None:
         self.active_steps.append((now, self.active_steps[-1][1] + delta))
 
+    @property
+    def completed(self) -> int:
+        """Tasks completed, counting those whose records were forgotten."""
+        return len(self.completions) + self.forgotten
+
+    def forget(self, task_ids, keep_steps: int = 10_000) -> None:
+        """Drop the per-task records of finished ``task_ids`` (a long-running service; its
+        results then cover the tasks kept) and fold all but the last ``keep_steps`` changes
+        of the active-node count into a running area."""
+        for tid in task_ids:
+            self.forgotten += self.completions.pop(tid, 0)
+            for records in (self.ttft, self.tbt, self.e2e, self.staleness, self.first_staleness, self.token_times):
+                records.pop(tid, None)
+        steps = self.active_steps
+        if len(steps) > 2 * keep_steps:
+            cut = len(steps) - keep_steps
+            self.folded_area += sum((t1 - t0) * c for (t0, c), (t1, _) in zip(steps[:cut], steps[1:cut + 1]) if t1 > t0)
+            del steps[:cut]
+
     def result(self, policy: str, tasks: list[OnlineTask], nodes: list, slo_s: float,
                train_done: int, decision_us_mean: float) -> OnlineResult:
         """``nodes``: the run's :class:`~raycolo.online.node.NodeScheduler` objects."""
@@ -115,9 +136,9 @@ class OnlineMetrics:
         busy = [sum(st.busy_s for st in n.stages) for n in nodes]
         spans = [(n.last_end - n.first_start) if n.first_start is not None else 0.0 for n in nodes]
         steps = self.active_steps + [(end, 0)]
-        area = sum((t1 - t0) * c for (t0, c), (t1, _) in zip(steps[:-1], steps[1:]) if t1 > t0)
+        area = self.folded_area + sum((t1 - t0) * c for (t0, c), (t1, _) in zip(steps[:-1], steps[1:]) if t1 > t0)
         stages = len(nodes[0].stages) if nodes else 1
-        completed = sum(self.completions.values())
+        completed = sum(self.completions.values()) + self.forgotten
         return OnlineResult(
             policy=policy, tasks=len(tasks), inference=len(inference),
             train=len(tasks) - len(inference), completed=completed,
@@ -128,7 +149,7 @@ class OnlineMetrics:
             idle_fraction=1 - sum(busy) / (len(nodes) * stages * makespan),
             active_nodes=steps, active_nodes_mean=area / makespan,
             train_done=train_done,
-            staleness=np.array(self.staleness), decision_us_mean=decision_us_mean,
+            staleness=np.array(list(self.staleness.values())), decision_us_mean=decision_us_mean,
             deferred_max=self.deferred_max, memory_waits=sum(n.memory_waits for n in nodes),
             offloads=sum(n.offloads for n in nodes), overruns=sum(n.overruns for n in nodes),
             training_aborts=sum(n.aborts for n in nodes), training_splits=sum(n.micro.count for n in nodes),

@@ -11,6 +11,7 @@ comes from the executor's clock: the scheduler never reads a wall clock itself.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -49,7 +50,7 @@ class OnlineScheduler:
     arrivals_done: bool = False
     decisions: int = 0
     decision_us_total: float = 0.0
-    decision_us: list = field(default_factory=list)   # per decision, for percentiles
+    decision_us: deque = field(default_factory=lambda: deque(maxlen=100_000))   # the latest decisions, for percentiles
     pending_path: Optional[TaskPath] = None  # set by a policy that planned the task
     interarrival: float = 0.0                 # Δa of the task being decided (eq. 1)
     down: set = field(default_factory=set)    # nodes gone for good: nothing is placed there

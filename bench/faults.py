@@ -1,0 +1,240 @@
+"""Online faults under load: kill one part of a live deployment at a time, then count.
+
+    .venv/bin/python bench/faults.py [--config examples/online.yaml] [--rate 3] [--gap 40]
+                                      [--faults stage_worker,train_controller,controller,serve_replica]
+                                      [--json out/bench_faults.json]
+
+One local deployment behind its HTTP front (the config's nodes x stages, tiny model on
+CPU, ``resume: true``) serves a steady open-loop load of streamed completions from a
+separate process on loopback (bench/serve_load.py, ``--rate`` per second) while two
+training samples are posted every second. Every ``--gap`` seconds one fault is injected:
+
+- ``stage_worker``: SIGKILL a stage worker (Ray Train restarts its node's worker group);
+- ``train_controller``: SIGKILL a node's Ray Train controller, the process that owns the
+  node's worker group (the node schedulers themselves run inside the deployment's
+  controller, so this is the node-level process that can die on its own);
+- ``controller``: ``ray.kill`` the deployment's controller (Ray restarts it; it resumes
+  from the adapter checkpoints and the sample store);
+- ``serve_replica``: SIGKILL the HTTP front's Serve replica (Serve replaces it).
+
+For each fault: the time until a completion succeeds again (probed every 0.25 s), the
+requests that started in its window by outcome (done, shed, error, cut: the stream ended
+with neither [DONE] nor an error, timeout: hung), and the adapter version before the
+fault, the last committed checkpoint and the version after recovery. At the end, the
+acknowledged training samples never trained (must be 0) and those the adapters keep more
+than once, from the controller's ledger.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from common import write_json
+from serve import ROOT, free_port
+
+FAULTS = ("stage_worker", "train_controller", "controller", "serve_replica")
+OUT = "out/bench-faults"
+
+
+def _procs(prefix: str) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith(prefix)]
+
+
+def inject(fault: str, controller, app: str) -> str:
+    import ray
+
+    if fault == "stage_worker":
+        reg = ray.get(controller.registry.remote())
+        key = sorted(reg)[-1]
+        os.kill(reg[key]["pid"], signal.SIGKILL)
+        return key
+    if fault == "train_controller":
+        pids = _procs("ray::TrainController")
+        os.kill(pids[0], signal.SIGKILL)
+        return f"pid {pids[0]} (of {len(pids)})"
+    if fault == "controller":
+        ray.kill(controller, no_restart=False)
+        return "ray.kill(no_restart=False)"
+    if fault == "serve_replica":
+        pids = _procs(f"ray::ServeReplica:{app}")
+        os.kill(pids[0], signal.SIGKILL)
+        return f"pid {pids[0]}"
+    raise ValueError(f"--faults: unknown fault '{fault}' (known: {', '.join(FAULTS)})")
+
+
+class Samples(threading.Thread):
+    """Posts two training samples every second; keeps the ids the service acknowledged."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.halt = url, threading.Event()
+        self.acked: list[int] = []
+        self.refused = 0
+
+    def run(self) -> None:
+        i = 0
+        with httpx.Client(base_url=self.url, timeout=30) as h:
+            while not self.halt.is_set():
+                try:
+                    r = h.post("/v1/train_samples", json={"samples": [
+                        {"prompt": f"fault {i}.{k}: copy abc", "completion": "abc abc"} for k in range(2)]})
+                    if r.status_code == 200:
+                        self.acked += r.json()["ids"]
+                    else:
+                        self.refused += 1
+                except httpx.HTTPError:
+                    self.refused += 1
+                i += 1
+                self.halt.wait(1.0)
+
+
+def status(url: str) -> dict:
+    try:
+        r = httpx.get(f"{url}/v1/train_samples/status", timeout=10)
+        return r.json() if r.status_code == 200 else {}
+    except httpx.HTTPError:
+        return {}
+
+
+def recover(url: str, model: str, since: float, limit_s: float) -> float | None:
+    """Seconds from ``since`` until a completion succeeds (None: not within ``limit_s``)."""
+    while time.time() - since < limit_s:
+        try:
+            r = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "probe", "max_tokens": 2,
+                                                         "ignore_eos": True}, timeout=15)
+            if r.status_code == 200:
+                return time.time() - since
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "examples" / "online.yaml"))
+    ap.add_argument("--rate", type=float, default=3.0, help="completions per second (Poisson)")
+    ap.add_argument("--gap", type=float, default=40.0, help="seconds between faults")
+    ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--json", default="out/bench_faults.json")
+    args = ap.parse_args()
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    for f in faults:
+        if f not in FAULTS:
+            print(f"error: --faults: unknown fault '{f}' (known: {', '.join(FAULTS)})", file=sys.stderr)
+            return 2
+
+    import ray
+
+    from raycolo.actors import serve_launch
+    from raycolo.online.config import load_online_config
+
+    shutil.rmtree(OUT, ignore_errors=True)
+    base = load_online_config(args.config)
+    app = "bench-faults"
+    config = base.model_copy(update={
+        "resume": True, "sample_store": f"{OUT}/samples", "storage_path": f"{OUT}/checkpoints",
+        "serve": base.serve.model_copy(update={"port": free_port(), "app_name": app})})
+    started_ray, _ = serve_launch.init_ray(config)
+    model = config.served_model_name()
+    events_file = Path(OUT) / "requests.jsonl"
+    try:
+        print(f"starting {config.nodes} x {config.stages} ...", file=sys.stderr, flush=True)
+        url = serve_launch.start(config)
+        name = f"raycolo-online-{app}"
+        controller = ray.get_actor(name, namespace="raycolo")
+        seconds = args.gap * (len(faults) + 1)
+        load = subprocess.Popen([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--url", url,
+                                 "--model", model, "--rate", str(args.rate), "--seconds", str(seconds),
+                                 "--max-tokens", str(args.max_tokens), "--timeout", "120",
+                                 "--events", str(events_file)], stdout=subprocess.PIPE, text=True)
+        samples = Samples(url)
+        samples.start()
+        t0 = time.time()
+        rows = []
+        for k, fault in enumerate(faults):
+            time.sleep(max(0.0, t0 + args.gap * (k + 1) - time.time()))
+            before = status(url)
+            at = time.time()
+            what = inject(fault, controller, app)
+            print(f"[{at - t0:5.1f} s] {fault}: {what}", file=sys.stderr, flush=True)
+            back = recover(url, model, at, args.gap * 3)
+            controller = ray.get_actor(name, namespace="raycolo")
+            after = status(url)
+            print(f"          recovered in {back:.1f} s" if back is not None else "          not recovered",
+                  file=sys.stderr, flush=True)
+            rows.append({"fault": fault, "what": what, "at_s": at - t0, "recovery_s": back,
+                         "version_before": before.get("adapter_version"),
+                         "checkpoint_before": (before.get("last_checkpoint") or {}).get("version"),
+                         "version_after": after.get("adapter_version"), "resumed": after.get("resumed")})
+        out, _ = load.communicate(timeout=seconds * 5 + 300)
+        samples.halt.set()
+        samples.join()
+        totals = json.loads(out.strip().splitlines()[-1])
+        deadline = time.time() + 180          # the acknowledged samples finish training
+        while time.time() < deadline and (s := status(url)).get("pending", 1) > 0:
+            time.sleep(1)
+        ray.get(controller.drain.remote())
+        ledger = ray.get(controller.sample_ledger.remote())
+        trained = {int(k): v for k, v in ledger["trained"].items()}
+        never = [seq for seq in samples.acked if trained.get(seq, 0) == 0]
+        twice = [seq for seq in samples.acked if trained.get(seq, 0) > 1]
+        events = [json.loads(line) for line in events_file.read_text().splitlines()]
+        starts = [t0 + r["at_s"] for r in rows] + [float("inf")]
+        for i, row in enumerate(rows):
+            window = [e for e in events if starts[i] <= e["start"] < starts[i + 1]]
+            row["requests"] = _outcomes(window)
+        baseline = _outcomes([e for e in events if e["start"] < starts[0]])
+        report = {"config": vars(args), "faults": rows, "baseline": baseline, "load": totals,
+                  "samples_acked": len(samples.acked), "sample_posts_refused": samples.refused,
+                  "samples_never_trained": len(never), "samples_trained_twice": len(twice),
+                  "requests": _outcomes(events)}
+    finally:
+        serve_launch.stop(config, started_ray)
+    write_json(args.json, report)
+    print_table(report)
+    return 0
+
+
+def _outcomes(events: list) -> dict:
+    out = {"total": len(events)}
+    for e in events:
+        key = e["outcome"].split()[0]
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def print_table(report: dict) -> None:
+    print("| fault | at s | recovery s | requests started in its window: done / shed / error / cut / hung | "
+          "adapter version before (checkpoint) -> after |")
+    print("|---|---:|---:|---|---|")
+    b = report["baseline"]
+    print(f"| none (before the first) | 0 | - | {b.get('done', 0)} / {b.get('shed', 0)} / {b.get('error', 0)} / "
+          f"{b.get('cut', 0)} / {b.get('timeout', 0)} | - |")
+    for r in report["faults"]:
+        q = r["requests"]
+        rec = f"{r['recovery_s']:.1f}" if r["recovery_s"] is not None else "not recovered"
+        print(f"| {r['fault']} | {r['at_s']:.0f} | {rec} | {q.get('done', 0)} / {q.get('shed', 0)} / "
+              f"{q.get('error', 0)} / {q.get('cut', 0)} / {q.get('timeout', 0)} | "
+              f"{r['version_before']} ({r['checkpoint_before']}) -> {r['version_after']} |")
+    q = report["requests"]
+    print(f"\nrequests: {q['total']} sent, {q.get('done', 0)} done, {q.get('error', 0)} errors, "
+          f"{q.get('cut', 0)} cut, {q.get('timeout', 0)} hung; training samples: {report['samples_acked']} "
+          f"acknowledged, {report['samples_never_trained']} never trained, {report['samples_trained_twice']} "
+          f"kept twice ({report['sample_posts_refused']} posts refused, not acknowledged)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
