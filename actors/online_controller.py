@@ -362,6 +362,7 @@ class OnlineController(AdapterVersions, Reports):
         if self.auto_train:
             self._pump_training()
 
+    @ray.method(enable_task_events=False)   # per op and stage: kept out of the GCS's task-event store
     async def next_op(self, node: int, stage: int, epoch: int) -> Optional[dict]:
         """The stage's next payload; None tells a worker of an old group to stop."""
         self.hops += 1
@@ -369,6 +370,7 @@ class OnlineController(AdapterVersions, Reports):
             return None
         return await self.queues[(node, stage)].get()
 
+    @ray.method(enable_task_events=False)   # per op and stage: kept out of the GCS's task-event store
     async def op_done(self, node: int, stage: int, epoch: int, seq: int, result: dict) -> None:
         self.hops += 1
         if epoch != self.epochs[node]:

@@ -58,6 +58,7 @@ class OnlineDeployment:
               timeout_s: float = 300.0) -> "OnlineDeployment":
         """Start on the Ray cluster at ``address`` (or the one this process is connected
         to); with neither, a local cluster with ``nodes x stages`` logical GPUs."""
+        config.check_paths()
         started = False
         if not ray.is_initialized():
             if address:

@@ -17,7 +17,8 @@ training samples are posted every second. Every ``--gap`` seconds one fault is i
   from the adapter checkpoints and the sample store);
 - ``serve_replica``: SIGKILL the HTTP front's Serve replica (Serve replaces it).
 
-For each fault: the time until a completion succeeds again (probed every 0.25 s), the
+For each fault: the time until a completion succeeds again (probed every 0.25 s) and
+until every node's worker group is complete again (health "ok", no restart under way), the
 requests that started in its window by outcome (done, shed, error, cut: the stream ended
 with neither [DONE] nor an error, timeout: hung), and the adapter version before the
 fault, the last committed checkpoint and the version after recovery. At the end, the
@@ -121,6 +122,25 @@ def recover(url: str, model: str, since: float, limit_s: float) -> float | None:
     return None
 
 
+def whole(controller_name: str, since: float, limit_s: float) -> float | None:
+    """Seconds from ``since`` until every node's worker group is complete again: health
+    "ok" and no worker-group restart still under way."""
+    import ray
+
+    while time.time() - since < limit_s:
+        try:
+            controller = ray.get_actor(controller_name, namespace="raycolo")
+            health = ray.get(controller.health.remote(), timeout=10)
+            stats = ray.get(controller.stats.remote(), timeout=10)
+            if health["status"] == "ok" and all(r.get("back_s") is not None or r["down"]
+                                                for r in stats["restarts"]):
+                return time.time() - since
+        except Exception:      # the controller is restarting
+            pass
+        time.sleep(0.5)
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "examples" / "online.yaml"))
@@ -171,11 +191,12 @@ def main() -> int:
             what = inject(fault, controller, app)
             print(f"[{at - t0:5.1f} s] {fault}: {what}", file=sys.stderr, flush=True)
             back = recover(url, model, at, args.gap * 3)
+            full = whole(name, at, args.gap * 3)
             controller = ray.get_actor(name, namespace="raycolo")
             after = status(url)
             print(f"          recovered in {back:.1f} s" if back is not None else "          not recovered",
                   file=sys.stderr, flush=True)
-            rows.append({"fault": fault, "what": what, "at_s": at - t0, "recovery_s": back,
+            rows.append({"fault": fault, "what": what, "at_s": at - t0, "recovery_s": back, "whole_s": full,
                          "version_before": before.get("adapter_version"),
                          "checkpoint_before": (before.get("last_checkpoint") or {}).get("version"),
                          "version_after": after.get("adapter_version"), "resumed": after.get("resumed")})
@@ -217,16 +238,17 @@ def _outcomes(events: list) -> dict:
 
 
 def print_table(report: dict) -> None:
-    print("| fault | at s | recovery s | requests started in its window: done / shed / error / cut / hung | "
+    print("| fault | at s | serving again s | all workers back s | requests started in its window: done / shed / error / cut / hung | "
           "adapter version before (checkpoint) -> after |")
-    print("|---|---:|---:|---|---|")
+    print("|---|---:|---:|---:|---|---|")
     b = report["baseline"]
-    print(f"| none (before the first) | 0 | - | {b.get('done', 0)} / {b.get('shed', 0)} / {b.get('error', 0)} / "
+    print(f"| none (before the first) | 0 | - | - | {b.get('done', 0)} / {b.get('shed', 0)} / {b.get('error', 0)} / "
           f"{b.get('cut', 0)} / {b.get('timeout', 0)} | - |")
     for r in report["faults"]:
         q = r["requests"]
         rec = f"{r['recovery_s']:.1f}" if r["recovery_s"] is not None else "not recovered"
-        print(f"| {r['fault']} | {r['at_s']:.0f} | {rec} | {q.get('done', 0)} / {q.get('shed', 0)} / "
+        full = f"{r['whole_s']:.1f}" if r["whole_s"] is not None else "not recovered"
+        print(f"| {r['fault']} | {r['at_s']:.0f} | {rec} | {full} | {q.get('done', 0)} / {q.get('shed', 0)} / "
               f"{q.get('error', 0)} / {q.get('cut', 0)} / {q.get('timeout', 0)} | "
               f"{r['version_before']} ({r['checkpoint_before']}) -> {r['version_after']} |")
     q = report["requests"]

@@ -529,6 +529,7 @@ def cmd_online(args) -> int:
             t.max_tokens = t.decode_tokens
     from raycolo.actors.online_launch import OnlineDeployment
 
+    config.check_paths()
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr))
     say(f"starting {config.nodes} x {config.stages} stage workers ({config.model_loading_config.model_id}, "
         f"policy {config.policy})")
@@ -570,6 +571,7 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"--port: must lie in [1, 65535], got {args.port}")
     if update:
         config = config.model_copy(update={"serve": config.serve.model_copy(update=update)})
+    config.check_paths()
     from raycolo.actors.serve_launch import serve_until_stopped
 
     return serve_until_stopped(config, address=args.address,

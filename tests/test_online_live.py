@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -208,6 +209,20 @@ def test_online_run_cli_errors(args, field):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}"), proc.stderr
+
+
+@pytest.mark.parametrize("field", ["sample_store", "storage_path"])
+def test_an_unwritable_store_or_checkpoint_directory_is_refused_before_ray_starts(tmp_path, field):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    config = tmp_path / "online.yaml"
+    text = (ROOT / "examples" / "online.yaml").read_text()
+    config.write_text(re.sub(rf"^{field}:.*$", f"{field}: {blocker / 'sub'}", text, flags=re.M))
+    for args in (["online", "run", str(config), "--tasks", "2"], ["serve", str(config)]):
+        proc = _cli(*args)
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert lines == [f"error: {field}: cannot write {blocker / 'sub'}: Not a directory"], proc.stderr
 
 
 def test_online_config_errors_name_the_field(tmp_path):

@@ -496,8 +496,45 @@ def test_openapi_schema_holds_under_schemathesis(front):
             "GET /v1/models", "GET /health"} <= set(ran)
 
 
-# -- a restart of the whole deployment -------------------------------------------------------
-def test_acknowledged_samples_are_still_there_after_the_deployment_restarts(front):
+# -- faults: the controller dies, the whole deployment restarts ---------------------------------
+def _wait_health(h, status: int, timeout_s: float = 180.0):
+    deadline = time.monotonic() + timeout_s
+    while (r := h.get("/health")).status_code != status:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    return r
+
+
+def test_a_dead_controller_ends_open_streams_with_an_error_and_comes_back(front):
+    """The controller dies while a completion streams: the stream ends with an error event
+    (not a cut connection), new requests get 503 with Retry-After while it restarts, and
+    then it serves again."""
+    import ray
+
+    controller = ray.get_actor(f"raycolo-online-{front['config'].serve.app_name}", namespace="raycolo")
+    body = {"model": MODEL, "prompt": "a long one", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with http(front) as h, h.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))      # it streams
+        ray.kill(controller, no_restart=False)
+        rest = list(lines)
+    events = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+    assert "error" in events[-1] and "controller" in events[-1]["error"]["message"]
+    assert rest[-1] == "data: [DONE]" or rest[-2] == "data: [DONE]" or "error" in events[-1]
+    with http(front) as h:
+        r = h.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        if r.status_code != 200:       # not back yet: a clear, retryable refusal
+            assert r.status_code == 503 and r.headers["retry-after"] and error_of(r)["code"] == "unavailable"
+        _wait_health(h, 200)
+        r = h.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_acknowledged_samples_are_trained_after_the_deployment_restarts(front):
+    """The whole deployment stops and starts again on the same storage: every acknowledged
+    sample is still stored, the adapter comes back from its newest checkpoint, and the
+    samples no checkpoint held are trained."""
     from raycolo.actors import serve_launch
 
     with http(front) as h:
@@ -506,6 +543,12 @@ def test_acknowledged_samples_are_still_there_after_the_deployment_restarts(fron
     serve_launch.stop(front["config"], started_ray=False)       # the app and its stage workers go
     serve_launch.start(front["config"])
     with http(front) as h:
+        _wait_health(h, 200)
         after = h.get("/v1/train_samples/status").json()
-    assert after["received"] == before["received"] == len(lines) >= 7
+        assert after["received"] == before["received"] == len(lines) >= 7
+        assert after["resumed"]["adapter_version"] >= (before["last_checkpoint"] or {}).get("version", 0)
+        deadline = time.monotonic() + 180
+        while (after := h.get("/v1/train_samples/status").json())["trained"] < after["received"]:
+            assert time.monotonic() < deadline, after
+            time.sleep(0.5)
     assert (front["out"] / "samples" / "samples.jsonl").read_text().splitlines() == lines

@@ -109,6 +109,21 @@ class OnlineConfig(BaseModel):
     def served_model_name(self) -> str:
         return self.serve.served_model_name or self.model_loading_config.model_id
 
+    def check_paths(self) -> None:
+        """``sample_store`` and ``storage_path`` must be directories this process can
+        create and write: found here, before a cluster starts, as one error naming the
+        field. (A cluster of several hosts needs them on storage every host shares.)"""
+        import tempfile
+
+        for field in ("sample_store", "storage_path"):
+            path = Path(getattr(self, field))
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=path, prefix=".raycolo-probe-"):
+                    pass
+            except OSError as exc:
+                raise ConfigError(f"{field}: cannot write {path}: {exc.strerror or exc}") from None
+
     def adapter_fingerprint(self) -> str:
         """What an adapter checkpoint must match to be restored: the model, its split into
         stages and the LoRA shape (a checkpoint of another shape belongs to another run)."""
