@@ -135,6 +135,7 @@ class OnlineController(AdapterVersions, Reports):
         self.restored: dict[int, tuple] = {}          # node -> (version, seqs held, cursor) of an earlier run
         self.resumption: Optional[dict] = None        # what this deployment took up from an earlier one
         self.train_runs = [0] * cfg.nodes             # Ray Train runs started per node (a new one after its controller died)
+        self._flush_timer: Optional[asyncio.TimerHandle] = None   # trains a partial micro-batch of HTTP samples
 
     # -- start and stop ----------------------------------------------------------------------
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> dict:
@@ -709,14 +710,22 @@ class OnlineController(AdapterVersions, Reports):
                 self._wake()
         return {"ids": seqs, "stored": len(self.store)}
 
-    def _pump_training(self) -> None:
+    def _pump_training(self, flush: bool = False) -> None:
         """Samples that came over HTTP: full micro-batches of pending samples become training
-        tasks, at most ``lora.queued_tasks`` per node outstanding (more follow as they finish)."""
+        tasks, at most ``lora.queued_tasks`` per node outstanding (more follow as they finish).
+        A partial micro-batch is trained as it is once it waited ``lora.flush_after_s``
+        (``flush``), so no acknowledged sample waits for ever for others to fill its batch."""
         limit = self.config.lora.queued_tasks * (self.config.nodes - len(self.dead))
         micro = self.config.lora.micro_batch
-        while len(self.train_tasks) < limit and self.store.pending(self.cursor) >= micro:
+        while len(self.train_tasks) < limit and (self.store.pending(self.cursor) >= micro or
+                                                 (flush and self.store.pending(self.cursor) > 0)):
             samples, self.cursor = self.store.take(self.cursor, micro)
             self._submit_samples(samples)
+        if 0 < self.store.pending(self.cursor) < micro and self._flush_timer is None:
+            def flush() -> None:
+                self._flush_timer = None
+                self._pump_training(flush=True)
+            self._flush_timer = asyncio.get_running_loop().call_later(self.config.lora.flush_after_s, flush)
 
     async def submit_training(self) -> Optional[int]:
         """Turn the next micro-batch of stored samples into a training task."""

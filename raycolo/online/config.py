@@ -36,6 +36,7 @@ class LoraSpec(BaseModel):
     checkpoint_every: int = Field(default=8, gt=0)            # optimizer steps between checkpoints
     max_len: int = Field(default=256, gt=1, le=1 << 16)       # tokens per training sample, at most
     queued_tasks: int = Field(default=2, gt=0, le=1024)       # HTTP samples: training tasks outstanding per node
+    flush_after_s: float = Field(default=10.0, gt=0, le=86400)  # HTTP samples: a partial micro-batch waits at most this
     dpo_beta: float = Field(default=0.1, gt=0, le=100)        # DPO's beta for preference pairs
 
 
