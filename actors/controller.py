@@ -271,9 +271,10 @@ class Controller:
         except RayActorError as exc:
             if rep.stopped_s is not None:
                 return
-            if rep.ready_s is None:  # died before it ever answered: a start failure, not a crash
+            if rep.ready_s is None and getattr(exc, "actor_init_failed", False):
+                # its constructor raised: a start failure (a bad model or config), not a crash
                 raise ReplicaFailed(f"replica {rep.name} failed to start: {_cause(exc)}") from None
-            self._restart(rep, exc)
+            self._restart(rep, exc)  # the process died (killed, out of memory), starting or not
             return
         if kind == "info":
             rep.info = result

@@ -122,18 +122,32 @@ def recover(url: str, model: str, since: float, limit_s: float) -> float | None:
     return None
 
 
-def whole(controller_name: str, since: float, limit_s: float) -> float | None:
+def whole(controller_name: str, since: float, limit_s: float, before: dict, fault: str) -> float | None:
     """Seconds from ``since`` until every node's worker group is complete again: health
-    "ok" and no worker-group restart still under way."""
+    "ok", no worker-group restart under way, every stage registered, and the processes the
+    fault took replaced (``before``: the registry before it): the killed stage worker; all
+    stages of one node (its Ray Train controller); all of them (the controller)."""
     import ray
+
+    def replaced(reg: dict) -> bool:
+        new = {k for k in before if k in reg and reg[k]["pid"] != before[k]["pid"]}
+        nodes = {k.split("/")[0] for k in before}
+        if fault == "stage_worker":
+            return sorted(before)[-1] in new
+        if fault == "train_controller":
+            return any(all(k in new for k in before if k.startswith(n + "/")) for n in nodes)
+        if fault == "controller":
+            return new == set(before)
+        return True
 
     while time.time() - since < limit_s:
         try:
             controller = ray.get_actor(controller_name, namespace="raycolo")
             health = ray.get(controller.health.remote(), timeout=10)
             stats = ray.get(controller.stats.remote(), timeout=10)
-            if health["status"] == "ok" and all(r.get("back_s") is not None or r["down"]
-                                                for r in stats["restarts"]):
+            reg = ray.get(controller.registry.remote(), timeout=10)
+            if (health["status"] == "ok" and replaced(reg) and len(reg) == len(before)
+                    and all(r.get("back_s") is not None or r["down"] for r in stats["restarts"])):
                 return time.time() - since
         except Exception:      # the controller is restarting
             pass
@@ -187,14 +201,15 @@ def main() -> int:
         for k, fault in enumerate(faults):
             time.sleep(max(0.0, t0 + args.gap * (k + 1) - time.time()))
             before = status(url)
+            registry = ray.get(controller.registry.remote())
             at = time.time()
             what = inject(fault, controller, app)
             print(f"[{at - t0:5.1f} s] {fault}: {what}", file=sys.stderr, flush=True)
             back = recover(url, model, at, args.gap * 3)
-            full = whole(name, at, args.gap * 3)
+            full = whole(name, at, args.gap * 3, registry, fault)
             controller = ray.get_actor(name, namespace="raycolo")
             after = status(url)
-            print(f"          recovered in {back:.1f} s" if back is not None else "          not recovered",
+            print(f"          serving again after {back} s, every worker group back after {full} s",
                   file=sys.stderr, flush=True)
             rows.append({"fault": fault, "what": what, "at_s": at - t0, "recovery_s": back, "whole_s": full,
                          "version_before": before.get("adapter_version"),

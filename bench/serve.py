@@ -152,7 +152,8 @@ async def capacity(url, model, concurrency, seconds, max_tokens) -> float:
 
 def load(url, model, rate, seconds, max_tokens, seed) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "serve_load.py"), "--url", url, "--model", model,
-           "--rate", str(rate), "--seconds", str(seconds), "--max-tokens", str(max_tokens), "--seed", str(seed)]
+           "--rate", str(rate), "--seconds", str(seconds), "--max-tokens", str(max_tokens), "--seed", str(seed),
+           "--max-requests", str(int(rate * seconds * 2) + 100)]      # bounded, but never before --seconds
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds * 10 + 300)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])

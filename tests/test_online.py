@@ -144,6 +144,30 @@ def test_every_task_completes_exactly_once(policy):
     assert 0 < result.active_nodes_mean <= 4
 
 
+def test_a_cluster_that_forgets_finished_tasks_keeps_its_counts_and_frees_their_records():
+    """What a long-running service does (actors/online_controller.py): forget the finished
+    tasks' records. The counts, the active-node area and the results of the tasks kept are
+    those of a run that forgot nothing."""
+    workload = poisson_workload(50, 0.5, 400, seed=0)
+    params = LemixParams()
+    sim = ClusterSimulator(workload, preset("llama-8b", 2), 4, make_online_policy("lemix", params, nodes=4), params)
+    full = sim.run()
+    old = [t.task_id for t in sorted(workload, key=lambda t: t.arrival_s)[:300]]
+    kept = [t for t in workload if t.task_id not in set(old)]
+    metrics = sim.cluster.metrics
+    ops = len(sim.cluster.op_log)
+    sim.cluster.forget(old, keep_ops=10)
+    metrics.forget([], keep_steps=5)          # fold the active-node steps too
+    assert not set(old) & (set(metrics.completions) | set(metrics.ttft) | set(metrics.e2e) | set(metrics.staleness))
+    assert not set(old) & set(sim.cluster._tasks) and len(metrics.active_steps) == 5
+    assert len(sim.cluster.op_log) == 10 and sim.cluster.op_log_dropped == ops - 10
+    after = sim.cluster.result(kept)
+    assert after.completed == full.completed == len(workload) and metrics.completed == len(workload)
+    assert after.active_nodes_mean * after.makespan_s == pytest.approx(full.active_nodes_mean * full.makespan_s)
+    assert sorted(after.ttft_s) == sorted(full.ttft_s[[t.task_id not in set(old) for t in workload
+                                                       if not t.is_train]])
+
+
 def test_simulation_is_deterministic():
     _, a = _simulate("lemix", seed=3)
     _, b = _simulate("lemix", seed=3)

@@ -134,6 +134,36 @@ def test_a_killed_engine_actor_loses_nothing(cluster, tmp_path):
     assert restarted[0]["restarts"] == 1
 
 
+def test_a_replica_killed_while_it_starts_is_restarted(cluster, tmp_path):
+    """Kill the first replica the moment its actor is created (it is still starting): a
+    crash, not a start failure (a constructor that raises fails the run at once, below),
+    so the replica is started again and nothing is lost. Found by bench/offline_faults.py:
+    the run failed with "The actor never ran - it was cancelled before it started"."""
+    import threading
+    import time
+
+    killed = []
+
+    def killer():
+        deadline = time.monotonic() + 120
+        while not killed and time.monotonic() < deadline:
+            for actor in ray.util.list_named_actors(all_namespaces=True):
+                if "/r0@gpu" in actor["name"] and "#restart" not in actor["name"]:
+                    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+                    killed.append(actor["name"])
+                    return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    config = _config(tmp_path, "tiny_routing.yaml", requests=8)
+    report = run_application(config, log=lambda m: None)
+    thread.join()
+    assert killed
+    _check_exactly_once(report, Path(config.output))
+    assert report["restarts"] == 1
+
+
 class StopJob(Exception):
     pass
 

@@ -103,6 +103,8 @@ def test_grafana_dashboard_uses_only_exported_metrics():
 
 
 def test_model_variant_names():
+    """A model name selects a variant by a checked integer, never a path: nothing in a
+    request can name a file (docs/security.md)."""
     from raycolo.serving.protocol import model_variant
 
     served = "tiny-llama-s"
@@ -110,5 +112,6 @@ def test_model_variant_names():
     assert model_variant(served + "@base", served) == "base"
     assert model_variant(served + "@v0", served) == 0 and model_variant(served + "@v17", served) == 17
     for name in ("gpt-4", served + "@v", served + "@v01", served + "@v-1", served + "@v1.0",
-                 served + "@vÙ£", served + "@v" + "9" * 10, served + "@Base", served[:-1], served + "x"):
+                 served + "@vÙ£", served + "@v" + "9" * 10, served + "@Base", served[:-1], served + "x",
+                 served + "@v../../etc/passwd", served + "@v1/../../x", "../" + served, served + "@v1\x00"):
         assert model_variant(name, served) is None, name
