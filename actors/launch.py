@@ -11,6 +11,7 @@ import os
 import statistics
 import sys
 import time
+import uuid
 from typing import Callable, Optional
 
 import ray
@@ -50,30 +51,43 @@ def cluster_gpus() -> int:
     return gpus
 
 
-def probe_replica_start(run: PreparedRun, concurrent: int = 2) -> float:
+def probe_replica_start(run: PreparedRun, concurrent: int = 2, retries: int = 1) -> float:
     """Seconds from asking for engine actors to their first answer (placement group,
     process start, imports, a tiny engine), with ``concurrent`` started the way a stage
-    start starts replicas; the median. Real models add their profiled load time on top."""
+    start starts replicas; the median of those that answered (a probe whose process died
+    gives no sample; with none, the probe runs again ``retries`` times). Real models add
+    their profiled load time on top."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     model = _probe_model(run)
     started = time.perf_counter()
     groups = [placement_group([{"GPU": 1}]) for _ in range(concurrent)]
+    token = uuid.uuid4().hex[:8]
     actors = [EngineActor.options(
+        name=f"raycolo-probe-{i}~{token}",
         num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
     ).remote({"model_loading_config": {"model_id": model},
               "engine_kwargs": {"cpu_threads": 1, "device": "cpu"}}, f"raycolo-probe-{i}")
         for i, pg in enumerate(groups)]
     pending = {a.info.remote(): a for a in actors}
-    times = []
+    times, died = [], []
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
-        ray.get(done[0])
+        actor = pending.pop(done[0])
+        try:
+            ray.get(done[0])
+        except ray.exceptions.RayActorError as exc:   # a probe killed (or out of memory): no sample
+            died.append(exc)
+            continue
         times.append(time.perf_counter() - started)
-        pending.pop(done[0]).__ray_terminate__.remote()  # graceful: no SIGTERM noise
+        actor.__ray_terminate__.remote()  # graceful: no SIGTERM noise
     for pg in groups:
         remove_placement_group(pg)
+    if not times:
+        if retries > 0:
+            return probe_replica_start(run, concurrent, retries - 1)
+        raise RuntimeError(f"every replica-start probe died: {died[-1]}")
     return statistics.median(times)
 
 

@@ -54,7 +54,8 @@ def run(cmd: list[str], on_start=None) -> tuple[int, float]:
         on_start(proc)
     _, err = proc.communicate(timeout=1800)
     if proc.returncode not in (0, -signal.SIGKILL):
-        print(f"exit {proc.returncode}: {err.strip().splitlines()[-1] if err.strip() else ''}", file=sys.stderr)
+        tail = [line for line in err.splitlines() if "WARNING" not in line][-3:]
+        print(f"exit {proc.returncode}: " + " | ".join(tail), file=sys.stderr)
     return proc.returncode, time.perf_counter() - started
 
 

@@ -164,6 +164,33 @@ def test_a_replica_killed_while_it_starts_is_restarted(cluster, tmp_path):
     assert report["restarts"] == 1
 
 
+def test_the_replica_start_probe_survives_a_probe_that_dies(cluster, tmp_path):
+    """A probe actor killed while it starts gives no sample; the others still time the
+    start (before, the whole run failed: found by bench/offline_faults.py)."""
+    import threading
+    import time
+
+    from raycolo.actors.launch import prepare, probe_replica_start
+
+    killed = []
+
+    def killer():
+        deadline = time.monotonic() + 120
+        while not killed and time.monotonic() < deadline:
+            for actor in ray.util.list_named_actors(all_namespaces=True):
+                if actor["name"].startswith("raycolo-probe-0~"):
+                    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+                    killed.append(actor["name"])
+                    return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    seconds = probe_replica_start(prepare(_config(tmp_path, "tiny_routing.yaml", requests=4)), concurrent=2)
+    thread.join()
+    assert killed and 0 < seconds < 120
+
+
 class StopJob(Exception):
     pass
 
