@@ -6,6 +6,8 @@
 #                       generate(), plus vLLM eager/compiled where .venv-vllm exists
 #   make bench-engine-vllm - the same, installing .venv-vllm first (as make test-vllm)
 #   make fuzz   - the hostile-input suite with 5,000 generated inputs per surface
+#   make faults - kill engine actors, the driver, stage workers, controllers and the Serve
+#                 replica under load; count what was lost (bench/offline_faults.py, bench/faults.py)
 #   make soak   - 30 minutes of open-loop load at the measured capacity (bench/serve.py)
 #   make clean  - remove the venv and build outputs
 
@@ -16,7 +18,7 @@ PIP    := $(VENV)/bin/pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: fuzz soak venv test demo bench bench-runtime bench-online bench-engine bench-engine-vllm clean test-vllm
+.PHONY: fuzz faults soak venv test demo bench bench-runtime bench-online bench-engine bench-engine-vllm clean test-vllm
 
 # Internal: make sure .venv exists and holds torch (pinned CPU wheel) and raycolo[test].
 venv: $(STAMP)
@@ -48,6 +50,10 @@ demo: venv
 
 fuzz: venv
 	RAYCOLO_FUZZ_EXAMPLES=5000 $(VPY) -m pytest -q -s tests/test_hostile_input.py
+
+faults: venv
+	$(VPY) bench/offline_faults.py
+	$(VPY) bench/faults.py
 
 soak: venv
 	$(VPY) bench/serve.py --policies lemix --levels 1 --seconds 1800 --capacity-seconds 20 --skip-overhead --json out/bench_soak.json

@@ -136,6 +136,7 @@ class OnlineController(AdapterVersions, Reports):
         self.resumption: Optional[dict] = None        # what this deployment took up from an earlier one
         self.train_runs = [0] * cfg.nodes             # Ray Train runs started per node (a new one after its controller died)
         self._flush_timer: Optional[asyncio.TimerHandle] = None   # trains a partial micro-batch of HTTP samples
+        self.backlog: list[int] = []                  # resumed samples to train, fed in as training tasks finish
 
     # -- start and stop ----------------------------------------------------------------------
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> dict:
@@ -347,8 +348,9 @@ class OnlineController(AdapterVersions, Reports):
 
     def _resume(self) -> None:
         """Every node registered for the first time: take up an earlier deployment's
-        training (its checkpoints, restored by the nodes, and the samples stored since),
-        then the samples that arrived while the workers started."""
+        training (its checkpoints, restored by the nodes, and the samples stored since: fed
+        in ``lora.queued_tasks`` per node at a time), then the samples that arrived while
+        the workers started."""
         if self.config.resume:
             plan = plan_resumption(self.restored, len(self.store))
             for node, (version, seqs, _) in self.restored.items():
@@ -357,11 +359,8 @@ class OnlineController(AdapterVersions, Reports):
             self.resumption = {"adapter_version": plan.adapter_version, "samples_held": plan.held,
                                "samples_resumed": len(plan.pending),
                                "nodes_restored": sorted(self.restored)}
-            micro = self.config.lora.micro_batch
-            for i in range(0, len(plan.pending), micro):
-                self._submit_samples(self.store.get(plan.pending[i:i + micro]))
-        if self.auto_train:
-            self._pump_training()
+            self.backlog = list(plan.pending)
+        self._pump_training()
 
     @ray.method(enable_task_events=False)   # per op and stage: kept out of the GCS's task-event store
     async def next_op(self, node: int, stage: int, epoch: int) -> Optional[dict]:
@@ -563,7 +562,7 @@ class OnlineController(AdapterVersions, Reports):
             self.last_trained_node = op.node
             self.trained_steps[op.node] += 1
             self.adapter_changed_s = time.time()
-            if self.auto_train:
+            if self.auto_train or self.backlog:
                 self._pump_training()
             if self.trained_steps[op.node] % self.config.lora.checkpoint_every == 0:
                 task = asyncio.get_running_loop().create_task(self._checkpoint(op.node))
@@ -717,6 +716,11 @@ class OnlineController(AdapterVersions, Reports):
         (``flush``), so no acknowledged sample waits for ever for others to fill its batch."""
         limit = self.config.lora.queued_tasks * (self.config.nodes - len(self.dead))
         micro = self.config.lora.micro_batch
+        while self.backlog and len(self.train_tasks) < limit:      # resumed samples first
+            batch, self.backlog = self.backlog[:micro], self.backlog[micro:]
+            self._submit_samples(self.store.get(batch))
+        if not self.auto_train:
+            return
         while len(self.train_tasks) < limit and (self.store.pending(self.cursor) >= micro or
                                                  (flush and self.store.pending(self.cursor) > 0)):
             samples, self.cursor = self.store.take(self.cursor, micro)
@@ -754,8 +758,12 @@ class OnlineController(AdapterVersions, Reports):
         return tids
 
     async def drain(self) -> None:
-        """Wait until every task submitted so far completed, and any checkpoint it started."""
+        """Wait until every task submitted so far completed (and the resumed samples'
+        training), and any checkpoint it started."""
         await self.driver.drain()
+        while self.backlog:
+            await asyncio.sleep(0.05)
+            await self.driver.drain()
         while self.background:
             await asyncio.gather(*list(self.background), return_exceptions=True)
 

@@ -21,7 +21,7 @@ class Reports:
         last = max(((n, v) for n, v in enumerate(self.ledger.version) if v),
                     key=lambda x: x[1], default=None)
         return {"received": len(self.store), "trained": trained,
-                "pending": self.store.pending(self.cursor), "adapter_version": self.adapter_version,
+                "pending": self.store.pending(self.cursor) + len(self.backlog), "adapter_version": self.adapter_version,
                 "last_checkpoint": None if last is None else {"node": last[0], "version": last[1]},
                 "pinned_versions": list(self.versions), "resumed": self.resumption}
 
@@ -72,7 +72,7 @@ class Reports:
             "now_s": self.driver.now() if self.driver else 0.0,
             "requests": len(tasks), "completed": self.cluster.metrics.completed,
             "train_done": self.cluster.train_done, "samples_stored": len(self.store),
-            "samples_pending": self.store.pending(self.cursor), "adapter_version": self.adapter_version,
+            "samples_pending": self.store.pending(self.cursor) + len(self.backlog), "adapter_version": self.adapter_version,
             "queues": [{"node": n, "ready": [len(st.ready) for st in node.stages],
                         "busy": [st.busy is not None for st in node.stages],
                         "batch": len(node.batch), "decoding": len(node.joining)} for n, node in enumerate(nodes)],
