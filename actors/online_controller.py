@@ -218,6 +218,7 @@ class OnlineController(AdapterVersions, Reports):
                      "seed": cfg.model_loading_config.seed},
             "layer_bounds": self.bounds, "num_blocks": blocks, "block_size": cfg.stage.block_size,
             "cpu_threads": cfg.stage.cpu_threads, "pinned_versions": cfg.serve.pinned_versions,
+            "run_dir": str(Path(cfg.storage_path).resolve() / self.run_name(n)),
         }
         return TorchTrainer(
             stage_loop, train_loop_config=loop_config,

@@ -27,6 +27,7 @@ from raycolo.online.tasks import OnlineTask
 
 NAMESPACE = "raycolo"
 BOS, FIRST_BYTE = 1, 3
+RESTART_WAIT_S = 300.0    # calls wait this long for a controller Ray is restarting
 
 
 def learnable_pair(rng: np.random.Generator, prompt_len: int, vocab: int) -> tuple[list[int], list[int]]:
@@ -74,11 +75,22 @@ class OnlineDeployment:
         ray.get(controller.start.remote(timeout_s))
         return cls(controller, config, name, started)
 
+    def _call(self, method: str, *args):
+        """Call the controller. While Ray restarts it after a crash, calls are refused
+        (ActorUnavailableError, nothing ran) and sent again, for up to ``RESTART_WAIT_S``."""
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while True:
+            try:
+                return ray.get(getattr(self.controller, method).remote(*args))
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
     # -- requests ------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_tokens: Optional[int] = None, temperature: float = 0.0,
                top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False) -> int:
-        return ray.get(self.controller.submit.remote(list(prompt), max_tokens, temperature, top_p, seed,
-                                                     ignore_eos))
+        return self._call("submit", list(prompt), max_tokens, temperature, top_p, seed, ignore_eos)
 
     def stream(self, rid: int) -> Iterator[int]:
         for ref in self.controller.stream.options(num_returns="streaming").remote(rid):
@@ -93,37 +105,37 @@ class OnlineDeployment:
 
     def progress(self, rid: int) -> dict:
         """Tokens ``rid`` has streamed so far and its finish_reason (None while running)."""
-        return ray.get(self.controller.progress.remote(rid))
+        return self._call("progress", rid)
 
     def add_samples(self, samples: Sequence[Sequence[Sequence[int]]]) -> dict:
         """Store (fsynced) ``(prompt, completion)`` samples or ``(prompt, chosen, rejected)``
         preference pairs (token ids); returns their sequence numbers."""
-        return ray.get(self.controller.add_samples.remote([tuple(list(part) for part in s) for s in samples]))
+        return self._call("add_samples", [tuple(list(part) for part in s) for s in samples])
 
     def train(self) -> Optional[int]:
-        return ray.get(self.controller.submit_training.remote())
+        return self._call("submit_training")
 
     def stats(self) -> dict:
-        return ray.get(self.controller.stats.remote())
+        return self._call("stats")
 
     def train_status(self) -> dict:
         """Samples received, trained and pending, the adapter version, and what the
         deployment resumed from an earlier one (``resumed``)."""
-        return ray.get(self.controller.train_status.remote())
+        return self._call("train_status")
 
     def metrics(self):
         """The run's OnlineResult (``.summary()``: simulate-online's keys)."""
-        return ray.get(self.controller.metrics.remote())
+        return self._call("metrics")
 
     def profile_json(self) -> str:
-        return ray.get(self.controller.profile_json.remote())
+        return self._call("profile_json")
 
     def held_out_loss(self, seed: int = 999, count: int = 16, node: int = 0) -> float:
         """Loss on ``count`` fresh samples of the training distribution (forward only)."""
         rng = seeded_rng(seed, "online-live", "held-out")
         vocab = _vocab(self.config)
-        return ray.get(self.controller.held_out_loss.remote(
-            [learnable_pair(rng, 12, vocab) for _ in range(count)], node))
+        return self._call("held_out_loss",
+                          [learnable_pair(rng, 12, vocab) for _ in range(count)], node)
 
     def held_out_preference(self, seed: int = 999, count: int = 16, node: Optional[int] = 0) -> dict:
         """Win rate and CLPD on ``count`` fresh preference pairs of the training
@@ -132,31 +144,31 @@ class OnlineDeployment:
         rng = seeded_rng(seed, "online-live", "held-out-preference")
         vocab = _vocab(self.config)
         if node is None:
-            node = ray.get(self.controller.last_node.remote())
-        return ray.get(self.controller.held_out_preference.remote(
-            [learnable_preference(rng, 12, vocab) for _ in range(count)], node))
+            node = self._call("last_node")
+        return self._call("held_out_preference",
+                          [learnable_preference(rng, 12, vocab) for _ in range(count)], node)
 
     def save_profile(self, path) -> None:
         from pathlib import Path
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(ray.get(self.controller.profile_json.remote()))
+        Path(path).write_text(self._call("profile_json"))
 
     def sample_ledger(self) -> dict:
         """Per stored sample, how often the adapters keep its training (see the controller)."""
-        return ray.get(self.controller.sample_ledger.remote())
+        return self._call("sample_ledger")
 
     def registry(self) -> dict:
-        return ray.get(self.controller.registry.remote())
+        return self._call("registry")
 
     def export_adapter(self, directory: str, node: Optional[int] = None) -> str:
-        return ray.get(self.controller.export_adapter.remote(directory, node))
+        return self._call("export_adapter", directory, node)
 
     def use_policy(self, name: str) -> None:
         """Switch the online policy between runs (the stage workers stay)."""
-        ray.get(self.controller.use_policy.remote(name))
+        self._call("use_policy", name)
 
     def drain(self) -> None:
-        ray.get(self.controller.drain.remote())
+        self._call("drain")
 
     def stop(self) -> dict:
         out = ray.get(self.controller.stop.remote())

@@ -204,7 +204,8 @@ def stage_loop(config: dict) -> None:
             ray.get(controller.op_done.remote(node, stage, epoch, op["seq"],
                                               {"seconds": 0.0, "state": stage_model.lora_state()}))
             if stage == 0:   # the node serves on while Ray Train commits the checkpoint
-                threading.Thread(target=_await_commit, args=(controller, node, epoch, op["version"]),
+                threading.Thread(target=_await_commit, args=(controller, node, epoch, op["version"],
+                                                             config["run_dir"]),
                                  daemon=True).start()
             continue
         if op["kind"] == "lora":
@@ -224,15 +225,36 @@ def stage_loop(config: dict) -> None:
         controller.op_done.remote(node, stage, epoch, op["seq"], result)
 
 
-def _await_commit(controller, node: int, epoch: int, version: int) -> None:
+COMMIT_WAIT_S = 300.0
+
+
+def _await_commit(controller, node: int, epoch: int, version: int, run_dir: str) -> None:
     """Tell the controller once Ray Train committed checkpoint ``version``. A report is
     only collected at the Train controller's next poll (about a second here): a group that
-    dies before that restarts from the checkpoint before, so only a committed one counts."""
-    import ray.train
+    dies before that restarts from the checkpoint before, so only a committed one counts.
 
-    reported = ray.train.get_all_reported_checkpoints(
-        consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=300)
-    committed = max((r.metrics["adapter_version"] for r in reported), default=None)
+    Read from the run's ``checkpoint_manager_snapshot.json``, which Ray Train rewrites at
+    each commit, rather than ``ray.train.get_all_reported_checkpoints``: in a run restored
+    from an earlier one of the same name (a resumed deployment) the snapshot's report
+    index carries on from the old run while the new workers count from zero, and that call
+    then waited past its timeout for commits that had happened."""
+    import json
+    import time
+
+    path = os.path.join(run_dir, "checkpoint_manager_snapshot.json")
+    deadline = time.monotonic() + COMMIT_WAIT_S
+    committed = None
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                results = json.load(f).get("checkpoint_results", [])
+            committed = max((r["metrics"]["adapter_version"] for r in results
+                             if "adapter_version" in r.get("metrics", {})), default=None)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass              # not written yet, or caught mid-rewrite
+        if committed is not None and committed >= version:
+            break
+        time.sleep(0.2)
     controller.checkpoint_committed.remote(node, epoch, version, committed)
 
 

@@ -88,7 +88,6 @@ def test_a_restarted_deployment_takes_up_its_checkpoint_and_the_samples_stored_s
     assert {w["restored_version"] for w in dep.registry().values()} == {version}
     ledger = _trained_exactly_once(dep)
     assert ledger["stored"] == 6
-    _wait_committed(dep)
     assert dep.train_status()["adapter_version"] > version      # counts on from the restored one
 
 
@@ -98,8 +97,8 @@ def test_a_killed_controller_is_restarted_and_resumes_without_losing_work(setup)
     starts the stage workers again from the newest checkpoint, and the acknowledged
     samples are all trained exactly once."""
     dep, rng = setup["dep"], setup["rng"]
-    _wait_committed(dep)
-    committed = dep.train_status()["adapter_version"]
+    dep.drain()
+    committed = (dep.train_status()["last_checkpoint"] or {}).get("version", 0)   # the ledger's last commit
     dep.add_samples([learnable_pair(rng, 12, VOCAB) for _ in range(2)])
     rids = [dep.submit([1] + [40 + (i * 7 + j) % 50 for j in range(15)], max_tokens=60, ignore_eos=True)
             for i in range(3)]
@@ -133,7 +132,7 @@ def test_a_killed_train_controller_starts_a_new_run_from_the_checkpoint(setup):
     import psutil
 
     dep, rng = setup["dep"], setup["rng"]
-    _wait_committed(dep)
+    dep.drain()     # (a resumed run's commits can lag a minute: docs/online-live.md)
     before = dep.registry()
     dep.add_samples([learnable_pair(rng, 12, VOCAB) for _ in range(2)])
     rids = [dep.submit([1] + [40 + (i * 5 + j) % 50 for j in range(15)], max_tokens=60, ignore_eos=True)
