@@ -39,17 +39,12 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
-from common import write_json
+from common import pids_titled, write_json
 from serve import ROOT, free_port
 
 FAULTS = ("stage_worker", "train_controller", "controller", "serve_replica")
 OUT = "out/bench-faults"
-
-
-def _procs(prefix: str) -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith(prefix)]
 
 
 def inject(fault: str, controller, app: str) -> str:
@@ -61,14 +56,14 @@ def inject(fault: str, controller, app: str) -> str:
         os.kill(reg[key]["pid"], signal.SIGKILL)
         return key
     if fault == "train_controller":
-        pids = _procs("ray::TrainController")
+        pids = pids_titled("ray::TrainController")
         os.kill(pids[0], signal.SIGKILL)
         return f"pid {pids[0]} (of {len(pids)})"
     if fault == "controller":
         ray.kill(controller, no_restart=False)
         return "ray.kill(no_restart=False)"
     if fault == "serve_replica":
-        pids = _procs(f"ray::ServeReplica:{app}")
+        pids = pids_titled(f"ray::ServeReplica:{app}")
         os.kill(pids[0], signal.SIGKILL)
         return f"pid {pids[0]}"
     raise ValueError(f"--faults: unknown fault '{fault}' (known: {', '.join(FAULTS)})")
@@ -220,7 +215,7 @@ def main() -> int:
         samples.join()
         totals = json.loads(out.strip().splitlines()[-1])
         deadline = time.time() + 180          # the acknowledged samples finish training
-        while time.time() < deadline and (s := status(url)).get("pending", 1) > 0:
+        while time.time() < deadline and status(url).get("pending", 1) > 0:
             time.sleep(1)
         ray.get(controller.drain.remote())
         ledger = ray.get(controller.sample_ledger.remote())

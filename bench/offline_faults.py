@@ -32,9 +32,8 @@ import time
 from pathlib import Path
 
 import pandas as pd
-import psutil
 
-from common import write_json
+from common import pids_titled, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path("out/bench-offline-faults")
@@ -71,10 +70,6 @@ def count(output: Path, reference: pd.DataFrame) -> dict:
             "text_differs": int((ref.loc[common] != got.loc[common]).sum())}
 
 
-def engine_pids() -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::EngineActor")]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dag", default="examples/tiny_routing.yaml")
@@ -101,7 +96,7 @@ def main() -> int:
                 while time.perf_counter() - started < at and proc.poll() is None:
                     time.sleep(0.05)
                 while proc.poll() is None:          # an engine may be between replicas
-                    pids = engine_pids()
+                    pids = pids_titled("ray::EngineActor")
                     if pids:
                         pid = rng.choice(pids)
                         os.kill(pid, signal.SIGKILL)

@@ -134,21 +134,19 @@ def test_a_killed_engine_actor_loses_nothing(cluster, tmp_path):
     assert restarted[0]["restarts"] == 1
 
 
-def test_a_replica_killed_while_it_starts_is_restarted(cluster, tmp_path):
-    """Kill the first replica the moment its actor is created (it is still starting): a
-    crash, not a start failure (a constructor that raises fails the run at once, below),
-    so the replica is started again and nothing is lost. Found by bench/offline_faults.py:
-    the run failed with "The actor never ran - it was cancelled before it started"."""
+def _kill_on_sight(matches) -> tuple:
+    """Kill the first named actor whose name ``matches``, the moment it exists (while it is
+    still starting), from a thread; returns the list its name goes into, and the thread."""
     import threading
     import time
 
-    killed = []
+    killed: list[str] = []
 
     def killer():
         deadline = time.monotonic() + 120
         while not killed and time.monotonic() < deadline:
             for actor in ray.util.list_named_actors(all_namespaces=True):
-                if "/r0@gpu" in actor["name"] and "#restart" not in actor["name"]:
+                if matches(actor["name"]):
                     ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
                     killed.append(actor["name"])
                     return
@@ -156,6 +154,15 @@ def test_a_replica_killed_while_it_starts_is_restarted(cluster, tmp_path):
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
+    return killed, thread
+
+
+def test_a_replica_killed_while_it_starts_is_restarted(cluster, tmp_path):
+    """Kill the first replica the moment its actor is created (it is still starting): a
+    crash, not a start failure (a constructor that raises fails the run at once, below),
+    so the replica is started again and nothing is lost. Found by bench/offline_faults.py:
+    the run failed with "The actor never ran - it was cancelled before it started"."""
+    killed, thread = _kill_on_sight(lambda name: "/r0@gpu" in name and "#restart" not in name)
     config = _config(tmp_path, "tiny_routing.yaml", requests=8)
     report = run_application(config, log=lambda m: None)
     thread.join()
@@ -167,25 +174,9 @@ def test_a_replica_killed_while_it_starts_is_restarted(cluster, tmp_path):
 def test_the_replica_start_probe_survives_a_probe_that_dies(cluster, tmp_path):
     """A probe actor killed while it starts gives no sample; the others still time the
     start (before, the whole run failed: found by bench/offline_faults.py)."""
-    import threading
-    import time
-
     from raycolo.actors.launch import prepare, probe_replica_start
 
-    killed = []
-
-    def killer():
-        deadline = time.monotonic() + 120
-        while not killed and time.monotonic() < deadline:
-            for actor in ray.util.list_named_actors(all_namespaces=True):
-                if actor["name"].startswith("raycolo-probe-0~"):
-                    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-                    killed.append(actor["name"])
-                    return
-            time.sleep(0.005)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
+    killed, thread = _kill_on_sight(lambda name: name.startswith("raycolo-probe-0~"))
     seconds = probe_replica_start(prepare(_config(tmp_path, "tiny_routing.yaml", requests=4)), concurrent=2)
     thread.join()
     assert killed and 0 < seconds < 120
