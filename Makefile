@@ -56,7 +56,7 @@ faults: venv
 	$(VPY) bench/faults.py
 
 soak: venv
-	$(VPY) bench/serve.py --policies lemix --levels 1 --seconds 1800 --capacity-seconds 20 --skip-overhead --json out/bench_soak.json
+	$(VPY) bench/serve.py --policies lemix --levels 1 --seconds 1800 --capacity-seconds 20 --skip-overhead --json out/bench_soak.json --plot out/soak_memory.png
 
 bench: venv
 	$(VPY) bench/planner.py

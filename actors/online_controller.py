@@ -46,6 +46,8 @@ EOS_ID = 2
 
 
 KEPT_FINISHED = 4096      # finished requests the controller keeps (result(), progress())
+LOST_IN_RESTART = ("request {rid} was accepted before the deployment's controller restarted; "
+                   "its outcome went with that controller (its stream ended then)")
 
 
 @dataclass
@@ -106,7 +108,9 @@ class OnlineController(AdapterVersions, Reports):
         self.restarts: list[dict] = []                       # node, reason, time, lost, replayed
         self.dead: dict[int, str] = {}                       # node -> why its worker group is gone
         self.losses: list[tuple[float, int, float]] = []    # (time, task, loss)
-        self.next_id = 0
+        # ids stay unique across restarts of this actor: a request accepted before a crash
+        # is never mistaken for one accepted after (microseconds since the epoch)
+        self.first_id = self.next_id = time.time_ns() // 1000
         self.adapter_version = 0
         self.trained_steps = [0] * cfg.nodes
         self.gates = [asyncio.Event() for _ in range(cfg.nodes)]
@@ -129,6 +133,7 @@ class OnlineController(AdapterVersions, Reports):
         self.fronts: set[str] = set()                 # HTTP replicas attached (serve_app.py)
         self.busy_s: dict = {}                        # (node, stage) -> seconds of ops run (monitor)
         self.device: dict = {}                        # (node, stage) -> its device's last reading
+        self.sends: dict = {}                         # (node, stage) -> (sends held, sends posted)
         self.busy_seen = 0                            # op_log entries counted into busy_s
         self._starting: Optional[asyncio.Task] = None
         self.cancelled: dict[str, int] = {}           # requests ended early, by reason: stop, abort (client gone)
@@ -137,6 +142,9 @@ class OnlineController(AdapterVersions, Reports):
         self.train_runs = [0] * cfg.nodes             # Ray Train runs started per node (a new one after its controller died)
         self._flush_timer: Optional[asyncio.TimerHandle] = None   # trains a partial micro-batch of HTTP samples
         self.backlog: list[int] = []                  # resumed samples to train, fed in as training tasks finish
+        # (node, stage) -> seqs of its sends that their receivers consumed: told to it with
+        # its next op, so it lets go of them (gloo's isend reports completion only to wait())
+        self.received: dict[tuple[int, int], list[int]] = {}
 
     # -- start and stop ----------------------------------------------------------------------
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> dict:
@@ -378,6 +386,8 @@ class OnlineController(AdapterVersions, Reports):
             return           # an op of a worker group that is gone: its node was reset
         if "device" in result:
             self.device[(node, stage)] = result.pop("device")
+        if "sends" in result:
+            self.sends[(node, stage)] = result.pop("sends")
         future = self.waiting.pop((node, stage, seq), None)
         if future is not None and not future.done():
             future.set_result(result)
@@ -401,6 +411,7 @@ class OnlineController(AdapterVersions, Reports):
         for s in range(self.config.stages):    # an old worker still waiting for an op stops
             self.queues[(node, s)].put_nowait(None)
             self.queues[(node, s)] = asyncio.Queue()
+            self.received.pop((node, s), None)
         resumed = self.cluster.resumed
         if down:
             self.driver.node_down(node)
@@ -453,6 +464,9 @@ class OnlineController(AdapterVersions, Reports):
             self.inflight[op.node] -= 1
         if op.generation != self.cluster.nodes[op.node].generation:
             raise OpLost("its node was reset as it finished")
+        if op.after is not None:      # this op received what its neighbour sent
+            sender = op.stage + 1 if op.kind == "train_b" else op.stage - 1
+            self.received.setdefault((op.node, sender), []).append(op.after)
         return self._absorb_result(op, result)
 
     def _fail_requests(self, op: Op, why: str) -> None:
@@ -466,7 +480,8 @@ class OnlineController(AdapterVersions, Reports):
 
     def _payload(self, op: Op) -> dict:
         s, last = op.stage, op.stage == self.config.stages - 1
-        base = {"kind": op.kind, "seq": op.seq, "after": op.after}
+        base = {"kind": op.kind, "seq": op.seq, "after": op.after,
+                "received": self.received.pop((op.node, s), [])}
         if op.kind in ("prefill", "decode"):
             reqs = [self.requests[r.task_id] for r in op.tasks]
             if op.kind == "prefill":      # a resumed request re-prefills what it streamed too
@@ -669,9 +684,30 @@ class OnlineController(AdapterVersions, Reports):
             req.cancelled = reason
             self.cancelled[reason] = self.cancelled.get(reason, 0) + 1
 
+    def _request(self, rid: int) -> Optional[LiveRequest]:
+        """Request ``rid``, or None when it was accepted before this controller restarted
+        (its outcome went with the old one; its client got an error). Unknown ids and
+        finished requests forgotten long ago (only the last ``KEPT_FINISHED`` are kept)
+        raise ValueError."""
+        req = self.requests.get(rid)
+        if req is not None:
+            return req
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            raise ValueError(f"request id: expected an int, got {rid!r}")
+        if rid < self.first_id:
+            return None
+        if rid < self.next_id:
+            raise ValueError(f"request {rid} finished long ago and was forgotten "
+                             f"(the last {KEPT_FINISHED} finished requests are kept)")
+        raise ValueError(f"request {rid}: no such request")
+
     async def stream(self, rid: int):
-        """Tokens of request ``rid`` as they come: ("token", id) ... then ("done", reason)."""
-        req = self.requests[rid]
+        """Tokens of request ``rid`` as they come: ("token", id) ... then ("done", reason),
+        or ("error", why)."""
+        req = self._request(rid)
+        if req is None:
+            yield ("error", LOST_IN_RESTART.format(rid=rid))
+            return
         while True:
             event = await req.events.get()
             yield event
@@ -681,7 +717,9 @@ class OnlineController(AdapterVersions, Reports):
     async def result(self, rid: int) -> dict:
         """The whole completion: tokens, and finish_reason "stop", "length" or "error"
         (with ``error``, what failed)."""
-        req = self.requests[rid]
+        req = self._request(rid)
+        if req is None:
+            return {"id": rid, "tokens": [], "finish_reason": "error", "error": LOST_IN_RESTART.format(rid=rid)}
         tokens = []
         while True:
             kind, value = await req.events.get()
@@ -694,7 +732,9 @@ class OnlineController(AdapterVersions, Reports):
 
     async def progress(self, rid: int) -> dict:
         """Tokens request ``rid`` has streamed so far, and how it ended (None: running)."""
-        req = self.requests[rid]
+        req = self._request(rid)
+        if req is None:
+            return {"id": rid, "tokens": 0, "finish_reason": "error"}
         return {"id": rid, "tokens": len(req.generated), "finish_reason": req.finish_reason}
 
     async def add_samples(self, samples: list, train: bool = False) -> dict:
@@ -760,7 +800,8 @@ class OnlineController(AdapterVersions, Reports):
 
     async def drain(self) -> None:
         """Wait until every task submitted so far completed (and the resumed samples'
-        training), and any checkpoint it started."""
+        training), and any checkpoint it started. A restarted controller starts first."""
+        await self.start()
         await self.driver.drain()
         while self.backlog:
             await asyncio.sleep(0.05)

@@ -101,7 +101,9 @@ class OnlineDeployment:
                 raise RuntimeError(value)
 
     def result(self, rid: int) -> dict:
-        return ray.get(self.controller.result.remote(rid))
+        """The whole completion (waits for it). A request accepted before the controller
+        restarted ends with finish_reason "error"; an unknown id raises ValueError."""
+        return self._call("result", rid)
 
     def progress(self, rid: int) -> dict:
         """Tokens ``rid`` has streamed so far and its finish_reason (None while running)."""

@@ -47,7 +47,9 @@ class Reports:
             "nodes_alive": self.config.nodes - len(self.dead),
             "stages": [{"node": n, "stage": st, "busy_fraction": min(1.0, busy.get((n, st), 0.0) / now) if now else 0.0,
                         "memory_bytes": nodes[n].stages[st].used_bytes,
-                        "device": self.device.get((n, st))}
+                        "device": self.device.get((n, st)),
+                        "sends_held": self.sends.get((n, st), (0, 0))[0],
+                        "sends_posted": self.sends.get((n, st), (0, 0))[1]}
                        for n in range(self.config.nodes) for st in range(self.config.stages)],
         }
 

@@ -53,12 +53,25 @@ class StageProcess:
     def __init__(self, stage_model, stage: int, stages: int, hidden_size: int, dtype, dist):
         self.model, self.stage, self.stages = stage_model, stage, stages
         self.hidden, self.dtype, self.dist = hidden_size, dtype, dist
-        self.pending = []            # (work, tensor) of isends not known complete
+        self.pending: dict[int, tuple] = {}   # seq -> (work, tensor) of isends not known received
+        self.sent = 0                         # sends posted, all told
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        tensor = tensor.contiguous()
-        self.pending.append((self.dist.isend(tensor, dst, tag=tag % TAG_MOD), tensor))
-        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+        tensor = tensor.contiguous()      # kept alive until the send completes
+        self.pending[tag] = (self.dist.isend(tensor, dst, tag=tag % TAG_MOD), tensor)
+        self.sent += 1
+
+    def received(self, seqs) -> None:
+        """The controller says these sends were consumed (the ops that receive them are
+        done): let go of them. gloo's ``isend`` reports completion only to ``wait()``
+        (``is_completed()`` stays False until then), so without this every hidden state a
+        stage ever sent stayed referenced: a stage worker's memory grew with every op.
+        ``wait()`` returns at once for a send that completed; sends not yet consumed are
+        never waited for (their receivers may be ops held back behind a checkpoint)."""
+        for seq in seqs or ():
+            item = self.pending.pop(seq, None)
+            if item is not None:
+                item[0].wait()
 
     def _recv(self, shape, src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=self.dtype)
@@ -196,6 +209,7 @@ def stage_loop(config: dict) -> None:
         op = ray.get(controller.next_op.remote(node, stage, epoch))
         if op is None:          # the deployment stops
             return
+        proc.received(op.get("received"))
         if op["kind"] == "checkpoint":
             # No flush of pending sends first: their receivers may be ops the controller
             # holds back until the checkpoint is done (the weights do not depend on them).
@@ -219,6 +233,7 @@ def stage_loop(config: dict) -> None:
         except Exception as exc:  # the op failed: the controller fails what it carried
             ray.get(controller.op_failed.remote(node, stage, epoch, op["seq"], repr(exc)))
             raise
+        result["sends"] = (len(proc.pending), proc.sent)    # held (not known received), all told
         if time.monotonic() >= next_reading:   # the device's figures, every few seconds
             result["device"] = device_reading(device)
             next_reading = time.monotonic() + DEVICE_READING_EVERY_S

@@ -21,10 +21,12 @@ For each policy, on one local deployment (the config's nodes x stages, tiny mode
    Retry-After), error rate; meanwhile two training samples are posted every 2 s and the
    resident memory of the cluster's processes is read every 5 s: the samples trained
    during the level, and memory's first, last and largest reading and its drift (a
-   least-squares slope, MB per minute).
+   least-squares slope, MB per minute) over the whole level and over its second half,
+   the processes that grew most, and TTFT in the level's first and last quarter
+   (``--plot`` draws memory over time).
 
 ``make soak`` is the long run: ``--policies lemix --levels 1 --seconds 1800
---capacity-seconds 20 --skip-overhead``.
+--capacity-seconds 20 --skip-overhead --plot out/soak_memory.png``.
 """
 from __future__ import annotations
 
@@ -66,10 +68,6 @@ def rss_by_process() -> dict[str, float]:
             title = cmd.split()[0].split(".")[0] if cmd.startswith("ray::") else cmd.split()[0].rsplit("/", 1)[-1]
             out[f"{title}:{p.info['pid']}"] = p.info["memory_info"].rss / 2 ** 20
     return out
-
-
-def cluster_rss_mb() -> float:
-    return sum(rss_by_process().values())
 
 
 def rss_growth(before: dict, after: dict, top: int = 5) -> list[tuple[str, float]]:
@@ -162,15 +160,15 @@ def load(url, model, rate, seconds, max_tokens, seed) -> dict:
 
 class Sidecar(threading.Thread):
     """During a load level: posts 2 training samples every 2 s (does the service still
-    train?) and reads the cluster's resident memory every 5 s (does it grow?)."""
+    train?) and reads each Ray process's resident memory every 5 s (does it grow, and
+    which process?)."""
 
     def __init__(self, url: str):
         super().__init__(daemon=True)
         self.url, self.halt = url, threading.Event()
-        self.rss: list[tuple[float, float]] = []
+        self.series: list[tuple[float, dict]] = []       # (seconds, {process: MB})
         self.posted = self.refused = 0
         self.started = time.perf_counter()
-        self.by_process = rss_by_process()
 
     def run(self) -> None:
         started, next_rss = self.started, 0.0
@@ -180,7 +178,7 @@ class Sidecar(threading.Thread):
             while not self.halt.is_set():
                 now = time.perf_counter() - started
                 if now >= next_rss:
-                    self.rss.append((now, cluster_rss_mb()))
+                    self.series.append((now, rss_by_process()))
                     next_rss = now + 5.0
                 r = h.post("/v1/train_samples", json={"samples": [
                     {"prompt": f"soak {i}.{k}: copy abc", "completion": "abc abc"} for k in range(2)]})
@@ -192,8 +190,7 @@ class Sidecar(threading.Thread):
     def stop(self) -> dict:
         self.halt.set()
         self.join()
-        self.rss.append((time.perf_counter() - self.started, cluster_rss_mb()))
-        growth = rss_growth(self.by_process, rss_by_process())
+        self.series.append((time.perf_counter() - self.started, rss_by_process()))
         deadline = time.time() + 60          # the samples posted last get a moment to train
         with httpx.Client(base_url=self.url, timeout=60) as h:
             while True:
@@ -201,11 +198,57 @@ class Sidecar(threading.Thread):
                 if status["pending"] <= 1 or time.time() > deadline:
                     break
                 time.sleep(1)
-        t, mb = np.array([x for x, _ in self.rss]), np.array([y for _, y in self.rss])
-        slope = float(np.polyfit(t, mb, 1)[0] * 60) if len(t) >= 3 and np.ptp(t) > 0 else 0.0
-        return {"rss_before_mb": float(mb[0]), "rss_after_mb": float(mb[-1]), "rss_max_mb": float(mb.max()),
-                "rss_mb_per_min": slope, "rss_growth_mb": growth, "samples_posted": self.posted, "sample_posts_refused": self.refused,
-                "samples_trained": status["trained"] - self.trained0}
+        return {**memory_figures(self.series), "samples_posted": self.posted,
+                "sample_posts_refused": self.refused, "samples_trained": status["trained"] - self.trained0}
+
+
+def slope_mb_per_min(t, mb) -> float:
+    """Least-squares drift of a memory series, MB per minute."""
+    t, mb = np.asarray(t, float), np.asarray(mb, float)
+    return float(np.polyfit(t, mb, 1)[0] * 60) if len(t) >= 3 and np.ptp(t) > 0 else 0.0
+
+
+def memory_figures(series: list[tuple[float, dict]]) -> dict:
+    """First, last and largest total; the drift over the whole level and over its second
+    half (what is left once caches and bounded stores have filled); the processes that grew
+    most, overall and in the second half; and the series itself (total and top growers)."""
+    t = [x for x, _ in series]
+    total = [sum(d.values()) for _, d in series]
+    half = [i for i, x in enumerate(t) if x >= t[-1] / 2]
+    first, mid, last = series[0][1], series[half[0]][1], series[-1][1]
+    growers = rss_growth(first, last)
+    keys = [k for k, _ in growers]
+    return {"rss_before_mb": total[0], "rss_after_mb": total[-1], "rss_max_mb": max(total),
+            "rss_mb_per_min": slope_mb_per_min(t, total),
+            "rss_mb_per_min_second_half": slope_mb_per_min([t[i] for i in half], [total[i] for i in half]),
+            "rss_growth_mb": growers, "rss_growth_mb_second_half": rss_growth(mid, last),
+            "rss_series": {"t_s": t, "total_mb": total,
+                           **{k: [d.get(k, float("nan")) for _, d in series] for k in keys}}}
+
+
+def plot_memory(report: dict, path: str) -> None:
+    """Resident memory over each load level: the total (left) and the processes that grew
+    most (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(f"{policy} {mult}x", r["rss_series"]) for policy, row in report["policies"].items()
+            for mult, r in row["load"].items()]
+    fig, axes = plt.subplots(len(rows), 2, figsize=(12, 3.2 * len(rows)), squeeze=False)
+    for (name, s), (left, right) in zip(rows, axes):
+        minutes = np.asarray(s["t_s"]) / 60
+        left.plot(minutes, s["total_mb"], color="black")
+        left.set(title=f"{name}: all Ray processes", xlabel="minutes", ylabel="RSS, MB")
+        for k, v in s.items():
+            if k not in ("t_s", "total_mb"):
+                right.plot(minutes, np.asarray(v) - v[0], label=k)
+        right.set(title=f"{name}: growth of the top growers", xlabel="minutes", ylabel="MB since start")
+        right.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"memory plot: {path}")
 
 
 def main() -> int:
@@ -221,6 +264,7 @@ def main() -> int:
     ap.add_argument("--skip-overhead", action="store_true", help="skip the HTTP-overhead probes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="draw memory over time here (PNG)")
     args = ap.parse_args()
     levels = [float(x) for x in args.levels.split(",") if x.strip()]
 
@@ -260,7 +304,8 @@ def main() -> int:
                 res = load(url, model, cap * mult, args.seconds, args.max_tokens, args.seed)
                 res.update(side.stop(), health=httpx.get(url + "/health", timeout=30).status_code)
                 row["load"][mult] = res
-                print(f"[{policy}] {mult}x: {json.dumps(res)}", file=sys.stderr, flush=True)
+                print(f"[{policy}] {mult}x: {json.dumps({k: v for k, v in res.items() if k != 'rss_series'})}",
+                      file=sys.stderr, flush=True)
             report["policies"][policy] = row
         finally:
             serve_launch.stop(config, started)
@@ -269,6 +314,8 @@ def main() -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    if args.plot:
+        plot_memory(report, args.plot)
     return 0
 
 
@@ -285,17 +332,27 @@ def print_tables(report) -> None:
               f"{o['added_ttft_ms_p50']:.1f}/{o['added_ttft_ms_p99']:.1f} | "
               f"{o['http_tbt_ms_p50']:.1f}/{o['http_tbt_ms_p99']:.1f} | {o['python_tbt_ms_p50']:.1f}/{o['python_tbt_ms_p99']:.1f} |")
     print("\nOpen-loop load (Poisson, separate process; capacity from a closed loop):")
-    print("| policy | load | offered/s | done/s | TTFT p50/p99 ms | TBT p50/p99 ms | shed | errors | "
-          "RSS MB first -> last (max), MB/min | samples posted/trained | /health |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| policy | load | offered/s | done/s | TTFT p50/p99 ms | TBT p50/p99 ms | shed | errors | cut | "
+          "RSS MB first -> last (max) | MB/min all / 2nd half | samples posted/trained | /health |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for policy, row in report["policies"].items():
         for mult, r in row["load"].items():
             print(f"| {policy} | {mult}x of {row['capacity_rps']:.2f}/s | {r['offered_rps']:.2f} | {r['done_rps']:.2f} | "
                   f"{r['ttft_ms_p50']:.0f}/{r['ttft_ms_p99']:.0f} | {r['tbt_ms_p50']:.0f}/{r['tbt_ms_p99']:.0f} | "
-                  f"{r['shed_rate']:.2f} | {r['error_rate']:.2f} | {r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} "
-                  f"({r['rss_max_mb']:.0f}), {r['rss_mb_per_min']:+.1f} | {r['samples_posted']}/{r['samples_trained']} | "
+                  f"{r['shed_rate']:.2f} | {r['error_rate']:.2f} | {r['cut']} | {r['rss_before_mb']:.0f} -> "
+                  f"{r['rss_after_mb']:.0f} ({r['rss_max_mb']:.0f}) | {r['rss_mb_per_min']:+.1f} / "
+                  f"{r['rss_mb_per_min_second_half']:+.1f} | {r['samples_posted']}/{r['samples_trained']} | "
                   f"{r['health']} |")
-
+    print("\nDrift within each level (TTFT of the requests sent in its first and last quarter; "
+          "the processes that grew most, MB):")
+    print("| policy | load | TTFT p50/p99 first quarter | last quarter | top growers, whole level | second half |")
+    print("|---|---:|---:|---:|---|---|")
+    fmt = lambda growers: ", ".join(f"{k.split(':')[0]} {v:+.0f}" for k, v in growers[:3])
+    for policy, row in report["policies"].items():
+        for mult, r in row["load"].items():
+            print(f"| {policy} | {mult}x | {r['ttft_ms_p50_first_quarter']:.0f}/{r['ttft_ms_p99_first_quarter']:.0f} | "
+                  f"{r['ttft_ms_p50_last_quarter']:.0f}/{r['ttft_ms_p99_last_quarter']:.0f} | "
+                  f"{fmt(r['rss_growth_mb'])} | {fmt(r['rss_growth_mb_second_half'])} |")
 
 if __name__ == "__main__":
     sys.exit(main())

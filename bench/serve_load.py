@@ -51,17 +51,27 @@ async def one(client, model, i, max_tokens, out, events=None):
         out["cut"] += 1
     if outcome == "done" and times:
         out["ttft"].append(times[0] - started)
+        out["ttft_at"].append(started)
         out["tbt"].extend(np.diff(times).tolist())
         out["done"] += 1
     if events is not None:
         events.append({"i": i, "start": wall, "end": time.time(), "outcome": outcome, "tokens": len(times)})
 
 
+def drift(at, ttft, started, seconds, pct) -> dict:
+    """Latency drift: p50/p99 TTFT of the requests sent in the first and in the last
+    quarter of the run."""
+    first = [x for t, x in zip(at, ttft) if t - started < seconds / 4]
+    last = [x for t, x in zip(at, ttft) if t - started >= seconds * 3 / 4]
+    return {"ttft_ms_p50_first_quarter": pct(first, 50), "ttft_ms_p99_first_quarter": pct(first, 99),
+            "ttft_ms_p50_last_quarter": pct(last, 50), "ttft_ms_p99_last_quarter": pct(last, 99)}
+
+
 async def run(args):
     if not args.url.startswith("http://127.0.0.1"):
         raise SystemExit("error: --url: loopback only (http://127.0.0.1:...)")
     rng = random.Random(args.seed)
-    out = {"shed": 0, "errors": 0, "done": 0, "cut": 0, "ttft": [], "tbt": [], "retry_after_ok": 0}
+    out = {"shed": 0, "errors": 0, "done": 0, "cut": 0, "ttft": [], "ttft_at": [], "tbt": [], "retry_after_ok": 0}
     events = [] if args.events else None
     tasks = []
     started = time.perf_counter()
@@ -81,7 +91,8 @@ async def run(args):
                       "shed_with_retry_after": out["retry_after_ok"], "error_rate": out["errors"] / max(1, sent),
                       "cut": out["cut"],
                       "ttft_ms_p50": pct(out["ttft"], 50), "ttft_ms_p99": pct(out["ttft"], 99),
-                      "tbt_ms_p50": pct(out["tbt"], 50), "tbt_ms_p99": pct(out["tbt"], 99)}))
+                      "tbt_ms_p50": pct(out["tbt"], 50), "tbt_ms_p99": pct(out["tbt"], 99),
+                      **drift(out["ttft_at"], out["ttft"], started, args.seconds, pct)}))
     if events is not None:
         with open(args.events, "w") as f:
             for e in events:

@@ -120,6 +120,13 @@ def test_a_killed_controller_is_restarted_and_resumes_without_losing_work(setup)
     assert len(list(dep.stream(rid))) == 4
     recovery_s = time.monotonic() - killed
     assert recovery_s < 120
+    # the restarted controller answers for the requests of the one before: they ended
+    # with an error (ids are never reused), and an id it never issued is refused
+    lost = dep.result(rids[0])
+    assert lost["finish_reason"] == "error" and "restarted" in lost["error"]
+    assert dep.progress(rids[1])["finish_reason"] == "error"
+    with pytest.raises(ValueError, match="no such request"):
+        dep.progress(rid + 10 ** 9)
     status = dep.train_status()
     assert status["resumed"]["adapter_version"] >= committed          # never behind the checkpoint
     _trained_exactly_once(dep)
