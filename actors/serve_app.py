@@ -31,7 +31,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raycolo.errors import ConfigError
 from raycolo.online.config import OnlineConfig, load_online_config, parse_online_config
-from raycolo.online.samples import StoreFull
+from raycolo.errors import StoreFull
 from raycolo.serving.errors import OpenAIError, from_error
 from raycolo.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health,
                                       ModelCard, ModelList, TrainSamplesRequest, TrainSamplesResponse,

@@ -374,10 +374,11 @@ def cmd_run(args) -> int:
     config = parse_run_config({k: v for k, v in values.items() if v is not None})
     from raycolo.actors.controller import RunFailed
     from raycolo.actors.launch import dump, report_line, run_application
+    from raycolo.errors import StoreFull
     try:
         report = run_application(config)
-    except RunFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (RunFailed, StoreFull) as exc:     # StoreFull: the output directory's disk filled up
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_RUNTIME
     if args.json:
         print(dump(report))

@@ -23,3 +23,9 @@ class ConfigError(RaycoloError):
 
 class PlanningError(RaycoloError):
     """The planner cannot find any valid plan (e.g. a model fits on no GPU set)."""
+
+
+class StoreFull(OSError):
+    """A store could not persist a batch (disk full, read-only): nothing of the batch is
+    stored, so nothing of it is acknowledged. Raised by the online sample store and the
+    offline output journal."""

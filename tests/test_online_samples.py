@@ -189,12 +189,12 @@ def test_a_full_disk_refuses_the_batch_whole_and_keeps_what_was_acknowledged(tmp
     fails with ENOSPC): append raises StoreFull naming the file, nothing is counted as
     stored, and once the store is back on its own file the refused batch's buffered text
     never reaches it."""
-    from raycolo.online.samples import StoreFull
+    from raycolo.errors import StoreFull
 
     store = SampleStore(tmp_path)
     store.append([([1], [2])])
-    store._file.close()
-    store._file = open("/dev/full", "a", encoding="utf-8")     # the disk fills up
+    store._journal._file.close()
+    store._journal._file = open("/dev/full", "a", encoding="utf-8")     # the disk fills up
     with pytest.raises(StoreFull, match=r"samples.jsonl: No space left on device; nothing was stored"):
         store.append([([1], [2]), ([3], [4])])
     assert len(store) == 1
@@ -209,12 +209,12 @@ def test_a_failed_write_is_cut_back_so_the_file_holds_only_acknowledged_samples(
     as it was before the batch, and the store goes on."""
     import os
 
-    from raycolo.online.samples import StoreFull
+    from raycolo.errors import StoreFull
 
     store = SampleStore(tmp_path)
     store.append([([1], [2])])
     before = (tmp_path / "samples.jsonl").read_bytes()
-    os.close(store._file.fileno())           # the descriptor goes bad under the store
+    os.close(store._journal._file.fileno())           # the descriptor goes bad under the store
     with pytest.raises(StoreFull, match="nothing was stored"):
         store.append([([3], [4])])
     assert (tmp_path / "samples.jsonl").read_bytes() == before and len(store) == 1

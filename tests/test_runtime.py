@@ -208,6 +208,34 @@ def test_resume_skips_finished_requests(cluster, tmp_path):
     assert list(kept["text"]) == [first[k]["text"] for k in first]  # finished work untouched
 
 
+def test_a_disk_that_fills_up_mid_run_loses_nothing_acknowledged(cluster, tmp_path):
+    """After 5 outputs the output journal's disk is full (its handle moves to /dev/full,
+    where every write fails with ENOSPC): the run stops with StoreFull naming --output;
+    the same job run again (space freed) keeps those 5 untouched and runs the rest, each
+    request once."""
+    from raycolo.errors import StoreFull
+
+    def fill_disk_after(limit):
+        def hook(controller, record):
+            store = controller.run_.store
+            if controller.run_requests >= limit and store._journal._file.name != "/dev/full":
+                store._journal._file.close()
+                store._journal._file = open("/dev/full", "a", encoding="utf-8")
+        return hook
+
+    config = _config(tmp_path, "tiny_chain.yaml", requests=4)
+    with pytest.raises(StoreFull, match=r"--output: .*outputs.jsonl: No space left on device; nothing was stored"):
+        run_application(config, on_output=fill_disk_after(5), log=lambda m: None)
+    journal = Path(config.output) / "outputs.jsonl"
+    first = {json.loads(line)["key"]: json.loads(line) for line in journal.read_text().splitlines()}
+    assert len(first) >= 5
+    report = run_application(config, log=lambda m: None)
+    table = _check_exactly_once(report, Path(config.output))
+    assert report["requests_skipped"] == len(first)
+    kept = table.set_index("key").loc[list(first)]
+    assert list(kept["text"]) == [first[k]["text"] for k in first]
+
+
 def test_bad_dag_or_input_fails_before_ray_starts(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((EXAMPLES / "tiny.yaml").read_text().replace("max_output_tokens: 32", "max_output_tokens: -1"))

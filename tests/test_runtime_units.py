@@ -149,6 +149,30 @@ def test_journal_survives_a_torn_line_and_refuses_another_job(tmp_path):
         OutputStore(tmp_path, "job-b")
 
 
+def test_a_full_disk_mid_run_keeps_every_output_written_before_it(tmp_path):
+    """The journal's disk fills up (its handle on /dev/full: every write fails with
+    ENOSPC): the batch is refused whole with an error naming --output and the file,
+    nothing of it counts as done, and the same job run again finds exactly the outputs
+    acknowledged before, and goes on."""
+    from raycolo.errors import StoreFull
+
+    store = OutputStore(tmp_path, "job-a")
+    store.append([{"key": "a:0", "node": "a", "index": 0, "text": "x"}])
+    store._journal._file.close()
+    store._journal._file = open("/dev/full", "a", encoding="utf-8")     # the disk fills up
+    with pytest.raises(StoreFull, match=r"--output: .*outputs.jsonl: No space left on device; nothing was "
+                                        r"stored \(1 outputs kept in .*run the same job"):
+        store.append([{"key": "a:1", "node": "a", "index": 1, "text": "y"},
+                      {"key": "a:2", "node": "a", "index": 2, "text": "z"}])
+    assert list(store.done) == ["a:0"]
+    store.close()
+    again = OutputStore(tmp_path, "job-a")           # space again: the job is run again
+    assert list(again.done) == ["a:0"]
+    again.append([{"key": "a:1", "node": "a", "index": 1, "text": "y"}])
+    again.close()
+    assert [json.loads(x)["key"] for x in (tmp_path / "outputs.jsonl").read_text().splitlines()] == ["a:0", "a:1"]
+
+
 def test_prepare_checks_inputs_before_any_cluster(tmp_path):
     good = {"dag": str(EXAMPLES / "tiny.yaml"), "output": str(tmp_path / "out")}
     run = prepare(RunConfig(**good, requests=4))

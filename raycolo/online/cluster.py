@@ -69,7 +69,7 @@ class Cluster:
         self.op_log: list[tuple] = []   # (start, end, node, stage, kind, task ids or version)
         self.op_log_dropped = 0          # entries forget() dropped from the front of op_log
 
-    def forget(self, task_ids, keep_ops: int = 50_000) -> None:
+    def forget(self, task_ids, keep_ops: int = 10_000) -> None:
         """A long-running service drops what it recorded of finished ``task_ids`` and all
         but the last ``keep_ops`` entries of the op log, so memory does not grow with every
         request served (its results then cover what is kept)."""

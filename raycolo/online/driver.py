@@ -19,7 +19,7 @@ from typing import Callable, Collection, Optional, Protocol
 
 from raycolo.online.cluster import Cluster, ClusterStep
 from raycolo.online.node import Op, Timer
-from raycolo.online.scheduler import Decision
+from raycolo.online.scheduler import RECENT_DECISIONS, Decision
 from raycolo.online.tasks import OnlineTask
 
 
@@ -59,7 +59,7 @@ class ClusterDriver:
         self.error: Optional[BaseException] = None
         # CPU seconds spent in cluster callbacks (policy, cluster and node schedulers): the
         # live decision overhead, per event and in total (measured, never simulated).
-        self.scheduling_s: deque = deque(maxlen=100_000)
+        self.scheduling_s: deque = deque(maxlen=RECENT_DECISIONS)
         self.scheduling_total_s = 0.0
 
     def start(self) -> None:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from raycolo.errors import ConfigError
+from raycolo.errors import ConfigError, StoreFull  # noqa: F401  (StoreFull: raised by append)
+from raycolo.journal import Journal
 
 SAMPLES_FILE = "samples.jsonl"
 MAX_SAMPLE_TOKENS = 1 << 16
@@ -100,10 +101,6 @@ def clip_sample(sample: Sequence[Sequence[int]], max_len: int) -> tuple[list[int
     return (prompt, *[list(c)[:max(0, max_len - len(prompt))] for c in sample[1:]])
 
 
-class StoreFull(OSError):
-    """The store could not persist a batch (disk full, read-only): nothing of it is stored."""
-
-
 class SampleStore:
     def __init__(self, directory):
         self.directory = Path(directory)
@@ -116,11 +113,7 @@ class SampleStore:
         self._samples: list[Sample] = []
         if self.path.exists():
             self._load()
-        try:
-            self._file = open(self.path, "a", encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"sample_store: cannot write {self.path}: {exc.strerror}") from None
-        self._acknowledged = self.path.stat().st_size   # bytes of acknowledged samples on disk
+        self._journal = Journal(self.path, "sample_store")
 
     def _load(self) -> None:
         good = 0
@@ -148,32 +141,9 @@ class SampleStore:
         with self._lock:
             first = len(self._samples)
             rows = [Sample(first + i, *ids) for i, ids in enumerate(checked)]
-            text = "".join(json.dumps(_row(s)) + "\n" for s in rows)
-            try:
-                self._file.write(text)
-                self._file.flush()
-                os.fsync(self._file.fileno())
-            except OSError as exc:
-                self._rollback()
-                raise StoreFull(f"sample_store: {self.path}: {exc.strerror or exc}; nothing was stored") from None
-            self._acknowledged = self.path.stat().st_size
+            self._journal.append("".join(json.dumps(_row(s)) + "\n" for s in rows))   # or StoreFull
             self._samples.extend(rows)
             return [s.seq for s in rows]
-
-    def _rollback(self) -> None:
-        """A write failed part way (a full or read-only disk): cut the file back to its last
-        acknowledged byte and drop whatever the buffer still holds, so that nothing of the
-        refused batch reaches the disk later."""
-        try:
-            self._file.close()
-        except OSError:
-            pass                 # closing flushes the refused text: it fails again, and is dropped
-        try:
-            if self.path.stat().st_size > self._acknowledged:
-                os.truncate(self.path, self._acknowledged)
-        except OSError:
-            pass                 # not writable: the next append fails the same way
-        self._file = open(self.path, "a", encoding="utf-8")
 
     def take(self, cursor: Cursor, count: int) -> tuple[list[Sample], Cursor]:
         """Up to ``count`` samples from ``cursor`` on, and the cursor after them. An epoch
@@ -197,7 +167,7 @@ class SampleStore:
         return max(0, len(self._samples) - cursor.next_seq)
 
     def close(self) -> None:
-        self._file.close()
+        self._journal.close()
 
 
 def save_cursor(path, cursor: Cursor) -> None:

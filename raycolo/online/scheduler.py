@@ -22,6 +22,7 @@ from raycolo.online.profiles import NodeProfile
 from raycolo.online.tasks import OnlineTask
 
 EWMA_WEIGHT = 0.1  # arrival statistics for eq. 4's predicted next inference task
+RECENT_DECISIONS = 10_000   # decision times kept for percentiles (a service runs for ever)
 
 
 @dataclass
@@ -50,7 +51,7 @@ class OnlineScheduler:
     arrivals_done: bool = False
     decisions: int = 0
     decision_us_total: float = 0.0
-    decision_us: deque = field(default_factory=lambda: deque(maxlen=100_000))   # the latest decisions, for percentiles
+    decision_us: deque = field(default_factory=lambda: deque(maxlen=RECENT_DECISIONS))   # the latest, for percentiles
     pending_path: Optional[TaskPath] = None  # set by a policy that planned the task
     interarrival: float = 0.0                 # Δa of the task being decided (eq. 1)
     down: set = field(default_factory=set)    # nodes gone for good: nothing is placed there

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
-from raycolo.errors import ConfigError
+from raycolo.errors import ConfigError, StoreFull
+from raycolo.journal import Journal
 
 JOURNAL = "outputs.jsonl"
 TABLE = "outputs.parquet"
@@ -65,18 +66,24 @@ class OutputStore:
             if lines and lines[-1].strip():  # an unterminated last line: end it cleanly
                 with open(self.journal_path, "ab") as f:
                     f.write(b"\n")
-        self._file = open(self.journal_path, "a", encoding="utf-8")
+        self._journal = Journal(self.journal_path, "--output")
 
     def append(self, records: Iterable[dict]) -> None:
+        """Persist finished requests (fsynced) before anything counts them done. A full or
+        read-only disk raises StoreFull: none of ``records`` is kept, everything before
+        them is, and the same job run again with the same output directory goes on from
+        there."""
         records = list(records)
         if not records:
             return
         for record in records:
             if record["key"] in self.done:
                 raise RuntimeError(f"request {record['key']} would be written twice")
-        self._file.write("".join(json.dumps(r, default=float) + "\n" for r in records))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._journal.append("".join(json.dumps(r, default=float) + "\n" for r in records))
+        except StoreFull as exc:
+            raise StoreFull(f"{exc} ({len(self.done)} outputs kept in {self.dir}: free space and run the "
+                            f"same job with the same output directory to go on)") from None
         for record in records:
             self.done[record["key"]] = record
 
@@ -91,4 +98,4 @@ class OutputStore:
         return path
 
     def close(self) -> None:
-        self._file.close()
+        self._journal.close()
