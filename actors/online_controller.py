@@ -213,6 +213,7 @@ class OnlineController(AdapterVersions, Reports):
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
+        from raycolo.actors.group_watch import GroupWatch
         from raycolo.actors.stage_worker import stage_loop
 
         cfg = self.config
@@ -236,7 +237,8 @@ class OnlineController(AdapterVersions, Reports):
             run_config=RunConfig(name=self.run_name(n),
                                  storage_path=str(Path(cfg.storage_path).resolve()),
                                  failure_config=FailureConfig(max_failures=cfg.stage.max_failures),
-                                 checkpoint_config=CheckpointConfig(num_to_keep=2)))
+                                 checkpoint_config=CheckpointConfig(num_to_keep=2),
+                                 callbacks=[GroupWatch(self.name, self.namespace, n)]))
 
     def _fit(self, n: int, trainer) -> None:
         """Run node ``n``'s worker group. Past ``max_failures`` restarts of the group the
@@ -344,6 +346,8 @@ class OnlineController(AdapterVersions, Reports):
             self.restored[node] = (info["restored_version"], from_ranges(info.get("restored_held") or []),
                                    Cursor(**info["restored_cursor"]) if info.get("restored_cursor") else Cursor())
         self.registered[node].add(stage)
+        if len(self.registered[node]) == self.config.stages and self.driver is not None:
+            self.driver.node_back(node)    # a restarted node takes work again (no-op otherwise)
         if len(self.registered[node]) == self.config.stages and self.ledger.restoring(node):
             for r in self.restarts:      # the node's new group is complete: it serves again
                 if r["node"] == node and r["epoch"] == self.epochs[node]:
@@ -399,6 +403,21 @@ class OnlineController(AdapterVersions, Reports):
         self.errors.append(f"node-{node}/stage-{stage} op {seq}: {error}")
         if epoch == self.epochs[node]:
             self._node_lost(node, f"node-{node}/stage-{stage} op {seq} failed: {error}")
+
+    async def group_failed(self, node: int, at: float, why: str) -> None:
+        """Ray Train found node ``node``'s worker group failed at ``at`` (wall clock; told
+        by :class:`~raycolo.actors.group_watch.GroupWatch` before the restart): the node is
+        reset now and avoided until its new group is complete, rather than found out when
+        the new group registers. Ignored if the loss is known already (an op that raised
+        told us first) or a new group registered since."""
+        if self.driver is None or node in self.dead:
+            return
+        current = [w for w in self.workers.values() if w["node"] == node and w["epoch"] == self.epochs[node]]
+        if not self.registered[node] and node in self.cluster.scheduler.restarting:
+            return                          # already reset, the new group not yet here
+        if any(w["registered_s"] > at for w in current):
+            return                          # a new group registered after the failure
+        self._node_lost(node, why)
 
     def _node_lost(self, node: int, reason: str, down: bool = False) -> None:
         """Node ``node``'s worker group is gone (its KV caches, activations, queued ops)
@@ -800,10 +819,12 @@ class OnlineController(AdapterVersions, Reports):
 
     async def drain(self) -> None:
         """Wait until every task submitted so far completed (and the resumed samples'
-        training), and any checkpoint it started. A restarted controller starts first."""
+        training, and the training a node restarting now will replay once it is back: its
+        new group says which checkpoint it restored), and any checkpoint it started. A
+        restarted controller starts first."""
         await self.start()
         await self.driver.drain()
-        while self.backlog:
+        while self.backlog or self.cluster.scheduler.restarting:
             await asyncio.sleep(0.05)
             await self.driver.drain()
         while self.background:
@@ -826,6 +847,7 @@ class OnlineController(AdapterVersions, Reports):
         self.config = cfg.model_copy(update={"policy": name})
         self.policy = make_online_policy(name, cfg.lemix, nodes=cfg.nodes, train_rate=cfg.train_rate)
         self.cluster = Cluster(self.policy, self.cluster.learner.current, cfg.nodes, cfg.lemix)
+        self.cluster.scheduler.down = set(self.dead)  # a node down for good stays down
         self.busy_s, self.busy_seen = {}, 0          # busy fractions count the new cluster's ops
         self.driver = self._driver()
         self.tasks = {}

@@ -162,6 +162,10 @@ class OnlineDeployment:
     def registry(self) -> dict:
         return self._call("registry")
 
+    def health(self) -> dict:
+        """``status`` (ok, degraded, starting), ``nodes_alive``, ``nodes``, ``nodes_restarting``."""
+        return self._call("health")
+
     def export_adapter(self, directory: str, node: Optional[int] = None) -> str:
         return self._call("export_adapter", directory, node)
 

@@ -45,6 +45,7 @@ class Reports:
             "slo_attainment": result.slo_attainment,
             "decision_us_p50": _pct(self.cluster.scheduler.decision_us, 50),
             "nodes_alive": self.config.nodes - len(self.dead),
+            "nodes_restarting": sorted(self.cluster.scheduler.restarting),
             "stages": [{"node": n, "stage": st, "busy_fraction": min(1.0, busy.get((n, st), 0.0) / now) if now else 0.0,
                         "memory_bytes": nodes[n].stages[st].used_bytes,
                         "device": self.device.get((n, st)),
@@ -61,10 +62,11 @@ class Reports:
     async def health(self) -> dict:
         if not self.ready.is_set():     # (re)starting: a restarted controller starts on this call
             self._wake()
-            return {"status": "starting", "nodes_alive": 0, "nodes": self.config.nodes}
+            return {"status": "starting", "nodes_alive": 0, "nodes": self.config.nodes, "nodes_restarting": 0}
         alive = self.config.nodes - len(self.dead)
         return {"status": "ok" if alive == self.config.nodes else "degraded",
-                "nodes_alive": alive, "nodes": self.config.nodes}
+                "nodes_alive": alive, "nodes": self.config.nodes,
+                "nodes_restarting": len(self.cluster.scheduler.restarting)}
 
     async def stats(self) -> dict:
         tasks = [r.task for r in self.requests.values()]
@@ -90,6 +92,7 @@ class Reports:
             "scheduling_us_p99": _pct([x * 1e6 for x in self.driver.scheduling_s], 99) if self.driver else 0.0,
             "losses": self.losses[-20:],
             "restarts": list(self.restarts), "dead_nodes": dict(self.dead),
+            "restarting_nodes": sorted(self.cluster.scheduler.restarting),
             "checkpoint_versions": list(self.ledger.version),
             "samples_since_checkpoint": [len(x) for x in self.ledger.since],
             "checkpoints_uncommitted": len(self.ledger.reported),

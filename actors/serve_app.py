@@ -444,7 +444,7 @@ class OpenAIIngress:
         return {"model": self.model_name, **{k: stats[k] for k in (
                     "policy", "nodes", "stages", "now_s", "requests", "completed", "train_done",
                     "samples_stored", "samples_pending", "adapter_version", "queues", "restarts",
-                    "dead_nodes", "checkpoint_versions", "decision_us_p50", "decision_us_p99", "cancelled",
+                    "dead_nodes", "restarting_nodes", "checkpoint_versions", "decision_us_p50", "decision_us_p99", "cancelled",
                     "unfinished")},
                 "slo_attainment": monitor["slo_attainment"],
                 "throughput_tasks_per_s": result.get("throughput_tasks_per_s"),

@@ -38,17 +38,17 @@ class Lemix(OnlinePolicy):
     def allocate(self, task: OnlineTask, sched, now: float) -> Optional[int]:
         p = self.params
         slo = p.slo_s(sched.profiles[0].forward_latency_s)
-        plans, scores = [], []
-        for n, trace in enumerate(sched.traces):
-            est = sched.estimators[n]
+        plans, scores = {}, {}
+        for n in sched.placeable:          # a node that is down or restarting gets no plan
+            trace, est = sched.traces[n], sched.estimators[n]
             plan = compute_idleness(trace, task.task_id, task.arrival_s, task.length, task.batch,
                                     task.is_train, est, now, idle_cap=slo)
             gap = sched.interarrival if p.arrival_gap == "global" else \
                 (max(0.0, now - trace.last.arrival_s) if trace.last is not None else 0.0)
             ip = idleness_profit(plan.idle, trace.stages, gap, p.tau * sched.profiles[n].forward_latency_s)
             lc = length_consistency(task.length, trace.count, trace.length_mean, trace.length_std)
-            plans.append(plan)
-            scores.append(priority(ip, lc, plan.response, p.lambda1, p.lambda2, p.score_rule))
+            plans[n] = plan
+            scores[n] = priority(ip, lc, plan.response, p.lambda1, p.lambda2, p.score_rule)
         n = best_node(scores)
         if task.is_train and self.capabilities.prioritize and self._at_risk(sched, n, plans[n], now):
             return None
@@ -63,7 +63,8 @@ class Lemix(OnlinePolicy):
             return False
         arrival, length = nxt
         free, forward = [], []
-        for n, trace in enumerate(sched.traces):
+        for n in sched.placeable:
+            trace = sched.traces[n]
             last = plan if n == node else trace.last
             free.append(max(now, arrival, last.end_f(trace.stages - 1) if last else now))
             forward.append(trace.stages * sched.estimators[n].forward_s(1, length))

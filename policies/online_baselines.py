@@ -41,7 +41,7 @@ class LowestUtilizationFirst(_Baseline):
     capabilities = PolicyCapabilities(queries_utilization=True)
 
     def allocate(self, task: OnlineTask, sched, now: float) -> Optional[int]:
-        return min(range(sched.nodes), key=lambda n: (sched.utilization(n), n))
+        return min(sched.placeable, key=lambda n: (sched.utilization(n), n))
 
 
 def train_node_count(nodes: int, train_rate: float) -> int:

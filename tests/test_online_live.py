@@ -203,6 +203,45 @@ def test_a_killed_stage_worker_restarts_its_group_and_loses_nothing(deployment):
     assert len(list(dep.stream(rid))) == 4
 
 
+def test_a_node_whose_group_restarts_gets_no_work_until_it_is_back(deployment):
+    """SIGKILL an idle stage worker (no op in flight, so no peer's receive fails): Ray
+    Train's poll finds it and the GroupWatch callback tells the controller before the new
+    group starts, so the node is avoided at once; round-robin requests sent meanwhile all
+    finish on the other node while it restarts, and it takes work again once back."""
+    import os
+    import signal
+
+    dep, config, _ = deployment
+    dep.use_policy("mix-rr")
+    dep.drain()
+    before = dep.registry()
+    stats = dep.stats()
+    restarts = len(stats["restarts"])
+    # a node with a restart left (stage.max_failures is 1; an earlier test may have used one)
+    victim = min(range(config.nodes), key=lambda n: (sum(r["node"] == n for r in stats["restarts"]), -n))
+    assert not [r for r in stats["restarts"] if r["node"] == victim]
+    os.kill(before[f"node-{victim}/stage-1"]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while victim not in dep.stats()["restarting_nodes"]:
+        assert time.monotonic() < deadline, "the controller never learnt of the failure"
+        time.sleep(0.05)
+    assert dep.registry()[f"node-{victim}/stage-0"]["pid"] == before[f"node-{victim}/stage-0"]["pid"]  # not yet back
+    rids = [dep.submit([1, 60 + i, 61, 62], max_tokens=4, ignore_eos=True) for i in range(4)]
+    results = [dep.result(rid) for rid in rids]
+    assert [r["finish_reason"] for r in results] == ["length"] * 4
+    assert victim in dep.stats()["restarting_nodes"]        # all served while it restarted
+    deadline = time.monotonic() + 120
+    while victim in (stats := dep.stats())["restarting_nodes"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    new = [(r["node"], r["epoch"], r["reason"][:90]) for r in stats["restarts"][restarts:]]
+    assert len(new) == 1, new                               # told once, not again at registration
+    assert dep.registry()[f"node-{victim}/stage-0"]["pid"] != before[f"node-{victim}/stage-0"]["pid"]
+    rids = [dep.submit([1, 70 + i, 71], max_tokens=3, ignore_eos=True) for i in range(4)]
+    assert [len(dep.result(rid)["tokens"]) for rid in rids] == [3] * 4
+    assert dep.health()["nodes_restarting"] == 0
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "raycolo.cli", *args], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)

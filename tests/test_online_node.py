@@ -625,7 +625,7 @@ def test_a_node_reset_mid_trace_loses_no_task_and_no_token(policy):
         for at, n in ((tasks[len(tasks) // 3].arrival_s, 0), (tasks[2 * len(tasks) // 3].arrival_s, 2)):
             loop.call_at(at, lambda n=n: lost.append(sum(len(st.ready) + (st.busy is not None)
                                                         for st in cluster.nodes[n].stages)
-                                                    + len(cluster.nodes[n].joining)) or driver.node_lost(n))
+                                                    + len(cluster.nodes[n].joining)) or driver.node_lost(n, back_after_s=0))
         await driver.replay(tasks)
 
     try:
@@ -639,8 +639,9 @@ def test_a_node_reset_mid_trace_loses_no_task_and_no_token(policy):
     assert all(node.generation == (1 if i in (0, 2) else 0) for i, node in enumerate(cluster.nodes))
 
 
-def _drive_with_faults(policy, faults, nodes=3, count=60):
-    """Replay a trace on fake time with ``faults``: (arrival index, node, "lost"|"down")."""
+def _drive_with_faults(policy, faults, nodes=3, count=60, back_after_s=0):
+    """Replay a trace on fake time with ``faults``: (arrival index, node, "lost"|"down");
+    a lost node is back ``back_after_s`` later."""
     profile, params = preset("llama-70b", 2), LemixParams(sync_every=5)
     tasks = poisson_workload(count, 0.6, 80, seed=2)
     cluster = Cluster(make_online_policy(policy, params, nodes=nodes, train_rate=0.6), profile, nodes, params)
@@ -651,7 +652,10 @@ def _drive_with_faults(policy, faults, nodes=3, count=60):
         if n is None:   # the node with the most work on it now
             n = max(range(nodes), key=lambda m: (cluster.nodes[m].queued_ops + len(cluster.nodes[m].joining), -m))
         hit.append(n)
-        (driver.node_down if kind == "down" else driver.node_lost)(n)
+        if kind == "down":
+            driver.node_down(n)
+        else:
+            driver.node_lost(n, back_after_s=back_after_s)
 
     async def main():
         driver = ClusterDriver(cluster, ProfiledRunner(profile, params), on_failed=failed.append)
@@ -665,6 +669,33 @@ def _drive_with_faults(policy, faults, nodes=3, count=60):
     finally:
         loop.close()
     return tasks, cluster, failed, hit
+
+
+@pytest.mark.parametrize("policy", ["lemix", "mix-rr", "mix-luf", "separate", "harli"])
+def test_a_restarting_node_gets_no_work_until_it_is_back(policy):
+    """While a node's worker group restarts, its work and every new task go to the other
+    nodes (the policy never sees it as idle); once it is back it takes work again."""
+    tasks = poisson_workload(60, 0.6, 80, seed=2)            # as _drive_with_faults makes them
+    lost_at = tasks[20].arrival_s
+    restart_s = tasks[40].arrival_s - lost_at                # back while tasks still arrive
+    tasks, cluster, failed, [n] = _drive_with_faults(policy, [(20, None, "lost")], back_after_s=restart_s)
+    assert failed == [] and cluster.resumed > 0
+    assert cluster.result(tasks).completions == {t.task_id: 1 for t in tasks}
+    during = [e for e in cluster.op_log if e[2] == n and lost_at <= e[0] < lost_at + restart_s - 1e-6 and e[4] != "sync"]
+    assert during == []
+    others = [e for e in cluster.op_log if e[2] != n and lost_at <= e[0] < lost_at + restart_s]
+    assert others                                   # the rest of the cluster kept serving
+    assert [e for e in cluster.op_log if e[2] == n and e[0] >= lost_at + restart_s]   # and it is used again
+    assert not cluster.scheduler.restarting
+
+
+def test_with_every_node_restarting_work_waits_for_them():
+    """A single node restarting: its work has nowhere else to go, so it stays placed
+    there (and runs once the node is back) rather than failing."""
+    tasks, cluster, failed, _ = _drive_with_faults("lemix", [(10, 0, "lost")], nodes=1, count=30,
+                                                   back_after_s=5.0)
+    assert failed == []
+    assert cluster.result(tasks).completions == {t.task_id: 1 for t in tasks}
 
 
 @pytest.mark.parametrize("policy", ["lemix", "mix-rr", "separate"])

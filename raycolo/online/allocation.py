@@ -18,7 +18,7 @@ placed on the node where it would answer soonest, would still exceed τ_R.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence, Union
 
 MIN_SIGMA_TOKENS = 1.0
 
@@ -45,9 +45,11 @@ def priority(ip: float, lc: float, response: float, lambda1: float, lambda2: flo
     return numerator / scale
 
 
-def best_node(scores: Sequence[float]) -> int:
-    """Highest score; ties go to the lowest node index (deterministic)."""
-    return max(range(len(scores)), key=lambda n: (scores[n], -n))
+def best_node(scores: Union[Sequence[float], Mapping[int, float]]) -> int:
+    """Highest score; ties go to the lowest node index (deterministic). ``scores``: one
+    per node, or {node: score} for the nodes that may take work."""
+    nodes = scores.keys() if isinstance(scores, Mapping) else range(len(scores))
+    return max(nodes, key=lambda n: (scores[n], -n))
 
 
 def violates_slo(node_free_at: Sequence[float], forward_s: Sequence[float], arrival_s: float,

@@ -140,18 +140,36 @@ class Cluster:
     def all_down(self) -> bool:
         return len(self.scheduler.down) == len(self.nodes)
 
-    def node_lost(self, n: int, now: float) -> ClusterStep:
+    def node_lost(self, n: int, now: float, restarting: bool = True) -> ClusterStep:
         """Node ``n``'s executor lost its state (a worker-group restart). Its unfinished
         work is placed again, under the same task ids: an inference request resumes from
         its prompt plus the tokens it already streamed (its KV is rebuilt by a prefill of
         both, for the tokens it has left), and a training task starts over. A SEPARATE
         serving node reloads the weights it served. :attr:`resumed` counts the tasks
-        placed again (a deferred training task is placed by a later retry)."""
+        placed again (a deferred training task is placed by a later retry).
+
+        With ``restarting`` the node is avoided until :meth:`node_back`: its work and new
+        arrivals go to the other nodes (unless every node left is restarting too); without
+        it the executor is back at once."""
         served = self.nodes[n].update_count
         out = ClusterStep()
+        if restarting:
+            self.scheduler.restarting.add(n)
         self._place_again(self._reset(n, now, out), now, out)
         if self.serving_nodes is not None and n in self.serving_nodes and served:
             self._absorb(n, self.nodes[n].sync(served, now), out)
+        return out
+
+    def node_back(self, n: int, now: float) -> ClusterStep:
+        """Node ``n``'s executor is back after :meth:`node_lost`: new work may go there
+        again; it is idle from ``now`` (any plan made for it meanwhile is void)."""
+        self._now = now
+        out = ClusterStep()
+        if n in self.scheduler.restarting and n not in self.scheduler.down:
+            self.scheduler.restarting.discard(n)
+            if self.nodes[n].queued_ops == 0 and not self.nodes[n].joining:
+                self.scheduler.node_reset(n, [], now)
+            out.decisions.extend(self.scheduler.retry(now))
         return out
 
     def node_down(self, n: int, now: float) -> ClusterStep:
@@ -160,6 +178,7 @@ class Cluster:
         node), and its unfinished work is placed again on the others. With no node left,
         that work and every later arrival fail (``failed``)."""
         self.scheduler.down.add(n)
+        self.scheduler.restarting.discard(n)
         out = ClusterStep()
         lost = self._reset(n, now, out)
         if not self.all_down:

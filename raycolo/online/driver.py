@@ -75,11 +75,19 @@ class ClusterDriver:
         self._expected += 1
         self._step(self.cluster.arrive, task, self.now(), last)
 
-    def node_lost(self, n: int) -> None:
+    def node_lost(self, n: int, back_after_s: Optional[float] = None) -> None:
         """Node ``n``'s executor lost its state now (a worker-group restart): its ops in
-        flight are void (their runners raise :class:`OpLost`) and its unfinished tasks
-        are placed again."""
-        self._step(self.cluster.node_lost, n, self.now())
+        flight are void (their runners raise :class:`OpLost`), its unfinished tasks are
+        placed again, and nothing new goes there until :meth:`node_back` (a live executor
+        calls it once the new group is complete; ``back_after_s`` calls it after that
+        long, a restart's modelled duration; 0: back at once)."""
+        self._step(self.cluster.node_lost, n, self.now(), restarting=back_after_s != 0)
+        if back_after_s:
+            self._loop.call_later(back_after_s, self.node_back, n)
+
+    def node_back(self, n: int) -> None:
+        """Node ``n``'s executor is back after :meth:`node_lost`: it takes work again."""
+        self._step(self.cluster.node_back, n, self.now())
 
     def node_down(self, n: int) -> None:
         """Node ``n`` is gone for good: as :meth:`node_lost`, and nothing goes there again."""

@@ -55,6 +55,7 @@ class OnlineScheduler:
     pending_path: Optional[TaskPath] = None  # set by a policy that planned the task
     interarrival: float = 0.0                 # Δa of the task being decided (eq. 1)
     down: set = field(default_factory=set)    # nodes gone for good: nothing is placed there
+    restarting: set = field(default_factory=set)  # nodes whose executor is coming back: avoided meanwhile
 
     def __post_init__(self) -> None:
         self.traces = [NodeTrace(p.stages) for p in self.profiles]
@@ -66,6 +67,13 @@ class OnlineScheduler:
     @property
     def stages(self) -> int:
         return self.profiles[0].stages
+
+    @property
+    def placeable(self) -> list[int]:
+        """The nodes new work may go to: those neither down nor restarting; while every
+        node left is restarting, those (the work waits for them)."""
+        live = [m for m in range(self.nodes) if m not in self.down]
+        return [m for m in live if m not in self.restarting] or live
 
     # -- arrivals ------------------------------------------------------------------------
     def submit(self, task: OnlineTask, now: float) -> Optional[Decision]:
@@ -112,9 +120,11 @@ class OnlineScheduler:
         self.interarrival = interarrival
         self.pending_path = None
         node = self.policy.allocate(task, self, now)
-        if node is not None and node in self.down:
-            # The policy does not know the node is gone: its share goes to the next live one.
-            node = min((m for m in range(self.nodes) if m not in self.down), key=lambda m: (m - node) % self.nodes)
+        placeable = self.placeable
+        if node is not None and node not in placeable:
+            # The policy did not look at availability: its share of work goes to the next
+            # node that can take it (a plan it made for the node it chose is void).
+            node = min(placeable, key=lambda m: (m - node) % self.nodes)
             self.pending_path = None
         spent = (time.perf_counter() - started) * 1e6
         self.decisions += 1

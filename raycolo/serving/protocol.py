@@ -280,3 +280,5 @@ class Health(BaseModel):
     status: Literal["ok", "degraded", "starting"]
     nodes_alive: int
     nodes: int
+    nodes_restarting: int = Field(default=0, description="nodes whose worker group is being restarted: "
+                                  "alive, but given no new work until it is back")
