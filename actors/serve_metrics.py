@@ -62,6 +62,8 @@ class DeploymentMetrics:
         self.decision = Gauge("raycolo_decision_latency_seconds", "Scheduling decision latency, p50",
                               tag_keys=MODEL)
         self.alive = Gauge("raycolo_nodes_alive", "Stage-worker nodes alive", tag_keys=MODEL)
+        self.restarting = Gauge("raycolo_nodes_restarting", "Stage-worker nodes whose worker group is "
+                                "restarting (given no new work until it is back)", tag_keys=MODEL)
 
     def update(self, model: str, s: dict) -> None:
         tags = {"model_name": model}
@@ -75,6 +77,7 @@ class DeploymentMetrics:
         self.slo.set(s["slo_attainment"], tags)
         self.decision.set(s["decision_us_p50"] / 1e6, tags)
         self.alive.set(s["nodes_alive"], tags)
+        self.restarting.set(len(s["nodes_restarting"]), tags)
         for st in s["stages"]:
             t = dict(tags, node=str(st["node"]), stage=str(st["stage"]))
             self.busy.set(st["busy_fraction"], t)

@@ -320,6 +320,7 @@ def test_metrics_reach_prometheus_and_count_what_was_sent(front):
     assert got["ray_raycolo_admission_rejections_total"] >= 1
     assert got["ray_raycolo_time_to_first_token_seconds_count"] >= 6
     assert got["ray_raycolo_optimizer_steps"] >= 3 and got["ray_raycolo_nodes_alive"] == 2
+    assert got["ray_raycolo_nodes_restarting"] == 0
     for name in ("ray_raycolo_request_success_total", "ray_raycolo_num_requests_running",
                  "ray_raycolo_stage_busy_fraction", "ray_raycolo_slo_attainment",
                  "ray_raycolo_e2e_request_latency_seconds_bucket", "ray_raycolo_inter_token_latency_seconds_sum",
