@@ -12,7 +12,10 @@ from typing import Callable
 from raycolo.errors import ConfigError
 
 _REGISTRY: dict[str, Callable] = {}
-_MODULES = ["samullm", "heuristics", "nopreempt", "rollout", "optimal"]
+_MODULES = ["samullm", "heuristics", "nopreempt", "rollout", "search", "optimal"]
+
+# The policy ``raycolo plan``/``run`` use when none is named (declared here only).
+DEFAULT_OFFLINE_POLICY = "samullm-search"
 
 
 def register(name: str):

@@ -20,6 +20,7 @@ import contextlib
 import multiprocessing
 import os
 import time
+from typing import Optional
 
 from raycolo.planner.problem import PlanningProblem
 from raycolo.planner.schedule import AppPlan
@@ -66,9 +67,10 @@ def _worker():
 
 
 @register("samullm")
-def plan(problem: PlanningProblem) -> AppPlan:
+def plan(problem: PlanningProblem, evaluator: Optional[StageEvaluator] = None) -> AppPlan:
+    """``evaluator``: reuse (and fill) a caller's simulation cache, e.g. ``samullm-search``'s."""
     started = time.perf_counter()
-    evaluator = StageEvaluator(problem)
+    evaluator = evaluator or StageEvaluator(problem)
     ctx = SearchContext(problem, evaluator)
     state = initial_state(problem)
     # The first greedy step of both runs: every (node, plan) from the initial state.

@@ -35,6 +35,7 @@ def node_standalone_runs(problem: PlanningProblem, evaluator: StageEvaluator) ->
                                representative=evaluator.representative)
                 evaluator.cache[key] = run
                 evaluator.simulations += 1
+                evaluator.work += len(problem.node(node))
             out[node, plan] = run
     return out
 

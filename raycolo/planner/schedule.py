@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -36,6 +37,12 @@ class AppPlan:
     simulations: int = 0
     gpus: int = 0
     notes: list[str] = field(default_factory=list)
+    # True only when a complete branch and bound showed no plan in the stage space is
+    # shorter (``optimal``, or ``samullm-search`` on a small problem); then
+    # ``lower_bound_s`` is the makespan itself.
+    proven_optimal: bool = False
+    # makespan / lower_bound_s - 1 where a search bounded the optimum (None: not searched)
+    optimality_gap: Optional[float] = None
 
     @property
     def end_to_end_s(self) -> float:

@@ -232,6 +232,9 @@ class StageEvaluator:
         self.representative = representative_replicas
         self.cache: dict[tuple, NodeRun] = {}
         self.simulations = 0
+        # Requests simulated so far (pending requests of every simulation): the searches'
+        # deterministic measure of work done, close to proportional to CPU time.
+        self.work = 0
         self._chained = {n: bool((problem.node(n).successor >= 0).any()) for n in problem.nodes}
 
     def _upstream(self, state: AppState, node: str, runs: dict[str, NodeRun]):
@@ -259,6 +262,7 @@ class StageEvaluator:
                            representative=estimate)
             self.cache[key] = run
             self.simulations += 1
+            self.work += len(st.done) - int(st.done.sum())
         return run
 
     def evaluate(self, state: AppState, selection: dict[str, ExecPlan],
@@ -306,6 +310,7 @@ class StageEvaluator:
                 run = run_node(self.problem, node, st, run.plan, run.continuing, up_finish,
                                run.key, stop_at=cutoff)
                 self.simulations += 1
+                self.work += len(st.done) - int(st.done.sum())
             stopped_runs[node] = run
             done = st.done | (run.finish <= cutoff)
             generated = st.generated.copy()
