@@ -50,6 +50,10 @@ class AdapterVersions:
 
         def payloads() -> list:      # built once the node's ops are done: what the adapter holds now
             held = json.dumps(to_ranges(self.ledger.holds(node)))
+            # Recorded now, not after the reports came back: stage 0 may see Ray Train
+            # commit the checkpoint (checkpoint_committed) before this coroutine resumes,
+            # and a commit of a version not yet reported would be dropped for good.
+            self.ledger.report(node, version)
             out = []
             for _ in range(self.config.stages):
                 self.oob_seq -= 1
@@ -61,10 +65,9 @@ class AdapterVersions:
             results = await self._paused(node, payloads)
         except OpLost:
             return           # the group restarted first: it resumes from the previous checkpoint
-        await self._keep_version(version, [r["state"] for r in results])
         # No op of the node ran during the pause: the checkpoint holds the samples trained
         # so far; they count as kept once Ray Train commits it (checkpoint_committed).
-        self.ledger.report(node, version)
+        await self._keep_version(version, [r["state"] for r in results])
 
     def _version_dir(self, version: int) -> Path:
         return self.adapter_dir / "versions" / f"v{version}"

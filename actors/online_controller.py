@@ -346,9 +346,10 @@ class OnlineController(AdapterVersions, Reports):
             self.restored[node] = (info["restored_version"], from_ranges(info.get("restored_held") or []),
                                    Cursor(**info["restored_cursor"]) if info.get("restored_cursor") else Cursor())
         self.registered[node].add(stage)
-        if len(self.registered[node]) == self.config.stages and self.driver is not None:
+        complete = len(self.registered[node]) == self.config.stages
+        if complete and self.driver is not None:
             self.driver.node_back(node)    # a restarted node takes work again (no-op otherwise)
-        if len(self.registered[node]) == self.config.stages and self.ledger.restoring(node):
+        if complete and self.ledger.restoring(node):
             for r in self.restarts:      # the node's new group is complete: it serves again
                 if r["node"] == node and r["epoch"] == self.epochs[node]:
                     r["back_s"] = self.driver.now()
@@ -412,10 +413,10 @@ class OnlineController(AdapterVersions, Reports):
         told us first) or a new group registered since."""
         if self.driver is None or node in self.dead:
             return
-        current = [w for w in self.workers.values() if w["node"] == node and w["epoch"] == self.epochs[node]]
         if not self.registered[node] and node in self.cluster.scheduler.restarting:
             return                          # already reset, the new group not yet here
-        if any(w["registered_s"] > at for w in current):
+        if any(w["node"] == node and w["epoch"] == self.epochs[node] and w["registered_s"] > at
+               for w in self.workers.values()):
             return                          # a new group registered after the failure
         self._node_lost(node, why)
 

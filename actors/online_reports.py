@@ -45,7 +45,7 @@ class Reports:
             "slo_attainment": result.slo_attainment,
             "decision_us_p50": _pct(self.cluster.scheduler.decision_us, 50),
             "nodes_alive": self.config.nodes - len(self.dead),
-            "nodes_restarting": sorted(self.cluster.scheduler.restarting),
+            "restarting_nodes": sorted(self.cluster.scheduler.restarting),
             "stages": [{"node": n, "stage": st, "busy_fraction": min(1.0, busy.get((n, st), 0.0) / now) if now else 0.0,
                         "memory_bytes": nodes[n].stages[st].used_bytes,
                         "device": self.device.get((n, st)),

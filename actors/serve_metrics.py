@@ -77,7 +77,7 @@ class DeploymentMetrics:
         self.slo.set(s["slo_attainment"], tags)
         self.decision.set(s["decision_us_p50"] / 1e6, tags)
         self.alive.set(s["nodes_alive"], tags)
-        self.restarting.set(len(s["nodes_restarting"]), tags)
+        self.restarting.set(len(s["restarting_nodes"]), tags)
         for st in s["stages"]:
             t = dict(tags, node=str(st["node"]), stage=str(st["stage"]))
             self.busy.set(st["busy_fraction"], t)
