@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from raycolo.costmodel.latency import resolve_profile_dir  # noqa: F401  (also imported from here)
 from raycolo.errors import RaycoloError, one_line
+from raycolo.policies import DEFAULT_OFFLINE_POLICY
 
 EXIT_USAGE = 2
 EXIT_RUNTIME = 1
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = sub.add_parser("plan", help="plan an application's execution stages")
     _add_problem_flags(plan)
-    plan.add_argument("--policy", default="samullm", help="planning policy (default samullm)")
+    plan.add_argument("--policy", default=DEFAULT_OFFLINE_POLICY,
+                      help=f"planning policy (default {DEFAULT_OFFLINE_POLICY}; the paper's greedy: samullm)")
     plan.add_argument("--gantt", default=None, metavar="PNG", help="write a Gantt chart")
     compare = sub.add_parser("compare", help="run every policy on the same sampled workload")
     _add_problem_flags(compare)
@@ -161,7 +163,8 @@ def _add_run_flags(p: argparse.ArgumentParser, local: bool) -> None:
                    help="output directory; rerunning into it resumes" + (" (default out/<app>)" if local else ""))
     p.add_argument("--input", default=None, metavar="FILE",
                    help="requests (jsonl or parquet) replacing the DAG's single source")
-    p.add_argument("--policy", default="samullm", help="planning policy (default samullm)")
+    p.add_argument("--policy", default=DEFAULT_OFFLINE_POLICY,
+                   help=f"planning policy (default {DEFAULT_OFFLINE_POLICY}; the paper's greedy: samullm)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="latency profiles and eCDFs, a directory or 'cpu' (shipped tiny-model profiles)")
     p.add_argument("--seed", type=SEED, default=0)
@@ -229,6 +232,11 @@ def cmd_plan(args) -> int:
     print(f"policy {plan.policy}: makespan {plan.makespan_s:.1f}s, search {plan.search_s:.2f}s, "
           f"lower bound {plan.lower_bound_s:.1f}s (gap {gap:+.1%}), "
           f"{len(plan.stages)} stages, {plan.simulations} simulations")
+    if plan.proven_optimal:
+        print("proven optimal (branch and bound over all stage sequences)")
+    elif plan.optimality_gap is not None:
+        print(f"not proven optimal: at most {plan.optimality_gap:.1%} above the best possible "
+              f"(lower bound {plan.lower_bound_s:.1f}s)")
     if args.gantt:
         print(f"gantt: {args.gantt}")
     return 0
@@ -257,21 +265,38 @@ def run_comparison(problem, names: Sequence[str], progress: bool = True) -> dict
             "samullm_speedup": p.end_to_end_s / ref.end_to_end_s if ref else None,
             "gap_to_lower_bound": p.makespan_s / lower - 1 if lower else None,
             "stages": len(p.stages),
+            "lower_bound_s": p.lower_bound_s,       # this policy's own bound
+            "proven_optimal": p.proven_optimal,
+            "optimality_gap": p.optimality_gap,     # None: this policy bounds no optimum
+            "notes": list(p.notes),
         })
-    return {"results": results, "lower_bound_s": lower}
+    report = {"results": results, "lower_bound_s": lower}
+    if "optimal" in plans:
+        o = plans["optimal"]
+        report["optimal"] = {"proven_optimal": o.proven_optimal, "optimality_gap": o.optimality_gap,
+                             "lower_bound_s": o.lower_bound_s, "makespan_s": o.makespan_s}
+    return report
 
 
 def format_comparison(report: dict) -> str:
     head = (f"{'policy':<18} {'makespan_s':>10} {'search_s':>9} {'end_to_end_s':>12} "
-            f"{'samullm_speedup':>15} {'gap_to_LB':>9} {'stages':>6}")
+            f"{'samullm_speedup':>15} {'gap_to_LB':>9} {'stages':>6} {'proven':>6} {'opt_gap':>7}")
     lines = [head, "-" * len(head)]
     for r in report["results"]:
         speed = f"{r['samullm_speedup']:.2f}x" if r["samullm_speedup"] else "-"
+        proven = "yes" if r.get("proven_optimal") else ("no" if r.get("optimality_gap") is not None else "-")
+        opt_gap = f"{r['optimality_gap']:.1%}" if r.get("optimality_gap") is not None else "-"
         lines.append(f"{r['policy']:<18} {r['makespan_s']:>10.1f} {r['search_s']:>9.2f} "
                      f"{r['end_to_end_s']:>12.1f} {speed:>15} {r['gap_to_lower_bound']:>+9.1%} "
-                     f"{r['stages']:>6}")
+                     f"{r['stages']:>6} {proven:>6} {opt_gap:>7}")
     lines.append(f"lower bound: {report['lower_bound_s']:.1f}s   "
-                 "(samullm_speedup = this policy's end-to-end time / samullm's)")
+                 "(samullm_speedup = this policy's end-to-end time / samullm's; "
+                 "proven/opt_gap: a branch and bound's certificate, its makespan / its lower bound - 1)")
+    o = report.get("optimal")
+    if o is not None:
+        lines.append("optimal: proven optimal" if o["proven_optimal"] else
+                     f"optimal: NOT proven (time limit), at most {o['optimality_gap']:.1%} above the "
+                     f"optimum (lower bound {o['lower_bound_s']:.1f}s)")
     return "\n".join(lines)
 
 
