@@ -57,7 +57,7 @@ NAME = "samullm-search"
 WORK_PER_SECOND = 250_000       # simulated requests per second, one core
 LARGE_REQUESTS = 10_000
 SMALL_BUDGET_S, LARGE_BUDGET_S = 1.0, 5.0
-HARD_LIMIT_FACTOR = 3.0
+HARD_LIMIT_FACTOR = 5.0
 MAX_ROOT_SELECTIONS = 400       # phase 3 only where the first stage has at most this many
 IMPROVE_EPS = 1e-9
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raycolo.policies import policy_names
+from raycolo.policies import DEFAULT_OFFLINE_POLICY, policy_names
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -103,7 +103,7 @@ def _check_plan(plan: dict, gpus: int, nvlink_group: int, nodes: set[str]) -> No
 
 def test_module_entry_point_plans_json():
     plan = _json("plan", EXAMPLES / "ensemble.yaml", "--requests", 50)
-    assert plan["policy"] == "samullm"
+    assert plan["policy"] == DEFAULT_OFFLINE_POLICY
     nodes = {"vicuna", "oasst", "alpaca", "baize", "koala", "dolly", "mpt", "chatglm", "stablelm"}
     _check_plan(plan, gpus=8, nvlink_group=2, nodes=nodes)
 
@@ -213,7 +213,7 @@ def test_compare_json_and_consistency_with_plan():
         assert by["optimal"]["makespan_s"] <= by[name]["makespan_s"] + 1e-6, name
     # compare plans the same workload as plan does
     plan = _json("plan", *args)
-    assert plan["makespan_s"] == pytest.approx(by["samullm"]["makespan_s"], rel=1e-9)
+    assert plan["makespan_s"] == pytest.approx(by[DEFAULT_OFFLINE_POLICY]["makespan_s"], rel=1e-9)
 
 
 def test_compare_table_mentions_every_policy():

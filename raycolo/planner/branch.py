@@ -9,12 +9,16 @@ What keeps the tree small:
 
 * **Incumbent**: the search starts from a complete plan (the caller's best heuristic)
   and only replaces it by a strictly shorter one.
-* **Bound** (:func:`remaining_bound`): elapsed time plus the larger of (a) the critical
-  path, every unfinished node's fastest remaining time on its own (load included, a
-  node waiting for inputs at least its all-inputs-ready time once it has not started)
-  and no earlier than its upstream nodes, and (b) the work, every unfinished node's
-  fewest remaining GPU-seconds over its plans, spread over all GPUs. A child is also cut
-  when its stage alone ends after the incumbent.
+* **Bound** (:class:`Bounds`): elapsed time plus the larger of (a) the critical path,
+  every unfinished node's fastest remaining time on its own (load included; a node
+  waiting for inputs, if it has not started, at least its all-inputs-ready time) and no
+  earlier than its upstream nodes, and (b) the area bound: the least horizon D such that
+  every node can finish within D while all of them together use no more than
+  GPUs x D GPU-seconds, each node at its fewest GPU-seconds for a duration <= D (the
+  lower convex hull of its plans' (seconds, GPU-seconds), so plans mixed over stages
+  are covered). (b) is at least the plain work bound, fewest GPU-seconds over all GPUs,
+  and much tighter when the cheap plans are too slow. A child is also cut when its
+  stage alone ends after the incumbent.
 * **Transposition table**: two stage sequences often reach the same state (e.g. model A
   then B finish in either plan order; a finished model's plan no longer matters). The
   future from a state depends only on each unfinished node's progress, loaded plan,
@@ -96,9 +100,15 @@ def count_root_selections(ctx: SearchContext, state: AppState, limit: int) -> in
     return count
 
 
-def state_key(state: AppState) -> bytes:
-    """A digest of everything the future depends on (not the time, not finished nodes)."""
+def state_key(state: AppState, groups: Optional[list[list[int]]] = None) -> bytes:
+    """A digest of everything the future depends on (not the time, not finished nodes).
+
+    With the machine's NVLink ``groups``, GPU ids enter only as which replicas share a
+    group, up to a permutation of identical groups: states that differ by relabelling
+    GPUs are the same state (symmetry).
+    """
     h = hashlib.blake2b(digest_size=16)
+    occupants: dict[int, list] = {}
     for name, st in state.nodes.items():
         h.update(name.encode())
         if st.finished:
@@ -106,10 +116,17 @@ def state_key(state: AppState) -> bytes:
             continue
         h.update(st.done.tobytes())
         h.update(st.generated.tobytes())
-        h.update(repr((st.loaded, st.gpus, round(st.load_left, 9))).encode())
+        h.update(repr((st.loaded, round(st.load_left, 9), None if groups else st.gpus)).encode())
         for q in st.replicas or ():
             h.update(q.requests.tobytes())
             h.update(repr((q.running, q.waiting)).encode())
+        if groups and st.gpus:
+            for r, gpus in enumerate(st.gpus):
+                for gpu in gpus:
+                    occupants.setdefault(gpu, []).append((name, r))
+    if groups:
+        layout = sorted(tuple(sorted(str(occupants.get(gpu)) for gpu in group)) for group in groups)
+        h.update(repr(layout).encode())
     return h.digest()
 
 
@@ -123,7 +140,7 @@ class Bounds:
     def remaining(self, state: AppState) -> float:
         problem, evaluator = self.ctx.problem, self.ctx.evaluator
         path: dict[str, float] = {}
-        gpu_seconds = 0.0
+        options: list[list[tuple[float, float]]] = []  # per node: (seconds, GPU-seconds)
         for node in problem.nodes:  # topological order
             st = state.nodes[node]
             if st.finished:
@@ -131,7 +148,7 @@ class Bounds:
                 continue
             waiting = any(not state.nodes[u].finished for u in problem.upstream[node])
             fresh = not st.done.any() and not st.generated.any()
-            fastest, cheapest = math.inf, math.inf
+            points = []
             for plan in problem.plans[node]:
                 if not waiting:
                     continuing = st.loaded == plan and st.replicas is not None
@@ -139,13 +156,60 @@ class Bounds:
                 elif fresh:
                     run = self.standalone[node, plan]
                 else:  # partly done, inputs still coming: no cheap bound
-                    fastest = cheapest = 0.0
+                    points = [(0.0, 0.0)]
                     break
-                fastest = min(fastest, run.end)
-                cheapest = min(cheapest, run.end * plan.gpus)
-            path[node] = max([fastest] + [path[u] for u in problem.upstream[node]])
-            gpu_seconds += cheapest
-        return max(max(path.values(), default=0.0), gpu_seconds / problem.cluster.num_gpus)
+                points.append((run.end, run.end * plan.gpus))
+            path[node] = max([min(t for t, _ in points)] + [path[u] for u in problem.upstream[node]])
+            options.append(_lower_hull(points))
+        critical = max(path.values(), default=0.0)
+        return max(critical, _area_bound(options, problem.cluster.num_gpus, critical))
+
+
+def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The least GPU-seconds for each duration, plans mixed over stages: the lower convex
+    hull of (seconds, GPU-seconds), from the fastest plan to the cheapest."""
+    pts = sorted(set(points))
+    hull: list[tuple[float, float]] = []
+    for t, a in pts:
+        if hull and a >= hull[-1][1]:
+            continue  # slower and no cheaper: never useful
+        while len(hull) >= 2:
+            (t1, a1), (t2, a2) = hull[-2], hull[-1]
+            if (a2 - a1) * (t - t1) >= (a - a1) * (t2 - t1):  # hull[-1] above the chord
+                hull.pop()
+            else:
+                break
+        hull.append((t, a))
+    return hull
+
+
+def _area_at(hull: list[tuple[float, float]], d: float) -> float:
+    if d >= hull[-1][0]:
+        return hull[-1][1]
+    if d < hull[0][0]:
+        return math.inf
+    for (t1, a1), (t2, a2) in zip(hull, hull[1:]):
+        if d <= t2:
+            return a1 + (a2 - a1) * (d - t1) / (t2 - t1)
+    return hull[-1][1]
+
+
+def _area_bound(hulls: list, gpus: int, low: float) -> float:
+    """The least horizon D at which every node can finish within D using, in all, no more
+    GPU-seconds than gpus x D (each node's least GPU-seconds for a duration <= D)."""
+    if not hulls:
+        return 0.0
+    need = lambda d: sum(_area_at(h, d) for h in hulls) - gpus * d  # noqa: E731
+    high = max([low] + [h[-1][0] for h in hulls] + [sum(h[-1][1] for h in hulls) / gpus])
+    if need(low) <= 0:
+        return low
+    for _ in range(50):  # need() decreases in d: bisect
+        mid = (low + high) / 2
+        if need(mid) <= 0:
+            high = mid
+        else:
+            low = mid
+    return low
 
 
 @dataclass
@@ -169,7 +233,7 @@ class TreeOutcome:
 
 def branch_and_bound(ctx: SearchContext, best_time: float, best: Selections,
                      stop: Callable[[], bool], children: ChildGenerator = all_selections,
-                     bounds: Optional[Bounds] = None) -> TreeOutcome:
+                     bounds: Optional[Bounds] = None, symmetry: bool = True) -> TreeOutcome:
     """Depth-first branch and bound from the initial state, from incumbent ``best``.
 
     ``stop()`` is polled before each expansion; once it returns true the search unwinds,
@@ -181,6 +245,7 @@ def branch_and_bound(ctx: SearchContext, best_time: float, best: Selections,
     bounds = bounds or Bounds(ctx)
     root = initial_state(ctx.problem)
     table: dict[bytes, float] = {}
+    groups = ctx.problem.cluster.nvlink_groups() if symmetry else None
     out = TreeOutcome(best_time, list(best), proven=True, lower_bound_s=0.0)
     open_min = math.inf
     stopped = False
@@ -192,7 +257,7 @@ def branch_and_bound(ctx: SearchContext, best_time: float, best: Selections,
                 out.best_time, out.best = state.time, list(prefix)
                 out.improved += 1
             return
-        key = state_key(state)
+        key = state_key(state, groups)
         seen = table.get(key)
         if seen is not None and state.time >= seen - EPS:
             out.transpositions += 1
