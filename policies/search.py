@@ -5,8 +5,9 @@ Method (three phases on one simulation cache, under one work budget):
 1. **Incumbents.** ``samullm`` (both greedies, exactly the registered policy) and the
    no-preemption greedy always, then ``min`` and ``max`` while the budget lasts, each a
    complete plan under the same cost model. The best is the incumbent; a later phase
-   replaces it only by a strictly shorter plan: never worse than samullm or the no-preemption greedy, nor than min or max once
-   the budget reached them (ties keep the paper's greedy).
+   replaces it only by a strictly shorter plan. So the result is never worse than
+   ``samullm`` or ``samullm-nopreempt``, nor than ``min``/``max`` once the budget reached
+   them (ties keep the paper's greedy).
 2. **Large-neighbourhood search over stage sequences** (the ``samullm-rollout`` idea,
    widened). At each stage of the incumbent, try alternative stages: idle GPUs filled,
    one model reshaped on the same GPUs (dp2 <-> tp2), greedy stages seeded with a
@@ -16,29 +17,36 @@ Method (three phases on one simulation cache, under one work budget):
    go on from the changed stage.
 3. **Branch and bound** (:mod:`raycolo.planner.branch`, the code ``optimal`` runs) when the
    first stage has few enough selections to enumerate: from the incumbent, with the
-   critical-path and work bounds and the transposition table. When it finishes within
-   the budget the plan is proven optimal in the stage space (``proven_optimal``).
+   critical-path and area bounds and the transposition table. When it finishes within
+   the budget the plan is proven optimal in the stage space (``proven_optimal``);
+   otherwise its open subtrees give ``lower_bound_s`` and ``optimality_gap``.
 
-Why this method: the simulator is the cost (95 % of planning time), and a stage's value
-is only known after simulating the rest of the run, so the search has to spend its
-simulations where a greedy's mistakes are. The measured mistakes are structural (dp vs
-tp for a latency-bound chain, preempting a model the greedy should have kept, loading a
-model too early or too late): the neighbourhood moves in phase 2 target exactly those
-and each costs one greedy completion. On small problems (up to ~4 models, 4 GPUs) the
-stage tree is small enough that an exact search with good bounds finishes or nearly
-finishes within a second, and it then gives a certificate instead of a guess. A beam
-search over stages would need a value per partial plan (which is the greedy completion
-here anyway) and CP-SAT would need the makespan as a linear model of stage choices,
-which the stop-at-first-finish simulation is not.
+Why this method: the simulator is the cost (over 90 % of planning time), and a stage's
+value is only known after simulating the rest of the run, so the search has to spend
+its simulations where the greedy's mistakes are. The measured mistakes are structural
+(dp vs tp for a latency-bound chain, preempting a model the greedy should have kept,
+loading a model too early or too late): the neighbourhood moves of phase 2 target those,
+and each costs one greedy completion. On small problems (up to ~4 models on 4 GPUs) the
+stage tree is small enough that an exact search with a good incumbent and tight bounds
+finishes, or nearly, in a few seconds, and then gives a certificate instead of a guess.
+A beam search over stages would need a value for each partial plan, which is the greedy
+completion here anyway (so phase 2 is a one-wide pilot method); CP-SAT would need the
+makespan as a linear model of the stage choices, which the stop-at-first-finish batching
+simulation is not (every stage's duration depends on the whole history).
 
-Budget: deterministic. Work is counted in simulated requests (``StageEvaluator.work``),
-and the budget is ``budget_s`` times ``WORK_PER_SECOND`` (calibrated on the 2-core
-development machine), so the same input gives the same plan on any machine. The seeds' work counts against it
-(which leaves the 1,000-request ensemble almost nothing beyond its seeds). A wall-clock
-cap (``HARD_LIMIT_FACTOR`` x ``budget_s`` after the seeds) only guards against a very
-slow or overloaded machine; when it ends the search the note says so. The default budget
-is 1 s up to ``LARGE_REQUESTS`` requests in all (e.g. the 1,000-request ensemble) and 5 s
-above (the 5,000-request mixed application, 10,000-request ensembles).
+Budget: deterministic. Work is counted in simulated requests (``StageEvaluator.work``,
+near proportional to CPU time), and the budget is ``budget_s`` x ``WORK_PER_SECOND``
+(calibrated on the 2-core development machine), so the same input gives the same plan
+on any machine. The seeds' work counts against it, which leaves the 1,000-request
+ensemble nothing beyond ``samullm`` and the no-preemption greedy (+14 % work over
+``samullm``'s own process, mostly cached first-stage simulations). A wall-clock guard
+(``HARD_LIMIT_FACTOR`` x ``budget_s``) only protects against a very slow or overloaded
+machine; if it ends the search, a note says so (and the plan may then differ from run to
+run). Default budget (:func:`default_budget_s`): 1 s up to ``LARGE_REQUESTS`` requests in
+all (the 1,000-request ensemble, routing), 5 s above (the mixed application, 10,000-request
+ensembles), and 3 s where the stage tree is small enough for phase 3 (at most
+``MAX_ROOT_SELECTIONS`` first stages: up to ~4 models on up to 4 GPUs, or the 2-model chain
+summary on 8 GPUs), where a little more search often ends with a proof.
 """
 from __future__ import annotations
 
@@ -56,14 +64,22 @@ from raycolo.policies import register
 NAME = "samullm-search"
 WORK_PER_SECOND = 250_000       # simulated requests per second, one core
 LARGE_REQUESTS = 10_000
-SMALL_BUDGET_S, LARGE_BUDGET_S = 1.0, 5.0
+SMALL_BUDGET_S, TREE_BUDGET_S, LARGE_BUDGET_S = 1.0, 3.0, 5.0
 HARD_LIMIT_FACTOR = 5.0
 MAX_ROOT_SELECTIONS = 400       # phase 3 only where the first stage has at most this many
 IMPROVE_EPS = 1e-9
 
 
+def small_tree(problem: PlanningProblem) -> bool:
+    """Whether the first stage has few enough selections for the exhaustive phase."""
+    ctx = SearchContext(problem)
+    return count_root_selections(ctx, initial_state(problem), MAX_ROOT_SELECTIONS) <= MAX_ROOT_SELECTIONS
+
+
 def default_budget_s(problem: PlanningProblem) -> float:
-    return SMALL_BUDGET_S if problem.workload.total_requests <= LARGE_REQUESTS else LARGE_BUDGET_S
+    if problem.workload.total_requests > LARGE_REQUESTS:
+        return LARGE_BUDGET_S
+    return TREE_BUDGET_S if small_tree(problem) else SMALL_BUDGET_S
 
 
 class Budget:
@@ -189,8 +205,7 @@ def plan(problem: PlanningProblem, budget_s: Optional[float] = None,
     # Phase 3: branch and bound where the stage tree is small.
     proven, bound = False, 0.0
     exact_ctx = SearchContext(problem, exact)
-    if exhaustive and not budget.spent() and count_root_selections(
-            exact_ctx, initial_state(problem), MAX_ROOT_SELECTIONS) <= MAX_ROOT_SELECTIONS:
+    if exhaustive and not budget.spent() and small_tree(problem):
         outcome = branch_and_bound(exact_ctx, best_time, best, budget.spent, bounds=Bounds(exact_ctx))
         if outcome.best_time < best_time - IMPROVE_EPS:
             notes.append(f"branch and bound: {best_time:.1f}s -> {outcome.best_time:.1f}s")
