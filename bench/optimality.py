@@ -8,7 +8,7 @@ policy plans the same sampled workload; ``optimal`` gets ``--time-limit`` second
 case. For each policy it prints the median and worst makespan / optimal and the share of
 cases within 5 %, over the cases ``optimal`` proved (the others are counted, not used).
 
-    .venv/bin/python bench/optimality.py [--count 30] [--seed 0] [--time-limit 20] [--json]
+    .venv/bin/python bench/optimality.py [--count 30] [--seed 0] [--time-limit 30] [--json]
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=30, help="random applications (default 30)")
     ap.add_argument("--seed", type=int, default=0, help="first case seed (default 0)")
-    ap.add_argument("--time-limit", type=float, default=20.0, help="optimal's seconds per case (default 20)")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="optimal's seconds per case (default 30)")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
     ap.add_argument("--json", action="store_true", help="print JSON (cases and summary) instead of tables")
     args = ap.parse_args(argv)

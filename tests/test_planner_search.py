@@ -14,7 +14,7 @@ import yaml
 
 from raycolo.dag import parse_app
 from raycolo.hardware import make_cluster
-from raycolo.planner.branch import all_selections
+from raycolo.planner.branch import all_selections, branch_and_bound
 from raycolo.planner.problem import PlanningProblem
 from raycolo.planner.search import SearchContext
 from raycolo.planner.state import StageEvaluator, initial_state
@@ -33,6 +33,29 @@ TINY = {  # two models answer 40 short requests, 2 GPUs: a few dozen stage seque
               {"name": "b", "model": "chatglm3-6b", "max_output_tokens": 128}],
     "edges": [{"from": "input", "to": "a"}, {"from": "input", "to": "b"}],
 }
+
+
+FUSER = {  # two answers, then a model that reads both (waits for its inputs, loaded early)
+    "name": "tiny-fuser",
+    "requests": {"count": 24, "input_tokens": {"distribution": "uniform", "min": 5, "max": 40}},
+    "nodes": [{"name": "a", "model": "mistral-7b-instruct-v0.2", "max_output_tokens": 48},
+              {"name": "b", "model": "chatglm3-6b", "max_output_tokens": 64},
+              {"name": "f", "model": "llama-2-7b-chat-hf", "max_output_tokens": 24,
+               "combine": "concat", "prompt": "{a} {b}"}],
+    "edges": [{"from": "input", "to": "a"}, {"from": "input", "to": "b"},
+              {"from": "a", "to": "f"}, {"from": "b", "to": "f"}],
+}
+
+CHAIN = {  # a self-loop chain and a judge
+    "name": "tiny-chain",
+    "sources": {"docs": {"count": 4, "chunk_tokens": 512,
+                         "chunks": {"distribution": "uniform", "min": 1, "max": 3}}},
+    "nodes": [{"name": "s", "model": "llama-2-7b-chat-hf", "max_output_tokens": 60},
+              {"name": "j", "model": "chatglm3-6b", "max_output_tokens": 40}],
+    "edges": [{"from": "docs", "to": "s"}, {"from": "s", "to": "s"}, {"from": "s", "to": "j"}],
+}
+
+TREE_CASES = [(TINY, 2, 1), (FUSER, 4, 2), (CHAIN, 4, 2)]
 
 
 def problem_of(app: dict, gpus: int = 2, nvlink: int = 1, memory: str = "80GiB", seed: int = 0):
@@ -96,18 +119,22 @@ def test_default_policy_is_the_search_and_samullm_still_works():
     assert parser.parse_args(["plan", "x.yaml", "--policy", "samullm"]).policy == "samullm"
 
 
-def test_optimal_matches_brute_force_and_beats_every_policy():
-    problem = problem_of(TINY)
-    exhaustive = brute_force(problem)
-    opt = get_policy("optimal")(problem_of(TINY))
+@pytest.mark.parametrize("app,gpus,nvlink", TREE_CASES)
+def test_optimal_matches_brute_force_and_beats_every_policy(app, gpus, nvlink):
+    exhaustive = brute_force(problem_of(app, gpus, nvlink))
+    # the bounds and the transposition table alone, from no incumbent, find it too
+    problem = problem_of(app, gpus, nvlink)
+    ctx = SearchContext(problem, StageEvaluator(problem, representative_replicas=False))
+    assert branch_and_bound(ctx, math.inf, [], stop=lambda: False).best_time == pytest.approx(exhaustive, rel=1e-9)
+    opt = get_policy("optimal")(problem_of(app, gpus, nvlink))
     assert opt.proven_optimal is True and opt.optimality_gap == 0.0
     assert opt.makespan_s == pytest.approx(exhaustive, rel=1e-9)
     assert opt.lower_bound_s == pytest.approx(opt.makespan_s)
     for name in policy_names():
         if name == "optimal":
             continue
-        plan = get_policy(name)(problem_of(TINY))
-        assert plan_violations(problem_of(TINY), plan) == [], name
+        plan = get_policy(name)(problem_of(app, gpus, nvlink))
+        assert plan_violations(problem_of(app, gpus, nvlink), plan) == [], name
         assert opt.makespan_s <= plan.makespan_s * (1 + 1e-9), name
 
 

@@ -10,9 +10,9 @@ What keeps the tree small:
 * **Incumbent**: the search starts from a complete plan (the caller's best heuristic)
   and only replaces it by a strictly shorter one.
 * **Bound** (:class:`Bounds`): elapsed time plus the larger of (a) the critical path,
-  every unfinished node's fastest remaining time on its own (load included; a node
-  waiting for inputs, if it has not started, at least its all-inputs-ready time) and no
-  earlier than its upstream nodes, and (b) the area bound: the least horizon D such that
+  every unfinished node's fastest remaining time on its own (load included, or what is
+  left of it; a node waiting for inputs, if it has produced nothing yet, at least its
+  all-inputs-ready time) and no earlier than its upstream nodes, and (b) the area bound: the least horizon D such that
   every node can finish within D while all of them together use no more than
   GPUs x D GPU-seconds, each node at its fewest GPU-seconds for a duration <= D (the
   lower convex hull of its plans' (seconds, GPU-seconds), so plans mixed over stages
@@ -158,7 +158,11 @@ class Bounds:
                 else:  # partly done, inputs still coming: no cheap bound
                     points = [(0.0, 0.0)]
                     break
-                points.append((run.end, run.end * plan.gpus))
+                end = run.end
+                if waiting and st.loaded == plan and st.replicas is not None:
+                    # already loaded (or loading) while it waits: only what is left of the load
+                    end = max(0.0, end - problem.load_seconds(node, plan)) + st.load_left
+                points.append((end, end * plan.gpus))
             path[node] = max([min(t for t, _ in points)] + [path[u] for u in problem.upstream[node]])
             options.append(_lower_hull(points))
         critical = max(path.values(), default=0.0)
