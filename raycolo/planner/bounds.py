@@ -1,8 +1,12 @@
 """A lower bound on the makespan under the same cost model.
 
-* Work: every node must run all of its requests once; at its best per-GPU throughput
-  (fewest GPU-seconds, load included, over its valid plans) the total GPU-seconds,
-  spread over all GPUs, take at least ``sum / num_gpus`` seconds.
+* Work (area): every node must run all of its requests once and finish within the
+  makespan D, so it needs at least its fewest GPU-seconds (load included) over the plans,
+  or plans mixed over stages, fast enough for D (the lower convex hull of the plans'
+  (seconds, GPU-seconds)); all of it fits in ``num_gpus x D``. The least such D is at
+  least the plain ``sum of fewest GPU-seconds / num_gpus``, and tighter when the cheap
+  plans are slow. The branch and bound (:mod:`raycolo.planner.branch`) uses the same
+  bound from every state.
 * Critical path: a node cannot finish sooner than its fastest plan allows, and a node
   cannot finish before its slowest upstream node has finished.
 
@@ -10,6 +14,8 @@ The bound ignores the gains a stage could get from running only the dense part o
 workload, so it is an estimate, not a proof; the compare table shows each plan's gap.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -42,13 +48,61 @@ def node_standalone_runs(problem: PlanningProblem, evaluator: StageEvaluator) ->
 
 def lower_bound(problem: PlanningProblem, evaluator: StageEvaluator) -> float:
     runs = node_standalone_runs(problem, evaluator)
-    gpu_seconds = 0.0
+    hulls = []
     fastest = {}
     for node in problem.nodes:
         plans = problem.plans[node]
-        gpu_seconds += min(runs[node, p].end * p.gpus for p in plans)
+        hulls.append(lower_hull([(runs[node, p].end, runs[node, p].end * p.gpus) for p in plans]))
         fastest[node] = min(runs[node, p].end for p in plans)
     path = {}
     for node in problem.nodes:  # topological order
         path[node] = max([fastest[node]] + [path[up] for up in problem.upstream[node]])
-    return max(gpu_seconds / problem.cluster.num_gpus, max(path.values()))
+    critical = max(path.values())
+    return max(critical, area_bound(hulls, problem.cluster.num_gpus, critical))
+
+
+def lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The least GPU-seconds for each duration, plans mixed over stages: the lower convex
+    hull of (seconds, GPU-seconds), from the fastest plan to the cheapest."""
+    pts = sorted(set(points))
+    hull: list[tuple[float, float]] = []
+    for t, a in pts:
+        if hull and a >= hull[-1][1]:
+            continue  # slower and no cheaper: never useful
+        while len(hull) >= 2:
+            (t1, a1), (t2, a2) = hull[-2], hull[-1]
+            if (a2 - a1) * (t - t1) >= (a - a1) * (t2 - t1):  # hull[-1] above the chord
+                hull.pop()
+            else:
+                break
+        hull.append((t, a))
+    return hull
+
+
+def _area_at(hull: list[tuple[float, float]], d: float) -> float:
+    if d >= hull[-1][0]:
+        return hull[-1][1]
+    if d < hull[0][0]:
+        return math.inf
+    for (t1, a1), (t2, a2) in zip(hull, hull[1:]):
+        if d <= t2:
+            return a1 + (a2 - a1) * (d - t1) / (t2 - t1)
+    return hull[-1][1]
+
+
+def area_bound(hulls: list, gpus: int, low: float) -> float:
+    """The least horizon D at which every node can finish within D using, in all, no more
+    GPU-seconds than gpus x D (each node's least GPU-seconds for a duration <= D)."""
+    if not hulls:
+        return 0.0
+    need = lambda d: sum(_area_at(h, d) for h in hulls) - gpus * d  # noqa: E731
+    high = max([low] + [h[-1][0] for h in hulls] + [sum(h[-1][1] for h in hulls) / gpus])
+    if need(low) <= 0:
+        return low
+    for _ in range(50):  # need() decreases in d: bisect
+        mid = (low + high) / 2
+        if need(mid) <= 0:
+            high = mid
+        else:
+            low = mid
+    return low

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from raycolo.planner.bounds import node_standalone_runs
+from raycolo.planner.bounds import area_bound, lower_hull, node_standalone_runs
 from raycolo.planner.problem import ExecPlan
 from raycolo.planner.search import SearchContext
 from raycolo.planner.state import AppState
@@ -164,56 +164,9 @@ class Bounds:
                     end = max(0.0, end - problem.load_seconds(node, plan)) + st.load_left
                 points.append((end, end * plan.gpus))
             path[node] = max([min(t for t, _ in points)] + [path[u] for u in problem.upstream[node]])
-            options.append(_lower_hull(points))
+            options.append(lower_hull(points))
         critical = max(path.values(), default=0.0)
-        return max(critical, _area_bound(options, problem.cluster.num_gpus, critical))
-
-
-def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The least GPU-seconds for each duration, plans mixed over stages: the lower convex
-    hull of (seconds, GPU-seconds), from the fastest plan to the cheapest."""
-    pts = sorted(set(points))
-    hull: list[tuple[float, float]] = []
-    for t, a in pts:
-        if hull and a >= hull[-1][1]:
-            continue  # slower and no cheaper: never useful
-        while len(hull) >= 2:
-            (t1, a1), (t2, a2) = hull[-2], hull[-1]
-            if (a2 - a1) * (t - t1) >= (a - a1) * (t2 - t1):  # hull[-1] above the chord
-                hull.pop()
-            else:
-                break
-        hull.append((t, a))
-    return hull
-
-
-def _area_at(hull: list[tuple[float, float]], d: float) -> float:
-    if d >= hull[-1][0]:
-        return hull[-1][1]
-    if d < hull[0][0]:
-        return math.inf
-    for (t1, a1), (t2, a2) in zip(hull, hull[1:]):
-        if d <= t2:
-            return a1 + (a2 - a1) * (d - t1) / (t2 - t1)
-    return hull[-1][1]
-
-
-def _area_bound(hulls: list, gpus: int, low: float) -> float:
-    """The least horizon D at which every node can finish within D using, in all, no more
-    GPU-seconds than gpus x D (each node's least GPU-seconds for a duration <= D)."""
-    if not hulls:
-        return 0.0
-    need = lambda d: sum(_area_at(h, d) for h in hulls) - gpus * d  # noqa: E731
-    high = max([low] + [h[-1][0] for h in hulls] + [sum(h[-1][1] for h in hulls) / gpus])
-    if need(low) <= 0:
-        return low
-    for _ in range(50):  # need() decreases in d: bisect
-        mid = (low + high) / 2
-        if need(mid) <= 0:
-            high = mid
-        else:
-            low = mid
-    return low
+        return max(critical, area_bound(options, problem.cluster.num_gpus, critical))
 
 
 @dataclass
