@@ -51,7 +51,7 @@ summary on 8 GPUs), where a little more search often ends with a proof.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Optional
 
 from raycolo.planner.branch import Bounds, branch_and_bound, count_root_selections
 from raycolo.planner.problem import ExecPlan, PlanningProblem
