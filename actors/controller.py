@@ -10,8 +10,16 @@ A *stage boundary* is the moment a running node finishes, in reality. There the 
 what runs next (SamuLLM §4.3), and :func:`~raycolo.planner.placement.place` keeps
 continuing models on their GPUs. Nodes that leave, change plan or must move are
 preempted: each replica is drained, and its unfinished requests, with the tokens they
-already generated, move to the node's next replicas. A replica whose actor dies is
-restarted in its placement group and its unfinished requests run again.
+already generated, move to the node's next replicas. A node whose plan only changes its
+data parallelism keeps the replicas whose GPUs it keeps (a dp1 replica stays replica 0
+of the dp2 plan and runs on with its requests). A replica whose actor dies is restarted
+in its placement group and its unfinished requests run again.
+
+Drained actors are not stopped: they wait in a warm pool on their GPUs (their placement
+group held), and the next replica placed on exactly those GPUs takes one over with
+``EngineActor.swap`` (a *keep* for the same model and config, a *swap* for another),
+milliseconds to a model load instead of a process start. A replica on GPUs the pool
+does not hold first evicts the pooled actors on any of them, then starts cold.
 """
 from __future__ import annotations
 
@@ -89,11 +97,22 @@ class Replica:
     steps: int = 0
     restarts: int = 0
     stopping: bool = False
+    switch: str = "cold"        # how it got its actor: cold (a new one), swap or keep (pooled)
 
     def segment_rows(self, end_s: float) -> list[tuple[int, float, float, float, str]]:
         stop = self.stopped_s if self.stopped_s is not None else end_s
         ready = self.ready_s if self.ready_s is not None else stop
         return [(g, self.created_s, min(ready, stop), stop, self.node) for g in self.gpus]
+
+
+@dataclass
+class Pooled:
+    """A drained engine actor kept warm on its GPUs, with the placement group holding them."""
+
+    gpus: tuple[int, ...]
+    pg: object
+    actor: object
+    name: str
 
 
 class Controller:
@@ -121,6 +140,8 @@ class Controller:
         self.names_used: dict[str, int] = defaultdict(int)
         self.stages: list[dict] = []
         self.switches: list[dict] = []
+        self.pool: dict[tuple[int, ...], Pooled] = {}
+        self.evicted = 0
         self.moved_requests = 0
         self.controller_s = 0.0
         self.run_requests = 0
@@ -175,24 +196,52 @@ class Controller:
         self.by_ref[rep.info_ref] = (rep, "info")
         rep.ready_s = None
 
-    def _start_node(self, node: str, plan: ExecPlan, gpu_lists: list[tuple[int, ...]]) -> None:
+    def _start_node(self, node: str, plan: ExecPlan, gpu_lists: list[tuple[int, ...]],
+                    first_rank: int = 0) -> None:
+        """Start replicas ``first_rank``.. of ``node`` on ``gpu_lists``: from the warm pool
+        where it holds exactly those GPUs, else cold (evicting pooled actors there)."""
         replicas = []
-        for rank, gpus in enumerate(gpu_lists):
+        for rank, gpus in enumerate(gpu_lists, start=first_rank):
+            gpus = tuple(gpus)
             gpu_text = ",".join(str(g) for g in gpus)
             name = f"{self.run_.app.name}/{node}/r{rank}@gpu{gpu_text}#s{len(self.stages)}"
             self.names_used[name] += 1
             if self.names_used[name] > 1:  # reloaded within one stage: names must stay unique
                 name += f"#reload{self.names_used[name] - 1}"
-            pg = placement_group([{"GPU": 1}] * plan.tp, strategy=self.config.placement_strategy,
-                                 name=f"{name}/pg")
-            rep = Replica(node, plan, rank, tuple(gpus), name, pg, None, self.now())
-            self._spawn(rep)
+            pooled = self.pool.pop(gpus, None)
+            if pooled is not None:
+                rep = Replica(node, plan, rank, gpus, name, pooled.pg, pooled.actor, self.now(), switch="swap")
+                rep.info_ref = rep.actor.swap.remote(self.engine_config(node, plan), name)
+                self.by_ref[rep.info_ref] = (rep, "info")
+            else:
+                self._evict(gpus)
+                pg = placement_group([{"GPU": 1}] * plan.tp, strategy=self.config.placement_strategy,
+                                     name=f"{name}/pg")
+                rep = Replica(node, plan, rank, gpus, name, pg, None, self.now())
+                self._spawn(rep)
             replicas.append(rep)
-        self.replicas[node] = replicas
+        self.replicas[node] = self.replicas.get(node, []) + replicas
         self.all_replicas.extend(replicas)
 
+    def _evict(self, gpus: tuple[int, ...]) -> None:
+        """Stop the pooled actors holding any of ``gpus`` (a replica starts there cold)."""
+        for key in [k for k in self.pool if set(k) & set(gpus)]:
+            self._discard(self.pool.pop(key))
+            self.evicted += 1
+
+    @staticmethod
+    def _discard(pooled: Pooled) -> None:
+        try:
+            ray.kill(pooled.actor, no_restart=True)
+            remove_placement_group(pooled.pg)
+        except Exception:  # already gone
+            pass
+
     def _kick(self, rep: Replica) -> None:
-        if rep.stopping or rep.inflight is not None or not (rep.outbox or rep.outstanding):
+        # Not before it is ready: a pooled actor runs calls beside its swap, which would
+        # start the replica afresh under requests already handed over.
+        if (rep.stopping or rep.ready_s is None or rep.inflight is not None
+                or not (rep.outbox or rep.outstanding)):
             return
         batch = [p.payload() for p in rep.outbox]
         for p in rep.outbox:
@@ -278,7 +327,9 @@ class Controller:
             return
         if kind == "info":
             rep.info = result
+            rep.switch = result.get("switch", rep.switch)
             rep.ready_s = self.now()
+            self._kick(rep)
             return
         rep.inflight = None
         self._account(rep, result)
@@ -308,7 +359,11 @@ class Controller:
         self._kick(rep)
 
     def _stop_node(self, node: str) -> None:
-        replicas = self.replicas.pop(node)
+        self._stop_replicas(node, self.replicas.pop(node))
+
+    def _stop_replicas(self, node: str, replicas: list[Replica]) -> None:
+        """Drain ``replicas`` of ``node``: their unfinished requests wait in ``pending``
+        for the node's next replicas; the drained actors go to the warm pool."""
         for rep in replicas:
             rep.stopping = True  # no further run calls: everything after this comes from drain
             left = []
@@ -322,16 +377,16 @@ class Controller:
                     self._finish(rep, drained["outputs"])
                     left = drained["unfinished"]
                 except RayActorError:
-                    left = []
+                    left = None       # died while draining: nothing to pool
             rep.stopped_s = self.now()
             for ref in [r for r, (owner, _) in self.by_ref.items() if owner is rep]:
                 del self.by_ref[ref]
             rep.inflight = None
-            if rep.ready_s is not None:
-                rep.actor.__ray_terminate__.remote()  # graceful exit once drained
-            else:
-                ray.kill(rep.actor, no_restart=True)
-            remove_placement_group(rep.pg)
+            if rep.ready_s is not None and left is not None:
+                self.pool[rep.gpus] = Pooled(rep.gpus, rep.pg, rep.actor, rep.name)   # kept warm
+            else:            # still starting (it has done nothing), or dead
+                self._discard(Pooled(rep.gpus, rep.pg, rep.actor, rep.name))
+            left = left or []
             moved = []
             for item in left:
                 p = rep.outstanding.pop(item["key"], None)
@@ -346,6 +401,23 @@ class Controller:
             rep.outstanding, rep.outbox = {}, []
             self.moved_requests += len(moved)
             self.pending[node].extend(moved)
+
+    def _resize(self, node: str, plan: ExecPlan, gpu_lists: list[tuple[int, ...]]) -> None:
+        """``node``'s plan changes to ``plan`` placed on ``gpu_lists``: with the same tp, the
+        replicas on GPUs it keeps run on (rank order) with their requests, the others are
+        drained; with another tp all are drained and replaced."""
+        replicas = self.replicas[node]
+        kept = len(replicas) if replicas[0].plan.tp == plan.tp else 0
+        for rank, rep in enumerate(replicas):
+            if rank >= len(gpu_lists) or rep.gpus != tuple(gpu_lists[rank]):
+                kept = min(kept, rank)
+        if kept == 0:
+            self._stop_node(node)
+            return
+        self._stop_replicas(node, replicas[kept:])
+        self.replicas[node] = replicas[:kept]
+        for rep in self.replicas[node]:
+            rep.plan = plan
 
     def preempt(self, node: str) -> None:
         """Reload a running node in place (same plan and GPUs): its replicas are drained
@@ -376,14 +448,16 @@ class Controller:
         placement, moved = placed
         decided = self.now()
         for node in list(self.replicas):
-            if (self.comm.node_finished(node) or node not in selection
-                    or selection[node] != self.selection.get(node) or node in moved):
+            if self.comm.node_finished(node) or node not in selection or node in moved:
                 self._stop_node(node)
+            elif selection[node] != self.selection.get(node):
+                self._resize(node, selection[node], placement[node])
         stopped = self.now()
         self.selection = selection
         for node, plan in selection.items():
-            if node not in self.replicas:
-                self._start_node(node, plan, placement[node])
+            have = len(self.replicas.get(node, []))
+            if have < plan.dp:
+                self._start_node(node, plan, placement[node][have:], first_rank=have)
         for node in selection:
             if self.pending.get(node):
                 self._dispatch(node, self.pending.pop(node))
@@ -446,17 +520,24 @@ class Controller:
         for node in list(self.replicas):
             for rep in self.replicas.pop(node):
                 rep.stopped_s = rep.stopped_s if rep.stopped_s is not None else self.now()
-                try:
-                    ray.kill(rep.actor, no_restart=True)
-                    remove_placement_group(rep.pg)
-                except Exception:  # already gone; shutting down anyway
-                    pass
+                self._discard(Pooled(rep.gpus, rep.pg, rep.actor, rep.name))
+        for pooled in self.pool.values():
+            self._discard(pooled)
+        self.pool.clear()
         self.by_ref.clear()
 
     # -- figures ------------------------------------------------------------------------
     def segments(self) -> list[tuple[int, float, float, float, str]]:
         end = getattr(self, "end_s", self.now())
         return [row for rep in self.all_replicas for row in rep.segment_rows(end)]
+
+    def _switch_stats(self) -> dict:
+        out = {}
+        for kind in ("cold", "swap", "keep"):
+            times = [r.ready_s - r.created_s for r in self.all_replicas
+                     if r.switch == kind and r.ready_s is not None]
+            out[kind] = {"count": len(times), "median_s": statistics.median(times) if times else None}
+        return out
 
     def summary(self) -> dict:
         end = getattr(self, "end_s", self.now())
@@ -482,7 +563,7 @@ class Controller:
             "replicas": [{"name": r.name, "node": r.node, "dp": r.plan.dp, "tp": r.plan.tp,
                           "gpus": list(r.gpus), "ray_gpu_ids": r.info.get("gpu_ids"),
                           "device": r.info.get("device"), "model_id": r.info.get("model_id"),
-                          "created_s": r.created_s,
+                          "created_s": r.created_s, "switch": r.switch,
                           "ready_s": r.ready_s, "stopped_s": r.stopped_s, "busy_s": r.busy_s,
                           "tokens": r.tokens, "restarts": r.restarts} for r in self.all_replicas],
             "restarts": sum(r.restarts for r in self.all_replicas),
@@ -496,6 +577,9 @@ class Controller:
                 "switch_stop_s_median": statistics.median([s["stop_s"] for s in switches]) if switches else None,
                 "replica_start_s_median": statistics.median(
                     [r.ready_s - r.created_s for r in self.all_replicas if r.ready_s is not None]) if self.all_replicas else None,
+                # replica starts by how they got their actor: cold (new), swap, keep (pooled)
+                "replica_switches": self._switch_stats(),
+                "pool_evictions": self.evicted,
             },
         }
 

@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import ray
@@ -51,44 +52,98 @@ def cluster_gpus() -> int:
     return gpus
 
 
-def probe_replica_start(run: PreparedRun, concurrent: int = 2, retries: int = 1) -> float:
-    """Seconds from asking for engine actors to their first answer (placement group,
-    process start, imports, a tiny engine), with ``concurrent`` started the way a stage
-    start starts replicas; the median of those that answered (a probe whose process died
-    gives no sample; with none, the probe runs again ``retries`` times). Real models add
-    their profiled load time on top."""
+@dataclass
+class SwitchCosts:
+    """Seconds each way of giving a GPU a model cost, as measured on this cluster:
+    ``cold`` a new engine actor (placement group, process start, imports, the probe
+    model), ``swap`` another model in a pooled actor, ``keep`` the same model again.
+    :meth:`estimate` is the low median of the samples, so one slow sample (a busy
+    machine) does not set the plan's load times."""
+
+    cold: list[float] = field(default_factory=list)
+    swap: list[float] = field(default_factory=list)
+    keep: list[float] = field(default_factory=list)
+    how: str = "measured"
+
+    def estimate(self, kind: str) -> Optional[float]:
+        samples = getattr(self, kind)
+        return statistics.median_low(samples) if samples else None
+
+    def as_dict(self) -> dict:
+        return {"how": self.how, **{k: {"estimate_s": self.estimate(k), "samples_s": getattr(self, k)}
+                                    for k in ("cold", "swap", "keep")}}
+
+
+def start_pool(run: PreparedRun, gpus: int, swaps: int = 2, retries: int = 1) -> tuple[list, SwitchCosts]:
+    """Start one warm engine actor per GPU (each in a one-GPU placement group, with the
+    app's largest tiny model) the way a stage starts replicas, and time it: the cold
+    starts, then ``swaps`` swaps (another seed: a real load) and one keep on each actor.
+    Returns the pooled actors for the controller (GPU ``i`` gets actor ``i``) and the
+    :class:`SwitchCosts`. An actor that dies meanwhile gives no sample and is not pooled;
+    if all die the start runs again ``retries`` times."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from raycolo.actors.controller import Pooled
+
     model = _probe_model(run)
+
+    def config(seed: int) -> dict:
+        return {"model_loading_config": {"model_id": model, "seed": seed},
+                "engine_kwargs": {"cpu_threads": 1, "device": "auto"}}
+
     started = time.perf_counter()
-    groups = [placement_group([{"GPU": 1}]) for _ in range(concurrent)]
     token = uuid.uuid4().hex[:8]
+    groups = [placement_group([{"GPU": 1}]) for _ in range(gpus)]
     actors = [EngineActor.options(
-        name=f"raycolo-probe-{i}~{token}",
-        num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-    ).remote({"model_loading_config": {"model_id": model},
-              "engine_kwargs": {"cpu_threads": 1, "device": "cpu"}}, f"raycolo-probe-{i}")
-        for i, pg in enumerate(groups)]
-    pending = {a.info.remote(): a for a in actors}
-    times, died = [], []
+        name=f"raycolo-pool-{i}~{token}", num_gpus=1, max_restarts=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+    ).remote(config(0), f"raycolo-pool-{i}") for i, pg in enumerate(groups)]
+    costs, alive, died = SwitchCosts(), {}, []
+    pending = {a.info.remote(): i for i, a in enumerate(actors)}
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
-        actor = pending.pop(done[0])
+        i = pending.pop(done[0])
         try:
             ray.get(done[0])
-        except ray.exceptions.RayActorError as exc:   # a probe killed (or out of memory): no sample
+        except ray.exceptions.RayActorError as exc:   # killed (or out of memory): no sample
             died.append(exc)
             continue
-        times.append(time.perf_counter() - started)
-        actor.__ray_terminate__.remote()  # graceful: no SIGTERM noise
-    for pg in groups:
-        remove_placement_group(pg)
-    if not times:
+        costs.cold.append(time.perf_counter() - started)
+        alive[i] = actors[i]
+    steps = [("swap", config(1 + k % 2)) for k in range(swaps)] + [("keep", config(1 + (swaps - 1) % 2))]
+    for kind, cfg in steps:
+        calls = {actor.swap.remote(cfg, f"raycolo-pool-{i}"): i for i, actor in alive.items()}
+        for ref, i in calls.items():
+            try:
+                info = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                died.append(exc)
+                del alive[i]
+                continue
+            getattr(costs, info["switch"]).append(info["load_s"])
+    for i, pg in enumerate(groups):
+        if i not in alive:
+            ray.kill(actors[i], no_restart=True)
+            remove_placement_group(pg)
+    if not alive:
         if retries > 0:
-            return probe_replica_start(run, concurrent, retries - 1)
-        raise RuntimeError(f"every replica-start probe died: {died[-1]}")
-    return statistics.median(times)
+            return start_pool(run, gpus, swaps, retries - 1)
+        raise RuntimeError(f"every pool actor died while starting: {died[-1]}")
+    pooled = [Pooled((i,), groups[i], actor, f"raycolo-pool-{i}") for i, actor in alive.items()]
+    return pooled, costs
+
+
+def probe_replica_start(run: PreparedRun, concurrent: int = 2, retries: int = 1) -> float:
+    """Seconds a cold replica start takes (:func:`start_pool` on ``concurrent`` GPUs, its
+    actors stopped afterwards): the low median of the cold starts."""
+    pooled, costs = start_pool(run, concurrent, swaps=0, retries=retries)
+    for p in pooled:
+        p.actor.__ray_terminate__.remote()
+    from ray.util.placement_group import remove_placement_group
+    for p in pooled:
+        remove_placement_group(p.pg)
+    return costs.estimate("cold")
 
 
 def _probe_model(run: PreparedRun) -> str:
@@ -116,28 +171,36 @@ def run_application(config: RunConfig, on_output: Optional[Callable] = None,
     connect(config)
     gpus = config.gpus or cluster_gpus()
     cluster = run.cluster(gpus)
+    pooled = []
     if config.replica_start_s is None:
-        replica_start_s = probe_replica_start(run, concurrent=min(gpus, 4))
-        log(f"replica start measured: {replica_start_s:.1f}s")
+        pooled, costs = start_pool(run, gpus)
+        log(f"warm pool of {len(pooled)} engine actors: cold start {costs.estimate('cold'):.2f}s, "
+            f"swap {costs.estimate('swap'):.3f}s, keep {costs.estimate('keep'):.4f}s "
+            f"(low medians of {len(costs.cold)}/{len(costs.swap)}/{len(costs.keep)} samples)")
+        replica_start_s, cold_start_s = costs.estimate("swap"), costs.estimate("cold")
     else:
-        replica_start_s = config.replica_start_s
+        replica_start_s = cold_start_s = config.replica_start_s
+        costs = SwitchCosts(cold=[cold_start_s], swap=[replica_start_s], keep=[], how="given (--replica-start-s)")
     workload = run.workload
     if skipped:  # plan only what the journal does not hold
         from raycolo.runtime.remaining import remaining_workload
         workload = remaining_workload(run.workload, {n: run.communicator.node_done(n)
                                                      for n in run.workload.nodes})
     problem = PlanningProblem(workload, cluster, profile_dir=run.profile_dir,
-                              max_num_seqs=config.max_num_seqs, replica_start_s=replica_start_s)
+                              max_num_seqs=config.max_num_seqs, replica_start_s=replica_start_s,
+                              cold_start_s=cold_start_s)
     plan = get_policy(config.policy)(problem)
     log(f"plan ({plan.policy}): {len(plan.stages)} stages, predicted makespan "
         f"{plan.makespan_s:.1f}s on {gpus} GPUs, searched in {plan.search_s:.2f}s")
     controller = Controller(run, problem, plan, on_output=on_output)
+    controller.pool = {p.gpus: p for p in pooled}
     try:
         controller.execute()
     finally:
         run.store.close()
     report = build_report(run, problem, plan, controller.summary(), replica_start_s,
-                          probed=config.replica_start_s is None, skipped=skipped)
+                          probed=config.replica_start_s is None, skipped=skipped,
+                          switch_costs=costs.as_dict())
     path = write_report(run, plan, controller.segments(), report)
     log(f"done: {report['requests_done']}/{report['requests_total']} requests, actual makespan "
         f"{report['actual_makespan_s']:.1f}s vs predicted {report['predicted_makespan_s']:.1f}s "

@@ -172,14 +172,107 @@ def test_a_replica_killed_while_it_starts_is_restarted(cluster, tmp_path):
 
 
 def test_the_replica_start_probe_survives_a_probe_that_dies(cluster, tmp_path):
-    """A probe actor killed while it starts gives no sample; the others still time the
-    start (before, the whole run failed: found by bench/offline_faults.py)."""
-    from raycolo.actors.launch import prepare, probe_replica_start
+    """A pool actor killed while it starts gives no sample and is not pooled; the others
+    still time the start (before, the whole run failed: found by bench/offline_faults.py)."""
+    from raycolo.actors.launch import prepare, start_pool
 
-    killed, thread = _kill_on_sight(lambda name: name.startswith("raycolo-probe-0~"))
-    seconds = probe_replica_start(prepare(_config(tmp_path, "tiny_routing.yaml", requests=4)), concurrent=2)
+    killed, thread = _kill_on_sight(lambda name: name.startswith("raycolo-pool-0~"))
+    pooled, costs = start_pool(prepare(_config(tmp_path, "tiny_routing.yaml", requests=4)), 2)
     thread.join()
-    assert killed and 0 < seconds < 120
+    assert killed and [p.gpus for p in pooled] == [(1,)]
+    assert len(costs.cold) == 1 and len(costs.swap) == 2 and len(costs.keep) == 1
+    # a swap reuses the process: far cheaper than a cold start, a keep cheaper still
+    assert 0 < costs.estimate("keep") < costs.estimate("swap") < costs.estimate("cold") < 120
+    for p in pooled:
+        ray.kill(p.actor, no_restart=True)
+        ray.util.remove_placement_group(p.pg)
+
+
+def _generate(actor, prompts: list, seed: int) -> dict:
+    """Run ``prompts`` on an engine actor to the end: {key: generated text}."""
+    requests = [{"key": f"q{i}", "prompt": p, "params": {"max_tokens": 24, "temperature": 0.8 if i % 2 else 0.0,
+                                                         "seed": seed + i}}
+                for i, p in enumerate(prompts)]
+    out = {}
+    while len(out) < len(prompts):
+        got = ray.get(actor.run.remote(requests, 5.0))
+        requests = []
+        out.update({o.request_id: (o.text, tuple(o.token_ids)) for o in got["outputs"]})
+    return out
+
+
+def test_a_warm_swap_gives_the_outputs_of_a_cold_start(cluster):
+    """An engine actor that served one model, drained mid-request, then swapped to another
+    answers exactly as a fresh actor of that model (greedy and seeded sampling); taking
+    the same config again is a keep, with the same answers too."""
+    from raycolo.actors.engine_actor import EngineActor
+
+    def config(model: str) -> dict:
+        return {"model_loading_config": {"model_id": model, "seed": 0},
+                "engine_kwargs": {"cpu_threads": 1, "device": "auto", "kv_cache_tokens": 4096}}
+
+    prompts = ["The warm pool keeps", "a process and", "swaps the weights of a model", "x" * 40]
+    cold = EngineActor.options(num_gpus=1).remote(config("tiny-llama-m"), "cold")
+    warm = EngineActor.options(num_gpus=1).remote(config("tiny-llama-s"), "warm")
+    try:
+        expected = _generate(cold, prompts, seed=7)
+        ray.get(warm.run.remote([{"key": "busy", "prompt": "left mid-way",
+                                  "params": {"max_tokens": 500, "ignore_eos": True}}], 0.05))
+        pid = ray.get(warm.info.remote())["pid"]
+        drained = ray.get(warm.drain.remote())
+        assert [u["key"] for u in drained["unfinished"]] == ["busy"]
+        info = ray.get(warm.swap.remote(config("tiny-llama-m"), "warm-2"))
+        assert info["switch"] == "swap" and info["model_id"] == "tiny-llama-m" and info["pid"] == pid
+        assert _generate(warm, prompts, seed=7) == expected
+        ray.get(warm.drain.remote())
+        info = ray.get(warm.swap.remote(config("tiny-llama-m"), "warm-3"))
+        assert info["switch"] == "keep" and info["swaps"] == 2
+        assert _generate(warm, prompts, seed=7) == expected
+    finally:
+        for actor in (cold, warm):
+            ray.kill(actor, no_restart=True)
+
+
+def test_a_grown_replica_keeps_its_requests_and_later_stages_reuse_actors(cluster, tmp_path):
+    """small finishes first; the plan then grows medium from dp1 to dp2: medium's replica
+    r0 runs on with its requests (none moved, none preempted), a new r1 joins, and the
+    judge's replicas take over the pooled actors (swaps, no new process)."""
+    from raycolo.actors.controller import Controller
+    from raycolo.planner.problem import ExecPlan, PlanningProblem
+    from raycolo.planner.search import replay_selections, run_policy
+    from raycolo.runtime.setup import prepare
+
+    dag = tmp_path / "grow.yaml"
+    dag.write_text((EXAMPLES / "tiny.yaml").read_text().replace(
+        "{name: small, model: tiny-llama-s, max_output_tokens: 64}",
+        "{name: small, model: tiny-llama-s, max_output_tokens: 4}").replace(
+        "{name: medium, model: tiny-llama-m, max_output_tokens: 64}",
+        "{name: medium, model: tiny-llama-m, max_output_tokens: 512}"))
+    config = _config(tmp_path, str(dag), requests=8)
+    run = prepare(config)
+    problem = PlanningProblem(run.workload, run.cluster(2), profile_dir=run.profile_dir,
+                              max_num_seqs=config.max_num_seqs, replica_start_s=START_S)
+    one, two = ExecPlan(1, 1), ExecPlan(2, 1)
+    plan = run_policy(problem, "grow", replay_selections(
+        [{"small": one, "medium": one}, {"medium": two}, {"judge": two}]))
+    controller = Controller(run, problem, plan)
+    controller.execute()
+    run.store.close()
+    summary = controller.summary()
+    assert run.communicator.done == run.communicator.total == 24
+    stages = [{m["node"]: m["dp"] for m in stage["models"]} for stage in summary["stages"]]
+    assert stages[0] == {"small": 1, "medium": 1} and stages[1] == {"medium": 2}
+    medium = [r for r in summary["replicas"] if r["node"] == "medium"]
+    assert [r["name"].split("/")[2].split("@")[0] for r in medium] == ["r0", "r1"]
+    r0 = medium[0]
+    assert r0["created_s"] < summary["stages"][1]["start_s"] < r0["stopped_s"]   # it ran on
+    assert summary["requests_moved_by_preemption"] == 0
+    assert all(r["preemptions"] == 0 for r in run.store.done.values())
+    # medium r1 took small's pooled actor; the judges took medium's two (swaps, not starts)
+    assert medium[1]["switch"] == "swap"
+    judges = [r for r in summary["replicas"] if r["node"] == "judge"]
+    assert [r["switch"] for r in judges] == ["swap", "swap"]
+    assert summary["overhead"]["replica_switches"]["cold"]["count"] == 2
 
 
 class StopJob(Exception):

@@ -152,6 +152,12 @@ class Engine(abc.ABC):
     def release(self) -> None:
         """Free the model and caches; the engine cannot be used afterwards."""
 
+    def reset(self) -> bool:
+        """Drop every request (and the KV it holds), keeping the loaded model, so the
+        engine serves again as if new. False where a backend cannot (then the caller
+        loads a fresh engine)."""
+        return False
+
     def unfinished(self) -> list[TrackedRequest]:
         """Requests not finished yet, with the tokens generated so far (both backends keep
         their :class:`TrackedRequest` objects in ``self.requests``)."""

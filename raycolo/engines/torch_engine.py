@@ -184,6 +184,14 @@ class TorchEngine(Engine):
         kv = per_token * sum(self.scheduler.stored.values())
         return MemoryUsage(self.scheduler.blocks_used, self.limits.num_blocks, weights, kv)
 
+    def reset(self) -> bool:
+        for handle in list(self.requests):
+            self._forget(handle)
+        self.requests.clear()
+        self.scheduler = FcfsBlockScheduler(self.limits)
+        self.stats.iterations.clear()
+        return True
+
     def release(self) -> None:
         self.requests.clear()
         del self.executor

@@ -211,6 +211,14 @@ class VllmEngine(Engine):
         return MemoryUsage(used, self._num_blocks, self._weight_bytes,
                            used * self.block_size * self._kv_bytes_per_token)
 
+    def reset(self) -> bool:
+        """Abort every request in vLLM (its scheduler frees their KV blocks)."""
+        if self.requests:
+            self._engine.abort_request(list(self.requests))
+        self.requests.clear()
+        self.stats.iterations.clear()
+        return True
+
     def release(self) -> None:
         self.requests.clear()
         engine = getattr(self, "_engine", None)

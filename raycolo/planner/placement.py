@@ -2,7 +2,9 @@
 
 A tensor-parallel replica must sit inside one NVLink group. Models whose plan is
 unchanged keep their GPUs (no reload); only if the new stage cannot be packed around
-them do we move some, smallest first, and those moves count as reloads.
+them do we move some, smallest first, and those moves count as reloads. A model whose
+plan changes only its data parallelism (same tp) keeps the GPUs of its first replicas
+(a dp1 replica stays replica 0 of dp2), unless that does not pack either.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ def _pack(cluster: ClusterSpec, fixed: Placement, todo: list[tuple[str, ExecPlan
     out = dict(fixed)
     # Largest replicas first, each into the fullest group that still fits it (best fit).
     for node, plan in sorted(todo, key=lambda item: (-item[1].tp, item[0])):
-        replicas = []
-        for _ in range(plan.dp):
+        replicas = list(fixed.get(node, []))    # a resized node's kept replicas come first
+        for _ in range(plan.dp - len(replicas)):
             fits = [i for i, f in enumerate(free) if len(f) >= plan.tp]
             if not fits:
                 return None
@@ -45,13 +47,19 @@ def place(cluster: ClusterSpec, selection: dict[str, ExecPlan],
         return None
     keep = sorted((n for n, p in selection.items() if n in previous and previous[n][0] == p),
                   key=lambda n: (-selection[n].gpus, n))
+    resized = sorted(n for n, p in selection.items() if n in previous and previous[n][0] != p
+                     and previous[n][0].tp == p.tp)
     moved: set[str] = set()
     while True:
         fixed = {n: previous[n][1] for n in keep}
+        partial = {n: previous[n][1][: selection[n].dp] for n in resized}
         todo = [(n, p) for n, p in selection.items() if n not in fixed]
-        packed = _pack(cluster, fixed, todo)
+        packed = _pack(cluster, {**fixed, **partial}, todo)
         if packed is not None:
             return {n: packed[n] for n in selection}, moved
+        if resized:
+            resized.pop()      # a resized model starts afresh before a kept one moves
+            continue
         if not keep:
             return None
         moved.add(keep.pop())  # give up the smallest kept model first

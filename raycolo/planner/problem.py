@@ -34,11 +34,15 @@ class PlanningProblem:
 
     def __init__(self, workload: Workload, cluster: ClusterSpec,
                  profile_dir: Optional[str | Path] = None, max_num_seqs: int = 256,
-                 replica_start_s: float = 0.0):
+                 replica_start_s: float = 0.0, cold_start_s: Optional[float] = None):
         self.workload = workload
-        # Added to every load: what starting a replica costs beyond loading the weights
-        # (a Ray actor's process start and imports, measured by the runtime).
+        # Added to every load: what starting a replica costs beyond loading the weights,
+        # measured by the runtime. ``replica_start_s``: a tp1 replica, which takes over a
+        # warm engine actor from the runtime's pool (a swap in a living process);
+        # ``cold_start_s``: a tensor-parallel one, which needs a new actor and placement
+        # group (a process start and imports). None: the same as ``replica_start_s``.
         self.replica_start_s = replica_start_s
+        self.cold_start_s = replica_start_s if cold_start_s is None else cold_start_s
         self.cluster = cluster
         self.profile_dir = Path(profile_dir) if profile_dir else None
         self.max_num_seqs = max_num_seqs
@@ -77,7 +81,8 @@ class PlanningProblem:
         return make_limits(self._model(model_name), self.cluster, tp, self.max_num_seqs)
 
     def load_seconds(self, node: str, plan: ExecPlan) -> float:
-        return self.profile(self.node(node).model.name, plan.tp).load_s + self.replica_start_s
+        start = self.replica_start_s if plan.tp == 1 else self.cold_start_s
+        return self.profile(self.node(node).model.name, plan.tp).load_s + start
 
     def _model(self, name: str) -> ModelSpec:
         for w in self.workload.nodes.values():

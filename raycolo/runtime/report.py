@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 from raycolo.planner.gantt import Segment, plot_planned_vs_actual
 from raycolo.planner.problem import PlanningProblem
@@ -14,7 +15,8 @@ GANTT = "gantt.png"
 
 
 def build_report(run: PreparedRun, problem: PlanningProblem, plan: AppPlan, summary: dict,
-                 replica_start_s: float, probed: bool, skipped: int) -> dict:
+                 replica_start_s: float, probed: bool, skipped: int,
+                 switch_costs: Optional[dict] = None) -> dict:
     comm = run.communicator
     actual = summary["actual_makespan_s"]
     planned_stages = [{"start_s": s.start_s, "end_s": s.end_s,
@@ -38,6 +40,8 @@ def build_report(run: PreparedRun, problem: PlanningProblem, plan: AppPlan, summ
         "search_s": plan.search_s,
         "replica_start_s": replica_start_s,
         "replica_start_measured": probed,
+        # what the plan charged per replica start, and how it was obtained
+        "switch_costs": switch_costs,
         "planned_stages": planned_stages,
         "actual_stages": summary["stages"],
         "planned_node_finish_s": plan.node_finish_s,
