@@ -142,6 +142,7 @@ class Controller:
         self.switches: list[dict] = []
         self.pool: dict[tuple[int, ...], Pooled] = {}
         self.evicted = 0
+        self.rebalanced = 0       # requests a grown node's replicas handed to its new ones
         self.moved_requests = 0
         self.controller_s = 0.0
         self.run_requests = 0
@@ -220,8 +221,45 @@ class Controller:
                 rep = Replica(node, plan, rank, gpus, name, pg, None, self.now())
                 self._spawn(rep)
             replicas.append(rep)
+        grown = node in self.replicas
         self.replicas[node] = self.replicas.get(node, []) + replicas
         self.all_replicas.extend(replicas)
+        if grown:
+            self._rebalance(node)
+
+    def _rebalance(self, node: str) -> None:
+        """A grown node: its running replicas keep their share of its requests and hand the
+        rest to the new ones, the least advanced first (not started, then the fewest
+        tokens generated; those continue with their tokens, as after a preemption). A
+        chained node's documents stay where they are (each follows its own replica)."""
+        if node in self.comm.position:
+            return
+        reps = self.replicas[node]
+        held = lambda r: len(r.outstanding) + len(r.outbox)   # noqa: E731
+        share = -(-sum(held(r) for r in reps) // len(reps))
+        moved: list[Pending] = []
+        for rep in reps:
+            extra = held(rep) - share
+            if extra <= 0:
+                continue
+            k = min(extra, len(rep.outbox))
+            moved += rep.outbox[len(rep.outbox) - k:]
+            del rep.outbox[len(rep.outbox) - k:]
+            self.rebalanced += k
+            if extra > k and rep.outstanding and rep.ready_s is not None:
+                try:
+                    items = ray.get(rep.actor.take.remote(extra - k))
+                except RayActorError:
+                    continue          # it died: its restart runs everything again
+                for item in items:
+                    p = self._handed_back(rep, item)
+                    if p is not None:
+                        moved.append(p)
+                        self.rebalanced += 1
+        for p in sorted(moved, key=lambda p: p.ready.index):
+            min(reps, key=held).outbox.append(p)
+        for rep in reps:
+            self._kick(rep)
 
     def _evict(self, gpus: tuple[int, ...]) -> None:
         """Stop the pooled actors holding any of ``gpus`` (a replica starts there cold)."""
@@ -387,16 +425,7 @@ class Controller:
             else:            # still starting (it has done nothing), or dead
                 self._discard(Pooled(rep.gpus, rep.pg, rep.actor, rep.name))
             left = left or []
-            moved = []
-            for item in left:
-                p = rep.outstanding.pop(item["key"], None)
-                if p is None:
-                    continue
-                if p.prompt_ids is None and item["prompt_ids"] is not None:
-                    p.prompt_ids = list(item["prompt_ids"])
-                p.generated = p.generated + list(item["generated"])
-                p.preemptions += 1
-                moved.append(p)
+            moved = [p for p in (self._handed_back(rep, item) for item in left) if p is not None]
             moved += list(rep.outstanding.values()) + rep.outbox
             rep.outstanding, rep.outbox = {}, []
             self.moved_requests += len(moved)
@@ -418,6 +447,19 @@ class Controller:
         self.replicas[node] = replicas[:kept]
         for rep in self.replicas[node]:
             rep.plan = plan
+
+    @staticmethod
+    def _handed_back(rep: Replica, item: dict) -> Optional[Pending]:
+        """An unfinished request a replica handed back (drained or taken): it continues
+        elsewhere from its prompt plus the tokens generated so far."""
+        p = rep.outstanding.pop(item["key"], None)
+        if p is None:
+            return None
+        if p.prompt_ids is None and item["prompt_ids"] is not None:
+            p.prompt_ids = list(item["prompt_ids"])
+        p.generated = p.generated + list(item["generated"])
+        p.preemptions += 1
+        return p
 
     def preempt(self, node: str) -> None:
         """Reload a running node in place (same plan and GPUs): its replicas are drained
@@ -568,6 +610,7 @@ class Controller:
                           "tokens": r.tokens, "restarts": r.restarts} for r in self.all_replicas],
             "restarts": sum(r.restarts for r in self.all_replicas),
             "requests_moved_by_preemption": self.moved_requests,
+            "requests_moved_to_new_replicas": self.rebalanced,
             "requests_run": self.run_requests,
             "overhead": {
                 "controller_s": self.controller_s,

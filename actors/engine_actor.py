@@ -44,6 +44,12 @@ def _tags(label: str) -> dict:
     return {"replica": label, "node": label.split("/")[1] if label.count("/") >= 2 else label}
 
 
+def _left(r) -> dict:
+    """An unfinished request handed back, with its prompt and the tokens it generated."""
+    return {"key": r.request_id, "prompt_ids": list(r.prompt), "generated": list(r.generated),
+            "preemptions": r.preemptions}
+
+
 def _resolve(engine_config: dict) -> dict:
     """``device: auto`` becomes the device this actor has."""
     config = dict(engine_config)
@@ -82,6 +88,8 @@ class EngineActor:
         self._busy_s = 0.0
         self._tokens = 0
         self._steps = 0
+        self._take = 0            # requests the loop is asked to hand back (take)
+        self._taken: Optional[list] = None
         self._thread = threading.Thread(target=self._loop, name=f"engine-{label}", daemon=True)
         self._thread.start()
 
@@ -134,6 +142,9 @@ class EngineActor:
                     for r in self._incoming:
                         self.engine.add_request(r["key"], r["prompt"], SamplingParams(**r["params"]))
                     self._incoming = []
+                    if self._take:   # between steps: the engine is ours
+                        self._taken, self._take = [_left(r) for r in self.engine.take(self._take)], 0
+                        self._cond.notify_all()
                 started = time.perf_counter()
                 finished = self.engine.step()
                 seconds = time.perf_counter() - started
@@ -191,6 +202,24 @@ class EngineActor:
                 self._cond.wait(left)
             return self._collect()
 
+    def take(self, n: int) -> list[dict]:
+        """Hand back up to ``n`` unfinished requests, the least advanced first: those not
+        yet given to the engine, then the engine's (taken by the loop between two steps),
+        each as :meth:`drain` returns an unfinished one. They are forgotten here."""
+        with self._cond:
+            k = min(n, len(self._incoming))
+            out = [{"key": r["key"], "prompt_ids": None, "generated": [], "preemptions": 0}
+                   for r in self._incoming[len(self._incoming) - k:]]
+            del self._incoming[len(self._incoming) - k:]
+            if len(out) < n and self._active and self._thread.is_alive():
+                self._taken, self._take = None, n - len(out)
+                self._cond.notify_all()
+                while self._taken is None and self._error is None and self._thread.is_alive():
+                    self._cond.wait(0.5)
+                out += self._taken or []
+                self._take = 0
+            return out
+
     def drain(self) -> dict:
         """Stop the engine; return uncollected outputs and every unfinished request with
         its prompt and generated token ids. Runs beside a pending :meth:`run` call (the
@@ -198,8 +227,7 @@ class EngineActor:
         self._stop_loop()
         with self._cond:
             collected = self._collect()
-            left = [{"key": r.request_id, "prompt_ids": list(r.prompt), "generated": list(r.generated),
-                     "preemptions": r.preemptions} for r in self.engine.unfinished()]
+            left = [_left(r) for r in self.engine.unfinished()]
             left += [{"key": r["key"], "prompt_ids": None, "generated": [], "preemptions": 0}
                      for r in self._incoming]
             self._incoming = []

@@ -10,8 +10,11 @@ Measures, on a local cluster with logical GPUs and the shipped CPU profiles:
 3. the runtime's own overhead: controller time per request, decision time and drain
    time per stage switch, and how long a replica takes to start.
 
-The replica start time used for planning is measured once by a probe actor and shared
-by every run. Figures are medians over ``--repeats``; the machine is shared and noisy.
+Each run starts its warm pool of engine actors before planning (one per GPU) and plans
+with the times that pool measured (cold start, warm swap, keep: low medians), as
+``raycolo run`` does; ``--replica-start-s`` plans every run with one given time instead
+(no pre-started pool). Figures are medians over ``--repeats``; the machine is shared and
+noisy.
 """
 from __future__ import annotations
 
@@ -27,12 +30,12 @@ import ray
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from raycolo.actors.launch import probe_replica_start, run_application  # noqa: E402
-from raycolo.runtime.setup import RunConfig, prepare  # noqa: E402
+from raycolo.actors.launch import run_application  # noqa: E402
+from raycolo.runtime.setup import RunConfig  # noqa: E402
 
 PREDICTION_APPS = ("tiny.yaml", "tiny_chain.yaml")
 POLICY_APP = "tiny.yaml"
-POLICIES = ("samullm", "max", "min")
+POLICIES = ("samullm", "samullm-search", "max", "min")
 
 
 def _run(app: str, policy: str, gpus: int, start_s: float, requests, workdir: Path, tag: str) -> dict:
@@ -56,15 +59,17 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--requests", type=int, default=None, help="override every source's count")
+    parser.add_argument("--replica-start-s", type=float, default=None,
+                        help="plan with this replica start time (default: each run's pool measures it)")
     args = parser.parse_args(argv)
 
     ray.init(address="local", num_gpus=args.gpus, num_cpus=args.gpus + 2, include_dashboard=False,
              log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        probe = prepare(RunConfig(dag=str(ROOT / "examples" / POLICY_APP), output=str(workdir / "probe")))
-        start_s = probe_replica_start(probe, concurrent=min(args.gpus, 4))
-        print(f"local cluster: {args.gpus} logical GPUs; replica start (probe, {min(args.gpus, 4)} at once): {start_s:.2f}s\n")
+        start_s = args.replica_start_s
+        print(f"local cluster: {args.gpus} logical GPUs; replica start: "
+              + (f"{start_s:.2f}s (given)" if start_s is not None else "measured by each run's warm pool") + "\n")
 
         runs: dict[tuple[str, str], list[dict]] = {}
         jobs = [(app, "samullm") for app in PREDICTION_APPS]
@@ -107,6 +112,15 @@ def main(argv=None) -> int:
     print(f"controller + communicator per request: {per_request:.2f} ms (median over {len(everything)} runs)")
     print(f"per stage switch: decision {decision:.2f} ms, draining preempted replicas {1e3 * drain:.0f} ms, "
           f"replica start {start:.2f} s")
+    print("\n4. Giving a GPU a model (median over runs)")
+    print(f"{'way':<6} {'pool probe_s':>12} {'replicas':>8} {'in runs_s':>10}")
+    for kind in ("cold", "swap", "keep"):
+        probed = _median((r.get("switch_costs") or {}).get(kind, {}).get("estimate_s") for r in everything)
+        counts = sum(r["overhead"]["replica_switches"][kind]["count"] for r in everything)
+        in_runs = _median(r["overhead"]["replica_switches"][kind]["median_s"] for r in everything)
+        print(f"{kind:<6} {probed:>12.3f} {counts:>8} {in_runs:>10.3f}")
+    busy = _median(r["gpu_busy_fraction"] for r in runs[(POLICY_APP, "samullm")])
+    print(f"GPU busy fraction ({Path(POLICY_APP).stem}, samullm, median): {busy:.2f}")
     return 0
 
 

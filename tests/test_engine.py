@@ -464,3 +464,39 @@ def test_text_prompts_equal_their_token_ids(e64):
     assert a.prompt_token_ids == b.prompt_token_ids == TOK.encode(text)
     assert a.token_ids == b.token_ids
     assert a.text == TOK.decode(a.token_ids)
+
+
+def test_take_hands_back_the_least_advanced_and_they_continue_exactly(e64):
+    """``take`` removes the requests with the least work (not started first, then the
+    fewest tokens), frees their KV, and returns them with their tokens; continued
+    elsewhere from prompt + tokens (greedy), every request ends with exactly the tokens
+    an uninterrupted run gives. ``reset`` then leaves an empty engine that serves anew."""
+    rng = random.Random(11)
+    prompts = [[BOS_ID] + [rng.randrange(BYTE_OFFSET, BYTE_OFFSET + 256) for _ in range(6)] for _ in range(6)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = {str(i): list(o.token_ids) for i, o in enumerate(generate(e64, prompts, params))}
+    engine = make_engine(dtype="float64", max_num_seqs=3)    # 3 run, 3 wait
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    for _ in range(4):
+        engine.step()
+    taken = engine.take(4)
+    assert [len(r.generated) > 0 for r in taken] == [False, False, False, True]    # waiting first
+    assert {r.request_id for r in taken[:3]} == {"3", "4", "5"}
+    assert len(engine.requests) == 2
+    finished = {o.request_id: list(o.token_ids) for o in engine.run_until_done()}
+    assert engine.memory().kv_blocks_used == 0
+    other = make_engine(dtype="float64")
+    for r in taken:
+        other.add_request(r.request_id, list(r.prompt) + list(r.generated),
+                          SamplingParams(max_tokens=12 - len(r.generated), ignore_eos=True))
+    prior = {r.request_id: list(r.generated) for r in taken}
+    for o in other.run_until_done():
+        finished[o.request_id] = prior[o.request_id] + list(o.token_ids)
+    assert finished == expected
+    engine.add_request("again", prompts[0], params)
+    engine.step()
+    assert engine.reset() and not engine.requests and engine.memory().kv_blocks_used == 0
+    assert list(generate(engine, [prompts[0]], params)[0].token_ids) == expected["0"]
+    engine.release()
+    other.release()

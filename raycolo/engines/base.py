@@ -158,6 +158,13 @@ class Engine(abc.ABC):
         loads a fresh engine)."""
         return False
 
+    def take(self, n: int) -> list[TrackedRequest]:
+        """Remove up to ``n`` unfinished requests, those with the least work done first
+        (not started, then the fewest tokens generated), freeing their KV, and return
+        them with their tokens so far (a grown node moves them to a new replica, where
+        they continue as after a preemption). A backend that cannot returns none."""
+        return []
+
     def unfinished(self) -> list[TrackedRequest]:
         """Requests not finished yet, with the tokens generated so far (both backends keep
         their :class:`TrackedRequest` objects in ``self.requests``)."""

@@ -184,6 +184,21 @@ class TorchEngine(Engine):
         kv = per_token * sum(self.scheduler.stored.values())
         return MemoryUsage(self.scheduler.blocks_used, self.limits.num_blocks, weights, kv)
 
+    def take(self, n: int) -> list[TrackedRequest]:
+        sched = self.scheduler
+        order = sorted(self.requests, key=lambda h: (h not in sched.waiting, len(self.requests[h].generated), -h))
+        taken = order[:max(0, n)]
+        for handle in taken:
+            if handle in sched.waiting:
+                sched.waiting.remove(handle)
+            if handle in sched.running:
+                sched.running.remove(handle)
+            sched.prompt_len.pop(handle, None)
+            sched.stored.pop(handle, None)
+            sched.alloc.release(handle)
+            self._forget(handle)
+        return [self.requests.pop(h) for h in taken]
+
     def reset(self) -> bool:
         for handle in list(self.requests):
             self._forget(handle)

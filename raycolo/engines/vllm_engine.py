@@ -211,6 +211,13 @@ class VllmEngine(Engine):
         return MemoryUsage(used, self._num_blocks, self._weight_bytes,
                            used * self.block_size * self._kv_bytes_per_token)
 
+    def take(self, n: int) -> list[TrackedRequest]:
+        """Aborted in vLLM (its scheduler frees their KV), the least generated first."""
+        ids = sorted(self.requests, key=lambda rid: len(self.requests[rid].generated))[:max(0, n)]
+        if ids:
+            self._engine.abort_request(ids)
+        return [self.requests.pop(rid) for rid in ids]
+
     def reset(self) -> bool:
         """Abort every request in vLLM (its scheduler frees their KV blocks)."""
         if self.requests:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from raycolo.dag import AppSpec, SourceSpec, load_app
 from raycolo.errors import ConfigError
 from raycolo.hardware import ClusterSpec, make_cluster
+from raycolo.policies import DEFAULT_OFFLINE_POLICY
 from raycolo.runtime.communicator import Communicator
 from raycolo.runtime.store import OutputStore, fingerprint
 from raycolo.runtime.texts import SourceTexts, build_source_texts
@@ -31,7 +32,7 @@ class RunConfig(BaseModel):
     dag: str
     output: str
     input: Optional[str] = None
-    policy: str = "samullm"
+    policy: str = DEFAULT_OFFLINE_POLICY
     profile: Optional[str] = None
     seed: int = 0
     requests: Optional[int] = Field(default=None, gt=0)
