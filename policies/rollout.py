@@ -50,8 +50,13 @@ def _alternatives(ctx: SearchContext, state: AppState, chosen: dict[str, ExecPla
         ev = greedy_stage(ctx, state, start=first.selection)
         if ev is not None:
             out.append(ev.selection)
+    return distinct(out, chosen)
+
+
+def distinct(selections: list, chosen: dict) -> list:
+    """``selections`` without repeats and without ``chosen``, in order."""
     unique = []
-    for selection in out:
+    for selection in selections:
         if selection != chosen and selection not in unique:
             unique.append(selection)
     return unique

@@ -60,6 +60,7 @@ from raycolo.planner.search import (Chooser, SearchContext, complete_with, greed
                                     replay_selections, run_policy)
 from raycolo.planner.state import AppState, StageEval, StageEvaluator, initial_state
 from raycolo.policies import register
+from raycolo.policies.rollout import distinct
 
 NAME = "samullm-search"
 WORK_PER_SECOND = 250_000       # simulated requests per second, one core
@@ -139,11 +140,7 @@ def _alternatives(ctx: SearchContext, state: AppState, chosen: dict[str, ExecPla
         ev = choose(ctx, state)
         if ev is not None:
             out.append(ev.selection)
-    unique = []
-    for selection in out:
-        if selection != chosen and selection not in unique:
-            unique.append(selection)
-    return unique
+    return distinct(out, chosen)
 
 
 def _improve(ctx: SearchContext, best_time: float, best: list, budget: Budget) -> tuple[float, list, int]:

@@ -243,12 +243,7 @@ def test_a_grown_replica_keeps_its_requests_and_later_stages_reuse_actors(cluste
     from raycolo.planner.search import replay_selections, run_policy
     from raycolo.runtime.setup import prepare
 
-    dag = tmp_path / "grow.yaml"
-    dag.write_text((EXAMPLES / "tiny.yaml").read_text().replace(
-        "{name: small, model: tiny-llama-s, max_output_tokens: 64}",
-        "{name: small, model: tiny-llama-s, max_output_tokens: 4}").replace(
-        "{name: medium, model: tiny-llama-m, max_output_tokens: 64}",
-        "{name: medium, model: tiny-llama-m, max_output_tokens: 512}"))
+    dag = _short_small(tmp_path / "grow.yaml")
     config = _config(tmp_path, str(dag), requests=8)
     run = prepare(config)
     problem = PlanningProblem(run.workload, run.cluster(2), profile_dir=run.profile_dir,
@@ -398,6 +393,16 @@ def test_preempted_requests_continue_on_new_replicas_without_redoing_tokens(clus
     assert len([r for r in report["replicas"] if r["node"] == "medium"]) >= 2
 
 
+def _short_small(dag: Path) -> Path:
+    """tiny.yaml with 'small' answering in at most 4 tokens and 'medium' in up to 512."""
+    dag.write_text((EXAMPLES / "tiny.yaml").read_text().replace(
+        "{name: small, model: tiny-llama-s, max_output_tokens: 64}",
+        "{name: small, model: tiny-llama-s, max_output_tokens: 4}").replace(
+        "{name: medium, model: tiny-llama-m, max_output_tokens: 64}",
+        "{name: medium, model: tiny-llama-m, max_output_tokens: 512}"))
+    return dag
+
+
 def test_the_runtime_adapts_when_models_finish_in_another_order(cluster, tmp_path):
     """Plan with a wrong belief (the small model's answers 1000 tokens long): the
     plan expects 'medium' to finish first, reality finishes 'small' first, and the stage
@@ -410,12 +415,7 @@ def test_the_runtime_adapts_when_models_finish_in_another_order(cluster, tmp_pat
     # 'small' really answers in at most 4 tokens and 'medium' in up to 512 (seconds of work
     # even on the fast executor, more than replica starts vary), so the real order does not
     # hang on timing noise; the plan believes small's answers are 1000 tokens.
-    dag = tmp_path / "short_small.yaml"
-    dag.write_text((EXAMPLES / "tiny.yaml").read_text().replace(
-        "{name: small, model: tiny-llama-s, max_output_tokens: 64}",
-        "{name: small, model: tiny-llama-s, max_output_tokens: 4}").replace(
-        "{name: medium, model: tiny-llama-m, max_output_tokens: 64}",
-        "{name: medium, model: tiny-llama-m, max_output_tokens: 512}"))
+    dag = _short_small(tmp_path / "short_small.yaml")
     config = _config(tmp_path, str(dag), requests=8)
     run = prepare(config)
     believed = run.workload.nodes["small"].output_len.copy()

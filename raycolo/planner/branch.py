@@ -35,9 +35,10 @@ inputs, which holds for the simulator's FCFS batching in practice but is not a t
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from raycolo.planner.bounds import area_bound, lower_hull, node_standalone_runs
 from raycolo.planner.problem import ExecPlan
@@ -49,55 +50,38 @@ Selections = list[dict[str, ExecPlan]]
 ChildGenerator = Callable[[SearchContext, AppState], Selections]
 
 
-def all_selections(ctx: SearchContext, state: AppState) -> Selections:
-    """All non-empty selections of ready nodes (pipelining allowed) within the GPUs."""
+def _iter_selections(ctx: SearchContext, state: AppState) -> Iterator[dict[str, ExecPlan]]:
+    """Every non-empty selection of ready nodes (pipelining allowed) within the GPUs."""
     problem = ctx.problem
     gpus = problem.cluster.num_gpus
-    out: Selections = []
 
-    def extend(i: int, chosen: dict[str, ExecPlan], used: int) -> None:
+    def extend(i: int, chosen: dict[str, ExecPlan], used: int) -> Iterator[dict[str, ExecPlan]]:
         if i == len(problem.nodes):
             if chosen:
-                out.append(dict(chosen))
+                yield dict(chosen)
             return
         node = problem.nodes[i]
-        extend(i + 1, chosen, used)
+        yield from extend(i + 1, chosen, used)
         if state.nodes[node].finished or not all(state.nodes[u].finished or u in chosen
                                                  for u in problem.upstream[node]):
             return
         for plan in problem.plans[node]:
             if used + plan.gpus <= gpus:
                 chosen[node] = plan
-                extend(i + 1, chosen, used + plan.gpus)
+                yield from extend(i + 1, chosen, used + plan.gpus)
                 del chosen[node]
 
-    extend(0, {}, 0)
-    return out
+    return extend(0, {}, 0)
+
+
+def all_selections(ctx: SearchContext, state: AppState) -> Selections:
+    """All non-empty selections of ready nodes (pipelining allowed) within the GPUs."""
+    return list(_iter_selections(ctx, state))
 
 
 def count_root_selections(ctx: SearchContext, state: AppState, limit: int) -> int:
     """How many selections :func:`all_selections` yields, counting stops past ``limit``."""
-    problem, gpus = ctx.problem, ctx.problem.cluster.num_gpus
-    count = 0
-
-    def extend(i: int, chosen: set, used: int) -> None:
-        nonlocal count
-        if count > limit:
-            return
-        if i == len(problem.nodes):
-            count += bool(chosen)
-            return
-        node = problem.nodes[i]
-        extend(i + 1, chosen, used)
-        if state.nodes[node].finished or not all(state.nodes[u].finished or u in chosen
-                                                 for u in problem.upstream[node]):
-            return
-        for plan in problem.plans[node]:
-            if used + plan.gpus <= gpus:
-                extend(i + 1, chosen | {node}, used + plan.gpus)
-
-    extend(0, set(), 0)
-    return count
+    return sum(1 for _ in itertools.islice(_iter_selections(ctx, state), limit + 1))
 
 
 def state_key(state: AppState, groups: Optional[list[list[int]]] = None) -> bytes:
