@@ -94,12 +94,12 @@ def main(argv=None) -> int:
               + ", ".join(f"{e:+.1%}" for e in errors))
 
     print(f"\n2. Policies executed for real on {Path(POLICY_APP).stem} (median makespan; ratio = policy / samullm)")
-    print(f"{'policy':<10} {'predicted_s':>11} {'actual_s':>9} {'end_to_end_s':>12} {'ratio':>7} {'stages':>6} {'restarts':>8}")
+    print(f"{'policy':<15} {'predicted_s':>11} {'actual_s':>9} {'end_to_end_s':>12} {'ratio':>7} {'stages':>6} {'restarts':>8}")
     base = _median(r["actual_makespan_s"] for r in runs[(POLICY_APP, "samullm")])
     for policy in POLICIES:
         reps = runs[(POLICY_APP, policy)]
         actual = _median(r["actual_makespan_s"] for r in reps)
-        print(f"{policy:<10} {_median(r['predicted_makespan_s'] for r in reps):>11.1f} {actual:>9.1f} "
+        print(f"{policy:<15} {_median(r['predicted_makespan_s'] for r in reps):>11.1f} {actual:>9.1f} "
               f"{_median(r['end_to_end_s'] for r in reps):>12.1f} {actual / base:>7.2f} "
               f"{len(reps[0]['actual_stages']):>6} {sum(r['restarts'] for r in reps):>8}")
 
