@@ -112,7 +112,15 @@ class Pooled:
     gpus: tuple[int, ...]
     pg: object
     actor: object
-    name: str
+
+
+def stop_actor(actor, pg) -> None:
+    """Stop an engine actor at once and give its placement group's GPUs back."""
+    try:
+        ray.kill(actor, no_restart=True)
+        remove_placement_group(pg)
+    except Exception:  # already gone
+        pass
 
 
 class Controller:
@@ -264,16 +272,9 @@ class Controller:
     def _evict(self, gpus: tuple[int, ...]) -> None:
         """Stop the pooled actors holding any of ``gpus`` (a replica starts there cold)."""
         for key in [k for k in self.pool if set(k) & set(gpus)]:
-            self._discard(self.pool.pop(key))
+            pooled = self.pool.pop(key)
+            stop_actor(pooled.actor, pooled.pg)
             self.evicted += 1
-
-    @staticmethod
-    def _discard(pooled: Pooled) -> None:
-        try:
-            ray.kill(pooled.actor, no_restart=True)
-            remove_placement_group(pooled.pg)
-        except Exception:  # already gone
-            pass
 
     def _kick(self, rep: Replica) -> None:
         # Not before it is ready: a pooled actor runs calls beside its swap, which would
@@ -421,9 +422,9 @@ class Controller:
                 del self.by_ref[ref]
             rep.inflight = None
             if rep.ready_s is not None and left is not None:
-                self.pool[rep.gpus] = Pooled(rep.gpus, rep.pg, rep.actor, rep.name)   # kept warm
+                self.pool[rep.gpus] = Pooled(rep.gpus, rep.pg, rep.actor)   # kept warm
             else:            # still starting (it has done nothing), or dead
-                self._discard(Pooled(rep.gpus, rep.pg, rep.actor, rep.name))
+                stop_actor(rep.actor, rep.pg)
             left = left or []
             moved = [p for p in (self._handed_back(rep, item) for item in left) if p is not None]
             moved += list(rep.outstanding.values()) + rep.outbox
@@ -562,9 +563,9 @@ class Controller:
         for node in list(self.replicas):
             for rep in self.replicas.pop(node):
                 rep.stopped_s = rep.stopped_s if rep.stopped_s is not None else self.now()
-                self._discard(Pooled(rep.gpus, rep.pg, rep.actor, rep.name))
+                stop_actor(rep.actor, rep.pg)
         for pooled in self.pool.values():
-            self._discard(pooled)
+            stop_actor(pooled.actor, pooled.pg)
         self.pool.clear()
         self.by_ref.clear()
 

@@ -81,10 +81,10 @@ def start_pool(run: PreparedRun, gpus: int, swaps: int = 2, retries: int = 1) ->
     Returns the pooled actors for the controller (GPU ``i`` gets actor ``i``) and the
     :class:`SwitchCosts`. An actor that dies meanwhile gives no sample and is not pooled;
     if all die the start runs again ``retries`` times."""
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from raycolo.actors.controller import Pooled
+    from raycolo.actors.controller import Pooled, stop_actor
 
     model = _probe_model(run)
 
@@ -124,26 +124,13 @@ def start_pool(run: PreparedRun, gpus: int, swaps: int = 2, retries: int = 1) ->
             getattr(costs, info["switch"]).append(info["load_s"])
     for i, pg in enumerate(groups):
         if i not in alive:
-            ray.kill(actors[i], no_restart=True)
-            remove_placement_group(pg)
+            stop_actor(actors[i], pg)
     if not alive:
         if retries > 0:
             return start_pool(run, gpus, swaps, retries - 1)
         raise RuntimeError(f"every pool actor died while starting: {died[-1]}")
-    pooled = [Pooled((i,), groups[i], actor, f"raycolo-pool-{i}") for i, actor in alive.items()]
+    pooled = [Pooled((i,), groups[i], actor) for i, actor in alive.items()]
     return pooled, costs
-
-
-def probe_replica_start(run: PreparedRun, concurrent: int = 2, retries: int = 1) -> float:
-    """Seconds a cold replica start takes (:func:`start_pool` on ``concurrent`` GPUs, its
-    actors stopped afterwards): the low median of the cold starts."""
-    pooled, costs = start_pool(run, concurrent, swaps=0, retries=retries)
-    for p in pooled:
-        p.actor.__ray_terminate__.remote()
-    from ray.util.placement_group import remove_placement_group
-    for p in pooled:
-        remove_placement_group(p.pg)
-    return costs.estimate("cold")
 
 
 def _probe_model(run: PreparedRun) -> str:

@@ -174,6 +174,7 @@ def test_a_replica_killed_while_it_starts_is_restarted(cluster, tmp_path):
 def test_the_replica_start_probe_survives_a_probe_that_dies(cluster, tmp_path):
     """A pool actor killed while it starts gives no sample and is not pooled; the others
     still time the start (before, the whole run failed: found by bench/offline_faults.py)."""
+    from raycolo.actors.controller import stop_actor
     from raycolo.actors.launch import prepare, start_pool
 
     killed, thread = _kill_on_sight(lambda name: name.startswith("raycolo-pool-0~"))
@@ -184,8 +185,7 @@ def test_the_replica_start_probe_survives_a_probe_that_dies(cluster, tmp_path):
     # a swap reuses the process: far cheaper than a cold start, a keep cheaper still
     assert 0 < costs.estimate("keep") < costs.estimate("swap") < costs.estimate("cold") < 120
     for p in pooled:
-        ray.kill(p.actor, no_restart=True)
-        ray.util.remove_placement_group(p.pg)
+        stop_actor(p.actor, p.pg)
 
 
 def _generate(actor, prompts: list, seed: int) -> dict:
