@@ -167,33 +167,7 @@ class Controller:
 
     # -- replicas -----------------------------------------------------------------------
     def engine_config(self, node: str, plan: ExecPlan) -> dict:
-        spec = self.run_.app.node(node)
-        limits = self.problem.limits(spec.model, plan.tp)
-        return {"backend": self.config.backend,
-                "model_loading_config": {"model_id": spec.checkpoint or spec.model, "seed": 0,
-                                         "dtype": self.config.dtype},
-                "engine_kwargs": {"max_num_seqs": self.config.max_num_seqs,
-                                  "max_num_batched_tokens": limits.max_num_batched_tokens,
-                                  "block_size": self.config.block_size or limits.block_size,
-                                  **self._kv_budget(limits),
-                                  "watermark": limits.watermark,
-                                  # the torch engine computes on one device of its tp bundles
-                                  "tensor_parallel_size": plan.tp if self.config.backend == "vllm" else 1,
-                                  "device": "auto", "cpu_threads": self.threads}}
-
-    def _kv_budget(self, limits) -> dict:
-        """The torch engine takes the planner's KV capacity as its budget (it allocates per
-        request); vLLM preallocates its cache, so it sizes it from the memory it finds."""
-        if self.config.backend == "vllm":
-            return {}
-        return {"kv_cache_tokens": max(1, limits.num_blocks) * limits.block_size}
-
-    @property
-    def threads(self) -> int:
-        if self.config.threads:
-            return self.config.threads
-        import os
-        return max(1, (os.cpu_count() or 1) // self.problem.cluster.num_gpus)
+        return self.run_.engine_config(self.problem, node, plan)
 
     def _spawn(self, rep: Replica, suffix: str = "") -> None:
         label = rep.name + suffix

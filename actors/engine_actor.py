@@ -202,6 +202,21 @@ class EngineActor:
                 self._cond.wait(left)
             return self._collect()
 
+    def time_batch(self, requests: list[dict]) -> dict:
+        """Run ``requests`` to the end, as a replica would, and time it (the pool's compute
+        probe): {"seconds", "output_lens": {key: tokens generated}}."""
+        started = time.perf_counter()
+        lens: dict[str, int] = {}
+        pending = requests
+        while len(lens) < len(requests):
+            got = self.run(pending, 60.0)
+            pending = []
+            lens.update({o.request_id: o.output_len for o in got["outputs"]})
+            if not got["outputs"] and not self._active:
+                raise RuntimeError(f"engine {self.label} went idle with "
+                                   f"{len(requests) - len(lens)} probe requests unanswered")
+        return {"seconds": time.perf_counter() - started, "output_lens": lens}
+
     def take(self, n: int) -> list[dict]:
         """Hand back up to ``n`` unfinished requests, the least advanced first: those not
         yet given to the engine, then the engine's (taken by the loop between two steps),

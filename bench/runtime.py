@@ -11,8 +11,8 @@ Measures, on a local cluster with logical GPUs and the shipped CPU profiles:
    time per stage switch, and how long a replica takes to start.
 
 Each run starts its warm pool of engine actors before planning (one per GPU) and plans
-with the times that pool measured (cold start, warm swap, keep: low medians), as
-``raycolo run`` does; ``--replica-start-s`` plans every run with one given time instead
+with the times that pool measured (cold start, warm swap, keep: low medians) and the
+compute scale its probes measured against the profiles, as ``raycolo run`` does; ``--replica-start-s`` plans every run with one given time instead
 (no pre-started pool). Figures are medians over ``--repeats``; the machine is shared and
 noisy.
 """
@@ -83,15 +83,28 @@ def main(argv=None) -> int:
                       f"actual {report['actual_makespan_s']:.1f}s", flush=True)
     ray.shutdown()
 
-    print("\n1. Predicted vs actual makespan (samullm plan, median over repeats)")
-    print(f"{'application':<18} {'requests':>8} {'predicted_s':>11} {'actual_s':>9} {'error':>8}  errors per run")
+    print("\n1. Predicted vs actual makespan (samullm plan, median over repeats). 'error' is the plan's")
+    print("   prediction, with the compute scales each run's pool measured; 'profiles only' replays the")
+    print("   same plan on the shipped profiles as they are (switch costs measured in both)")
+    print(f"{'application':<18} {'requests':>8} {'predicted_s':>11} {'actual_s':>9} {'error':>8} "
+          f"{'profiles only':>13}  errors per run")
     for app in PREDICTION_APPS:
         reps = runs[(app, "samullm")]
         errors = [r["prediction_error"] for r in reps]
         print(f"{Path(app).stem:<18} {reps[0]['requests_total']:>8} "
               f"{_median(r['predicted_makespan_s'] for r in reps):>11.1f} "
-              f"{_median(r['actual_makespan_s'] for r in reps):>9.1f} {_median(errors):>+8.1%}  "
+              f"{_median(r['actual_makespan_s'] for r in reps):>9.1f} {_median(errors):>+8.1%} "
+              f"{_median(r['profile_only_error'] for r in reps):>+13.1%}  "
               + ", ".join(f"{e:+.1%}" for e in errors))
+    scales: dict[str, list[float]] = {}
+    for reps in runs.values():
+        for r in reps:
+            for model, entry in ((r.get("compute_scales") or {}).get("models") or {}).items():
+                if entry["scale"] is not None:
+                    scales.setdefault(model, []).append(entry["scale"])
+    if scales:
+        print("compute scale (measured / profile, median over runs): "
+              + ", ".join(f"{m} x{_median(v):.2f}" for m, v in sorted(scales.items())))
 
     print(f"\n2. Policies executed for real on {Path(POLICY_APP).stem} (median makespan; ratio = policy / samullm)")
     print(f"{'policy':<15} {'predicted_s':>11} {'actual_s':>9} {'end_to_end_s':>12} {'ratio':>7} {'stages':>6} {'restarts':>8}")

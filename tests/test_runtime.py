@@ -175,13 +175,24 @@ def test_the_replica_start_probe_survives_a_probe_that_dies(cluster, tmp_path):
     """A pool actor killed while it starts gives no sample and is not pooled; the others
     still time the start (before, the whole run failed: found by bench/offline_faults.py)."""
     from raycolo.actors.controller import stop_actor
-    from raycolo.actors.launch import prepare, start_pool
+    from raycolo.actors.launch import prepare
+    from raycolo.actors.pool import start_pool
+    from raycolo.planner.problem import PlanningProblem
 
     killed, thread = _kill_on_sight(lambda name: name.startswith("raycolo-pool-0~"))
-    pooled, costs = start_pool(prepare(_config(tmp_path, "tiny_routing.yaml", requests=4)), 2)
+    run = prepare(_config(tmp_path, "tiny_routing.yaml", requests=4))
+    problem = PlanningProblem(run.workload, run.cluster(2), profile_dir=run.profile_dir)
+    pooled, costs, scales = start_pool(run, problem, 2)
     thread.join()
     assert killed and [p.gpus for p in pooled] == [(1,)]
-    assert len(costs.cold) == 1 and len(costs.swap) == 2 and len(costs.keep) == 1
+    models = {w.model.name for w in run.workload.nodes.values()}
+    rounds = max(len(models), 2)
+    assert len(costs.cold) == 1 and len(costs.swap) == rounds and len(costs.keep) == 1
+    # the survivor ran each model's probe once: a positive time, compared with the profile's
+    assert set(scales.samples) == models
+    for model, samples in scales.samples.items():
+        assert len(samples) == 1 and samples[0]["measured_s"] > 0 and samples[0]["predicted_s"] > 0
+        assert scales.scales(models)[model] == samples[0]["measured_s"] / samples[0]["predicted_s"]
     # a swap reuses the process: far cheaper than a cold start, a keep cheaper still
     assert 0 < costs.estimate("keep") < costs.estimate("swap") < costs.estimate("cold") < 120
     for p in pooled:

@@ -9,6 +9,7 @@ import yaml
 from raycolo.dag import parse_app
 from raycolo.engines.models import ByteTokenizer, load_tokenizer
 from raycolo.errors import ConfigError
+from raycolo.hardware import ClusterSpec
 from raycolo.runtime.communicator import Communicator, request_seed
 from raycolo.runtime.setup import RunConfig, parse_run_config, prepare
 from raycolo.runtime.store import OutputStore
@@ -236,3 +237,54 @@ edges: [{from: docs, to: s}, {from: s, to: s}, {from: s, to: e}]
     assert all(up == "s" and set(upi.tolist()) == {0} for up, req, upi in re_.deps)
     gone = remaining_workload(workload, {"s": np.ones(6, bool), "e": np.array([False, True, True, True])})
     assert list(gone.nodes) == ["e"] and gone.nodes["e"].deps == []
+
+
+def _profiled_problem(**kw):
+    from raycolo.costmodel.latency import resolve_profile_dir
+    from raycolo.planner.problem import PlanningProblem
+    app = parse_app(yaml.safe_load("""
+name: scaled
+requests: {count: 24, input_tokens: {distribution: uniform, min: 8, max: 96}}
+nodes: [{name: a, model: tiny-llama-m, max_output_tokens: 32}]
+edges: [{from: input, to: a}]
+"""))
+    profile = resolve_profile_dir("cpu")
+    return PlanningProblem(build_workload(app, seed=3, ecdf_dir=profile / "ecdf"),
+                           ClusterSpec(num_gpus=1, nvlink_group=1, gpu_memory_bytes=8 * 2**30),
+                           profile_dir=profile, max_num_seqs=16, **kw)
+
+
+def test_a_compute_scale_multiplies_every_iteration_but_not_the_load():
+    """The probe's prediction agrees with the reference simulator (the slow, step-by-step
+    one) on the profile as it is; a compute scale of 2.5 makes every iteration, so the
+    whole batch, 2.5 times as long, and leaves the load alone."""
+    from raycolo.costmodel.latency import IterationLatency
+    from raycolo.planner.problem import ExecPlan
+    from raycolo.sim import reference
+    from raycolo.sim.types import ReplicaWorkload
+
+    plain, scaled = _profiled_problem(), _profiled_problem(compute_scale={"tiny-llama-m": 2.5})
+    rng = np.random.default_rng(5)
+    prompts, outputs = rng.integers(4, 200, 40), rng.integers(1, 40, 40)   # 40 > 16 seqs: queueing
+    base = plain.replica_seconds("tiny-llama-m", prompts, outputs)
+    model = plain.node("a").model
+    ref = reference.simulate(ReplicaWorkload(prompts, outputs, np.zeros(40)), plain.limits(model.name, 1),
+                             IterationLatency(model, plain.profile(model.name, 1), max_seqs=16))
+    assert base == pytest.approx(ref.end_time, rel=1e-9) and base > 0
+    assert scaled.replica_seconds("tiny-llama-m", prompts, outputs) == pytest.approx(2.5 * base, rel=1e-9)
+    assert scaled.load_seconds("a", ExecPlan(1, 1)) == plain.load_seconds("a", ExecPlan(1, 1))
+
+
+def test_compute_scales_are_low_medians_and_unprobed_models_take_the_clusters():
+    from raycolo.actors.pool import ComputeScales
+
+    scales = ComputeScales()
+    assert scales.scales(["a", "b"]) == {}                  # nothing measured: the profiles
+    for gpu, (measured, predicted) in enumerate([(3.0, 1.0), (1.0, 1.0), (4.0, 2.0)]):
+        scales.add("a", gpu, 8, measured, predicted)
+    scales.add("c", 0, 8, 10.0, 1.0)
+    # a: ratios 3, 1, 2 -> 2; c: 10; b was not probed: the low median of 1, 2, 3, 10 -> 2
+    assert scales.scales(["a", "b", "c"]) == {"a": 2.0, "b": 2.0, "c": 10.0}
+    report = scales.as_dict(["a", "b"])
+    assert report["models"]["b"] == {"scale": 2.0, "samples": []}
+    assert [s["ratio"] for s in report["models"]["a"]["samples"]] == [3.0, 1.0, 2.0]

@@ -124,11 +124,16 @@ class IterationLatency:
     Decode with ``n`` running sequences attending ``C`` tokens in total costs
     ``alpha[n] + beta[n] * C`` seconds and ``flops_n[n] + flops_c * C`` FLOPs; the
     simulators use these closed forms to skip over whole runs of decode iterations.
+    ``compute_scale`` multiplies every iteration's seconds: the factor the runtime
+    measures between the profile and the cluster it runs on (a slower machine, replicas
+    sharing CPU cores).
     """
 
-    def __init__(self, model: ModelSpec, profile: LatencyProfile, max_seqs: int = 1024):
+    def __init__(self, model: ModelSpec, profile: LatencyProfile, max_seqs: int = 1024,
+                 compute_scale: float = 1.0):
         self.model = model
         self.profile = profile
+        self.compute_scale = compute_scale
         tp = profile.tp
         self.weight_flops_per_token = 2.0 * model.matmul_params_per_token / tp
         self.decode_attn_flops_per_token = 4.0 * model.layers * model.hidden / tp
@@ -152,6 +157,13 @@ class IterationLatency:
         self.prefill_c = pc.tolist()
         self.prefill_per_token = (profile.prepare_s_per_token if profile.prefill_s_per_token is None
                                   else profile.prefill_s_per_token)
+        if compute_scale != 1.0:   # every iteration ``compute_scale`` times the profile's
+            k = compute_scale
+            self.alpha = [k * x for x in self.alpha]
+            self.beta = [k * x for x in self.beta]
+            self.prefill_base = [k * x for x in self.prefill_base]
+            self.prefill_c = [k * x for x in self.prefill_c]
+            self.prefill_per_token *= k
 
     def prefill_flops(self, tokens: int, sum_sq: int) -> float:
         return self.weight_flops_per_token * tokens + self.prefill_attn_flops_per_sq * sum_sq

@@ -4,7 +4,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
 
 from raycolo.catalog import ModelSpec
 from raycolo.costmodel.latency import IterationLatency, LatencyProfile, default_profile
@@ -34,7 +36,8 @@ class PlanningProblem:
 
     def __init__(self, workload: Workload, cluster: ClusterSpec,
                  profile_dir: Optional[str | Path] = None, max_num_seqs: int = 256,
-                 replica_start_s: float = 0.0, cold_start_s: Optional[float] = None):
+                 replica_start_s: float = 0.0, cold_start_s: Optional[float] = None,
+                 compute_scale: Optional[Mapping[str, float]] = None):
         self.workload = workload
         # Added to every load: what starting a replica costs beyond loading the weights,
         # measured by the runtime. ``replica_start_s``: a tp1 replica, which takes over a
@@ -43,6 +46,9 @@ class PlanningProblem:
         # group (a process start and imports). None: the same as ``replica_start_s``.
         self.replica_start_s = replica_start_s
         self.cold_start_s = replica_start_s if cold_start_s is None else cold_start_s
+        # Per model: how many times the profile's iteration seconds an iteration takes on
+        # the cluster the runtime measured (absent: 1, the profile as it is).
+        self.compute_scale = dict(compute_scale or {})
         self.cluster = cluster
         self.profile_dir = Path(profile_dir) if profile_dir else None
         self.max_num_seqs = max_num_seqs
@@ -74,7 +80,20 @@ class PlanningProblem:
     @functools.lru_cache(maxsize=None)
     def latency(self, model_name: str, tp: int) -> IterationLatency:
         return IterationLatency(self._model(model_name), self.profile(model_name, tp),
-                                max_seqs=self.max_num_seqs)
+                                max_seqs=self.max_num_seqs,
+                                compute_scale=self.compute_scale.get(model_name, 1.0))
+
+    def replica_seconds(self, model_name: str, prompt_lens: Sequence[int],
+                        output_lens: Sequence[int], tp: int = 1) -> float:
+        """Predicted seconds for one replica to generate ``output_lens`` tokens for prompts
+        of ``prompt_lens``, all there at its start (loads not counted): what the runtime's
+        compute probe compares its measured time with."""
+        from raycolo.sim.fast import simulate
+        from raycolo.sim.types import ReplicaWorkload
+
+        work = ReplicaWorkload(prompt_len=prompt_lens, remaining=output_lens,
+                               ready=np.zeros(len(prompt_lens)))
+        return simulate(work, self.limits(model_name, tp), self.latency(model_name, tp)).end_time
 
     @functools.lru_cache(maxsize=None)
     def limits(self, model_name: str, tp: int) -> SchedulerLimits:

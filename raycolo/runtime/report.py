@@ -16,7 +16,8 @@ GANTT = "gantt.png"
 
 def build_report(run: PreparedRun, problem: PlanningProblem, plan: AppPlan, summary: dict,
                  replica_start_s: float, probed: bool, skipped: int,
-                 switch_costs: Optional[dict] = None) -> dict:
+                 switch_costs: Optional[dict] = None, compute_scales: Optional[dict] = None,
+                 profile_only_makespan_s: Optional[float] = None) -> dict:
     comm = run.communicator
     actual = summary["actual_makespan_s"]
     planned_stages = [{"start_s": s.start_s, "end_s": s.end_s,
@@ -37,11 +38,16 @@ def build_report(run: PreparedRun, problem: PlanningProblem, plan: AppPlan, summ
         "predicted_makespan_s": plan.makespan_s,
         "actual_makespan_s": actual,
         "prediction_error": (plan.makespan_s - actual) / actual if actual else None,
+        # the plan replayed on the profiles alone (no measured compute scale), and its error
+        "profile_only_makespan_s": profile_only_makespan_s,
+        "profile_only_error": ((profile_only_makespan_s - actual) / actual
+                               if actual and profile_only_makespan_s is not None else None),
         "search_s": plan.search_s,
         "replica_start_s": replica_start_s,
         "replica_start_measured": probed,
         # what the plan charged per replica start, and how it was obtained
         "switch_costs": switch_costs,
+        "compute_scales": compute_scales,
         "planned_stages": planned_stages,
         "actual_stages": summary["stages"],
         "planned_node_finish_s": plan.node_finish_s,

@@ -80,6 +80,31 @@ class PreparedRun:
             raise ConfigError(f"--nvlink-group: {group} does not divide the {gpus} GPUs")
         return make_cluster(gpus, self.config.gpu_memory, group)
 
+    def threads(self, gpus: int) -> int:
+        """torch CPU threads per replica: ``--threads``, else the cores shared by the GPUs."""
+        return self.config.threads or max(1, (os.cpu_count() or 1) // gpus)
+
+    def engine_config(self, problem, node: str, plan) -> dict:
+        """The engine config of a replica of ``node`` under ``plan`` (a :class:`PlanningProblem`
+        gives the KV limits the planner assumed). The torch engine takes the planner's KV
+        capacity as its budget (it allocates per request); vLLM preallocates its cache, so
+        it sizes it from the memory it finds."""
+        spec, config = self.app.node(node), self.config
+        limits = problem.limits(spec.model, plan.tp)
+        kv = {} if config.backend == "vllm" else {
+            "kv_cache_tokens": max(1, limits.num_blocks) * limits.block_size}
+        return {"backend": config.backend,
+                "model_loading_config": {"model_id": spec.checkpoint or spec.model, "seed": 0,
+                                         "dtype": config.dtype},
+                "engine_kwargs": {"max_num_seqs": config.max_num_seqs,
+                                  "max_num_batched_tokens": limits.max_num_batched_tokens,
+                                  "block_size": config.block_size or limits.block_size,
+                                  **kv,
+                                  "watermark": limits.watermark,
+                                  # the torch engine computes on one device of its tp bundles
+                                  "tensor_parallel_size": plan.tp if config.backend == "vllm" else 1,
+                                  "device": "auto", "cpu_threads": self.threads(problem.cluster.num_gpus)}}
+
 
 def _with_input(app: AppSpec, input_path: str) -> AppSpec:
     """The application reading its single source from ``input_path`` instead."""
