@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml | $(VPY)
 	touch $@
 
 test: venv
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q --durations=25
 
 # Plans the paper-sized ensemble, then runs a tiny 3-model application for real on a
 # local Ray cluster (2 logical GPUs, CPU torch). The last line is `report: PATH`.
