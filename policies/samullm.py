@@ -16,11 +16,12 @@ that inherit the cache (set ``RAYCOLO_PLANNER_PROCESSES=1`` to stay in one proce
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import multiprocessing
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from raycolo.planner.problem import PlanningProblem
 from raycolo.planner.schedule import AppPlan
@@ -41,6 +42,36 @@ def _first_stage_runs(pairs) -> list:
     return [(run.key, run) for run in runs]
 
 
+def _split(pairs: list, evaluator: StageEvaluator) -> tuple[list, list]:
+    """Share the first-stage pairs out over two processes, simulated requests balanced.
+
+    This process keeps as many pairs of each node as every other pair would give it: its
+    share is what its evaluator counts as work, so budgets stay as they were. Largest
+    first (an estimate simulates one of the dp replicas), each pair goes to the process
+    with fewer requests so far, unless the node's count for it is used up.
+    """
+    problem = evaluator.problem
+    left = {0: collections.Counter(node for node, _ in pairs[0::2]),
+            1: collections.Counter(node for node, _ in pairs[1::2])}
+    shares: tuple[list, list] = ([], [])
+    load = [0.0, 0.0]
+
+    def requests(i: int) -> float:
+        node, plan = pairs[i]
+        estimate = evaluator.estimates(node, plan, False, exact=not evaluator.representative)
+        return len(problem.node(node)) / (plan.dp if estimate else 1)
+
+    for i in sorted(range(len(pairs)), key=lambda i: (-requests(i), i)):
+        node = pairs[i][0]
+        side = 0 if load[0] <= load[1] else 1
+        if not left[side][node]:
+            side = 1 - side
+        left[side][node] -= 1
+        load[side] += requests(i)
+        shares[side].append(i)
+    return tuple([pairs[i] for i in sorted(share)] for share in shares)
+
+
 def _greedy(metric: str) -> AppPlan:
     problem, evaluator = _shared["problem"], _shared["evaluator"]
     plan = run_policy(problem, "samullm", greedy_stage, SearchContext(problem, evaluator, metric))
@@ -54,21 +85,55 @@ def _processes() -> int:
     return min(wanted, len(os.sched_getaffinity(0)), len(METRICS)) if can_fork else 1
 
 
-@contextlib.contextmanager
-def _worker():
-    """A forked helper process that exits on its own: Pool's own ``with`` terminates it
-    with SIGTERM, which a process inheriting Ray's signal handlers reports loudly."""
-    pool = multiprocessing.get_context("fork").Pool(1)
+def _child_main(fn: Callable, args: tuple, send) -> None:
     try:
-        yield pool
+        result = (True, fn(*args))
+    except BaseException as exc:  # raised again in the parent
+        result = (False, exc)
+    try:
+        send.send(result)
+    except OSError:
+        pass                       # the parent stopped waiting
+    except Exception as exc:       # a result that does not pickle
+        send.send((False, RuntimeError(f"{getattr(fn, '__name__', fn)} in a child process: {exc!r}")))
     finally:
-        pool.close()
-        pool.join()
+        send.close()
+
+
+@contextlib.contextmanager
+def _in_child(fn: Callable, *args):
+    """``fn(*args)`` in a forked process; yields a function that waits for its result.
+
+    A plain process that exits on its own (a Pool's ``with`` ends its worker with SIGTERM,
+    which a process inheriting Ray's signal handlers reports loudly), and one whose result
+    is read when asked for: a Pool's result thread takes it in while this process still
+    computes, and for a large result (first-stage runs) the two threads trading the GIL
+    can double this process's time.
+    """
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child_main, args=(fn, args, send), daemon=True)
+    child.start()
+    send.close()
+
+    def result():
+        ok, value = recv.recv()
+        if not ok:
+            raise value
+        return value
+    try:
+        yield result
+    finally:
+        recv.close()
+        child.join()
 
 
 @register("samullm")
-def plan(problem: PlanningProblem, evaluator: Optional[StageEvaluator] = None) -> AppPlan:
-    """``evaluator``: reuse (and fill) a caller's simulation cache, e.g. ``samullm-search``'s."""
+def plan(problem: PlanningProblem, evaluator: Optional[StageEvaluator] = None,
+         meanwhile: Optional[Callable[[], None]] = None) -> AppPlan:
+    """``evaluator``: reuse (and fill) a caller's simulation cache, e.g. ``samullm-search``'s;
+    ``meanwhile``: the caller's next work with that cache, run in this process while the
+    other process finishes its greedy (after both greedies in one process)."""
     started = time.perf_counter()
     evaluator = evaluator or StageEvaluator(problem)
     ctx = SearchContext(problem, evaluator)
@@ -78,17 +143,21 @@ def plan(problem: PlanningProblem, evaluator: Optional[StageEvaluator] = None) -
     _shared.update(problem=problem, evaluator=evaluator)
     try:
         if _processes() > 1:
-            with _worker() as pool:  # half of the first-stage simulations in a second process
-                other_half = pool.apply_async(_first_stage_runs, (pairs[1::2],))
-                _first_stage_runs(pairs[0::2])  # fills this process's cache
-                evaluator.cache.update(other_half.get())
-                evaluator.simulations += len(pairs[1::2])
-            with _worker() as pool:  # then the two greedies side by side, sharing that cache
-                other = pool.apply_async(_greedy, (METRICS[1],))
-                plans = [_greedy(METRICS[0]), other.get()]
+            mine, theirs = _split(pairs, evaluator)
+            with _in_child(_first_stage_runs, theirs) as other_half:  # half of the first stage
+                _first_stage_runs(mine)  # fills this process's cache
+                evaluator.cache.update(other_half())
+                evaluator.simulations += len(theirs)
+            with _in_child(_greedy, METRICS[1]) as other:  # the greedies side by side
+                plans = [_greedy(METRICS[0])]
+                if meanwhile:
+                    meanwhile()
+                plans.append(other())
         else:
             _first_stage_runs(pairs)
             plans = [_greedy(m) for m in METRICS]
+            if meanwhile:
+                meanwhile()
     finally:
         _shared.clear()
     best = min(plans, key=lambda p: p.makespan_s)  # a tie keeps the paper's window metric

@@ -34,10 +34,12 @@ completion here anyway (so phase 2 is a one-wide pilot method); CP-SAT would nee
 makespan as a linear model of the stage choices, which the stop-at-first-finish batching
 simulation is not (every stage's duration depends on the whole history).
 
-Budget: deterministic. Work is counted in simulated requests (``StageEvaluator.work``,
-near proportional to CPU time), and the budget is ``budget_s`` x ``WORK_PER_SECOND``
-(calibrated on the 2-core development machine), so the same input gives the same plan
-on any machine. The seeds' work counts against it, which leaves the 1,000-request
+Budget: deterministic. Work is counted in simulated requests (``StageEvaluator.work``:
+the requests of every node run the search asks for, including runs the evaluator's
+content memo answers without simulating), and the budget is ``budget_s`` x
+``WORK_PER_SECOND`` (calibrated on the 2-core development machine before that memo and
+a faster simulator, which spend about half that time now), so the same input gives the
+same plan on any machine. The seeds' work counts against it, which leaves the 1,000-request
 ensemble nothing beyond ``samullm`` and the no-preemption greedy (+14 % work over
 ``samullm``'s own process, mostly cached first-stage simulations). A wall-clock guard
 (``HARD_LIMIT_FACTOR`` x ``budget_s``) only protects against a very slow or overloaded
@@ -183,13 +185,19 @@ def plan(problem: PlanningProblem, budget_s: Optional[float] = None,
     notes = []
 
     # Phase 1: incumbents. samullm and its no-preemption variant always run in full (the
-    # two that win on the paper's applications); min and max while the budget lasts.
-    greedy = samullm_plan(problem, evaluator=evaluator)
+    # two that win on the paper's applications); min and max while the budget lasts. All
+    # but samullm run while samullm's second greedy finishes in another process.
+    others = []
+
+    def other_incumbents() -> None:
+        for name, choose in zip(("samullm-nopreempt", "min", "max"), _stage_choosers()):
+            if name != "samullm-nopreempt":
+                choose = _until(choose, budget)
+            others.append((name, *complete_with(ctx, initial_state(problem), choose)))
+
+    greedy = samullm_plan(problem, evaluator=evaluator, meanwhile=other_incumbents)
     best_time, best, source = greedy.makespan_s, _selections_of(greedy), "samullm"
-    for name, choose in zip(("samullm-nopreempt", "min", "max"), _stage_choosers()):
-        if name != "samullm-nopreempt":
-            choose = _until(choose, budget)
-        t, selections = complete_with(ctx, initial_state(problem), choose)
+    for name, t, selections in others:
         if t < best_time - IMPROVE_EPS:
             best_time, best, source = t, selections, name
     notes.append(f"best start: {source} ({greedy.makespan_s:.1f}s from samullm)")

@@ -136,3 +136,56 @@ def test_decode_run_closed_form_matches_summation():
         k = fast._iterations_until(delta, alpha, beta, c0, n)
         assert fast._run_seconds(k, alpha, beta, c0, n) >= delta
         assert k == 1 or fast._run_seconds(k - 1, alpha, beta, c0, n) < delta
+
+
+def assert_identical(got, plain):
+    for name in ("finish", "generated", "curve_t", "curve_flops", "curve_useful"):
+        a, b = getattr(got, name), getattr(plain, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+    for name in ("end_time", "running", "waiting", "iterations", "prefills", "preemptions", "stopped"):
+        assert getattr(got, name) == getattr(plain, name), name
+
+
+def continued(work, first):
+    """The workload left after ``first`` stopped (requests without successors, all ready)."""
+    done = np.isfinite(first.finish)
+    return ReplicaWorkload(
+        prompt_len=work.prompt_len + first.generated,
+        remaining=np.maximum(work.remaining - first.generated, 1), ready=np.where(done, np.inf, 0.0),
+        running=first.running, waiting_first=first.waiting, fresh=first.generated == 0)
+
+
+def test_shortcuts_change_nothing_to_the_last_bit(latency):
+    """The lean paths (no block books where blocks cannot bind; the batch run out once
+    nothing can join it) give the plain event loop's results bit for bit: plans compare
+    simulated times, so a last-digit difference could change a plan."""
+    rng = np.random.default_rng(5)
+    kinds = {"as drawn": 0, "no chains": 0, "no chains, blocks to spare": 0, "continued": 0}
+    for i in range(240):
+        work, limits, stop = random_case(rng)
+        kind = list(kinds)[i % 3]
+        if kind != "as drawn":  # nothing arrives later: the batch can be run out
+            work = ReplicaWorkload(work.prompt_len, work.remaining, np.zeros(len(work)))
+            stop = math.inf
+        if kind == "no chains, blocks to spare":
+            limits = SchedulerLimits(num_blocks=100_000, max_num_seqs=limits.max_num_seqs,
+                                     max_num_batched_tokens=limits.max_num_batched_tokens,
+                                     block_size=limits.block_size)
+        cases = [(kind, work, stop)]
+        if kind != "as drawn":
+            try:
+                first = fast.simulate(work, limits, latency, stop_at=rng.uniform(0.5, 20.0))
+            except SchedulerDeadlock:
+                first = None
+            if first is not None and first.stopped:
+                cases.append(("continued", continued(work, first), math.inf))
+        for name, w, s in cases:
+            try:
+                plain = fast.simulate(w, limits, latency, s, shortcuts=False)
+            except SchedulerDeadlock:
+                with pytest.raises(SchedulerDeadlock):
+                    fast.simulate(w, limits, latency, s)
+                continue
+            assert_identical(fast.simulate(w, limits, latency, s), plain)
+            kinds[name] += 1
+    assert min(kinds.values()) >= 40, kinds

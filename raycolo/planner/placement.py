@@ -16,25 +16,36 @@ from raycolo.planner.problem import ExecPlan
 Placement = dict[str, list[tuple[int, ...]]]  # node -> GPU ids of each replica
 
 
+_GROUPS: dict[tuple[int, int], list[list[int]]] = {}
+
+
+def _groups(cluster: ClusterSpec) -> list[list[int]]:
+    """``cluster.nvlink_groups()``, once per machine shape (placement is a hot path)."""
+    shape = (cluster.num_gpus, cluster.nvlink_group)
+    if shape not in _GROUPS:
+        _GROUPS[shape] = cluster.nvlink_groups()
+    return _GROUPS[shape]
+
+
 def _pack(cluster: ClusterSpec, fixed: Placement, todo: list[tuple[str, ExecPlan]]) -> Optional[Placement]:
-    group_of = {gpu: i for i, grp in enumerate(cluster.nvlink_groups()) for gpu in grp}
-    free = [set(grp) for grp in cluster.nvlink_groups()]
-    for replicas in fixed.values():
-        for gpus in replicas:
-            for gpu in gpus:
-                free[group_of[gpu]].discard(gpu)
+    taken = {gpu for replicas in fixed.values() for gpus in replicas for gpu in gpus}
+    free = [[gpu for gpu in group if gpu not in taken]
+            for group in _groups(cluster)]
     out = dict(fixed)
-    # Largest replicas first, each into the fullest group that still fits it (best fit).
+    # Largest replicas first, each into the fullest group that still fits it (best fit),
+    # on that group's lowest free GPUs.
     for node, plan in sorted(todo, key=lambda item: (-item[1].tp, item[0])):
         replicas = list(fixed.get(node, []))    # a resized node's kept replicas come first
+        tp = plan.tp
         for _ in range(plan.dp - len(replicas)):
-            fits = [i for i, f in enumerate(free) if len(f) >= plan.tp]
-            if not fits:
+            best = None
+            for group in free:
+                if len(group) >= tp and (best is None or len(group) < len(best)):
+                    best = group
+            if best is None:
                 return None
-            best = min(fits, key=lambda i: (len(free[i]), i))
-            gpus = tuple(sorted(free[best])[: plan.tp])
-            free[best] -= set(gpus)
-            replicas.append(gpus)
+            replicas.append(tuple(best[:tp]))
+            del best[:tp]
         out[node] = replicas
     return out
 

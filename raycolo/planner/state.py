@@ -9,9 +9,11 @@ was, while a node whose plan changes is reloaded and re-prefills its partial out
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Optional
 
 import numpy as np
@@ -53,6 +55,22 @@ class NodeState:
     def finished(self) -> bool:
         return bool(self.done.all())
 
+    @cached_property
+    def digest(self) -> bytes:
+        """The progress (``done``, ``generated``): all a fresh run of the node depends on."""
+        h = hashlib.blake2b(self.done.tobytes(), digest_size=16)
+        h.update(self.generated.tobytes())
+        return h.digest()
+
+    @cached_property
+    def queues_digest(self) -> bytes:
+        """What a continuing run depends on beyond the progress: load left and queues."""
+        h = hashlib.blake2b(repr(self.load_left).encode(), digest_size=16)
+        for q in self.replicas or ():
+            h.update(repr((len(q.requests), q.running, q.waiting)).encode())
+            h.update(q.requests.tobytes())
+        return h.digest()
+
 
 @dataclass(frozen=True)
 class AppState:
@@ -68,6 +86,11 @@ class AppState:
 
     def previous_placement(self) -> dict[str, tuple[ExecPlan, list[tuple[int, ...]]]]:
         return {n: (s.loaded, s.gpus) for n, s in self.nodes.items() if s.loaded is not None}
+
+    @cached_property
+    def placement_key(self) -> tuple:
+        """:meth:`previous_placement` as a dictionary key."""
+        return tuple((n, s.loaded, tuple(s.gpus)) for n, s in self.nodes.items() if s.loaded is not None)
 
 
 def initial_state(problem: PlanningProblem) -> AppState:
@@ -92,8 +115,10 @@ class NodeRun:
     end: float                   # when every pending request is done (inf if never)
     results: list[Optional[SimResult]]   # one per simulated replica (None: no requests)
     request_maps: list[np.ndarray]       # node request indices of each simulated replica
-    key: tuple
+    key: tuple                           # the evaluator's key: node state versions
     replica_weight: float = 1.0          # >1: one replica simulated stands for all (by requests)
+    content: tuple = ()                  # the inputs' content (see StageEvaluator.simulate)
+    _useful: dict[float, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def exact(self) -> bool:
@@ -101,8 +126,11 @@ class NodeRun:
 
     def useful_by(self, t: float) -> float:
         """Useful FLOPs (no recomputation) done by stage time ``t``."""
-        return self.replica_weight * sum(
-            r.useful_by(t - self.load_s) for r in self.results if r is not None)
+        useful = self._useful.get(t)
+        if useful is None:  # (a greedy asks again for every candidate the stage end stays for)
+            useful = self._useful[t] = self.replica_weight * sum(
+                r.useful_by(t - self.load_s) for r in self.results if r is not None)
+        return useful
 
     @property
     def total_useful(self) -> float:
@@ -115,26 +143,27 @@ def _ready_times(problem: PlanningProblem, node: str, st: NodeState,
     ready = np.zeros(len(w))
     for up, req, upi in w.deps:
         np.maximum.at(ready, req, upstream_finish[up][upi])
-    waiting_for_chain = ~w.chain_head.copy()
-    waiting_for_chain[1:] &= ~st.done[:-1]  # a chunk whose predecessor is done is free to go
-    ready[waiting_for_chain] = math.inf
+    if not w.chain_head.all():
+        waiting_for_chain = ~w.chain_head
+        waiting_for_chain[1:] &= ~st.done[:-1]  # a chunk whose predecessor is done is free to go
+        ready[waiting_for_chain] = math.inf
     return ready
 
 
-def _assign_replicas(problem: PlanningProblem, node: str, pending: np.ndarray, dp: int) -> list[np.ndarray]:
+def _assign_replicas(problem: PlanningProblem, node: str, pending: np.ndarray, dp: int,
+                     chained: bool) -> list[np.ndarray]:
     """Round-robin over items for chains (a document stays on one replica), else requests."""
     w = problem.node(node)
     if dp == 1:
         return [pending]
-    if (w.successor >= 0).any():
+    if chained:
         items, first = np.unique(w.item[pending], return_index=True)
         order = np.argsort(first, kind="stable")
         rank = np.empty(len(items), dtype=np.int64)
         rank[order] = np.arange(len(items))
         slot = rank[np.searchsorted(items, w.item[pending])] % dp
-    else:
-        slot = np.arange(len(pending)) % dp
-    return [pending[slot == r] for r in range(dp)]
+        return [pending[slot == r] for r in range(dp)]
+    return [pending[r::dp] for r in range(dp)]
 
 
 def run_node(problem: PlanningProblem, node: str, st: NodeState, plan: ExecPlan, continuing: bool,
@@ -152,10 +181,11 @@ def run_node(problem: PlanningProblem, node: str, st: NodeState, plan: ExecPlan,
     load = st.load_left if continuing else problem.load_seconds(node, plan)
     ready = np.maximum(_ready_times(problem, node, st, upstream_finish) - load, 0.0)
     pending = np.flatnonzero(~st.done)
+    chained = bool((w.successor >= 0).any())
     if continuing:
         groups = [q.requests[~st.done[q.requests]] for q in st.replicas]
     else:
-        groups = _assign_replicas(problem, node, pending, plan.dp)
+        groups = _assign_replicas(problem, node, pending, plan.dp, chained)
     limits = problem.limits(w.model.name, plan.tp)
     latency = problem.latency(w.model.name, plan.tp)
     local_of = np.full(len(w), -1, dtype=np.int64)
@@ -171,8 +201,10 @@ def run_node(problem: PlanningProblem, node: str, st: NodeState, plan: ExecPlan,
             results.append(None)
             continue
         local_of[idx] = np.arange(len(idx))
-        succ = w.successor[idx]
-        succ = np.where(succ >= 0, local_of[np.maximum(succ, 0)], -1)
+        succ = None  # none: every request is the last of its chain
+        if chained:
+            succ = w.successor[idx]
+            succ = np.where(succ >= 0, local_of[np.maximum(succ, 0)], -1)
         running, waiting = [], []
         if continuing:
             q = st.replicas[r]
@@ -224,7 +256,13 @@ class StageEvaluator:
     """Evaluates candidate stages from one state, caching node simulations.
 
     The cache is keyed by node state versions, so one evaluator can be reused across
-    states (a policy keeps a single instance for its whole search).
+    states (a policy keeps a single instance for its whole search). ``simulations`` and
+    ``work`` count the node runs missing from that cache: the searches' deterministic
+    measure of work done. Below it, equal inputs reached by another path (a state reached
+    again with new versions, e.g. the final replay of a search's plan, or a stage another
+    policy already ran) are not simulated again: the run is shared by the content of its
+    inputs (:meth:`simulate`). That saves time only; what is counted stays the same, so a
+    search explores the same states within the same budget.
     """
 
     def __init__(self, problem: PlanningProblem, representative_replicas: bool = True):
@@ -232,45 +270,92 @@ class StageEvaluator:
         self.representative = representative_replicas
         self.cache: dict[tuple, NodeRun] = {}
         self.simulations = 0
-        # Requests simulated so far (pending requests of every simulation): the searches'
-        # deterministic measure of work done, close to proportional to CPU time.
+        # Requests simulated so far (pending requests of every node run asked for, shared
+        # or not): the searches' deterministic measure of work done.
         self.work = 0
+        self.simulated = 0   # node runs really simulated (the rest came from equal inputs)
         self._chained = {n: bool((problem.node(n).successor >= 0).any()) for n in problem.nodes}
+        self._placements: dict[tuple, Optional[tuple[Placement, set[str]]]] = {}
 
     def _upstream(self, state: AppState, node: str, runs: dict[str, NodeRun]):
-        finish, keys = {}, []
+        finish, keys, contents = {}, [], []
         for up in self.problem.upstream[node]:
             if up in runs:
                 finish[up] = runs[up].finish
                 keys.append(runs[up].key)
+                contents.append(runs[up].content)
             else:
                 st = state.nodes[up]
                 finish[up] = np.where(st.done, 0.0, math.inf)
                 keys.append((up, st.version))
-        return finish, tuple(keys)
+                contents.append((up, st.digest))
+        return finish, tuple(keys), tuple(contents)
+
+    def _count(self, st: NodeState) -> None:
+        self.simulations += 1
+        self.work += len(st.done) - int(st.done.sum())
+
+    def simulate(self, node: str, st: NodeState, plan: ExecPlan, continuing: bool,
+                 upstream: tuple, key: tuple, estimate: bool = False,
+                 stop_at: float = math.inf) -> NodeRun:
+        """:func:`run_node`, shared by equal inputs: the node's progress (and its queues when
+        it continues), the plan, its upstream runs' inputs, the estimate flag and the stop.
+        ``upstream``: what :meth:`_upstream` returns. The run is returned under ``key``."""
+        up_finish, _, up_content = upstream
+        # an estimate with too few requests per replica simulates them all: an exact run
+        # (an estimate's replicas take the pending requests round-robin: the last has
+        # pending // dp of them)
+        stands_in = estimate and plan.dp > 1 and \
+            (len(st.done) - int(st.done.sum())) // plan.dp >= MIN_REPRESENTATIVE_REQUESTS
+        content = ("run", node, st.digest, st.queues_digest if continuing else b"", plan,
+                   continuing, up_content, stands_in, stop_at)
+        run = self.cache.get(content)
+        if run is None:
+            run = run_node(self.problem, node, st, plan, continuing, up_finish, key,
+                           stop_at=stop_at, representative=estimate)
+            run.content = content
+            self.cache[content] = run
+            self.simulated += 1
+        elif run.key != key:
+            run = replace(run, key=key)
+        return run
+
+    def estimates(self, node: str, plan: ExecPlan, continuing: bool, exact: bool) -> bool:
+        """Whether :meth:`node_run` simulates one replica for all (``representative``)."""
+        # chains are not alike across replicas: one long document sets the end time
+        return not exact and plan.dp > 1 and not continuing and not self._chained[node]
 
     def node_run(self, state: AppState, node: str, plan: ExecPlan, continuing: bool,
                  runs: dict[str, NodeRun], exact: bool = True) -> NodeRun:
         st = state.nodes[node]
-        up_finish, up_key = self._upstream(state, node, runs)
-        # chains are not alike across replicas: one long document sets the end time
-        estimate = not exact and plan.dp > 1 and not continuing and not self._chained[node]
-        key = (node, st.version, plan, continuing, up_key, estimate)
+        upstream = self._upstream(state, node, runs)
+        estimate = self.estimates(node, plan, continuing, exact)
+        key = (node, st.version, plan, continuing, upstream[1], estimate)
         run = self.cache.get(key)
         if run is None:
-            run = run_node(self.problem, node, st, plan, continuing, up_finish, key,
-                           representative=estimate)
+            run = self.simulate(node, st, plan, continuing, upstream, key, estimate)
             self.cache[key] = run
-            self.simulations += 1
-            self.work += len(st.done) - int(st.done.sum())
+            self._count(st)
         return run
+
+    def place(self, state: AppState, selection: dict[str, ExecPlan]
+              ) -> Optional[tuple[Placement, set[str]]]:
+        """:func:`place` from ``state``'s placement, remembered per (placement, selection)."""
+        key = (state.placement_key, tuple(sorted(selection.items())))
+        if key not in self._placements:
+            self._placements[key] = place(self.problem.cluster, selection, state.previous_placement())
+        placed = self._placements[key]
+        if placed is None:
+            return None
+        placement, moved = placed
+        return {n: placement[n] for n in selection}, set(moved)
 
     def evaluate(self, state: AppState, selection: dict[str, ExecPlan],
                  exact: Optional[bool] = None) -> Optional[StageEval]:
         """Simulate a candidate stage. ``exact=None`` follows the evaluator's setting."""
         if exact is None:
             exact = not self.representative
-        placed = place(self.problem.cluster, selection, state.previous_placement())
+        placed = self.place(state, selection)
         if placed is None:
             return None
         placement, moved = placed
@@ -306,11 +391,9 @@ class StageEvaluator:
                 continue
             run = ev.runs[node]
             if run.end > cutoff:
-                up_finish, _ = self._upstream(state, node, stopped_runs)
-                run = run_node(self.problem, node, st, run.plan, run.continuing, up_finish,
-                               run.key, stop_at=cutoff)
-                self.simulations += 1
-                self.work += len(st.done) - int(st.done.sum())
+                run = self.simulate(node, st, run.plan, run.continuing,
+                                    self._upstream(state, node, stopped_runs), run.key, stop_at=cutoff)
+                self._count(st)
             stopped_runs[node] = run
             done = st.done | (run.finish <= cutoff)
             generated = st.generated.copy()

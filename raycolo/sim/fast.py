@@ -12,12 +12,21 @@ The loop therefore advances straight to the next event:
 * the stop time, when a snapshot is wanted.
 
 It makes exactly the decisions of :mod:`raycolo.sim.reference` (tests check this).
+
+The planner runs it thousands of times per plan, so the loop is lean: requests finishing
+at the same decode count share one heap entry, ``generated`` and the iteration count are
+derived at the end, where the KV blocks can never bind (a full batch of the longest
+requests fits) the block books are not kept, and once nothing can join the batch any
+more :func:`_drain` runs it to its end without the queue and block bookkeeping. None of
+this changes a result by a bit (tests compare with the plain event loop).
 """
 from __future__ import annotations
 
 import heapq
 import math
 from collections import deque
+from itertools import islice
+from typing import Optional
 
 import numpy as np
 
@@ -54,95 +63,145 @@ def _iterations_within(budget: float, alpha: float, beta: float, c0: int, n: int
     return k if _run_seconds(k, alpha, beta, c0, n) <= budget else k - 1
 
 
+def _drain(running: dict[int, tuple[int, int, int]], ending: dict[int, list[int]], g: int, n: int,
+           s0_sum: int, free: int, bs: int, latency: IterationLatency,
+           clock: tuple[float, float, float], finish: list[float], curves: tuple[list, list, list]
+           ) -> Optional[tuple[float, float, float, int]]:
+    """Run the batch to its end when nothing can join it any more (the event loop's state).
+
+    None (and nothing done) unless the free KV blocks cover every running request's growth
+    to its end. Then no shortage can cut a decode run, so the runs end exactly at the
+    finish decode counts: the decode step of :func:`simulate` without the queue, block and
+    stop bookkeeping, the same arithmetic in the same order. Returns (t, flops, useful, g)
+    at the end; fills ``finish`` and extends ``curves``.
+    """
+    growth = n * -(-(max(ending) - g) // bs)  # at most; exactly, if that is too many:
+    if growth > free and sum((s0 + g_fin + bs - 1) // bs - (s0 + g + bs - 1) // bs
+                             for s0, _, g_fin in running.values()) > free:
+        return None
+    alpha, beta, flops_n, flops_c = latency.alpha, latency.beta, latency.flops_n, latency.flops_c
+    w_tok = latency.weight_flops_per_token
+    t, flops, useful = clock
+    curve_t, curve_f, curve_u = curves
+    for end in sorted(ending):
+        k = end - g
+        c0 = s0_sum + n * (g + 1)
+        a, b = alpha[n], beta[n]
+        attended = k * c0 + n * k * (k - 1) / 2
+        t += k * a + b * attended
+        flops += k * flops_n[n] + flops_c * attended
+        useful += w_tok * n * k
+        g = end
+        done = ending[end]
+        n -= len(done)
+        for idx in done:
+            s0_sum -= running[idx][0]
+            finish[idx] = t
+        curve_t.append(t)
+        curve_f.append(flops)
+        curve_u.append(useful)
+    return t, flops, useful, g
+
+
 def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationLatency,
-             stop_at: float = math.inf) -> SimResult:
+             stop_at: float = math.inf, shortcuts: bool = True) -> SimResult:
+    """Simulate one replica from its start (``stop_at``: stop there, keeping the queues).
+
+    ``shortcuts=False``: keep the block books and step every event to the end, for the
+    tests that check the shortcuts change nothing.
+    """
     bs = limits.block_size
     max_seqs = limits.max_num_seqs
     max_tokens = limits.max_num_batched_tokens
     watermark = limits.watermark_blocks
     alpha, beta = latency.alpha, latency.beta
     flops_n, flops_c = latency.flops_n, latency.flops_c
+    prefill_base, prefill_c, prefill_per_token = (latency.prefill_base, latency.prefill_c,
+                                                  latency.prefill_per_token)
+    w_tok, w_sq = latency.weight_flops_per_token, latency.prefill_attn_flops_per_sq
+    heappop, heappush = heapq.heappop, heapq.heappush
+    stoppable = stop_at < math.inf
 
     prompt = work.prompt_len.tolist()
+    blocks = ((work.prompt_len + (bs - 1)) // bs).tolist()  # KV blocks of each prompt
+    # tokens left to generate as of the request's last admission (its finish decode count
+    # is set then); ``generated`` is derived from it at the end
     remaining = work.remaining.tolist()
     successor = work.successor.tolist()
-    size = len(prompt)
-    finish = [math.inf] * size
-    generated = [0] * size
+    chained = len(successor) > 0 and work.successor.max() >= 0
+    fresh = work.fresh.tolist()
+    finish = [math.inf] * len(prompt)
 
-    # running: idx -> (decode count at admission, stored tokens at admission, admission seq,
-    #                  decode count at which it finishes)
-    running: dict[int, tuple[int, int, int, int]] = {}
-    finish_heap: list[tuple[int, int, int]] = []
+    # running: idx -> (s0, block phase, decode count at which it finishes), in admission
+    # order. A request admitted at decode count g_adm with s stored tokens has s0 = s - g_adm:
+    # at decode count G it has stored s0 + G tokens, attends s0 + G + 1 and needs a new KV
+    # block when (G - phase) % bs == 0, phase = -s0 % bs. The batch attends
+    # s0_sum + n * (G + 1) tokens.
+    running: dict[int, tuple[int, int, int]] = {}
+    ending: dict[int, list[int]] = {}  # decode count -> requests finishing there, admission order
     phase_count = [0] * bs
-    n = 0            # running sequences
-    attended_base = 0  # attended tokens at decode count G are attended_base + n * G
+    n = s0_sum = 0   # running sequences, sum of their s0
     g = 0            # decode iterations so far
     free = limits.num_blocks
-    seq = 0
 
-    for idx, stored in work.running:
-        running[idx] = (0, stored, seq, remaining[idx])
-        heapq.heappush(finish_heap, (remaining[idx], seq, idx))
-        seq += 1
-        phase_count[(-stored) % bs] += 1
+    for idx, stored in work.running:  # at decode count 0: s0 = stored
+        phase = -stored % bs
+        running[idx] = (stored, phase, remaining[idx])
+        ending.setdefault(remaining[idx], []).append(idx)
+        phase_count[phase] += 1
         n += 1
-        attended_base += stored + 1
+        s0_sum += stored
         free -= -(-stored // bs)
+    finish_at = list(ending)  # a heap of ending's keys
+    heapq.heapify(finish_at)
+    # Whether KV blocks never bind: a full batch of the longest requests fits. Then no
+    # admission waits for blocks and no decode run is cut, and the block books (``free``,
+    # ``room``) are not kept.
+    longest = int(((work.prompt_len + work.remaining + bs - 1) // bs).max(initial=0))
+    for idx, stored in work.running:
+        longest = max(longest, -(-(stored + remaining[idx]) // bs))
+    roomy = shortcuts and min(max_seqs, len(prompt)) * longest <= limits.num_blocks - watermark
     queued = set(running) | set(work.waiting_first)
     ready = work.ready
     # Requests ready at 0 join the queue at once, in index order (FCFS); later ones wait.
-    at_start = [i for i in np.flatnonzero(ready <= 0.0).tolist() if i not in queued]
+    at_start = np.flatnonzero(ready <= 0.0).tolist()
+    if queued:
+        at_start = [i for i in at_start if i not in queued]
     waiting: deque[int] = deque(work.waiting_first + at_start)
     later = np.flatnonzero(np.isfinite(ready) & (ready > 0.0)).tolist()
     pending = [(float(ready[i]), i) for i in later if i not in queued]
     heapq.heapify(pending)
-    prefill_base, prefill_c, prefill_per_token = (latency.prefill_base, latency.prefill_c,
-                                                  latency.prefill_per_token)
-    w_tok, w_sq = latency.weight_flops_per_token, latency.prefill_attn_flops_per_sq
 
-    heappop, heappush = heapq.heappop, heapq.heappush
-    fresh = work.fresh.tolist()
     t = flops = useful = 0.0
     curve_t, curve_f, curve_u = [0.0], [0.0], [0.0]
-    iterations = prefills = preemptions = 0
+    prefills = preemptions = 0
     stopped = False
-
-    def remove(idx: int) -> int:
-        """Take ``idx`` out of the running batch; returns the tokens it had stored."""
-        nonlocal n, attended_base, free
-        g_adm, stored_adm = running.pop(idx)[:2]
-        phase_count[(g_adm - stored_adm) % bs] -= 1
-        n -= 1
-        attended_base -= stored_adm + 1 - g_adm
-        stored = stored_adm + g - g_adm
-        free += -(-stored // bs)
-        generated[idx] += g - g_adm
-        return stored
+    # try _drain when the batch is no larger than this (halved after a try that fails); not
+    # where finishes release successors, nor when the run may stop
+    drain_below = max_seqs if shortcuts and not stoppable and not chained else 0
 
     while True:
         while pending and pending[0][0] <= t:
-            waiting.append(heapq.heappop(pending)[1])
+            waiting.append(heappop(pending)[1])
 
         # Prefill: admit from the head of the queue while slots, tokens and blocks allow.
         if waiting and n < max_seqs:
             m = tokens = sum_sq = fresh_tokens = 0
-            free_after = free
-            for idx in waiting:
-                if n + m >= max_seqs:
-                    break
+            room = free - watermark  # blocks the admitted prompts may take
+            for idx in islice(waiting, max_seqs - n):
                 p = prompt[idx]
                 if m and tokens + p > max_tokens:
                     break
-                need = -(-p // bs)
-                if free_after - need < watermark:
-                    break
+                if not roomy:
+                    need = blocks[idx]
+                    if need > room:
+                        break
+                    room -= need
                 m += 1
                 tokens += p
                 sum_sq += p * p
                 if fresh[idx]:
                     fresh_tokens += p
-                free_after -= need
             if m:
                 f = w_tok * tokens + w_sq * sum_sq  # = latency.prefill_flops, inlined
                 dt = prefill_base[m] + prefill_c[m] * f + prefill_per_token * tokens
@@ -152,41 +211,52 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                 t += dt
                 flops += f
                 useful += w_tok * (fresh_tokens + m)
-                iterations += 1
                 prefills += 1
+                # all m join the batch (undone below for a request done at its first token)
+                n += m
+                s0_sum += tokens - m * g
+                free = room + watermark
                 for _ in range(m):
                     idx = waiting.popleft()
-                    generated[idx] += 1
                     left = remaining[idx] - 1
                     if left == 0:
                         finish[idx] = t
-                        if successor[idx] >= 0:
-                            heapq.heappush(pending, (t, successor[idx]))
+                        n -= 1
+                        s0_sum -= prompt[idx] - g
+                        free += blocks[idx]
+                        if chained and successor[idx] >= 0:
+                            heappush(pending, (t, successor[idx]))
                         continue
-                    p = prompt[idx]
-                    running[idx] = (g, p, seq, g + left)
-                    heapq.heappush(finish_heap, (g + left, seq, idx))
-                    seq += 1
-                    phase_count[(g - p) % bs] += 1
-                    n += 1
-                    attended_base += p + 1 - g
-                    free -= -(-p // bs)
+                    s0 = prompt[idx] - g
+                    phase = -s0 % bs
+                    g_fin = g + left
+                    running[idx] = (s0, phase, g_fin)
+                    bucket = ending.get(g_fin)
+                    if bucket is None:
+                        ending[g_fin] = [idx]
+                        heappush(finish_at, g_fin)
+                    else:
+                        bucket.append(idx)
+                    phase_count[phase] += 1
                 curve_t.append(t)
                 curve_f.append(flops)
                 curve_u.append(useful)
                 continue
 
         if n:
-            while True:  # drop heap entries of preempted requests
-                g_fin, s, idx = finish_heap[0]
-                entry = running.get(idx)
-                if entry is not None and entry[2] == s:
+            if n <= drain_below and not waiting and not pending:
+                drained = _drain(running, ending, g, n, s0_sum, math.inf if roomy else free, bs,
+                                 latency, (t, flops, useful),
+                                 finish, (curve_t, curve_f, curve_u))
+                if drained is not None:
+                    t, flops, useful, g = drained
+                    running.clear()
                     break
-                heapq.heappop(finish_heap)
-            k = g_fin - g
+                drain_below = n // 2
+            k = finish_at[0] - g
 
             # First decode iteration (relative) at which block demand exceeds free blocks.
-            if free < n * (-(-k // bs)):
+            if not roomy and free < n * (-(-k // bs)):
                 cycles = free // n
                 budget = free - cycles * n
                 offset, acc, base = 0, 0, g % bs
@@ -198,13 +268,25 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                 shortage_at = cycles * bs + offset
                 if shortage_at == 0:
                     need = phase_count[base]
-                    while need > free:
+                    while need > free:  # preempt the latest admitted, back to the queue head
                         victim = next(reversed(running))
-                        v_g_adm, v_stored_adm = running[victim][:2]
-                        if (v_g_adm - v_stored_adm) % bs == base:
+                        s0, phase, g_fin = running.pop(victim)
+                        if phase == base:
                             need -= 1
-                        remaining[victim] = running[victim][3] - g
-                        prompt[victim] = remove(victim) + 1
+                        bucket = ending[g_fin]
+                        bucket.remove(victim)
+                        if not bucket:
+                            del ending[g_fin]
+                            finish_at.remove(g_fin)
+                            heapq.heapify(finish_at)
+                        phase_count[phase] -= 1
+                        n -= 1
+                        s0_sum -= s0
+                        stored = s0 + g
+                        free += -(-stored // bs)
+                        remaining[victim] = g_fin - g
+                        prompt[victim] = stored + 1
+                        blocks[victim] = -(-(stored + 1) // bs)
                         fresh[victim] = False
                         waiting.appendleft(victim)
                         preemptions += 1
@@ -214,11 +296,12 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
                 else:
                     k = min(k, shortage_at)
 
-            c0 = attended_base + n * g
+            c0 = s0_sum + n * (g + 1)  # attended tokens at the first of the k iterations
             a, b = alpha[n], beta[n]
             if not waiting and pending:
                 k = min(k, _iterations_until(pending[0][0] - t, a, b, c0, n))
-            if stop_at < math.inf:
+            if stoppable and _run_seconds(k, a, b, c0, n) > stop_at - t:
+                # (the run time grows with k: a run that fits needs no search)
                 k = min(k, _iterations_within(stop_at - t, a, b, c0, n))
                 if k == 0:
                     stopped = True
@@ -228,30 +311,33 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
             t += k * a + b * attended
             flops += k * flops_n[n] + flops_c * attended
             useful += w_tok * n * k
-            iterations += k
-            cycles, rest = divmod(k, bs)
-            used = n * cycles
-            base = g % bs
-            for offset in range(rest):
-                used += phase_count[(base + offset) % bs]
-            free -= used
+            if not roomy:
+                # KV blocks the k iterations take: n per full cycle of bs, plus the phases
+                # met in the partial cycle
+                cycles, rest = divmod(k, bs)
+                used = n * cycles
+                if rest:
+                    base = g % bs
+                    end = base + rest
+                    if end <= bs:
+                        used += sum(phase_count[base:end])
+                    else:
+                        used += sum(phase_count[base:]) + sum(phase_count[:end - bs])
+                free -= used
             g += k
-            while finish_heap and finish_heap[0][0] == g:
-                _, s, idx = heappop(finish_heap)
-                entry = running.get(idx)
-                if entry is None or entry[2] != s:
-                    continue
-                # inlined remove(): this is the hottest loop of the planner
-                del running[idx]
-                g_adm, stored_adm = entry[0], entry[1]
-                phase_count[(g_adm - stored_adm) % bs] -= 1
-                n -= 1
-                attended_base -= stored_adm + 1 - g_adm
-                free += -(-(stored_adm + g - g_adm) // bs)
-                generated[idx] += g - g_adm
-                finish[idx] = t
-                if successor[idx] >= 0:
-                    heappush(pending, (t, successor[idx]))
+            if finish_at[0] == g:
+                heappop(finish_at)
+                done = ending.pop(g)
+                n -= len(done)
+                g_up = g + bs - 1  # blocks of x tokens: (x + bs - 1) // bs
+                for idx in done:  # the hottest loop of the planner
+                    s0, phase, _ = running.pop(idx)
+                    phase_count[phase] -= 1
+                    s0_sum -= s0
+                    free += (s0 + g_up) // bs
+                    finish[idx] = t
+                    if chained and successor[idx] >= 0:
+                        heappush(pending, (t, successor[idx]))
             curve_t.append(t)
             curve_f.append(flops)
             curve_u.append(useful)
@@ -265,16 +351,19 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
             continue
         if waiting:
             raise SchedulerDeadlock(
-                f"request {waiting[0]} needs {-(-prompt[waiting[0]] // bs)} KV blocks; "
+                f"request {waiting[0]} needs {blocks[waiting[0]]} KV blocks; "
                 f"the replica has {limits.num_blocks}")
         break
 
     snapshot = []
-    for idx, (g_adm, stored_adm, _, _) in running.items():
-        generated[idx] += g - g_adm
-        snapshot.append((idx, stored_adm + g - g_adm))
+    for idx, (s0, _, g_fin) in running.items():
+        snapshot.append((idx, s0 + g))
+        remaining[idx] = g_fin - g
+    finish_arr = np.asarray(finish)
+    left = np.asarray(remaining, dtype=np.int64)
+    left[np.isfinite(finish_arr)] = 0
     return SimResult(
-        finish=np.asarray(finish), end_time=t, generated=np.asarray(generated, dtype=np.int64),
+        finish=finish_arr, end_time=t, generated=work.remaining - left,
         curve_t=np.asarray(curve_t), curve_flops=np.asarray(curve_f), curve_useful=np.asarray(curve_u),
         running=snapshot, waiting=list(waiting),
-        iterations=iterations, prefills=prefills, preemptions=preemptions, stopped=stopped)
+        iterations=prefills + g, prefills=prefills, preemptions=preemptions, stopped=stopped)
