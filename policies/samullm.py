@@ -13,6 +13,10 @@ Both greedies are also registered alone (``samullm-window``, ``samullm-rate``). 
 first-stage simulations are done once and shared; where a second core exists they are
 split over two processes, and then the two greedies run side by side in forked processes
 that inherit the cache (set ``RAYCOLO_PLANNER_PROCESSES=1`` to stay in one process).
+
+One process does the same computation and counts its work the same way (the other
+process's work is not counted in a caller's budget, ``samullm-search``'s), so a plan does
+not depend on how many cores the machine has.
 """
 from __future__ import annotations
 
@@ -153,11 +157,20 @@ def plan(problem: PlanningProblem, evaluator: Optional[StageEvaluator] = None,
                 if meanwhile:
                     meanwhile()
                 plans.append(other())
-        else:
-            _first_stage_runs(pairs)
-            plans = [_greedy(m) for m in METRICS]
+        else:   # the same computation in one process, counted as two processes count it
+            mine, theirs = _split(pairs, evaluator)
+            _first_stage_runs(mine)
+            counted = evaluator.simulations, evaluator.work
+            other_half = _first_stage_runs(theirs)   # the child's half: its work is not counted
+            evaluator.simulations, evaluator.work = counted
+            evaluator.cache.update(other_half)
+            evaluator.simulations += len(theirs)
+            child = evaluator.fork()                 # what the second greedy's process starts from
+            plans = [_greedy(METRICS[0])]
             if meanwhile:
                 meanwhile()
+            _shared["evaluator"] = child
+            plans.append(_greedy(METRICS[1]))
     finally:
         _shared.clear()
     best = min(plans, key=lambda p: p.makespan_s)  # a tie keeps the paper's window metric

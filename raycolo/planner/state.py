@@ -9,6 +9,8 @@ was, while a node whose plan changes is reloaded and re-prefills its partial out
 """
 from __future__ import annotations
 
+import copy
+
 import hashlib
 import itertools
 import math
@@ -276,6 +278,14 @@ class StageEvaluator:
         self.simulated = 0   # node runs really simulated (the rest came from equal inputs)
         self._chained = {n: bool((problem.node(n).successor >= 0).any()) for n in problem.nodes}
         self._placements: dict[tuple, Optional[tuple[Placement, set[str]]]] = {}
+
+    def fork(self) -> "StageEvaluator":
+        """A copy whose cache and counters grow apart from this one's: what a forked
+        process starts from (``samullm``'s one-process path runs its second greedy on it)."""
+        other = copy.copy(self)
+        other.cache = dict(self.cache)
+        other._placements = dict(self._placements)
+        return other
 
     def _upstream(self, state: AppState, node: str, runs: dict[str, NodeRun]):
         finish, keys, contents = {}, [], []
