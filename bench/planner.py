@@ -28,7 +28,7 @@ from raycolo.policies import get_policy  # noqa: E402
 from raycolo.workload import build_workload  # noqa: E402
 from common import write_json  # noqa: E402
 
-POLICIES = ["samullm", "samullm-rollout", "samullm-window", "samullm-nopreempt", "max", "min"]
+POLICIES = ["samullm-search", "samullm", "samullm-rollout", "samullm-window", "samullm-nopreempt", "max", "min"]
 
 CASES = [  # (label, example, requests, output limit override)
     ("ensemble 1000/256", "ensemble", 1000, 256),

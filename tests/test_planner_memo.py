@@ -19,17 +19,11 @@ from raycolo.planner.state import StageEvaluator, initial_state, run_node
 from raycolo.policies import get_policy
 from raycolo.policies.samullm import _in_child, _split
 from raycolo.workload import build_workload
+from test_planner_search import FUSER as SEARCH_FUSER
 
-FUSER = {  # two answers and a model reading both: runs depend on runs upstream in the stage
-    "name": "memo-fuser",
-    "requests": {"count": 140, "input_tokens": {"distribution": "uniform", "min": 5, "max": 80}},
-    "nodes": [{"name": "a", "model": "mistral-7b-instruct-v0.2", "max_output_tokens": 64},
-              {"name": "b", "model": "chatglm3-6b", "max_output_tokens": 96},
-              {"name": "f", "model": "llama-2-7b-chat-hf", "max_output_tokens": 32,
-               "combine": "concat", "prompt": "{a} {b}"}],
-    "edges": [{"from": "input", "to": "a"}, {"from": "input", "to": "b"},
-              {"from": "a", "to": "f"}, {"from": "b", "to": "f"}],
-}
+# two answers and a model reading both (runs depend on runs upstream in the stage), larger
+FUSER = {**SEARCH_FUSER, "name": "memo-fuser",
+         "requests": {"count": 140, "input_tokens": {"distribution": "uniform", "min": 5, "max": 80}}}
 
 
 class Unshared(StageEvaluator):
