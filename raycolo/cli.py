@@ -611,6 +611,10 @@ COMMANDS = {"serve": cmd_serve, "online": cmd_online, "simulate-online": cmd_sim
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from raycolo.plots import check_image_path
+        for flag in ("gantt", "plot"):
+            if isinstance(getattr(args, flag, None), str):
+                check_image_path(getattr(args, flag), f"--{flag}")
         return COMMANDS[args.command](args)
     except RaycoloError as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)

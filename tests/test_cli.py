@@ -390,3 +390,15 @@ def test_unknown_nested_yaml_key(tmp_path):
         {"name": "a", "model": "vicuna-13b-v1.5", "max_output_tokens": 8, "temperature": 0.7}]))
     line = _error("compare", path)
     assert "temperature" in line
+
+
+def test_a_plot_path_that_is_no_image_format_is_refused_before_planning(tmp_path):
+    """matplotlib raised a traceback for `--gantt plan.yaml` after planning (found by the
+    hostile-input fuzz on a clean clone); it is one error line naming the flag, and
+    nothing is written."""
+    line = _error("plan", "examples/tiny.yaml", "--profile", "cpu", "--gpus", "2",
+                  "--gantt", str(tmp_path / "plan.yaml"))
+    assert line.startswith("error: --gantt:") and "'.yaml'" in line
+    line = _error("simulate-online", "--tasks", "5", "--plot", str(tmp_path / "t.json"))
+    assert line.startswith("error: --plot:")
+    assert list(tmp_path.iterdir()) == []
