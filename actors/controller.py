@@ -36,7 +36,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raycolo.actors.engine_actor import EngineActor
+from raycolo.actors.engine_actor import SWITCH_KINDS, EngineActor
 from raycolo.planner.placement import place
 from raycolo.planner.problem import ExecPlan, PlanningProblem
 from raycolo.planner.replay import StageAdjuster
@@ -97,7 +97,7 @@ class Replica:
     steps: int = 0
     restarts: int = 0
     stopping: bool = False
-    switch: str = "cold"        # how it got its actor: cold (a new one), swap or keep (pooled)
+    switch: str = "cold"        # how it got its actor: cold (a new one), swap, wake or keep (pooled)
 
     def segment_rows(self, end_s: float) -> list[tuple[int, float, float, float, str]]:
         stop = self.stopped_s if self.stopped_s is not None else end_s
@@ -174,7 +174,7 @@ class Controller:
         rep.actor = EngineActor.options(
             name=f"{label}~{self.run_token}", num_gpus=1, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(rep.pg, placement_group_bundle_index=0),
-        ).remote(self.engine_config(rep.node, rep.plan), label)
+        ).remote(self.engine_config(rep.node, rep.plan), label, self.config.parked_engines)
         rep.info_ref = rep.actor.info.remote()
         self.by_ref[rep.info_ref] = (rep, "info")
         rep.ready_s = None
@@ -550,7 +550,7 @@ class Controller:
 
     def _switch_stats(self) -> dict:
         out = {}
-        for kind in ("cold", "swap", "keep"):
+        for kind in SWITCH_KINDS:
             times = [r.ready_s - r.created_s for r in self.all_replicas
                      if r.switch == kind and r.ready_s is not None]
             out[kind] = {"count": len(times), "median_s": statistics.median(times) if times else None}
@@ -595,7 +595,7 @@ class Controller:
                 "switch_stop_s_median": statistics.median([s["stop_s"] for s in switches]) if switches else None,
                 "replica_start_s_median": statistics.median(
                     [r.ready_s - r.created_s for r in self.all_replicas if r.ready_s is not None]) if self.all_replicas else None,
-                # replica starts by how they got their actor: cold (new), swap, keep (pooled)
+                # replica starts by how they got their actor: cold (new), swap, wake, keep (pooled)
                 "replica_switches": self._switch_stats(),
                 "pool_evictions": self.evicted,
             },

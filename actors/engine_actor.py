@@ -12,15 +12,23 @@ work is redone.
 A drained actor is not thrown away: the controller keeps it, with its process, its
 imports and its device context, in a warm pool on its GPUs, and a later replica on the
 same GPUs takes it over with :meth:`swap`: the same engine config again is a *keep*
-(the loaded model stays; its requests and KV are cleared), another one a *swap* (the old
-engine is released and the new one loaded in this process). Only a replica on GPUs no
-pooled actor holds starts a new actor (a *cold start*).
+(the loaded model stays; its requests and KV are cleared), another one a *swap* (the new
+engine loaded in this process). Only a replica on GPUs no pooled actor holds starts a new
+actor (a *cold start*).
+
+On a swap the old engine is put to sleep and *parked* in the actor where its backend can
+sleep (:meth:`Engine.sleep`: KV freed, weights in host memory) and the actor may park
+more (``max_parked``, and enough host memory left), else released. A later swap to a
+parked engine's config wakes it (a *wake*: a copy back and a fresh KV cache, no model
+build), as vLLM's sleep mode lets one process switch between models.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from collections import OrderedDict
 from typing import Optional
 
 import ray
@@ -61,16 +69,27 @@ def _resolve(engine_config: dict) -> dict:
     return config
 
 
+SWITCH_KINDS = ("cold", "swap", "wake", "keep")   # how an actor came to hold its engine
+# Park an engine only while this share of the host's memory stays free after it.
+PARK_MIN_FREE_FRACTION = 0.2
+
+
+def _key(config: dict) -> str:
+    return json.dumps(config, sort_keys=True)
+
+
 @ray.remote(num_cpus=0, max_concurrency=2)
 class EngineActor:
-    def __init__(self, engine_config: dict, label: str):
+    def __init__(self, engine_config: dict, label: str, max_parked: int):
         started = time.perf_counter()
         from raycolo.engines.base import create_engine
 
         self._config = _resolve(engine_config)
         self.engine = create_engine(self._config)
-        self.switch = "cold"      # how this actor came to hold its engine: cold, swap, keep
+        self.switch = "cold"      # one of SWITCH_KINDS
         self.swaps = 0
+        self.max_parked = max_parked
+        self._parked: OrderedDict[str, object] = OrderedDict()  # asleep, least recently used first
         self._cond = threading.Condition()
         self._metrics = _engine_metrics()
         self._begin(label)
@@ -96,8 +115,9 @@ class EngineActor:
     def swap(self, engine_config: dict, label: str) -> dict:
         """Serve replica ``label`` with ``engine_config`` in this process (the previous
         replica was drained): the same config keeps the loaded model (*keep*: only its
-        requests and KV are cleared), another releases it and loads the new one (*swap*).
-        Returns :meth:`info`, whose ``load_s`` is this switch's time."""
+        requests and KV are cleared), another parks or releases it and wakes a parked
+        engine of that config (*wake*) or loads a new one (*swap*). Returns :meth:`info`,
+        whose ``load_s`` is this switch's time."""
         started = time.perf_counter()
         from raycolo.engines.base import create_engine
 
@@ -106,16 +126,36 @@ class EngineActor:
         if config == self._config and self.engine is not None and self.engine.reset():
             self.switch = "keep"
         else:
+            parked = self._parked.pop(_key(config), None)   # before parking evicts it
             if self.engine is not None:
-                self.engine.release()
+                self._park(self.engine)
                 self.engine = None
             self._config = config
-            self.engine = create_engine(config)
-            self.switch = "swap"
+            if parked is not None:
+                parked.wake_up()
+                self.engine, self.switch = parked, "wake"
+            else:
+                self.engine, self.switch = create_engine(config), "swap"
         self.swaps += 1
         self._begin(label)
         self.load_s = time.perf_counter() - started
         return self.info()
+
+    def _park(self, engine) -> None:
+        """Put ``engine`` (of ``self._config``) to sleep and keep it, the least recently
+        used parked one released first when ``max_parked`` are; release it instead where
+        it cannot sleep or host memory is short."""
+        import psutil
+
+        while self._parked and len(self._parked) >= self.max_parked:
+            self._parked.popitem(last=False)[1].release()
+        host = psutil.virtual_memory()
+        to_host = 0 if engine.config.engine_kwargs.device == "cpu" else engine.memory().weight_bytes
+        if (self.max_parked > 0 and host.available - to_host >= PARK_MIN_FREE_FRACTION * host.total
+                and engine.sleep()):
+            self._parked[_key(self._config)] = engine
+        else:
+            engine.release()
 
     def _stop_loop(self) -> None:
         with self._cond:
@@ -181,7 +221,7 @@ class EngineActor:
         context = ray.get_runtime_context()
         return {"label": self.label, "pid": os.getpid(), "node_id": context.get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "load_s": self.load_s,
-                "switch": self.switch, "swaps": self.swaps,
+                "switch": self.switch, "swaps": self.swaps, "parked": len(self._parked),
                 "device": self.engine.config.engine_kwargs.device,
                 "model_id": self.engine.config.model_loading_config.model_id}
 

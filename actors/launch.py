@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import ray
 
 from raycolo.actors.local_cluster import start_local
+from raycolo.actors.engine_actor import SWITCH_KINDS
 from raycolo.actors.pool import ComputeScales, SwitchCosts, start_pool
 from raycolo.errors import ConfigError
 from raycolo.planner.problem import PlanningProblem
@@ -74,9 +75,10 @@ def run_application(config: RunConfig, on_output: Optional[Callable] = None,
     if config.replica_start_s is None:
         started = time.perf_counter()
         pooled, costs, scales = start_pool(run, profiled, gpus)
-        log(f"warm pool of {len(pooled)} engine actors in {time.perf_counter() - started:.1f}s: cold start {costs.estimate('cold'):.2f}s, "
-            f"swap {costs.estimate('swap'):.3f}s, keep {costs.estimate('keep'):.4f}s "
-            f"(low medians of {len(costs.cold)}/{len(costs.swap)}/{len(costs.keep)} samples)")
+        measured = [k for k in SWITCH_KINDS if getattr(costs, k)]
+        log(f"warm pool of {len(pooled)} engine actors in {time.perf_counter() - started:.1f}s: "
+            + ", ".join(f"{k} {costs.estimate(k):.4f}s" for k in measured)
+            + f" (low medians of {'/'.join(str(len(getattr(costs, k))) for k in measured)} samples)")
         replica_start_s, cold_start_s = costs.estimate("swap"), costs.estimate("cold")
         if scales.samples:
             log("compute against the profiles: " + ", ".join(

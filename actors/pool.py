@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 import ray
 
-from raycolo.actors.engine_actor import EngineActor
+from raycolo.actors.engine_actor import SWITCH_KINDS, EngineActor
 from raycolo.planner.problem import ExecPlan, PlanningProblem
 from raycolo.runtime.setup import PreparedRun
 
@@ -44,11 +44,13 @@ PROBE_BUDGET_S = 0.2      # (tokens down to 8 first) until the profile predicts 
 class SwitchCosts:
     """Seconds each way of giving a GPU a model cost, as measured on this cluster:
     ``cold`` a new engine actor (placement group, process start, imports, the probe
-    model), ``swap`` another model in a pooled actor, ``keep`` the same model again.
+    model), ``swap`` another model in a pooled actor, ``wake`` a model the actor parked
+    asleep, ``keep`` the same model again.
     :meth:`estimate` is the low median of the samples."""
 
     cold: list[float] = field(default_factory=list)
     swap: list[float] = field(default_factory=list)
+    wake: list[float] = field(default_factory=list)
     keep: list[float] = field(default_factory=list)
     how: str = "measured"
 
@@ -58,7 +60,7 @@ class SwitchCosts:
 
     def as_dict(self) -> dict:
         return {"how": self.how, **{k: {"estimate_s": self.estimate(k), "samples_s": getattr(self, k)}
-                                    for k in ("cold", "swap", "keep")}}
+                                    for k in SWITCH_KINDS}}
 
 
 @dataclass
@@ -149,7 +151,8 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
     the cold starts; then rounds in which every actor swaps to a model of the app (actor
     ``i`` takes model ``i + round``; at least ``swaps`` rounds, a seeded copy of a model
     where the app has too few) and, on the torch backend, runs that model's probe batch,
-    all actors at once; then one keep on each. Returns the pooled actors for the
+    all actors at once; then (where actors park engines) one wake on each, back to the
+    previous round's model, and one keep. Returns the pooled actors for the
     controller (GPU ``i`` gets actor ``i``), the :class:`SwitchCosts` and the
     :class:`ComputeScales`. An actor that dies meanwhile gives no more samples and is not
     pooled; if all die the start runs again ``retries`` times."""
@@ -169,20 +172,19 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
     actors = [EngineActor.options(
         name=f"raycolo-pool-{i}~{token}", num_gpus=1, max_restarts=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-    ).remote(_cold_config(run), f"raycolo-pool-{i}") for i, pg in enumerate(groups)]
+    ).remote(_cold_config(run), f"raycolo-pool-{i}", run.config.parked_engines)
+        for i, pg in enumerate(groups)]
     costs, scales, alive, died = SwitchCosts(), ComputeScales(), {}, []
     for i, _ in _each(alive, died, {a.info.remote(): (i, a) for i, a in enumerate(actors)}):
         costs.cold.append(time.perf_counter() - started)
 
     current: dict[int, dict] = {}
+    previous: dict[int, dict] = {}
     for r in range(max(len(probes), swaps)):
         picks = {i: probes[(i + r) % len(probes)] for i in alive}
-        calls = {}
-        for i, actor in alive.items():
-            current[i] = _variant(picks[i].config, r // len(probes))
-            calls[actor.swap.remote(current[i], f"raycolo-pool-{i}")] = i
-        for i, info in _each(alive, died, calls):
-            getattr(costs, info["switch"]).append(info["load_s"])
+        previous = dict(current)
+        current = {i: _variant(picks[i].config, r // len(probes)) for i in alive}
+        _switch_all(alive, died, current, costs)
         if measure_compute:
             calls = {alive[i].time_batch.remote(picks[i].requests): i for i in alive}
             for i, out in _each(alive, died, calls):
@@ -190,9 +192,10 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
                 outputs = [out["output_lens"][q["key"]] for q in p.requests]
                 predicted = problem.replica_seconds(p.model, p.prompt_lens, outputs)
                 scales.add(p.model, i, len(outputs), out["seconds"], predicted)
-    calls = {actor.swap.remote(current[i], f"raycolo-pool-{i}"): i for i, actor in alive.items()}
-    for i, info in _each(alive, died, calls):
-        getattr(costs, info["switch"]).append(info["load_s"])
+    if run.config.parked_engines:   # back to the previous round's model: parked, so a wake
+        current = {i: previous[i] for i in alive}
+        _switch_all(alive, died, current, costs)
+    _switch_all(alive, died, current, costs)   # the same again: a keep
     if not measure_compute:
         scales.how = f"not measured ({run.config.backend} backend): the profiles as they are"
 
@@ -205,6 +208,14 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
         raise RuntimeError(f"every pool actor died while starting: {died[-1]}")
     pooled = [Pooled((i,), groups[i], actor) for i, actor in alive.items()]
     return pooled, costs, scales
+
+
+def _switch_all(alive: dict, died: list, configs: dict, costs: SwitchCosts) -> None:
+    """Every living actor ``i`` takes ``configs[i]``; each switch's time goes to ``costs``
+    under the kind the actor reports."""
+    calls = {actor.swap.remote(configs[i], f"raycolo-pool-{i}"): i for i, actor in alive.items()}
+    for _, info in _each(alive, died, calls):
+        getattr(costs, info["switch"]).append(info["load_s"])
 
 
 def _each(alive: dict, died: list, calls: dict):

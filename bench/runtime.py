@@ -11,7 +11,7 @@ Measures, on a local cluster with logical GPUs and the shipped CPU profiles:
    time per stage switch, and how long a replica takes to start.
 
 Each run starts its warm pool of engine actors before planning (one per GPU) and plans
-with the times that pool measured (cold start, warm swap, keep: low medians) and the
+with the times that pool measured (cold start, warm swap, wake, keep: low medians) and the
 compute scale its probes measured against the profiles, as ``raycolo run`` does; ``--replica-start-s`` plans every run with one given time instead
 (no pre-started pool). Figures are medians over ``--repeats``; the machine is shared and
 noisy.
@@ -30,6 +30,7 @@ import ray
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from raycolo.actors.engine_actor import SWITCH_KINDS  # noqa: E402
 from raycolo.actors.launch import run_application  # noqa: E402
 from raycolo.runtime.setup import RunConfig  # noqa: E402
 
@@ -38,10 +39,15 @@ POLICY_APP = "tiny.yaml"
 POLICIES = ("samullm", "samullm-search", "max", "min")
 
 
-def _run(app: str, policy: str, gpus: int, start_s: float, requests, workdir: Path, tag: str) -> dict:
+UNPARKED = "samullm, no parking"   # the samullm run of POLICY_APP with --parked-engines 0
+PARKED_DEFAULT = RunConfig.model_fields["parked_engines"].default
+
+
+def _run(app: str, policy: str, gpus: int, start_s: float, requests, workdir: Path, tag: str,
+         parked: int = PARKED_DEFAULT) -> dict:
     config = RunConfig(dag=str(ROOT / "examples" / app), output=str(workdir / tag), profile="cpu",
                        policy=policy, gpus=gpus, nvlink_group=1, replica_start_s=start_s,
-                       requests=requests, progress=False, gantt=False)
+                       requests=requests, progress=False, gantt=False, parked_engines=parked)
     started = time.perf_counter()
     report = run_application(config, log=lambda m: None)
     report["end_to_end_s"] = time.perf_counter() - started
@@ -74,10 +80,12 @@ def main(argv=None) -> int:
         runs: dict[tuple[str, str], list[dict]] = {}
         jobs = [(app, "samullm") for app in PREDICTION_APPS]
         jobs += [(POLICY_APP, p) for p in POLICIES if (POLICY_APP, p) not in jobs]
+        jobs.append((POLICY_APP, UNPARKED))
         for r in range(args.repeats):
             for app, policy in jobs:
-                tag = f"{Path(app).stem}-{policy}-{r}"
-                report = _run(app, policy, args.gpus, start_s, args.requests, workdir, tag)
+                tag = f"{Path(app).stem}-{policy.replace(', ', '-').replace(' ', '-')}-{r}"
+                report = _run(app, policy.split(",")[0], args.gpus, start_s, args.requests, workdir, tag,
+                              parked=0 if policy == UNPARKED else PARKED_DEFAULT)
                 runs.setdefault((app, policy), []).append(report)
                 print(f"  run {tag}: predicted {report['predicted_makespan_s']:.1f}s, "
                       f"actual {report['actual_makespan_s']:.1f}s", flush=True)
@@ -127,13 +135,24 @@ def main(argv=None) -> int:
           f"replica start {start:.2f} s")
     print("\n4. Giving a GPU a model (median over runs)")
     print(f"{'way':<6} {'pool probe_s':>12} {'replicas':>8} {'in runs_s':>10}")
-    for kind in ("cold", "swap", "keep"):
+    for kind in SWITCH_KINDS:
         probed = _median((r.get("switch_costs") or {}).get(kind, {}).get("estimate_s") for r in everything)
         counts = sum(r["overhead"]["replica_switches"][kind]["count"] for r in everything)
         in_runs = _median(r["overhead"]["replica_switches"][kind]["median_s"] for r in everything)
         print(f"{kind:<6} {probed:>12.3f} {counts:>8} {in_runs:>10.3f}")
     busy = _median(r["gpu_busy_fraction"] for r in runs[(POLICY_APP, "samullm")])
     print(f"GPU busy fraction ({Path(POLICY_APP).stem}, samullm, median): {busy:.2f}")
+
+    print(f"\n5. Parked engines ({Path(POLICY_APP).stem}, samullm, median over repeats): a swap to a model the")
+    print(f"   actor parked asleep is a wake; --parked-engines 0 releases every old engine instead")
+    print(f"{'parked engines':<15} {'actual_s':>9} {'busy':>6} {'swaps':>6} {'wakes':>6} {'swap_s':>7} {'wake_s':>7}")
+    for label, key in ((f"{PARKED_DEFAULT} (default)", "samullm"), ("0", UNPARKED)):
+        reps = runs[(POLICY_APP, key)]
+        sw = [r["overhead"]["replica_switches"] for r in reps]
+        print(f"{label:<15} {_median(r['actual_makespan_s'] for r in reps):>9.2f} "
+              f"{_median(r['gpu_busy_fraction'] for r in reps):>6.2f} "
+              f"{_median(s['swap']['count'] for s in sw):>6.0f} {_median(s['wake']['count'] for s in sw):>6.0f} "
+              f"{_median(s['swap']['median_s'] for s in sw):>7.3f} {_median(s['wake']['median_s'] for s in sw):>7.3f}")
     return 0
 
 

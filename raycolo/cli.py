@@ -181,6 +181,12 @@ def _add_run_flags(p: argparse.ArgumentParser, local: bool) -> None:
     p.add_argument("--threads", type=THREADS, default=None, help="torch CPU threads per replica")
     p.add_argument("--replica-start-s", type=float, default=None,
                    help="seconds a replica takes to start, for planning (default: measured once)")
+    from raycolo.runtime.setup import RunConfig
+
+    parked = RunConfig.model_fields["parked_engines"].default
+    p.add_argument("--parked-engines", type=_int(0, 64), default=parked,
+                   help=f"engines each warm engine actor keeps asleep to wake for a later stage "
+                        f"instead of loading again (default {parked}; 0: none)")
     p.add_argument("--slice-s", type=float, default=0.2, help="engine time per controller round trip")
     p.add_argument("--placement-strategy", default="PACK", help="placement group strategy (default PACK)")
     p.add_argument("--max-restarts", type=_int(0, 100), default=3, help="restarts per replica before failing")

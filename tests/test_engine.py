@@ -500,3 +500,28 @@ def test_take_hands_back_the_least_advanced_and_they_continue_exactly(e64):
     assert list(generate(engine, [prompts[0]], params)[0].token_ids) == expected["0"]
     engine.release()
     other.release()
+
+
+def test_a_slept_engine_frees_its_kv_cache_and_wakes_to_the_same_outputs(greedy64):
+    """``sleep`` drops the running requests and frees the preallocated KV cache (no tensor
+    left), keeping the model; after ``wake_up`` the engine answers exactly as before
+    (greedy against the module's reference run, which a fresh engine produced) and a
+    seeded sample as a fresh engine does."""
+    engine = make_engine(dtype="float64")
+    sampled = SamplingParams(max_tokens=10, temperature=0.9, seed=5)
+    fresh = make_engine(dtype="float64")
+    expected_sample = generate(fresh, [PROMPTS[1]], sampled)[0].token_ids
+    fresh.release()
+    engine.add_request("left", PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    assert engine.memory().kv_blocks_used > 0
+    cache = engine.executor.cache
+    assert engine.sleep() is True
+    assert not engine.requests and not cache.allocated and cache.keys == [] and cache.values == []
+    engine.wake_up()
+    assert cache.allocated and all(float(k.abs().sum()) == 0 for k in cache.keys)
+    outs, _ = greedy64
+    again = generate(engine, PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert generate(engine, [PROMPTS[1]], sampled)[0].token_ids == expected_sample
+    engine.release()

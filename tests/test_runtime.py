@@ -187,7 +187,9 @@ def test_the_replica_start_probe_survives_a_probe_that_dies(cluster, tmp_path):
     assert killed and [p.gpus for p in pooled] == [(1,)]
     models = {w.model.name for w in run.workload.nodes.values()}
     rounds = max(len(models), 2)
-    assert len(costs.cold) == 1 and len(costs.swap) == rounds and len(costs.keep) == 1
+    # then back to the previous round's model, which the actor parked asleep: a wake
+    assert len(costs.cold) == 1 and len(costs.swap) == rounds and len(costs.wake) == 1
+    assert len(costs.keep) == 1
     # the survivor ran each model's probe once: a positive time, compared with the profile's
     assert set(scales.samples) == models
     for model, samples in scales.samples.items():
@@ -215,7 +217,9 @@ def _generate(actor, prompts: list, seed: int) -> dict:
 def test_a_warm_swap_gives_the_outputs_of_a_cold_start(cluster):
     """An engine actor that served one model, drained mid-request, then swapped to another
     answers exactly as a fresh actor of that model (greedy and seeded sampling); taking
-    the same config again is a keep, with the same answers too."""
+    the same config again is a keep, with the same answers too. The first model was
+    parked asleep meanwhile: swapping back to it wakes it (no new engine), and it answers
+    as a fresh engine of that model does."""
     from raycolo.actors.engine_actor import EngineActor
 
     def config(model: str) -> dict:
@@ -223,8 +227,8 @@ def test_a_warm_swap_gives_the_outputs_of_a_cold_start(cluster):
                 "engine_kwargs": {"cpu_threads": 1, "device": "auto", "kv_cache_tokens": 4096}}
 
     prompts = ["The warm pool keeps", "a process and", "swaps the weights of a model", "x" * 40]
-    cold = EngineActor.options(num_gpus=1).remote(config("tiny-llama-m"), "cold")
-    warm = EngineActor.options(num_gpus=1).remote(config("tiny-llama-s"), "warm")
+    cold = EngineActor.options(num_gpus=1).remote(config("tiny-llama-m"), "cold", 1)
+    warm = EngineActor.options(num_gpus=1).remote(config("tiny-llama-s"), "warm", 1)
     try:
         expected = _generate(cold, prompts, seed=7)
         ray.get(warm.run.remote([{"key": "busy", "prompt": "left mid-way",
@@ -237,8 +241,16 @@ def test_a_warm_swap_gives_the_outputs_of_a_cold_start(cluster):
         assert _generate(warm, prompts, seed=7) == expected
         ray.get(warm.drain.remote())
         info = ray.get(warm.swap.remote(config("tiny-llama-m"), "warm-3"))
-        assert info["switch"] == "keep" and info["swaps"] == 2
+        assert info["switch"] == "keep" and info["swaps"] == 2 and info["parked"] == 1
         assert _generate(warm, prompts, seed=7) == expected
+        ray.get(cold.drain.remote())
+        assert ray.get(cold.swap.remote(config("tiny-llama-s"), "cold-2"))["switch"] == "swap"
+        expected_s = _generate(cold, prompts, seed=3)
+        ray.get(warm.drain.remote())
+        info = ray.get(warm.swap.remote(config("tiny-llama-s"), "warm-4"))
+        assert info["switch"] == "wake" and info["model_id"] == "tiny-llama-s" and info["parked"] == 1
+        assert info["pid"] == pid
+        assert _generate(warm, prompts, seed=3) == expected_s
     finally:
         for actor in (cold, warm):
             ray.kill(actor, no_restart=True)

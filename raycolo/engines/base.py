@@ -158,6 +158,17 @@ class Engine(abc.ABC):
         loads a fresh engine)."""
         return False
 
+    def sleep(self) -> bool:
+        """Drop every request and give the device back (KV freed; weights off the device
+        or kept in host memory), keeping what :meth:`wake_up` needs to serve again much
+        sooner than a new engine loads. False where a backend cannot (the caller then
+        releases it)."""
+        return False
+
+    def wake_up(self) -> None:
+        """Serve again after :meth:`sleep`, as if new."""
+        raise NotImplementedError(f"{type(self).__name__} does not sleep")
+
     def take(self, n: int) -> list[TrackedRequest]:
         """Remove up to ``n`` unfinished requests, those with the least work done first
         (not started, then the fewest tokens generated), freeing their KV, and return

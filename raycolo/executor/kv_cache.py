@@ -36,15 +36,29 @@ class PagedKVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        self.keys = [_zeros((num_blocks, kv_heads, head_dim, block_size), dtype, device)
-                     for _ in range(num_layers)]
-        self.values = [_zeros((num_blocks, kv_heads, block_size, head_dim), dtype, device)
-                       for _ in range(num_layers)]
+        self.dtype, self.device = dtype, device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)create every layer's tensors, all slots zero; what they held is gone."""
+        n, kvh, d, bs = self.num_blocks, self.kv_heads, self.head_dim, self.block_size
+        self.keys = [_zeros((n, kvh, d, bs), self.dtype, self.device) for _ in range(self.num_layers)]
+        self.values = [_zeros((n, kvh, bs, d), self.dtype, self.device) for _ in range(self.num_layers)]
+
+    def drop(self) -> None:
+        """Free the tensors (an engine put to sleep); :meth:`allocate` before the next use."""
+        self.keys, self.values = [], []
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.keys)
 
     @property
     def bytes_per_token(self) -> int:
-        k = self.keys[0]
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * k.element_size()
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * elem
 
     @property
     def nbytes(self) -> int:

@@ -104,6 +104,13 @@ class ModelExecutor:
                       and all(_fusable(layer) for layer in self.layers)
                       and (self.norm is None or _is_rms_norm(self.norm)))
 
+    def sleep(self) -> None:
+        """Free the KV cache (an engine put to sleep); :meth:`wake_up` makes a fresh one."""
+        self.cache.drop()
+
+    def wake_up(self) -> None:
+        self.cache.allocate()
+
     def _window(self, attn) -> Optional[int]:
         if hasattr(attn, "sliding_window"):      # Qwen2: per layer type
             return attn.sliding_window
@@ -319,6 +326,13 @@ class FallbackExecutor:
             log.warning("raycolo executor: %s is not in the fast path (Llama, Qwen2, Mistral); "
                         "running the model's own forward one sequence at a time (correct, slower)",
                         name)
+
+    def sleep(self) -> None:
+        """Forget every sequence's cache (an engine put to sleep)."""
+        self.caches.clear()
+
+    def wake_up(self) -> None:
+        pass
 
     def batch(self, chunks: Sequence[SeqChunk]) -> list[SeqChunk]:
         return list(chunks)

@@ -47,6 +47,9 @@ class RunConfig(BaseModel):
     block_size: Optional[int] = Field(default=None, gt=0)
     threads: Optional[int] = Field(default=None, gt=0)     # torch CPU threads per replica
     replica_start_s: Optional[float] = Field(default=None, ge=0)  # None: measure once
+    # Engines each warm engine actor keeps asleep for a later stage (a wake instead of a
+    # load); 0: every swap releases the old engine.
+    parked_engines: int = Field(default=1, ge=0, le=64)
     slice_s: float = Field(default=0.2, gt=0)
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     max_restarts: int = Field(default=3, ge=0)
