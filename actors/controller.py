@@ -112,6 +112,10 @@ class Pooled:
     gpus: tuple[int, ...]
     pg: object
     actor: object
+    # the engine config it serves with and those it parked (EngineActor.info's keys), where
+    # known: the warm pool's start tells the planner (raycolo.planner.engines)
+    engine_key: str = ""
+    parked_keys: tuple[str, ...] = ()
 
 
 def stop_actor(actor, pg) -> None:

@@ -74,7 +74,9 @@ SWITCH_KINDS = ("cold", "swap", "wake", "keep")   # how an actor came to hold it
 PARK_MIN_FREE_FRACTION = 0.2
 
 
-def _key(config: dict) -> str:
+def engine_config_key(config: dict) -> str:
+    """An engine config as the controller gives it (``device: auto`` unresolved), as a
+    string: equal for equal configs."""
     return json.dumps(config, sort_keys=True)
 
 
@@ -85,6 +87,7 @@ class EngineActor:
         from raycolo.engines.base import create_engine
 
         self._config = _resolve(engine_config)
+        self._config_key = engine_config_key(engine_config)
         self.engine = create_engine(self._config)
         self.switch = "cold"      # one of SWITCH_KINDS
         self.swaps = 0
@@ -126,11 +129,11 @@ class EngineActor:
         if config == self._config and self.engine is not None and self.engine.reset():
             self.switch = "keep"
         else:
-            parked = self._parked.pop(_key(config), None)   # before parking evicts it
+            parked = self._parked.pop(engine_config_key(engine_config), None)   # before parking evicts it
             if self.engine is not None:
                 self._park(self.engine)
                 self.engine = None
-            self._config = config
+            self._config, self._config_key = config, engine_config_key(engine_config)
             if parked is not None:
                 parked.wake_up()
                 self.engine, self.switch = parked, "wake"
@@ -153,7 +156,7 @@ class EngineActor:
         to_host = 0 if engine.config.engine_kwargs.device == "cpu" else engine.memory().weight_bytes
         if (self.max_parked > 0 and host.available - to_host >= PARK_MIN_FREE_FRACTION * host.total
                 and engine.sleep()):
-            self._parked[_key(self._config)] = engine
+            self._parked[self._config_key] = engine
         else:
             engine.release()
 
@@ -222,6 +225,7 @@ class EngineActor:
         return {"label": self.label, "pid": os.getpid(), "node_id": context.get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "load_s": self.load_s,
                 "switch": self.switch, "swaps": self.swaps, "parked": len(self._parked),
+                "engine_key": self._config_key, "parked_keys": list(self._parked),
                 "device": self.engine.config.engine_kwargs.device,
                 "model_id": self.engine.config.model_loading_config.model_id}
 

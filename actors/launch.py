@@ -16,7 +16,7 @@ import ray
 
 from raycolo.actors.local_cluster import start_local
 from raycolo.actors.engine_actor import SWITCH_KINDS
-from raycolo.actors.pool import ComputeScales, SwitchCosts, start_pool
+from raycolo.actors.pool import ComputeScales, SwitchCosts, load_costs, start_pool
 from raycolo.errors import ConfigError
 from raycolo.planner.problem import PlanningProblem
 from raycolo.runtime.setup import PreparedRun, RunConfig, prepare
@@ -80,6 +80,7 @@ def run_application(config: RunConfig, on_output: Optional[Callable] = None,
             + ", ".join(f"{k} {costs.estimate(k):.4f}s" for k in measured)
             + f" (low medians of {'/'.join(str(len(getattr(costs, k))) for k in measured)} samples)")
         replica_start_s, cold_start_s = costs.estimate("swap"), costs.estimate("cold")
+        switch_costs = load_costs(run, profiled, pooled, costs)
         if scales.samples:
             log("compute against the profiles: " + ", ".join(
                 f"{m} x{k:.2f}" for m, k in scales.scales(models).items()))
@@ -87,9 +88,10 @@ def run_application(config: RunConfig, on_output: Optional[Callable] = None,
         replica_start_s = cold_start_s = config.replica_start_s
         costs = SwitchCosts(cold=[cold_start_s], swap=[replica_start_s], keep=[], how="given (--replica-start-s)")
         scales = ComputeScales(how="not measured (--replica-start-s: no pool start): the profiles as they are")
+        switch_costs = None
     costed = dict(workload=workload, cluster=cluster, profile_dir=run.profile_dir,
                   max_num_seqs=config.max_num_seqs, replica_start_s=replica_start_s,
-                  cold_start_s=cold_start_s)
+                  cold_start_s=cold_start_s, load_costs=switch_costs)
     problem = PlanningProblem(**costed, compute_scale=scales.scales(models))
     plan = get_policy(config.policy)(problem)
     log(f"plan ({plan.policy}): {len(plan.stages)} stages, predicted makespan "

@@ -31,6 +31,7 @@ import numpy as np
 import ray
 
 from raycolo.actors.engine_actor import SWITCH_KINDS, EngineActor
+from raycolo.planner.engines import HeldEngines, LoadCosts
 from raycolo.planner.problem import ExecPlan, PlanningProblem
 from raycolo.runtime.setup import PreparedRun
 
@@ -195,7 +196,7 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
     if run.config.parked_engines:   # back to the previous round's model: parked, so a wake
         current = {i: previous[i] for i in alive}
         _switch_all(alive, died, current, costs)
-    _switch_all(alive, died, current, costs)   # the same again: a keep
+    held = _switch_all(alive, died, current, costs)   # the same again: a keep
     if not measure_compute:
         scales.how = f"not measured ({run.config.backend} backend): the profiles as they are"
 
@@ -206,16 +207,42 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
         if retries > 0:
             return start_pool(run, problem, gpus, swaps, retries - 1)
         raise RuntimeError(f"every pool actor died while starting: {died[-1]}")
-    pooled = [Pooled((i,), groups[i], actor) for i, actor in alive.items()]
+    pooled = [Pooled((i,), groups[i], actor, held[i]["engine_key"], tuple(held[i]["parked_keys"]))
+              for i, actor in alive.items()]
     return pooled, costs, scales
 
 
-def _switch_all(alive: dict, died: list, configs: dict, costs: SwitchCosts) -> None:
+def load_costs(run: PreparedRun, problem: PlanningProblem, pooled: list, costs: SwitchCosts) -> LoadCosts:
+    """What the planner charges each way of giving GPUs a model (the low medians measured;
+    a wake or keep never measured costs a swap or nothing) and what each pooled actor
+    holds, in the planner's terms: an engine config of the app's node ``n`` at tp1 is
+    ``(model id of n, 1)``; any other (a probe's seeded copy) is ``("", 0)``, which no
+    replica asks for but which takes a parking place as it does in the actor."""
+    from raycolo.actors.engine_actor import engine_config_key
+
+    node_models = {n.name: n.checkpoint or n.model for n in run.app.nodes if n.name in run.workload.nodes}
+    known = {engine_config_key(run.engine_config(problem, n, ExecPlan(1, 1))): (m, 1)
+             for n, m in node_models.items()}
+    other = ("", 0)
+    actors = tuple(sorted((HeldEngines(p.gpus, known.get(p.engine_key, other),
+                                       tuple(known.get(k, other) for k in p.parked_keys))
+                           for p in pooled), key=lambda a: a.gpus))
+    swap = costs.estimate("swap")
+    wake, keep = costs.estimate("wake"), costs.estimate("keep")
+    return LoadCosts(cold_s=costs.estimate("cold"), swap_s=swap, wake_s=swap if wake is None else wake,
+                     keep_s=0.0 if keep is None else keep, max_parked=run.config.parked_engines,
+                     actors=actors, node_models=node_models)
+
+
+def _switch_all(alive: dict, died: list, configs: dict, costs: SwitchCosts) -> dict[int, dict]:
     """Every living actor ``i`` takes ``configs[i]``; each switch's time goes to ``costs``
-    under the kind the actor reports."""
+    under the kind the actor reports. Returns each actor's ``info`` after its switch."""
     calls = {actor.swap.remote(configs[i], f"raycolo-pool-{i}"): i for i, actor in alive.items()}
-    for _, info in _each(alive, died, calls):
+    infos = {}
+    for i, info in _each(alive, died, calls):
         getattr(costs, info["switch"]).append(info["load_s"])
+        infos[i] = info
+    return infos
 
 
 def _each(alive: dict, died: list, calls: dict):

@@ -29,9 +29,10 @@ FUSER = {**SEARCH_FUSER, "name": "memo-fuser",
 class Unshared(StageEvaluator):
     """The reference: every node run simulated, none shared by content."""
 
-    def simulate(self, node, st, plan, continuing, upstream, key, estimate=False, stop_at=math.inf):
+    def simulate(self, node, st, plan, continuing, upstream, key, estimate=False, stop_at=math.inf,
+                 load=None):
         return run_node(self.problem, node, st, plan, continuing, upstream[0], key,
-                        stop_at=stop_at, representative=estimate)
+                        stop_at=stop_at, representative=estimate, load=load)
 
 
 def fuser_problem() -> PlanningProblem:

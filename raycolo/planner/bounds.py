@@ -32,13 +32,15 @@ def node_standalone_runs(problem: PlanningProblem, evaluator: StageEvaluator) ->
         for plan in problem.plans[node]:
             if not problem.upstream[node]:  # same as the search's first-stage simulation
                 out[node, plan] = evaluator.node_run(state, node, plan, False, {},
-                                                     exact=not evaluator.representative)
+                                                     exact=not evaluator.representative,
+                                                     load=problem.min_load_seconds(node, plan))
                 continue
             key = ("standalone", node, plan)
             run = evaluator.cache.get(key)
             if run is None:
                 run = run_node(problem, node, state.nodes[node], plan, False, zeros, key,
-                               representative=evaluator.representative)
+                               representative=evaluator.representative,
+                               load=problem.min_load_seconds(node, plan))
                 evaluator.cache[key] = run
                 evaluator.simulations += 1
                 evaluator.work += len(problem.node(node))

@@ -92,6 +92,9 @@ def state_key(state: AppState, groups: Optional[list[list[int]]] = None) -> byte
     GPUs are the same state (symmetry).
     """
     h = hashlib.blake2b(digest_size=16)
+    if state.actors:   # what each GPU's actor holds sets future loads: no relabelling then
+        h.update(repr(state.actors).encode())
+        groups = None
     occupants: dict[int, list] = {}
     for name, st in state.nodes.items():
         h.update(name.encode())
@@ -136,7 +139,8 @@ class Bounds:
             for plan in problem.plans[node]:
                 if not waiting:
                     continuing = st.loaded == plan and st.replicas is not None
-                    run = evaluator.node_run(state, node, plan, continuing, {}, exact=True)
+                    run = evaluator.node_run(state, node, plan, continuing, {}, exact=True,
+                                             load=problem.min_load_seconds(node, plan))
                 elif fresh:
                     run = self.standalone[node, plan]
                 else:  # partly done, inputs still coming: no cheap bound
@@ -145,7 +149,7 @@ class Bounds:
                 end = run.end
                 if waiting and st.loaded == plan and st.replicas is not None:
                     # already loaded (or loading) while it waits: only what is left of the load
-                    end = max(0.0, end - problem.load_seconds(node, plan)) + st.load_left
+                    end = max(0.0, end - run.load_s) + st.load_left
                 points.append((end, end * plan.gpus))
             path[node] = max([min(t for t, _ in points)] + [path[u] for u in problem.upstream[node]])
             options.append(lower_hull(points))

@@ -12,6 +12,7 @@ from raycolo.catalog import ModelSpec
 from raycolo.costmodel.latency import IterationLatency, LatencyProfile, default_profile
 from raycolo.errors import PlanningError
 from raycolo.hardware import ClusterSpec
+from raycolo.planner.engines import EngineKey, LoadCosts
 from raycolo.sim.types import SchedulerLimits, make_limits
 from raycolo.workload import NodeWorkload, Workload
 
@@ -37,7 +38,8 @@ class PlanningProblem:
     def __init__(self, workload: Workload, cluster: ClusterSpec,
                  profile_dir: Optional[str | Path] = None, max_num_seqs: int = 256,
                  replica_start_s: float = 0.0, cold_start_s: Optional[float] = None,
-                 compute_scale: Optional[Mapping[str, float]] = None):
+                 compute_scale: Optional[Mapping[str, float]] = None,
+                 load_costs: Optional[LoadCosts] = None):
         self.workload = workload
         # Added to every load: what starting a replica costs beyond loading the weights,
         # measured by the runtime. ``replica_start_s``: a tp1 replica, which takes over a
@@ -46,6 +48,11 @@ class PlanningProblem:
         # group (a process start and imports). None: the same as ``replica_start_s``.
         self.replica_start_s = replica_start_s
         self.cold_start_s = replica_start_s if cold_start_s is None else cold_start_s
+        # The runtime's measured cost of each way of giving GPUs a model and what its
+        # engine actors hold (raycolo.planner.engines): the planner then follows the
+        # actors' engines and charges each replica by how it gets its engine, instead of
+        # the two start costs above.
+        self.load_costs = load_costs
         # Per model: how many times the profile's iteration seconds an iteration takes on
         # the cluster the runtime measured (absent: 1, the profile as it is).
         self.compute_scale = dict(compute_scale or {})
@@ -102,6 +109,22 @@ class PlanningProblem:
     def load_seconds(self, node: str, plan: ExecPlan) -> float:
         start = self.replica_start_s if plan.tp == 1 else self.cold_start_s
         return self.profile(self.node(node).model.name, plan.tp).load_s + start
+
+    def engine_key(self, node: str, plan: ExecPlan) -> EngineKey:
+        """The engine a replica of ``node`` under ``plan`` runs (equal keys: one engine)."""
+        models = self.load_costs.node_models if self.load_costs else {}
+        return models.get(node, self.node(node).model.name), plan.tp
+
+    def switch_seconds(self, node: str, plan: ExecPlan, kind: str) -> float:
+        """A replica's load when it gets its engine by ``kind`` (``load_costs`` needed)."""
+        return self.load_costs.seconds(kind, self.profile(self.node(node).model.name, plan.tp).load_s)
+
+    def min_load_seconds(self, node: str, plan: ExecPlan) -> float:
+        """The least any replica of ``node`` under ``plan`` can take to load: what lower
+        bounds may assume."""
+        if self.load_costs is None:
+            return self.load_seconds(node, plan)
+        return self.load_costs.cheapest(self.profile(self.node(node).model.name, plan.tp).load_s)
 
     def _model(self, name: str) -> ModelSpec:
         for w in self.workload.nodes.values():

@@ -17,6 +17,9 @@ class StageModel:
     reloaded: bool
     finishes: bool         # this node finishes within the stage
     requests_done: int     # requests of this node completed during the stage
+    # per replica, how it gets its engine (cold, swap, wake, keep: raycolo.planner.engines)
+    # where the planner followed the runtime's engine actors; else empty
+    switches: list[str] = field(default_factory=list)
 
 
 @dataclass

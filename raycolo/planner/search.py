@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 from raycolo.errors import PlanningError
 from raycolo.planner.bounds import lower_bound
+from raycolo.planner.engines import switch_kind
 from raycolo.planner.problem import ExecPlan, PlanningProblem
 from raycolo.planner.schedule import AppPlan, Stage, StageModel
 from raycolo.planner.state import AppState, StageEval, StageEvaluator, initial_state
@@ -106,11 +107,13 @@ def stage_record(problem: PlanningProblem, state: AppState, ev: StageEval, after
         plan, run = ev.selection[node], ev.runs[node]
         replicas = [list(g) for g in ev.placement[node]]
         before, now = state.nodes[node], after.nodes[node]
+        switches = [] if run.continuing or problem.load_costs is None else [
+            switch_kind(state.actors, tuple(g), problem.engine_key(node, plan)) for g in replicas]
         models.append(StageModel(
             node=node, model=problem.node(node).model.name, dp=plan.dp, tp=plan.tp,
             gpus=sorted(g for r in replicas for g in r), replica_gpus=replicas,
             load_s=run.load_s, reloaded=not run.continuing, finishes=now.finished,
-            requests_done=int(now.done.sum() - before.done.sum())))
+            requests_done=int(now.done.sum() - before.done.sum()), switches=switches))
     return Stage(start_s=state.time, end_s=after.time, models=models)
 
 

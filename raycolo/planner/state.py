@@ -20,6 +20,7 @@ from typing import Optional
 
 import numpy as np
 
+from raycolo.planner.engines import Actors, start, switch_kind
 from raycolo.planner.placement import Placement, place
 from raycolo.planner.problem import ExecPlan, PlanningProblem
 from raycolo.sim import fast
@@ -78,6 +79,8 @@ class NodeState:
 class AppState:
     time: float
     nodes: dict[str, NodeState]
+    # the engine actors' engines, followed where the problem has ``load_costs`` (else empty)
+    actors: Actors = ()
 
     @property
     def finished(self) -> bool:
@@ -102,7 +105,7 @@ def initial_state(problem: PlanningProblem) -> AppState:
         # version 0 marks the initial state, so simulations from it are shared by every search
         nodes[name] = NodeState(np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64),
                                 np.full(n, math.inf), version=0)
-    return AppState(0.0, nodes)
+    return AppState(0.0, nodes, problem.load_costs.actors if problem.load_costs else ())
 
 
 @dataclass
@@ -170,8 +173,10 @@ def _assign_replicas(problem: PlanningProblem, node: str, pending: np.ndarray, d
 
 def run_node(problem: PlanningProblem, node: str, st: NodeState, plan: ExecPlan, continuing: bool,
              upstream_finish: dict[str, np.ndarray], key: tuple, stop_at: float = math.inf,
-             representative: bool = False) -> NodeRun:
-    """Simulate ``node`` under ``plan`` for one stage.
+             representative: bool = False, load: Optional[float] = None) -> NodeRun:
+    """Simulate ``node`` under ``plan`` for one stage, its replicas ready after ``load``
+    seconds (default: what is left of its load if it continues, else the problem's
+    :meth:`~PlanningProblem.load_seconds`).
 
     With ``representative``, only the first (largest) data-parallel replica is simulated
     and stands for all of them: the others' requests get the finish time of the request
@@ -180,7 +185,8 @@ def run_node(problem: PlanningProblem, node: str, st: NodeState, plan: ExecPlan,
     always commit stages with exact simulations.
     """
     w = problem.node(node)
-    load = st.load_left if continuing else problem.load_seconds(node, plan)
+    if load is None:
+        load = st.load_left if continuing else problem.load_seconds(node, plan)
     ready = np.maximum(_ready_times(problem, node, st, upstream_finish) - load, 0.0)
     pending = np.flatnonzero(~st.done)
     chained = bool((w.successor >= 0).any())
@@ -307,10 +313,11 @@ class StageEvaluator:
 
     def simulate(self, node: str, st: NodeState, plan: ExecPlan, continuing: bool,
                  upstream: tuple, key: tuple, estimate: bool = False,
-                 stop_at: float = math.inf) -> NodeRun:
+                 stop_at: float = math.inf, load: Optional[float] = None) -> NodeRun:
         """:func:`run_node`, shared by equal inputs: the node's progress (and its queues when
-        it continues), the plan, its upstream runs' inputs, the estimate flag and the stop.
-        ``upstream``: what :meth:`_upstream` returns. The run is returned under ``key``."""
+        it continues), the plan, its upstream runs' inputs, the estimate flag, the stop and
+        the load. ``upstream``: what :meth:`_upstream` returns. The run is returned under
+        ``key``."""
         up_finish, _, up_content = upstream
         # an estimate with too few requests per replica simulates them all: an exact run
         # (an estimate's replicas take the pending requests round-robin: the last has
@@ -318,11 +325,11 @@ class StageEvaluator:
         stands_in = estimate and plan.dp > 1 and \
             (len(st.done) - int(st.done.sum())) // plan.dp >= MIN_REPRESENTATIVE_REQUESTS
         content = ("run", node, st.digest, st.queues_digest if continuing else b"", plan,
-                   continuing, up_content, stands_in, stop_at)
+                   continuing, up_content, stands_in, stop_at, load)
         run = self.cache.get(content)
         if run is None:
             run = run_node(self.problem, node, st, plan, continuing, up_finish, key,
-                           stop_at=stop_at, representative=estimate)
+                           stop_at=stop_at, representative=estimate, load=load)
             run.content = content
             self.cache[content] = run
             self.simulated += 1
@@ -336,14 +343,18 @@ class StageEvaluator:
         return not exact and plan.dp > 1 and not continuing and not self._chained[node]
 
     def node_run(self, state: AppState, node: str, plan: ExecPlan, continuing: bool,
-                 runs: dict[str, NodeRun], exact: bool = True) -> NodeRun:
+                 runs: dict[str, NodeRun], exact: bool = True, load: Optional[float] = None) -> NodeRun:
+        """``node`` simulated for a stage from ``state``, upstream nodes' runs of the same
+        stage in ``runs``; ``load``: as :func:`run_node` (a node that continues ignores it)."""
         st = state.nodes[node]
+        if continuing or load is None:
+            load = st.load_left if continuing else self.problem.load_seconds(node, plan)
         upstream = self._upstream(state, node, runs)
         estimate = self.estimates(node, plan, continuing, exact)
-        key = (node, st.version, plan, continuing, upstream[1], estimate)
+        key = (node, st.version, plan, continuing, upstream[1], estimate, load)
         run = self.cache.get(key)
         if run is None:
-            run = self.simulate(node, st, plan, continuing, upstream, key, estimate)
+            run = self.simulate(node, st, plan, continuing, upstream, key, estimate, load=load)
             self.cache[key] = run
             self._count(st)
         return run
@@ -376,12 +387,22 @@ class StageEvaluator:
             st = state.nodes[node]
             continuing = (st.loaded == selection[node] and node not in moved
                           and st.replicas is not None)
-            runs[node] = self.node_run(state, node, selection[node], continuing, runs, exact)
+            load = None if continuing else self._load(state, node, selection[node], placement[node])
+            runs[node] = self.node_run(state, node, selection[node], continuing, runs, exact, load)
         duration = min(r.end for r in runs.values())
         if not math.isfinite(duration):
             return None
         useful = sum(r.useful_by(duration) for r in runs.values())
         return StageEval(dict(selection), placement, moved, runs, duration, useful)
+
+    def _load(self, state: AppState, node: str, plan: ExecPlan,
+              gpus: list[tuple[int, ...]]) -> Optional[float]:
+        """With the problem's ``load_costs``: the slowest of the node's replicas to get its
+        engine on ``gpus`` from the actors of ``state``. None otherwise (the default)."""
+        if self.problem.load_costs is None:
+            return None
+        key = self.problem.engine_key(node, plan)
+        return max(self.problem.switch_seconds(node, plan, switch_kind(state.actors, g, key)) for g in gpus)
 
     def make_exact(self, state: AppState, ev: StageEval) -> StageEval:
         if all(r.exact for r in ev.runs.values()):
@@ -402,7 +423,8 @@ class StageEvaluator:
             run = ev.runs[node]
             if run.end > cutoff:
                 run = self.simulate(node, st, run.plan, run.continuing,
-                                    self._upstream(state, node, stopped_runs), run.key, stop_at=cutoff)
+                                    self._upstream(state, node, stopped_runs), run.key, stop_at=cutoff,
+                                    load=run.load_s)
                 self._count(st)
             stopped_runs[node] = run
             done = st.done | (run.finish <= cutoff)
@@ -423,4 +445,11 @@ class StageEvaluator:
             nodes[node] = NodeState(done, generated, finish, ev.selection[node],
                                     ev.placement[node], None if done.all() else queues,
                                     load_left=max(0.0, run.load_s - d))
-        return AppState(state.time + d, nodes)
+        actors = state.actors
+        if self.problem.load_costs is not None:
+            for node, run in ev.runs.items():
+                if not run.continuing:
+                    key = self.problem.engine_key(node, run.plan)
+                    for gpus in ev.placement[node]:
+                        actors = start(actors, gpus, key, self.problem.load_costs.max_parked)
+        return AppState(state.time + d, nodes, actors)

@@ -22,7 +22,8 @@ def build_report(run: PreparedRun, problem: PlanningProblem, plan: AppPlan, summ
     actual = summary["actual_makespan_s"]
     planned_stages = [{"start_s": s.start_s, "end_s": s.end_s,
                        "models": [{"node": m.node, "dp": m.dp, "tp": m.tp, "replica_gpus": m.replica_gpus,
-                                   "load_s": m.load_s, "finishes": m.finishes} for m in s.models]}
+                                   "load_s": m.load_s, "switches": m.switches, "finishes": m.finishes}
+                                  for m in s.models]}
                       for s in plan.stages]
     report = {
         "app": run.app.name,
