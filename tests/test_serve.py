@@ -366,27 +366,35 @@ def _stats(h):
 
 
 def test_a_client_that_disconnects_mid_stream_is_cancelled_and_its_kv_freed(front):
+    """A client that closes its stream after two chunks: its request is cancelled
+    ("abort") and its KV released. Tried up to three times: on a fast machine the whole
+    completion (500 tokens, about all the 512-token context allows) can be generated
+    before the disconnect reaches the deployment, and then there is nothing to cancel
+    (the request ends "length"); its KV must be gone either way."""
     with http(front) as h:
-        before = _stats(h)["cancelled"].get("abort", 0)
-        with h.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "go away", "max_tokens": 400,
-                                                       "stream": True, "ignore_eos": True}) as r:
-            assert r.status_code == 200
-            chunks = 0
-            for line in r.iter_lines():
-                chunks += line.startswith("data: {")
-                if chunks >= 2:
-                    break                               # and the connection closes here
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            stats = _stats(h)
-            # the KV is released by an op the stages run after the cancel is counted
-            if (stats["cancelled"].get("abort", 0) > before and stats["unfinished"] == 0
-                    and sum(st["memory_bytes"] for st in stats["stages"]) == 0):
+        for attempt in range(3):
+            before = _stats(h)["cancelled"].get("abort", 0)
+            with h.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "go away", "max_tokens": 500,
+                                                           "stream": True, "ignore_eos": True}) as r:
+                assert r.status_code == 200
+                chunks = 0
+                for line in r.iter_lines():
+                    chunks += line.startswith("data: {")
+                    if chunks >= 2:
+                        break                               # and the connection closes here
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                stats = _stats(h)
+                # the KV is released by an op the stages run after the cancel is counted
+                if ((stats["cancelled"].get("abort", 0) > before or time.time() > deadline - 50)
+                        and stats["unfinished"] == 0 and sum(st["memory_bytes"] for st in stats["stages"]) == 0):
+                    break
+                time.sleep(0.2)
+            assert stats["unfinished"] == 0
+            assert sum(st["memory_bytes"] for st in stats["stages"]) == 0      # its KV reservation is gone
+            if stats["cancelled"].get("abort", 0) > before:
                 break
-            time.sleep(0.2)
         assert stats["cancelled"].get("abort", 0) == before + 1, stats["cancelled"]
-        assert stats["unfinished"] == 0
-        assert sum(st["memory_bytes"] for st in stats["stages"]) == 0      # its KV reservation is gone
         # and the service goes on
         r = h.post("/v1/completions", json={"model": MODEL, "prompt": "still here", "max_tokens": 3,
                                             "ignore_eos": True})
