@@ -36,7 +36,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raycolo.actors.engine_actor import SWITCH_KINDS, EngineActor
+from raycolo.actors.engine_actor import EngineActor
+from raycolo.planner.engines import SWITCH_KINDS
 from raycolo.planner.placement import place
 from raycolo.planner.problem import ExecPlan, PlanningProblem
 from raycolo.planner.replay import StageAdjuster

@@ -69,7 +69,6 @@ def _resolve(engine_config: dict) -> dict:
     return config
 
 
-SWITCH_KINDS = ("cold", "swap", "wake", "keep")   # how an actor came to hold its engine
 # Park an engine only while this share of the host's memory stays free after it.
 PARK_MIN_FREE_FRACTION = 0.2
 
@@ -89,7 +88,7 @@ class EngineActor:
         self._config = _resolve(engine_config)
         self._config_key = engine_config_key(engine_config)
         self.engine = create_engine(self._config)
-        self.switch = "cold"      # one of SWITCH_KINDS
+        self.switch = "cold"      # one of raycolo.planner.engines.SWITCH_KINDS
         self.swaps = 0
         self.max_parked = max_parked
         self._parked: OrderedDict[str, object] = OrderedDict()  # asleep, least recently used first
@@ -125,15 +124,15 @@ class EngineActor:
         from raycolo.engines.base import create_engine
 
         self._stop_loop()
-        config = _resolve(engine_config)
+        config, key = _resolve(engine_config), engine_config_key(engine_config)
         if config == self._config and self.engine is not None and self.engine.reset():
             self.switch = "keep"
         else:
-            parked = self._parked.pop(engine_config_key(engine_config), None)   # before parking evicts it
+            parked = self._parked.pop(key, None)   # before parking evicts it
             if self.engine is not None:
                 self._park(self.engine)
                 self.engine = None
-            self._config, self._config_key = config, engine_config_key(engine_config)
+            self._config, self._config_key = config, key
             if parked is not None:
                 parked.wake_up()
                 self.engine, self.switch = parked, "wake"

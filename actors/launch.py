@@ -15,9 +15,9 @@ from typing import Callable, Optional
 import ray
 
 from raycolo.actors.local_cluster import start_local
-from raycolo.actors.engine_actor import SWITCH_KINDS
 from raycolo.actors.pool import ComputeScales, SwitchCosts, load_costs, start_pool
 from raycolo.errors import ConfigError
+from raycolo.planner.engines import SWITCH_KINDS
 from raycolo.planner.problem import PlanningProblem
 from raycolo.runtime.setup import PreparedRun, RunConfig, prepare
 

@@ -30,8 +30,8 @@ from typing import Optional
 import numpy as np
 import ray
 
-from raycolo.actors.engine_actor import SWITCH_KINDS, EngineActor
-from raycolo.planner.engines import HeldEngines, LoadCosts
+from raycolo.actors.engine_actor import EngineActor
+from raycolo.planner.engines import SWITCH_KINDS, HeldEngines, LoadCosts
 from raycolo.planner.problem import ExecPlan, PlanningProblem
 from raycolo.runtime.setup import PreparedRun
 

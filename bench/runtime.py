@@ -30,8 +30,8 @@ import ray
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from raycolo.actors.engine_actor import SWITCH_KINDS  # noqa: E402
 from raycolo.actors.launch import run_application  # noqa: E402
+from raycolo.planner.engines import SWITCH_KINDS  # noqa: E402
 from raycolo.runtime.setup import RunConfig  # noqa: E402
 
 PREDICTION_APPS = ("tiny.yaml", "tiny_chain.yaml")
@@ -78,15 +78,15 @@ def main(argv=None) -> int:
               + (f"{start_s:.2f}s (given)" if start_s is not None else "measured by each run's warm pool") + "\n")
 
         runs: dict[tuple[str, str], list[dict]] = {}
-        jobs = [(app, "samullm") for app in PREDICTION_APPS]
-        jobs += [(POLICY_APP, p) for p in POLICIES if (POLICY_APP, p) not in jobs]
-        jobs.append((POLICY_APP, UNPARKED))
+        # (app, label in the tables, policy, parked engines)
+        jobs = [(app, "samullm", "samullm", PARKED_DEFAULT) for app in PREDICTION_APPS]
+        jobs += [(POLICY_APP, p, p, PARKED_DEFAULT) for p in POLICIES if p != "samullm"]
+        jobs.append((POLICY_APP, UNPARKED, "samullm", 0))
         for r in range(args.repeats):
-            for app, policy in jobs:
-                tag = f"{Path(app).stem}-{policy.replace(', ', '-').replace(' ', '-')}-{r}"
-                report = _run(app, policy.split(",")[0], args.gpus, start_s, args.requests, workdir, tag,
-                              parked=0 if policy == UNPARKED else PARKED_DEFAULT)
-                runs.setdefault((app, policy), []).append(report)
+            for app, label, policy, parked in jobs:
+                tag = f"{Path(app).stem}-{policy}-parked{parked}-{r}"
+                report = _run(app, policy, args.gpus, start_s, args.requests, workdir, tag, parked)
+                runs.setdefault((app, label), []).append(report)
                 print(f"  run {tag}: predicted {report['predicted_makespan_s']:.1f}s, "
                       f"actual {report['actual_makespan_s']:.1f}s", flush=True)
     ray.shutdown()

@@ -28,7 +28,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     slots read as 0.0, so masked positions can never hold NaN."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     count = 1
     for n in shape:
         count *= n
@@ -62,8 +62,7 @@ class PagedKVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:

@@ -108,7 +108,10 @@ class PlanningProblem:
 
     def load_seconds(self, node: str, plan: ExecPlan) -> float:
         start = self.replica_start_s if plan.tp == 1 else self.cold_start_s
-        return self.profile(self.node(node).model.name, plan.tp).load_s + start
+        return self._profile_load_s(node, plan) + start
+
+    def _profile_load_s(self, node: str, plan: ExecPlan) -> float:
+        return self.profile(self.node(node).model.name, plan.tp).load_s
 
     def engine_key(self, node: str, plan: ExecPlan) -> EngineKey:
         """The engine a replica of ``node`` under ``plan`` runs (equal keys: one engine)."""
@@ -117,14 +120,14 @@ class PlanningProblem:
 
     def switch_seconds(self, node: str, plan: ExecPlan, kind: str) -> float:
         """A replica's load when it gets its engine by ``kind`` (``load_costs`` needed)."""
-        return self.load_costs.seconds(kind, self.profile(self.node(node).model.name, plan.tp).load_s)
+        return self.load_costs.seconds(kind, self._profile_load_s(node, plan))
 
     def min_load_seconds(self, node: str, plan: ExecPlan) -> float:
         """The least any replica of ``node`` under ``plan`` can take to load: what lower
         bounds may assume."""
         if self.load_costs is None:
             return self.load_seconds(node, plan)
-        return self.load_costs.cheapest(self.profile(self.node(node).model.name, plan.tp).load_s)
+        return self.load_costs.cheapest(self._profile_load_s(node, plan))
 
     def _model(self, name: str) -> ModelSpec:
         for w in self.workload.nodes.values():
