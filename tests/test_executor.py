@@ -405,22 +405,32 @@ def test_native_kernel_build_failure_falls_back_and_says_so(tmp_path, monkeypatc
         native._state.update(saved)
 
 
-def test_freed_step_memory_is_reused_without_new_page_faults():
-    """After the heap policy, a 64 MiB temporary allocated again after being freed reuses
-    the heap's pages; glibc's default would mmap it afresh and fault in 16,384 pages."""
-    import resource
-
-    from raycolo.executor.heap import keep_freed_memory
-
-    assert keep_freed_memory()
-    # allocate, touch, free; twice, because the first may land in a hole that earlier
-    # tests' freed engines left in the heap (an engine's mmap'd KV cache is unmapped, not
-    # left there), and then the next one is placed afresh
-    for _ in range(2):
-        torch.ones(16 << 20)
+FAULTS_ON_REUSE = """
+import resource, torch
+from raycolo.executor.heap import keep_freed_memory
+assert keep_freed_memory()
+for _ in range(6):                        # allocate, touch, free until glibc has settled
+    torch.ones(16 << 20)
+for _ in range(3):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.ones(16 << 20)
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_freed_step_memory_is_reused_without_new_page_faults():
+    """After the heap policy, a 64 MiB temporary allocated again after being freed reuses
+    the heap's pages; glibc's default would mmap it afresh and fault in 16,384 pages each
+    time. Measured in a fresh process, once glibc has settled: here the first two to four
+    allocations of a fresh process fault (policy or not), and in this process engines
+    that earlier tests built and freed leave heap holes that move when it settles (the
+    test was flaky in the full suite once KV caches became mmaps of their own)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FAULTS_ON_REUSE], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert all(int(faults) < 1000 for faults in out.stdout.split())
 
 
 def test_loading_the_native_kernel_keeps_subnormal_floats():
