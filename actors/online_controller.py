@@ -40,9 +40,9 @@ from raycolo.online.node import Op
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.samples import (Cursor, SampleStore, TrainingLedger, clip_sample, from_ranges, plan_resumption,
                                     training_rows)
+from raycolo.generation import SamplingParams, check_stop, stop_token_set
+from raycolo.generation.sampler import SamplingRow
 from raycolo.online.tasks import OnlineTask
-
-EOS_ID = 2
 
 
 KEPT_FINISHED = 4096      # finished requests the controller keeps (result(), progress())
@@ -52,13 +52,16 @@ LOST_IN_RESTART = ("request {rid} was accepted before the deployment's controlle
 
 @dataclass
 class LiveRequest:
+    """A request's events go to its stream: ("logprob", TokenLogprob) before its token
+    where log-probabilities were asked for; ("token", id) for each token of the text;
+    ("stop_token", id) for the stop token that ended it (counted, never text); then
+    ("done", finish_reason), or ("error", why)."""
+
     task: OnlineTask
     prompt: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
+    params: SamplingParams
     seed: int = 0
-    ignore_eos: bool = False
+    stop_ids: frozenset = frozenset()   # raycolo.generation.stop_token_set
     generated: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -125,6 +128,7 @@ class OnlineController(AdapterVersions, Reports):
         self.last_trained_node = 0
         self.exports: dict[int, asyncio.Task] = {}
         self.versions: list[int] = []                 # adapter versions servable as @v<k>
+        self.loaded: dict[str, dict] = {}             # adapters loaded over HTTP, by name (online_adapters.py)
         self.oob_seq = -1_000_000     # seq numbers of out-of-band payloads (checkpoint, lora)
         self.background: set[asyncio.Task] = set()   # checkpoints under way
         self.rejections = 0                           # admissions refused (429)
@@ -227,6 +231,7 @@ class OnlineController(AdapterVersions, Reports):
                      "seed": cfg.model_loading_config.seed},
             "layer_bounds": self.bounds, "num_blocks": blocks, "block_size": cfg.stage.block_size,
             "cpu_threads": cfg.stage.cpu_threads, "pinned_versions": cfg.serve.pinned_versions,
+            "init_from": cfg.lora.init_from,      # every stage starts from its part (no checkpoint restored)
             "run_dir": str(Path(cfg.storage_path).resolve() / self.run_name(n)),
         }
         return TorchTrainer(
@@ -514,9 +519,9 @@ class OnlineController(AdapterVersions, Reports):
                                 for q in reqs if q.version is not None})
             if s == 0:
                 base["tokens"] = tokens
-            if last:
-                base["sampling"] = [{"temperature": q.temperature, "top_p": q.top_p,
-                                     "seed": q.seed * 1_000_003 + len(q.generated)} for q in reqs]
+            if last:   # the last stage samples (raycolo.generation.sampler)
+                base["sampling"] = [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids)
+                                    for q in reqs]
         elif op.kind in ("train_f", "train_b"):
             task = op.tasks[0]
             root, samples, share = self._samples_of(op)
@@ -568,16 +573,16 @@ class OnlineController(AdapterVersions, Reports):
         last = op.stage == self.config.stages - 1
         finished = set()
         if op.kind in ("prefill", "decode") and last:
-            for r, token in zip(op.tasks, result["tokens"]):
+            logprobs = result.get("logprobs") or [None] * len(op.tasks)
+            for r, token, logprob in zip(op.tasks, result["tokens"], logprobs):
                 req = self.requests[r.task_id]
                 reason = req.cancelled
-                if reason is None:
+                if reason is None:     # raycolo.generation's stop rules
                     req.generated.append(token)
-                    if token == EOS_ID and not req.ignore_eos:
-                        reason = "stop"
-                    elif len(req.generated) >= req.max_tokens:
-                        reason = "length"
-                    req.events.put_nowait(("token", token))
+                    reason = check_stop(req.params, req.stop_ids, req.generated)
+                    if logprob is not None:
+                        req.events.put_nowait(("logprob", logprob))
+                    req.events.put_nowait(("stop_token" if reason == "stop" else "token", token))
                 if reason:
                     req.finish_reason = reason
                     finished.add(r.task_id)
@@ -634,29 +639,42 @@ class OnlineController(AdapterVersions, Reports):
         self.next_id += 1
         return self.next_id - 1
 
+    def _params(self, max_tokens: Optional[int], temperature: float, top_p: float, seed: int,
+                ignore_eos: bool, params: Optional[SamplingParams]) -> SamplingParams:
+        """The request's SamplingParams: ``params`` as given (its max_tokens defaulting to
+        the deployment's), or built from the older positional arguments."""
+        if params is None:
+            params = SamplingParams(max_tokens=max_tokens or self.config.max_tokens, temperature=temperature,
+                                    top_p=top_p, seed=seed, ignore_eos=ignore_eos)
+        elif "max_tokens" not in params.model_fields_set:
+            params = params.model_copy(update={"max_tokens": self.config.max_tokens})
+        return params
+
     async def submit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
-                     version: Optional[int] = None) -> int:
+                     version: Optional[int] = None, params: Optional[SamplingParams] = None) -> int:
         """Accept a completion request; returns its id (stream it with :meth:`stream`).
+        ``params``: its SamplingParams (else built from max_tokens ... ignore_eos);
         ``base``: serve it with the base model (the adapter switched off for its rows);
         ``version``: with that saved adapter version (one of :meth:`adapter_versions`)."""
         await self.start()
         if version is not None and version not in self.versions:
             raise ValueError(f"adapter version {version} is not servable; these are: {self.versions}")
-        max_tokens = max_tokens or self.config.max_tokens
+        params = self._params(max_tokens, temperature, top_p, seed, ignore_eos, params)
         tid = self._new_id()
-        task = OnlineTask(tid, "inference", self.driver.now(), len(prompt), 1, 0, max_tokens)
+        task = OnlineTask(tid, "inference", self.driver.now(), len(prompt), 1, 0, params.max_tokens)
         self._forget_finished()
-        self.requests[tid] = LiveRequest(task, list(prompt), max_tokens, temperature, top_p, seed,
-                                         ignore_eos, submitted_s=self.driver.now(), base=base,
-                                         version=version)
+        self.requests[tid] = LiveRequest(task, list(prompt), params,
+                                         seed=params.seed if params.seed is not None else seed,
+                                         stop_ids=stop_token_set(params, self.tokenizer.eos_token_ids),
+                                         submitted_s=self.driver.now(), base=base, version=version)
         self.tasks[tid] = task
         self.driver.submit(task)
         return tid
 
     async def admit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
-                    version: Optional[int] = None) -> dict:
+                    version: Optional[int] = None, params: Optional[SamplingParams] = None) -> dict:
         """The HTTP front's submit: ``{"id"}``, or ``{"rejected": "overloaded"}`` beyond
         ``serve.max_ongoing_requests`` unfinished requests, ``{"rejected": "unavailable"}``
         when no node is alive, or ``{"rejected": "unknown_version", "versions"}`` for an
@@ -675,7 +693,7 @@ class OnlineController(AdapterVersions, Reports):
             self.rejections += 1
             return {"rejected": "overloaded", "retry_after_s": self.config.serve.retry_after_s}
         return {"id": await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos, base,
-                                        version)}
+                                        version, params)}
 
     def _forget_finished(self) -> None:
         """A long-running service keeps at most ``KEPT_FINISHED`` finished requests (their
@@ -722,8 +740,8 @@ class OnlineController(AdapterVersions, Reports):
         raise ValueError(f"request {rid}: no such request")
 
     async def stream(self, rid: int):
-        """Tokens of request ``rid`` as they come: ("token", id) ... then ("done", reason),
-        or ("error", why)."""
+        """Events of request ``rid`` as they come (:class:`LiveRequest`): ("token", id) ...
+        then ("done", reason), or ("error", why)."""
         req = self._request(rid)
         if req is None:
             yield ("error", LOST_IN_RESTART.format(rid=rid))
@@ -735,16 +753,18 @@ class OnlineController(AdapterVersions, Reports):
                 return
 
     async def result(self, rid: int) -> dict:
-        """The whole completion: tokens, and finish_reason "stop", "length" or "error"
-        (with ``error``, what failed)."""
+        """The whole completion: tokens (the stop token included), and finish_reason
+        "stop", "length" or "error" (with ``error``, what failed)."""
         req = self._request(rid)
         if req is None:
             return {"id": rid, "tokens": [], "finish_reason": "error", "error": LOST_IN_RESTART.format(rid=rid)}
         tokens = []
         while True:
             kind, value = await req.events.get()
-            if kind == "token":
+            if kind in ("token", "stop_token"):
                 tokens.append(value)
+            elif kind == "logprob":
+                continue
             elif kind == "done":
                 return {"id": rid, "tokens": tokens, "finish_reason": value}
             else:

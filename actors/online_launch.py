@@ -95,7 +95,7 @@ class OnlineDeployment:
     def stream(self, rid: int) -> Iterator[int]:
         for ref in self.controller.stream.options(num_returns="streaming").remote(rid):
             kind, value = ray.get(ref)
-            if kind == "token":
+            if kind in ("token", "stop_token"):
                 yield value
             elif kind == "error":
                 raise RuntimeError(value)

@@ -28,25 +28,6 @@ TAG_MOD = 1 << 30
 DEVICE_READING_EVERY_S = 2.0      # how often a stage reports its device's memory (and GPU use)
 
 
-def _sample(logits: torch.Tensor, sampling: list[dict]) -> list[int]:
-    """Next tokens: greedy at temperature 0, else a seeded draw per request and position."""
-    out = []
-    for row, s in zip(logits, sampling):
-        temperature = s.get("temperature", 0.0)
-        if temperature <= 0:
-            out.append(int(row.argmax()))
-            continue
-        probs = torch.softmax(row.float() / temperature, -1)
-        top_p = s.get("top_p", 1.0)
-        if top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(-1) - sorted_p < top_p
-            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-        gen = torch.Generator().manual_seed(int(s["seed"]))
-        out.append(int(torch.multinomial(probs / probs.sum(), 1, generator=gen)))
-    return out
-
-
 class StageProcess:
     """What one worker does with an op payload (see :mod:`raycolo.actors.online_controller`)."""
 
@@ -89,8 +70,13 @@ class StageProcess:
             tokens = op["tokens"] if first else [[0] * n for n in counts]
             out = self.model.forward(op["requests"], tokens, hidden, base=op.get("base", ()),
                                      pinned={int(r): d for r, d in op.get("pinned", {}).items()})
-            if last:
-                result["tokens"] = _sample(out, op["sampling"])
+            if last:     # op["sampling"]: a raycolo.generation.sampler.SamplingRow per request
+                from raycolo.generation.sampler import sample
+
+                sampled = sample(out, op["sampling"])
+                result["tokens"] = sampled.tokens
+                if any(lp is not None for lp in sampled.logprobs):
+                    result["logprobs"] = sampled.logprobs
             else:
                 self._send(out, self.stage + 1, op["seq"])
             for rid in op.get("release", []):
@@ -196,6 +182,12 @@ def stage_loop(config: dict) -> None:
                         if os.path.exists(os.path.join(d, name)):
                             with open(os.path.join(d, name)) as f:
                                 resumed[key] = json.load(f)
+    if restored is None and config.get("init_from"):   # lora.init_from: a restored checkpoint wins
+        from safetensors.torch import load_file
+
+        from raycolo.executor.stage import ADAPTER_WEIGHTS_FILE
+
+        stage_model.load_lora_state(load_file(os.path.join(config["init_from"], ADAPTER_WEIGHTS_FILE)))
     proc = StageProcess(stage_model, stage, stages, model.config.hidden_size,
                         next(stage_model.executor.layers[0].parameters()).dtype, dist)
     me = ray.get_runtime_context()

@@ -102,7 +102,7 @@ async def python_stream(controller, tokenizer, prompt: str, max_tokens: int) -> 
     text, times, first = TextStream(tokenizer), [], None
     async for ref in controller.stream.options(num_returns="streaming").remote(admitted["id"]):
         kind, value = await ref
-        if kind == "token":
+        if kind in ("token", "stop_token"):
             now = time.perf_counter()
             first = now if first is None else first
             if text.add(value):

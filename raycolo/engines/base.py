@@ -16,18 +16,7 @@ from typing import Literal, Optional, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from raycolo.errors import ConfigError
-
-
-class SamplingParams(BaseModel):
-    """Decoding settings of one request (a subset of vLLM's, same names)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_tokens: int = Field(default=16, gt=0)
-    temperature: float = Field(default=0.0, ge=0.0)  # 0: greedy
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: Optional[int] = None
-    ignore_eos: bool = False
+from raycolo.generation import SamplingParams  # noqa: F401  (engines take the one definition)
 
 
 class ModelLoadingConfig(BaseModel):
@@ -88,6 +77,7 @@ class RequestOutput:
     first_token_s: float
     finish_s: float
     preemptions: int = 0
+    logprobs: Optional[list] = None     # raycolo.generation.sampler.TokenLogprob per token, if asked
 
     @property
     def output_len(self) -> int:
@@ -105,10 +95,11 @@ class TrackedRequest:
     generated: list[int] = field(default_factory=list)
     first_token_s: float = float("nan")
     preemptions: int = 0
+    logprobs: Optional[list] = None
 
     def output(self, reason: str, text: str, now: float) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, list(self.generated), text, reason,
-                             self.arrival_s, self.first_token_s, now, self.preemptions)
+                             self.arrival_s, self.first_token_s, now, self.preemptions, self.logprobs)
 
 
 @dataclass

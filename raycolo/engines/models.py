@@ -22,35 +22,58 @@ BYTE_OFFSET = 3
 
 
 class ByteTokenizer:
-    """UTF-8 bytes shifted past three special ids; ids beyond the bytes decode to nothing."""
+    """UTF-8 bytes shifted past three special ids; ids beyond the bytes decode to nothing
+    (the specials and unused ids never show, whatever ``skip_special_tokens`` says)."""
 
     pad_token_id, bos_token_id, eos_token_id = PAD_ID, BOS_ID, EOS_ID
+    eos_token_ids = frozenset({EOS_ID})
 
     def __init__(self, vocab_size: int):
         if vocab_size < BYTE_OFFSET + 256:
             raise ConfigError(f"vocab: a byte tokenizer needs at least {BYTE_OFFSET + 256} ids")
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        return [BOS_ID] + [b + BYTE_OFFSET for b in text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [BOS_ID] * add_special_tokens + [b + BYTE_OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         data = bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < BYTE_OFFSET + 256)
         return data.decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
-    """Adapter so engines can treat both tokenizers alike."""
+    """A checkpoint's transformers tokenizer, with the checkpoint's EOS set
+    (:func:`raycolo.generation.eos_token_ids`: the tokenizer's EOS and every id in
+    ``generation_config.json``)."""
 
-    def __init__(self, tok):
+    def __init__(self, tok, model_dir: Optional[str | Path] = None):
+        from raycolo.generation import eos_token_ids
+
         self.tok = tok
         self.eos_token_id = tok.eos_token_id
+        self.bos_token_id = tok.bos_token_id
+        self.eos_token_ids = eos_token_ids(tok.eos_token_id, model_dir)
+        self.vocab_size = len(tok)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok(text)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _checkpoint_tokenizer(path: Path, vocab_size: int):
+    """The tokenizer of checkpoint directory ``path``: its own where it has one (with the
+    EOS set of its generation config), else the byte tokenizer (EOS set: the byte
+    tokenizer's EOS and the generation config's)."""
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+        return HFTokenizer(AutoTokenizer.from_pretrained(path), path)
+    from raycolo.generation import eos_token_ids
+
+    tok = ByteTokenizer(vocab_size)
+    tok.eos_token_ids = eos_token_ids(EOS_ID, path)
+    return tok
 
 
 TINY_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -108,18 +131,14 @@ def save_tiny_checkpoint(model_id: str, path: str | Path, seed: int = 0) -> Path
 
 def load_model(model_id: str, seed: int = 0, dtype: str = "float32", device: str = "cpu"):
     """Returns (model, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = Path(model_id)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ConfigError(f"model_id: {path} has no config.json")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
-        tokenizer: Optional[object] = None
-        if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-            tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(path))
-        else:
-            tokenizer = ByteTokenizer(model.config.vocab_size)
+        tokenizer = _checkpoint_tokenizer(path, model.config.vocab_size)
     else:
         model, tokenizer = build_tiny_model(model_id, seed, dtype)
     if device != "cpu" and not torch.cuda.is_available():
@@ -132,14 +151,11 @@ def load_tokenizer(model_id: str):
     (the runtime renders and measures prompts in the driver)."""
     path = Path(model_id)
     if path.is_dir():
-        if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-            from transformers import AutoTokenizer
-            return HFTokenizer(AutoTokenizer.from_pretrained(path))
         config = path / "config.json"
         if not config.exists():
             raise ConfigError(f"model_id: {path} has no config.json")
         import json
-        return ByteTokenizer(int(json.loads(config.read_text())["vocab_size"]))
+        return _checkpoint_tokenizer(path, int(json.loads(config.read_text()).get("vocab_size", 0)))
     spec = get_model(model_id)
     if spec.hf_architecture is None or spec.num_params > MAX_RANDOM_PARAMS:
         raise ConfigError(f"model_id: '{model_id}' is not a tiny catalog model; give the node a "

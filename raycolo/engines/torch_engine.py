@@ -23,13 +23,16 @@ from raycolo.engines.models import load_model
 from raycolo.engines.threads import apply_thread_policy
 from raycolo.errors import ConfigError
 from raycolo.executor import SeqChunk, create_executor
+from raycolo.generation import StopChecker
+from raycolo.generation.sampler import SamplingRow, sample
 from raycolo.sim.scheduler import FcfsBlockScheduler
 from raycolo.sim.types import SchedulerLimits, ceil_div
 
 
 @dataclass
 class _Request(TrackedRequest):
-    generator: Optional[torch.Generator] = None
+    seed: int = 0
+    checker: Optional[StopChecker] = None     # raycolo.generation's stop rules
 
 
 class TorchEngine(Engine):
@@ -45,7 +48,7 @@ class TorchEngine(Engine):
         self.model, self.tokenizer = load_model(load.model_id, load.seed, load.dtype, kw.device)
         self.device = torch.device(kw.device)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
-        self.eos_id = self.tokenizer.eos_token_id
+        self.eos_ids = self.tokenizer.eos_token_ids     # the checkpoint's EOS set
         self.limits = SchedulerLimits(num_blocks=self._cache_blocks(kw),
                                       max_num_seqs=kw.max_num_seqs,
                                       max_num_batched_tokens=kw.max_num_batched_tokens,
@@ -75,15 +78,12 @@ class TorchEngine(Engine):
         if need + self.limits.watermark_blocks > self.limits.num_blocks:
             raise ConfigError(f"request {request_id}: needs {need} KV blocks, the engine has "
                               f"{self.limits.num_blocks} (raise engine_kwargs.kv_cache_tokens)")
-        generator = None
-        if params.temperature > 0:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(params.seed if params.seed is not None
-                                  else self._seed * 1_000_003 + self._next_handle)
+        seed = params.seed if params.seed is not None else self._seed * 1_000_003 + self._next_handle
         handle = self._next_handle
         self._next_handle += 1
-        self.requests[handle] = _Request(request_id, ids, params, time.perf_counter(),
-                                         generator=generator)
+        self.requests[handle] = _Request(request_id, ids, params, time.perf_counter(), seed=seed,
+                                         checker=StopChecker(params, self.eos_ids, self.tokenizer),
+                                         logprobs=[] if params.logprobs is not None else None)
         self.scheduler.add(handle, len(ids))
 
     def has_unfinished(self) -> bool:
@@ -109,17 +109,20 @@ class TorchEngine(Engine):
             chunks = [SeqChunk(self.requests[h].generated[-1:], sched.stored[h], sched.table(h))
                       for h in decision.seqs]
         contexts = [c.start + len(c.tokens) for c in chunks]
-        tokens = self._run(decision.seqs, chunks) if chunks else []
+        sampled = self._run(decision.seqs, chunks) if chunks else None
+        tokens = sampled.tokens if sampled else []
         now = time.perf_counter()
         finished = []
         if decision.kind == "decode":
             sched.decoded(decision.seqs)
-        for handle, token in zip(decision.seqs, tokens):
+        for i, (handle, token) in enumerate(zip(decision.seqs, tokens)):
             req = self.requests[handle]
             req.generated.append(token)
+            if req.logprobs is not None:
+                req.logprobs.append(sampled.logprobs[i])
             if math.isnan(req.first_token_s):
                 req.first_token_s = now
-            reason = self._finish_reason(req, token)
+            reason = req.checker.append(token)
             if reason:
                 sched.finished(handle)
                 self._forget(handle)
@@ -132,44 +135,22 @@ class TorchEngine(Engine):
             preempted=len(decision.preempted)))
         return finished
 
-    def _run(self, handles: list[int], chunks: list[SeqChunk]) -> list[int]:
+    def _run(self, handles: list[int], chunks: list[SeqChunk]):
         ex = self.executor
         if ex.paged:
             logits = ex.execute(ex.batch(chunks))
         else:
             logits = ex.execute(ex.batch(chunks), handles=handles)
-        return self._sample(logits, [self.requests[h] for h in handles])
+        reqs = [self.requests[h] for h in handles]
+        return sample(logits, [SamplingRow.of(r.params, r.seed, r.generated, r.prompt, r.checker.stop_ids)
+                               for r in reqs])
 
     def _forget(self, handle: int) -> None:
         if not self.executor.paged:
             self.executor.free(handle)
 
-    def _finish_reason(self, req: _Request, token: int) -> Optional[str]:
-        if token == self.eos_id and not req.params.ignore_eos:
-            return "stop"
-        if len(req.generated) >= req.params.max_tokens:
-            return "length"
-        return None
-
     def _output(self, req: _Request, reason: str, now: float) -> RequestOutput:
-        return req.output(reason, self.tokenizer.decode(req.generated), now)
-
-    @torch.inference_mode()
-    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> list[int]:
-        out = torch.argmax(logits, dim=-1).tolist()  # greedy for all, in one op
-        for i, req in enumerate(reqs):
-            p = req.params
-            if p.temperature == 0:
-                continue
-            probs = torch.softmax(logits[i].float() / p.temperature, dim=-1).cpu()
-            if p.top_p < 1.0:
-                sorted_probs, order = torch.sort(probs, descending=True)
-                keep = torch.cumsum(sorted_probs, 0) - sorted_probs < p.top_p
-                filtered = torch.zeros_like(probs)
-                filtered[order[keep]] = sorted_probs[keep]
-                probs = filtered / filtered.sum()
-            out[i] = int(torch.multinomial(probs, 1, generator=req.generator))
-        return out
+        return req.output(reason, req.checker.text(self.tokenizer), now)
 
     # -- resources -----------------------------------------------------------------
     def memory(self) -> MemoryUsage:

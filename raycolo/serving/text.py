@@ -1,8 +1,12 @@
-"""Text in and out: chat rendering, incremental detokenization, stop strings.
+"""Text in: chat rendering and training samples as token ids.
 
 * **Chat template.** A model whose tokenizer has a chat template renders messages with it
-  (``apply_chat_template(..., add_generation_prompt=True)``). Otherwise, including the tiny
-  byte-tokenizer models, raycolo's plain template is used::
+  (``apply_chat_template(..., add_generation_prompt=True)``), tokenized as the template
+  wrote it: the template already holds the BOS token where the model wants one (Llama 3's
+  ``<|begin_of_text|>``), so nothing is added (vLLM's chat route and ``transformers`` do
+  the same: ``add_special_tokens=False``). Otherwise, including the tiny byte-tokenizer
+  models and GPT-2-style checkpoints, raycolo's plain template is used, encoded as a
+  prompt (with the tokenizer's own BOS, if it adds one)::
 
       <|system|>
       You are terse.
@@ -11,16 +15,20 @@
       <|assistant|>
 
   Each message is ``<|role|>\\n`` + its text + ``\\n``; the prompt ends with
-  ``<|assistant|>\\n``. Training samples given as ``messages`` are rendered the same way:
-  every message but the last is the prompt, the last (the assistant's) the completion.
-* **Streaming text.** :class:`TextStream` turns generated token ids into text deltas. It
-  decodes the whole output each time and emits what is new, holding back a trailing
-  incomplete UTF-8 sequence (decoded as U+FFFD) and, with stop strings, the longest tail
-  that could still become one, so no client ever sees a stop string or half a character.
+  ``<|assistant|>\\n``.
+* **Training samples given as messages.** Every message but the last is the prompt,
+  rendered as above; the last (the assistant's) is the completion, as the template
+  renders an assistant turn: its text and the template's end-of-turn token
+  (``<|eot_id|>``, ``<|im_end|>``), cut after the last token of the model's EOS set, so
+  the loss falls only on the assistant's tokens and teaches the model where its turn
+  ends. Without a template the completion ends with the tokenizer's EOS.
+* Streaming text and stop strings: :mod:`raycolo.generation.detokenize`.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
+
+from raycolo.generation.detokenize import TextStream  # noqa: F401  (the front streams with it)
 
 PLAIN_TEMPLATE_ROLES = ("system", "developer", "user", "assistant")
 
@@ -30,78 +38,64 @@ def render_plain(messages: Sequence[tuple[str, str]], add_generation_prompt: boo
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
+def _template_tokenizer(tokenizer):
+    """The transformers tokenizer when it has a chat template, else None."""
+    hf = getattr(tokenizer, "tok", None)
+    return hf if hf is not None and getattr(hf, "chat_template", None) else None
+
+
+def _apply(hf, messages: Sequence[tuple[str, str]], add_generation_prompt: bool, tokenize: bool):
+    out = hf.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=tokenize,
+                                 add_generation_prompt=add_generation_prompt,
+                                 **({"return_dict": False} if tokenize else {}))
+    if tokenize and not isinstance(out, list):      # a BatchEncoding on some versions
+        out = out["input_ids"]
+    return list(out) if tokenize else out
+
+
 def render_chat(tokenizer, messages: Sequence[tuple[str, str]]) -> str:
     """The prompt text of a chat: the tokenizer's template where it has one, else the plain one."""
-    hf = getattr(tokenizer, "tok", None)
-    if hf is not None and getattr(hf, "chat_template", None):
-        return hf.apply_chat_template([{"role": r, "content": c} for r, c in messages],
-                                      tokenize=False, add_generation_prompt=True)
+    hf = _template_tokenizer(tokenizer)
+    if hf is not None:
+        return _apply(hf, messages, True, tokenize=False)
     return render_plain(messages)
 
 
-def chat_sample(tokenizer, messages: Sequence[tuple[str, str]]) -> tuple[str, str]:
-    """(prompt text, completion text) of a chat training sample."""
-    return render_chat(tokenizer, messages[:-1]), messages[-1][1]
+def chat_prompt_ids(tokenizer, messages: Sequence[tuple[str, str]]) -> list[int]:
+    """A chat's prompt as token ids, rendered once: one BOS at most."""
+    hf = _template_tokenizer(tokenizer)
+    if hf is not None:
+        return _apply(hf, messages, True, tokenize=True)
+    return tokenizer.encode(render_plain(messages))
 
 
-class TextStream:
-    """Token ids in, text deltas out, stop strings honoured."""
-
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.sent = 0                  # characters of the decoded text already emitted
-        self.stopped: Optional[str] = None   # the stop string that ended the text
-
-    def add(self, token: int) -> str:
-        """The new text that ``token`` makes safe to send ('' while held back)."""
-        if self.stopped is not None:
-            return ""
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        # an incomplete character decodes as U+FFFD until its other bytes come: not yet text
-        # a stop string may match
-        hit = self._stop_hit(text[:-1] if text.endswith("\ufffd") else text)
-        if hit is not None:
-            return hit
-        end = len(text)
-        if text.endswith("\ufffd"):
-            end -= 1                   # an incomplete character: wait for its other bytes
-        if self.stop:
-            end -= self.hold           # what could still begin a stop string
-        if end <= self.sent:
-            return ""
-        delta = text[self.sent:end]
-        self.sent = end
-        return delta
-
-    def flush(self) -> str:
-        """At the end of generation: whatever was held back (unless a stop string hit)."""
-        if self.stopped is not None:
-            return ""
-        text = self.tokenizer.decode(self.ids)
-        hit = self._stop_hit(text)
-        if hit is not None:
-            return hit
-        delta = text[self.sent:]
-        self.sent = len(text)
-        return delta
-
-    def _stop_hit(self, text: str) -> Optional[str]:
-        """The delta up to the earliest stop string in ``text`` (and the stream stops), or
-        None when no stop string is there."""
-        if not self.stop:
-            return None
-        start = max(0, self.sent - self.hold)
-        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
-        if not hits:
-            return None
-        at, self.stopped = min(hits)
-        delta = text[self.sent:at]
-        self.sent = max(self.sent, at)
-        return delta
+def chat_sample_ids(tokenizer, messages: Sequence[tuple[str, str]], eos_ids: Iterable[int] = (),
+                    completions: Optional[Sequence[str]] = None) -> tuple[list[int], ...]:
+    """A chat training sample as ids: (prompt, completion), or (prompt, chosen, rejected)
+    when ``completions`` gives the assistant's two answers to ``messages`` (a preference
+    pair). Without ``completions`` the last message is the assistant's answer."""
+    if completions is None:
+        messages, completions = messages[:-1], [messages[-1][1]]
+    prompt = chat_prompt_ids(tokenizer, messages)
+    hf = _template_tokenizer(tokenizer)
+    out = []
+    for answer in completions:
+        if hf is None:
+            out.append(encode_completion(tokenizer, answer))
+            continue
+        full = _apply(hf, [*messages, ("assistant", answer)], False, tokenize=True)
+        if full[:len(prompt)] != prompt:    # a template that renders history differently
+            raise ValueError("the chat template renders the conversation's prompt differently once the "
+                             "assistant's answer follows it; give prompt and completion instead")
+        completion = full[len(prompt):]
+        eos = set(eos_ids) | {getattr(tokenizer, "eos_token_id", None)}
+        ends = [i for i, t in enumerate(completion) if t in eos]
+        if ends:
+            completion = completion[:ends[-1] + 1]    # ends with the end-of-turn token
+        elif getattr(tokenizer, "eos_token_id", None) is not None:
+            completion = completion + [tokenizer.eos_token_id]
+        out.append(completion)
+    return (prompt, *out)
 
 
 def encode_completion(tokenizer, text: str) -> list[int]:

@@ -1,0 +1,103 @@
+"""One request's decoding settings: vLLM's ``SamplingParams``, same names and meanings.
+
+Defaults and bounds are declared here once; the HTTP protocol, the offline DAG nodes and
+the engines take them from here. The order in which the sampler applies them is vLLM
+v1's (``vllm/v1/sample/sampler.py``): log-probabilities of the raw logits, then the
+repetition, presence and frequency penalties, the ``min_tokens`` mask of stop tokens,
+temperature, top-k, top-p, and the draw. Temperature below :data:`GREEDY_EPS` is greedy
+(vLLM's ``_SAMPLING_EPS``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+GREEDY_EPS = 1e-5
+MAX_TOKENS_LIMIT = 1 << 31
+MAX_TEMPERATURE = 100.0        # OpenAI bounds HTTP requests at 2.0 (serving/protocol.py)
+MAX_PENALTY = 2.0              # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_REPETITION_PENALTY = 100.0
+MAX_SEED = (1 << 63) - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20              # top log-probabilities per token (OpenAI's limit)
+
+
+class SamplingParams(BaseModel):
+    """Decoding settings of one request (vLLM's names)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(default=16, gt=0, le=MAX_TOKENS_LIMIT,
+                            description="tokens to generate at most (the stop token counts)")
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT,
+                            description="no stop token or stop string ends the output before this many tokens")
+    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False,
+                               description="0: greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=-1, le=1 << 20, description="0 or -1: all tokens")
+    seed: Optional[int] = Field(default=None, ge=0, le=MAX_SEED,
+                                description="the draws of a request with a seed depend only on the seed "
+                                            "and the position (not on batching or restarts)")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False,
+                                      description="> 1 discourages tokens of the prompt and the output so far")
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    stop: tuple[str, ...] = Field(default=(), max_length=MAX_STOP_STRINGS,
+                                  description="strings that end the output (not included in the text)")
+    stop_token_ids: tuple[int, ...] = Field(default=(), max_length=MAX_STOP_TOKEN_IDS,
+                                            description="token ids that end the output, besides the EOS set")
+    ignore_eos: bool = Field(default=False, description="keep generating past the model's EOS tokens "
+                                                        "(every id of its EOS set)")
+    skip_special_tokens: bool = Field(default=True, description="leave special tokens out of the text")
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS,
+                                    description="return the sampled token's log-probability and this many "
+                                                "most likely tokens' (of the raw model distribution)")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, stop):
+        if stop is None:
+            return ()
+        items = (stop,) if isinstance(stop, str) else tuple(stop)
+        for s in items:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"each stop string needs 1 to {MAX_STOP_CHARS} characters")
+        return items
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids(cls, ids):
+        if any(i < 0 for i in ids):
+            raise ValueError("token ids must be >= 0")
+        return ids
+
+    @model_validator(mode="after")
+    def _min_within_max(self):
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler needs the token history (prompt and output so far)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits: the argmax of the raw logits."""
+        return self.greedy and not self.penalized and self.min_tokens == 0
+
+    def remaining(self, generated: int, position_offset: bool = True) -> "SamplingParams":
+        """The same request continued after ``generated`` tokens elsewhere (a preempted or
+        moved request re-prefills its output; the limits shrink by what was generated)."""
+        if generated <= 0:
+            return self
+        return self.model_copy(update={"max_tokens": self.max_tokens - generated,
+                                       "min_tokens": max(0, self.min_tokens - generated)})

@@ -1,0 +1,115 @@
+"""When a request stops, why, and what its output is: vLLM's stop checker.
+
+* **The EOS set** of a checkpoint is the union of its tokenizer's EOS and every id of
+  ``eos_token_id`` in ``generation_config.json`` (an int or a list: Llama 3 lists
+  ``<|end_of_text|>`` and ``<|eot_id|>``), or of ``config.json`` where the checkpoint has
+  no generation config (what ``transformers`` ``generate()`` and vLLM both read).
+* **Stop tokens** are the EOS set (unless ``ignore_eos``) and ``stop_token_ids``.
+* **Order of the checks** (vLLM v1's ``check_stop``): the length limit first, then a stop
+  token; a stop token before ``min_tokens`` tokens cannot happen (the sampler masks them)
+  and is not a stop. A stop string (:mod:`.detokenize`) ends the output too.
+* **Finish reason**: ``"stop"`` (a stop token or string) or ``"length"``.
+* **Accounting**: every generated token counts, the stop token included, also when a
+  stop string cut the text short (``usage.completion_tokens`` as vLLM counts it).
+* **Text**: a stop token's text is never in the output; special tokens are left out
+  with ``skip_special_tokens``; a stop string and what follows it are cut.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Literal, Optional, Sequence
+
+from raycolo.generation.detokenize import TextStream
+from raycolo.generation.params import SamplingParams
+
+FinishReason = Literal["stop", "length"]
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def eos_token_ids(tokenizer_eos: Optional[int], model_dir: Optional[str | Path] = None) -> frozenset[int]:
+    """The EOS set: the tokenizer's EOS id and every id of ``eos_token_id`` in the
+    checkpoint's ``generation_config.json`` (else ``config.json``)."""
+    ids = set(_ids(tokenizer_eos))
+    if model_dir is not None:
+        for name in ("generation_config.json", "config.json"):
+            path = Path(model_dir) / name
+            if path.is_file():
+                try:
+                    data = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue
+                if isinstance(data, dict) and "eos_token_id" in data:
+                    ids.update(_ids(data["eos_token_id"]))
+                    break
+    return frozenset(ids)
+
+
+def stop_token_set(params: SamplingParams, eos_ids: Iterable[int]) -> frozenset[int]:
+    """The token ids that end a request with these params."""
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(eos_ids)
+    return frozenset(ids)
+
+
+def check_stop(params: SamplingParams, stop_ids: frozenset[int], output: Sequence[int]) -> Optional[FinishReason]:
+    """Why a request whose output is ``output`` stops now (None: it goes on). ``stop_ids``:
+    :func:`stop_token_set`."""
+    n = len(output)
+    if n >= params.max_tokens:
+        return "length"
+    if n and n > params.min_tokens and output[-1] in stop_ids:
+        return "stop"
+    return None
+
+
+def output_text(tokenizer, output: Sequence[int], stopped_by_token: bool,
+                skip_special_tokens: bool = True) -> str:
+    """The text of a finished output (no stop strings): the stop token left out."""
+    ids = list(output[:-1]) if stopped_by_token else list(output)
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class StopChecker:
+    """One request's stops, token by token: stop tokens, the length limit and (with a
+    tokenizer) stop strings. ``append`` returns the finish reason once it stops."""
+
+    def __init__(self, params: SamplingParams, eos_ids: Iterable[int], tokenizer=None):
+        self.params = params
+        self.stop_ids = stop_token_set(params, eos_ids)
+        self.output: list[int] = []
+        self.finish_reason: Optional[FinishReason] = None
+        self.stop_token: Optional[int] = None        # the stop token that ended it
+        self.stream = (TextStream(tokenizer, params.stop, params.skip_special_tokens)
+                       if params.stop and tokenizer is not None else None)
+        self._text: list[str] = []
+
+    def append(self, token: int) -> Optional[FinishReason]:
+        if self.finish_reason is not None:
+            raise RuntimeError("token after the request finished")
+        self.output.append(int(token))
+        reason = check_stop(self.params, self.stop_ids, self.output)
+        if reason == "stop":
+            self.stop_token = self.output[-1]    # its text is never output
+        elif self.stream is not None:
+            self._text.append(self.stream.add(token, check=len(self.output) > self.params.min_tokens))
+            if self.stream.stopped is not None:
+                reason = "stop"
+        self.finish_reason = reason
+        return reason
+
+    def text(self, tokenizer) -> str:
+        """The output's text (after it finished)."""
+        if self.stream is not None:
+            return "".join(self._text) + self.stream.flush()
+        return output_text(tokenizer, self.output, self.stop_token is not None, self.params.skip_special_tokens)
