@@ -43,7 +43,7 @@ from raycolo.planner.problem import ExecPlan, PlanningProblem
 from raycolo.planner.replay import StageAdjuster
 from raycolo.planner.schedule import AppPlan
 from raycolo.planner.state import AppState, NodeState
-from raycolo.profiler import ECDF_TEMPERATURE
+from raycolo.generation import StopChecker
 from raycolo.runtime.communicator import ReadyRequest
 from raycolo.runtime.setup import PreparedRun
 
@@ -70,8 +70,7 @@ class Pending:
     dispatched_s: float = 0.0
 
     def payload(self) -> dict:
-        params = {"max_tokens": self.ready.max_tokens - len(self.generated),
-                  "temperature": ECDF_TEMPERATURE, "seed": self.ready.seed + len(self.generated)}
+        params = self.ready.sampling(len(self.generated))     # a SamplingParams
         prompt = self.ready.prompt if self.prompt_ids is None else self.prompt_ids + self.generated
         return {"key": self.ready.key, "prompt": prompt, "params": params}
 
@@ -117,6 +116,16 @@ class Pooled:
     # known: the warm pool's start tells the planner (raycolo.planner.engines)
     engine_key: str = ""
     parked_keys: tuple[str, ...] = ()
+
+
+def _moved_text(ready: ReadyRequest, tokens: list[int], tokenizer) -> str:
+    """The text of a request that ran on more than one replica: its whole output replayed
+    through raycolo.generation's stop checker (stop token left out, stop strings cut)."""
+    checker = StopChecker(ready.sampling(), tokenizer.eos_token_ids, tokenizer)
+    for token in tokens:
+        if checker.append(token):
+            break
+    return checker.text(tokenizer)
 
 
 def stop_actor(actor, pg) -> None:
@@ -306,14 +315,14 @@ class Controller:
             p = rep.outstanding.pop(out.request_id)
             tokens = p.generated + list(out.token_ids)
             tokenizer = self.comm.tokenizers[p.ready.node]
-            text = out.text if not p.generated else tokenizer.decode(tokens)
+            text = out.text if not p.generated else _moved_text(p.ready, tokens, tokenizer)
             prompt_tokens = len(out.prompt_token_ids) - len(p.generated)
             records.append({
                 "key": p.ready.key, "node": p.ready.node, "index": p.ready.index,
                 "item": p.ready.item, "item_id": self.run_.texts.row_ids.get(p.ready.item),
                 "model": self.run_.app.node(p.ready.node).model,
                 "replica": rep.name, "prompt": p.ready.prompt, "text": text,
-                "prompt_tokens": prompt_tokens, "output_tokens": len(tokens),
+                "prompt_tokens": prompt_tokens, "output_tokens": len(tokens), "token_ids": tokens,
                 "finish_reason": out.finish_reason, "dispatched_s": p.dispatched_s,
                 "finished_s": self.now(), "engine_latency_s": out.finish_s - out.arrival_s,
                 "ttft_s": out.first_token_s - out.arrival_s,

@@ -182,7 +182,9 @@ class EngineActor:
                         return
                     self._active = True
                     for r in self._incoming:
-                        self.engine.add_request(r["key"], r["prompt"], SamplingParams(**r["params"]))
+                        params = r["params"]      # a SamplingParams (or, from older callers, its fields)
+                        self.engine.add_request(r["key"], r["prompt"], params if isinstance(params, SamplingParams)
+                                                else SamplingParams(**params))
                     self._incoming = []
                     if self._take:   # between steps: the engine is ours
                         self._taken, self._take = [_left(r) for r in self.engine.take(self._take)], 0

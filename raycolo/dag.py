@@ -11,10 +11,12 @@ import re
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raycolo.catalog import get_model
 from raycolo.errors import ConfigError
+from raycolo.generation.params import (ECDF_TEMPERATURE, GREEDY_EPS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                       SamplingParams, Seed, Temperature, TopP)
 from raycolo.yamlio import load_yaml
 
 # ``{name}`` in a prompt template is a placeholder; other braces are literal text.
@@ -89,6 +91,32 @@ class NodeSpec(BaseModel):
     # Where the runtime loads the model from (a local checkpoint directory); tiny catalog
     # models need none. The planner only needs ``model``.
     checkpoint: Optional[str] = None
+    # How the node's requests decode (raycolo.generation.SamplingParams, same bounds).
+    # The default temperature is the one output-length eCDFs are measured at; 0 is greedy
+    # (deterministic, and planned with the profile's greedy eCDF where it has one).
+    temperature: Temperature = ECDF_TEMPERATURE
+    top_p: TopP = 1.0
+    # the node's requests' seeds derive from it (else from the run's seed), per request
+    seed: Optional[Seed] = None
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
+                            description="strings that end an output (cut from the text)")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: list[str]) -> list[str]:
+        for s in stop:
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"each stop string needs 1 to {MAX_STOP_CHARS} characters")
+        return stop
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    def sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
+        """The SamplingParams of one of this node's requests."""
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              seed=seed, stop=self.stop)
 
 
 class EdgeSpec(BaseModel):

@@ -26,12 +26,12 @@ import numpy as np
 from raycolo.catalog import get_model
 from raycolo.costmodel.fit import fit_profile, samples_from_records
 from raycolo.costmodel.latency import IterationLatency, LatencyProfile
-from raycolo.costmodel.sampler import seeded_rng, write_ecdf
+from raycolo.costmodel.sampler import GREEDY_ECDF_SUFFIX, seeded_rng, write_ecdf
 from raycolo.engines.base import EngineConfig, SamplingParams, create_engine
 from raycolo.engines.models import save_tiny_checkpoint
 
 ECDF_MAX_TOKENS = 256
-ECDF_TEMPERATURE = 1.0
+from raycolo.generation.params import ECDF_TEMPERATURE  # noqa: E402  (the planner's eCDFs are measured at it)
 
 
 @dataclass
@@ -113,6 +113,8 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     params = [SamplingParams(max_tokens=ECDF_MAX_TOKENS, temperature=ECDF_TEMPERATURE, seed=seed * 7919 + i)
               for i in range(len(prompts))]
     lengths = [o.output_len for o in engine.generate(prompts, params)]
+    # the same prompts decoded greedily: the lengths a greedy DAG node really produces
+    greedy_lengths = [o.output_len for o in engine.generate(prompts, SamplingParams(max_tokens=ECDF_MAX_TOKENS))]
     records = list(engine.stats.iterations)
     engine.release()
 
@@ -124,6 +126,10 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     write_ecdf(out / "ecdf" / f"{model_id}.csv", lengths,
                f"MEASURED output lengths of {model_id} ({len(lengths)} requests, torch engine, "
                f"temperature {ECDF_TEMPERATURE}, max_tokens {ECDF_MAX_TOKENS}, seed {seed}).\n"
+               "Written by raycolo profile.")
+    write_ecdf(out / "ecdf" / f"{model_id}{GREEDY_ECDF_SUFFIX}.csv", greedy_lengths,
+               f"MEASURED output lengths of {model_id} ({len(greedy_lengths)} requests, torch engine, "
+               f"greedy, max_tokens {ECDF_MAX_TOKENS}, seed {seed}).\n"
                "Written by raycolo profile.")
     say(f"{model_id}: co-located iterations (fine-tune ops between decode iterations)")
     colocated = measure_colocated(model_id, seed, device, settings)

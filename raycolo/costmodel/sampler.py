@@ -45,6 +45,9 @@ def load_ecdf(path: str) -> tuple[np.ndarray, np.ndarray]:
     return lengths, cdf
 
 
+GREEDY_ECDF_SUFFIX = ".greedy"    # <model>.greedy.csv: the profile's greedy output lengths
+
+
 def ecdf_path(name: str, ecdf_dir: str | Path | None = None) -> Path:
     if ecdf_dir is not None:
         return Path(ecdf_dir) / f"{name}.csv"
@@ -52,11 +55,16 @@ def ecdf_path(name: str, ecdf_dir: str | Path | None = None) -> Path:
 
 
 class OutputLengthSampler:
-    """Samples output lengths for one model from its eCDF."""
+    """Samples output lengths for one model from its eCDF. ``greedy``: the profile's greedy
+    eCDF (``<model>.greedy.csv`` in ``ecdf_dir``, written by ``raycolo profile``) where it
+    has one: a greedy node's real lengths, not those of sampling at temperature 1."""
 
-    def __init__(self, model: ModelSpec, ecdf_dir: str | Path | None = None):
+    def __init__(self, model: ModelSpec, ecdf_dir: str | Path | None = None, greedy: bool = False):
         self.model = model
         path = ecdf_path(model.ecdf_name, ecdf_dir)
+        if greedy and ecdf_dir is not None and ecdf_path(model.ecdf_name + GREEDY_ECDF_SUFFIX, ecdf_dir).exists():
+            path = ecdf_path(model.ecdf_name + GREEDY_ECDF_SUFFIX, ecdf_dir)
+        self.path = path
         if not path.exists() and ecdf_dir is not None:
             path = ecdf_path(model.ecdf_name)  # fall back to the shipped file
         if not path.exists():

@@ -9,7 +9,7 @@ temperature, top-k, top-p, and the draw. Temperature below :data:`GREEDY_EPS` is
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -23,6 +23,16 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20              # top log-probabilities per token (OpenAI's limit)
+# Offline requests sample at this temperature unless their DAG node says otherwise: the
+# temperature the output-length eCDFs are measured at (raycolo profile), so the planner's
+# sampled lengths are the lengths the runtime produces.
+ECDF_TEMPERATURE = 1.0
+
+# The field types shared by SamplingParams and the offline DAG nodes (raycolo.dag.NodeSpec).
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False, strict=True,
+                                     description="0: greedy")]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False, strict=True)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED, strict=True)]
 
 
 class SamplingParams(BaseModel):
@@ -34,12 +44,10 @@ class SamplingParams(BaseModel):
                             description="tokens to generate at most (the stop token counts)")
     min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT,
                             description="no stop token or stop string ends the output before this many tokens")
-    temperature: float = Field(default=0.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False,
-                               description="0: greedy")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
     top_k: int = Field(default=0, ge=-1, le=1 << 20, description="0 or -1: all tokens")
-    seed: Optional[int] = Field(default=None, ge=0, le=MAX_SEED,
-                                description="the draws of a request with a seed depend only on the seed "
+    seed: Optional[Seed] = Field(default=None, description="the draws of a request with a seed depend only on the seed "
                                             "and the position (not on batching or restarts)")
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False,
                                       description="> 1 discourages tokens of the prompt and the output so far")

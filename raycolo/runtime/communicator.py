@@ -20,11 +20,13 @@ from __future__ import annotations
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import numpy as np
 
 from raycolo.dag import PLACEHOLDER, AppSpec
+from raycolo.generation import SamplingParams
+from raycolo.generation.params import MAX_SEED
 from raycolo.runtime.texts import SourceTexts, Tokenizer
 from raycolo.workload import Workload
 
@@ -51,6 +53,15 @@ class ReadyRequest:
     prompt: str
     max_tokens: int
     seed: int
+    params: Optional[SamplingParams] = None   # the node's sampling (raycolo.dag.NodeSpec.sampling_params)
+
+    def sampling(self, generated: int = 0) -> SamplingParams:
+        """Its SamplingParams, continued after ``generated`` tokens ran elsewhere (a
+        preempted or moved request; its draws then take seed + generated)."""
+        params = self.params or SamplingParams(max_tokens=self.max_tokens, seed=self.seed)
+        if generated:
+            params = params.remaining(generated).model_copy(update={"seed": (self.seed + generated) & MAX_SEED})
+        return params
 
 
 class Communicator:
@@ -186,8 +197,10 @@ class Communicator:
         else:
             prompt = self.fill(node, {})
         w = self.workload.nodes[node]
+        spec = self.app.node(node)
+        seed = request_seed(self.seed if spec.seed is None else spec.seed, node, index)
         return ReadyRequest(request_key(node, index), node, index, int(w.item[index]), prompt,
-                            max_tokens, request_seed(self.seed, node, index))
+                            max_tokens, seed, spec.sampling_params(max_tokens, seed))
 
     def planned_input_lengths(self) -> dict[str, np.ndarray]:
         """Prompt lengths in tokens as the runtime will really build them: the template
