@@ -658,7 +658,7 @@ class OnlineController(AdapterVersions, Reports):
         ``base``: serve it with the base model (the adapter switched off for its rows);
         ``version``: with that saved adapter version (one of :meth:`adapter_versions`)."""
         await self.start()
-        if version is not None and version not in self.versions:
+        if version is not None and not self._servable(version):
             raise ValueError(f"adapter version {version} is not servable; these are: {self.versions}")
         params = self._params(max_tokens, temperature, top_p, seed, ignore_eos, params)
         tid = self._new_id()
@@ -685,7 +685,7 @@ class OnlineController(AdapterVersions, Reports):
             self._wake()
             return {"rejected": "starting", "retry_after_s": self.config.serve.retry_after_s,
                     "why": "the deployment is starting (or restarting after its controller failed)"}
-        if version is not None and version not in self.versions:
+        if version is not None and not self._servable(version):
             return {"rejected": "unknown_version", "versions": list(self.versions)}
         if len(self.dead) == self.config.nodes:
             return {"rejected": "unavailable", "why": "; ".join(self.dead.values())}
@@ -776,6 +776,11 @@ class OnlineController(AdapterVersions, Reports):
         if req is None:
             return {"id": rid, "tokens": 0, "finish_reason": "error"}
         return {"id": rid, "tokens": len(req.generated), "finish_reason": req.finish_reason}
+
+    async def stored_samples(self, seqs: list) -> list[tuple]:
+        """The stored samples ``seqs`` as token ids: (prompt, completion) or (prompt,
+        chosen, rejected), as training takes them."""
+        return [tuple(list(part) for part in s.ids()) for s in self.store.get(seqs)]
 
     async def add_samples(self, samples: list, train: bool = False) -> dict:
         """Persist training samples (fsynced) before acknowledging them: (prompt,

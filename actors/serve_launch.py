@@ -47,6 +47,11 @@ def start(config: OnlineConfig, timeout_s: float = 600.0) -> str:
     return f"http://{config.serve.host}:{config.serve.port}{prefix}"
 
 
+def controller_handle(config: OnlineConfig):
+    """The deployment's controller actor (one per Serve app, detached, named after it)."""
+    return ray.get_actor(f"raycolo-online-{config.serve.app_name}", namespace=NAMESPACE)
+
+
 def stop(config: OnlineConfig, started_ray: bool) -> None:
     from ray import serve
 
@@ -54,7 +59,7 @@ def stop(config: OnlineConfig, started_ray: bool) -> None:
         serve.delete(config.serve.app_name)
     finally:
         try:     # the deployment's controller (and its stage workers) go with the app
-            controller = ray.get_actor(f"raycolo-online-{config.serve.app_name}", namespace=NAMESPACE)
+            controller = controller_handle(config)
             ray.get(controller.stop.remote(), timeout=120)
             ray.kill(controller)
         except (ValueError, ray.exceptions.RayError):

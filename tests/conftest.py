@@ -10,3 +10,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """The realistic checkpoints of tests/hf_checkpoints.py (llama3, qwen2, gpt2), built once
+    per session: kind -> directory."""
+    from hf_checkpoints import KINDS, build_checkpoint
+
+    root = tmp_path_factory.mktemp("hf-checkpoints")
+    return {kind: build_checkpoint(kind, root / kind, seed=0) for kind in KINDS}
