@@ -522,3 +522,36 @@ def test_cli_reports_a_replica_failure_as_one_error_line(tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: replica tiny_routing/small/r0")
     assert "Traceback" not in proc.stderr
+
+
+def test_real_checkpoints_greedy_outputs_equal_transformers(cluster, tmp_path, hf_checkpoints):
+    """raycolo run on checkpoints as users have them (a Llama 3-style one whose <|eot_id|>
+    is an EOS only through generation_config.json, a Qwen2 and a GPT-2 one): greedy nodes
+    (temperature 0) write the token ids, text and finish reasons transformers' generate()
+    gives on the same directory, to outputs.parquet."""
+    from hf_checkpoints import greedy_cases
+
+    max_new = 16
+    cases = {kind: [c for c in greedy_cases(path, max_new, n=8) if isinstance(c["prompt"], str)]
+             for kind, path in hf_checkpoints.items()}
+    prompts = sorted({c["prompt"] for cs in cases.values() for c in cs})
+    requests = tmp_path / "prompts.jsonl"
+    requests.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    nodes = "".join(f"  - {{name: {kind}, model: tiny-llama-s, checkpoint: '{path}', max_output_tokens: {max_new}, "
+                    f"temperature: 0}}\n" for kind, path in hf_checkpoints.items())
+    edges = "".join(f"  - {{from: input, to: {kind}}}\n" for kind in hf_checkpoints)
+    dag = tmp_path / "real.yaml"
+    dag.write_text(f"name: real\nrequests: {{file: '{requests}'}}\nnodes:\n{nodes}edges:\n{edges}")
+    config = _config(tmp_path, str(dag))
+    report = run_application(config, log=lambda m: None)
+    table = _check_exactly_once(report, Path(config.output))
+    reasons = set()
+    for kind, cs in cases.items():
+        rows = table[table["node"] == kind].set_index("prompt")
+        for c in cs:
+            row = rows.loc[c["prompt"]]
+            assert list(row["token_ids"]) == c["output_ids"], (kind, c["prompt"])
+            assert row["text"] == c["text"] and row["finish_reason"] == c["finish_reason"]
+            assert row["output_tokens"] == len(c["output_ids"]) and row["prompt_tokens"] == len(c["prompt_ids"])
+            reasons.add(c["finish_reason"])
+    assert reasons == {"stop", "length"}
