@@ -116,3 +116,18 @@ def test_stop_string_and_logprobs(hf_checkpoints, engines):
     for i, lp in enumerate(out.logprobs):
         assert lp.logprob == pytest.approx(float(raw[i, lp.token]), abs=1e-4)
         assert [t for t, _ in lp.top] == torch.topk(raw[i], 2).indices.tolist()
+
+
+def test_online_refuses_a_family_its_pipeline_lacks_before_starting(hf_checkpoints, tmp_path):
+    """GPT-2 runs offline (the fallback path above) but not in the online pipeline: one
+    error naming the field, before any cluster starts."""
+    from raycolo.errors import ConfigError
+    from raycolo.online.config import parse_online_config
+
+    def config(kind):
+        return parse_online_config({"model_loading_config": {"model_id": str(hf_checkpoints[kind])},
+                                    "sample_store": str(tmp_path / "s"), "storage_path": str(tmp_path / "c")})
+
+    config("llama3").check_paths()
+    with pytest.raises(ConfigError, match=r"model_loading_config.model_id: .* 'gpt2' model"):
+        config("gpt2").check_paths()

@@ -45,7 +45,8 @@ def test_check_stop_order_is_vllms():
     stops = frozenset({9})
     assert check_stop(p, stops, [1]) is None
     assert check_stop(p, stops, [1, 9]) == "stop"
-    assert check_stop(p, stops, [1, 2, 9]) == "length"     # the limit is checked first (vLLM v1)
+    assert check_stop(p, stops, [1, 2, 9]) == "stop"       # a stop token before the limit (vLLM v1)
+    assert check_stop(p, stops, [1, 2, 3]) == "length"
     assert check_stop(SamplingParams(max_tokens=5, min_tokens=2), stops, [9]) is None
     assert check_stop(SamplingParams(max_tokens=5, min_tokens=2), stops, [1, 2, 9]) == "stop"
 

@@ -5,9 +5,10 @@
   ``<|end_of_text|>`` and ``<|eot_id|>``), or of ``config.json`` where the checkpoint has
   no generation config (what ``transformers`` ``generate()`` and vLLM both read).
 * **Stop tokens** are the EOS set (unless ``ignore_eos``) and ``stop_token_ids``.
-* **Order of the checks** (vLLM v1's ``check_stop``): the length limit first, then a stop
-  token; a stop token before ``min_tokens`` tokens cannot happen (the sampler masks them)
-  and is not a stop. A stop string (:mod:`.detokenize`) ends the output too.
+* **Order of the checks** (vLLM v1's ``check_stop``, vllm/v1/core/sched/utils.py): a
+  stop token first, then the length limit, so an EOS that is the ``max_tokens``-th token
+  is a ``stop`` (as ``transformers`` sees it too); a stop token before ``min_tokens``
+  tokens cannot happen (the sampler masks them) and is not a stop. A stop string (:mod:`.detokenize`) ends the output too.
 * **Finish reason**: ``"stop"`` (a stop token or string) or ``"length"``.
 * **Accounting**: every generated token counts, the stop token included, also when a
   stop string cut the text short (``usage.completion_tokens`` as vLLM counts it).
@@ -66,10 +67,10 @@ def check_stop(params: SamplingParams, stop_ids: frozenset[int], output: Sequenc
     """Why a request whose output is ``output`` stops now (None: it goes on). ``stop_ids``:
     :func:`stop_token_set`."""
     n = len(output)
-    if n >= params.max_tokens:
-        return "length"
     if n and n > params.min_tokens and output[-1] in stop_ids:
         return "stop"
+    if n >= params.max_tokens:
+        return "length"
     return None
 
 

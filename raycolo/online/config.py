@@ -38,6 +38,24 @@ class LoraSpec(BaseModel):
     queued_tasks: int = Field(default=2, gt=0, le=1024)       # HTTP samples: training tasks outstanding per node
     flush_after_s: float = Field(default=10.0, gt=0, le=86400)  # HTTP samples: a partial micro-batch waits at most this
     dpo_beta: float = Field(default=0.1, gt=0, le=100)        # DPO's beta for preference pairs
+    init_from: Optional[str] = Field(default=None, description=(
+        "A LoRA adapter directory in peft's format (adapter_config.json, adapter_model.safetensors) "
+        "to start from: every node's stages load their layers' part of it and train on from it. Its rank, "
+        "lora_alpha and target modules must be this section's, and its weights must fit the model "
+        "(checked at startup). A relative path is taken from the current directory. With resume, a "
+        "restored checkpoint of this run wins over it (the run's key includes the adapter's contents)."))
+
+    @field_validator("init_from")
+    @classmethod
+    def _absolute(cls, v: Optional[str]) -> Optional[str]:
+        if v is None:
+            return v
+        if not v.strip():
+            raise ValueError("must be an adapter directory (or left out)")
+        try:
+            return str(Path(v).expanduser().resolve())     # the stage workers' cwd is not this one
+        except (RuntimeError, OSError, ValueError) as exc:   # ~unknown-user, a NUL byte...
+            raise ValueError(f"not a usable path: {exc}") from None
 
 
 class StageSpec(BaseModel):
@@ -112,8 +130,11 @@ class OnlineConfig(BaseModel):
 
     def check_paths(self) -> None:
         """``sample_store`` and ``storage_path`` must be directories this process can
-        create and write: found here, before a cluster starts, as one error naming the
-        field. (A cluster of several hosts needs them on storage every host shares.)"""
+        create and write, and ``lora.init_from`` an adapter that fits (:meth:`check_init_from`):
+        found here, before a cluster starts, as one error naming the field. (A cluster of
+        several hosts needs them on storage every host shares.)"""
+        self.check_model()
+        self.check_init_from()
         import tempfile
 
         for field in ("sample_store", "storage_path"):
@@ -125,13 +146,54 @@ class OnlineConfig(BaseModel):
             except OSError as exc:
                 raise ConfigError(f"{field}: cannot write {path}: {exc.strerror or exc}") from None
 
+    def check_model(self) -> None:
+        """The stage workers run raycolo's model executor, which has the Llama, Qwen2 and
+        Mistral families (a GPT-2-style checkpoint runs offline, on the fallback path, but
+        not in the pipeline): a checkpoint of another family is one error naming the field."""
+        path = Path(self.model_loading_config.model_id)
+        if not path.is_dir():
+            return
+        import json
+
+        from raycolo.executor.model import FAST_PATH_FAMILIES
+
+        try:
+            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            raise ConfigError(f"model_loading_config.model_id: {path} has no readable config.json") from None
+        if model_type not in FAST_PATH_FAMILIES:
+            raise ConfigError(f"model_loading_config.model_id: {path} is a '{model_type}' model; online serving "
+                              f"runs the {', '.join(sorted(FAST_PATH_FAMILIES))} families (offline 'raycolo run' "
+                              "runs others through transformers)")
+
+    def check_init_from(self) -> None:
+        """``lora.init_from`` must be a peft LoRA adapter of this section's rank, alpha and
+        target modules whose weights fit the model: found here, before a cluster starts, as
+        one error naming the field and what differs."""
+        if self.lora.init_from is None:
+            return
+        from raycolo.executor.adapters import AdapterError, check_adapter
+        from raycolo.executor.stage import LoraSettings
+
+        lora = LoraSettings(self.lora.rank, self.lora.alpha, tuple(self.lora.target_modules))
+        try:
+            check_adapter(self.lora.init_from, model_hf_config(self.model_loading_config.model_id), lora,
+                          exact=True)
+        except AdapterError as exc:
+            raise ConfigError(f"lora.init_from: {self.lora.init_from}: {exc}") from None
+
     def adapter_fingerprint(self) -> str:
-        """What an adapter checkpoint must match to be restored: the model, its split into
-        stages and the LoRA shape (a checkpoint of another shape belongs to another run)."""
+        """The restore key: what an adapter checkpoint must match to be restored: the model,
+        its split into stages, the LoRA shape and the adapter it started from (``init_from``,
+        by its contents): a checkpoint of another shape or start belongs to another run."""
         import hashlib
 
         m, lora = self.model_loading_config, self.lora
         key = f"{m.model_id}|{m.seed}|{m.dtype}|{self.stages}|{lora.rank}|{lora.alpha}|{sorted(lora.target_modules)}"
+        if lora.init_from is not None:
+            from raycolo.executor.adapters import adapter_digest
+
+            key += f"|init_from={adapter_digest(lora.init_from)}"
         return hashlib.sha256(key.encode()).hexdigest()[:10]
 
     @field_validator("policy")
