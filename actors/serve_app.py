@@ -23,9 +23,9 @@ from typing import Optional, Union
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
@@ -34,16 +34,19 @@ from raycolo.online.config import OnlineConfig, load_online_config, parse_online
 from raycolo.errors import StoreFull
 from raycolo.serving.errors import OpenAIError, from_error
 from raycolo.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health,
-                                      ModelCard, ModelList, TrainSamplesRequest, TrainSamplesResponse,
+                                      ModelCard, ModelList, TrainSamplesBody, TrainSamplesResponse,
                                       TrainStatus, CompletionResponse, ChatCompletionResponse, EvalResponse,
                                       BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant)
-from raycolo.serving.text import TextStream, chat_sample, encode_completion, render_chat
+from raycolo.serving.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from raycolo.serving.text import TextStream, chat_prompt_ids, chat_sample_ids, encode_completion
 
 NAMESPACE = "raycolo"
 MONITOR_EVERY_S = 2.0
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
              "description": "JSON, or server-sent events with stream: true"}}
+PLAIN_TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                    "description": "vLLM's success text (its LoRA routes answer plain text)"}}
 
 app = FastAPI(title="raycolo", version="0.1.0",
               description="OpenAI-compatible serving with co-located LoRA retraining (LeMix on Ray).")
@@ -88,6 +91,17 @@ async def _controller_gone(request: Request, exc: Exception):
 @app.exception_handler(RecursionError)
 async def _too_deep(request: Request, exc: RecursionError):
     return _error(OpenAIError(400, "the body is nested too deeply", code="invalid_json"))
+
+
+class AdapterName:
+    """A request's ``model`` that names none of the served model's variants: perhaps an
+    adapter loaded with POST /v1/load_lora_adapter (never equal to LATEST or BASE, whatever
+    its name)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
 
 
 class Guard:
@@ -199,18 +213,58 @@ class OpenAIIngress:
         for k in await self.controller.adapter_versions.remote():
             cards.append(ModelCard(id=f"{name}{VERSION_SUFFIX}{k}", created=self.created, root=name,
                                    parent=name, adapter="version", adapter_version=k))
+        for a in await self.controller.loaded_adapters.remote():     # POST /v1/load_lora_adapter
+            cards.append(ModelCard(id=a["name"], created=a["created"], root=a["path"], parent=name,
+                                   adapter="loaded"))
         return ModelList(data=cards)
 
-    def _check_model(self, name: str) -> Union[str, int]:
-        """The variant ``name`` asks for (model_variant); 404 for a name this server does
-        not serve. Whether a version is still servable is the controller's answer (admit)."""
+    def _check_model(self, name: str) -> Union[str, int, "AdapterName"]:
+        """The variant ``name`` asks for (model_variant), or an :class:`AdapterName` for any
+        other name: a loaded adapter's, or nothing this server serves (the controller's
+        registry says which when it is pinned: :meth:`_pinned_version`). Whether a version
+        is still servable is the controller's answer too (admit)."""
         variant = model_variant(name, self.model_name)
-        if variant is None:
-            raise OpenAIError(404, f"model '{name}' does not exist; this server serves '{self.model_name}', "
-                              f"'{self.model_name}{BASE_SUFFIX}' and '{self.model_name}{VERSION_SUFFIX}<k>' "
-                              "for saved adapter versions (GET /v1/models)", param="model",
-                              code="model_not_found")
-        return variant
+        return AdapterName(name) if variant is None else variant
+
+    async def _pinned_version(self, variant) -> Union[int, str, None]:
+        """``version`` of the controller's admit: k of ``<model>@v<k>``, the handle of a
+        loaded adapter, or None (the latest adapter, or the base). 404 for a name that is
+        neither the served model's nor a loaded adapter's."""
+        if isinstance(variant, int):
+            return variant
+        if not isinstance(variant, AdapterName):
+            return None
+        handle = await self.controller.resolve_adapter.remote(variant.name)
+        if handle is None:
+            raise OpenAIError(404, f"model '{variant.name}' does not exist; this server serves "
+                              f"'{self.model_name}', '{self.model_name}{BASE_SUFFIX}', "
+                              f"'{self.model_name}{VERSION_SUFFIX}<k>' for saved adapter versions and the "
+                              "adapters loaded with POST /v1/load_lora_adapter (GET /v1/models)",
+                              param="model", code="model_not_found")
+        return handle
+
+    # -- adapters loaded while serving: vLLM's routes and bodies --------------------------------
+    @app.post("/v1/load_lora_adapter", responses={**ERRORS, **PLAIN_TEXT})
+    async def load_lora_adapter(self, body: LoadLoraAdapterRequest):
+        """vLLM's route: serve the peft LoRA adapter at ``lora_path`` as model ``lora_name``
+        (next to the served model, ``@base`` and ``@v<k>``), on every replica. 200 with
+        vLLM's plain success text; 404 for a path with nothing there; 400 for a directory
+        that is not a peft LoRA adapter, one that does not fit (rank above ``lora.rank``,
+        modules the deployment's LoRA does not adapt, another base model's shapes), a name
+        loaded already (unless ``load_inplace``) or one of the served model's names."""
+        out = await self.controller.load_adapter.remote(body.lora_name, body.lora_path, body.load_inplace)
+        if "status" in out:
+            raise OpenAIError(out["status"], out["message"], param=out["param"], code=out["code"])
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", responses={**ERRORS, **PLAIN_TEXT})
+    async def unload_lora_adapter(self, body: UnloadLoraAdapterRequest):
+        """vLLM's route: stop serving loaded adapter ``lora_name`` (404 if none is loaded
+        under that name). Requests running on it finish on it."""
+        out = await self.controller.unload_adapter.remote(body.lora_name)
+        if "status" in out:
+            raise OpenAIError(out["status"], out["message"], param=out["param"], code=out["code"])
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     # -- generation -------------------------------------------------------------------------
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**ERRORS, **SSE})
@@ -228,29 +282,34 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **SSE})
     async def chat(self, body: ChatCompletionRequest, request: Request):
         variant = self._check_model(body.model)
-        text = render_chat(self.tokenizer, [(m.role, m.text()) for m in body.messages])
-        return await self._generate(body, self.tokenizer.encode(text), body.limit(), "messages", chat=True,
-                                    variant=variant)
+        ids = chat_prompt_ids(self.tokenizer, [(m.role, m.text()) for m in body.messages])
+        return await self._generate(body, ids, body.limit(), "messages", chat=True, variant=variant)
 
-    async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool,
-                        variant: Union[str, int] = LATEST):
-        self._ensure_monitor()
+    def _sampling(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool):
+        """The request's SamplingParams, its limit checked against the context."""
         limit = max_tokens if max_tokens is not None else self.config.max_tokens
         kv = self.config.stage.kv_cache_tokens
         context = min(self.context, kv)
         if len(ids) >= context:
             raise OpenAIError(400, f"{prompt_param}: the prompt has {len(ids)} tokens; this model's "
                               f"context is {context} tokens", param=prompt_param, code="context_length_exceeded")
+        param = "max_tokens" if not chat or body.max_completion_tokens is None else "max_completion_tokens"
         if len(ids) + limit > context:
-            param = "max_tokens" if not chat or body.max_completion_tokens is None else "max_completion_tokens"
             raise OpenAIError(400, f"{param}: {len(ids)} prompt tokens + {limit} completion tokens exceed "
                               f"this model's context of {context} tokens", param=param,
                               code="context_length_exceeded")
         seed = body.seed if body.seed is not None else secrets.randbits(31)
-        started = time.perf_counter()
-        version = variant if isinstance(variant, int) else None
-        admitted = await self.controller.admit.remote(ids, limit, body.temperature, body.top_p, seed,
-                                                      body.ignore_eos, variant == BASE, version)
+        try:
+            return body.sampling_params(limit, seed)
+        except ValueError as exc:
+            message = str(exc).split("\n")[-1].strip() if not isinstance(exc, ValidationError) \
+                else exc.errors(include_url=False)[0]["msg"]
+            raise OpenAIError(400, message.removeprefix("Value error, "), param="min_tokens",
+                              code="invalid_parameter") from None
+
+    async def _admit(self, body, ids: list[int], params, variant) -> int:
+        version = await self._pinned_version(variant)
+        admitted = await self.controller.admit.remote(ids, base=variant == BASE, version=version, params=params)
         if admitted.get("rejected") == "overloaded":
             self.metrics.rejected.inc(tags={"model_name": self.model_name})
             retry = admitted["retry_after_s"]
@@ -268,46 +327,100 @@ class OpenAIIngress:
         if admitted.get("rejected"):
             raise OpenAIError(503, f"no stage-worker node is alive: {admitted.get('why', '')}",
                               code="unavailable")
-        rid = admitted["id"]
         self.metrics.prompt_tokens.inc(len(ids), tags={"model_name": self.model_name})
+        return admitted["id"]
+
+    async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool,
+                        variant: Union[str, int] = LATEST):
+        self._ensure_monitor()
+        params = self._sampling(body, ids, max_tokens, prompt_param, chat)
+        started = time.perf_counter()
         kind = "chat.completion" if chat else "text_completion"
-        out_id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}-{uuid.uuid4().hex[:8]}"
-        events = self._events(rid, body.stop_list(), started)
         if body.stream:
+            rid = await self._admit(body, ids, params, variant)
+            out_id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}-{uuid.uuid4().hex[:8]}"
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(events, out_id, kind, len(ids), include_usage, body.model),
+            return StreamingResponse(self._sse(self._events(rid, params, started), out_id, kind, len(ids),
+                                               include_usage, body.model),
                                      media_type="text/event-stream")
-        text, reason, count = [], None, 0
-        async for delta, finish, n in events:
+        # n choices: n requests, choice i drawn with seed + i (all admitted before any is awaited)
+        rids = []
+        for i in range(body.n):
+            choice_params = params if i == 0 else params.model_copy(update={"seed": params.seed + i})
+            rids.append(await self._admit(body, ids, choice_params, variant))
+        out_id = f"{'chatcmpl' if chat else 'cmpl'}-{rids[0]}-{uuid.uuid4().hex[:8]}"
+        results = await asyncio.gather(*[self._collect(rid, params, started) for rid in rids])
+        count = sum(r[2] for r in results)
+        usage = {"prompt_tokens": len(ids), "completion_tokens": count, "total_tokens": len(ids) + count}
+        choices = []
+        for i, (content, reason, _, logprobs) in enumerate(results):
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": content},
+                                "logprobs": self._chat_logprobs(logprobs), "finish_reason": reason})
+            else:
+                choices.append({"index": i, "text": content, "logprobs": self._completion_logprobs(logprobs),
+                                "finish_reason": reason})
+        return JSONResponse({"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
+                             "choices": choices, "usage": usage})
+
+    async def _collect(self, rid: int, params, started: float):
+        """A whole (non-streamed) choice: text, finish_reason, tokens, log-probabilities."""
+        text, reason, count, logprobs = [], None, 0, None if params.logprobs is None else []
+        async for delta, finish, n, lps in self._events(rid, params, started):
             text.append(delta)
             count = n
             if finish == "error":
                 raise OpenAIError(503, f"generation failed: {delta}", code="generation_failed")
             reason = finish or reason
-        usage = {"prompt_tokens": len(ids), "completion_tokens": count, "total_tokens": len(ids) + count}
-        body_out = {"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
-                    "usage": usage}
-        content = "".join(text)
-        if chat:
-            body_out["choices"] = [{"index": 0, "message": {"role": "assistant", "content": content},
-                                    "logprobs": None, "finish_reason": reason}]
-        else:
-            body_out["choices"] = [{"index": 0, "text": content, "logprobs": None, "finish_reason": reason}]
-        return JSONResponse(body_out)
+            if logprobs is not None:
+                logprobs.extend(lps)
+        return "".join(text), reason, count, logprobs
 
-    async def _events(self, rid: int, stop: list[str], started: float):
-        """(text delta, finish_reason or None, tokens so far) as tokens arrive; an "error"
-        finish carries the error's text. Cancels the request upstream when a stop string
-        matched or the client went away."""
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _completion_logprobs(self, entries) -> Optional[dict]:
+        """The completions API's log-probabilities (OpenAI's legacy shape, as vLLM's)."""
+        if entries is None:
+            return None
+        tokens, offsets, at = [], [], 0
+        for e in entries:
+            tokens.append(self._token_text(e.token))
+            offsets.append(at)
+            at += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._token_text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, entries) -> Optional[dict]:
+        """The chat API's log-probabilities: token, logprob, bytes and top_logprobs per token."""
+        if entries is None:
+            return None
+
+        def one(token: int, logprob: float) -> dict:
+            text = self._token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+
+    async def _events(self, rid: int, params, started: float):
+        """(text delta, finish_reason or None, tokens so far, log-probabilities of the tokens
+        since the last event) as tokens arrive; an "error" finish carries the error's text.
+        Text follows raycolo.generation: a stop token is counted, never shown; a stop
+        string ends the text before it (the request is cancelled upstream), as does a
+        client that went away."""
         tags = {"model_name": self.model_name}
-        stream = TextStream(self.tokenizer, stop)
-        count, last, finished = 0, None, False
+        stream = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
+        count, last, finished, lps = 0, None, False, []
         try:
             gen = self.controller.stream.options(num_returns="streaming").remote(rid)
             async for ref in gen:
                 kind, value = await ref
                 now = time.perf_counter()
-                if kind == "token":
+                if kind == "logprob":
+                    lps.append(value)
+                elif kind in ("token", "stop_token"):
                     count += 1
                     if last is None:
                         self.metrics.ttft.observe(now - started, tags)
@@ -315,29 +428,32 @@ class OpenAIIngress:
                         self.metrics.itl.observe(now - last, tags)
                     last = now
                     self.metrics.generation_tokens.inc(1, tags)
-                    delta = stream.add(value)
+                    if kind == "stop_token":
+                        continue
+                    delta = stream.add(value, check=count > params.min_tokens)
                     if stream.stopped is not None:
                         finished = True
                         await self.controller.cancel.remote(rid, "stop")
                         self._finish("stop", started)
-                        yield delta, "stop", count
+                        yield delta, "stop", count, lps
                         return
-                    if delta:
-                        yield delta, None, count
+                    if delta or lps:
+                        yield delta, None, count, lps
+                        lps = []
                 elif kind == "done":
                     finished = True
                     self._finish(value, started)
-                    yield stream.flush(), value, count
+                    yield stream.flush(), value, count, lps
                     return
                 else:
                     finished = True
                     self._finish("error", started)
-                    yield str(value), "error", count
+                    yield str(value), "error", count, lps
                     return
         except (RayActorError, ActorUnavailableError):   # the controller died: the stream ends with an error
             finished = True
             self._finish("error", started)
-            yield "the deployment's controller failed mid-request (it restarts); retry", "error", count
+            yield "the deployment's controller failed mid-request (it restarts); retry", "error", count, []
         finally:
             if not finished:      # the client disconnected: free the request's work
                 try:
@@ -354,29 +470,32 @@ class OpenAIIngress:
     async def _sse(self, events, out_id: str, kind: str, prompt_tokens: int, include_usage: bool, model: str):
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
         created = int(time.time())
+        chat = kind == "chat.completion"
 
-        def chunk(delta: Optional[str], finish, role: bool = False, usage=None) -> str:
-            if kind == "chat.completion":
+        def chunk(delta: Optional[str], finish, role: bool = False, usage=None, lps=None) -> str:
+            if chat:
                 d = {"role": "assistant"} if role else ({} if delta is None else {"content": delta})
-                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": d, "logprobs": self._chat_logprobs(lps) if lps else None,
+                          "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": delta or "",
+                          "logprobs": self._completion_logprobs(lps) if lps else None, "finish_reason": finish}
             out = {"id": out_id, "object": chunk_kind, "created": created, "model": model,
                    "choices": [] if usage else [choice]}
             if usage:
                 out["usage"] = usage
             return f"data: {json.dumps(out)}\n\n"
 
-        if kind == "chat.completion":
+        if chat:
             yield chunk(None, None, role=True)
         count = 0
-        async for delta, finish, count in events:
+        async for delta, finish, count, lps in events:
             if finish == "error":       # after the 200: the failure travels inside the stream
                 err = OpenAIError(503, f"generation failed: {delta}", code="generation_failed").body()
                 yield f"data: {json.dumps(err)}\n\n"
                 break
-            if delta:
-                yield chunk(delta, None)
+            if delta or lps:
+                yield chunk(delta, None, lps=lps)
             if finish:
                 yield chunk(None, finish)
         if include_usage:
@@ -385,26 +504,34 @@ class OpenAIIngress:
         yield "data: [DONE]\n\n"
 
     # -- training samples -------------------------------------------------------------------
-    def _pairs(self, body: TrainSamplesRequest) -> list[tuple[list[int], ...]]:
+    def _pairs(self, body: TrainSamplesBody) -> list[tuple[list[int], ...]]:
         """Each sample as token ids: (prompt, completion), or (prompt, chosen, rejected)."""
         out = []
         max_len = self.config.lora.max_len
         for i, s in enumerate(body.samples):
-            if s.messages is not None:
-                prompt, *completions = chat_sample(self.tokenizer, [(m.role, m.text()) for m in s.messages])
+            if s.messages is not None:      # rendered with the chat template, once
+                messages = [(m.role, m.text()) for m in s.messages]
+                try:
+                    p_ids, *c_ids = chat_sample_ids(self.tokenizer, messages, self.tokenizer.eos_token_ids,
+                                                    [s.chosen, s.rejected] if s.is_pair else None)
+                except ValueError as exc:
+                    raise OpenAIError(400, f"{body.param}[{i}].messages: {exc}", param=f"{body.param}[{i}].messages",
+                                      code="invalid_parameter") from None
             else:
                 prompt, *completions = (s.prompt, s.chosen, s.rejected) if s.is_pair else (s.prompt, s.completion)
-            p_ids = self.tokenizer.encode(prompt)
+                p_ids = self.tokenizer.encode(prompt)
+                c_ids = [encode_completion(self.tokenizer, c) for c in completions]
             if len(p_ids) >= max_len:
-                raise OpenAIError(400, f"samples[{i}]: the prompt has {len(p_ids)} tokens; training "
-                                  f"samples hold at most lora.max_len = {max_len}", param=f"samples[{i}]",
+                raise OpenAIError(400, f"{body.param}[{i}]: the prompt has {len(p_ids)} tokens; training "
+                                  f"samples hold at most lora.max_len = {max_len}", param=f"{body.param}[{i}]",
                                   code="sample_too_long")
-            out.append((p_ids, *[encode_completion(self.tokenizer, c) for c in completions]))
+            out.append((p_ids, *c_ids))
         return out
 
     @app.post("/v1/train_samples", response_model=TrainSamplesResponse, responses=ERRORS)
-    async def train_samples(self, body: TrainSamplesRequest) -> TrainSamplesResponse:
-        """Validate, persist (fsync) and acknowledge samples; they are trained as they come."""
+    async def train_samples(self, body: TrainSamplesBody) -> TrainSamplesResponse:
+        """Validate, persist (fsync) and acknowledge samples (``{"samples": [...]}`` or a bare list);
+        they are trained as they come."""
         pairs = self._pairs(body)
         try:
             out = await self.controller.add_samples.remote(pairs, True)
@@ -415,13 +542,13 @@ class OpenAIIngress:
         return TrainSamplesResponse(ids=out["ids"], sequence=out["stored"], persisted=True)
 
     @app.post("/v1/eval", response_model=EvalResponse, responses=ERRORS)
-    async def evaluate(self, body: TrainSamplesRequest) -> EvalResponse:
+    async def evaluate(self, body: TrainSamplesBody) -> EvalResponse:
         """Loss of the served model on held-out samples, or its win rate and CLPD on held-out
         preference pairs (forward only; nothing is stored)."""
         pairs = self._pairs(body)
         if len({len(x) for x in pairs}) > 1:
-            raise OpenAIError(400, "samples: evaluate (prompt, completion) samples or preference pairs, "
-                              "not both in one request", param="samples")
+            raise OpenAIError(400, f"{body.param or 'the body'}: evaluate (prompt, completion) samples or "
+                              "preference pairs, not both in one request", param=body.param or None)
         node = await self.controller.last_node.remote()
         if len(pairs[0]) == 3:
             out = await self.controller.held_out_preference.remote(pairs, node)
@@ -476,5 +603,6 @@ def resolve_config(config) -> OnlineConfig:
 def build_app(args: BuildArgs):
     """The Serve application (``import_path: raycolo.actors.serve_app:build_app``)."""
     config = resolve_config(args.config if isinstance(args, BuildArgs) else BuildArgs(**args).config)
+    config.check_init_from()           # lora.init_from: before anything starts
     name = f"raycolo-online-{config.serve.app_name}"
     return OpenAIIngress.options(num_replicas=config.serve.replicas).bind(config.model_dump(), name)
