@@ -307,3 +307,39 @@ def test_load_app_cycle_from_file(tmp_path):
     path.write_text(yaml.safe_dump(_two_nodes(("input", "a"), ("a", "b"), ("b", "a"))))
     with pytest.raises(ConfigError, match="cycle"):
         load_app(path)
+
+
+# -- sampling settings of a node (raycolo.generation's bounds) ------------------------------
+def _sampling_app(**node):
+    return {"name": "s", "requests": {"count": 8, "input_tokens": {"distribution": "fixed", "value": 32, "max": 64}},
+            "nodes": [{"name": "a", "model": "tiny-llama-s", "max_output_tokens": 16, **node}],
+            "edges": [{"from": "input", "to": "a"}]}
+
+
+def test_nodes_take_sampling_settings_and_default_to_the_ecdf_temperature():
+    app = parse_app(_sampling_app(temperature=0, top_p=0.9, seed=7, stop=["\n\n"]), "app.yaml")
+    node = app.node("a")
+    assert node.greedy and node.sampling_params(16, 3).stop == ("\n\n",)
+    assert parse_app(_sampling_app(), "app.yaml").node("a").temperature == 1.0
+
+
+@pytest.mark.parametrize("field, value", [("temperature", float("nan")), ("temperature", -1), ("temperature", 1e30),
+                                          ("top_p", 0), ("top_p", 1.5), ("seed", -1), ("stop", [""]),
+                                          ("temperature", "hot")])
+def test_bad_sampling_settings_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        parse_app(_sampling_app(**{field: value}), "app.yaml")
+
+
+def test_a_greedy_node_is_planned_with_the_profiles_greedy_ecdf(tmp_path):
+    """Where the profile has <model>.greedy.csv, greedy nodes sample their lengths from
+    it and sampled nodes from <model>.csv."""
+    from raycolo.costmodel.sampler import write_ecdf
+    from raycolo.workload import build_workload
+
+    write_ecdf(tmp_path / "tiny-llama-s.csv", [3] * 10, "sampled")
+    write_ecdf(tmp_path / "tiny-llama-s.greedy.csv", [11] * 10, "greedy")
+    for temperature, length in ((1.0, 3), (0, 11)):
+        app = parse_app(_sampling_app(temperature=temperature), "app.yaml")
+        w = build_workload(app, seed=0, ecdf_dir=tmp_path)
+        assert set(w.nodes["a"].output_len.tolist()) == {length}
