@@ -244,11 +244,12 @@ class OpenAIIngress:
         return handle
 
     # -- adapters loaded while serving: vLLM's routes and bodies --------------------------------
-    @app.post("/v1/load_lora_adapter", responses={**ERRORS, **PLAIN_TEXT})
+    @app.post("/v1/load_lora_adapter", responses={**ERRORS, **PLAIN_TEXT, 403: {"model": ErrorResponse}})
     async def load_lora_adapter(self, body: LoadLoraAdapterRequest):
         """vLLM's route: serve the peft LoRA adapter at ``lora_path`` as model ``lora_name``
         (next to the served model, ``@base`` and ``@v<k>``), on every replica. 200 with
-        vLLM's plain success text; 404 for a path with nothing there; 400 for a directory
+        vLLM's plain success text; 403 for a path outside ``serve.lora_load_dirs`` (none:
+        loading is off); 404 for a path with nothing there; 400 for a directory
         that is not a peft LoRA adapter, one that does not fit (rank above ``lora.rank``,
         modules the deployment's LoRA does not adapt, another base model's shapes), a name
         loaded already (unless ``load_inplace``) or one of the served model's names."""
@@ -340,7 +341,7 @@ class OpenAIIngress:
             rid = await self._admit(body, ids, params, variant)
             out_id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}-{uuid.uuid4().hex[:8]}"
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(self._events(rid, params, started), out_id, kind, len(ids),
+            return StreamingResponse(self._sse(self._events(rid, params, started, ids), out_id, kind, len(ids),
                                                include_usage, body.model),
                                      media_type="text/event-stream")
         # n choices: n requests, choice i drawn with seed + i (all admitted before any is awaited)
@@ -349,7 +350,7 @@ class OpenAIIngress:
             choice_params = params if i == 0 else params.model_copy(update={"seed": params.seed + i})
             rids.append(await self._admit(body, ids, choice_params, variant))
         out_id = f"{'chatcmpl' if chat else 'cmpl'}-{rids[0]}-{uuid.uuid4().hex[:8]}"
-        results = await asyncio.gather(*[self._collect(rid, params, started) for rid in rids])
+        results = await asyncio.gather(*[self._collect(rid, params, started, ids) for rid in rids])
         count = sum(r[2] for r in results)
         usage = {"prompt_tokens": len(ids), "completion_tokens": count, "total_tokens": len(ids) + count}
         choices = []
@@ -363,10 +364,10 @@ class OpenAIIngress:
         return JSONResponse({"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
                              "choices": choices, "usage": usage})
 
-    async def _collect(self, rid: int, params, started: float):
+    async def _collect(self, rid: int, params, started: float, prompt_ids: list[int]):
         """A whole (non-streamed) choice: text, finish_reason, tokens, log-probabilities."""
         text, reason, count, logprobs = [], None, 0, None if params.logprobs is None else []
-        async for delta, finish, n, lps in self._events(rid, params, started):
+        async for delta, finish, n, lps in self._events(rid, params, started, prompt_ids):
             text.append(delta)
             count = n
             if finish == "error":
@@ -404,14 +405,14 @@ class OpenAIIngress:
         return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                             for e in entries]}
 
-    async def _events(self, rid: int, params, started: float):
+    async def _events(self, rid: int, params, started: float, prompt_ids: list[int]):
         """(text delta, finish_reason or None, tokens so far, log-probabilities of the tokens
         since the last event) as tokens arrive; an "error" finish carries the error's text.
         Text follows raycolo.generation: a stop token is counted, never shown; a stop
         string ends the text before it (the request is cancelled upstream), as does a
         client that went away."""
         tags = {"model_name": self.model_name}
-        stream = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
+        stream = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, prompt_ids)
         count, last, finished, lps = 0, None, False, []
         try:
             gen = self.controller.stream.options(num_returns="streaming").remote(rid)

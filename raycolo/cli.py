@@ -460,13 +460,25 @@ def cmd_simulate_online(args) -> int:
     from raycolo.policies import make_online_policy
     policy = make_online_policy(args.policy, params, nodes=args.nodes, train_rate=args.train_rate)
     result = simulate(tasks, profile, args.nodes, policy, params)
-    summary = {"model": args.model, "nodes": args.nodes, "stages": args.stages, "rate": args.rate,
-               "train_rate": args.train_rate, **result.summary()}
+    summary = online_summary(result, args.model, args.nodes, args.stages, args.rate, args.train_rate)
     return _report_online(result, summary, args,
                           f"{args.policy}: {args.nodes} x {args.stages} {args.model}, {args.rate:g} rps, "
                           f"training {args.train_rate:.0%}",
                           f"{args.policy} on {args.nodes} x {args.stages} {args.model}, {len(tasks)} tasks "
                           f"({result.inference} inference, {result.train} training)")
+
+
+def online_summary(result, model: str, nodes: int, stages: int, rate: float, train_rate: float,
+                   stats: Optional[dict] = None) -> dict:
+    """What ``simulate-online --json`` and ``online run --json`` print, with the same keys:
+    the run's shape, its OnlineResult's summary, and the live runtime's own figures from
+    the controller's ``stats`` (a simulation has none: no actor hops, no adapter
+    checkpoints, no errors). ``online run --preference-share`` adds ``preference`` and
+    ``--plot`` adds ``plot`` (both commands)."""
+    stats = stats or {}
+    return {"model": model, "nodes": nodes, "stages": stages, "rate": rate, "train_rate": train_rate,
+            **result.summary(), "actor_hops": stats.get("actor_hops", 0),
+            "adapter_version": stats.get("adapter_version"), "errors": stats.get("errors", [])}
 
 
 def _report_online(result, summary: dict, args, title: str, heading: str) -> int:
@@ -533,6 +545,23 @@ def cmd_sweep_online(args) -> int:
     return 0
 
 
+def replay_online(dep, config, tasks, rate: float, seed: int = 0, preference_share: float = 0.0,
+                  progress=None, save_profile=None) -> tuple:
+    """``online run`` on the started deployment ``dep`` (of ``config``): replay ``tasks``;
+    returns the run's OnlineResult and its summary (:func:`online_summary`; with
+    ``preference_share``, the held-out win rate and CLPD before and after as ``preference``)."""
+    preference = {"before": dep.held_out_preference(node=None)} if preference_share else None
+    result = dep.replay(tasks, seed=seed, progress=progress, preference_share=preference_share)
+    summary = online_summary(result, config.model_loading_config.model_id, config.nodes, config.stages, rate,
+                             config.train_rate, dep.stats())
+    if preference:
+        preference["after"] = dep.held_out_preference(node=None)
+        summary["preference"] = preference
+    if save_profile:
+        dep.save_profile(save_profile)
+    return result, summary
+
+
 def cmd_online(args) -> int:
     from raycolo.errors import ConfigError
     from raycolo.online.config import layer_bounds, load_online_config, model_hf_config
@@ -567,20 +596,12 @@ def cmd_online(args) -> int:
         f"policy {config.policy})")
     dep = OnlineDeployment.start(config, address=args.address)
     try:
-        preference = {"before": dep.held_out_preference(node=None)} if args.preference_share else None
-        result = dep.replay(tasks, seed=args.seed, progress=say, preference_share=args.preference_share)
-        summary = result.summary()
-        stats = dep.stats()
-        if preference:
-            preference["after"] = dep.held_out_preference(node=None)
-            summary["preference"] = preference
-        if args.save_profile:
-            dep.save_profile(args.save_profile)
+        result, summary = replay_online(dep, config, tasks, args.rate, seed=args.seed,
+                                        preference_share=args.preference_share, progress=say,
+                                        save_profile=args.save_profile)
     finally:
         dep.stop()
-    summary.update({"nodes": config.nodes, "stages": config.stages, "rate": args.rate,
-                    "train_rate": config.train_rate, "actor_hops": stats["actor_hops"],
-                    "adapter_version": stats["adapter_version"], "errors": stats["errors"]})
+    preference = summary.get("preference")
     if preference and not args.json:
         b, a = preference["before"], preference["after"]
         say(f"held-out preference pairs ({b['pairs']}): win rate {b['win_rate']:.0%} -> {a['win_rate']:.0%}, "

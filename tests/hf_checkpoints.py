@@ -34,6 +34,7 @@ import pathlib
 import random
 
 import torch
+from tokenizers.decoders import DecodeStream
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 KINDS = ("llama3", "qwen2", "gpt2")
@@ -149,7 +150,7 @@ def _write_tokenizer(tok: Tokenizer, spec: dict, path: pathlib.Path) -> None:
         {f"{k}_token": v for k, v in special.items()}, indent=2) + "\n")
 
 
-def _make_model(kind: str, vocab_size: int, ids: dict):
+def _make_model(kind: str, vocab_size: int, ids: dict, hidden_size: int = 64):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     common = dict(vocab_size=vocab_size, bos_token_id=ids["bos"], eos_token_id=ids["eos"], tie_word_embeddings=False)
     if kind == "gpt2":
@@ -159,7 +160,7 @@ def _make_model(kind: str, vocab_size: int, ids: dict):
             w = model.transformer.ln_f.weight  # random signs in the final norm cancel that self-affinity
             w.copy_(torch.randint(0, 2, w.shape) * 2.0 - 1)
         return model
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    shape = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512)
     if kind == "llama3":
         return LlamaForCausalLM(LlamaConfig(rope_theta=500000.0, rms_norm_eps=1e-5, **shape, **common))
@@ -201,8 +202,10 @@ def _tilt(model, tok: Tokenizer, spec: dict, n_ordinary: int, seed: int) -> list
     return triggers
 
 
-def build_checkpoint(kind: str, path, seed: int = 0) -> pathlib.Path:
-    """Write a complete ``kind`` checkpoint (see module docstring) into ``path``; return it."""
+def build_checkpoint(kind: str, path, seed: int = 0, hidden_size: int = 64) -> pathlib.Path:
+    """Write a complete ``kind`` checkpoint (see module docstring) into ``path``; return it.
+    ``hidden_size``: of the llama3 and qwen2 kinds (4 heads: 128 gives head_dim 32, what
+    vLLM's CPU attention needs)."""
     spec = SPECS[kind]
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -214,7 +217,7 @@ def build_checkpoint(kind: str, path, seed: int = 0) -> pathlib.Path:
     vocab_size = -(-total // spec["pad_to"]) * spec["pad_to"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = _make_model(kind, vocab_size, ids).eval()
+        model = _make_model(kind, vocab_size, ids, hidden_size).eval()
     _tilt(model, tok, spec, n_ordinary, seed)
     gen_eos = [tid(t) for t in spec["gen_eos"]] if isinstance(spec["gen_eos"], list) else tid(spec["gen_eos"])
     model.save_pretrained(path)
@@ -255,7 +258,11 @@ def hf_reference(path, prompt_ids, max_new_tokens: int) -> tuple[list[int], str,
                              max_new_tokens=max_new_tokens, pad_token_id=eos_ids(path)[0] if pad is None else pad)
     ids = out[0, prompt.shape[1]:].tolist()
     stopped = bool(ids) and ids[-1] in eos_ids(path)
-    text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=True)
+    # the text as vLLM's detokenizer makes it: tokenizers' DecodeStream primed with the
+    # prompt (a character whose bytes max_new_tokens cut off is held back, never emitted)
+    stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=True)
+    body = ids[:-1] if stopped else ids
+    text = "".join(stream.step(tokenizer.backend_tokenizer, t) or "" for t in body)
     return ids, text, "stop" if stopped else "length"
 
 

@@ -387,9 +387,9 @@ def test_unknown_yaml_key(tmp_path):
 
 def test_unknown_nested_yaml_key(tmp_path):
     path = _write(tmp_path / "app.yaml", _app(nodes=[
-        {"name": "a", "model": "vicuna-13b-v1.5", "max_output_tokens": 8, "temperature": 0.7}]))
+        {"name": "a", "model": "vicuna-13b-v1.5", "max_output_tokens": 8, "tempreature": 0.7}]))
     line = _error("compare", path)
-    assert "temperature" in line
+    assert "tempreature" in line
 
 
 def test_a_plot_path_that_is_no_image_format_is_refused_before_planning(tmp_path):

@@ -188,7 +188,7 @@ def test_every_request_finishes_with_its_max_tokens(many):
         assert o.output_len == p.max_tokens
         assert o.finish_reason == "length"
         assert all(0 <= t < 512 for t in o.token_ids)
-        assert o.text == TOK.decode(o.token_ids)
+        assert o.text == TOK.decode(o.token_ids).rstrip("\ufffd")    # a cut-off last character is not text
         assert o.arrival_s <= o.first_token_s <= o.finish_s
     assert not engine.has_unfinished()
     assert engine.memory().kv_blocks_used == 0
@@ -463,7 +463,7 @@ def test_text_prompts_equal_their_token_ids(e64):
     a, b = generate(e64, [text, TOK.encode(text)], SamplingParams(max_tokens=6, ignore_eos=True))
     assert a.prompt_token_ids == b.prompt_token_ids == TOK.encode(text)
     assert a.token_ids == b.token_ids
-    assert a.text == TOK.decode(a.token_ids)
+    assert a.text == TOK.decode(a.token_ids).rstrip("\ufffd")
 
 
 def test_take_hands_back_the_least_advanced_and_they_continue_exactly(e64):

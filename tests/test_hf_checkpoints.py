@@ -122,7 +122,8 @@ def test_greedy_cases_stop_and_run_to_the_limit(hf_checkpoints, kind, max_new_to
         assert len(out) == max_new_tokens if c["finish_reason"] == "length" else len(out) <= max_new_tokens
         assert not set(out[:-1]) & set(eos_ids(path))
         body = out[:-1] if c["finish_reason"] == "stop" else out
-        assert c["text"] == tok.decode(body, skip_special_tokens=True)
+        full = tok.decode(body, skip_special_tokens=True)    # DecodeStream's text: a prefix, no half character
+        assert full.startswith(c["text"]) and set(full[len(c["text"]):]) <= {"\ufffd"}
         assert hf_reference(path, c["prompt_ids"], max_new_tokens) == (out, c["text"], c["finish_reason"])
     if kind != "gpt2":
         assert tilted != tok.eos_token_id  # stops on generation_config's other EOS

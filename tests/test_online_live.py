@@ -123,6 +123,28 @@ def test_every_task_of_a_short_trace_completes_exactly_once(deployment, policy):
     assert 0 < stats["scheduling_us_p50"] <= stats["scheduling_us_p99"] and stats["scheduling_us_per_task"] > 0
 
 
+def test_online_run_and_simulate_online_print_the_same_keys(deployment):
+    """``online run --json`` (its replay on this deployment: cli.replay_online) and
+    ``simulate-online --json`` have the same top-level keys, ``model`` included."""
+    from raycolo.cli import replay_online
+
+    dep, config, _ = deployment
+    dep.use_policy("lemix")
+    tasks = poisson_workload(4.0, 0.5, 6, seed=7)
+    for t in tasks:
+        t.length = min(t.length, 24)
+        if not t.is_train:
+            t.decode_tokens = t.max_tokens = min(t.decode_tokens, 4)
+    _, live = replay_online(dep, config, tasks, 4.0, seed=2)
+    proc = _cli("simulate-online", "--tasks", "6", "--rate", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    simulated = json.loads(proc.stdout)
+    assert set(live) == set(simulated), set(live) ^ set(simulated)
+    assert live["model"] == "tiny-llama-s" and simulated["model"] == "llama-8b"
+    assert live["completed"] == 6 and live["errors"] == [] and live["adapter_version"] >= 0
+    assert simulated["actor_hops"] == 0 and simulated["adapter_version"] is None and simulated["errors"] == []
+
+
 def test_stage_workers_let_go_of_the_tensors_they_sent(deployment):
     """After the traces above, each sending stage posted hundreds of point-to-point sends;
     it holds on only to those whose receivers have not run yet. (gloo's isend reports

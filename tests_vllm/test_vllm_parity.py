@@ -69,7 +69,7 @@ def servers(tmp_path_factory):
     if not MAIN_PYTHON.exists():
         pytest.fail(f"{MAIN_PYTHON} is missing: run make test first (raycolo serves from the main venv)")
     tmp = tmp_path_factory.mktemp("parity")
-    ckpt = build_checkpoint("llama3", tmp / "llama3", seed=0)
+    ckpt = build_checkpoint("llama3", tmp / "llama3", seed=0, hidden_size=128)   # head_dim 32 for vLLM's CPU attention
     vllm_port, ray_port = free_port(), free_port()
     vllm_log, ray_log = tmp / "vllm.log", tmp / "raycolo.log"
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))

@@ -82,7 +82,7 @@ class TorchEngine(Engine):
         handle = self._next_handle
         self._next_handle += 1
         self.requests[handle] = _Request(request_id, ids, params, time.perf_counter(), seed=seed,
-                                         checker=StopChecker(params, self.eos_ids, self.tokenizer),
+                                         checker=StopChecker(params, self.eos_ids, self.tokenizer, ids),
                                          logprobs=[] if params.logprobs is not None else None)
         self.scheduler.add(handle, len(ids))
 

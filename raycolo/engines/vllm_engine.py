@@ -159,7 +159,7 @@ class VllmEngine(Engine):
         seed = params.seed
         if seed is None and not params.greedy:
             seed = self._seed * 1_000_003 + self._next_handle
-        checker = StopChecker(params, self.eos_ids, self.tokenizer)
+        checker = StopChecker(params, self.eos_ids, self.tokenizer, ids)
         # raycolo's stop rules decide (raycolo.generation.stops): vLLM gets the same stop
         # tokens (the EOS set unless ignore_eos, and stop_token_ids) so that it stops where
         # they do and masks them before min_tokens; a stop string is matched here and the

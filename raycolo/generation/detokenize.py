@@ -1,70 +1,119 @@
-"""Token ids to text deltas, with stop strings.
+"""Token ids to text, incrementally, with stop strings: vLLM's detokenizer.
 
-:class:`TextStream` decodes the whole output each time and emits what is new, holding
-back a trailing incomplete UTF-8 sequence (decoded as U+FFFD) and, with stop strings,
-the longest tail that could still become one, so no client ever sees a stop string or
-half a character. A stop string ends the text just before it (vLLM's default,
-``include_stop_str_in_output=False``).
+Generated text is what an incremental detokenizer emits token by token, never a
+re-decode of the whole output: a checkpoint's fast tokenizer goes through ``tokenizers``'
+``DecodeStream`` primed with the prompt's ids (what vLLM v1 does,
+vllm/v1/engine/detokenizer.py), which holds back a decode that ends in an incomplete
+character (U+FFFD) until its other bytes come, and never flushes it: an output whose last
+bytes ``max_tokens`` cut off ends before them. Other tokenizers (raycolo's byte tokenizer,
+slow ones) decode the whole output each time and follow the same rule: a trailing U+FFFD is
+held back, and dropped at the end.
+
+:class:`TextStream` adds stop strings: it holds back the longest tail that could still
+become one, so no client ever sees a stop string or half a character, and a stop string
+ends the text just before it (vLLM's default, ``include_stop_str_in_output=False``).
+:func:`finished_text` is the same text in one call.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
+INVALID_PREFIX = "Invalid prefix encountered"     # tokenizers' DecodeStream lost its state
 
-def decode(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-    """``tokenizer.decode`` for both tokenizer kinds raycolo loads."""
-    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+class _StreamDecoder:
+    """``tokenizers.decoders.DecodeStream`` over a transformers fast tokenizer."""
+
+    def __init__(self, backend, prompt_ids: Sequence[int], skip_special_tokens: bool):
+        from tokenizers.decoders import DecodeStream
+
+        self.backend, self.skip = backend, skip_special_tokens
+        self.stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=skip_special_tokens)
+
+    def step(self, token: int) -> str:
+        try:
+            return self.stream.step(self.backend, int(token)) or ""
+        except Exception as exc:        # as vLLM: start the stream again without the prefix
+            if not str(exc).startswith(INVALID_PREFIX):
+                raise
+            from tokenizers.decoders import DecodeStream
+
+            self.stream = DecodeStream(skip_special_tokens=self.skip)
+            return self.stream.step(self.backend, int(token)) or ""
+
+
+class _WholeDecoder:
+    """Any tokenizer with ``decode``: the whole output decoded each time, a trailing
+    U+FFFD held back (what ``DecodeStream`` does, for a context-free decoder)."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def step(self, token: int) -> str:
+        self.ids.append(int(token))
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
+        if text.endswith("\ufffd") or len(text) <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent:], len(text)
+        return delta
+
+
+def decoder(tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+    """The incremental decoder of ``tokenizer`` (see the module's docstring)."""
+    backend = getattr(getattr(tokenizer, "tok", None), "backend_tokenizer", None)
+    if backend is not None:
+        return _StreamDecoder(backend, prompt_ids, skip_special_tokens)
+    return _WholeDecoder(tokenizer, skip_special_tokens)
+
+
+def finished_text(tokenizer, ids: Sequence[int], prompt_ids: Sequence[int] = (),
+                  skip_special_tokens: bool = True) -> str:
+    """The text of a finished output ``ids``: what the incremental decoder emitted."""
+    d = decoder(tokenizer, prompt_ids, skip_special_tokens)
+    return "".join(d.step(t) for t in ids)
 
 
 class TextStream:
     """Token ids in, text deltas out, stop strings honoured."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] = ()):
+        self.decoder = decoder(tokenizer, prompt_ids, skip_special_tokens)
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.sent = 0                  # characters of the decoded text already emitted
+        self.text = ""                 # what the decoder emitted so far
+        self.sent = 0                  # characters of it already given out
         self.stopped: Optional[str] = None   # the stop string that ended the text
-
-    def _decode(self) -> str:
-        return decode(self.tokenizer, self.ids, self.skip_special_tokens)
 
     def add(self, token: int, check: bool = True) -> str:
         """The new text that ``token`` makes safe to send ('' while held back).
         ``check=False``: no stop string may end the text yet (before ``min_tokens``)."""
         if self.stopped is not None:
             return ""
-        self.ids.append(token)
-        text = self._decode()
-        # an incomplete character decodes as U+FFFD until its other bytes come: not yet text
-        # a stop string may match
+        self.text += self.decoder.step(token)
         if check:
-            hit = self._stop_hit(text[:-1] if text.endswith("\ufffd") else text)
+            hit = self._stop_hit(self.text)
             if hit is not None:
                 return hit
-        end = len(text)
-        if text.endswith("\ufffd"):
-            end -= 1                   # an incomplete character: wait for its other bytes
-        if self.stop:
-            end -= self.hold           # what could still begin a stop string
+        end = len(self.text) - (self.hold if self.stop else 0)   # what could still begin a stop string
         if end <= self.sent:
             return ""
-        delta = text[self.sent:end]
+        delta = self.text[self.sent:end]
         self.sent = end
         return delta
 
     def flush(self) -> str:
-        """At the end of generation: whatever was held back (unless a stop string hit)."""
+        """At the end of generation: the text held back for stop strings (a character
+        still incomplete is not text)."""
         if self.stopped is not None:
             return ""
-        text = self._decode()
-        hit = self._stop_hit(text)
+        hit = self._stop_hit(self.text)
         if hit is not None:
             return hit
-        delta = text[self.sent:]
-        self.sent = len(text)
+        delta = self.text[self.sent:]
+        self.sent = len(self.text)
         return delta
 
     def _stop_hit(self, text: str) -> Optional[str]:

@@ -13,7 +13,8 @@
 * **Accounting**: every generated token counts, the stop token included, also when a
   stop string cut the text short (``usage.completion_tokens`` as vLLM counts it).
 * **Text**: a stop token's text is never in the output; special tokens are left out
-  with ``skip_special_tokens``; a stop string and what follows it are cut.
+  with ``skip_special_tokens``; a stop string and what follows it are cut; a character
+  left incomplete at the end is dropped (:func:`.detokenize.finished_text`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Literal, Optional, Sequence
 
-from raycolo.generation.detokenize import TextStream
+from raycolo.generation.detokenize import TextStream, finished_text
 from raycolo.generation.params import SamplingParams
 
 FinishReason = Literal["stop", "length"]
@@ -74,24 +75,25 @@ def check_stop(params: SamplingParams, stop_ids: frozenset[int], output: Sequenc
     return None
 
 
-def output_text(tokenizer, output: Sequence[int], stopped_by_token: bool,
-                skip_special_tokens: bool = True) -> str:
+def output_text(tokenizer, output: Sequence[int], stopped_by_token: bool, skip_special_tokens: bool = True,
+                prompt_ids: Sequence[int] = ()) -> str:
     """The text of a finished output (no stop strings): the stop token left out."""
     ids = list(output[:-1]) if stopped_by_token else list(output)
-    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return finished_text(tokenizer, ids, prompt_ids, skip_special_tokens)
 
 
 class StopChecker:
     """One request's stops, token by token: stop tokens, the length limit and (with a
     tokenizer) stop strings. ``append`` returns the finish reason once it stops."""
 
-    def __init__(self, params: SamplingParams, eos_ids: Iterable[int], tokenizer=None):
-        self.params = params
+    def __init__(self, params: SamplingParams, eos_ids: Iterable[int], tokenizer=None,
+                 prompt_ids: Sequence[int] = ()):
+        self.params, self.prompt_ids = params, prompt_ids
         self.stop_ids = stop_token_set(params, eos_ids)
         self.output: list[int] = []
         self.finish_reason: Optional[FinishReason] = None
         self.stop_token: Optional[int] = None        # the stop token that ended it
-        self.stream = (TextStream(tokenizer, params.stop, params.skip_special_tokens)
+        self.stream = (TextStream(tokenizer, params.stop, params.skip_special_tokens, prompt_ids)
                        if params.stop and tokenizer is not None else None)
         self._text: list[str] = []
 
@@ -113,4 +115,5 @@ class StopChecker:
         """The output's text (after it finished)."""
         if self.stream is not None:
             return "".join(self._text) + self.stream.flush()
-        return output_text(tokenizer, self.output, self.stop_token is not None, self.params.skip_special_tokens)
+        return output_text(tokenizer, self.output, self.stop_token is not None, self.params.skip_special_tokens,
+                           self.prompt_ids)

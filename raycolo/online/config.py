@@ -88,6 +88,24 @@ class ServeSpec(BaseModel):
     replicas: int = Field(default=1, gt=0, le=64)             # ingress replicas
     # adapter checkpoints servable as <model>@v<k>: the newest this many
     pinned_versions: int = Field(default=4, ge=0, le=64)
+    lora_load_dirs: list[str] = Field(default_factory=list, description=(
+        "Directories POST /v1/load_lora_adapter may load adapters from (a lora_path must lie under one "
+        "of them once symlinks are resolved; others are a 403 that says nothing of the path). Empty: "
+        "loading adapters over HTTP is off, as vLLM's routes are without VLLM_ALLOW_RUNTIME_LORA_UPDATING. "
+        "A relative directory is taken from the current directory."))
+
+    @field_validator("lora_load_dirs")
+    @classmethod
+    def _absolute_dirs(cls, dirs: list[str]) -> list[str]:
+        out = []
+        for d in dirs:
+            if not d.strip():
+                raise ValueError("each entry must name a directory")
+            try:
+                out.append(str(Path(d).expanduser().resolve()))
+            except (RuntimeError, OSError, ValueError) as exc:
+                raise ValueError(f"not a usable path: {d!r}: {exc}") from None
+        return out
 
     @field_validator("route_prefix")
     @classmethod

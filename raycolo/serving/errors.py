@@ -11,7 +11,8 @@ from typing import Optional
 from pydantic import ValidationError
 
 # status -> OpenAI's error type
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
                503: "service_unavailable", 507: "insufficient_storage"}
 
