@@ -131,3 +131,19 @@ def test_online_refuses_a_family_its_pipeline_lacks_before_starting(hf_checkpoin
     config("llama3").check_paths()
     with pytest.raises(ConfigError, match=r"model_loading_config.model_id: .* 'gpt2' model"):
         config("gpt2").check_paths()
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "gpt2"])
+def test_chat_preference_pairs_are_rendered_like_chat_samples(kind, hf_checkpoints):
+    """A chat pair (messages ending with the user's turn, chosen, rejected): one prompt,
+    each answer as the template writes an assistant turn; without a template, the plain
+    template and the tokenizer's EOS."""
+    path = hf_checkpoints[kind]
+    tok = load_tokenizer(str(path))
+    messages = [("user", "Where is the river?")]
+    prompt, chosen, rejected = chat_sample_ids(tok, messages, tok.eos_token_ids, ["By the stone.", "Far away."])
+    assert prompt == chat_prompt_ids(tok, messages)
+    for answer, ids in (("By the stone.", chosen), ("Far away.", rejected)):
+        assert (prompt, ids) == chat_sample_ids(tok, [*messages, ("assistant", answer)], tok.eos_token_ids)
+        assert ids[-1] in tok.eos_token_ids | {tok.eos_token_id}
+        assert load(path)[1].decode(ids[:-1]).strip() == answer
