@@ -148,3 +148,31 @@ def test_sleep_follows_the_platforms_sleep_mode(checkpoint, torch_tokens):
         assert [o.token_ids for o in engine.generate(PROMPTS, params)] == torch_tokens
     finally:
         engine.release()
+
+
+def test_the_vllm_adapter_follows_raycolos_stops_on_a_real_checkpoint(tmp_path):
+    """raycolo's Engine interface over vLLM on the Llama 3-style checkpoint: greedy ids,
+    text and finish reasons equal transformers' (stops at <|eot_id|>, an EOS only through
+    generation_config.json); a stop string ends the request where raycolo's checker says."""
+    import os
+    import sys
+    from pathlib import Path
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from hf_checkpoints import build_checkpoint, greedy_cases
+
+    path = build_checkpoint("llama3", tmp_path / "llama3", seed=0, hidden_size=128)
+    cases = greedy_cases(path, 24, n=6)
+    engine = create_engine(_config("vllm", path, max_num_seqs=8, block_size=32))
+    try:
+        outs = engine.generate([c["prompt_ids"] for c in cases], SamplingParams(max_tokens=24))
+        for c, o in zip(cases, outs):
+            assert (o.token_ids, o.text, o.finish_reason) == (c["output_ids"], c["text"], c["finish_reason"])
+        case = next(c for c in cases if c["finish_reason"] == "length" and len(c["text"]) > 4)
+        stop = case["text"][len(case["text"]) // 2:len(case["text"]) // 2 + 2]
+        out = engine.generate([case["prompt_ids"]], SamplingParams(max_tokens=24, stop=[stop]))[0]
+        assert out.finish_reason == "stop" and out.text == case["text"][:case["text"].index(stop)]
+        assert out.token_ids == case["output_ids"][:len(out.token_ids)] and not engine.has_unfinished()
+    finally:
+        engine.release()

@@ -70,8 +70,11 @@ def decoder(tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool
 
 def finished_text(tokenizer, ids: Sequence[int], prompt_ids: Sequence[int] = (),
                   skip_special_tokens: bool = True) -> str:
-    """The text of a finished output ``ids``: what the incremental decoder emitted."""
+    """The text of a finished output ``ids``: what the incremental decoder emitted (for a
+    whole-output decoder that is one decode, less a trailing U+FFFD)."""
     d = decoder(tokenizer, prompt_ids, skip_special_tokens)
+    if isinstance(d, _WholeDecoder):
+        return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens).rstrip("\ufffd")
     return "".join(d.step(t) for t in ids)
 
 
