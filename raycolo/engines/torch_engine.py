@@ -24,7 +24,7 @@ from raycolo.engines.threads import apply_thread_policy
 from raycolo.errors import ConfigError
 from raycolo.executor import SeqChunk, create_executor
 from raycolo.generation import StopChecker
-from raycolo.generation.sampler import SamplingRow, sample
+from raycolo.generation.sampler import SamplingRow, plain, sample, sample_plain
 from raycolo.sim.scheduler import FcfsBlockScheduler
 from raycolo.sim.types import SchedulerLimits, ceil_div
 
@@ -33,6 +33,7 @@ from raycolo.sim.types import SchedulerLimits, ceil_div
 class _Request(TrackedRequest):
     seed: int = 0
     checker: Optional[StopChecker] = None     # raycolo.generation's stop rules
+    plain: bool = True                        # greedy on raw logits (raycolo.generation.sampler.plain)
 
 
 class TorchEngine(Engine):
@@ -83,6 +84,7 @@ class TorchEngine(Engine):
         self._next_handle += 1
         self.requests[handle] = _Request(request_id, ids, params, time.perf_counter(), seed=seed,
                                          checker=StopChecker(params, self.eos_ids, self.tokenizer, ids),
+                                         plain=plain(params),
                                          logprobs=[] if params.logprobs is not None else None)
         self.scheduler.add(handle, len(ids))
 
@@ -142,6 +144,8 @@ class TorchEngine(Engine):
         else:
             logits = ex.execute(ex.batch(chunks), handles=handles)
         reqs = [self.requests[h] for h in handles]
+        if all(r.plain for r in reqs):
+            return sample_plain(logits)
         return sample(logits, [SamplingRow.of(r.params, r.seed, r.generated, r.prompt, r.checker.stop_ids)
                                for r in reqs])
 

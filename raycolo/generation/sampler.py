@@ -68,6 +68,19 @@ class Sampled:
     logprobs: list[Optional[TokenLogprob]]
 
 
+def plain(params: SamplingParams) -> bool:
+    """Rows of these params need nothing but the argmax of the raw logits."""
+    return params.plain_greedy and params.logprobs is None
+
+
+@torch.inference_mode()
+def sample_plain(logits: torch.Tensor) -> Sampled:
+    """:func:`sample` for a batch whose rows are all :func:`plain`: one argmax, no rows
+    built (the common greedy batch costs nothing per row)."""
+    tokens = torch.argmax(logits, dim=-1).tolist()
+    return Sampled(tokens, [None] * len(tokens))
+
+
 def _penalize(x: torch.Tensor, row: SamplingRow) -> None:
     p = row.params
     if p.repetition_penalty != 1.0:
@@ -98,6 +111,8 @@ def _draw(x: torch.Tensor, row: SamplingRow) -> int:
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Sampled:
     """The next token of each row of ``logits`` (rows x vocabulary)."""
+    if all(plain(r.params) for r in rows):
+        return sample_plain(logits)
     logits = logits.float().cpu()
     tokens = torch.argmax(logits, dim=-1).tolist()        # plain greedy rows, in one op
     asked = [r.params.logprobs for r in rows]
