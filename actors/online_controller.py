@@ -41,7 +41,7 @@ from raycolo.online.profiles import NodeProfile
 from raycolo.online.samples import (Cursor, SampleStore, TrainingLedger, clip_sample, from_ranges, plan_resumption,
                                     training_rows)
 from raycolo.generation import SamplingParams, check_stop, stop_token_set
-from raycolo.generation.sampler import SamplingRow
+from raycolo.generation.sampler import SamplingRow, plain
 from raycolo.online.tasks import OnlineTask
 
 
@@ -519,9 +519,9 @@ class OnlineController(AdapterVersions, Reports):
                                 for q in reqs if q.version is not None})
             if s == 0:
                 base["tokens"] = tokens
-            if last:   # the last stage samples (raycolo.generation.sampler)
-                base["sampling"] = [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids)
-                                    for q in reqs]
+            if last:   # the last stage samples (raycolo.generation.sampler); None: all plain greedy
+                base["sampling"] = None if all(plain(q.params) for q in reqs) else \
+                    [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids) for q in reqs]
         elif op.kind in ("train_f", "train_b"):
             task = op.tasks[0]
             root, samples, share = self._samples_of(op)

@@ -70,10 +70,10 @@ class StageProcess:
             tokens = op["tokens"] if first else [[0] * n for n in counts]
             out = self.model.forward(op["requests"], tokens, hidden, base=op.get("base", ()),
                                      pinned={int(r): d for r, d in op.get("pinned", {}).items()})
-            if last:     # op["sampling"]: a raycolo.generation.sampler.SamplingRow per request
-                from raycolo.generation.sampler import sample
+            if last:     # op["sampling"]: a raycolo.generation.sampler.SamplingRow per request (None: all greedy)
+                from raycolo.generation.sampler import sample, sample_plain
 
-                sampled = sample(out, op["sampling"])
+                sampled = sample_plain(out) if op["sampling"] is None else sample(out, op["sampling"])
                 result["tokens"] = sampled.tokens
                 if any(lp is not None for lp in sampled.logprobs):
                     result["logprobs"] = sampled.logprobs
