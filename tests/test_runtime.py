@@ -535,6 +535,8 @@ def test_real_checkpoints_greedy_outputs_equal_transformers(cluster, tmp_path, h
     cases = {kind: [c for c in greedy_cases(path, max_new, n=8) if isinstance(c["prompt"], str)]
              for kind, path in hf_checkpoints.items()}
     prompts = sorted({c["prompt"] for cs in cases.values() for c in cs})
+    long_prompt = "the quiet river and the silver road " * 120     # beyond the checkpoints' 512 positions
+    prompts.append(long_prompt)
     requests = tmp_path / "prompts.jsonl"
     requests.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     nodes = "".join(f"  - {{name: {kind}, model: tiny-llama-s, checkpoint: '{path}', max_output_tokens: {max_new}, "
@@ -555,3 +557,7 @@ def test_real_checkpoints_greedy_outputs_equal_transformers(cluster, tmp_path, h
             assert row["output_tokens"] == len(c["output_ids"]) and row["prompt_tokens"] == len(c["prompt_ids"])
             reasons.add(c["finish_reason"])
     assert reasons == {"stop", "length"}
+    # the overlong prompt was cut to the checkpoint's own context (512), not the catalog model's (1024)
+    for kind in hf_checkpoints:
+        row = table[(table["node"] == kind) & (table["item"] == len(prompts) - 1)].iloc[0]
+        assert row["prompt_tokens"] + max_new <= 512 and row["output_tokens"] >= 1

@@ -146,6 +146,23 @@ def load_model(model_id: str, seed: int = 0, dtype: str = "float32", device: str
     return model.to(device), tokenizer
 
 
+def checkpoint_context(model_id: Optional[str]) -> Optional[int]:
+    """The longest sequence a checkpoint directory's model takes (``max_position_embeddings``,
+    GPT-2's ``n_positions``), or None (no directory, or its config does not say)."""
+    if not model_id or not Path(model_id).is_dir():
+        return None
+    import json
+
+    try:
+        cfg = json.loads((Path(model_id) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        if isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool) and cfg[key] > 0:
+            return cfg[key]
+    return None
+
+
 def load_tokenizer(model_id: str):
     """The tokenizer :func:`load_model` would pair with ``model_id``, without the weights
     (the runtime renders and measures prompts in the driver)."""

@@ -66,8 +66,10 @@ class ReadyRequest:
 
 class Communicator:
     def __init__(self, app: AppSpec, workload: Workload, texts: SourceTexts,
-                 tokenizers: dict[str, Tokenizer], seed: int):
+                 tokenizers: dict[str, Tokenizer], seed: int, contexts: Optional[dict[str, int]] = None):
+        """``contexts``: node -> its checkpoint's context, where shorter than its catalog model's."""
         self.app = app
+        self.contexts = contexts or {}
         self.workload = workload
         self.texts = texts
         self.tokenizers = tokenizers
@@ -177,7 +179,7 @@ class Communicator:
     def prompt_budget(self, node: str) -> tuple[int, int]:
         """(maximum prompt tokens, maximum output tokens) of a node's requests."""
         spec = self.app.node(node)
-        context = self.workload.nodes[node].model.context_length
+        context = min(self.workload.nodes[node].model.context_length, self.contexts.get(node, 1 << 62))
         max_tokens = min(spec.max_output_tokens, context - MIN_PROMPT_TOKENS)
         return context - max_tokens, max_tokens
 
@@ -186,21 +188,30 @@ class Communicator:
         tokenizer = self.tokenizers[node]
         limit, max_tokens = self.prompt_budget(node)
         prompt = self.fill(node, values)
-        length = len(tokenizer.encode(prompt))
-        for _ in range(8):  # shorten the inputs until the prompt fits (encodings are ~linear)
-            if length <= limit:
-                break
-            keep = max(0.0, 1 - (length - limit) / max(1, sum(len(v) for v in values.values())) * 1.05)
-            values = {k: v[: int(len(v) * keep)] for k, v in values.items()}
-            prompt = self.fill(node, values)
-            length = len(tokenizer.encode(prompt))
-        else:
-            prompt = self.fill(node, {})
+        if len(tokenizer.encode(prompt)) > limit:
+            prompt = self._shortened(node, values, limit)
         w = self.workload.nodes[node]
         spec = self.app.node(node)
         seed = request_seed(self.seed if spec.seed is None else spec.seed, node, index)
         return ReadyRequest(request_key(node, index), node, index, int(w.item[index]), prompt,
                             max_tokens, seed, spec.sampling_params(max_tokens, seed))
+
+    def _shortened(self, node: str, values: dict[str, str], limit: int) -> str:
+        """The prompt with every input cut to the same fraction of its text, the largest
+        fraction (to 1/4096) whose prompt fits ``limit`` tokens (any tokenizer: a search,
+        not a guess of characters per token)."""
+        def fill(keep: float) -> str:
+            return self.fill(node, {k: v[: int(len(v) * keep)] for k, v in values.items()})
+
+        tokenizer = self.tokenizers[node]
+        low, high = 0.0, 1.0
+        for _ in range(12):
+            mid = (low + high) / 2
+            if len(tokenizer.encode(fill(mid))) <= limit:
+                low = mid
+            else:
+                high = mid
+        return fill(low)
 
     def planned_input_lengths(self) -> dict[str, np.ndarray]:
         """Prompt lengths in tokens as the runtime will really build them: the template

@@ -122,7 +122,7 @@ def _with_input(app: AppSpec, input_path: str) -> AppSpec:
 
 def prepare(config: RunConfig) -> PreparedRun:
     from raycolo.costmodel.latency import resolve_profile_dir
-    from raycolo.engines.models import load_tokenizer
+    from raycolo.engines.models import checkpoint_context, load_tokenizer
     from raycolo.policies import get_policy
 
     get_policy(config.policy)  # an unknown policy is a config error, found before Ray starts
@@ -141,7 +141,10 @@ def prepare(config: RunConfig) -> PreparedRun:
     first_consumer = next(n for n in app.topological_order()
                           if any(s in app.sources for s in app.inputs_of(n)))
     texts = build_source_texts(app, workload, tokenizers[first_consumer])
-    communicator = Communicator(app, workload, texts, tokenizers, config.seed)
+    # a checkpoint's own context bounds its node's prompts, where it is shorter than the catalog model's
+    contexts = {node.name: checkpoint_context(node.checkpoint) for node in app.nodes}
+    communicator = Communicator(app, workload, texts, tokenizers, config.seed,
+                                {k: v for k, v in contexts.items() if v is not None})
     for node, lengths in communicator.planned_input_lengths().items():
         workload.nodes[node].input_len = lengths
     job = fingerprint(  # file paths left out: a job's working directory moves between submissions
