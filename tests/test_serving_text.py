@@ -81,6 +81,12 @@ def test_plain_chat_template_and_training_completions():
     ({"model": "m", "prompt": [1, -2]}, "prompt"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x"}, "model"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),      # unsupported: never ignored
+    ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "n": 17}, "n"),
 ])
 def test_invalid_completion_requests_name_their_parameter(body, param):
     with pytest.raises(ValidationError) as exc:

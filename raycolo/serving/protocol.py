@@ -38,7 +38,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class StreamOptions(_Strict):
+class _Closed(BaseModel):
+    """A generation request's parts: a field raycolo does not support is a 400 naming it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Closed):
     include_usage: bool = False
 
 
@@ -142,12 +148,12 @@ class CompletionRequest(SamplingFields):
         return prompt
 
 
-class TextPart(_Strict):
+class TextPart(_Closed):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Closed):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart]]
     name: Optional[str] = None
