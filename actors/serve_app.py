@@ -13,7 +13,6 @@ places them and the training they bring with LeMix on the stage workers.
 
 import asyncio
 import hmac
-import json
 import os
 import secrets
 import time
@@ -38,6 +37,7 @@ from raycolo.serving.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       TrainStatus, CompletionResponse, ChatCompletionResponse, EvalResponse,
                                       BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant)
 from raycolo.serving.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from raycolo.serving.responses import SseChunks, choice, usage
 from raycolo.serving.text import TextStream, chat_prompt_ids, chat_sample_ids, encode_completion
 
 NAMESPACE = "raycolo"
@@ -352,17 +352,10 @@ class OpenAIIngress:
         out_id = f"{'chatcmpl' if chat else 'cmpl'}-{rids[0]}-{uuid.uuid4().hex[:8]}"
         results = await asyncio.gather(*[self._collect(rid, params, started, ids) for rid in rids])
         count = sum(r[2] for r in results)
-        usage = {"prompt_tokens": len(ids), "completion_tokens": count, "total_tokens": len(ids) + count}
-        choices = []
-        for i, (content, reason, _, logprobs) in enumerate(results):
-            if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": content},
-                                "logprobs": self._chat_logprobs(logprobs), "finish_reason": reason})
-            else:
-                choices.append({"index": i, "text": content, "logprobs": self._completion_logprobs(logprobs),
-                                "finish_reason": reason})
+        choices = [choice(self.tokenizer, chat, i, content, reason, logprobs)
+                   for i, (content, reason, _, logprobs) in enumerate(results)]
         return JSONResponse({"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
-                             "choices": choices, "usage": usage})
+                             "choices": choices, "usage": usage(len(ids), count)})
 
     async def _collect(self, rid: int, params, started: float, prompt_ids: list[int]):
         """A whole (non-streamed) choice: text, finish_reason, tokens, log-probabilities."""
@@ -376,34 +369,6 @@ class OpenAIIngress:
             if logprobs is not None:
                 logprobs.extend(lps)
         return "".join(text), reason, count, logprobs
-
-    def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
-
-    def _completion_logprobs(self, entries) -> Optional[dict]:
-        """The completions API's log-probabilities (OpenAI's legacy shape, as vLLM's)."""
-        if entries is None:
-            return None
-        tokens, offsets, at = [], [], 0
-        for e in entries:
-            tokens.append(self._token_text(e.token))
-            offsets.append(at)
-            at += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._token_text(t): lp for t, lp in e.top} for e in entries],
-                "text_offset": offsets}
-
-    def _chat_logprobs(self, entries) -> Optional[dict]:
-        """The chat API's log-probabilities: token, logprob, bytes and top_logprobs per token."""
-        if entries is None:
-            return None
-
-        def one(token: int, logprob: float) -> dict:
-            text = self._token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
-                            for e in entries]}
 
     async def _events(self, rid: int, params, started: float, prompt_ids: list[int]):
         """(text delta, finish_reason or None, tokens so far, log-probabilities of the tokens
@@ -469,40 +434,21 @@ class OpenAIIngress:
         self.metrics.e2e.observe(time.perf_counter() - started, tags)
 
     async def _sse(self, events, out_id: str, kind: str, prompt_tokens: int, include_usage: bool, model: str):
-        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
-        created = int(time.time())
-        chat = kind == "chat.completion"
-
-        def chunk(delta: Optional[str], finish, role: bool = False, usage=None, lps=None) -> str:
-            if chat:
-                d = {"role": "assistant"} if role else ({} if delta is None else {"content": delta})
-                choice = {"index": 0, "delta": d, "logprobs": self._chat_logprobs(lps) if lps else None,
-                          "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": delta or "",
-                          "logprobs": self._completion_logprobs(lps) if lps else None, "finish_reason": finish}
-            out = {"id": out_id, "object": chunk_kind, "created": created, "model": model,
-                   "choices": [] if usage else [choice]}
-            if usage:
-                out["usage"] = usage
-            return f"data: {json.dumps(out)}\n\n"
-
-        if chat:
-            yield chunk(None, None, role=True)
+        sse = SseChunks(self.tokenizer, out_id, kind == "chat.completion", model, int(time.time()))
+        if sse.chat:
+            yield sse.chunk(None, None, role=True)
         count = 0
         async for delta, finish, count, lps in events:
             if finish == "error":       # after the 200: the failure travels inside the stream
-                err = OpenAIError(503, f"generation failed: {delta}", code="generation_failed").body()
-                yield f"data: {json.dumps(err)}\n\n"
+                yield sse.error(OpenAIError(503, f"generation failed: {delta}", code="generation_failed").body())
                 break
             if delta or lps:
-                yield chunk(delta, None, lps=lps)
+                yield sse.chunk(delta, None, lps=lps)
             if finish:
-                yield chunk(None, finish)
+                yield sse.chunk(None, finish)
         if include_usage:
-            yield chunk(None, None, usage={"prompt_tokens": prompt_tokens, "completion_tokens": count,
-                                           "total_tokens": prompt_tokens + count})
-        yield "data: [DONE]\n\n"
+            yield sse.usage(prompt_tokens, count)
+        yield sse.DONE
 
     # -- training samples -------------------------------------------------------------------
     def _pairs(self, body: TrainSamplesBody) -> list[tuple[list[int], ...]]:

@@ -1,0 +1,91 @@
+"""The OpenAI response bodies the HTTP front sends: choices, usage, log-probabilities and
+server-sent-event chunks (pure: the ingress fills them with what generation produced).
+
+* ``usage`` counts every generated token, the stop token included (vLLM's accounting,
+  raycolo.generation.stops).
+* Log-probabilities come in OpenAI's two shapes: the legacy completions one
+  (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``) and the chat one
+  (``content[]`` of ``token``, ``logprob``, ``bytes``, ``top_logprobs``). A token's text is
+  its own decode with special tokens kept, as vLLM shows it.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional, Sequence
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer, entries: Optional[Sequence]) -> Optional[dict]:
+    """``entries``: raycolo.generation.sampler.TokenLogprob per token (None: not asked)."""
+    if entries is None:
+        return None
+    tokens, offsets, at = [], [], 0
+    for e in entries:
+        tokens.append(_token_text(tokenizer, e.token))
+        offsets.append(at)
+        at += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, entries: Optional[Sequence]) -> Optional[dict]:
+    if entries is None:
+        return None
+
+    def one(token: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def choice(tokenizer, chat: bool, index: int, content: str, reason: Optional[str],
+           logprobs: Optional[Sequence]) -> dict:
+    """One choice of a non-streamed answer."""
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": content},
+                "logprobs": chat_logprobs(tokenizer, logprobs), "finish_reason": reason}
+    return {"index": index, "text": content, "logprobs": completion_logprobs(tokenizer, logprobs),
+            "finish_reason": reason}
+
+
+class SseChunks:
+    """The ``data: ...`` lines of one streamed answer (one choice)."""
+
+    def __init__(self, tokenizer, out_id: str, chat: bool, model: str, created: int):
+        self.tokenizer, self.out_id, self.chat, self.model, self.created = tokenizer, out_id, chat, model, created
+        self.kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def _line(self, choices: list, extra: Optional[dict] = None) -> str:
+        out = {"id": self.out_id, "object": self.kind, "created": self.created, "model": self.model,
+               "choices": choices, **(extra or {})}
+        return f"data: {json.dumps(out)}\n\n"
+
+    def chunk(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None) -> str:
+        if self.chat:
+            d = {"role": "assistant"} if role else ({} if delta is None else {"content": delta})
+            c = {"index": 0, "delta": d, "logprobs": chat_logprobs(self.tokenizer, lps) if lps else None,
+                 "finish_reason": finish}
+        else:
+            c = {"index": 0, "text": delta or "",
+                 "logprobs": completion_logprobs(self.tokenizer, lps) if lps else None, "finish_reason": finish}
+        return self._line([c])
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
+        return self._line([], {"usage": usage(prompt_tokens, completion_tokens)})
+
+    @staticmethod
+    def error(body: dict) -> str:
+        return f"data: {json.dumps(body)}\n\n"
+
+    DONE = "data: [DONE]\n\n"
