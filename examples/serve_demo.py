@@ -117,7 +117,8 @@ def teach(client: openai.OpenAI, http: httpx.Client, model: str, question: str =
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="examples/online.yaml")
-    ap.add_argument("--repeats", type=int, default=REPEATS, help="training samples to post (copies of one)")
+    ap.add_argument("--repeats", "--samples", dest="repeats", type=int, default=REPEATS,
+                    help="training samples to post (copies of one); --samples is the older spelling")
     args = ap.parse_args()
 
     import shutil
