@@ -167,8 +167,6 @@ class EngineActor:
 
     # -- the engine loop ------------------------------------------------------------------
     def _loop(self) -> None:
-        from raycolo.engines.base import SamplingParams
-
         try:
             while True:
                 with self._cond:
@@ -182,9 +180,7 @@ class EngineActor:
                         return
                     self._active = True
                     for r in self._incoming:
-                        params = r["params"]      # a SamplingParams (or, from older callers, its fields)
-                        self.engine.add_request(r["key"], r["prompt"], params if isinstance(params, SamplingParams)
-                                                else SamplingParams(**params))
+                        self.engine.add_request(r["key"], r["prompt"], r["params"])   # a SamplingParams
                     self._incoming = []
                     if self._take:   # between steps: the engine is ours
                         self._taken, self._take = [_left(r) for r in self.engine.take(self._take)], 0

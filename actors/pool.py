@@ -109,7 +109,8 @@ def _probes(run: PreparedRun, problem: PlanningProblem) -> list[_Probe]:
     """One probe per model of the application, with its first node's first requests."""
     from raycolo.catalog import get_model
     from raycolo.costmodel.sampler import seeded_rng
-    from raycolo.profiler import ECDF_TEMPERATURE
+    from raycolo.generation import SamplingParams
+    from raycolo.generation.params import ECDF_TEMPERATURE
 
     probes, seen = [], set()
     for node in run.app.topological_order():
@@ -129,8 +130,7 @@ def _probes(run: PreparedRun, problem: PlanningProblem) -> list[_Probe]:
         rng = seeded_rng(run.config.seed, "pool-probe", node)
         vocab = get_model(w.model.name).vocab
         requests = [{"key": f"probe-{i}", "prompt": rng.integers(3, vocab, n).tolist(),
-                     "params": {"max_tokens": tokens,
-                                "temperature": ECDF_TEMPERATURE, "seed": i}}
+                     "params": SamplingParams(max_tokens=tokens, temperature=ECDF_TEMPERATURE, seed=i)}
                     for i, n in enumerate(lens)]
         probes.append(_Probe(w.model.name, node, run.engine_config(problem, node, ExecPlan(1, 1)),
                              requests, lens))

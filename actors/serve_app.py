@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
@@ -299,14 +299,11 @@ class OpenAIIngress:
             raise OpenAIError(400, f"{param}: {len(ids)} prompt tokens + {limit} completion tokens exceed "
                               f"this model's context of {context} tokens", param=param,
                               code="context_length_exceeded")
+        if body.min_tokens > limit:
+            raise OpenAIError(400, f"min_tokens: {body.min_tokens} is more than the {limit} tokens allowed",
+                              param="min_tokens", code="invalid_parameter")
         seed = body.seed if body.seed is not None else secrets.randbits(31)
-        try:
-            return body.sampling_params(limit, seed)
-        except ValueError as exc:
-            message = str(exc).split("\n")[-1].strip() if not isinstance(exc, ValidationError) \
-                else exc.errors(include_url=False)[0]["msg"]
-            raise OpenAIError(400, message.removeprefix("Value error, "), param="min_tokens",
-                              code="invalid_parameter") from None
+        return body.sampling_params(limit, seed)
 
     async def _admit(self, body, ids: list[int], params, variant) -> int:
         version = await self._pinned_version(variant)

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from raycolo.catalog import get_model
 from raycolo.errors import ConfigError
-from raycolo.generation.params import (ECDF_TEMPERATURE, GREEDY_EPS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
-                                       SamplingParams, Seed, Temperature, TopP)
+from raycolo.generation.params import (ECDF_TEMPERATURE, GREEDY_EPS, MAX_STOP_STRINGS, SamplingParams, Seed,
+                                       Temperature, TopP, stop_strings)
 from raycolo.yamlio import load_yaml
 
 # ``{name}`` in a prompt template is a placeholder; other braces are literal text.
@@ -104,10 +104,7 @@ class NodeSpec(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, stop: list[str]) -> list[str]:
-        for s in stop:
-            if not s or len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"each stop string needs 1 to {MAX_STOP_CHARS} characters")
-        return stop
+        return list(stop_strings(stop))
 
     @property
     def greedy(self) -> bool:

@@ -29,9 +29,9 @@ from raycolo.costmodel.latency import IterationLatency, LatencyProfile
 from raycolo.costmodel.sampler import GREEDY_ECDF_SUFFIX, seeded_rng, write_ecdf
 from raycolo.engines.base import EngineConfig, SamplingParams, create_engine
 from raycolo.engines.models import save_tiny_checkpoint
+from raycolo.generation.params import ECDF_TEMPERATURE  # the planner's eCDFs are measured at it
 
 ECDF_MAX_TOKENS = 256
-from raycolo.generation.params import ECDF_TEMPERATURE  # noqa: E402  (the planner's eCDFs are measured at it)
 
 
 @dataclass

