@@ -273,7 +273,15 @@ def test_saved_adapter_versions_are_listed_and_served_as_pinned_models(front):
             time.sleep(1)
     versions = status["pinned_versions"]
     assert len(versions) >= 2 and versions == sorted(versions), status
-    listed = [m for m in client(front).models.list().data if m.id.startswith(MODEL + "@v")]
+    # samples posted by earlier tests may still be training: a checkpoint can land between
+    # the two reads, so read the list between two equal statuses
+    with http(front) as h:
+        for _ in range(20):
+            listed = [m for m in client(front).models.list().data if m.id.startswith(MODEL + "@v")]
+            again = h.get("/v1/train_samples/status").json()["pinned_versions"]
+            if again == versions:
+                break
+            versions = again
     assert [m.id for m in listed] == [f"{MODEL}@v{k}" for k in versions]
     assert all(m.adapter == "version" and m.parent == MODEL for m in listed)
     from raycolo.engines.models import load_tokenizer
