@@ -36,10 +36,21 @@ class Lemix(OnlinePolicy):
                            profile.backward_latency_s / profile.stages)
 
     def allocate(self, task: OnlineTask, sched, now: float) -> Optional[int]:
+        nodes, scanned = self._nodes(sched, task, now)
+        plans, scores = self.score(sched, task, now, nodes)
+        n = best_node(scores)
+        if task.is_train and self.capabilities.prioritize and self._at_risk(sched, n, plans[n], now, scanned):
+            return None
+        commit(sched.traces[n], plans[n].path, now)
+        sched.pending_path = plans[n].path
+        return n
+
+    def score(self, sched, task: OnlineTask, now: float, nodes) -> tuple[dict, dict]:
+        """Algorithm 1's plan and eq. 3's score of the task on each of ``nodes`` (pure)."""
         p = self.params
         slo = p.slo_s(sched.profiles[0].forward_latency_s)
         plans, scores = {}, {}
-        for n in sched.placeable:          # a node that is down or restarting gets no plan
+        for n in nodes:
             trace, est = sched.traces[n], sched.estimators[n]
             plan = compute_idleness(trace, task.task_id, task.arrival_s, task.length, task.batch,
                                     task.is_train, est, now, idle_cap=slo)
@@ -49,25 +60,39 @@ class Lemix(OnlinePolicy):
             lc = length_consistency(task.length, trace.count, trace.length_mean, trace.length_std)
             plans[n] = plan
             scores[n] = priority(ip, lc, plan.response, p.lambda1, p.lambda2, p.score_rule)
-        n = best_node(scores)
-        if task.is_train and self.capabilities.prioritize and self._at_risk(sched, n, plans[n], now):
-            return None
-        commit(sched.traces[n], plans[n].path, now)
-        sched.pending_path = plans[n].path
-        return n
+        return plans, scores
 
-    def _at_risk(self, sched, node: int, plan, now: float) -> bool:
-        """Eq. 4 with this training task placed on ``node``."""
+    def _nodes(self, sched, task: OnlineTask, now: float) -> tuple[list[int], bool]:
+        """The nodes to plan the task on, and whether they are every placeable node: all
+        of them up to ``scan_nodes``, else the node index's candidates (node_index.py)."""
+        p = self.params
+        if sched.nodes - len(sched.down) <= p.scan_nodes or not sched.uniform_estimator:
+            return sched.placeable, True
+        at = max(now, task.arrival_s)
+        sched.index.refresh(sched.traces, at)
+        found = sched.index.candidates(at, task.length, sched.preferred, p.candidate_window, p.candidate_lengths)
+        return (found, False) if found else (sched.placeable, True)
+
+    def _at_risk(self, sched, node: int, plan, now: float, scanned: bool = True) -> bool:
+        """Eq. 4 with this training task placed on ``node``. Unscanned (many nodes, one
+        estimator): the other nodes' earliest last-stage finish comes from the index."""
         nxt = sched.next_inference(now)
         if nxt is None:
             return False
         arrival, length = nxt
+        stages = sched.stages
         free, forward = [], []
-        for n in sched.placeable:
-            trace = sched.traces[n]
-            last = plan if n == node else trace.last
-            free.append(max(now, arrival, last.end_f(trace.stages - 1) if last else now))
-            forward.append(trace.stages * sched.estimators[n].forward_s(1, length))
+        if scanned:
+            for n in sched.placeable:
+                trace = sched.traces[n]
+                last = plan if n == node else trace.last
+                free.append(max(now, arrival, last.end_f(stages - 1) if last else now))
+                forward.append(stages * sched.estimators[n].forward_s(1, length))
+        else:
+            other = sched.index.earliest_finish(sched.preferred, exclude=node)
+            free = [max(now, arrival, plan.end_f(stages - 1))]
+            free += [max(now, arrival, other)] if other is not None else []
+            forward = [stages * sched.estimators[node].forward_s(1, length)] * len(free)
         slo = self.params.slo_s(sched.profiles[0].forward_latency_s)
         return violates_slo(free, forward, arrival, slo)
 

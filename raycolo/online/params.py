@@ -70,6 +70,13 @@ class LemixParams(BaseModel):
     # ... with a fixed cost per op fitted beside η (dispatch and actor hops a live executor
     # pays on every op); false: LeMix's η·C·ℓ² alone. Decode steps then set the decode floor.
     fit_op_cost: bool = True
+    # LeMix's cluster decision plans every placeable node up to ``scan_nodes`` of them;
+    # beyond, only candidates from the node index (raycolo/online/node_index.py): the
+    # ``candidate_window`` nodes freed last before the task's start and first after it,
+    # the node idle longest, and the ``candidate_lengths`` nearest in mean task length.
+    scan_nodes: int = Field(default=16, ge=1, le=1 << 20)
+    candidate_window: int = Field(default=2, ge=1, le=1024)
+    candidate_lengths: int = Field(default=2, ge=0, le=1024)
 
     def slo_s(self, forward_latency_s: float) -> float:
         return self.slo_ms / 1e3 if self.slo_ms is not None else self.slo_multiplier * forward_latency_s

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from raycolo.online.node_index import NodeIndex
 from raycolo.online.params import LemixParams
 from raycolo.online.planning import NodeTrace, TaskPath, calibrate
 from raycolo.online.policy import OnlinePolicy
@@ -59,6 +60,9 @@ class OnlineScheduler:
 
     def __post_init__(self) -> None:
         self.traces = [NodeTrace(p.stages) for p in self.profiles]
+        self.index = NodeIndex(len(self.profiles))    # the traces in LeMix's orders
+        self.path_nodes: dict[int, int] = {}            # task id -> node of its planned path
+        self._uniform: tuple = (None, False)            # (estimators list, all the same object)
 
     @property
     def nodes(self) -> int:
@@ -74,6 +78,24 @@ class OnlineScheduler:
         node left is restarting, those (the work waits for them)."""
         live = [m for m in range(self.nodes) if m not in self.down]
         return [m for m in live if m not in self.restarting] or live
+
+    def preferred(self, m: int) -> bool:
+        """Node ``m`` is neither down nor restarting (O(1); :attr:`placeable` lists them)."""
+        return m not in self.down and m not in self.restarting
+
+    def is_placeable(self, m: int) -> bool:
+        """``m in self.placeable`` without listing every node."""
+        if m in self.down:
+            return False
+        return m not in self.restarting or len(self.restarting) >= self.nodes - len(self.down)
+
+    @property
+    def uniform_estimator(self) -> bool:
+        """Every node plans with the same estimator (the cluster sets them all at once)."""
+        if self._uniform[0] is not self.estimators:
+            first = self.estimators[0]
+            self._uniform = (self.estimators, all(e is first for e in self.estimators))
+        return self._uniform[1]
 
     # -- arrivals ------------------------------------------------------------------------
     def submit(self, task: OnlineTask, now: float) -> Optional[Decision]:
@@ -120,11 +142,10 @@ class OnlineScheduler:
         self.interarrival = interarrival
         self.pending_path = None
         node = self.policy.allocate(task, self, now)
-        placeable = self.placeable
-        if node is not None and node not in placeable:
+        if node is not None and not self.is_placeable(node):
             # The policy did not look at availability: its share of work goes to the next
             # node that can take it (a plan it made for the node it chose is void).
-            node = min(placeable, key=lambda m: (m - node) % self.nodes)
+            node = min(self.placeable, key=lambda m: (m - node) % self.nodes)
             self.pending_path = None
         spent = (time.perf_counter() - started) * 1e6
         self.decisions += 1
@@ -132,9 +153,11 @@ class OnlineScheduler:
         self.decision_us.append(spent)
         if node is None:
             return None
+        self.index.touch(node)
         path = self.pending_path
         if path is not None:
             self.paths[task.task_id] = path
+            self.path_nodes[task.task_id] = node
         return Decision(task, node, path, now, spent)
 
     # -- eq. 4's view of the next inference task ------------------------------------------
@@ -153,9 +176,11 @@ class OnlineScheduler:
         if path is None:
             return
         calibrate(path, stage, kind, start, end)
+        self.index.touch(self.path_nodes[task_id])
         if (kind == "backward" and stage == 0) or (kind == "forward" and stage == len(path.stages) - 1
                                                    and not path.is_train):
             self.paths.pop(task_id, None)
+            self.path_nodes.pop(task_id, None)
 
     def node_reset(self, node: int, task_ids, now: float) -> None:
         """Node ``node`` lost its work (``task_ids``): its planned paths are void and it
@@ -164,14 +189,17 @@ class OnlineScheduler:
         trace = NodeTrace(old.stages, idle_since=now)
         trace.count, trace.length_mean, trace.length_m2 = old.count, old.length_mean, old.length_m2
         self.traces[node] = trace
+        self.index.touch(node)
         for task_id in task_ids:
             self.paths.pop(task_id, None)
+            self.path_nodes.pop(task_id, None)
 
     def node_idle(self, node: int, now: float) -> None:
         """The executor found the node with nothing to do: idleness starts now."""
         trace = self.traces[node]
         if trace.last is None or trace.busy_until() <= now:
             trace.idle_since = max(trace.idle_since, now)
+            self.index.touch(node)
 
     @property
     def mean_decision_us(self) -> float:

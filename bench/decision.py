@@ -1,0 +1,173 @@
+"""LeMix's cluster decision at scale: every node planned (exhaustive) against the node index.
+
+Above ``LemixParams.scan_nodes`` placeable nodes, LeMix plans only the candidates the
+node index finds (raycolo/online/node_index.py) instead of every node. This measures,
+in the discrete-event simulator (``raycolo.online.sim``, the code ``simulate-online``
+runs), on the same task lists:
+
+1. **Decision cost**: mean and p99 microseconds per decision (``OnlineScheduler``'s own
+   timer around the policy), exhaustive and indexed, from 4 to 1,024 nodes of 2 stages,
+   at ``--per-node-rps`` requests per second per node, training share ``--alpha``.
+2. **Decision quality**: SLO attainment and throughput of both, and the share of the
+   indexed run's decisions that pick the node the exhaustive scan picks on the same state
+   (a shadow scan at every decision of the indexed run), over a grid of node counts, load
+   levels, training shares and seeds. Medians over seeds; ratios indexed / exhaustive.
+
+    .venv/bin/python bench/decision.py [--quick] [--tasks 4000] [--seeds 3]
+        [--json out/bench_decision.json]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common import write_json  # noqa: E402
+from raycolo.online.allocation import best_node  # noqa: E402
+from raycolo.online.params import LemixParams  # noqa: E402
+from raycolo.online.profiles import preset  # noqa: E402
+from raycolo.online.sim import ClusterSimulator  # noqa: E402
+from raycolo.online.tasks import poisson_workload  # noqa: E402
+from raycolo.policies import make_online_policy  # noqa: E402
+
+MODEL, STAGES = "llama-8b", 2
+EXHAUSTIVE = 1 << 20      # scan_nodes above any node count: every node planned
+
+
+class Shadowed:
+    """Wraps a LeMix policy: at each decision, also scores every placeable node (pure, no
+    commit) and counts whether the policy's choice is the exhaustive scan's node
+    (``same``) or one with the same best score (``best``: nodes idle past the SLO tie,
+    and the scan breaks ties by lowest index)."""
+
+    def __init__(self, policy):
+        self.policy, self.same, self.best, self.total = policy, 0, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def allocate(self, task, sched, now):
+        _, scores = self.policy.score(sched, task, now, sched.placeable)
+        want = best_node(scores)
+        got = self.policy.allocate(task, sched, now)
+        if got is not None:
+            self.total += 1
+            self.same += got == want
+            self.best += scores.get(got, float("-inf")) >= scores[want] - 1e-12 * abs(scores[want])
+        return got
+
+
+def run(nodes, rate, alpha, tasks, seed, scan, shadow=False):
+    params = LemixParams(scan_nodes=scan)
+    policy = make_online_policy("lemix", params, nodes=nodes, train_rate=alpha)
+    wrapped = Shadowed(policy) if shadow else policy
+    sim = ClusterSimulator(poisson_workload(rate, alpha, tasks, seed=seed), preset(MODEL, STAGES), nodes, wrapped,
+                           params)
+    result = sim.run()
+    result.decision_us_p99 = float(np.percentile(sim.cluster.scheduler.decision_us, 99))
+    agree = (wrapped.same / wrapped.total, wrapped.best / wrapped.total) if shadow and wrapped.total else None
+    return result, agree
+
+
+def cost_table(args, report):
+    print(f"## 1. Decision cost: {MODEL}, {STAGES} stages per node, {args.per_node_rps:g} rps per node, "
+          f"alpha {args.alpha:g}, {args.tasks} tasks (microseconds per decision, this process's own timer)\n")
+    print("| nodes | exhaustive mean | exhaustive p99 | indexed mean | indexed p99 | indexed / exhaustive |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for nodes in args.nodes:
+        rate = args.per_node_rps * nodes
+        cells = {}
+        for mode, scan in (("exhaustive", EXHAUSTIVE), ("indexed", LemixParams().scan_nodes)):
+            means, p99s = [], []
+            for _ in range(args.repeats):
+                result, _ = run(nodes, rate, args.alpha, args.tasks, 0, scan)
+                means.append(result.decision_us_mean)
+                p99s.append(result.decision_us_p99)
+            cells[mode] = (statistics.median(means), statistics.median(p99s))
+        (em, ep), (im, ip) = cells["exhaustive"], cells["indexed"]
+        print(f"| {nodes} | {em:.1f} | {ep:.1f} | {im:.1f} | {ip:.1f} | {im / em:.2f} |")
+        rows.append({"nodes": nodes, "exhaustive_us_mean": em, "exhaustive_us_p99": ep,
+                     "indexed_us_mean": im, "indexed_us_p99": ip})
+    report["cost"] = rows
+
+
+def quality_table(args, report):
+    print(f"\n## 2. Decision quality: exhaustive vs indexed on the same tasks ({args.tasks} tasks, "
+          f"seeds 0..{args.seeds - 1}, medians)\n")
+    print("| nodes | rps/node | alpha | SLO exh. | SLO idx. | thr. exh. | thr. idx. | thr. ratio | same node | best score |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for nodes in args.quality_nodes:
+        for per_node in args.loads:
+            for alpha in args.alphas:
+                slo_e, slo_i, thr_e, thr_i, same, best = [], [], [], [], [], []
+                for seed in range(args.seeds):
+                    e, _ = run(nodes, per_node * nodes, alpha, args.tasks, seed, EXHAUSTIVE)
+                    i, agree = run(nodes, per_node * nodes, alpha, args.tasks, seed, LemixParams().scan_nodes,
+                                   shadow=True)
+                    slo_e.append(e.slo_attainment)
+                    slo_i.append(i.slo_attainment)
+                    thr_e.append(e.throughput)
+                    thr_i.append(i.throughput)
+                    same.append(agree[0])
+                    best.append(agree[1])
+                row = {"nodes": nodes, "rps_per_node": per_node, "alpha": alpha,
+                       "slo_exhaustive": statistics.median(slo_e), "slo_indexed": statistics.median(slo_i),
+                       "throughput_exhaustive": statistics.median(thr_e),
+                       "throughput_indexed": statistics.median(thr_i), "same_node": statistics.median(same),
+                       "best_score": statistics.median(best)}
+                rows.append(row)
+                print(f"| {nodes} | {per_node:g} | {alpha:g} | {row['slo_exhaustive']:.3f} | "
+                      f"{row['slo_indexed']:.3f} | {row['throughput_exhaustive']:.1f} | "
+                      f"{row['throughput_indexed']:.1f} | "
+                      f"{row['throughput_indexed'] / row['throughput_exhaustive']:.3f} | {row['same_node']:.1%} | {row['best_score']:.1%} |")
+    d_slo = [r["slo_indexed"] - r["slo_exhaustive"] for r in rows]
+    d_thr = [r["throughput_indexed"] / r["throughput_exhaustive"] for r in rows]
+    print(f"\nSLO attainment, indexed - exhaustive: median {np.median(d_slo):+.4f}, "
+          f"range [{min(d_slo):+.4f}, {max(d_slo):+.4f}]; throughput ratio: median {np.median(d_thr):.4f}, "
+          f"range [{min(d_thr):.4f}, {max(d_thr):.4f}]")
+    report["quality"] = rows
+
+
+def floats(text):
+    return [float(x) for x in text.split(",")]
+
+
+def ints(text):
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tasks, nodes and seeds (seconds)")
+    ap.add_argument("--tasks", type=int, default=4000)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="passes per cost cell (median)")
+    ap.add_argument("--nodes", type=ints, default=[4, 16, 64, 256, 1024])
+    ap.add_argument("--quality-nodes", type=ints, default=[32, 128, 512])
+    ap.add_argument("--loads", type=floats, default=[6.0, 12.5], help="rps per node")
+    ap.add_argument("--alphas", type=floats, default=[0.1, 0.5])
+    ap.add_argument("--per-node-rps", type=float, default=12.5)
+    ap.add_argument("--alpha", type=float, default=0.5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.tasks, args.seeds, args.repeats = 1000, 1, 1
+        args.nodes, args.quality_nodes, args.loads, args.alphas = [4, 64, 1024], [64], [12.5], [0.5]
+    report = {"model": MODEL, "stages": STAGES, "tasks": args.tasks}
+    cost_table(args, report)
+    quality_table(args, report)
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Nodes kept in order of what LeMix ranks them on, so a decision need not plan every node.
+
+LeMix (Algorithm 1 and eq. 3) plans an arriving task on every node and keeps the best
+score: linear in nodes (1 ms per decision at 256 nodes of 2 stages). Most nodes cannot
+win. Eq. 3 rewards a node that leaves little idle time (IP), answers soon (R) and has
+run tasks of this length before (LC); all three are read from a few numbers per node:
+
+* ``start``: when stage 0 finishes its last planned forward (or the node went idle).
+  Nodes free just before the task's start leave the least idle time of those that can
+  start it at once; nodes free just after it leave none and answer soonest among the
+  busy ones. The node idle longest is there too: nodes idle past the SLO all score alike
+  (their idle time is capped), so it stands for all of them.
+* ``finish``: when the last stage finishes its last planned forward: eq. 4's "when the
+  next inference could be answered" is the smallest of these.
+* ``free_lengths``: the mean allocated length of the nodes free by the task's start
+  (every planned forward and backward done) with two or more tasks. Where IP ties
+  (every node whose idle gap is under τ plus the arrival gap scores IP = -τ) and R is the
+  least (the node can start at once), LC decides: the free nodes with the highest
+  density N(ℓ; μ, σ), found by walking out from ℓ in mean order until no node further
+  out can beat them (a node at distance d has N <= 1 / (d·√(2πe)), at σ = d). A node
+  joins this order when the decisions' start time passes the end of its planned work (a
+  heap of those times), and leaves it when its trace changes.
+
+:class:`NodeIndex` keeps each ordering as a sorted list, updated only for nodes whose
+trace changed since the last decision (:meth:`NodeIndex.touch`); a decision then plans
+O(window) candidates found by bisection. Keys are absolute times, so time passing
+changes no key. With no more placeable nodes than :attr:`LemixParams.scan_nodes`,
+LeMix plans them all as before (``policies/lemix.py``).
+"""
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left, bisect_right, insort
+import math
+from typing import Callable, Iterable, Optional
+
+from raycolo.online.allocation import length_consistency
+
+NEG_INF = float("-inf")
+LC_SCAN_LIMIT = 64           # free nodes a search for the best LC looks at, at most
+DENSITY_AT_DISTANCE = 1 / math.sqrt(2 * math.pi * math.e)   # max over σ of N(d; 0, σ)·d
+
+
+class SortedKeys:
+    """(key, node) pairs in key order, one per node, updated one node at a time."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[float, int]] = []
+        self.key: dict[int, float] = {}
+
+    def set(self, node: int, key: Optional[float]) -> None:
+        """Node ``node`` now has ``key`` (None: leaves the order)."""
+        old = self.key.get(node)
+        if old == key and old is not None:
+            return
+        if old is not None:
+            del self.entries[bisect_left(self.entries, (old, node))]
+            del self.key[node]
+        if key is not None:
+            self.key[node] = key
+            insort(self.entries, (key, node))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def _walk(entries: list, start: int, step: int, ok: Callable[[int], bool], want: int) -> list[int]:
+    """Up to ``want`` nodes that pass ``ok``, from ``entries[start]`` in direction ``step``."""
+    out = []
+    i = start
+    while 0 <= i < len(entries) and len(out) < want:
+        node = entries[i][1]
+        if ok(node):
+            out.append(node)
+        i += step
+    return out
+
+
+class NodeIndex:
+    def __init__(self, nodes: int) -> None:
+        self.start = SortedKeys()
+        self.finish = SortedKeys()
+        self.free_lengths = SortedKeys()
+        self.freeing: list[tuple[float, int]] = []     # (free key, node) of nodes not yet free
+        self.free_key: dict[int, float] = {}            # when the node's planned work ends
+        self.spread: dict[int, tuple] = {}              # node -> (count, mean, std) of its lengths
+        self.dirty: set[int] = set(range(nodes))
+
+    def touch(self, node: int) -> None:
+        """Node ``node``'s trace changed (a task committed or reset, a path calibrated)."""
+        self.dirty.add(node)
+
+    def refresh(self, traces, at: float) -> None:
+        """Re-key the nodes touched since the last refresh from their traces, and move
+        the nodes free by ``at`` into ``free_lengths``."""
+        for n in self.dirty:
+            trace = traces[n]
+            last = trace.last
+            start = last.end_f(0) if last is not None else trace.idle_since
+            self.start.set(n, start)
+            self.finish.set(n, last.end_f(trace.stages - 1) if last is not None else NEG_INF)
+            self.free_lengths.set(n, None)
+            self.free_key[n] = free = trace.busy_until()
+            self.spread[n] = (trace.count, trace.length_mean, trace.length_std)
+            if trace.count >= 2:
+                heapq.heappush(self.freeing, (free, n))
+        self.dirty.clear()
+        while self.freeing and self.freeing[0][0] <= at:
+            key, n = heapq.heappop(self.freeing)
+            if self.free_key.get(n) == key and n not in self.free_lengths.key:   # not re-keyed since
+                self.free_lengths.set(n, self.spread[n][1])
+        if len(self.freeing) > 4 * len(self.start) + 64:    # stale entries of re-keyed nodes
+            self.freeing = [(k, n) for k, n in self.freeing
+                            if self.free_key.get(n) == k and n not in self.free_lengths.key]
+            heapq.heapify(self.freeing)
+
+    def candidates(self, at: float, length: int, ok: Callable[[int], bool], window: int,
+                   near: int) -> list[int]:
+        """The nodes worth planning for a task that could start at ``at`` with ``length``
+        tokens (after :meth:`refresh` with the same ``at``): ``window`` freed last before
+        ``at`` and ``window`` freed first after it, the one idle longest, and the
+        ``near`` free ones nearest in mean length. Only nodes that pass ``ok``
+        (placeable). Sorted by node index."""
+        entries = self.start.entries
+        cut = bisect_right(entries, (at, float("inf")))
+        found = set(_walk(entries, cut - 1, -1, ok, window))
+        found.update(_walk(entries, cut, +1, ok, window))
+        found.update(_walk(entries, 0, +1, ok, 1))
+        found.update(self._nearest(length, ok, near))
+        return sorted(found)
+
+    def _nearest(self, length: int, ok: Callable[[int], bool], want: int) -> Iterable[int]:
+        """The ``want`` free nodes with the highest LC for ``length`` (see the module)."""
+        if want <= 0:
+            return []
+        entries = self.free_lengths.entries
+        hi = bisect_left(entries, (length, -1))
+        lo = hi - 1
+        best: list[tuple[float, int]] = []          # (LC, node), the top ``want``
+        for _ in range(LC_SCAN_LIMIT):
+            if lo < 0 and hi >= len(entries):
+                break
+            take_hi = lo < 0 or (hi < len(entries) and entries[hi][0] - length <= length - entries[lo][0])
+            mean, node = entries[hi] if take_hi else entries[lo]
+            hi, lo = (hi + 1, lo) if take_hi else (hi, lo - 1)
+            distance = abs(mean - length)
+            if len(best) == want and distance > 0 and DENSITY_AT_DISTANCE / distance <= best[0][0]:
+                break                  # nobody this far out (or further) beats the top ``want``
+            if not ok(node):
+                continue
+            count, mean, std = self.spread[node]
+            lc = length_consistency(length, count, mean, std)
+            if len(best) < want:
+                heapq.heappush(best, (lc, node))
+            elif lc > best[0][0]:
+                heapq.heapreplace(best, (lc, node))
+        return [node for _, node in best]
+
+    def earliest_finish(self, ok: Callable[[int], bool], exclude: int) -> Optional[float]:
+        """The smallest ``finish`` key among nodes passing ``ok``, ``exclude`` left out
+        (None: no such node)."""
+        for key, node in self.finish.entries:
+            if node != exclude and ok(node):
+                return key
+        return None
