@@ -9,6 +9,8 @@
 #   make faults - kill engine actors, the driver, stage workers, controllers and the Serve
 #                 replica under load; count what was lost (bench/offline_faults.py, bench/faults.py)
 #   make soak   - 30 minutes of open-loop load at the measured capacity (bench/serve.py)
+#   make gpu-check - every CUDA path (executor, torch engine, stages over NCCL/gloo, NVML, vLLM)
+#                    against transformers/peft references, as a table; "skipped" without CUDA
 #   make clean  - remove the venv and build outputs
 
 PYTHON ?= python3
@@ -78,6 +80,16 @@ bench-engine: venv
 bench-engine-vllm: venv
 	PYTHON=$(PYTHON) ./tools/run_vllm_tests.sh --install-only
 	$(VPY) bench/engine.py --vllm-python .venv-vllm/bin/python $(BENCH_ARGS)
+
+# One GPU, under 10 minutes (raycolo/gpu_check.py, docs/executor.md "GPU readiness").
+# GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--json out/gpu_check.json" or "--device cpu"
+# (a dry run on the CPU); GPU_PYTHON another interpreter (e.g. one with the official vllm wheel).
+GPU_CHECK_ARGS ?=
+GPU_PYTHON ?= $(VPY)
+
+.PHONY: gpu-check
+gpu-check: venv
+	$(GPU_PYTHON) -m raycolo.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info out

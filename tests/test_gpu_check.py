@@ -1,0 +1,51 @@
+"""`make gpu-check` (raycolo/gpu_check.py): the skip without CUDA, and its checks run on the CPU.
+
+`--device cpu` runs the same checks (the same references: transformers' generate()/forward
+and peft's training step on CPU float64, two real stage processes over gloo) on the CPU,
+so the comparison logic is exercised here; the CUDA branches themselves need a GPU.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import torch
+
+from raycolo import gpu_check
+
+
+def test_without_cuda_it_prints_skipped_and_exits_zero(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    started = time.monotonic()
+    rc = gpu_check.main(["--json", str(tmp_path / "gpu.json")])
+    assert rc == 0
+    assert capsys.readouterr().out.splitlines() == ["skipped: no CUDA device"]
+    assert time.monotonic() - started < 5
+    assert json.loads((tmp_path / "gpu.json").read_text())["skipped"] == "no CUDA device"
+
+
+def test_the_checks_pass_on_the_cpu_against_their_references(capsys, tmp_path):
+    threads = torch.get_num_threads()
+    rc = gpu_check.main(["--device", "cpu", "--json", str(tmp_path / "gpu.json")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = {r["path"]: r for r in json.loads((tmp_path / "gpu.json").read_text())["rows"]}
+    assert set(rows) == set(gpu_check.CHECKS)
+    for path, row in rows.items():
+        expected = ("PASS", "SKIP") if path == "vllm" else ("PASS",)   # .venv has no vllm
+        assert row["result"] in expected, (path, row)
+        assert re.search(rf"^{re.escape(path)} +\| {row['result']} ", out, re.M), out
+    assert rows["executor.whole"]["figures"]["tokens_equal"] == "96/96"
+    assert rows["executor.decode"]["figures"]["max_abs_diff"] < 1e-3
+    assert rows["stage.p2p"]["figures"]["tokens_equal"] == "24/24"
+    assert torch.get_num_threads() == threads          # the dry run's one thread is undone
+
+
+def test_a_wrong_result_is_a_failed_row_and_exit_code_one(monkeypatch, capsys):
+    real = gpu_check._hf_last_logits
+    monkeypatch.setattr(gpu_check, "_hf_last_logits", lambda model, ps: real(model, ps) + 1e-3)
+    rc = gpu_check.main(["--device", "cpu", "--only", "executor.whole"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "executor.whole | FAIL" in out and "prefill logits differ" in out
