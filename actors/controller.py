@@ -15,6 +15,12 @@ data parallelism keeps the replicas whose GPUs it keeps (a dp1 replica stays rep
 of the dp2 plan and runs on with its requests). A replica whose actor dies is restarted
 in its placement group and its unfinished requests run again.
 
+Every ``CAPACITY_CHECK_S`` the controller reads the cluster's GPUs. When the cluster has
+had fewer than the run has seen (and fewer than the plan's) for ``node_loss_s`` (a node
+left: its replicas cannot restart, its placement groups wait for GPUs that are gone), it
+stops every actor and raises :class:`CapacityLost`; ``run_application`` then plans what
+the journal does not hold on the GPUs that remain.
+
 Drained actors are not stopped: they wait in a warm pool on their GPUs (their placement
 group held), and the next replica placed on exactly those GPUs takes one over with
 ``EngineActor.swap`` (a *keep* for the same model and config, a *swap* for another),
@@ -48,6 +54,7 @@ from raycolo.runtime.communicator import ReadyRequest
 from raycolo.runtime.setup import PreparedRun
 
 STARTUP_TIMEOUT_S = 900.0
+CAPACITY_CHECK_S = 1.0      # how often the controller reads the cluster's GPUs
 
 
 class RunFailed(RuntimeError):
@@ -56,6 +63,15 @@ class RunFailed(RuntimeError):
 
 class ReplicaFailed(RunFailed):
     """A replica could not start, or died more often than ``max_restarts`` allows."""
+
+
+class CapacityLost(RunFailed):
+    """The cluster has had fewer GPUs than this run saw for ``node_loss_s``: what is left
+    must be planned again on ``gpus_left`` GPUs (``lost_nodes``: the Ray nodes that died)."""
+
+    def __init__(self, message: str, gpus_left: int, gpus_before: int, lost_nodes: list[dict]):
+        super().__init__(message)
+        self.gpus_left, self.gpus_before, self.lost_nodes = gpus_left, gpus_before, lost_nodes
 
 
 @dataclass
@@ -170,6 +186,10 @@ class Controller:
         self.run_requests = 0
         self.t0 = 0.0
         self.progress = None
+        self.gpus_seen = 0            # the most GPUs the cluster had during the run
+        self.nodes_seen: dict[str, str] = {}   # Ray node id -> IP, every node alive during the run
+        self.lost_since: Optional[float] = None
+        self.checked_at = float("-inf")
         from ray.util.metrics import Counter, Gauge
         self.requests_metric = Counter("raycolo_requests_done", "requests answered, per node",
                                        tag_keys=("app", "node"))
@@ -208,7 +228,8 @@ class Controller:
             pooled = self.pool.pop(gpus, None)
             if pooled is not None:
                 rep = Replica(node, plan, rank, gpus, name, pooled.pg, pooled.actor, self.now(), switch="swap")
-                rep.info_ref = rep.actor.swap.remote(self.engine_config(node, plan), name)
+                rep.info_ref = rep.actor.swap.options(name=f"{name}.swap").remote(
+                    self.engine_config(node, plan), name)
                 self.by_ref[rep.info_ref] = (rep, "info")
             else:
                 self._evict(gpus)
@@ -276,7 +297,7 @@ class Controller:
             p.attempts += 1
             rep.outstanding[p.ready.key] = p
         rep.outbox = []
-        rep.inflight = rep.actor.run.remote(batch, self.config.slice_s)
+        rep.inflight = rep.actor.run.options(name=f"{rep.name}.run").remote(batch, self.config.slice_s)
         self.by_ref[rep.inflight] = (rep, "run")
 
     def _dispatch(self, node: str, items: list[Pending]) -> None:
@@ -507,6 +528,38 @@ class Controller:
     def _selection_finished(self) -> bool:
         return any(self.comm.node_finished(n) for n in self.selection)
 
+    # -- capacity -----------------------------------------------------------------------
+    def _check_capacity(self) -> None:
+        """At most every ``CAPACITY_CHECK_S``: compare the cluster's GPUs with the most it had
+        (and with the plan's); short for ``node_loss_s`` in a row: :class:`CapacityLost`."""
+        now = time.perf_counter()
+        if now - self.checked_at < CAPACITY_CHECK_S:
+            return
+        self.checked_at = now
+        alive = int(ray.cluster_resources().get("GPU", 0))
+        if alive > self.gpus_seen:     # the nodes behind the most GPUs: those a loss names
+            self.nodes_seen.update({n["NodeID"]: n.get("NodeManagerAddress", "")
+                                    for n in ray.nodes() if n.get("Alive")})
+        self.gpus_seen = max(self.gpus_seen, alive)
+        if alive >= min(self.gpus_seen, self.problem.cluster.num_gpus):
+            self.lost_since = None
+            return
+        if self.lost_since is None:
+            self.lost_since = now
+            if self.progress is not None:
+                self.progress.write(f"the cluster has {alive} GPUs (had {self.gpus_seen}); re-planning "
+                                    f"in {self.config.node_loss_s:g}s unless they come back")
+        if now - self.lost_since < self.config.node_loss_s:
+            return
+        lost = [{"node_id": n["NodeID"], "ip": n.get("NodeManagerAddress"),
+                 "gpus": n.get("Resources", {}).get("GPU", 0)}
+                for n in ray.nodes() if not n.get("Alive") and n["NodeID"] in self.nodes_seen]
+        raise CapacityLost(
+            f"the Ray cluster lost GPUs: {alive} left of {self.gpus_seen} for "
+            f"{now - self.lost_since:.1f}s (--node-loss-s {self.config.node_loss_s:g}); nodes gone: "
+            + (", ".join(f"{n['node_id'][:12]} ({n['ip']})" for n in lost) or "unknown"),
+            alive, self.gpus_seen, lost)
+
     # -- the loop -----------------------------------------------------------------------
     def execute(self) -> None:
         from tqdm import tqdm
@@ -520,7 +573,9 @@ class Controller:
             self._enqueue(self.comm.initial())
             if self.comm.done < total:
                 self._boundary()
+            deadline = time.perf_counter() + STARTUP_TIMEOUT_S
             while self.comm.done < total:
+                self._check_capacity()
                 refs = list(self.by_ref)
                 if not refs:  # nothing runs but work remains: let the adjuster pick again
                     self._boundary()
@@ -528,12 +583,15 @@ class Controller:
                         raise RunFailed("the runtime is stuck: no replica can run the remaining "
                                            f"{total - self.comm.done} requests")
                     continue
-                done, _ = ray.wait(refs, num_returns=1, timeout=STARTUP_TIMEOUT_S)
+                done, _ = ray.wait(refs, num_returns=1, timeout=CAPACITY_CHECK_S)
+                if not done and time.perf_counter() < deadline:
+                    continue
                 if not done:
                     waiting = [r.name for r, kind in self.by_ref.values() if kind == "info"]
                     raise ReplicaFailed(f"no progress for {STARTUP_TIMEOUT_S:.0f}s; replicas still "
                                         f"starting: {', '.join(waiting) or 'none'} (too few GPUs?)")
                 busy_from = time.perf_counter()
+                deadline = busy_from + STARTUP_TIMEOUT_S
                 for ref in done:
                     self._handle(ref)
                 if self.comm.done < total and self._selection_finished():
@@ -570,6 +628,20 @@ class Controller:
             out[kind] = {"count": len(times), "median_s": statistics.median(times) if times else None}
         return out
 
+    def _ray_nodes(self) -> list[dict]:
+        """Per Ray node that ran a replica: its id and IP, and the replicas (and planner
+        GPUs) it ran."""
+        nodes: dict[str, dict] = {}
+        for r in self.all_replicas:
+            node_id = r.info.get("node_id")
+            if node_id is None:
+                continue
+            entry = nodes.setdefault(node_id, {"node_id": node_id, "ip": r.info.get("node_ip"),
+                                               "replicas": [], "gpus": set()})
+            entry["replicas"].append(r.name)
+            entry["gpus"].update(r.gpus)
+        return [{**e, "gpus": sorted(e["gpus"])} for e in nodes.values()]
+
     def summary(self) -> dict:
         end = getattr(self, "end_s", self.now())
         per_node = {}
@@ -594,9 +666,13 @@ class Controller:
             "replicas": [{"name": r.name, "node": r.node, "dp": r.plan.dp, "tp": r.plan.tp,
                           "gpus": list(r.gpus), "ray_gpu_ids": r.info.get("gpu_ids"),
                           "device": r.info.get("device"), "model_id": r.info.get("model_id"),
+                          # the Ray actor it ran in (a warm actor keeps its first name) and its node
+                          "actor": r.info.get("actor_name"), "ray_node_id": r.info.get("node_id"),
+                          "ray_node_ip": r.info.get("node_ip"),
                           "created_s": r.created_s, "switch": r.switch,
                           "ready_s": r.ready_s, "stopped_s": r.stopped_s, "busy_s": r.busy_s,
                           "tokens": r.tokens, "restarts": r.restarts} for r in self.all_replicas],
+            "ray_nodes": self._ray_nodes(),
             "restarts": sum(r.restarts for r in self.all_replicas),
             "requests_moved_by_preemption": self.moved_requests,
             "requests_moved_to_new_replicas": self.rebalanced,

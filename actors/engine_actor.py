@@ -220,6 +220,7 @@ class EngineActor:
     def info(self) -> dict:
         context = ray.get_runtime_context()
         return {"label": self.label, "pid": os.getpid(), "node_id": context.get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(), "actor_name": context.get_actor_name(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "load_s": self.load_s,
                 "switch": self.switch, "swaps": self.swaps, "parked": len(self._parked),
                 "engine_key": self._config_key, "parked_keys": list(self._parked),

@@ -7,6 +7,7 @@ local cluster). Everything that can be wrong with the inputs is checked by
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -14,7 +15,7 @@ from typing import Callable, Optional
 
 import ray
 
-from raycolo.actors.local_cluster import start_local
+from raycolo.actors.local_cluster import join_cluster, start_local
 from raycolo.actors.pool import ComputeScales, SwitchCosts, load_costs, start_pool
 from raycolo.errors import ConfigError
 from raycolo.planner.engines import SWITCH_KINDS
@@ -26,7 +27,8 @@ def connect(config: RunConfig, local_gpus: Optional[int] = None) -> None:
     """Join the cluster the job runs on, or start a local one with logical GPUs.
 
     Inside ``ray job submit`` (``RAY_ADDRESS`` is set) or with ``--address``, this joins
-    that cluster. Otherwise it starts a private local cluster declaring ``local_gpus``
+    that cluster (:func:`join_cluster`: a cluster that does not answer is a ConfigError
+    naming ``--address`` within seconds). Otherwise it starts a private local cluster declaring ``local_gpus``
     GPUs; ``address="local"`` ignores a stale ``ray_current_cluster`` file left by
     ``ray stop``.
     """
@@ -34,7 +36,7 @@ def connect(config: RunConfig, local_gpus: Optional[int] = None) -> None:
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     if config.address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=config.address, log_to_driver=False)
+        join_cluster(config.address, log_to_driver=False)
         return
     gpus = local_gpus or config.gpus or 2
     start_local(num_gpus=gpus, num_cpus=gpus + 2, include_dashboard=False, log_to_driver=False)
@@ -50,7 +52,38 @@ def cluster_gpus() -> int:
 
 def run_application(config: RunConfig, on_output: Optional[Callable] = None,
                     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict:
-    """Run ``config.dag`` end to end; returns the report (also written to report.json)."""
+    """Run ``config.dag`` end to end; returns the report (also written to report.json).
+
+    When the cluster loses GPUs mid-run (a node leaves; the controller notices within
+    ``config.node_loss_s``), every actor is stopped and what the journal does not hold is
+    planned again on the GPUs that remain, as a resume would (nothing journaled runs
+    twice; requests that were in flight run again). No GPU left: :class:`RunFailed`."""
+    from raycolo.actors.controller import CapacityLost, RunFailed
+
+    replans: list[dict] = []
+    state: dict = {}
+    while True:
+        try:
+            return _run_once(config, on_output, log, replans, state)
+        except CapacityLost as exc:
+            if exc.gpus_left <= 0:
+                raise RunFailed(f"{exc}; no GPU is left to plan on (resubmit with the same "
+                                f"--output to resume)") from None
+            gpus = min(exc.gpus_left, config.gpus or exc.gpus_left)
+            group = math.gcd(config.nvlink_group, gpus) if config.nvlink_group else None
+            replans.append({"gpus_before": exc.gpus_before, "gpus_after": gpus,
+                            "lost_nodes": exc.lost_nodes, "reason": str(exc),
+                            "requests_done_before": state.get("done", 0)})
+            log(f"{exc}; planning what is left on {gpus} GPUs")
+            config = config.model_copy(update={
+                "gpus": gpus, "nvlink_group": group,
+                # no warm pool again: the first start's measured cold start prices every replica
+                "replica_start_s": config.replica_start_s if config.replica_start_s is not None
+                else state.get("cold_start_s")})
+
+
+def _run_once(config: RunConfig, on_output: Optional[Callable], log: Callable[[str], None],
+              replans: list[dict], state: dict) -> dict:
     from raycolo.actors.controller import Controller
     from raycolo.planner.replay import replay
     from raycolo.policies import get_policy
@@ -80,6 +113,7 @@ def run_application(config: RunConfig, on_output: Optional[Callable] = None,
             + ", ".join(f"{k} {costs.estimate(k):.4f}s" for k in measured)
             + f" (low medians of {'/'.join(str(len(getattr(costs, k))) for k in measured)} samples)")
         replica_start_s, cold_start_s = costs.estimate("swap"), costs.estimate("cold")
+        state["cold_start_s"] = cold_start_s
         switch_costs = load_costs(run, profiled, pooled, costs)
         if scales.samples:
             log("compute against the profiles: " + ", ".join(
@@ -104,11 +138,17 @@ def run_application(config: RunConfig, on_output: Optional[Callable] = None,
     try:
         controller.execute()
     finally:
+        state["done"] = run.communicator.done
         run.store.close()
     report = build_report(run, problem, plan, controller.summary(), replica_start_s,
                           probed=config.replica_start_s is None, skipped=skipped,
                           switch_costs=costs.as_dict(), compute_scales=scales.as_dict(models),
                           profile_only_makespan_s=profile_only)
+    if replans:
+        report["replans"] = replans
+        report.setdefault("notes", []).extend(
+            f"the cluster lost GPUs ({r['gpus_before']} -> {r['gpus_after']}) after "
+            f"{r['requests_done_before']} requests were done; the rest was planned again" for r in replans)
     path = write_report(run, plan, controller.segments(), report)
     log(f"done: {report['requests_done']}/{report['requests_total']} requests, actual makespan "
         f"{report['actual_makespan_s']:.1f}s vs predicted {report['predicted_makespan_s']:.1f}s "

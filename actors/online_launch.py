@@ -19,7 +19,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import ray
 
-from raycolo.actors.local_cluster import start_local
+from raycolo.actors.local_cluster import join_cluster, start_local
 from raycolo.actors.online_controller import OnlineController
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.online.config import OnlineConfig
@@ -63,7 +63,7 @@ class OnlineDeployment:
         started = False
         if not ray.is_initialized():
             if address:
-                ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+                join_cluster(address, namespace=NAMESPACE, log_to_driver=False)
             else:
                 need = config.nodes * config.stages
                 start_local(num_gpus=gpus or need, num_cpus=max(2, int(need * config.stage.cpus_per_worker) + 2),

@@ -10,7 +10,7 @@ from typing import Optional
 
 import ray
 
-from raycolo.actors.local_cluster import start_local
+from raycolo.actors.local_cluster import join_cluster, start_local
 from raycolo.online.config import OnlineConfig
 
 NAMESPACE = "raycolo"
@@ -24,7 +24,7 @@ def init_ray(config: OnlineConfig, address: Optional[str] = None,
     if ray.is_initialized():
         return False, None
     if address:
-        ctx = ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        ctx = join_cluster(address, namespace=NAMESPACE, log_to_driver=False)
         return False, ctx.dashboard_url
     need = config.nodes * config.stages
     ctx = start_local(num_gpus=need, num_cpus=max(2, int(need * config.stage.cpus_per_worker) + 2),

@@ -21,10 +21,12 @@ def main() -> int:
 
     try:
         config = load_online_config(args.config)
+        # joins RAY_ADDRESS (set by ray job submit); a cluster that does not answer is an
+        # error line naming --address within seconds
+        return serve_until_stopped(config, address="auto", say=lambda m: print(m, flush=True))
     except RaycoloError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return serve_until_stopped(config, address="auto", say=lambda m: print(m, flush=True))
 
 
 if __name__ == "__main__":

@@ -190,6 +190,10 @@ def _add_run_flags(p: argparse.ArgumentParser, local: bool) -> None:
     p.add_argument("--slice-s", type=float, default=0.2, help="engine time per controller round trip")
     p.add_argument("--placement-strategy", default="PACK", help="placement group strategy (default PACK)")
     p.add_argument("--max-restarts", type=_int(0, 100), default=3, help="restarts per replica before failing")
+    node_loss = RunConfig.model_fields["node_loss_s"].default
+    p.add_argument("--node-loss-s", type=float, default=node_loss,
+                   help=f"seconds with fewer GPUs than the run had before it plans what is left "
+                        f"on the GPUs that remain (default {node_loss:g})")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: local / RAY_ADDRESS)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report JSON before the last line")

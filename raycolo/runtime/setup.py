@@ -53,6 +53,9 @@ class RunConfig(BaseModel):
     slice_s: float = Field(default=0.2, gt=0)
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     max_restarts: int = Field(default=3, ge=0)
+    # Seconds the cluster may have fewer GPUs than the run has seen before the controller
+    # stops and plans what is left on the GPUs that remain (a node was lost).
+    node_loss_s: float = Field(default=5.0, gt=0)
     address: Optional[str] = None
     progress: bool = True
     gantt: bool = True
