@@ -83,6 +83,15 @@ def test_a_loopback_address_that_nothing_answers_fails_fast_naming_address(tmp_p
         assert took < FAIL_FAST_S, (name, took)
 
 
+def test_a_malformed_address_is_named_before_anything_connects():
+    from raycolo.actors.local_cluster import resolve_cluster_address
+    from raycolo.errors import ConfigError
+
+    for bad in ("nonsense", "127.0.0.1:http", "127.0.0.1:70000", "ray://"):
+        with pytest.raises(ConfigError, match=r"^--address: expected HOST:PORT"):
+            resolve_cluster_address(bad)
+
+
 def _run_dag(out: Path, address: str, *flags: str) -> list[str]:
     return RUN_DAG + ["--dag", str(EXAMPLES / "tiny.yaml"), "--output", str(out), "--profile", "cpu",
                       "--address", address, "--nvlink-group", "1", "--no-progress", *flags]
