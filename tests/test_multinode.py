@@ -8,6 +8,7 @@ The last test removes the worker raylet mid-run.
 """
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -58,6 +59,7 @@ def cluster():
     c.worker = worker
     yield c
     c.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_a_loopback_address_that_nothing_answers_fails_fast_naming_address(tmp_path):
