@@ -69,7 +69,8 @@ class Lemix(OnlinePolicy):
         if sched.nodes - len(sched.down) <= p.scan_nodes or not sched.uniform_estimator:
             return sched.placeable, True
         at = max(now, task.arrival_s)
-        sched.index.refresh(sched.traces, at)
+        reach = at + (sched.stages - 1) * sched.estimators[0].forward_s(task.batch, task.length)
+        sched.index.refresh(sched.traces, reach)
         found = sched.index.candidates(at, task.length, sched.preferred, p.candidate_window, p.candidate_lengths)
         return (found, False) if found else (sched.placeable, True)
 

@@ -12,12 +12,17 @@ run tasks of this length before (LC); all three are read from a few numbers per 
   (their idle time is capped), so it stands for all of them.
 * ``finish``: when the last stage finishes its last planned forward: eq. 4's "when the
   next inference could be answered" is the smallest of these.
-* ``free_lengths``: the mean allocated length of the nodes free by the task's start
-  (every planned forward and backward done) with two or more tasks. Where IP ties
+* ``arrival``: when the last task placed on the node arrived. Eq. 1 forgives idle time
+  up to the gap Δa since then, so a free node whose last task came long ago scores the
+  best IP (-τ) at the least R: the node with the oldest last arrival is a candidate.
+* ``free_lengths``: the mean allocated length of the nodes with two or more tasks whose
+  planned forwards and backwards all end by the time the task's forward could reach the
+  last stage (the pipeline overlaps a node's last task with the new one). Where IP ties
   (every node whose idle gap is under τ plus the arrival gap scores IP = -τ) and R is the
   least (the node can start at once), LC decides: the free nodes with the highest
   density N(ℓ; μ, σ), found by walking out from ℓ in mean order until no node further
-  out can beat them (a node at distance d has N <= 1 / (d·√(2πe)), at σ = d). A node
+  out can beat them (a node at distance d has N <= 1 / (d·√(2πe)), at σ = d), looking
+  at ``LC_SCAN_LIMIT`` nodes at most. A node
   joins this order when the decisions' start time passes the end of its planned work (a
   heap of those times), and leaves it when its trace changes.
 
@@ -30,61 +35,77 @@ LeMix plans them all as before (``policies/lemix.py``).
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_left, bisect_right
 import math
 from typing import Callable, Iterable, Optional
 
 from raycolo.online.allocation import length_consistency
 
 NEG_INF = float("-inf")
-LC_SCAN_LIMIT = 64           # free nodes a search for the best LC looks at, at most
+LC_SCAN_LIMIT = 32           # free nodes a search for the best LC looks at, at most
 DENSITY_AT_DISTANCE = 1 / math.sqrt(2 * math.pi * math.e)   # max over σ of N(d; 0, σ)·d
 
 
 class SortedKeys:
-    """(key, node) pairs in key order, one per node, updated one node at a time."""
+    """Nodes in key order, one key per node, updated one node at a time (parallel lists:
+    bisection compares floats, not tuples)."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[float, int]] = []
+        self.keys: list[float] = []
+        self.nodes: list[int] = []
         self.key: dict[int, float] = {}
 
     def set(self, node: int, key: Optional[float]) -> None:
         """Node ``node`` now has ``key`` (None: leaves the order)."""
         old = self.key.get(node)
-        if old == key and old is not None:
+        if old == key:
             return
+        keys, nodes = self.keys, self.nodes
         if old is not None:
-            del self.entries[bisect_left(self.entries, (old, node))]
+            i = bisect_left(keys, old)
+            while nodes[i] != node:
+                i += 1
+            del keys[i], nodes[i]
             del self.key[node]
         if key is not None:
             self.key[node] = key
-            insort(self.entries, (key, node))
+            i = bisect_right(keys, key)
+            keys.insert(i, key)
+            nodes.insert(i, node)
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.keys)
 
 
-def _walk(entries: list, start: int, step: int, ok: Callable[[int], bool], want: int) -> list[int]:
-    """Up to ``want`` nodes that pass ``ok``, from ``entries[start]`` in direction ``step``."""
-    out = []
-    i = start
-    while 0 <= i < len(entries) and len(out) < want:
-        node = entries[i][1]
+def _walk(nodes: list, start: int, step: int, ok: Callable[[int], bool], want: int, out: set) -> None:
+    """Add to ``out`` up to ``want`` nodes that pass ``ok``, from ``nodes[start]`` in
+    direction ``step``."""
+    i, found, end = start, 0, len(nodes)
+    while 0 <= i < end and found < want:
+        node = nodes[i]
         if ok(node):
-            out.append(node)
+            out.add(node)
+            found += 1
         i += step
-    return out
 
 
 class NodeIndex:
     def __init__(self, nodes: int) -> None:
         self.start = SortedKeys()
         self.finish = SortedKeys()
+        self.arrival = SortedKeys()
         self.free_lengths = SortedKeys()
         self.freeing: list[tuple[float, int]] = []     # (free key, node) of nodes not yet free
         self.free_key: dict[int, float] = {}            # when the node's planned work ends
         self.spread: dict[int, tuple] = {}              # node -> (count, mean, std) of its lengths
-        self.dirty: set[int] = set(range(nodes))
+        # every node starts idle from 0 with no task: keyed so without a refresh each
+        self.start.keys, self.start.nodes = [0.0] * nodes, list(range(nodes))
+        self.start.key = dict.fromkeys(range(nodes), 0.0)
+        self.finish.keys, self.finish.nodes = [NEG_INF] * nodes, list(range(nodes))
+        self.finish.key = dict.fromkeys(range(nodes), NEG_INF)
+        self.free_key = dict.fromkeys(range(nodes), 0.0)
+        self.spread = dict.fromkeys(range(nodes), (0, 0.0, 0.0))
+        self.dirty: set[int] = set()
 
     def touch(self, node: int) -> None:
         """Node ``node``'s trace changed (a task committed or reset, a path calibrated)."""
@@ -92,13 +113,16 @@ class NodeIndex:
 
     def refresh(self, traces, at: float) -> None:
         """Re-key the nodes touched since the last refresh from their traces, and move
-        the nodes free by ``at`` into ``free_lengths``."""
+        the nodes free by ``at`` into ``free_lengths`` (``at``: when the task's forward
+        could reach the last stage, so a node still finishing its last task there as the
+        task starts counts as free: the pipeline overlaps them)."""
         for n in self.dirty:
             trace = traces[n]
             last = trace.last
             start = last.end_f(0) if last is not None else trace.idle_since
             self.start.set(n, start)
             self.finish.set(n, last.end_f(trace.stages - 1) if last is not None else NEG_INF)
+            self.arrival.set(n, last.arrival_s if last is not None else None)
             self.free_lengths.set(n, None)
             self.free_key[n] = free = trace.busy_until()
             self.spread[n] = (trace.count, trace.length_mean, trace.length_std)
@@ -115,33 +139,37 @@ class NodeIndex:
             heapq.heapify(self.freeing)
 
     def candidates(self, at: float, length: int, ok: Callable[[int], bool], window: int,
-                   near: int) -> list[int]:
+                   near: int) -> set[int]:
         """The nodes worth planning for a task that could start at ``at`` with ``length``
         tokens (after :meth:`refresh` with the same ``at``): ``window`` freed last before
-        ``at`` and ``window`` freed first after it, the one idle longest, and the
-        ``near`` free ones nearest in mean length. Only nodes that pass ``ok``
-        (placeable). Sorted by node index."""
-        entries = self.start.entries
-        cut = bisect_right(entries, (at, float("inf")))
-        found = set(_walk(entries, cut - 1, -1, ok, window))
-        found.update(_walk(entries, cut, +1, ok, window))
-        found.update(_walk(entries, 0, +1, ok, 1))
+        ``at`` and ``window`` freed first after it, the one idle longest, the one whose
+        last task arrived longest ago, and the ``near`` free ones with the best LC. Only nodes that pass ``ok``
+        (placeable)."""
+        nodes = self.start.nodes
+        cut = bisect_right(self.start.keys, at)
+        found: set[int] = set()
+        _walk(nodes, cut - 1, -1, ok, window, found)
+        _walk(nodes, cut, +1, ok, window, found)
+        _walk(nodes, 0, +1, ok, 1, found)
+        _walk(self.arrival.nodes, 0, +1, ok, 1, found)
         found.update(self._nearest(length, ok, near))
-        return sorted(found)
+        return found
 
     def _nearest(self, length: int, ok: Callable[[int], bool], want: int) -> Iterable[int]:
         """The ``want`` free nodes with the highest LC for ``length`` (see the module)."""
         if want <= 0:
             return []
-        entries = self.free_lengths.entries
-        hi = bisect_left(entries, (length, -1))
+        means, nodes = self.free_lengths.keys, self.free_lengths.nodes
+        hi = bisect_left(means, length)
         lo = hi - 1
+        end = len(means)
         best: list[tuple[float, int]] = []          # (LC, node), the top ``want``
         for _ in range(LC_SCAN_LIMIT):
-            if lo < 0 and hi >= len(entries):
+            if lo < 0 and hi >= end:
                 break
-            take_hi = lo < 0 or (hi < len(entries) and entries[hi][0] - length <= length - entries[lo][0])
-            mean, node = entries[hi] if take_hi else entries[lo]
+            take_hi = lo < 0 or (hi < end and means[hi] - length <= length - means[lo])
+            i = hi if take_hi else lo
+            mean, node = means[i], nodes[i]
             hi, lo = (hi + 1, lo) if take_hi else (hi, lo - 1)
             distance = abs(mean - length)
             if len(best) == want and distance > 0 and DENSITY_AT_DISTANCE / distance <= best[0][0]:
@@ -159,7 +187,7 @@ class NodeIndex:
     def earliest_finish(self, ok: Callable[[int], bool], exclude: int) -> Optional[float]:
         """The smallest ``finish`` key among nodes passing ``ok``, ``exclude`` left out
         (None: no such node)."""
-        for key, node in self.finish.entries:
+        for key, node in zip(self.finish.keys, self.finish.nodes):
             if node != exclude and ok(node):
                 return key
         return None
