@@ -139,7 +139,8 @@ class OnlineController(AdapterVersions, Reports):
         self.device: dict = {}                        # (node, stage) -> its device's last reading
         self.sends: dict = {}                         # (node, stage) -> (sends held, sends posted)
         self.busy_seen = 0                            # op_log entries counted into busy_s
-        self._starting: Optional[asyncio.Task] = None
+        self._starting: Optional[asyncio.Task] = None      # the launch of the stage workers
+        self._partial: Optional[asyncio.TimerHandle] = None  # serve with the nodes there are (_serve_partial)
         self.cancelled: dict[str, int] = {}           # requests ended early, by reason: stop, abort (client gone)
         self.restored: dict[int, tuple] = {}          # node -> (version, seqs held, cursor) of an earlier run
         self.resumption: Optional[dict] = None        # what this deployment took up from an earlier one
@@ -152,18 +153,26 @@ class OnlineController(AdapterVersions, Reports):
 
     # -- start and stop ----------------------------------------------------------------------
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> dict:
-        """Start the stage workers and wait until all registered. Idempotent: a second
+        """Start the stage workers and wait until they registered. Idempotent: a second
         caller (another HTTP replica, a restarted one) waits for the same start. Requests
         and samples start it too: a controller Ray restarted after a crash starts again on
-        its first call, resuming from the checkpoints and the sample store."""
-        if self._starting is None:
-            self._starting = asyncio.get_running_loop().create_task(self._start(timeout_s))
-        return await asyncio.shield(self._starting)
+        its first call, resuming from the checkpoints and the sample store. A launch that
+        failed (no GPUs for even one node) is tried again by the next call."""
+        self._wake()
+        await asyncio.shield(self._starting)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.ready.wait()), timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"stage workers did not register within {timeout_s:.0f} s "
+                               f"({sum(len(r) for r in self.registered)} of "
+                               f"{self.config.nodes * self.config.stages}): {self.errors}") from None
+        return {"workers": sorted(self.workers), "layer_bounds": self.bounds}
 
     def _wake(self) -> None:
-        """Start (in the background) if nobody did: a controller Ray restarted."""
-        if self._starting is None:
-            self._starting = asyncio.get_running_loop().create_task(self._start(START_TIMEOUT_S))
+        """Launch the stage workers (in the background) unless that is done or under way."""
+        task = self._starting
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            self._starting = asyncio.get_running_loop().create_task(self._launch())
 
     async def attach(self, front: str) -> None:
         """An HTTP replica uses this deployment."""
@@ -178,26 +187,60 @@ class OnlineController(AdapterVersions, Reports):
             await self.stop()
             ray.actor.exit_actor()
 
-    async def _start(self, timeout_s: float) -> dict:
+    async def _launch(self) -> None:
+        """Start every node's worker group. A first start needs a GPU per stage worker. A
+        controller Ray restarted (its Ray node died with the GPUs there) starts with one
+        node's worth: the nodes that fit register and serve after ``stage.start_grace_s``;
+        Ray Train keeps trying to place the others, which join when GPUs come back."""
         need = self.config.nodes * self.config.stages
         gpus = ray.cluster_resources().get("GPU", 0)
-        if gpus < need:
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if gpus < (self.config.stages if restarted else need):
             raise ConfigError(f"nodes x stages: the deployment needs {need} GPUs (one per stage worker); "
                               f"the Ray cluster has {gpus:g}. On a CPU machine give the cluster logical "
                               f"GPUs: ray start --head --num-gpus={need}")
+        if gpus < need:
+            self.errors.append(f"restarted with {gpus:g} of the {need} GPUs the deployment needs: "
+                               f"the nodes that fit serve; the others join when GPUs come back")
         loop = self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self._release_groups)   # of an earlier controller of this deployment
         self.driver = self._driver()
         for n in range(self.config.nodes):
             trainer = self._trainer(n)
             self.fit_futures.append(loop.run_in_executor(None, self._fit, n, trainer))
+
+    def _serve_partial(self) -> None:
+        """``stage.start_grace_s`` after the first node registered: serve with the nodes
+        there are; the others are avoided until their groups register (``register``)."""
+        if self.ready.is_set():
+            return
+        for n in range(self.config.nodes):
+            if len(self.registered[n]) < self.config.stages:
+                if self.config.resume and n not in self.restored:   # what its group will restore
+                    committed = self._committed_checkpoint(n)
+                    if committed is not None:
+                        self.restored[n] = committed
+                self.driver.node_lost(n)
+                self.errors.append(f"node {n}: not registered {self.config.stage.start_grace_s:g} s after "
+                                   f"the first node; serving without it until it does")
+        self._resume()
+        self.ready.set()
+
+    def _committed_checkpoint(self, n: int) -> Optional[tuple]:
+        """(adapter version, seqs held, cursor) of node ``n``'s newest committed checkpoint,
+        read from its run directory (Ray Train's ``checkpoint_manager_snapshot.json``):
+        what its group restores when it starts. A node not yet back still holds those
+        samples, so they are not trained again elsewhere; None without one."""
+        run_dir = Path(self.config.storage_path).resolve() / self.run_name(n)
         try:
-            await asyncio.wait_for(self.ready.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            raise RuntimeError(f"stage workers did not register within {timeout_s:.0f} s "
-                               f"({sum(len(r) for r in self.registered)} of "
-                               f"{self.config.nodes * self.config.stages}): {self.errors}") from None
-        return {"workers": sorted(self.workers), "layer_bounds": self.bounds}
+            latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
+            found = run_dir / latest["checkpoint_dir_name"]
+            version = int(latest["metrics"]["adapter_version"])
+            held = json.loads((found / "held.json").read_text()) if (found / "held.json").exists() else []
+            cursor = json.loads((found / "cursor.json").read_text()) if (found / "cursor.json").exists() else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return version, from_ranges(held), Cursor(**cursor) if cursor else Cursor()
 
     def _driver(self) -> ClusterDriver:
         tick = self.config.lemix.slo_s(self.cluster.profile.forward_latency_s) / 4
@@ -363,6 +406,8 @@ class OnlineController(AdapterVersions, Reports):
         if all(len(r) == self.config.stages for r in self.registered) and not self.ready.is_set():
             self._resume()
             self.ready.set()
+        elif complete and not self.ready.is_set() and self._partial is None:
+            self._partial = self._loop.call_later(self.config.stage.start_grace_s, self._serve_partial)
         return self.epochs[node]
 
     def _resume(self) -> None:
@@ -453,7 +498,21 @@ class OnlineController(AdapterVersions, Reports):
                               "down": down})
         if down:                   # trained again on the other nodes
             self._replay(node, self.ledger.abandon(node))
-        # else: replayed once the new group says which checkpoint it restored (register)
+        else:   # replayed once the new group says which checkpoint it restored (register),
+            # or on the other nodes if it is not back in time (its Ray node may be gone)
+            self._loop.call_later(self.config.stage.rejoin_s, self._rejoin_overdue, node, self.epochs[node])
+
+    def _rejoin_overdue(self, node: int, epoch: int) -> None:
+        """Node ``node``'s group lost at ``epoch`` is not back after ``stage.rejoin_s``: the
+        samples it trained since its last checkpoint are trained on the other nodes (its
+        adapter, when it comes back, is that checkpoint's)."""
+        if self.epochs[node] != epoch or len(self.registered[node]) == self.config.stages \
+                or not self.ledger.restoring(node):
+            return
+        seqs = self.ledger.abandon(node)
+        self.errors.append(f"node {node}: not back {self.config.stage.rejoin_s:g} s after its loss; "
+                           f"{len(seqs)} samples it trained since its checkpoint go to the other nodes")
+        self._replay(node, seqs)
 
     def _replay(self, node: int, seqs: list) -> None:
         for r in reversed(self.restarts):
@@ -465,6 +524,11 @@ class OnlineController(AdapterVersions, Reports):
 
     def registry(self) -> dict:
         return dict(self.workers)
+
+    def placement(self) -> dict:
+        """Which Ray node runs what: this controller, and each stage worker (by Ray node id)."""
+        return {"controller": ray.get_runtime_context().get_node_id(),
+                "stage_workers": {key: w["node_id"] for key, w in self.workers.items()}}
 
     # -- the op runner (ClusterDriver calls it) ---------------------------------------------
     async def run(self, op: Op):
@@ -846,11 +910,12 @@ class OnlineController(AdapterVersions, Reports):
     async def drain(self) -> None:
         """Wait until every task submitted so far completed (and the resumed samples'
         training, and the training a node restarting now will replay once it is back: its
-        new group says which checkpoint it restored), and any checkpoint it started. A
-        restarted controller starts first."""
+        new group says which checkpoint it restored, or on the other nodes after
+        ``stage.rejoin_s``), and any checkpoint it started. A restarted controller starts
+        first."""
         await self.start()
         await self.driver.drain()
-        while self.backlog or self.cluster.scheduler.restarting:
+        while self.backlog or any(self.ledger.restoring(n) for n in self.cluster.scheduler.restarting):
             await asyncio.sleep(0.05)
             await self.driver.drain()
         while self.background:

@@ -159,6 +159,10 @@ class OnlineDeployment:
         """Per stored sample, how often the adapters keep its training (see the controller)."""
         return self._call("sample_ledger")
 
+    def placement(self) -> dict:
+        """Which Ray node (id) runs the controller and each stage worker."""
+        return self._call("placement")
+
     def registry(self) -> dict:
         return self._call("registry")
 

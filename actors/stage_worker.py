@@ -34,11 +34,17 @@ class StageProcess:
     def __init__(self, stage_model, stage: int, stages: int, hidden_size: int, dtype, dist):
         self.model, self.stage, self.stages = stage_model, stage, stages
         self.hidden, self.dtype, self.dist = hidden_size, dtype, dist
+        # where the stage computes, and where its point-to-point tensors live: NCCL sends
+        # device tensors; gloo's send/recv take host tensors (a GPU stage over gloo, e.g.
+        # two stages sharing one GPU, copies across)
+        self.device = next(stage_model.executor.layers[0].parameters()).device
+        nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+        self.wire = self.device if nccl else torch.device("cpu")
         self.pending: dict[int, tuple] = {}   # seq -> (work, tensor) of isends not known received
         self.sent = 0                         # sends posted, all told
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        tensor = tensor.contiguous()      # kept alive until the send completes
+        tensor = tensor.to(self.wire).contiguous()      # kept alive until the send completes
         self.pending[tag] = (self.dist.isend(tensor, dst, tag=tag % TAG_MOD), tensor)
         self.sent += 1
 
@@ -55,9 +61,16 @@ class StageProcess:
                 item[0].wait()
 
     def _recv(self, shape, src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=self.dtype)
+        buf = torch.empty(shape, dtype=self.dtype, device=self.wire)
         self.dist.recv(buf, src, tag=tag % TAG_MOD)
-        return buf
+        return buf.to(self.device)
+
+    def _batch(self, samples):
+        """A training op's token ids, labels (on the stage's device) and lengths."""
+        from raycolo.executor.stage import training_batch, training_rows
+
+        ids, labels, lengths = training_batch(training_rows(samples)[0])
+        return ids.to(self.device), labels.to(self.device), lengths
 
     def run(self, op: dict) -> dict:
         kind = op["kind"]
@@ -82,12 +95,9 @@ class StageProcess:
             for rid in op.get("release", []):
                 self.model.release(rid)
         elif kind == "train_f":
-            from raycolo.executor.stage import training_batch, training_rows
-
             rows, t = op["shape"]
             preference = op.get("preference", False)
-            ids, labels, lengths = training_batch(training_rows(op["samples"])[0]) if (first or last) \
-                else (None, None, op["lengths"])
+            ids, labels, lengths = self._batch(op["samples"]) if (first or last) else (None, None, op["lengths"])
             # a preference batch's hidden states carry the frozen base's rows too
             x = ids if first else self._recv((rows * (1 + preference), t, self.hidden), self.stage - 1, op["after"])
             out = self.model.train_forward(op["task"], x, lengths, labels if last else None,
@@ -109,11 +119,11 @@ class StageProcess:
         elif kind == "eval":     # a forward-only pass of a held-out batch: its loss, or a
             # preference batch's win rate and CLPD (MACE's alignment metrics)
             from raycolo.executor.losses import preference_stats, sequence_logprob
-            from raycolo.executor.stage import causal_lm_loss, training_batch, training_rows
+            from raycolo.executor.stage import causal_lm_loss, training_rows
 
             b, t = op["shape"]
-            rows, preference = training_rows(op["samples"])
-            ids, labels, lengths = training_batch(rows)
+            preference = training_rows(op["samples"])[1]
+            ids, labels, lengths = self._batch(op["samples"])
             with torch.no_grad():
                 x = ids if first else self._recv((b, t, self.hidden), self.stage - 1, op["after"])
                 out = self.model.executor.forward_train(x, lengths)
@@ -192,7 +202,8 @@ def stage_loop(config: dict) -> None:
                         next(stage_model.executor.layers[0].parameters()).dtype, dist)
     me = ray.get_runtime_context()
     epoch = ray.get(controller.register.remote(node, stage, {
-        "actor_id": me.get_actor_id(), "pid": os.getpid(), "node_ip": me.get_node_id(),
+        "actor_id": me.get_actor_id(), "pid": os.getpid(), "node_id": me.get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
         "restored_version": restored, "restored_held": resumed.get("held"),
         "restored_cursor": resumed.get("cursor"), "placement_group": me.get_placement_group_id()}))
     device = next(stage_model.executor.layers[0].parameters()).device

@@ -20,6 +20,8 @@ from raycolo.actors.online_launch import OnlineDeployment, learnable_pair
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.online.config import parse_online_config
 
+from online_checks import trained_exactly_once
+
 VOCAB = 259
 
 
@@ -55,16 +57,7 @@ def _wait_committed(dep, timeout_s: float = 60.0) -> dict:
 def _trained_exactly_once(dep, timeout_s: float = 120.0) -> dict:
     """Every stored sample is trained exactly once in what the adapters keep (waits for the
     resumed training to finish)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        dep.drain()
-        ledger = dep.sample_ledger()
-        counts = {seq: ledger["trained"].get(seq, 0) for seq in range(ledger["stored"])}
-        if set(counts.values()) <= {1} or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert counts == {seq: 1 for seq in range(ledger["stored"])}
-    return ledger
+    return trained_exactly_once(dep.drain, dep.sample_ledger, timeout_s)
 
 
 def test_a_restarted_deployment_takes_up_its_checkpoint_and_the_samples_stored_since(setup):

@@ -70,6 +70,13 @@ class StageSpec(BaseModel):
     kv_cache_tokens: int = Field(default=16384, gt=0)
     memory_bytes: float = Field(default=2 * GIB, gt=0)        # the stage's memory budget
     max_failures: int = Field(default=1, ge=0)                # worker-group restarts per node
+    # A controller Ray restarted (its Ray node died) starts on the GPUs the cluster has
+    # left: once one node's stage workers registered it serves after this long, and the
+    # other nodes join when GPUs for them come back.
+    start_grace_s: float = Field(default=20.0, ge=0, le=3600)
+    # A node whose worker group is lost and not back within this long has the samples it
+    # trained since its last checkpoint trained on the other nodes.
+    rejoin_s: float = Field(default=30.0, ge=0, le=3600)
 
 
 class ServeSpec(BaseModel):
