@@ -67,6 +67,13 @@ def stop(config: OnlineConfig, started_ray: bool) -> None:
         if started_ray:
             serve.shutdown()
             ray.shutdown()
+        else:   # a cluster we joined: Serve goes too (its HTTP proxy would answer 404 on the
+            # port) unless other applications still use it
+            try:
+                if not serve.status().applications:
+                    serve.shutdown()
+            except ray.exceptions.RayError:
+                pass
 
 
 def serve_until_stopped(config: OnlineConfig, address: Optional[str] = None, say=print) -> int:

@@ -186,3 +186,58 @@ def test_the_deployment_spans_both_raylets_and_survives_losing_the_controllers(c
     stats = _call(dep, "stats")
     _step(f"the other raylet died: all {ledger['stored']} samples trained once "
           f"{time.monotonic() - lost_at:.1f} s later; restarts {[r['reason'][:60] for r in stats['restarts']]}", t0)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_raycolo_serve_joins_the_cluster_answers_and_leaves_nothing_listening(cluster, tmp_path):
+    """``raycolo serve CONFIG --address`` as a user runs it against the 2-raylet cluster:
+    it serves the OpenAI API, and after Ctrl-C nothing answers on its port (Serve's proxy
+    goes with the last application)."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    import yaml
+
+    if cluster.get("dep") is not None:       # the first test's deployment: its GPUs back
+        try:
+            _call(cluster["dep"], "stop", timeout_s=120)
+            ray.kill(cluster["dep"].controller, no_restart=True)
+        except Exception:
+            pass
+        cluster["dep"] = None
+    port = _free_port()
+    config = cluster["config"].model_dump(mode="json")
+    config.update(nodes=1, stages=1, sample_store=str(tmp_path / "samples"), storage_path=str(tmp_path / "ckpt"))
+    config["serve"].update(port=port, app_name="raycolo-mn")
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    proc = subprocess.Popen([sys.executable, "-m", "raycolo.cli", "serve", str(path), "--address",
+                             cluster["cluster"].address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=tmp_path)
+    try:
+        deadline, lines = time.monotonic() + 240, []
+        while not any("raycolo: serving" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines[-20:])
+            lines.append(proc.stdout.readline())
+        url = f"http://127.0.0.1:{port}/v1"
+        models = httpx.get(f"{url}/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]][0] == "tiny-llama-s"
+        answer = httpx.post(f"{url}/completions", json={"model": "tiny-llama-s", "prompt": "hi", "max_tokens": 3,
+                                                         "temperature": 0, "ignore_eos": True}, timeout=120).json()
+        assert answer["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=180)[0]
+    assert proc.returncode == 0, rest
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
