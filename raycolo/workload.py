@@ -19,6 +19,7 @@ from raycolo.catalog import ModelSpec, get_model
 from raycolo.costmodel.sampler import OutputLengthSampler, seeded_rng
 from raycolo.dag import PLACEHOLDER, AppSpec, LengthDistribution, NodeSpec, SourceSpec
 from raycolo.errors import ConfigError
+from raycolo.generation.params import MAX_TOKENS_LIMIT
 
 # Words-to-tokens ratio for text when no tokenizer is at hand (BPE tokenizers on English).
 TOKENS_PER_WORD = 4 / 3
@@ -72,13 +73,16 @@ class SourceItems:
 
 
 def _positive_int(value, path: Path, row: int, column: str) -> Optional[int]:
-    """A positive whole number, or None where the cell is empty (JSON null, parquet NaN)."""
+    """A positive whole number up to ``MAX_TOKENS_LIMIT`` (the bound of every token count),
+    or None where the cell is empty (JSON null, parquet NaN)."""
     if value is None or (isinstance(value, float) and np.isnan(value)):
         return None
     whole = isinstance(value, (int, np.integer)) or (
         isinstance(value, (float, np.floating)) and float(value).is_integer())
     if isinstance(value, (bool, np.bool_)) or not whole or value <= 0:
         raise ConfigError(f"{path}: row {row}: {column} must be a positive integer")
+    if value > MAX_TOKENS_LIMIT:
+        raise ConfigError(f"{path}: row {row}: {column} must be at most {MAX_TOKENS_LIMIT}, got {value:.3g}")
     return int(value)
 
 

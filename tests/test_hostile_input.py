@@ -300,3 +300,17 @@ def test_numbers_that_no_surface_may_take_silently():
         for value in ("nan", "-1", "1e400", *huge, *values):
             rc, err = _run_cli([command, *app, flag, value])
             assert rc == 2 and err.count("\n") == 1 and err.startswith("error: "), (command, flag, value, err)
+
+
+@pytest.mark.parametrize("column", ["input_tokens", "chunks"])
+@pytest.mark.parametrize("value", [10 ** 30, 2 ** 63, 1e300])
+def test_a_request_file_with_a_huge_count_is_refused_naming_the_column(tmp_path, column, value):
+    """A count past the bound of every token count (MAX_TOKENS_LIMIT) is a clear error, not
+    an OverflowError when the counts become an int64 array (hypothesis found 10^30)."""
+    from raycolo.errors import ConfigError
+    from raycolo.workload import _read_request_file
+
+    f = tmp_path / "requests.jsonl"
+    f.write_text(json.dumps({"prompt": "hello", column: value}) + "\n")
+    with pytest.raises(ConfigError, match=f"row 1: {column} must be at most"):
+        _read_request_file(f, None)
