@@ -192,15 +192,15 @@ class OnlineController(AdapterVersions, Reports):
         controller Ray restarted (its Ray node died with the GPUs there) starts with one
         node's worth: the nodes that fit register and serve after ``stage.start_grace_s``;
         Ray Train keeps trying to place the others, which join when GPUs come back."""
-        need = self.config.nodes * self.config.stages
+        need = self.config.nodes * self.config.gpus_per_node()
         gpus = ray.cluster_resources().get("GPU", 0)
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        if gpus < (self.config.stages if restarted else need):
-            raise ConfigError(f"nodes x stages: the deployment needs {need} GPUs (one per stage worker); "
-                              f"the Ray cluster has {gpus:g}. On a CPU machine give the cluster logical "
-                              f"GPUs: ray start --head --num-gpus={need}")
-        if gpus < need:
-            self.errors.append(f"restarted with {gpus:g} of the {need} GPUs the deployment needs: "
+        if gpus < (self.config.gpus_per_node() if restarted else need) - 1e-9:
+            raise ConfigError(f"nodes x stages: the deployment needs {need:g} GPUs ({self.config.stage.gpus_per_worker:g} "
+                              f"per stage worker); the Ray cluster has {gpus:g}. On a CPU machine give the "
+                              f"cluster logical GPUs: ray start --head --num-gpus={self.config.gpus_needed()}")
+        if gpus < need - 1e-9:
+            self.errors.append(f"restarted with {gpus:g} of the {need:g} GPUs the deployment needs: "
                                f"the nodes that fit serve; the others join when GPUs come back")
         loop = self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self._release_groups)   # of an earlier controller of this deployment
@@ -280,7 +280,8 @@ class OnlineController(AdapterVersions, Reports):
         return TorchTrainer(
             stage_loop, train_loop_config=loop_config,
             scaling_config=ScalingConfig(num_workers=cfg.stages, use_gpu=True,
-                                         resources_per_worker={"CPU": cfg.stage.cpus_per_worker, "GPU": 1}),
+                                         resources_per_worker={"CPU": cfg.stage.cpus_per_worker,
+                                                               "GPU": cfg.stage.gpus_per_worker}),
             torch_config=TorchConfig(backend=cfg.stage.backend),
             run_config=RunConfig(name=self.run_name(n),
                                  storage_path=str(Path(cfg.storage_path).resolve()),

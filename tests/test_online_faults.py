@@ -33,12 +33,15 @@ def setup(tmp_path_factory):
         "nodes": 1, "stages": 2, "policy": "lemix", "train_rate": 0.5,
         "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2},
         "lora": {"rank": 4, "alpha": 8, "lr": 0.01, "micro_batch": 2, "checkpoint_every": 1},
-        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 4096, "max_failures": 2},
+        # the two stages share one (logical) GPU: Ray Train places them with half a GPU each
+        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 4096, "max_failures": 2,
+                  "gpus_per_worker": 0.5},
         "max_tokens": 8,
         "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
     })
-    ray.init(address="local", num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False,
-             namespace="raycolo")
+    ray.init(address="local", num_gpus=config.gpus_needed(), num_cpus=4, include_dashboard=False,
+             log_to_driver=False, namespace="raycolo")
+    assert config.gpus_needed() == 1
     state = {"config": config, "rng": seeded_rng(3, "test-faults")}
     yield state
     if state.get("dep") is not None:

@@ -214,6 +214,10 @@ def test_raycolo_serve_joins_the_cluster_answers_and_leaves_nothing_listening(cl
         except Exception:
             pass
         cluster["dep"] = None
+    deadline = time.monotonic() + 60        # its stage workers' GPU is free again
+    while ray.available_resources().get("GPU", 0) < 1:
+        assert time.monotonic() < deadline, f"no GPU free: {ray.available_resources()}"
+        time.sleep(0.5)
     port = _free_port()
     config = cluster["config"].model_dump(mode="json")
     config.update(nodes=1, stages=1, sample_store=str(tmp_path / "samples"), storage_path=str(tmp_path / "ckpt"))
@@ -225,7 +229,7 @@ def test_raycolo_serve_joins_the_cluster_answers_and_leaves_nothing_listening(cl
                              cluster["cluster"].address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, cwd=tmp_path)
     try:
-        deadline, lines = time.monotonic() + 240, []
+        deadline, lines = time.monotonic() + 180, []
         while not any("raycolo: serving" in line for line in lines):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines[-20:])
             lines.append(proc.stdout.readline())

@@ -83,10 +83,15 @@ def test_bad_samples_are_refused_and_nothing_is_stored(tmp_path, sample, message
 def test_config_defaults_and_errors_name_the_field():
     config = parse_online_config({})
     assert (config.nodes, config.stages, config.policy, config.lora.rank) == (2, 2, "lemix", 8)
+    assert config.gpus_needed() == 4
+    assert parse_online_config({"nodes": 3, "stage": {"gpus_per_worker": 0.5}}).gpus_needed() == 3
     for values, where in (({"nodes": 0}, "config: nodes:"), ({"policy": "fifo"}, "config: policy: unknown"),
                           ({"lora": {"lr": float("nan")}}, "config: lora.lr:"),
                           ({"lemix": {"max_batch": 10 ** 30}}, "config: lemix.max_batch:"),
-                          ({"typo": 1}, "config: typo:"), ([], "config: must be a mapping")):
+                          ({"typo": 1}, "config: typo:"), ([], "config: must be a mapping"),
+                          ({"stage": {"gpus_per_worker": 0}}, "config: stage.gpus_per_worker:"),
+                          ({"stage": {"gpus_per_worker": 0.5, "backend": "nccl"}},
+                           "config: stage.gpus_per_worker: below 1, stages share a GPU")):
         with pytest.raises(ConfigError) as err:
             parse_online_config(values)
         assert str(err.value).startswith(where), str(err.value)

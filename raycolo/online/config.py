@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from raycolo.errors import ConfigError
 from raycolo.online.params import LemixParams
@@ -70,6 +70,18 @@ class StageSpec(BaseModel):
     kv_cache_tokens: int = Field(default=16384, gt=0)
     memory_bytes: float = Field(default=2 * GIB, gt=0)        # the stage's memory budget
     max_failures: int = Field(default=1, ge=0)                # worker-group restarts per node
+    # GPUs each stage worker asks Ray for: below 1 several stages share one GPU (0.5: two),
+    # each with its own slice of layers and KV cache; their point-to-point traffic goes
+    # through host memory over gloo (NCCL refuses two ranks on one device)
+    gpus_per_worker: float = Field(default=1.0, gt=0, le=1)
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _shared_gpus_use_gloo(cls, value: float, info: ValidationInfo) -> float:
+        if value < 1 and info.data.get("backend") == "nccl":
+            raise ValueError("below 1, stages share a GPU, which NCCL refuses (two ranks on one device); "
+                             "use stage.backend: gloo")
+        return value
     # A controller Ray restarted (its Ray node died) starts on the GPUs the cluster has
     # left: once one node's stage workers registered it serves after this long, and the
     # other nodes join when GPUs for them come back.
@@ -152,6 +164,14 @@ class OnlineConfig(BaseModel):
 
     def served_model_name(self) -> str:
         return self.serve.served_model_name or self.model_loading_config.model_id
+
+    def gpus_per_node(self) -> float:
+        """The GPUs one node's stage workers take (``stages x stage.gpus_per_worker``)."""
+        return self.stages * self.stage.gpus_per_worker
+
+    def gpus_needed(self) -> int:
+        """Whole GPUs the deployment needs (a local cluster declares this many)."""
+        return math.ceil(self.nodes * self.gpus_per_node() - 1e-9)
 
     def check_paths(self) -> None:
         """``sample_store`` and ``storage_path`` must be directories this process can
