@@ -5,6 +5,8 @@
 #   make bench-engine - engine benchmark (bench/engine.py): raycolo vs transformers
 #                       generate(), plus vLLM eager/compiled where .venv-vllm exists
 #   make bench-engine-vllm - the same, installing .venv-vllm first (as make test-vllm)
+#   make bench-vllm-server - raycolo's HTTP front vs vLLM's OpenAI server, both driven by
+#                       `vllm bench serve` (bench/vs_vllm_server.py; installs .venv-vllm first)
 #   make fuzz   - the hostile-input suite with 5,000 generated inputs per surface
 #   make faults - kill engine actors, the driver, stage workers, controllers and the Serve
 #                 replica under load; count what was lost (bench/offline_faults.py, bench/faults.py)
@@ -20,7 +22,7 @@ PIP    := $(VENV)/bin/pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: fuzz faults soak venv test demo bench bench-runtime bench-online bench-engine bench-engine-vllm clean test-vllm
+.PHONY: fuzz faults soak venv test demo bench bench-runtime bench-online bench-engine bench-engine-vllm bench-vllm-server clean test-vllm
 
 # Internal: make sure .venv exists and holds torch (pinned CPU wheel) and raycolo[test].
 venv: $(STAMP)
@@ -80,6 +82,10 @@ bench-engine: venv
 bench-engine-vllm: venv
 	PYTHON=$(PYTHON) ./tools/run_vllm_tests.sh --install-only
 	$(VPY) bench/engine.py --vllm-python .venv-vllm/bin/python $(BENCH_ARGS)
+
+bench-vllm-server: venv
+	PYTHON=$(PYTHON) ./tools/run_vllm_tests.sh --install-only
+	$(VPY) bench/vs_vllm_server.py --json out/bench_vs_vllm_server.json $(BENCH_ARGS)
 
 # One GPU, under 10 minutes (raycolo/gpu_check.py, docs/executor.md "GPU readiness").
 # GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--json out/gpu_check.json" or "--device cpu"

@@ -139,6 +139,7 @@ class OnlineController(AdapterVersions, Reports):
         self.device: dict = {}                        # (node, stage) -> its device's last reading
         self.sends: dict = {}                         # (node, stage) -> (sends held, sends posted)
         self.busy_seen = 0                            # op_log entries counted into busy_s
+        self.cpu_mark, self.arrived = time.process_time(), 0   # see _driver
         self._starting: Optional[asyncio.Task] = None      # the launch of the stage workers
         self._partial: Optional[asyncio.TimerHandle] = None  # serve with the nodes there are (_serve_partial)
         self.cancelled: dict[str, int] = {}           # requests ended early, by reason: stop, abort (client gone)
@@ -247,6 +248,9 @@ class OnlineController(AdapterVersions, Reports):
         driver = ClusterDriver(self.cluster, self, retry_every_s=tick, on_failed=self._task_failed,
                                on_aborted=self._training_aborted, on_error=self._run_failed)
         driver.start()
+        # this process's CPU time (every thread: the event loop, Ray's own) from here, per
+        # task that arrives: what one controller costs (stats(): controller_cpu_ms_per_task)
+        self.cpu_mark, self.arrived = time.process_time(), 0
         return driver
 
     def run_name(self, n: int) -> str:
@@ -734,6 +738,7 @@ class OnlineController(AdapterVersions, Reports):
                                          stop_ids=stop_token_set(params, self.tokenizer.eos_token_ids),
                                          submitted_s=self.driver.now(), base=base, version=version)
         self.tasks[tid] = task
+        self.arrived += 1
         self.driver.submit(task)
         return tid
 
@@ -904,6 +909,7 @@ class OnlineController(AdapterVersions, Reports):
             self.train_tasks[tid] = ids
             self.train_seqs[tid] = [s.seq for s in group]
             self.tasks[tid] = task
+            self.arrived += 1
             self.driver.submit(task)
             tids.append(tid)
         return tids

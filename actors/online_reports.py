@@ -88,6 +88,7 @@ class Reports:
             # everything the controller's schedulers did (policy, cluster, node schedulers)
             "scheduling_us_per_task": (self.driver.scheduling_total_s * 1e6 / max(1, len(self.tasks)))
             if self.driver else 0.0,
+            **self._controller_cpu(),
             "scheduling_us_p50": _pct([x * 1e6 for x in self.driver.scheduling_s], 50) if self.driver else 0.0,
             "scheduling_us_p99": _pct([x * 1e6 for x in self.driver.scheduling_s], 99) if self.driver else 0.0,
             "losses": self.losses[-20:],
@@ -100,6 +101,17 @@ class Reports:
             "cancelled": dict(self.cancelled),      # by reason: "stop" (a stop string), "abort" (client gone)
             "unfinished": self.unfinished(),
         }
+
+    def _controller_cpu(self) -> dict:
+        """This controller's CPU time since its run started (process time: the event loop
+        and Ray's threads), per arriving task, and the arrival rate one core of it would
+        sustain at that cost. Every op of every node passes through this actor today, so
+        this counts the tasks' tokens and training ops too, not only their placement."""
+        cpu = time.process_time() - self.cpu_mark
+        per_task = cpu / self.arrived if self.arrived else None
+        return {"controller_cpu_s": cpu, "tasks_arrived": self.arrived,
+                "controller_cpu_ms_per_task": None if per_task is None else per_task * 1e3,
+                "controller_sustains_tasks_per_s": None if not per_task else 1.0 / per_task}
 
     async def sample_ledger(self) -> dict:
         """How often each stored sample's training is kept in the adapters (a restart's

@@ -80,6 +80,8 @@ def main() -> int:
             summary["actor_hops_per_decode_iteration"] = stats["hops_per_decode_iteration"]
             summary["decision_us_p50"], summary["decision_us_p99"] = stats["decision_us_p50"], stats["decision_us_p99"]
             summary["scheduling_us_per_task"] = stats["scheduling_us_per_task"]
+            summary["controller_cpu_ms_per_task"] = stats["controller_cpu_ms_per_task"]
+            summary["controller_sustains_tasks_per_s"] = stats["controller_sustains_tasks_per_s"]
             summary["scheduling_us_p50"], summary["scheduling_us_p99"] = stats["scheduling_us_p50"], stats["scheduling_us_p99"]
             sim = simulate(tasks, profile, config.nodes,
                            make_online_policy(name, config.lemix, nodes=config.nodes, train_rate=config.train_rate),
@@ -94,15 +96,16 @@ def main() -> int:
     print(f"Live online benchmark: {config.nodes} x {config.stages} {config.model_loading_config.model_id}, "
           f"{args.tasks} tasks at {args.rate:g}/s, training share {config.train_rate:g}; start-up {startup:.1f} s")
     print("| policy | tasks/s | SLO att. | TTFT p50/p99 ms | TBT p50/p99 ms | train samples/s | "
-          "stage busy | decision µs p50/p99 | sched. µs/task (p50/p99 per event) | hops/decode it. | sim tasks/s | "
-          "live/sim thr | live/sim TTFT p50 |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "stage busy | decision µs p50/p99 | sched. µs/task (p50/p99 per event) | controller CPU ms/task "
+          "(sustains tasks/s) | hops/decode it. | sim tasks/s | live/sim thr | live/sim TTFT p50 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         print(f"| {name} | {r['throughput']:.2f} | {r['slo_attainment']:.2f} | "
               f"{r['ttft_p50_s'] * 1e3:.0f}/{r['ttft_p99_s'] * 1e3:.0f} | {r['tbt_p50_s'] * 1e3:.0f}/"
               f"{r['tbt_p99_s'] * 1e3:.0f} | {r['train_samples_per_s']:.2f} | {r['stage_busy_fraction']:.2f} | "
               f"{r['decision_us_p50']:.0f}/{r['decision_us_p99']:.0f} | {r['scheduling_us_per_task']:.0f} "
-              f"({r['scheduling_us_p50']:.0f}/{r['scheduling_us_p99']:.0f}) | {r['actor_hops_per_decode_iteration']:.1f} | "
+              f"({r['scheduling_us_p50']:.0f}/{r['scheduling_us_p99']:.0f}) | {r['controller_cpu_ms_per_task']:.1f} "
+              f"({r['controller_sustains_tasks_per_s']:.0f}) | {r['actor_hops_per_decode_iteration']:.1f} | "
               f"{r['sim_throughput']:.2f} | {r['throughput'] / r['sim_throughput']:.2f} | "
               f"{r['ttft_p50_s'] / r['sim_ttft_p50_s']:.2f} |")
     print(f"\nheld-out loss (training distribution): before {held_out['before']:.3f}, after {held_out['after']:.3f}")

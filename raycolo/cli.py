@@ -482,6 +482,8 @@ def online_summary(result, model: str, nodes: int, stages: int, rate: float, tra
     stats = stats or {}
     return {"model": model, "nodes": nodes, "stages": stages, "rate": rate, "train_rate": train_rate,
             **result.summary(), "actor_hops": stats.get("actor_hops", 0),
+            "controller_cpu_ms_per_task": stats.get("controller_cpu_ms_per_task"),
+            "controller_sustains_tasks_per_s": stats.get("controller_sustains_tasks_per_s"),
             "adapter_version": stats.get("adapter_version"), "errors": stats.get("errors", [])}
 
 
@@ -501,6 +503,9 @@ def _report_online(result, summary: dict, args, title: str, heading: str) -> int
     print(f"  GPU idle {summary['idle_fraction']:.1%}, active nodes {summary['active_nodes_mean']:.2f}, "
           f"training done {summary['train_done']}, staleness {summary['staleness_mean']:.1f} tasks, "
           f"decision {summary['decision_us_mean']:.0f} us/task")
+    if summary.get("controller_cpu_ms_per_task") is not None:     # live runs only
+        print(f"  controller CPU {summary['controller_cpu_ms_per_task']:.1f} ms/task: one controller sustains "
+              f"~{summary['controller_sustains_tasks_per_s']:.0f} tasks/s at this mix (every op passes through it)")
     if args.plot:
         print(f"plot: {summary['plot']}")
     return 0

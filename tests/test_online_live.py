@@ -121,6 +121,10 @@ def test_every_task_of_a_short_trace_completes_exactly_once(deployment, policy):
     stats = dep.stats()
     assert stats["errors"] == []
     assert 0 < stats["scheduling_us_p50"] <= stats["scheduling_us_p99"] and stats["scheduling_us_per_task"] > 0
+    # the controller's own CPU since use_policy, per task that arrived since (the replay's)
+    assert stats["tasks_arrived"] == len(tasks) and stats["controller_cpu_s"] > 0
+    assert stats["controller_cpu_ms_per_task"] == pytest.approx(stats["controller_cpu_s"] * 1e3 / len(tasks), rel=0.2)
+    assert stats["controller_sustains_tasks_per_s"] == pytest.approx(1e3 / stats["controller_cpu_ms_per_task"])
 
 
 def test_online_run_and_simulate_online_print_the_same_keys(deployment):
