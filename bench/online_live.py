@@ -15,7 +15,6 @@ same trace with the profile fitted from the live warm-up, and the live/simulated
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
