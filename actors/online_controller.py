@@ -432,9 +432,13 @@ class OnlineController(AdapterVersions, Reports):
         self._pump_training()
 
     @ray.method(enable_task_events=False)   # per op and stage: kept out of the GCS's task-event store
-    async def next_op(self, node: int, stage: int, epoch: int) -> Optional[dict]:
-        """The stage's next payload; None tells a worker of an old group to stop."""
+    async def next_op(self, node: int, stage: int, epoch: int, done: Optional[tuple] = None) -> Optional[dict]:
+        """The stage's next payload; None tells a worker of an old group to stop.
+        ``done``: (seq, result) of the op the worker just ran, reported in the same call
+        (one actor call per op rather than two)."""
         self.hops += 1
+        if done is not None:
+            self._op_done(node, stage, epoch, *done)
         if epoch != self.epochs[node]:
             return None
         return await self.queues[(node, stage)].get()
@@ -442,6 +446,9 @@ class OnlineController(AdapterVersions, Reports):
     @ray.method(enable_task_events=False)   # per op and stage: kept out of the GCS's task-event store
     async def op_done(self, node: int, stage: int, epoch: int, seq: int, result: dict) -> None:
         self.hops += 1
+        self._op_done(node, stage, epoch, seq, result)
+
+    def _op_done(self, node: int, stage: int, epoch: int, seq: int, result: dict) -> None:
         if epoch != self.epochs[node]:
             return           # an op of a worker group that is gone: its node was reset
         if "device" in result:

@@ -4,7 +4,8 @@ A node is one ``TorchTrainer`` whose S workers hold consecutive layer slices of 
 (:class:`~raycolo.executor.stage.StageModel`, LoRA on their layers). Ray Train gives them
 their process group (gloo on CPU, NCCL on GPU), gang placement, restarts and checkpoints.
 :func:`stage_loop` is the train function: a worker registers as ``node-<n>/stage-<s>``
-with the controller, then pulls ops from it forever and runs them.
+with the controller, then pulls ops from it forever and runs them (each request for the
+next op carries the result of the last: one actor call per op).
 
 Point-to-point traffic stays matched because every message is tagged: an op that feeds
 the next stage (a forward's hidden states) or the stage before (a backward's input
@@ -208,8 +209,10 @@ def stage_loop(config: dict) -> None:
         "restored_cursor": resumed.get("cursor"), "placement_group": me.get_placement_group_id()}))
     device = next(stage_model.executor.layers[0].parameters()).device
     next_reading = 0.0
+    done = None              # (seq, result) of the last op, reported with the next request
     while True:
-        op = ray.get(controller.next_op.remote(node, stage, epoch))
+        op = ray.get(controller.next_op.remote(node, stage, epoch, done))
+        done = None
         if op is None:          # the deployment stops
             return
         proc.received(op.get("received"))
@@ -240,7 +243,7 @@ def stage_loop(config: dict) -> None:
         if time.monotonic() >= next_reading:   # the device's figures, every few seconds
             result["device"] = device_reading(device)
             next_reading = time.monotonic() + DEVICE_READING_EVERY_S
-        controller.op_done.remote(node, stage, epoch, op["seq"], result)
+        done = (op["seq"], result)
 
 
 COMMIT_WAIT_S = 300.0
