@@ -74,6 +74,20 @@ class LiveRequest:
 START_TIMEOUT_S = 300.0    # stage workers must register within this
 
 
+class FrontQueue:
+    """The events of a request an HTTP replica admitted: they go to that replica's
+    channel (:meth:`OnlineController.front_events`), tagged with the replica's key for
+    the request, rather than to a queue per request (actors/front_channel.py)."""
+
+    __slots__ = ("mux", "key")
+
+    def __init__(self, mux: asyncio.Queue, key: int):
+        self.mux, self.key = mux, key
+
+    def put_nowait(self, event) -> None:
+        self.mux.put_nowait((self.key, event))
+
+
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class OnlineController(AdapterVersions, Reports):
     def __init__(self, config: dict, name: str, namespace: str):
@@ -135,6 +149,8 @@ class OnlineController(AdapterVersions, Reports):
         self.auto_train = False                       # samples arrive over HTTP: train them as they come
         self.adapter_changed_s = time.time()          # the served adapter last changed
         self.fronts: set[str] = set()                 # HTTP replicas attached (serve_app.py)
+        self.muxes: dict[str, asyncio.Queue] = {}     # HTTP replica -> its requests' events (front_events)
+        self.front_sent = [0, 0]                      # front_events: messages, events in them
         self.busy_s: dict = {}                        # (node, stage) -> seconds of ops run (monitor)
         self.device: dict = {}                        # (node, stage) -> its device's last reading
         self.sends: dict = {}                         # (node, stage) -> (sends held, sends posted)
@@ -184,6 +200,8 @@ class OnlineController(AdapterVersions, Reports):
         only being replaced attaches again), the deployment stops and this actor exits."""
         self.fronts.discard(front)
         await asyncio.sleep(grace_s)
+        if front not in self.fronts and front in self.muxes:
+            self.muxes.pop(front).put_nowait(None)      # ends its front_events call
         if not self.fronts:
             await self.stop()
             ray.actor.exit_actor()
@@ -728,11 +746,14 @@ class OnlineController(AdapterVersions, Reports):
 
     async def submit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
-                     version: Optional[int] = None, params: Optional[SamplingParams] = None) -> int:
+                     version: Optional[int] = None, params: Optional[SamplingParams] = None,
+                     front: Optional[tuple] = None) -> int:
         """Accept a completion request; returns its id (stream it with :meth:`stream`).
         ``params``: its SamplingParams (else built from max_tokens ... ignore_eos);
         ``base``: serve it with the base model (the adapter switched off for its rows);
-        ``version``: with that saved adapter version (one of :meth:`adapter_versions`)."""
+        ``version``: with that saved adapter version (one of :meth:`adapter_versions`);
+        ``front``: (HTTP replica, its key for the request): the events go to that
+        replica's :meth:`front_events` instead."""
         await self.start()
         if version is not None and not self._servable(version):
             raise ValueError(f"adapter version {version} is not servable; these are: {self.versions}")
@@ -740,10 +761,12 @@ class OnlineController(AdapterVersions, Reports):
         tid = self._new_id()
         task = OnlineTask(tid, "inference", self.driver.now(), len(prompt), 1, 0, params.max_tokens)
         self._forget_finished()
-        self.requests[tid] = LiveRequest(task, list(prompt), params,
-                                         seed=params.seed if params.seed is not None else seed,
-                                         stop_ids=stop_token_set(params, self.tokenizer.eos_token_ids),
-                                         submitted_s=self.driver.now(), base=base, version=version)
+        req = LiveRequest(task, list(prompt), params, seed=params.seed if params.seed is not None else seed,
+                          stop_ids=stop_token_set(params, self.tokenizer.eos_token_ids),
+                          submitted_s=self.driver.now(), base=base, version=version)
+        if front is not None:
+            req.events = FrontQueue(self._mux(front[0]), front[1])
+        self.requests[tid] = req
         self.tasks[tid] = task
         self.arrived += 1
         self.driver.submit(task)
@@ -751,7 +774,8 @@ class OnlineController(AdapterVersions, Reports):
 
     async def admit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
-                    version: Optional[int] = None, params: Optional[SamplingParams] = None) -> dict:
+                    version: Optional[int] = None, params: Optional[SamplingParams] = None,
+                    front: Optional[tuple] = None) -> dict:
         """The HTTP front's submit: ``{"id"}``, or ``{"rejected": "overloaded"}`` beyond
         ``serve.max_ongoing_requests`` unfinished requests, ``{"rejected": "unavailable"}``
         when no node is alive, or ``{"rejected": "unknown_version", "versions"}`` for an
@@ -770,7 +794,29 @@ class OnlineController(AdapterVersions, Reports):
             self.rejections += 1
             return {"rejected": "overloaded", "retry_after_s": self.config.serve.retry_after_s}
         return {"id": await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos, base,
-                                        version, params)}
+                                        version, params, front)}
+
+    def _mux(self, front: str) -> asyncio.Queue:
+        if front not in self.muxes:
+            self.muxes[front] = asyncio.Queue()
+        return self.muxes[front]
+
+    @ray.method(enable_task_events=False)
+    async def front_events(self, front: str):
+        """The events of every request HTTP replica ``front`` admitted (``admit(...,
+        front=(front, key))``), as they come: lists of (key, event), each with every event
+        ready then (with B requests decoding, one message per iteration rather than B).
+        Ends when the replica detached for good."""
+        mux = self._mux(front)
+        while True:
+            batch = [await mux.get()]
+            while not mux.empty():
+                batch.append(mux.get_nowait())
+            if None in batch:
+                return
+            self.front_sent[0] += 1
+            self.front_sent[1] += len(batch)
+            yield batch
 
     def _forget_finished(self) -> None:
         """A long-running service keeps at most ``KEPT_FINISHED`` finished requests (their
@@ -823,6 +869,7 @@ class OnlineController(AdapterVersions, Reports):
         if req is None:
             yield ("error", LOST_IN_RESTART.format(rid=rid))
             return
+        self._own_queue(req, rid)
         while True:
             event = await req.events.get()
             yield event
@@ -835,6 +882,7 @@ class OnlineController(AdapterVersions, Reports):
         req = self._request(rid)
         if req is None:
             return {"id": rid, "tokens": [], "finish_reason": "error", "error": LOST_IN_RESTART.format(rid=rid)}
+        self._own_queue(req, rid)
         tokens = []
         while True:
             kind, value = await req.events.get()
@@ -846,6 +894,11 @@ class OnlineController(AdapterVersions, Reports):
                 return {"id": rid, "tokens": tokens, "finish_reason": value}
             else:
                 return {"id": rid, "tokens": tokens, "finish_reason": "error", "error": value}
+
+    @staticmethod
+    def _own_queue(req: LiveRequest, rid: int) -> None:
+        if isinstance(req.events, FrontQueue):
+            raise ValueError(f"request {rid} streams to the HTTP replica that admitted it")
 
     async def progress(self, rid: int) -> dict:
         """Tokens request ``rid`` has streamed so far, and how it ended (None: running)."""

@@ -81,6 +81,8 @@ class Reports:
                         "busy": [st.busy is not None for st in node.stages],
                         "batch": len(node.batch), "decoding": len(node.joining)} for n, node in enumerate(nodes)],
             "actor_hops": self.hops, "errors": list(self.errors),
+            # events sent to HTTP replicas, and the messages that carried them (front_events)
+            "front_messages": self.front_sent[0], "front_events": self.front_sent[1],
             "last_trained_node": self.last_trained_node,
             "hops_per_decode_iteration": self.hops / max(1, self.cluster.op_log_dropped + len(self.cluster.op_log)) * self.config.stages,
             "decision_us_p50": _pct(self.cluster.scheduler.decision_us, 50),

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from raycolo.actors.front_channel import CONTROLLER_FAILED, FrontChannel
 from raycolo.errors import ConfigError
 from raycolo.online.config import OnlineConfig, load_online_config, parse_online_config
 from raycolo.errors import StoreFull
@@ -43,6 +44,7 @@ from raycolo.serving.text import TextStream, chat_prompt_ids, chat_sample_ids, e
 NAMESPACE = "raycolo"
 MONITOR_EVERY_S = 2.0
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+CONTROLLER_DIED = "the deployment's controller failed mid-request (it restarts); retry"
 SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
              "description": "JSON, or server-sent events with stream: true"}}
 PLAIN_TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
@@ -178,6 +180,7 @@ class OpenAIIngress:
         ray.get(self.controller.start.remote())
         self.front_id = uuid.uuid4().hex[:8]
         ray.get(self.controller.attach.remote(self.front_id))
+        self.channel = FrontChannel(self.controller, self.front_id)   # this replica's requests' events
         self.created = int(time.time())
         self.metrics = FrontMetrics()
         self.gauges = DeploymentMetrics()
@@ -305,9 +308,18 @@ class OpenAIIngress:
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         return body.sampling_params(limit, seed)
 
-    async def _admit(self, body, ids: list[int], params, variant) -> int:
+    async def _admit(self, body, ids: list[int], params, variant) -> tuple[int, tuple, asyncio.Queue]:
+        """Admit one request: its id, its key on this replica's channel and its events' queue."""
         version = await self._pinned_version(variant)
-        admitted = await self.controller.admit.remote(ids, base=variant == BASE, version=version, params=params)
+        front, events = self.channel.open()
+        try:
+            admitted = await self.controller.admit.remote(ids, base=variant == BASE, version=version,
+                                                          params=params, front=front)
+        except BaseException:
+            self.channel.close(front)
+            raise
+        if admitted.get("rejected"):
+            self.channel.close(front)
         if admitted.get("rejected") == "overloaded":
             self.metrics.rejected.inc(tags={"model_name": self.model_name})
             retry = admitted["retry_after_s"]
@@ -326,7 +338,7 @@ class OpenAIIngress:
             raise OpenAIError(503, f"no stage-worker node is alive: {admitted.get('why', '')}",
                               code="unavailable")
         self.metrics.prompt_tokens.inc(len(ids), tags={"model_name": self.model_name})
-        return admitted["id"]
+        return admitted["id"], front, events
 
     async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool,
                         variant: Union[str, int] = LATEST):
@@ -335,29 +347,29 @@ class OpenAIIngress:
         started = time.perf_counter()
         kind = "chat.completion" if chat else "text_completion"
         if body.stream:
-            rid = await self._admit(body, ids, params, variant)
-            out_id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}-{uuid.uuid4().hex[:8]}"
+            admitted = await self._admit(body, ids, params, variant)
+            out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted[0]}-{uuid.uuid4().hex[:8]}"
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(self._events(rid, params, started, ids), out_id, kind, len(ids),
-                                               include_usage, body.model),
+            events = self._events(admitted, params, started, ids)
+            return StreamingResponse(self._sse(events, out_id, kind, len(ids), include_usage, body.model),
                                      media_type="text/event-stream")
         # n choices: n requests, choice i drawn with seed + i (all admitted before any is awaited)
-        rids = []
+        admitted = []
         for i in range(body.n):
             choice_params = params if i == 0 else params.model_copy(update={"seed": params.seed + i})
-            rids.append(await self._admit(body, ids, choice_params, variant))
-        out_id = f"{'chatcmpl' if chat else 'cmpl'}-{rids[0]}-{uuid.uuid4().hex[:8]}"
-        results = await asyncio.gather(*[self._collect(rid, params, started, ids) for rid in rids])
+            admitted.append(await self._admit(body, ids, choice_params, variant))
+        out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted[0][0]}-{uuid.uuid4().hex[:8]}"
+        results = await asyncio.gather(*[self._collect(a, params, started, ids) for a in admitted])
         count = sum(r[2] for r in results)
         choices = [choice(self.tokenizer, chat, i, content, reason, logprobs)
                    for i, (content, reason, _, logprobs) in enumerate(results)]
         return JSONResponse({"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
                              "choices": choices, "usage": usage(len(ids), count)})
 
-    async def _collect(self, rid: int, params, started: float, prompt_ids: list[int]):
+    async def _collect(self, admitted: tuple, params, started: float, prompt_ids: list[int]):
         """A whole (non-streamed) choice: text, finish_reason, tokens, log-probabilities."""
         text, reason, count, logprobs = [], None, 0, None if params.logprobs is None else []
-        async for delta, finish, n, lps in self._events(rid, params, started, prompt_ids):
+        async for delta, finish, n, lps in self._events(admitted, params, started, prompt_ids):
             text.append(delta)
             count = n
             if finish == "error":
@@ -367,19 +379,25 @@ class OpenAIIngress:
                 logprobs.extend(lps)
         return "".join(text), reason, count, logprobs
 
-    async def _events(self, rid: int, params, started: float, prompt_ids: list[int]):
+    async def _events(self, admitted: tuple, params, started: float, prompt_ids: list[int]):
         """(text delta, finish_reason or None, tokens so far, log-probabilities of the tokens
-        since the last event) as tokens arrive; an "error" finish carries the error's text.
-        Text follows raycolo.generation: a stop token is counted, never shown; a stop
-        string ends the text before it (the request is cancelled upstream), as does a
-        client that went away."""
+        since the last event) as tokens arrive (``admitted``: what :meth:`_admit` returned;
+        the events come over this replica's channel); an "error" finish carries the
+        error's text. Text follows raycolo.generation: a stop token is counted, never
+        shown; a stop string ends the text before it (the request is cancelled upstream),
+        as does a client that went away."""
+        rid, front, events = admitted
         tags = {"model_name": self.model_name}
         stream = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, prompt_ids)
         count, last, finished, lps = 0, None, False, []
         try:
-            gen = self.controller.stream.options(num_returns="streaming").remote(rid)
-            async for ref in gen:
-                kind, value = await ref
+            while True:
+                kind, value = await events.get()
+                if (kind, value) == CONTROLLER_FAILED:
+                    finished = True
+                    self._finish("error", started)
+                    yield CONTROLLER_DIED, "error", count, []
+                    return
                 now = time.perf_counter()
                 if kind == "logprob":
                     lps.append(value)
@@ -416,8 +434,9 @@ class OpenAIIngress:
         except (RayActorError, ActorUnavailableError):   # the controller died: the stream ends with an error
             finished = True
             self._finish("error", started)
-            yield "the deployment's controller failed mid-request (it restarts); retry", "error", count, []
+            yield CONTROLLER_DIED, "error", count, []
         finally:
+            self.channel.close(front)
             if not finished:      # the client disconnected: free the request's work
                 try:
                     await self.controller.cancel.remote(rid, "abort")

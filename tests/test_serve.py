@@ -484,6 +484,41 @@ def test_a_stream_nobody_reads_does_not_stall_the_others(front):
     assert stats["cancelled"].get("abort", 0) + stats["completed"] > before
 
 
+def test_concurrent_streams_reach_their_replica_in_one_message_per_iteration(front):
+    """Six streamed completions at once (the admission limit): each gets exactly the
+    model's greedy text, and their tokens reach the HTTP replica over its one channel
+    (front_events) with several events per message (one message per decode iteration for
+    the whole batch, not one per token and request); a request the front admitted cannot
+    be read through the per-request stream instead."""
+    controller = ray.get_actor(f"raycolo-online-{front['config'].serve.app_name}", namespace="raycolo")
+    before = ray.get(controller.stats.remote())
+    prompts = [f"concurrent {i} " + "x" * i for i in range(6)]
+    ids = set()
+
+    async def one(c, prompt):
+        stream = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+        chunks = [ch async for ch in stream]
+        ids.add(chunks[0].id)
+        return "".join(ch.choices[0].text for ch in chunks)
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=front["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*[one(c, p) for p in prompts])
+
+    texts = asyncio.run(all_of_them())
+    assert texts == [expected_text(p, 8) for p in prompts]
+    after = ray.get(controller.stats.remote())
+    messages = after["front_messages"] - before["front_messages"]
+    events = after["front_events"] - before["front_events"]
+    assert events >= 6 * 9                      # 8 tokens and the end, each
+    assert messages <= events / 2, (messages, events)
+    rid = int(sorted(ids)[0].split("-")[1])          # cmpl-<request id>-<suffix>
+    with pytest.raises(ray.exceptions.RayTaskError, match="streams to the HTTP replica"):
+        ray.get(controller.result.remote(rid))
+    TOKENS_SENT["n"] += 6 * 8
+
+
 # -- security --------------------------------------------------------------------------------------
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
