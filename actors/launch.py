@@ -20,7 +20,7 @@ from raycolo.actors.pool import ComputeScales, SwitchCosts, load_costs, start_po
 from raycolo.errors import ConfigError
 from raycolo.planner.engines import SWITCH_KINDS
 from raycolo.planner.problem import PlanningProblem
-from raycolo.runtime.setup import PreparedRun, RunConfig, prepare
+from raycolo.runtime.setup import RunConfig, prepare
 
 
 def connect(config: RunConfig, local_gpus: Optional[int] = None) -> None:

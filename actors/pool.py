@@ -27,7 +27,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import ray
 
 from raycolo.actors.engine_actor import EngineActor

@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     print(f"GPU busy fraction ({Path(POLICY_APP).stem}, samullm, median): {busy:.2f}")
 
     print(f"\n5. Parked engines ({Path(POLICY_APP).stem}, samullm, median over repeats): a swap to a model the")
-    print(f"   actor parked asleep is a wake; --parked-engines 0 releases every old engine instead")
+    print("   actor parked asleep is a wake; --parked-engines 0 releases every old engine instead")
     print(f"{'parked engines':<15} {'actual_s':>9} {'busy':>6} {'swaps':>6} {'wakes':>6} {'swap_s':>7} {'wake_s':>7}")
     for label, key in ((f"{PARKED_DEFAULT} (default)", "samullm"), ("0", UNPARKED)):
         reps = runs[(POLICY_APP, key)]
