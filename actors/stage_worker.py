@@ -204,7 +204,7 @@ def stage_loop(config: dict) -> None:
     me = ray.get_runtime_context()
     epoch = ray.get(controller.register.remote(node, stage, {
         "actor_id": me.get_actor_id(), "pid": os.getpid(), "node_id": me.get_node_id(),
-        "node_ip": ray.util.get_node_ip_address(),
+        "node_ip": ray.util.get_node_ip_address(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "restored_version": restored, "restored_held": resumed.get("held"),
         "restored_cursor": resumed.get("cursor"), "placement_group": me.get_placement_group_id()}))
     device = next(stage_model.executor.layers[0].parameters()).device

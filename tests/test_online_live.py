@@ -51,6 +51,8 @@ def test_workers_register_by_node_and_stage(deployment):
     reg = dep.registry()
     assert sorted(reg) == ["node-0/stage-0", "node-0/stage-1", "node-1/stage-0", "node-1/stage-1"]
     assert len({w["pid"] for w in reg.values()}) == 4
+    # the workers started with the configured OpenMP wait policy in their environment
+    assert {w["omp_wait_policy"] for w in reg.values()} == {"PASSIVE"}
 
 
 def test_streamed_greedy_completion_equals_the_unsplit_model(deployment):
