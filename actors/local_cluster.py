@@ -34,15 +34,24 @@ LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 TASK_EVENTS_KEPT = 10_000      # tasks whose events the GCS keeps (Ray's default: 100,000)
 
 
-def start_local(**kwargs):
-    """``ray.init(address="local", **kwargs)`` on loopback only; returns Ray's context."""
+def start_local(env: Optional[dict] = None, **kwargs):
+    """``ray.init(address="local", **kwargs)`` on loopback only; returns Ray's context.
+    ``env``: variables the cluster's processes start with (the raylet and every worker it
+    spawns inherit them), unless this process sets them already; this process's own
+    environment is as before once the cluster is up."""
     os.environ.setdefault(LOOPBACK_ENV, "0")
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = os.environ[LOOPBACK_ENV].lower() in ("1", "true")
     kwargs["_system_config"] = {"task_events_max_num_task_in_gcs": TASK_EVENTS_KEPT,
                                 **(kwargs.get("_system_config") or {})}
-    return ray.init(address="local", **kwargs)
+    added = [k for k in (env or {}) if k not in os.environ]
+    os.environ.update({k: env[k] for k in added})
+    try:
+        return ray.init(address="local", **kwargs)
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 # -- joining a cluster ----------------------------------------------------------------------

@@ -307,16 +307,9 @@ class OnlineController(AdapterVersions, Reports):
             torch_config=TorchConfig(backend=cfg.stage.backend),
             run_config=RunConfig(name=self.run_name(n),
                                  storage_path=str(Path(cfg.storage_path).resolve()),
-                                 worker_runtime_env=self._worker_env(),
                                  failure_config=FailureConfig(max_failures=cfg.stage.max_failures),
                                  checkpoint_config=CheckpointConfig(num_to_keep=2),
                                  callbacks=[GroupWatch(self.name, self.namespace, n)]))
-
-    def _worker_env(self) -> dict:
-        """The stage workers' runtime environment: OpenMP's wait policy (stage.omp_wait_policy)
-        is read when torch loads, so it is set in the environment they start with."""
-        policy = self.config.stage.omp_wait_policy
-        return {"env_vars": {"OMP_WAIT_POLICY": policy}} if policy else {}
 
     def _fit(self, n: int, trainer) -> None:
         """Run node ``n``'s worker group. Past ``max_failures`` restarts of the group the
@@ -401,11 +394,14 @@ class OnlineController(AdapterVersions, Reports):
     async def stop(self) -> dict:
         for q in self.queues.values():
             q.put_nowait(None)
+        late = False
         for f in self.fit_futures:
             try:
                 await asyncio.wait_for(asyncio.shield(f), 60)
             except asyncio.TimeoutError:
-                pass
+                late = True
+        if late:     # a group that did not finish keeps its GPUs reserved until its job ends
+            await asyncio.to_thread(self._release_groups)
         self.store.close()
         return {"errors": self.errors}
 

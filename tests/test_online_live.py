@@ -6,6 +6,7 @@ policies are switched on it between traces.
 from __future__ import annotations
 
 import json
+import os
 import math
 import re
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 import ray
 import torch
 
+from raycolo.actors.local_cluster import start_local
 from raycolo.actors.online_launch import OnlineDeployment, learnable_pair, learnable_preference
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.online.config import parse_online_config
@@ -38,8 +40,9 @@ def deployment(tmp_path_factory):
         "max_tokens": 8,
         "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
     })
-    ray.init(address="local", num_gpus=4, num_cpus=4, include_dashboard=False, log_to_driver=False,
-             namespace="raycolo")
+    # as raycolo starts a local cluster for a deployment: its processes get cluster_env()
+    start_local(env=config.cluster_env(), num_gpus=4, num_cpus=4, include_dashboard=False, log_to_driver=False,
+                namespace="raycolo")
     dep = OnlineDeployment.start(config, timeout_s=240)
     yield dep, config, out
     dep.stop()
@@ -51,8 +54,10 @@ def test_workers_register_by_node_and_stage(deployment):
     reg = dep.registry()
     assert sorted(reg) == ["node-0/stage-0", "node-0/stage-1", "node-1/stage-0", "node-1/stage-1"]
     assert len({w["pid"] for w in reg.values()}) == 4
-    # the workers started with the configured OpenMP wait policy in their environment
+    # the workers started with the configured OpenMP wait policy in their environment,
+    # and the driver's own environment is as it was
     assert {w["omp_wait_policy"] for w in reg.values()} == {"PASSIVE"}
+    assert "OMP_WAIT_POLICY" not in os.environ
 
 
 def test_streamed_greedy_completion_equals_the_unsplit_model(deployment):

@@ -200,6 +200,7 @@ def test_raycolo_serve_joins_the_cluster_answers_and_leaves_nothing_listening(cl
     """``raycolo serve CONFIG --address`` as a user runs it against the 2-raylet cluster:
     it serves the OpenAI API, and after Ctrl-C nothing answers on its port (Serve's proxy
     goes with the last application)."""
+    import selectors
     import signal
     import subprocess
     import sys
@@ -214,6 +215,16 @@ def test_raycolo_serve_joins_the_cluster_answers_and_leaves_nothing_listening(cl
         except Exception:
             pass
         cluster["dep"] = None
+    # That deployment stopped with one node restarting for good (its raylet is gone): the
+    # node's new worker group can take the GPU the other group freed just before the
+    # controller is killed, and Ray removes a placement group with its job, not its actor
+    # (a `raycolo serve` process that exits takes them with it). This cluster is the
+    # test's own: free every placement group left.
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+    for group, info in placement_group_table().items():
+        if info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(group))))
     deadline = time.monotonic() + 60        # its stage workers' GPU is free again
     while ray.available_resources().get("GPU", 0) < 1:
         assert time.monotonic() < deadline, f"no GPU free: {ray.available_resources()}"
@@ -230,9 +241,13 @@ def test_raycolo_serve_joins_the_cluster_answers_and_leaves_nothing_listening(cl
                             text=True, env=env, cwd=tmp_path)
     try:
         deadline, lines = time.monotonic() + 180, []
+        readable = selectors.DefaultSelector()        # every wait bounded: no readline on a silent pipe
+        readable.register(proc.stdout, selectors.EVENT_READ)
         while not any("raycolo: serving" in line for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines[-20:])
-            lines.append(proc.stdout.readline())
+            left = deadline - time.monotonic()
+            assert left > 0 and proc.poll() is None, "".join(lines[-20:])
+            if readable.select(timeout=min(left, 1.0)):
+                lines.append(proc.stdout.readline())
         url = f"http://127.0.0.1:{port}/v1"
         models = httpx.get(f"{url}/models", timeout=30).json()
         assert [m["id"] for m in models["data"]][0] == "tiny-llama-s"

@@ -64,10 +64,13 @@ class StageSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     cpus_per_worker: float = Field(default=0.5, gt=0)
     cpu_threads: Optional[int] = Field(default=1, gt=0)
-    # OpenMP's OMP_WAIT_POLICY in the stage workers (set before torch loads; None: OpenMP's
-    # own). Their cores are shared with the controller, the HTTP front and Serve's proxy,
-    # and an ACTIVE thread spins on its core between ops: at 100 concurrent requests on 2
-    # cores PASSIVE gave 1.6-1.9x the output tokens/s (README, raycolo vs vLLM's server)
+    # OpenMP's OMP_WAIT_POLICY for the stage workers (None: OpenMP's own). Their cores are
+    # shared with the controller, the HTTP front and Serve's proxy, and an ACTIVE thread
+    # spins on its core between ops: at 100 concurrent requests on 2 cores PASSIVE gave
+    # 1.6-1.9x the output tokens/s (docs/online-live.md). OpenMP reads it when torch loads,
+    # so it is set in the environment of the Ray cluster raycolo starts (cluster_env); on
+    # a cluster you start, give it to `ray start` (a runtime environment per worker would
+    # make every stage worker a cold process start, slowing each group (re)start)
     omp_wait_policy: Optional[Literal["PASSIVE", "ACTIVE"]] = "PASSIVE"
     backend: Literal["gloo", "nccl"] = "gloo"                 # nccl on real GPUs
     device: Literal["cpu", "cuda"] = "cpu"
@@ -169,6 +172,12 @@ class OnlineConfig(BaseModel):
 
     def served_model_name(self) -> str:
         return self.serve.served_model_name or self.model_loading_config.model_id
+
+    def cluster_env(self) -> dict:
+        """Environment variables for the processes of a Ray cluster raycolo starts for
+        this deployment (stage.omp_wait_policy)."""
+        policy = self.stage.omp_wait_policy
+        return {"OMP_WAIT_POLICY": policy} if policy else {}
 
     def gpus_per_node(self) -> float:
         """The GPUs one node's stage workers take (``stages x stage.gpus_per_worker``)."""
