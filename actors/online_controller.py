@@ -394,14 +394,11 @@ class OnlineController(AdapterVersions, Reports):
     async def stop(self) -> dict:
         for q in self.queues.values():
             q.put_nowait(None)
-        late = False
         for f in self.fit_futures:
             try:
                 await asyncio.wait_for(asyncio.shield(f), 60)
             except asyncio.TimeoutError:
-                late = True
-        if late:     # a group that did not finish keeps its GPUs reserved until its job ends
-            await asyncio.to_thread(self._release_groups)
+                pass
         self.store.close()
         return {"errors": self.errors}
 
