@@ -16,11 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import dataclass
 from typing import Optional
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 CONTROLLER_FAILED = ("controller_failed", None)
+
+
+@dataclass(frozen=True)
+class FrontKey:
+    """Which HTTP replica admitted a request, and its key for it there (``admit(front=)``)."""
+
+    replica: str
+    key: int
 
 
 class FrontChannel:
@@ -30,18 +39,18 @@ class FrontChannel:
         self.keys = itertools.count()
         self.pump: Optional[asyncio.Task] = None
 
-    def open(self) -> tuple[tuple[str, int], asyncio.Queue]:
+    def open(self) -> tuple[FrontKey, asyncio.Queue]:
         """For a request about to be admitted: the ``front`` to admit it with, and the
         queue its events will come to. :meth:`close` it when the request is done."""
         if self.pump is None or self.pump.done():
             self.pump = asyncio.get_running_loop().create_task(self._pump())
         key = next(self.keys)
         queue = self.waiting[key] = asyncio.Queue()
-        return (self.front_id, key), queue
+        return FrontKey(self.front_id, key), queue
 
-    def close(self, front: tuple[str, int]) -> None:
+    def close(self, front: FrontKey) -> None:
         """The request is done (or was never admitted): its later events are dropped."""
-        self.waiting.pop(front[1], None)
+        self.waiting.pop(front.key, None)
 
     async def _pump(self) -> None:
         """Hand out the controller's batches of events until the controller fails."""

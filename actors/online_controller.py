@@ -31,6 +31,7 @@ from typing import Optional
 import ray
 
 from raycolo.errors import ConfigError
+from raycolo.actors.front_channel import FrontKey
 from raycolo.actors.online_adapters import AdapterVersions
 from raycolo.actors.online_reports import Reports
 from raycolo.online.cluster import Cluster
@@ -747,7 +748,7 @@ class OnlineController(AdapterVersions, Reports):
     async def submit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
                      version: Optional[int] = None, params: Optional[SamplingParams] = None,
-                     front: Optional[tuple] = None) -> int:
+                     front: Optional[FrontKey] = None) -> int:
         """Accept a completion request; returns its id (stream it with :meth:`stream`).
         ``params``: its SamplingParams (else built from max_tokens ... ignore_eos);
         ``base``: serve it with the base model (the adapter switched off for its rows);
@@ -765,7 +766,7 @@ class OnlineController(AdapterVersions, Reports):
                           stop_ids=stop_token_set(params, self.tokenizer.eos_token_ids),
                           submitted_s=self.driver.now(), base=base, version=version)
         if front is not None:
-            req.events = FrontQueue(self._mux(front[0]), front[1])
+            req.events = FrontQueue(self._mux(front.replica), front.key)
         self.requests[tid] = req
         self.tasks[tid] = task
         self.arrived += 1
@@ -775,7 +776,7 @@ class OnlineController(AdapterVersions, Reports):
     async def admit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
                     version: Optional[int] = None, params: Optional[SamplingParams] = None,
-                    front: Optional[tuple] = None) -> dict:
+                    front: Optional[FrontKey] = None) -> dict:
         """The HTTP front's submit: ``{"id"}``, or ``{"rejected": "overloaded"}`` beyond
         ``serve.max_ongoing_requests`` unfinished requests, ``{"rejected": "unavailable"}``
         when no node is alive, or ``{"rejected": "unknown_version", "versions"}`` for an
@@ -804,7 +805,7 @@ class OnlineController(AdapterVersions, Reports):
     @ray.method(enable_task_events=False)
     async def front_events(self, front: str):
         """The events of every request HTTP replica ``front`` admitted (``admit(...,
-        front=(front, key))``), as they come: lists of (key, event), each with every event
+        front=FrontKey(front, key))``), as they come: lists of (key, event), each with every event
         ready then (with B requests decoding, one message per iteration rather than B).
         Ends when the replica detached for good."""
         mux = self._mux(front)

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from raycolo.actors.front_channel import CONTROLLER_FAILED, FrontChannel
+from raycolo.actors.front_channel import CONTROLLER_FAILED, FrontChannel, FrontKey
 from raycolo.errors import ConfigError
 from raycolo.online.config import OnlineConfig, load_online_config, parse_online_config
 from raycolo.errors import StoreFull
@@ -308,7 +308,7 @@ class OpenAIIngress:
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         return body.sampling_params(limit, seed)
 
-    async def _admit(self, body, ids: list[int], params, variant) -> tuple[int, tuple, asyncio.Queue]:
+    async def _admit(self, body, ids: list[int], params, variant) -> tuple[int, FrontKey, asyncio.Queue]:
         """Admit one request: its id, its key on this replica's channel and its events' queue."""
         version = await self._pinned_version(variant)
         front, events = self.channel.open()
