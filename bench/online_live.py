@@ -10,7 +10,13 @@ loss of the training distribution before and after all runs. Then the simulator 
 same trace with the profile fitted from the live warm-up, and the live/simulated ratios.
 
     .venv/bin/python bench/online_live.py [--tasks 40] [--rate 3] [--train-rate 0.3]
-        [--policies lemix,mix-rr,separate] [--config examples/online.yaml] [--json out/bench_online_live.json]
+        [--policies lemix,mix-rr,separate] [--config examples/online.yaml] [--raylets 2]
+        [--json out/bench_online_live.json]
+
+``--raylets N``: the same on a Ray cluster of N raylets on this machine
+(``ray.cluster_utils.Cluster``, node IP 127.0.0.1), the config's nodes spread over them
+(each raylet holds the logical GPUs of ``nodes / N`` nodes), so activations stay inside
+a raylet and the controller, the stage workers and the HTTP side talk across raylets.
 """
 from __future__ import annotations
 
@@ -41,6 +47,28 @@ def trace(args, train_rate):
     return tasks
 
 
+def start_raylets(config, raylets: int):
+    """A Ray cluster of ``raylets`` raylets on this machine, the config's worker groups
+    spread over them (each raylet: the logical GPUs and CPUs of its share of nodes; the
+    head one CPU more for the controller and the driver)."""
+    import math
+
+    from ray.cluster_utils import Cluster
+
+    if not 1 <= raylets <= config.nodes:
+        raise SystemExit(f"error: --raylets: between 1 and the config's nodes ({config.nodes})")
+    share = math.ceil(config.nodes / raylets)
+    gpus = share * config.stages
+    cpus = max(1, math.ceil(gpus * config.stage.cpus_per_worker))
+    env = config.cluster_env()
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        node_ip_address="127.0.0.1", num_gpus=gpus, num_cpus=cpus + 2, include_dashboard=False, env_vars=env))
+    for _ in range(raylets - 1):
+        cluster.add_node(node_ip_address="127.0.0.1", num_gpus=gpus, num_cpus=cpus, env_vars=env)
+    cluster.wait_for_nodes()
+    return cluster
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "examples" / "online.yaml"))
@@ -51,6 +79,8 @@ def main() -> int:
     ap.add_argument("--max-length", type=int, default=48)
     ap.add_argument("--max-decode", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--raylets", type=int, default=1,
+                    help="raylets to spread the nodes over (ray.cluster_utils.Cluster); 1: one local raylet")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from raycolo.actors.online_launch import OnlineDeployment
@@ -61,10 +91,21 @@ def main() -> int:
     tasks = trace(args, config.train_rate)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     started = time.perf_counter()
-    dep = OnlineDeployment.start(config)
+    cluster = start_raylets(config, args.raylets) if args.raylets > 1 else None
+    try:
+        dep = OnlineDeployment.start(config, address=cluster.address if cluster else None)
+    except BaseException:
+        if cluster is not None:
+            cluster.shutdown()
+        raise
     startup = time.perf_counter() - started
     rows, held_out = {}, {}
     try:
+        placed = dep.placement()          # which raylet runs the controller and each stage worker
+        raylet = {ray_node: f"raylet {i}" for i, ray_node in
+                  enumerate(dict.fromkeys([placed["controller"], *sorted(placed["stage_workers"].values())]))}
+        where_run = "controller on " + raylet[placed["controller"]] + "; " + ", ".join(
+            f"{key} on {raylet[ray_node]}" for key, ray_node in sorted(placed["stage_workers"].items()))
         held_out["before"] = dep.held_out_loss(seed=999)
         warm = trace(argparse.Namespace(**{**vars(args), "tasks": 12, "seed": args.seed + 100}), 0.5)
         dep.replay(warm, seed=7)                     # warm-up: the profile learner fits η
@@ -92,8 +133,15 @@ def main() -> int:
         held_out["after"] = dep.held_out_loss(seed=999)
     finally:
         dep.stop()
-    print(f"Live online benchmark: {config.nodes} x {config.stages} {config.model_loading_config.model_id}, "
+        if cluster is not None:
+            import ray
+
+            ray.shutdown()
+            cluster.shutdown()
+    where = f"{args.raylets} raylets" if cluster is not None else "one raylet"
+    print(f"Live online benchmark ({where}): {config.nodes} x {config.stages} {config.model_loading_config.model_id}, "
           f"{args.tasks} tasks at {args.rate:g}/s, training share {config.train_rate:g}; start-up {startup:.1f} s")
+    print(f"placement: {where_run}")
     print("| policy | tasks/s | SLO att. | TTFT p50/p99 ms | TBT p50/p99 ms | train samples/s | "
           "stage busy | decision µs p50/p99 | sched. µs/task (p50/p99 per event) | controller CPU ms/task "
           "(sustains tasks/s) | hops/decode it. | sim tasks/s | live/sim thr | live/sim TTFT p50 |")
@@ -115,7 +163,8 @@ def main() -> int:
         print(f"\nlemix / separate: throughput {thr:.2f}x live, {sthr:.2f}x simulated (paper: up to "
               f"{PAPER_THROUGHPUT_RATIO}x); SLO attainment {slo:.2f}x live (paper: up to {PAPER_SLO_RATIO}x)")
     if args.json:
-        write_json(args.json, {"rows": rows, "held_out": held_out, "startup_s": startup})
+        write_json(args.json, {"rows": rows, "held_out": held_out, "startup_s": startup, "raylets": args.raylets,
+                               "placement": placed})
     return 0
 
 

@@ -21,3 +21,23 @@ def trained_exactly_once(drain: Callable[[], None], sample_ledger: Callable[[], 
     expected = {seq: 1 for seq in range(ledger["stored"])}
     assert counts == expected, explain() if explain is not None else counts
     return ledger
+
+
+def small_online_config(out, *, nodes: int, stages: int, model: str = "tiny-llama-s", lemix: Optional[dict] = None,
+                        lora: Optional[dict] = None, stage: Optional[dict] = None, **fields):
+    """The live tests' deployment: a tiny model in float32 on CPU, LeMix with a 5 s SLO,
+    LoRA rank 4, one thread per stage worker, 8 output tokens, its stores under ``out``.
+    ``lemix``, ``lora`` and ``stage`` add to (or override) those sections' keys, and
+    ``fields`` the top-level ones."""
+    from raycolo.online.config import parse_online_config
+
+    return parse_online_config({
+        "model_loading_config": {"model_id": str(model), "dtype": "float32"},
+        "nodes": nodes, "stages": stages, "policy": "lemix",
+        "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2, **(lemix or {})},
+        "lora": {"rank": 4, "alpha": 8, "lr": 0.01, "micro_batch": 2, **(lora or {})},
+        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 4096, **(stage or {})},
+        "max_tokens": 8,
+        "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
+        **fields,
+    })

@@ -11,10 +11,10 @@ import pytest
 import ray
 import torch
 
+from online_checks import small_online_config
 from raycolo.actors.online_launch import OnlineDeployment
 from raycolo.engines.models import build_tiny_model
 from raycolo.executor.stage import LoraSettings, StageModel, add_lora, training_batch
-from raycolo.online.config import parse_online_config
 
 MODEL = "tiny-llama-s"
 
@@ -22,17 +22,12 @@ MODEL = "tiny-llama-s"
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     out = tmp_path_factory.mktemp("elastic")
-    config = parse_online_config({
-        "model_loading_config": {"model_id": MODEL, "dtype": "float32"},
-        "nodes": 1, "stages": 2, "policy": "sirius", "train_rate": 0.5,
-        "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2},
-        "lora": {"rank": 4, "alpha": 8, "lr": 0.01, "micro_batch": 4, "checkpoint_every": 100},
+    config = small_online_config(
+        out, nodes=1, stages=2, model=MODEL, policy="sirius", train_rate=0.5,
+        lora={"micro_batch": 4, "checkpoint_every": 100},
         # the smallest budget there is (twice the stage's weights): a task of 4 samples of
         # ~100 tokens does not fit under the threshold, one sample does
-        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 2048, "memory_bytes": 1},
-        "max_tokens": 8,
-        "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
-    })
+        stage={"kv_cache_tokens": 2048, "memory_bytes": 1})
     ray.init(address="local", num_gpus=2, num_cpus=2, include_dashboard=False, log_to_driver=False,
              namespace="raycolo")
     dep = OnlineDeployment.start(config, timeout_s=240)

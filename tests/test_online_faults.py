@@ -18,9 +18,8 @@ from ray.exceptions import RayActorError
 
 from raycolo.actors.online_launch import OnlineDeployment, learnable_pair
 from raycolo.costmodel.sampler import seeded_rng
-from raycolo.online.config import parse_online_config
 
-from online_checks import trained_exactly_once
+from online_checks import trained_exactly_once, small_online_config
 
 VOCAB = 259
 
@@ -28,17 +27,10 @@ VOCAB = 259
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults")
-    config = parse_online_config({
-        "model_loading_config": {"model_id": "tiny-llama-s", "dtype": "float32"},
-        "nodes": 1, "stages": 2, "policy": "lemix", "train_rate": 0.5,
-        "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2},
-        "lora": {"rank": 4, "alpha": 8, "lr": 0.01, "micro_batch": 2, "checkpoint_every": 1},
+    config = small_online_config(
+        out, nodes=1, stages=2, train_rate=0.5, lora={"checkpoint_every": 1},
         # the two stages share one (logical) GPU: Ray Train places them with half a GPU each
-        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 4096, "max_failures": 2,
-                  "gpus_per_worker": 0.5},
-        "max_tokens": 8,
-        "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
-    })
+        stage={"max_failures": 2, "gpus_per_worker": 0.5})
     ray.init(address="local", num_gpus=config.gpus_needed(), num_cpus=4, include_dashboard=False,
              log_to_driver=False, namespace="raycolo")
     assert config.gpus_needed() == 1

@@ -18,10 +18,10 @@ import pytest
 import ray
 import torch
 
+from online_checks import small_online_config
 from raycolo.actors.local_cluster import start_local
 from raycolo.actors.online_launch import OnlineDeployment, learnable_pair, learnable_preference
 from raycolo.costmodel.sampler import seeded_rng
-from raycolo.online.config import parse_online_config
 from raycolo.online.tasks import poisson_workload
 from tiny_reference import hf_greedy
 
@@ -31,15 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     out = tmp_path_factory.mktemp("online")
-    config = parse_online_config({
-        "model_loading_config": {"model_id": "tiny-llama-s", "dtype": "float32"},
-        "nodes": 2, "stages": 2, "policy": "lemix", "train_rate": 0.5,
-        "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2, "sync_every": 2},
-        "lora": {"rank": 4, "alpha": 8, "lr": 0.01, "micro_batch": 2, "checkpoint_every": 3},
-        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 4096},
-        "max_tokens": 8,
-        "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
-    })
+    config = small_online_config(out, nodes=2, stages=2, train_rate=0.5, lemix={"sync_every": 2},
+                                 lora={"checkpoint_every": 3})
     # as raycolo starts a local cluster for a deployment: its processes get cluster_env()
     start_local(env=config.cluster_env(), num_gpus=4, num_cpus=4, include_dashboard=False, log_to_driver=False,
                 namespace="raycolo")

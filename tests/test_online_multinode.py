@@ -26,9 +26,8 @@ from raycolo.actors.local_cluster import join_cluster
 from raycolo.actors.online_controller import OnlineController
 from raycolo.actors.online_launch import NAMESPACE, OnlineDeployment, learnable_pair
 from raycolo.costmodel.sampler import seeded_rng
-from raycolo.online.config import parse_online_config
 
-from online_checks import trained_exactly_once
+from online_checks import trained_exactly_once, small_online_config
 
 VOCAB = 259
 RECOVERY_S = 240.0     # controller restart + one node's group start on 2 cores, with margin
@@ -59,16 +58,8 @@ def cluster(tmp_path_factory):
         current.unlink()       # no other process on this machine joins this cluster by accident
     join_cluster(c.address, namespace=NAMESPACE, log_to_driver=False)
     out = tmp_path_factory.mktemp("online-multinode")
-    config = parse_online_config({
-        "model_loading_config": {"model_id": "tiny-llama-s", "dtype": "float32"},
-        "nodes": 2, "stages": 1, "policy": "lemix", "train_rate": 0.5,
-        "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2},
-        "lora": {"rank": 4, "alpha": 8, "lr": 0.01, "micro_batch": 2, "checkpoint_every": 1},
-        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 4096, "max_failures": 2,
-                  "start_grace_s": 5, "rejoin_s": 10},
-        "max_tokens": 8,
-        "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
-    })
+    config = small_online_config(out, nodes=2, stages=1, train_rate=0.5, lora={"checkpoint_every": 1},
+                                 stage={"max_failures": 2, "start_grace_s": 5, "rejoin_s": 10})
     state = {"cluster": c, "config": config}
     yield state
     if state.get("dep") is not None:

@@ -19,7 +19,7 @@ import openai
 import pytest
 import ray
 
-from raycolo.online.config import parse_online_config
+from online_checks import small_online_config
 from tiny_reference import hf_greedy
 
 KEY_ENV, KEY = "RAYCOLO_TEST_API_KEY", "test-key-1234"
@@ -39,17 +39,10 @@ def front(tmp_path_factory):
     from raycolo.actors import serve_launch
 
     out = tmp_path_factory.mktemp("serve")
-    config = parse_online_config({
-        "model_loading_config": {"model_id": MODEL, "dtype": "float32"},
-        "nodes": 2, "stages": 2, "policy": "lemix",
-        "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2},
-        "lora": {"rank": 4, "alpha": 8, "lr": 0.01, "micro_batch": 2, "checkpoint_every": 2},
-        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 512},
-        "max_tokens": 8,
-        "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
-        "serve": {"port": free_port(), "api_key_env": KEY_ENV, "max_ongoing_requests": 6,
-                  "max_body_bytes": 65536, "app_name": "raycolo-test"},
-    })
+    config = small_online_config(
+        out, nodes=2, stages=2, model=MODEL, lora={"checkpoint_every": 2}, stage={"kv_cache_tokens": 512},
+        serve={"port": free_port(), "api_key_env": KEY_ENV, "max_ongoing_requests": 6,
+               "max_body_bytes": 65536, "app_name": "raycolo-test"})
     os.environ[KEY_ENV] = KEY            # the local cluster's processes inherit it
     metrics_port = free_port()
     started, _ = serve_launch.init_ray(config, metrics_port=metrics_port)
