@@ -156,7 +156,7 @@ class OnlineController(AdapterVersions, Reports):
         self.device: dict = {}                        # (node, stage) -> its device's last reading
         self.sends: dict = {}                         # (node, stage) -> (sends held, sends posted)
         self.busy_seen = 0                            # op_log entries counted into busy_s
-        self.cpu_mark, self.arrived = time.process_time(), 0   # see _driver
+        self.cpu_mark, self.wall_mark, self.arrived = time.process_time(), time.monotonic(), 0   # see _driver
         self._starting: Optional[asyncio.Task] = None      # the launch of the stage workers
         self._partial: Optional[asyncio.TimerHandle] = None  # serve with the nodes there are (_serve_partial)
         self.cancelled: dict[str, int] = {}           # requests ended early, by reason: stop, abort (client gone)
@@ -267,10 +267,14 @@ class OnlineController(AdapterVersions, Reports):
         driver = ClusterDriver(self.cluster, self, retry_every_s=tick, on_failed=self._task_failed,
                                on_aborted=self._training_aborted, on_error=self._run_failed)
         driver.start()
-        # this process's CPU time (every thread: the event loop, Ray's own) from here, per
-        # task that arrives: what one controller costs (stats(): controller_cpu_ms_per_task)
-        self.cpu_mark, self.arrived = time.process_time(), 0
+        self.mark_cpu()
         return driver
+
+    def mark_cpu(self) -> None:
+        """Count this process's CPU time (every thread: the event loop, Ray's own) and the
+        arriving tasks from now (stats(): controller_cpu_ms_per_task): a new driver does,
+        and a trace replay, so the workers' start-up is not in its figure."""
+        self.cpu_mark, self.wall_mark, self.arrived = time.process_time(), time.monotonic(), 0
 
     def run_name(self, n: int) -> str:
         """Node ``n``'s Ray Train run: fixed per storage path and adapter shape when the

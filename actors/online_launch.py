@@ -205,6 +205,7 @@ class OnlineDeployment:
         vocab = _vocab(self.config)
         rng = seeded_rng(seed, "online-live", "prompts")
         kinds = seeded_rng(seed, "online-live", "preference")
+        await self.controller.mark_cpu.remote()       # the controller's CPU per task: this trace's
         started = time.perf_counter()
         pending = []
         ordered = sorted(tasks, key=lambda t: (t.arrival_s, t.task_id))

@@ -107,11 +107,14 @@ class Reports:
     def _controller_cpu(self) -> dict:
         """This controller's CPU time since its run started (process time: the event loop
         and Ray's threads), per arriving task, and the arrival rate one core of it would
-        sustain at that cost. Every op of every node passes through this actor today, so
-        this counts the tasks' tokens and training ops too, not only their placement."""
+        sustain at that cost; ``controller_cpu_share``: that CPU time over the wall time
+        since (cores in use). Every op of every node passes through this actor today, so
+        this counts the tasks' tokens and training ops too, not only their placement, and
+        at low arrival rates the controller's idle time as well."""
         cpu = time.process_time() - self.cpu_mark
         per_task = cpu / self.arrived if self.arrived else None
         return {"controller_cpu_s": cpu, "tasks_arrived": self.arrived,
+                "controller_cpu_share": cpu / max(time.monotonic() - self.wall_mark, 1e-9),
                 "controller_cpu_ms_per_task": None if per_task is None else per_task * 1e3,
                 "controller_sustains_tasks_per_s": None if not per_task else 1.0 / per_task}
 

@@ -484,6 +484,7 @@ def online_summary(result, model: str, nodes: int, stages: int, rate: float, tra
             **result.summary(), "actor_hops": stats.get("actor_hops", 0),
             "controller_cpu_ms_per_task": stats.get("controller_cpu_ms_per_task"),
             "controller_sustains_tasks_per_s": stats.get("controller_sustains_tasks_per_s"),
+            "controller_cpu_share": stats.get("controller_cpu_share"),
             "adapter_version": stats.get("adapter_version"), "errors": stats.get("errors", [])}
 
 
@@ -504,8 +505,11 @@ def _report_online(result, summary: dict, args, title: str, heading: str) -> int
           f"training done {summary['train_done']}, staleness {summary['staleness_mean']:.1f} tasks, "
           f"decision {summary['decision_us_mean']:.0f} us/task")
     if summary.get("controller_cpu_ms_per_task") is not None:     # live runs only
-        print(f"  controller CPU {summary['controller_cpu_ms_per_task']:.1f} ms/task: one controller sustains "
-              f"~{summary['controller_sustains_tasks_per_s']:.0f} tasks/s at this mix (every op passes through it)")
+        share = summary.get("controller_cpu_share")
+        print(f"  controller CPU {summary['controller_cpu_ms_per_task']:.1f} ms/task"
+              + (f", {share:.2f} of a core since the run started" if share is not None else "")
+              + f": one controller would sustain ~{summary['controller_sustains_tasks_per_s']:.0f} tasks/s at this "
+              "cost per task (every op passes through it)")
     if args.plot:
         print(f"plot: {summary['plot']}")
     return 0

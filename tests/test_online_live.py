@@ -125,6 +125,7 @@ def test_every_task_of_a_short_trace_completes_exactly_once(deployment, policy):
     assert stats["tasks_arrived"] == len(tasks) and stats["controller_cpu_s"] > 0
     assert stats["controller_cpu_ms_per_task"] == pytest.approx(stats["controller_cpu_s"] * 1e3 / len(tasks), rel=0.2)
     assert stats["controller_sustains_tasks_per_s"] == pytest.approx(1e3 / stats["controller_cpu_ms_per_task"])
+    assert 0 < stats["controller_cpu_share"] < 2        # cores: CPU seconds per second of the run
 
 
 def test_online_run_and_simulate_online_print_the_same_keys(deployment):
