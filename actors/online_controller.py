@@ -156,7 +156,7 @@ class OnlineController(AdapterVersions, Reports):
         self.device: dict = {}                        # (node, stage) -> its device's last reading
         self.sends: dict = {}                         # (node, stage) -> (sends held, sends posted)
         self.busy_seen = 0                            # op_log entries counted into busy_s
-        self.cpu_mark, self.wall_mark, self.arrived = time.process_time(), time.monotonic(), 0   # see _driver
+        self.mark_cpu()                               # the controller's CPU per task from here
         self._starting: Optional[asyncio.Task] = None      # the launch of the stage workers
         self._partial: Optional[asyncio.TimerHandle] = None  # serve with the nodes there are (_serve_partial)
         self.cancelled: dict[str, int] = {}           # requests ended early, by reason: stop, abort (client gone)

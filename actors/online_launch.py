@@ -66,7 +66,7 @@ class OnlineDeployment:
                 join_cluster(address, namespace=NAMESPACE, log_to_driver=False)
             else:
                 need = config.gpus_needed()
-                start_local(env=config.cluster_env(), num_gpus=gpus or need, num_cpus=max(2, int(config.nodes * config.stages * config.stage.cpus_per_worker) + 2),
+                start_local(env=config.cluster_env(), num_gpus=gpus or need, num_cpus=config.local_cpus(),
                             namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
                 started = True
         name = f"raycolo-online-{uuid.uuid4().hex[:8]}"

@@ -27,7 +27,7 @@ def init_ray(config: OnlineConfig, address: Optional[str] = None,
         ctx = join_cluster(address, namespace=NAMESPACE, log_to_driver=False)
         return False, ctx.dashboard_url
     need = config.gpus_needed()
-    ctx = start_local(env=config.cluster_env(), num_gpus=need, num_cpus=max(2, int(config.nodes * config.stages * config.stage.cpus_per_worker) + 2),
+    ctx = start_local(env=config.cluster_env(), num_gpus=need, num_cpus=config.local_cpus(),
                       namespace=NAMESPACE, include_dashboard=True, dashboard_host="127.0.0.1",
                       log_to_driver=False, _metrics_export_port=metrics_port,
                       _system_config={"metrics_report_interval_ms": 1000})

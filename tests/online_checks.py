@@ -1,8 +1,16 @@
 """Checks the live online tests share."""
 from __future__ import annotations
 
+import socket
 import time
 from typing import Callable, Optional
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def trained_exactly_once(drain: Callable[[], None], sample_ledger: Callable[[], dict], timeout_s: float,

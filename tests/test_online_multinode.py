@@ -27,7 +27,7 @@ from raycolo.actors.online_controller import OnlineController
 from raycolo.actors.online_launch import NAMESPACE, OnlineDeployment, learnable_pair
 from raycolo.costmodel.sampler import seeded_rng
 
-from online_checks import trained_exactly_once, small_online_config
+from online_checks import free_port, small_online_config, trained_exactly_once
 
 VOCAB = 259
 RECOVERY_S = 240.0     # controller restart + one node's group start on 2 cores, with margin
@@ -179,14 +179,6 @@ def test_the_deployment_spans_both_raylets_and_survives_losing_the_controllers(c
           f"{time.monotonic() - lost_at:.1f} s later; restarts {[r['reason'][:60] for r in stats['restarts']]}", t0)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_raycolo_serve_joins_the_cluster_answers_and_leaves_nothing_listening(cluster, tmp_path):
     """``raycolo serve CONFIG --address`` as a user runs it against the 2-raylet cluster:
     it serves the OpenAI API, and after Ctrl-C nothing answers on its port (Serve's proxy
@@ -220,7 +212,7 @@ def test_raycolo_serve_joins_the_cluster_answers_and_leaves_nothing_listening(cl
     while ray.available_resources().get("GPU", 0) < 1:
         assert time.monotonic() < deadline, f"no GPU free: {ray.available_resources()}"
         time.sleep(0.5)
-    port = _free_port()
+    port = free_port()
     config = cluster["config"].model_dump(mode="json")
     config.update(nodes=1, stages=1, sample_store=str(tmp_path / "samples"), storage_path=str(tmp_path / "ckpt"))
     config["serve"].update(port=port, app_name="raycolo-mn")

@@ -10,7 +10,6 @@ import asyncio
 import json
 import math
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -19,19 +18,13 @@ import openai
 import pytest
 import ray
 
-from online_checks import small_online_config
+from online_checks import free_port, small_online_config
 from tiny_reference import hf_greedy
 
 KEY_ENV, KEY = "RAYCOLO_TEST_API_KEY", "test-key-1234"
 MODEL = "tiny-llama-s"
 TOKENS_SENT = {"n": 0}          # generated tokens the tests received (checked against the metrics)
 SAMPLES_SENT = {"n": 0}         # training samples the tests had acknowledged
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

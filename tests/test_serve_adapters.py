@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import openai
 import pytest
 import torch
 
+from online_checks import free_port
 from raycolo.errors import ConfigError
 from raycolo.online.config import parse_online_config
 from tiny_reference import hf_greedy
@@ -29,12 +29,6 @@ RANK, ALPHA = 4, 8                     # the deployment's LoRA
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 PROMPTS = ["The quick brown fox", "Adapters as users have them"]
 N = 8                                  # tokens per completion (ignore_eos: always N)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_adapter(directory: Path, rank: int = RANK, alpha: int = ALPHA, targets=TARGETS, seed: int = 1,

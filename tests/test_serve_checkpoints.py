@@ -9,9 +9,6 @@ One deployment per checkpoint kind (1 node x 2 stages): the Llama 3-style one, w
 """
 from __future__ import annotations
 
-import os
-import socket
-
 import httpx
 import openai
 import pytest
@@ -19,15 +16,10 @@ import ray
 import torch
 
 from hf_checkpoints import greedy_cases, load
+from online_checks import free_port
 
 MAX_NEW = 24
 KINDS = ["llama3", "qwen2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=KINDS)

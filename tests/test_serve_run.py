@@ -13,17 +13,12 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
 import yaml
+
+from online_checks import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_run_with_the_shipped_config(tmp_path):

@@ -179,6 +179,12 @@ class OnlineConfig(BaseModel):
         policy = self.stage.omp_wait_policy
         return {"OMP_WAIT_POLICY": policy} if policy else {}
 
+    def local_cpus(self) -> int:
+        """CPUs of a local Ray cluster raycolo starts for this deployment: the stage
+        workers' (``nodes x stages x stage.cpus_per_worker``) and two for the controller,
+        the driver and the HTTP side."""
+        return max(2, int(self.nodes * self.stages * self.stage.cpus_per_worker) + 2)
+
     def gpus_per_node(self) -> float:
         """The GPUs one node's stage workers take (``stages x stage.gpus_per_worker``)."""
         return self.stages * self.stage.gpus_per_worker
