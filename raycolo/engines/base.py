@@ -40,6 +40,8 @@ class EngineKwargs(BaseModel):
     tensor_parallel_size: int = Field(default=1, gt=0)
     device: str = "cpu"
     cpu_threads: Optional[int] = Field(default=None, gt=0)
+    # torch backend on a CUDA device: replay decode steps as CUDA graphs (executor/graphs.py)
+    cuda_graphs: bool = True
 
 
 class EngineConfig(BaseModel):

@@ -54,7 +54,8 @@ class TorchEngine(Engine):
                                       max_num_seqs=kw.max_num_seqs,
                                       max_num_batched_tokens=kw.max_num_batched_tokens,
                                       block_size=kw.block_size, watermark=kw.watermark)
-        self.executor = create_executor(self.model, self.limits.num_blocks, kw.block_size)
+        self.executor = create_executor(self.model, self.limits.num_blocks, kw.block_size,
+                                        cuda_graphs=kw.cuda_graphs)
         self.stats = EngineStats(load_seconds=time.perf_counter() - started)
         self.scheduler = FcfsBlockScheduler(self.limits)
         self.requests: dict[int, _Request] = {}

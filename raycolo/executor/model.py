@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from raycolo.errors import ConfigError
 from raycolo.executor.batch import SeqChunk, StepBatch
+from raycolo.executor.graphs import DecodeBatch, DecodeGraphs, enable_padded_decode
 from raycolo.executor.heap import keep_freed_memory
 from raycolo.executor.kv_cache import PagedKVCache
 from raycolo.executor.native import (add_rms_norm, fused_pointwise_supported,
@@ -48,6 +49,11 @@ def _unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def _has_adapters(model) -> bool:
+    """Whether peft put adapter layers into the model (wrapped or injected)."""
+    return any(type(m).__module__.startswith("peft.") for m in model.modules())
+
+
 def _layer_range(num_layers: int, layers: Optional[tuple[int, int]]) -> tuple[int, int]:
     first, last = layers if layers is not None else (0, num_layers)
     if not 0 <= first < last <= num_layers:
@@ -63,7 +69,7 @@ class ModelExecutor:
 
     def __init__(self, model, num_blocks: int, block_size: int,
                  layers: Optional[tuple[int, int]] = None, pack_weights: bool = True,
-                 native_attention: bool = True):
+                 native_attention: bool = True, cuda_graphs: bool = False):
         base = _unwrap(model)
         family = fast_path_family(base)
         if family is None:
@@ -97,6 +103,11 @@ class ModelExecutor:
         self.block_size = block_size
         self.cache = PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads,
                                   self.head_dim, self.dtype, self.device)
+        # Decode steps as CUDA graphs (graphs.py): on a CUDA device, for a model without
+        # peft adapters. The cache then holds one scratch block past num_blocks for padding.
+        self.graphs: Optional[DecodeGraphs] = None
+        if cuda_graphs and self.device.type == "cuda" and not _has_adapters(model):
+            enable_padded_decode(self, capture=True)
         # On the CPU, attention reads the cache in place with a native kernel (native.py).
         self.native = native_attention and native_attention_supported(self.dtype, self.device)
         # ... and, in float32 inference, the residual adds, RMSNorms, rotary and SiLU fuse.
@@ -105,8 +116,11 @@ class ModelExecutor:
                       and (self.norm is None or _is_rms_norm(self.norm)))
 
     def sleep(self) -> None:
-        """Free the KV cache (an engine put to sleep); :meth:`wake_up` makes a fresh one."""
+        """Free the KV cache (an engine put to sleep); :meth:`wake_up` makes a fresh one.
+        Captured graphs go too: they hold the cache's and the weights' addresses."""
         self.cache.drop()
+        if self.graphs is not None:
+            self.graphs.clear()
 
     def wake_up(self) -> None:
         self.cache.allocate()
@@ -124,7 +138,11 @@ class ModelExecutor:
     def is_last(self) -> bool:
         return self.last == self.num_layers
 
-    def batch(self, chunks: Sequence[SeqChunk]) -> StepBatch:
+    def batch(self, chunks: Sequence[SeqChunk]) -> "StepBatch | DecodeBatch":
+        if self.graphs is not None:
+            decode = self.graphs.decode_batch(chunks)
+            if decode is not None:
+                return decode
         native = self.native
         if native:
             top = max((b for c in chunks for b in c.table), default=0)
@@ -140,6 +158,8 @@ class ModelExecutor:
         take ``hidden`` (num_tokens, hidden_size) from the slice before. The last slice
         returns the logits of each sequence's last token (num_seqs, vocab); other slices
         return hidden states (num_tokens, hidden_size)."""
+        if isinstance(batch, DecodeBatch):
+            return self.graphs.run(batch, hidden)
         return self.forward(batch, hidden)
 
     def forward(self, batch: StepBatch, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -362,7 +382,9 @@ class FallbackExecutor:
 
 
 def create_executor(model, num_blocks: int, block_size: int,
-                    layers: Optional[tuple[int, int]] = None):
-    """The fast executor where the model's family has one, the fallback otherwise."""
-    cls = ModelExecutor if fast_path_family(model) else FallbackExecutor
-    return cls(model, num_blocks, block_size, layers)
+                    layers: Optional[tuple[int, int]] = None, cuda_graphs: bool = False):
+    """The fast executor where the model's family has one, the fallback otherwise.
+    ``cuda_graphs``: replay decode steps as CUDA graphs on a CUDA device (graphs.py)."""
+    if fast_path_family(model):
+        return ModelExecutor(model, num_blocks, block_size, layers, cuda_graphs=cuda_graphs)
+    return FallbackExecutor(model, num_blocks, block_size, layers)
