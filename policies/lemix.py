@@ -49,17 +49,24 @@ class Lemix(OnlinePolicy):
         """Algorithm 1's plan and eq. 3's score of the task on each of ``nodes`` (pure)."""
         p = self.params
         slo = p.slo_s(sched.profiles[0].forward_latency_s)
+        traces, estimators, profiles = sched.traces, sched.estimators, sched.profiles
+        global_gap = sched.interarrival if p.arrival_gap == "global" else None
+        task_id, arrival, length, batch, is_train = task.task_id, task.arrival_s, task.length, task.batch, task.is_train
+        tau, lambda1, lambda2, rule = p.tau, p.lambda1, p.lambda2, p.score_rule
         plans, scores = {}, {}
         for n in nodes:
-            trace, est = sched.traces[n], sched.estimators[n]
-            plan = compute_idleness(trace, task.task_id, task.arrival_s, task.length, task.batch,
-                                    task.is_train, est, now, idle_cap=slo)
-            gap = sched.interarrival if p.arrival_gap == "global" else \
-                (max(0.0, now - trace.last.arrival_s) if trace.last is not None else 0.0)
-            ip = idleness_profit(plan.idle, trace.stages, gap, p.tau * sched.profiles[n].forward_latency_s)
-            lc = length_consistency(task.length, trace.count, trace.length_mean, trace.length_std)
+            trace = traces[n]
+            plan = compute_idleness(trace, task_id, arrival, length, batch, is_train, estimators[n], now,
+                                    idle_cap=slo)
+            if global_gap is not None:
+                gap = global_gap
+            else:
+                last = trace.order[-1] if trace.order else None
+                gap = max(0.0, now - last.arrival_s) if last is not None else 0.0
+            ip = idleness_profit(plan.idle, trace.stages, gap, tau * profiles[n].forward_latency_s)
+            lc = length_consistency(length, trace.count, trace.length_mean, trace.length_std)
             plans[n] = plan
-            scores[n] = priority(ip, lc, plan.response, p.lambda1, p.lambda2, p.score_rule)
+            scores[n] = priority(ip, lc, plan.response, lambda1, lambda2, rule)
         return plans, scores
 
     def _nodes(self, sched, task: OnlineTask, now: float) -> tuple[list[int], bool]:

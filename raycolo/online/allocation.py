@@ -48,8 +48,17 @@ def priority(ip: float, lc: float, response: float, lambda1: float, lambda2: flo
 def best_node(scores: Union[Sequence[float], Mapping[int, float]]) -> int:
     """Highest score; ties go to the lowest node index (deterministic). ``scores``: one
     per node, or {node: score} for the nodes that may take work."""
-    nodes = scores.keys() if isinstance(scores, Mapping) else range(len(scores))
-    return max(nodes, key=lambda n: (scores[n], -n))
+    if isinstance(scores, dict):          # the common case, without the ABC check
+        items = scores.items()
+    else:
+        items = scores.items() if isinstance(scores, Mapping) else enumerate(scores)
+    best, best_score = None, None
+    for n, score in items:
+        if best is None or score > best_score or (score == best_score and n < best):
+            best, best_score = n, score
+    if best is None:
+        raise ValueError("best_node: no scores")
+    return best
 
 
 def violates_slo(node_free_at: Sequence[float], forward_s: Sequence[float], arrival_s: float,

@@ -116,14 +116,20 @@ class NodeIndex:
         the nodes free by ``at`` into ``free_lengths`` (``at``: when the task's forward
         could reach the last stage, so a node still finishing its last task there as the
         task starts counts as free: the pipeline overlaps them)."""
+        free_lengths = self.free_lengths
         for n in self.dirty:
             trace = traces[n]
-            last = trace.last
-            start = last.end_f(0) if last is not None else trace.idle_since
-            self.start.set(n, start)
-            self.finish.set(n, last.end_f(trace.stages - 1) if last is not None else NEG_INF)
-            self.arrival.set(n, last.arrival_s if last is not None else None)
-            self.free_lengths.set(n, None)
+            last = trace.order[-1] if trace.order else None
+            if last is not None:
+                self.start.set(n, last.stages[0].end_f)
+                self.finish.set(n, last.stages[-1].end_f)
+                self.arrival.set(n, last.arrival_s)
+            else:
+                self.start.set(n, trace.idle_since)
+                self.finish.set(n, NEG_INF)
+                self.arrival.set(n, None)
+            if n in free_lengths.key:
+                free_lengths.set(n, None)
             self.free_key[n] = free = trace.busy_until()
             self.spread[n] = (trace.count, trace.length_mean, trace.length_std)
             if trace.count >= 2:

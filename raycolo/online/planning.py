@@ -21,7 +21,7 @@ class LatencyEstimator(Protocol):
     def backward_s(self, batch: int, length: int) -> float: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class StagePath:
     start_f: float
     end_f: float
@@ -31,7 +31,7 @@ class StagePath:
     executed_b: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class TaskPath:
     task_id: int
     is_train: bool
@@ -48,7 +48,7 @@ class TaskPath:
         return all(st.executed_b for st in self.stages)
 
 
-@dataclass
+@dataclass(slots=True)
 class NodeTrace:
     """A node's planned paths: ``train`` holds training tasks whose backward is pending,
     ``order`` every task in allocation order (the last is Algorithm 1's task_prev)."""
@@ -82,10 +82,14 @@ class NodeTrace:
     def busy_until(self) -> float:
         """When the last planned operation on any stage ends."""
         end = self.idle_since
-        for path in self.order[-1:]:
-            end = max(end, *(st.end_f for st in path.stages))
+        if self.order:
+            for st in self.order[-1].stages:
+                if st.end_f > end:
+                    end = st.end_f
         for path in self.train:
-            end = max(end, *(st.end_b or 0.0 for st in path.stages))
+            for st in path.stages:
+                if st.end_b is not None and st.end_b > end:
+                    end = st.end_b
         return end
 
     def prune(self, now: float = float("-inf"), keep_last: int = 1) -> None:
@@ -102,7 +106,7 @@ class NodeTrace:
             del self.order[:-keep_last]
 
 
-@dataclass
+@dataclass(slots=True)
 class PlanResult:
     """Π and R of a candidate node; the path is built only for the node that wins
     (allocation scores every node, so this keeps a decision cheap)."""
@@ -139,18 +143,20 @@ def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: i
     Q_temp is walked in place (an index into the node's training queue), not copied:
     a decision costs O(S) plus the backwards it actually passes."""
     forward = estimator.forward_s(batch, length)
-    prev = trace.last
+    prev = trace.order[-1].stages if trace.order else None               # task_prev's path
+    idle_since = trace.idle_since
     pending = trace.train
+    waiting = len(pending)
     head = 0                                                              # Q_temp <- Q_train
     idle = 0.0
     spans = []
-    end = max(arrival_s, now)
+    end = arrival_s if arrival_s > now else now
     for s in range(trace.stages):
-        prev_end = prev.stages[s].end_f if prev is not None else trace.idle_since
-        start = max(end, prev_end)                                        # line 5
+        prev_end = prev[s].end_f if prev is not None else idle_since
+        start = end if end > prev_end else prev_end                       # line 5
         end = start + forward                                             # line 6
         offset = 0.0
-        while head < len(pending):                                        # line 8
+        while head < waiting:                                             # line 8
             st = pending[head].stages[s]                                  # line 9
             if st.start_b is None or end <= st.start_b:                   # line 10
                 break                                                     # lines 11-12
@@ -161,7 +167,8 @@ def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: i
             if prev_end <= st.start_b:                                    # line 15
                 train = pending[head - 1]
                 offset += estimator.backward_s(train.batch, train.length)  # line 16
-        idle += min(start - prev_end, idle_cap) - offset                  # line 19
+        gap = start - prev_end
+        idle += (gap if gap < idle_cap else idle_cap) - offset            # line 19
         spans.append((start, end))
     return PlanResult(idle, end - arrival_s, spans,                      # line 20
                       (task_id, is_train, arrival_s, length, batch), trace, estimator)
