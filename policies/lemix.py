@@ -61,7 +61,7 @@ class Lemix(OnlinePolicy):
             if global_gap is not None:
                 gap = global_gap
             else:
-                last = trace.order[-1] if trace.order else None
+                last = trace.last
                 gap = max(0.0, now - last.arrival_s) if last is not None else 0.0
             ip = idleness_profit(plan.idle, trace.stages, gap, tau * profiles[n].forward_latency_s)
             lc = length_consistency(length, trace.count, trace.length_mean, trace.length_std)

@@ -57,7 +57,7 @@ class DecodeBatch:
 class _Graph:
     """One captured shape: its static buffers, its batch over them, its output."""
 
-    def __init__(self, rows: int, blocks: int, block_size: int, hidden_size: int, dtype, device):
+    def __init__(self, rows: int, blocks: int, hidden_size: int, dtype, device):
         self.rows, self.blocks = rows, blocks
         self.packed = torch.zeros(rows * (3 + blocks), dtype=torch.long, device=device)
         self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
@@ -80,10 +80,11 @@ def _fields(packed: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
 
 
 def enable_padded_decode(executor, capture: bool) -> "DecodeGraphs":
-    """Give ``executor`` (a fresh :class:`ModelExecutor`, before its first step) padded
-    decode steps: captured as CUDA graphs (``capture=True``, a CUDA device), or the same
-    padded steps run eagerly (``capture=False``: any device, e.g. to check the padding on
-    the CPU). Its cache gets the scratch block, past the ``num_blocks`` sequences use."""
+    """Give ``executor`` (a fresh :class:`ModelExecutor` built without graphs, before its
+    first step) padded decode steps: captured as CUDA graphs (``capture=True``, a CUDA
+    device), or the same padded steps run eagerly (``capture=False``: any device, e.g. to
+    check the padding on the CPU). Its cache is made anew with the scratch block, past the
+    ``num_blocks`` sequences use (``ModelExecutor(cuda_graphs=True)`` builds it so at once)."""
     from raycolo.executor.kv_cache import PagedKVCache
 
     cache = executor.cache
@@ -104,7 +105,6 @@ class DecodeGraphs:
         self.capture = capture
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = None
-        self.max_rows = BATCH_BUCKETS[-1]
 
     def clear(self) -> None:
         """Forget every graph (the weights or the cache moved)."""
@@ -115,13 +115,17 @@ class DecodeGraphs:
         """The step as a padded decode batch, or None where it is not a decode step that
         fits a captured shape (a prefill, a chunk of several tokens, too many rows)."""
         n = len(chunks)
-        if n == 0 or n > self.max_rows or any(c.length != 1 for c in chunks):
+        if n == 0 or n > BATCH_BUCKETS[-1] or any(c.length != 1 for c in chunks):
             return None
         rows = BATCH_BUCKETS[bisect.bisect_left(BATCH_BUCKETS, n)]
         widest = max(len(c.table) for c in chunks)
         blocks = 1 << max(0, widest - 1).bit_length()
         if (rows, blocks) not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
             return None
+        return DecodeBatch(n, rows, blocks, self._pack(chunks, rows, blocks))
+
+    def _pack(self, chunks: Sequence[SeqChunk], rows: int, blocks: int) -> torch.Tensor:
+        """The packed inputs of ``chunks`` padded to ``rows`` x ``blocks`` (CPU)."""
         bs, scratch = self.executor.block_size, self.scratch
         ids, positions, slots, tables = [], [], [], []
         for c in chunks:
@@ -134,16 +138,15 @@ class DecodeGraphs:
             tables.extend(c.table)
             tables.extend([scratch] * (blocks - len(c.table)))
         # padding rows: token 0 at position 0 of the scratch block, a table of scratch blocks
-        pad = rows - n
-        packed = torch.tensor(ids + [0] * pad + positions + [0] * pad + slots + [scratch * bs] * pad
-                              + tables + [scratch] * (blocks * pad), dtype=torch.long)
-        return DecodeBatch(n, rows, blocks, packed)
+        pad = rows - len(chunks)
+        return torch.tensor(ids + [0] * pad + positions + [0] * pad + slots + [scratch * bs] * pad
+                            + tables + [scratch] * (blocks * pad), dtype=torch.long)
 
     def run(self, batch: DecodeBatch, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         ex = self.executor
         g = self.graphs.get((batch.rows, batch.blocks))
         if g is None:
-            g = _Graph(batch.rows, batch.blocks, ex.block_size, ex.config.hidden_size, ex.dtype, ex.device)
+            g = _Graph(batch.rows, batch.blocks, ex.config.hidden_size, ex.dtype, ex.device)
             if self.capture:
                 self._capture(g)
             self.graphs[(batch.rows, batch.blocks)] = g
@@ -165,11 +168,7 @@ class DecodeGraphs:
         """Warm up on a side stream, then record one step. The static buffers hold only
         padding while this runs: every write lands in the scratch block."""
         ex = self.executor
-        ids, positions, slots, tables = _fields(g.packed, g.rows)
-        ids.zero_()
-        positions.zero_()
-        slots.fill_(self.scratch * ex.block_size)
-        tables.fill_(self.scratch)
+        g.packed.copy_(self._pack([], g.rows, g.blocks))      # every row a padding row
         hidden = None if ex.is_first else g.hidden
         stream = torch.cuda.Stream(device=ex.device)
         stream.wait_stream(torch.cuda.current_stream(ex.device))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from raycolo.errors import ConfigError
 from raycolo.executor.batch import SeqChunk, StepBatch
-from raycolo.executor.graphs import DecodeBatch, DecodeGraphs, enable_padded_decode
+from raycolo.executor.graphs import DecodeBatch, DecodeGraphs
 from raycolo.executor.heap import keep_freed_memory
 from raycolo.executor.kv_cache import PagedKVCache
 from raycolo.executor.native import (add_rms_norm, fused_pointwise_supported,
@@ -101,13 +101,12 @@ class ModelExecutor:
         if self.device.type == "cpu":
             keep_freed_memory()    # reuse step temporaries instead of faulting in new pages
         self.block_size = block_size
-        self.cache = PagedKVCache(len(self.layers), num_blocks, block_size, self.kv_heads,
-                                  self.head_dim, self.dtype, self.device)
         # Decode steps as CUDA graphs (graphs.py): on a CUDA device, for a model without
         # peft adapters. The cache then holds one scratch block past num_blocks for padding.
-        self.graphs: Optional[DecodeGraphs] = None
-        if cuda_graphs and self.device.type == "cuda" and not _has_adapters(model):
-            enable_padded_decode(self, capture=True)
+        graphs = cuda_graphs and self.device.type == "cuda" and not _has_adapters(model)
+        self.cache = PagedKVCache(len(self.layers), num_blocks + (1 if graphs else 0), block_size, self.kv_heads,
+                                  self.head_dim, self.dtype, self.device)
+        self.graphs = DecodeGraphs(self, num_blocks, capture=True) if graphs else None
         # On the CPU, attention reads the cache in place with a native kernel (native.py).
         self.native = native_attention and native_attention_supported(self.dtype, self.device)
         # ... and, in float32 inference, the residual adds, RMSNorms, rotary and SiLU fuse.

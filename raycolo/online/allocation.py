@@ -48,10 +48,8 @@ def priority(ip: float, lc: float, response: float, lambda1: float, lambda2: flo
 def best_node(scores: Union[Sequence[float], Mapping[int, float]]) -> int:
     """Highest score; ties go to the lowest node index (deterministic). ``scores``: one
     per node, or {node: score} for the nodes that may take work."""
-    if isinstance(scores, dict):          # the common case, without the ABC check
-        items = scores.items()
-    else:
-        items = scores.items() if isinstance(scores, Mapping) else enumerate(scores)
+    # dict first: the common case, without the slower Mapping ABC check
+    items = scores.items() if isinstance(scores, (dict, Mapping)) else enumerate(scores)
     best, best_score = None, None
     for n, score in items:
         if best is None or score > best_score or (score == best_score and n < best):

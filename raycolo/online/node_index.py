@@ -119,7 +119,7 @@ class NodeIndex:
         free_lengths = self.free_lengths
         for n in self.dirty:
             trace = traces[n]
-            last = trace.order[-1] if trace.order else None
+            last = trace.last
             if last is not None:
                 self.start.set(n, last.stages[0].end_f)
                 self.finish.set(n, last.stages[-1].end_f)

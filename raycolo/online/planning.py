@@ -143,7 +143,8 @@ def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: i
     Q_temp is walked in place (an index into the node's training queue), not copied:
     a decision costs O(S) plus the backwards it actually passes."""
     forward = estimator.forward_s(batch, length)
-    prev = trace.order[-1].stages if trace.order else None               # task_prev's path
+    last = trace.last
+    prev = last.stages if last is not None else None                     # task_prev's path
     idle_since = trace.idle_since
     pending = trace.train
     waiting = len(pending)
