@@ -38,6 +38,7 @@ from raycolo.online.cluster import Cluster
 from raycolo.online.config import OnlineConfig, layer_bounds, model_hf_config, prior_profile
 from raycolo.online.driver import ClusterDriver, OpLost
 from raycolo.online.node import Op
+from raycolo.online.node_events import OpResult
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.samples import (Cursor, SampleStore, TrainingLedger, clip_sample, from_ranges, plan_resumption,
                                     training_rows)
@@ -668,7 +669,7 @@ class OnlineController(AdapterVersions, Reports):
             for s in range(self.config.stages):
                 self.queues[(node, s)].put_nowait({"kind": "drop", "seq": -1, "tasks": [task_id]})
 
-    def _absorb_result(self, op: Op, result: dict):
+    def _absorb_result(self, op: Op, result: dict) -> OpResult:
         last = op.stage == self.config.stages - 1
         finished = set()
         if op.kind in ("prefill", "decode") and last:
@@ -689,13 +690,12 @@ class OnlineController(AdapterVersions, Reports):
                     for s in range(self.config.stages):
                         self.queues[(op.node, s)].put_nowait({"kind": "release", "seq": -1,
                                                                "requests": [r.task_id]})
-        elif op.kind == "train_f" and last:
+        elif op.kind == "train_f" and last:   # the node's stage rule takes the loss (node_events.apply)
             self.losses.append((time.time(), op.tasks[0].task_id, result["loss"]))
-            self.cluster.nodes[op.node].rule.observe_loss(op.tasks[0].task_id, result["loss"])
+            return OpResult(loss=result["loss"])
         elif op.kind == "train_b" and op.stage == 0:
-            self.cluster.nodes[op.node].rule.forget(op.tasks[0].task_id)
             if not op.step:           # a micro-batch of a task whose last one is still to come
-                return finished
+                return OpResult()
             root, _, _ = self._samples_of(op)
             self.train_tasks.pop(root, None)
             self.ledger.train(op.node, self.train_seqs.pop(root, []))
@@ -708,7 +708,7 @@ class OnlineController(AdapterVersions, Reports):
                 task = asyncio.get_running_loop().create_task(self._checkpoint(op.node))
                 self.background.add(task)
                 task.add_done_callback(self.background.discard)
-        return finished
+        return OpResult(frozenset(finished))
 
     async def _paused(self, node: int, payloads: list) -> list:
         """Run out-of-band payloads, one per stage, with the node's scheduled ops held back

@@ -15,6 +15,7 @@ import pytest
 from raycolo.online.cluster import Cluster
 from raycolo.online.driver import ClusterDriver
 from raycolo.online.node import NodeScheduler, Op, Timer
+from raycolo.online.node_events import OpResult
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import NodeProfile, ProfileLearner, preset
 from raycolo.online.sim import ClusterSimulator, ends_with, op_duration, query_cost_s
@@ -495,7 +496,7 @@ class ProfiledRunner:
     async def run(self, op):
         await asyncio.sleep(op_duration(op, self.profile, self.params))
         last = op.stage == self.profile.stages - 1
-        return ends_with(op) if last and op.kind in ("prefill", "decode") else ()
+        return OpResult(frozenset(ends_with(op)) if last and op.kind in ("prefill", "decode") else frozenset())
 
 
 @pytest.mark.parametrize("policy", ["lemix", "mix-rr", "mix-luf", "separate", "sirius", "mace",
@@ -804,3 +805,61 @@ def test_a_task_that_fits_is_not_split_and_other_rules_never_split():
     n = node()                                                        # LeMix's memory rule: wait, offload
     started = run_all(n, [n.dispatch(train(1, length=25, batch=4), 0.0)])
     assert n.micro.count == 0 and [op.offloaded for op in started if op.kind == "train_f"][0]
+
+
+# -- node loops and their mirrors (node_events.py) ----------------------------------------------
+@pytest.mark.parametrize("policy", ["lemix", "mix-luf", "separate", "sirius", "mace", "harli"])
+def test_node_loops_fed_to_mirrors_give_the_direct_simulators_op_log(policy):
+    """Each node run as its own loop, the cluster holding mirrors that apply the loops'
+    events (SEPARATE's syncs going to the loops as commands): every step of a loop
+    starts the ops and arms the timers of its mirror's (checked inside), and the run is
+    the one the cluster gives driving its nodes itself, op for op."""
+    profile, params = preset("llama-70b", 2), LemixParams(sync_every=5)
+    tasks = poisson_workload(100, 0.6, 80, seed=1, train_batch=8 if policy == "sirius" else None)
+    runs = []
+    for loops in (False, True):
+        sim = ClusterSimulator(tasks, profile, 3, make_online_policy(policy, params, nodes=3, train_rate=0.6),
+                               params, node_loops=loops)
+        runs.append((sim.run(), sim))
+    (direct, a), (mirrored, b) = runs
+    assert len(a.cluster.op_log) > 500 and a.cluster.op_log == b.cluster.op_log
+    assert direct.completions == mirrored.completions == {t.task_id: 1 for t in tasks}
+    assert list(direct.ttft_s) == list(mirrored.ttft_s) and direct.train_done == mirrored.train_done
+    for loop, mirror in zip(b.loops, b.cluster.nodes):
+        assert loop is not mirror and loop.generation == mirror.generation
+        assert [s.busy_s for s in loop.stages] == [s.busy_s for s in mirror.stages]
+        assert not loop.armed and not mirror.armed       # every timer fired on both sides
+    if policy == "separate":
+        assert any(entry[4] == "sync" for entry in b.cluster.op_log)
+
+
+def test_a_loss_reaches_the_stage_rule_on_both_sides_and_a_mirror_out_of_step_says_so():
+    """A last-stage training forward's loss goes to the node's stage rule through the
+    event (MACE ranks a task's backward by it), on the loop and on its mirror alike; an
+    event naming an op the node is not running is refused, and a timer from before a
+    reset is void."""
+    from raycolo.online.node_events import Dispatched, MirrorDiverged, OpDone, TimerFired, apply
+
+    profile, params = preset("llama-8b", 2), LemixParams()
+    cluster = Cluster(make_online_policy("mace", params, nodes=1), profile, 1, params)
+    loop, mirror = cluster.new_node(0), cluster.nodes[0]
+    task = OnlineTask(7, "train", 0.0, 64, batch=2)
+    events = [Dispatched(task, 0.0)]
+    for side in (loop, mirror):
+        (op,) = apply(side, events[0]).started
+        assert (op.kind, op.stage) == ("train_f", 0)
+    nxt = apply(loop, OpDone(0, op.seq, 0.5)).started
+    apply(mirror, OpDone(0, op.seq, 0.5))
+    (last,) = nxt
+    assert (last.kind, last.stage) == ("train_f", 1)
+    for side in (loop, mirror):
+        apply(side, OpDone(1, last.seq, 1.0, loss=2.5))
+        assert side.rule.losses == {7: 2.5}
+    with pytest.raises(MirrorDiverged, match="op 999 is not running"):
+        apply(mirror, OpDone(1, 999, 1.5))
+    inference = OnlineTask(8, "inference", 1.0, 32, decode_tokens=4)
+    (timer,) = apply(loop, Dispatched(inference, 1.0)).timers        # close_batch
+    loop.reset(1.1)
+    assert not loop.armed
+    step = apply(loop, TimerFired(timer.number, 1.2))
+    assert step.actions == [] and not step.tokens

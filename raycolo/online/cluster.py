@@ -25,6 +25,7 @@ from typing import Collection, Optional
 
 from raycolo.online.metrics import OnlineMetrics, OnlineResult
 from raycolo.online.node import NodeScheduler, NodeStep, Op, Timer
+from raycolo.online.node_events import Dispatched, NodeEvent, OpDone, Synced, TimerFired, apply, op_done_event
 from raycolo.online.params import LemixParams
 from raycolo.online.policy import OnlinePolicy
 from raycolo.online.profiles import NodeProfile, ProfileLearner
@@ -41,6 +42,7 @@ class ClusterStep:
     actions: list = field(default_factory=list)     # Op | Timer
     failed: list = field(default_factory=list)      # OnlineTasks no node can run any more
     aborted: list = field(default_factory=list)     # (node, training task id): drop its activations
+    commands: list = field(default_factory=list)    # (node, NodeEvent) for node loops (mirrored)
 
 
 class Cluster:
@@ -48,9 +50,11 @@ class Cluster:
         self.policy = policy
         self.params = params
         self.profile = profile
-        self.nodes = [NodeScheduler(n, profile, params, policy.capabilities.memory_aware,
-                                    rule=policy.stage_rule(profile, params))
-                      for n in range(nodes)]
+        self.nodes = [self.new_node(n) for n in range(nodes)]
+        # mirrored: each node runs as a loop of its own (live: in its first stage's
+        # process) and self.nodes are its mirrors, fed the loop's log (apply); what the
+        # cluster wants of a node goes to it as a command (ClusterStep.commands)
+        self.mirrored = False
         self.learner = ProfileLearner(profile, params.profile_warmup, params.fit_op_cost)
         self.scheduler = OnlineScheduler(policy, [profile] * nodes, [policy.estimator(profile)] * nodes,
                                          params, utilization=self.utilization)
@@ -109,32 +113,52 @@ class Cluster:
         out.decisions.extend(self.scheduler.retry(now))
         return out
 
+    def new_node(self, n: int) -> NodeScheduler:
+        """Node ``n``'s scheduler as this cluster builds it (its mirror, or its loop)."""
+        return NodeScheduler(n, self.profile, self.params, self.policy.capabilities.memory_aware,
+                             rule=self.policy.stage_rule(self.profile, self.params))
+
     def dispatch(self, decision: Decision, now: float) -> ClusterStep:
         """The decided task reaches its node."""
-        self._now = now
-        out = ClusterStep()
-        self._absorb(decision.node, self.nodes[decision.node].dispatch(decision.task, now), out)
-        return out
+        return self.apply(decision.node, Dispatched(decision.task, now))
 
     def timer(self, timer: Timer, now: float) -> ClusterStep:
-        self._now = now
+        return self.apply(timer.node, TimerFired(timer.number, now))
+
+    def op_done(self, op: Op, now: float, finished: Collection[int] = (),
+                loss: Optional[float] = None) -> ClusterStep:
+        """``op`` ended; ``finished``: requests whose token from it was their last."""
+        return self.apply(op.node, op_done_event(op.stage, op.seq, now, finished, loss))
+
+    def apply(self, n: int, event: NodeEvent) -> ClusterStep:
+        """Node ``n`` took ``event`` (node_events.py): the node's step, and the cluster's
+        side of it. Mirrored, the node loop already carried out the step's ops and timers:
+        the executor must not start them again."""
+        now = self._now = event.now
         out = ClusterStep()
-        self._absorb(timer.node, self.nodes[timer.node].timer(timer, now), out)
+        if type(event) is OpDone:
+            op = self.nodes[n].stages[event.stage].busy
+            if op is not None and op.seq == event.seq:
+                ids = tuple(getattr(x, "task_id", x) for x in op.tasks)
+                self.op_log.append((op.start_s, now, n, op.stage, op.kind, ids))
+                if op.kind == "decode":
+                    self.learner.observe_decode(now - op.start_s)
+                elif op.kind == "prefill" and self.learner.op_cost:
+                    self.learner.observe_prefill(op.batch, max(r.task.length for r in op.tasks),
+                                                 now - op.start_s)
+            self._absorb(n, apply(self.nodes[n], event), out)
+            out.decisions.extend(self.scheduler.retry(now))
+            return out
+        self._absorb(n, apply(self.nodes[n], event), out)
         return out
 
-    def op_done(self, op: Op, now: float, finished: Collection[int] = ()) -> ClusterStep:
-        """``op`` ended; ``finished``: requests whose token from it was their last."""
-        self._now = now
-        ids = tuple(getattr(x, "task_id", x) for x in op.tasks)
-        self.op_log.append((op.start_s, now, op.node, op.stage, op.kind, ids))
-        if op.kind == "decode":
-            self.learner.observe_decode(now - op.start_s)
-        elif op.kind == "prefill" and self.learner.op_cost:
-            self.learner.observe_prefill(op.batch, max(r.task.length for r in op.tasks), now - op.start_s)
-        out = ClusterStep()
-        self._absorb(op.node, self.nodes[op.node].op_done(op, now, finished), out)
-        out.decisions.extend(self.scheduler.retry(now))
-        return out
+    def _command(self, n: int, event: NodeEvent, out: ClusterStep) -> None:
+        """The cluster wants ``event`` applied to node ``n``: at once, or (mirrored) by
+        the node's loop, whose log brings it back to the mirror."""
+        if self.mirrored:
+            out.commands.append((n, event))
+        else:
+            self._absorb(n, apply(self.nodes[n], event), out)
 
     @property
     def all_down(self) -> bool:
@@ -157,7 +181,7 @@ class Cluster:
             self.scheduler.restarting.add(n)
         self._place_again(self._reset(n, now, out), now, out)
         if self.serving_nodes is not None and n in self.serving_nodes and served:
-            self._absorb(n, self.nodes[n].sync(served, now), out)
+            self._command(n, Synced(served, now), out)
         return out
 
     def node_back(self, n: int, now: float) -> ClusterStep:
@@ -257,7 +281,7 @@ class Cluster:
             if self.serving_nodes is not None and self.train_done % self.params.sync_every == 0:
                 for m in self.serving_nodes:  # SEPARATE: push the weights to the live servers
                     if m not in self.scheduler.down:
-                        self._absorb(m, self.nodes[m].sync(self.train_done, now), out)
+                        self._command(m, Synced(self.train_done, now), out)
         if step.idle:
             self.active -= 1
             self.metrics.active_change(now, -1)

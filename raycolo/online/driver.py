@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Callable, Collection, Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from raycolo.online.cluster import Cluster, ClusterStep
 from raycolo.online.node import Op, Timer
+from raycolo.online.node_events import OpResult
 from raycolo.online.scheduler import RECENT_DECISIONS, Decision
 from raycolo.online.tasks import OnlineTask
 
@@ -29,10 +30,11 @@ class OpLost(Exception):
 
 
 class OpRunner(Protocol):
-    async def run(self, op: Op) -> Collection[int]:
-        """Execute ``op`` on its stage; return the ids of requests whose token from it
-        (a last-stage prefill or decode) was their last. Raises :class:`OpLost` if the
-        op's node was reset (:meth:`ClusterDriver.node_lost`) meanwhile."""
+    async def run(self, op: Op) -> OpResult:
+        """Execute ``op`` on its stage; return what came of it: the ids of requests whose
+        token from it (a last-stage prefill or decode) was their last, and a training
+        forward's loss where one is measured. Raises :class:`OpLost` if the op's node was
+        reset (:meth:`ClusterDriver.node_lost`) meanwhile."""
 
 
 class ClusterDriver:
@@ -164,7 +166,7 @@ class ClusterDriver:
 
     async def _run(self, op: Op) -> None:
         try:
-            finished = await self.runner.run(op)
+            outcome = await self.runner.run(op)
         except OpLost:           # its node was reset: node_lost already placed its tasks again
             return
         except Exception as exc:  # an op failed: the run stops with it
@@ -176,4 +178,4 @@ class ClusterDriver:
             return
         if op.generation != self.cluster.nodes[op.node].generation:
             return                # finished as its node was reset: dropped like the others
-        self._step(self.cluster.op_done, op, self.now(), finished)
+        self._step(self.cluster.op_done, op, self.now(), outcome.finished, outcome.loss)

@@ -98,6 +98,7 @@ class Timer:
     op: Optional[Op] = None
     step_s: float = 0.0
     generation: int = 0          # a timer armed before the node was reset is ignored
+    number: int = -1             # the node's count of timers armed before it (node_events.py)
 
 
 @dataclass
@@ -164,6 +165,8 @@ class NodeScheduler:
         self.aborted_bytes = 0.0
         self.generation = 0          # resets so far
         self._seq = itertools.count()
+        self.armed: dict[int, Timer] = {}   # timers armed and not fired, by number
+        self._timers = 0
         self._out = NodeStep()
         self._now = 0.0
 
@@ -192,6 +195,7 @@ class NodeScheduler:
     def timer(self, timer: Timer, now: float) -> NodeStep:
         """A timer this node armed fires."""
         self._begin(now)
+        self.armed.pop(timer.number, None)
         if timer.generation != self.generation:
             return self._end()
         if timer.kind == "close_batch":
@@ -306,6 +310,7 @@ class NodeScheduler:
         self.decode_inflight = False
         self.queued_ops = self.syncing = 0
         self.generation += 1
+        self.armed.clear()              # they fire void (their generation is old)
         self.last_end = max(self.last_end, now)
         self._maybe_idle()
         return self._end()
@@ -320,8 +325,18 @@ class NodeScheduler:
         self._now = now
         self._out = NodeStep()
 
+    def idle_step(self, now: float) -> NodeStep:
+        """An event that changes nothing (a void timer's): an empty step at ``now``."""
+        self._begin(now)
+        return self._end()
+
     def _end(self) -> NodeStep:
         out, self._out = self._out, NodeStep()
+        for action in out.actions:        # timers get their numbers in the order armed
+            if type(action) is Timer:
+                action.number = self._timers
+                self._timers += 1
+                self.armed[action.number] = action
         return out
 
     def _op(self, kind: str, stage: int, tasks: list, mem: float = 0.0, after: Optional[Op] = None) -> Op:

@@ -26,6 +26,7 @@ from raycolo.online.clock import SimClock
 from raycolo.online.cluster import Cluster, ClusterStep
 from raycolo.online.metrics import OnlineResult
 from raycolo.online.node import FORWARD_KINDS, Op, Timer
+from raycolo.online.node_events import Dispatched, NodeEvent, TimerFired, apply, check_in_step, op_done_event
 from raycolo.online.params import LemixParams
 from raycolo.online.policy import OnlinePolicy
 from raycolo.online.profiles import NodeProfile
@@ -66,12 +67,17 @@ class ClusterSimulator:
     """The simulated executor of a :class:`Cluster`."""
 
     def __init__(self, tasks: list[OnlineTask], profile: NodeProfile, nodes: int,
-                 policy: OnlinePolicy, params: LemixParams):
+                 policy: OnlinePolicy, params: LemixParams, node_loops: bool = False):
         self.tasks = sorted(tasks, key=lambda t: (t.arrival_s, t.task_id))
         self.profile = profile
         self.params = params
         self.policy = policy
         self.cluster = Cluster(policy, profile, nodes, params)
+        # node_loops: each node runs as its own loop and the cluster holds mirrors fed the
+        # loops' events (node_events.py), as when the loops run on their nodes; every
+        # step of a loop is checked against its mirror's
+        self.loops = [self.cluster.new_node(n) for n in range(nodes)] if node_loops else None
+        self.cluster.mirrored = node_loops
         self.clock = SimClock()
         self._events: list = []
         self._seq = itertools.count()
@@ -99,24 +105,37 @@ class ClusterSimulator:
         self._apply(self.cluster.arrive(task, self.now, last))
 
     def _dispatch(self, decision: Decision) -> None:
-        self._apply(self.cluster.dispatch(decision, self.now))
+        self._event(decision.node, Dispatched(decision.task, self.now))
 
     def _timer(self, timer: Timer) -> None:
-        self._apply(self.cluster.timer(timer, self.now))
+        self._event(timer.node, TimerFired(timer.number, self.now))
 
     def _done(self, op: Op) -> None:
         last = op.stage == self.profile.stages - 1
         finished = ends_with(op) if last and op.kind in ("prefill", "decode") else ()
-        self._apply(self.cluster.op_done(op, self.now, finished))
+        self._event(op.node, op_done_event(op.stage, op.seq, self.now, finished))
 
-    def _apply(self, step: ClusterStep) -> None:
+    def _event(self, n: int, event: NodeEvent) -> None:
+        """Node ``n`` takes ``event``: the cluster's node (or, with node loops, the node's
+        loop, then its mirror from the loop's log) and the cluster's side of it."""
+        if self.loops is None:
+            self._apply(self.cluster.apply(n, event))
+            return
+        started = apply(self.loops[n], event).actions
+        step = self.cluster.apply(n, event)
+        check_in_step(n, event, started, step.actions)
+        self._apply(step, started)
+
+    def _apply(self, step: ClusterStep, actions: Optional[list] = None) -> None:
         for decision in step.decisions:
             self._at(decision.decided_s + self.query_delay_s, self._dispatch, decision)
-        for action in step.actions:
+        for action in step.actions if actions is None else actions:
             if isinstance(action, Timer):
                 self._at(action.at_s, self._timer, action)
             else:
                 self._at(self.now + op_duration(action, self.profile, self.params), self._done, action)
+        for n, event in step.commands:     # node loops: what the cluster asked of them
+            self._event(n, event)
 
 
 def simulate(tasks: list[OnlineTask], profile: NodeProfile, nodes: int, policy: OnlinePolicy,
