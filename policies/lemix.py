@@ -54,10 +54,12 @@ class Lemix(OnlinePolicy):
         task_id, arrival, length, batch, is_train = task.task_id, task.arrival_s, task.length, task.batch, task.is_train
         tau, lambda1, lambda2, rule = p.tau, p.lambda1, p.lambda2, p.score_rule
         plans, scores = {}, {}
+        # one estimator for every node (the cluster sets them all at once): one forward latency
+        forward = estimators[0].forward_s(batch, length) if sched.uniform_estimator else None
         for n in nodes:
             trace = traces[n]
             plan = compute_idleness(trace, task_id, arrival, length, batch, is_train, estimators[n], now,
-                                    idle_cap=slo)
+                                    idle_cap=slo, forward=forward)
             if global_gap is not None:
                 gap = global_gap
             else:

@@ -135,14 +135,17 @@ class PlanResult:
 
 def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: int, batch: int,
                      is_train: bool, estimator: LatencyEstimator, now: float,
-                     idle_cap: float = float("inf")) -> PlanResult:
+                     idle_cap: float = float("inf"), forward: Optional[float] = None) -> PlanResult:
     """Algorithm 1, line by line (line numbers in comments refer to the paper).
 
     ``idle_cap`` bounds each stage's gap: a node idle for longer than that counts as
     simply idle, so a node left unused early does not look ever worse as time passes.
     Q_temp is walked in place (an index into the node's training queue), not copied:
-    a decision costs O(S) plus the backwards it actually passes."""
-    forward = estimator.forward_s(batch, length)
+    a decision costs O(S) plus the backwards it actually passes. ``forward``: the
+    estimator's forward latency for (batch, length), where the caller has it already
+    (one estimator for every node it plans)."""
+    if forward is None:
+        forward = estimator.forward_s(batch, length)
     last = trace.last
     prev = last.stages if last is not None else None                     # task_prev's path
     idle_since = trace.idle_since
