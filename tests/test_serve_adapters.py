@@ -314,14 +314,15 @@ def test_a_trained_version_is_exported_in_peft_format_and_served_as_peft_generat
     directory = next(front["out"].glob(f"checkpoints/adapter-*/versions/v{k}"))
     config = json.loads((directory / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == RANK and config["lora_alpha"] == ALPHA
-    # trained on from lora.init_from: every A and B moved a little from the init adapter's
-    # (from scratch, B would start at zero and A at fresh random values: a change the size
-    # of the init's own weights)
+    # trained on from lora.init_from: every A and B still points the init adapter's way
+    # (Adam moves each weight by about lr a step; from scratch B would start at zero and A
+    # at fresh random values, each at a cosine near 0 to the init's)
     from safetensors.torch import load_file
     init = load_file(str(Path(front["config"].lora.init_from) / "adapter_model.safetensors"))
     trained = load_file(str(directory / "adapter_model.safetensors"))
     assert set(trained) == set(init) and len(init) == 2 * len(TARGETS) * 2      # 2 layers
-    moved = [float((trained[k] - init[k]).norm() / init[k].norm()) for k in sorted(init)]
-    assert all(m < 0.2 for m in moved) and any(m > 0 for m in moved), moved
+    cosines = [float(torch.nn.functional.cosine_similarity(trained[k].flatten(), init[k].flatten(), dim=0))
+               for k in sorted(init)]
+    assert all(c > 0.5 for c in cosines) and any(not torch.equal(trained[k], init[k]) for k in init), cosines
     for prompt in PROMPTS:
         assert same(served(front, f"{MODEL}@v{k}", prompt), reference(prompt, directory))
