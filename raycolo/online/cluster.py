@@ -136,21 +136,24 @@ class Cluster:
         the executor must not start them again."""
         now = self._now = event.now
         out = ClusterStep()
-        if type(event) is OpDone:
-            op = self.nodes[n].stages[event.stage].busy
-            if op is not None and op.seq == event.seq:
-                ids = tuple(getattr(x, "task_id", x) for x in op.tasks)
-                self.op_log.append((op.start_s, now, n, op.stage, op.kind, ids))
-                if op.kind == "decode":
-                    self.learner.observe_decode(now - op.start_s)
-                elif op.kind == "prefill" and self.learner.op_cost:
-                    self.learner.observe_prefill(op.batch, max(r.task.length for r in op.tasks),
-                                                 now - op.start_s)
-            self._absorb(n, apply(self.nodes[n], event), out)
+        done = type(event) is OpDone
+        if done:
+            self._record(self.nodes[n].stages[event.stage].busy, now)
+        self._absorb(n, apply(self.nodes[n], event), out)   # (an op not running raises here)
+        if done:
             out.decisions.extend(self.scheduler.retry(now))
-            return out
-        self._absorb(n, apply(self.nodes[n], event), out)
         return out
+
+    def _record(self, op: Optional[Op], now: float) -> None:
+        """An op ended: the op log, and what the profile learner takes from it."""
+        if op is None:
+            return
+        ids = tuple(getattr(x, "task_id", x) for x in op.tasks)
+        self.op_log.append((op.start_s, now, op.node, op.stage, op.kind, ids))
+        if op.kind == "decode":
+            self.learner.observe_decode(now - op.start_s)
+        elif op.kind == "prefill" and self.learner.op_cost:
+            self.learner.observe_prefill(op.batch, max(r.task.length for r in op.tasks), now - op.start_s)
 
     def _command(self, n: int, event: NodeEvent, out: ClusterStep) -> None:
         """The cluster wants ``event`` applied to node ``n``: at once, or (mirrored) by

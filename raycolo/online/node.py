@@ -325,11 +325,6 @@ class NodeScheduler:
         self._now = now
         self._out = NodeStep()
 
-    def idle_step(self, now: float) -> NodeStep:
-        """An event that changes nothing (a void timer's): an empty step at ``now``."""
-        self._begin(now)
-        return self._end()
-
     def _end(self) -> NodeStep:
         out, self._out = self._out, NodeStep()
         for action in out.actions:        # timers get their numbers in the order armed

@@ -20,12 +20,10 @@ loop per node and the cluster's mirrors, checked op for op).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Collection, Optional, Union
+from typing import Collection, Optional, Union
 
+from raycolo.online.node import NodeScheduler, NodeStep, Op
 from raycolo.online.tasks import OnlineTask
-
-if TYPE_CHECKING:
-    from raycolo.online.node import NodeScheduler, NodeStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +83,7 @@ class MirrorDiverged(RuntimeError):
     """A node's log names an op or timer its mirror does not have: they are out of step."""
 
 
-def apply(node: "NodeScheduler", event: NodeEvent) -> "NodeStep":
+def apply(node: NodeScheduler, event: NodeEvent) -> NodeStep:
     """Apply ``event`` to ``node`` (a node loop, or the cluster's mirror of it)."""
     kind = type(event)
     if kind is OpDone:
@@ -104,7 +102,7 @@ def apply(node: "NodeScheduler", event: NodeEvent) -> "NodeStep":
     if kind is TimerFired:
         timer = node.armed.get(event.number)
         if timer is None:        # armed before the node was reset: void
-            return node.idle_step(event.now)
+            return NodeStep()
         return node.timer(timer, event.now)
     if kind is Synced:
         return node.sync(event.version, event.now)
@@ -113,7 +111,7 @@ def apply(node: "NodeScheduler", event: NodeEvent) -> "NodeStep":
 
 def action_key(action) -> tuple:
     """What names an op or a timer across a node loop and its mirror."""
-    if hasattr(action, "seq"):
+    if isinstance(action, Op):
         return ("op", action.kind, action.stage, action.seq, action.start_s)
     return ("timer", action.kind, action.number, action.at_s)
 
