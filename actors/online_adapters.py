@@ -26,6 +26,7 @@ from typing import Optional
 
 from raycolo.executor.adapters import AdapterError, check_adapter, convert_adapter, export_adapter
 from raycolo.executor.stage import LoraSettings
+from raycolo.executor.stage_ops import EvalBatch, ReadAdapter, SaveCheckpoint
 from raycolo.online.driver import OpLost
 from raycolo.online.samples import clip_sample, to_ranges, training_rows
 
@@ -48,10 +49,11 @@ class AdapterVersions:
         self.oob_seq -= 1
         samples = [clip_sample(x, self.config.lora.max_len) for x in samples]
         rows, _ = training_rows(samples)
-        payload = {"kind": "eval", "seq": self.oob_seq, "after": self.oob_seq,
-                   "shape": (len(rows), max(len(p) + len(c) for p, c in rows)), "samples": samples}
-        results = await self._paused(node, [dict(payload) for _ in range(self.config.stages)])
-        return results[-1]
+        shape = (len(rows), max(len(p) + len(c) for p, c in rows))
+        results = await self._paused(node, [EvalBatch(seq=self.oob_seq, after=self.oob_seq, shape=shape,
+                                                      samples=samples) for _ in range(self.config.stages)])
+        last = results[-1]
+        return {"loss": last.loss, "win_rate": last.win_rate, "clpd": last.clpd}
 
     async def _checkpoint(self, node: int) -> None:
         """Every stage reports its adapter through Ray Train (a barrier), between ops."""
@@ -67,8 +69,8 @@ class AdapterVersions:
             out = []
             for _ in range(self.config.stages):
                 self.oob_seq -= 1
-                out.append({"kind": "checkpoint", "seq": self.oob_seq, "version": version,
-                            "cursor": json.dumps(self.cursor.__dict__), "held": held})
+                out.append(SaveCheckpoint(seq=self.oob_seq, version=version,
+                                          cursor=json.dumps(self.cursor.__dict__), held=held))
             return out
 
         try:
@@ -77,7 +79,7 @@ class AdapterVersions:
             return           # the group restarted first: it resumes from the previous checkpoint
         # No op of the node ran during the pause: the checkpoint holds the samples trained
         # so far; they count as kept once Ray Train commits it (checkpoint_committed).
-        await self._keep_version(version, [r["state"] for r in results])
+        await self._keep_version(version, [r.state for r in results])
 
     def _version_dir(self, version) -> Path:
         """The directory a request pins: saved version ``k`` (an int), or a loaded
@@ -131,8 +133,8 @@ class AdapterVersions:
         payloads = []
         for _ in range(self.config.stages):
             self.oob_seq -= 1
-            payloads.append({"kind": "lora", "seq": self.oob_seq})
-        return [r["state"] for r in await self._paused(node, payloads)]
+            payloads.append(ReadAdapter(seq=self.oob_seq))
+        return [r.state for r in await self._paused(node, payloads)]
 
     async def export_adapter(self, directory: str, node: Optional[int] = None) -> str:
         """Join the adapter of ``node``'s stages (default: the node that trained last) into

@@ -31,6 +31,8 @@ from typing import Optional
 import ray
 
 from raycolo.errors import ConfigError
+from raycolo.executor.stage_ops import (DropActivations, ForwardStep, LoadWeights, ReleaseKV, StageResult, StageWork,
+                                        TrainBackward, TrainForward)
 from raycolo.actors.front_channel import FrontKey
 from raycolo.actors.online_adapters import AdapterVersions
 from raycolo.actors.online_reports import Reports
@@ -456,30 +458,31 @@ class OnlineController(AdapterVersions, Reports):
         self._pump_training()
 
     @ray.method(enable_task_events=False)   # per op and stage: kept out of the GCS's task-event store
-    async def next_op(self, node: int, stage: int, epoch: int, done: Optional[tuple] = None) -> Optional[dict]:
-        """The stage's next payload; None tells a worker of an old group to stop.
-        ``done``: (seq, result) of the op the worker just ran, reported in the same call
-        (one actor call per op rather than two)."""
+    async def next_op(self, node: int, stage: int, epoch: int,
+                      done: Optional[StageResult] = None) -> Optional[StageWork]:
+        """The stage's next op; None tells a worker of an old group to stop. ``done``: the
+        result of the op the worker just ran, reported in the same call (one actor call
+        per op rather than two)."""
         self.hops += 1
         if done is not None:
-            self._op_done(node, stage, epoch, *done)
+            self._op_done(node, stage, epoch, done)
         if epoch != self.epochs[node]:
             return None
         return await self.queues[(node, stage)].get()
 
     @ray.method(enable_task_events=False)   # per op and stage: kept out of the GCS's task-event store
-    async def op_done(self, node: int, stage: int, epoch: int, seq: int, result: dict) -> None:
+    async def op_done(self, node: int, stage: int, epoch: int, result: StageResult) -> None:
         self.hops += 1
-        self._op_done(node, stage, epoch, seq, result)
+        self._op_done(node, stage, epoch, result)
 
-    def _op_done(self, node: int, stage: int, epoch: int, seq: int, result: dict) -> None:
+    def _op_done(self, node: int, stage: int, epoch: int, result: StageResult) -> None:
         if epoch != self.epochs[node]:
             return           # an op of a worker group that is gone: its node was reset
-        if "device" in result:
-            self.device[(node, stage)] = result.pop("device")
-        if "sends" in result:
-            self.sends[(node, stage)] = result.pop("sends")
-        future = self.waiting.pop((node, stage, seq), None)
+        if result.device is not None:
+            self.device[(node, stage)] = result.device
+        if result.sends is not None:
+            self.sends[(node, stage)] = result.sends
+        future = self.waiting.pop((node, stage, result.seq), None)
         if future is not None and not future.done():
             future.set_result(result)
 
@@ -603,38 +606,39 @@ class OnlineController(AdapterVersions, Reports):
                     req.finish_reason = "error"
                     req.events.put_nowait(("error", why))
 
-    def _payload(self, op: Op) -> dict:
+    def _payload(self, op: Op) -> StageWork:
         s, last = op.stage, op.stage == self.config.stages - 1
-        base = {"kind": op.kind, "seq": op.seq, "after": op.after,
-                "received": self.received.pop((op.node, s), [])}
+        common = dict(seq=op.seq, after=op.after, received=tuple(self.received.pop((op.node, s), ())))
         if op.kind in ("prefill", "decode"):
             reqs = [self.requests[r.task_id] for r in op.tasks]
             if op.kind == "prefill":      # a resumed request re-prefills what it streamed too
                 tokens = [q.prompt + q.generated for q in reqs]
             else:
                 tokens = [[q.generated[-1]] for q in reqs]
-            base.update(requests=[q.task.task_id for q in reqs], counts=[len(t) for t in tokens],
-                        base=[q.task.task_id for q in reqs if q.base],
-                        pinned={q.task.task_id: str(self._version_dir(q.version))
-                                for q in reqs if q.version is not None})
-            if s == 0:
-                base["tokens"] = tokens
-            if last:   # the last stage samples (raycolo.generation.sampler); None: all plain greedy
-                base["sampling"] = None if all(plain(q.params) for q in reqs) else \
-                    [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids) for q in reqs]
-        elif op.kind in ("train_f", "train_b"):
+            sampling = None     # the last stage samples (raycolo.generation.sampler); None: all plain greedy
+            if last and not all(plain(q.params) for q in reqs):
+                sampling = [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids) for q in reqs]
+            return ForwardStep(prefill=op.kind == "prefill", requests=[q.task.task_id for q in reqs],
+                               counts=[len(t) for t in tokens], tokens=tokens if s == 0 else None,
+                               base=tuple(q.task.task_id for q in reqs if q.base),
+                               pinned={q.task.task_id: str(self._version_dir(q.version))
+                                       for q in reqs if q.version is not None},
+                               sampling=sampling, **common)
+        if op.kind in ("train_f", "train_b"):
             task = op.tasks[0]
             root, samples, share = self._samples_of(op)
             rows, preference = training_rows(samples)
             lengths = [len(p) + len(c) for p, c in rows]
-            base.update(task=task.task_id, shape=(len(rows), max(lengths)), lengths=lengths,
-                        preference=preference, beta=self.config.lora.dpo_beta, group=root,
-                        step=op.step, loss_scale=share)
-            if op.kind == "train_f" and (s == 0 or last):
-                base["samples"] = samples
-        elif op.kind == "sync":
-            base["adapter"] = str(self.adapter_dir / f"v{op.tasks[0]}")
-        return base
+            shape = (len(rows), max(lengths))
+            if op.kind == "train_b":
+                return TrainBackward(task=task.task_id, shape=shape, preference=preference, step=op.step,
+                                     group=root, **common)
+            return TrainForward(task=task.task_id, shape=shape, lengths=lengths, preference=preference,
+                                beta=self.config.lora.dpo_beta, loss_scale=share,
+                                samples=samples if (s == 0 or last) else None, **common)
+        if op.kind == "sync":
+            return LoadWeights(adapter=str(self.adapter_dir / f"v{op.tasks[0]}"), **common)
+        raise ValueError(f"no stage message for op kind {op.kind!r}")
 
     def _samples_of(self, op: Op) -> tuple[int, list, float]:
         """A training op's task: its root task id, its samples (clipped to lora.max_len)
@@ -667,14 +671,14 @@ class OnlineController(AdapterVersions, Reports):
         drops their activations now (they run again from their first forward)."""
         for node, task_id in aborted:
             for s in range(self.config.stages):
-                self.queues[(node, s)].put_nowait({"kind": "drop", "seq": -1, "tasks": [task_id]})
+                self.queues[(node, s)].put_nowait(DropActivations(seq=-1, tasks=(task_id,)))
 
-    def _absorb_result(self, op: Op, result: dict) -> OpResult:
+    def _absorb_result(self, op: Op, result: StageResult) -> OpResult:
         last = op.stage == self.config.stages - 1
         finished = set()
         if op.kind in ("prefill", "decode") and last:
-            logprobs = result.get("logprobs") or [None] * len(op.tasks)
-            for r, token, logprob in zip(op.tasks, result["tokens"], logprobs):
+            logprobs = result.logprobs or [None] * len(op.tasks)
+            for r, token, logprob in zip(op.tasks, result.tokens, logprobs):
                 req = self.requests[r.task_id]
                 reason = req.cancelled
                 if reason is None:     # raycolo.generation's stop rules
@@ -688,11 +692,10 @@ class OnlineController(AdapterVersions, Reports):
                     finished.add(r.task_id)
                     req.events.put_nowait(("done", reason))
                     for s in range(self.config.stages):
-                        self.queues[(op.node, s)].put_nowait({"kind": "release", "seq": -1,
-                                                               "requests": [r.task_id]})
+                        self.queues[(op.node, s)].put_nowait(ReleaseKV(seq=-1, requests=(r.task_id,)))
         elif op.kind == "train_f" and last:   # the node's stage rule takes the loss (node_events.apply)
-            self.losses.append((time.time(), op.tasks[0].task_id, result["loss"]))
-            return OpResult(loss=result["loss"])
+            self.losses.append((time.time(), op.tasks[0].task_id, result.loss))
+            return OpResult(loss=result.loss)
         elif op.kind == "train_b" and op.stage == 0:
             if not op.step:           # a micro-batch of a task whose last one is still to come
                 return OpResult()
@@ -726,7 +729,7 @@ class OnlineController(AdapterVersions, Reports):
             futures = []
             for s, payload in enumerate(payloads):
                 fut = asyncio.get_running_loop().create_future()
-                self.waiting[(node, s, payload["seq"])] = fut
+                self.waiting[(node, s, payload.seq)] = fut
                 futures.append(fut)
                 self.queues[(node, s)].put_nowait(payload)
             return await asyncio.gather(*futures)

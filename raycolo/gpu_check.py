@@ -17,7 +17,7 @@ step, and for NVML the CUDA driver's own memory figures. Rows:
 * ``torch_engine``       TorchEngine on the device: continuous batching, sleep/wake_up
 * ``stage.inproc``       StageModel slices with LoRA: serving tokens, a pipelined training
                          step's losses and LoRA weights against peft's unsplit step
-* ``stage.p2p``          two stage processes running actors/stage_worker.StageProcess over a
+* ``stage.p2p``          two stage processes running executor/stage_process.StageProcess over a
                          real process group: NCCL with 2+ GPUs (one GPU each), gloo on one
                          GPU (NCCL refuses two ranks on one device) or on CPU
 * ``device_stats``       raycolo/engines/device_stats.py: NVML figures against
@@ -506,10 +506,8 @@ def _p2p_rank(rank: int, backend: str, device_str: str, store_path: str, tokens_
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        try:
-            from raycolo.actors.stage_worker import StageProcess
-        except ImportError:          # run from the source tree without raycolo installed
-            from actors.stage_worker import StageProcess
+        from raycolo.executor.stage_ops import ForwardStep, TrainBackward, TrainForward
+        from raycolo.executor.stage_process import StageProcess
         device = torch.device(device_str)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -527,12 +525,10 @@ def _p2p_rank(rank: int, backend: str, device_str: str, store_path: str, tokens_
         for step in range(P2P_STEPS):
             seq += 1
             toks = ps if step == 0 else [[o[-1]] for o in outs]
-            op = {"kind": "prefill" if step == 0 else "decode", "requests": rids, "seq": seq,
-                  "counts": counts if step == 0 else [1] * len(ps), "after": seq, "sampling": None}
-            if rank == 0:
-                op["tokens"] = toks
+            op = ForwardStep(prefill=step == 0, requests=rids, seq=seq, after=seq,
+                             counts=counts if step == 0 else [1] * len(ps), tokens=toks if rank == 0 else None)
             result = proc.run(op)
-            new = result["tokens"] if rank == 1 else tokens_q.get(timeout=120)
+            new = result.tokens if rank == 1 else tokens_q.get(timeout=120)
             if rank == 1:
                 tokens_q.put(new)
             for o, t in zip(outs, new):
@@ -541,16 +537,15 @@ def _p2p_rank(rank: int, backend: str, device_str: str, store_path: str, tokens_
         samples = [(p, p[1:6]) for p in _prompts([8, 13, 5], seed=4)]
         ids, _, lengths = _training_batch()
         shape = list(ids.shape)
-        f = {"kind": "train_f", "task": 1, "samples": samples, "shape": shape, "lengths": lengths,
-             "seq": 1000 + rank, "after": 1000}
+        f = TrainForward(task=1, samples=samples, shape=shape, lengths=lengths, seq=1000 + rank, after=1000,
+                         beta=0.1)
         result = proc.run(f)
-        b = {"kind": "train_b", "task": 1, "shape": shape, "seq": 2000 + rank, "after": 2001}
-        proc.run(b)
+        proc.run(TrainBackward(task=1, shape=shape, seq=2000 + rank, after=2001))
         proc.received(list(proc.pending))
         dist.barrier()
         # numpy, not tensors: torch pickles tensors through shared memory, gone with this process
         state = {k: v.detach().cpu().numpy() for k, v in st.lora_state().items()}
-        results_q.put((rank, {"tokens": outs, "loss": result.get("loss"), "state": state}))
+        results_q.put((rank, {"tokens": outs, "loss": result.loss, "state": state}))
         dist.destroy_process_group()
     except BaseException as exc:     # noqa: BLE001 - reported as the row's failure
         results_q.put((rank, {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
