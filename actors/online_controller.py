@@ -31,21 +31,19 @@ from typing import Optional
 import ray
 
 from raycolo.errors import ConfigError
-from raycolo.executor.stage_ops import (DropActivations, ForwardStep, LoadWeights, ReleaseKV, StageResult, StageWork,
-                                        TrainBackward, TrainForward)
+from raycolo.executor.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
 from raycolo.actors.front_channel import FrontKey
 from raycolo.actors.online_adapters import AdapterVersions
 from raycolo.actors.online_reports import Reports
 from raycolo.online.cluster import Cluster
-from raycolo.online.config import OnlineConfig, layer_bounds, model_hf_config, prior_profile
+from raycolo.online.config import OnlineConfig, layer_bounds, live_profile, model_hf_config, stage_build
 from raycolo.online.driver import ClusterDriver, OpLost
 from raycolo.online.node import Op
 from raycolo.online.node_events import OpResult
-from raycolo.online.profiles import NodeProfile
+from raycolo.online.stage_messages import ServedRequest, TrainingShare, stage_message, take_token, training_share
 from raycolo.online.samples import (Cursor, SampleStore, TrainingLedger, clip_sample, from_ranges, plan_resumption,
                                     training_rows)
-from raycolo.generation import SamplingParams, check_stop, stop_token_set
-from raycolo.generation.sampler import SamplingRow, plain
+from raycolo.generation import SamplingParams, stop_token_set
 from raycolo.online.tasks import OnlineTask
 
 
@@ -55,24 +53,14 @@ LOST_IN_RESTART = ("request {rid} was accepted before the deployment's controlle
 
 
 @dataclass
-class LiveRequest:
+class LiveRequest(ServedRequest):
     """A request's events go to its stream: ("logprob", TokenLogprob) before its token
     where log-probabilities were asked for; ("token", id) for each token of the text;
     ("stop_token", id) for the stop token that ended it (counted, never text); then
     ("done", finish_reason), or ("error", why)."""
 
-    task: OnlineTask
-    prompt: list[int]
-    params: SamplingParams
-    seed: int = 0
-    stop_ids: frozenset = frozenset()   # raycolo.generation.stop_token_set
-    generated: list[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted_s: float = 0.0
-    cancelled: Optional[str] = None     # finish it at its next token with this reason
-    base: bool = False                  # served by the base model, without the adapter
-    version: Optional[int] = None       # served by this saved adapter version (<model>@v<k>)
 
 
 START_TIMEOUT_S = 300.0    # stage workers must register within this
@@ -104,12 +92,7 @@ class OnlineController(AdapterVersions, Reports):
         self.tokenizer = load_tokenizer(cfg.model_loading_config.model_id)
         self.model_config = model_hf_config(cfg.model_loading_config.model_id)
         self.bounds = layer_bounds(self.model_config.num_hidden_layers, cfg.stages)
-        if cfg.profile:
-            profile = NodeProfile.model_validate_json(Path(cfg.profile).read_text())
-        else:
-            dtype_bytes = {"float64": 8, "float32": 4}.get(cfg.model_loading_config.dtype, 2)
-            profile = prior_profile(self.model_config, cfg.stages, cfg.stage, cfg.lemix, cfg.prior_gflops,
-                                    dtype_bytes, f"live-{cfg.model_loading_config.model_id}")
+        profile = live_profile(cfg, self.model_config)
         self.policy = make_online_policy(cfg.policy, cfg.lemix, nodes=cfg.nodes, train_rate=cfg.train_rate)
         self.cluster = Cluster(self.policy, profile, cfg.nodes, cfg.lemix)
         self.store = SampleStore(cfg.sample_store)
@@ -294,16 +277,9 @@ class OnlineController(AdapterVersions, Reports):
         from raycolo.actors.stage_worker import stage_loop
 
         cfg = self.config
-        blocks = -(-cfg.stage.kv_cache_tokens // cfg.stage.block_size)
         loop_config = {
-            "node": n, "controller": self.name, "namespace": self.namespace,
-            "model_id": cfg.model_loading_config.model_id, "seed": cfg.model_loading_config.seed,
-            "dtype": cfg.model_loading_config.dtype, "device": cfg.stage.device,
-            "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
-                     "target_modules": tuple(cfg.lora.target_modules), "lr": cfg.lora.lr,
-                     "seed": cfg.model_loading_config.seed},
-            "layer_bounds": self.bounds, "num_blocks": blocks, "block_size": cfg.stage.block_size,
-            "cpu_threads": cfg.stage.cpu_threads, "pinned_versions": cfg.serve.pinned_versions,
+            "node": n, "controller": self.name, "namespace": self.namespace, **stage_build(cfg),
+            "layer_bounds": self.bounds, "cpu_threads": cfg.stage.cpu_threads,
             "init_from": cfg.lora.init_from,      # every stage starts from its part (no checkpoint restored)
             "run_dir": str(Path(cfg.storage_path).resolve() / self.run_name(n)),
         }
@@ -607,54 +583,14 @@ class OnlineController(AdapterVersions, Reports):
                     req.events.put_nowait(("error", why))
 
     def _payload(self, op: Op) -> StageWork:
-        s, last = op.stage, op.stage == self.config.stages - 1
-        common = dict(seq=op.seq, after=op.after, received=tuple(self.received.pop((op.node, s), ())))
-        if op.kind in ("prefill", "decode"):
-            reqs = [self.requests[r.task_id] for r in op.tasks]
-            if op.kind == "prefill":      # a resumed request re-prefills what it streamed too
-                tokens = [q.prompt + q.generated for q in reqs]
-            else:
-                tokens = [[q.generated[-1]] for q in reqs]
-            sampling = None     # the last stage samples (raycolo.generation.sampler); None: all plain greedy
-            if last and not all(plain(q.params) for q in reqs):
-                sampling = [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids) for q in reqs]
-            return ForwardStep(prefill=op.kind == "prefill", requests=[q.task.task_id for q in reqs],
-                               counts=[len(t) for t in tokens], tokens=tokens if s == 0 else None,
-                               base=tuple(q.task.task_id for q in reqs if q.base),
-                               pinned={q.task.task_id: str(self._version_dir(q.version))
-                                       for q in reqs if q.version is not None},
-                               sampling=sampling, **common)
-        if op.kind in ("train_f", "train_b"):
-            task = op.tasks[0]
-            root, samples, share = self._samples_of(op)
-            rows, preference = training_rows(samples)
-            lengths = [len(p) + len(c) for p, c in rows]
-            shape = (len(rows), max(lengths))
-            if op.kind == "train_b":
-                return TrainBackward(task=task.task_id, shape=shape, preference=preference, step=op.step,
-                                     group=root, **common)
-            return TrainForward(task=task.task_id, shape=shape, lengths=lengths, preference=preference,
-                                beta=self.config.lora.dpo_beta, loss_scale=share,
-                                samples=samples if (s == 0 or last) else None, **common)
-        if op.kind == "sync":
-            return LoadWeights(adapter=str(self.adapter_dir / f"v{op.tasks[0]}"), **common)
-        raise ValueError(f"no stage message for op kind {op.kind!r}")
+        return stage_message(op, self.config.stages, self.requests, self._samples_of,
+                             lambda v: str(self._version_dir(v)), lambda v: str(self.adapter_dir / f"v{v}"),
+                             self.config.lora.dpo_beta, self.received.pop((op.node, op.stage), ()))
 
-    def _samples_of(self, op: Op) -> tuple[int, list, float]:
-        """A training op's task: its root task id, its samples (clipped to lora.max_len)
-        and its share of the root's loss (1 unless SIRIUS split the task into micro-batches:
-        then its share of the labelled tokens, or of the pairs, so that the micro-batches'
-        gradients add up to the whole task's)."""
-        task = op.tasks[0]
-        piece = self.cluster.nodes[op.node].micro.piece(task.task_id)
-        root = task.task_id if piece is None else piece.root
-        everything = [clip_sample(x, self.config.lora.max_len) for x in self.train_tasks[root]]
-        if piece is None:
-            return root, everything, 1.0
-        mine = everything[piece.first:piece.first + piece.samples]
-        if len(everything[0]) == 3:
-            return root, mine, len(mine) / len(everything)
-        return root, mine, sum(len(c) for _, c in mine) / sum(len(c) for _, c in everything)
+    def _samples_of(self, op: Op) -> TrainingShare:
+        """A training op's task: its root task id, its samples and its share of the root's loss."""
+        return training_share(op, self.cluster.nodes[op.node].micro, self.train_tasks.__getitem__,
+                              self.config.lora.max_len)
 
     def _run_failed(self, exc: BaseException) -> None:
         """An op failed and the driver stopped: no request may wait for ever, so every one
@@ -680,10 +616,8 @@ class OnlineController(AdapterVersions, Reports):
             logprobs = result.logprobs or [None] * len(op.tasks)
             for r, token, logprob in zip(op.tasks, result.tokens, logprobs):
                 req = self.requests[r.task_id]
-                reason = req.cancelled
-                if reason is None:     # raycolo.generation's stop rules
-                    req.generated.append(token)
-                    reason = check_stop(req.params, req.stop_ids, req.generated)
+                kept, reason = take_token(req, token)     # raycolo.generation's stop rules
+                if kept:
                     if logprob is not None:
                         req.events.put_nowait(("logprob", logprob))
                     req.events.put_nowait(("stop_token" if reason == "stop" else "token", token))
@@ -699,7 +633,7 @@ class OnlineController(AdapterVersions, Reports):
         elif op.kind == "train_b" and op.stage == 0:
             if not op.step:           # a micro-batch of a task whose last one is still to come
                 return OpResult()
-            root, _, _ = self._samples_of(op)
+            root = self._samples_of(op).root
             self.train_tasks.pop(root, None)
             self.ledger.train(op.node, self.train_seqs.pop(root, []))
             self.last_trained_node = op.node

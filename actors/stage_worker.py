@@ -17,7 +17,7 @@ import time
 
 from raycolo.engines.device_stats import device_reading
 from raycolo.executor.stage_ops import QUIET, ReadAdapter, SaveCheckpoint, StageResult
-from raycolo.executor.stage_process import StageProcess
+from raycolo.executor.stage_process import StageProcess, build_stage
 
 DEVICE_READING_EVERY_S = 2.0      # how often a stage reports its device's memory (and GPU use)
 
@@ -28,22 +28,14 @@ def stage_loop(config: dict) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from raycolo.engines.models import load_model
     from raycolo.engines.threads import apply_thread_policy
-    from raycolo.executor.stage import LoraSettings, StageModel, add_lora
 
     ctx = ray.train.get_context()
     stage, stages = ctx.get_world_rank(), ctx.get_world_size()
     node = config["node"]
     apply_thread_policy(config.get("cpu_threads"))
     controller = ray.get_actor(config["controller"], namespace=config["namespace"])
-    model, _ = load_model(config["model_id"], seed=config["seed"], dtype=config["dtype"],
-                          device=config["device"])
-    lora = LoraSettings(**config["lora"])
-    model = add_lora(model, lora)
-    bounds = config["layer_bounds"]
-    stage_model = StageModel(model, (bounds[stage], bounds[stage + 1]), config["num_blocks"],
-                             config["block_size"], lr=lora.lr, pinned_cache=config["pinned_versions"])
+    stage_model, model_config = build_stage(config, config["layer_bounds"], stage)
     checkpoint = ray.train.get_checkpoint()
     restored = None          # the adapter version a restarted group resumes from
     resumed = {}             # stage 0: the samples that version holds, and the cursor saved with it
@@ -68,7 +60,7 @@ def stage_loop(config: dict) -> None:
         from raycolo.executor.stage import ADAPTER_WEIGHTS_FILE
 
         stage_model.load_lora_state(load_file(os.path.join(config["init_from"], ADAPTER_WEIGHTS_FILE)))
-    proc = StageProcess(stage_model, stage, stages, model.config.hidden_size,
+    proc = StageProcess(stage_model, stage, stages, model_config.hidden_size,
                         next(stage_model.executor.layers[0].parameters()).dtype, dist)
     me = ray.get_runtime_context()
     epoch = ray.get(controller.register.remote(node, stage, {

@@ -170,3 +170,18 @@ class StageProcess:
             result.loss = float(causal_lm_loss(out, labels))
         else:
             self._send(out, self.stage + 1, op.seq)
+
+
+def build_stage(build: dict, bounds, stage: int):
+    """Stage ``stage``'s model (layers ``bounds[stage]:bounds[stage + 1]`` of the checkpoint,
+    peft LoRA on them) from a deployment's :func:`raycolo.online.config.stage_build`;
+    returns (StageModel, the model's transformers config)."""
+    from raycolo.engines.models import load_model
+    from raycolo.executor.stage import LoraSettings, StageModel, add_lora
+
+    model, _ = load_model(build["model_id"], seed=build["seed"], dtype=build["dtype"], device=build["device"])
+    lora = LoraSettings(**build["lora"])
+    model = add_lora(model, lora)
+    stage_model = StageModel(model, (bounds[stage], bounds[stage + 1]), build["num_blocks"], build["block_size"],
+                             lr=lora.lr, pinned_cache=build["pinned_versions"])
+    return stage_model, model.config

@@ -115,8 +115,7 @@ class Cluster:
 
     def new_node(self, n: int) -> NodeScheduler:
         """Node ``n``'s scheduler as this cluster builds it (its mirror, or its loop)."""
-        return NodeScheduler(n, self.profile, self.params, self.policy.capabilities.memory_aware,
-                             rule=self.policy.stage_rule(self.profile, self.params))
+        return node_scheduler(self.policy, self.profile, self.params, n)
 
     def dispatch(self, decision: Decision, now: float) -> ClusterStep:
         """The decided task reaches its node."""
@@ -300,3 +299,10 @@ def resumed_task(task: OnlineTask, generated: int) -> OnlineTask:
     return replace(task, length=task.length + generated,
                    decode_tokens=max(0, task.decode_tokens - generated),
                    max_tokens=task.token_budget - generated)
+
+
+def node_scheduler(policy, profile, params, n: int) -> NodeScheduler:
+    """Node ``n``'s scheduler under ``policy``: the same wherever it is built (a cluster's
+    mirror, or the node's own loop next to its stages)."""
+    return NodeScheduler(n, profile, params, policy.capabilities.memory_aware,
+                         rule=policy.stage_rule(profile, params))

@@ -341,6 +341,29 @@ def load_online_config(path) -> OnlineConfig:
     return parse_online_config(values, str(path))
 
 
+def stage_build(config: "OnlineConfig") -> dict:
+    """What every stage process of a deployment builds its model from
+    (:func:`raycolo.executor.stage_process.build_stage`)."""
+    cfg = config
+    return {"model_id": cfg.model_loading_config.model_id, "seed": cfg.model_loading_config.seed,
+            "dtype": cfg.model_loading_config.dtype, "device": cfg.stage.device,
+            "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
+                     "target_modules": tuple(cfg.lora.target_modules), "lr": cfg.lora.lr,
+                     "seed": cfg.model_loading_config.seed},
+            "num_blocks": -(-cfg.stage.kv_cache_tokens // cfg.stage.block_size),
+            "block_size": cfg.stage.block_size, "pinned_versions": cfg.serve.pinned_versions}
+
+
+def live_profile(config: "OnlineConfig", model_config) -> NodeProfile:
+    """The node profile a live deployment starts from: ``config.profile`` (a saved one) or
+    the prior from the model's shapes at ``prior_gflops``."""
+    if config.profile:
+        return NodeProfile.model_validate_json(Path(config.profile).read_text())
+    dtype_bytes = {"float64": 8, "float32": 4}.get(config.model_loading_config.dtype, 2)
+    return prior_profile(model_config, config.stages, config.stage, config.lemix, config.prior_gflops,
+                         dtype_bytes, f"live-{config.model_loading_config.model_id}")
+
+
 def prior_profile(model_config, stages: int, spec: StageSpec, lemix: LemixParams, gflops: float,
                   dtype_bytes: int, name: str) -> NodeProfile:
     """A node profile for a live model before anything is measured: FLOPs of the stage's

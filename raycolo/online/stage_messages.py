@@ -1,0 +1,117 @@
+"""The one rule for what a stage is told to run for a node's op, and for what a sampled
+token does to its request: shared by the online controller (which runs every node's
+scheduler today) and a node loop (:mod:`raycolo.online.node_loop`, which runs one node's
+scheduler next to its stages).
+
+* :func:`stage_message` turns a :class:`~raycolo.online.node.Op` into the typed message of
+  :mod:`raycolo.executor.stage_ops` its stage runs, from the requests' state (prompts,
+  tokens so far, sampling settings, pinned adapters) and the training tasks' samples.
+* :func:`take_token` appends a sampled token to its request and says whether it ended it
+  (raycolo.generation's stop rules: stop tokens after ``min_tokens``, ``max_tokens``; a
+  cancelled request ends at its next token without it).
+
+A request here is anything with the attributes of :class:`ServedRequest` (the
+controller's ``LiveRequest`` adds its stream). Pure: no torch, no Ray.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+from raycolo.executor.stage_ops import ForwardStep, LoadWeights, StageWork, TrainBackward, TrainForward
+from raycolo.generation import SamplingParams, check_stop
+from raycolo.generation.sampler import SamplingRow, plain
+from raycolo.online.node import Op
+from raycolo.online.samples import clip_sample, training_rows
+from raycolo.online.tasks import OnlineTask
+
+
+@dataclass
+class ServedRequest:
+    """What a node needs of a request it serves."""
+
+    task: OnlineTask
+    prompt: list[int]
+    params: SamplingParams
+    seed: int = 0
+    stop_ids: frozenset = frozenset()   # raycolo.generation.stop_token_set
+    generated: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    cancelled: Optional[str] = None     # finish it at its next token with this reason
+    base: bool = False                  # served by the base model, without the adapter
+    version: Optional[int] = None       # served by this saved adapter version (<model>@v<k>)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingShare:
+    """A training op's samples: its root task (the task SIRIUS split, or itself), the
+    samples it trains on, and its share of the root's loss."""
+
+    root: int
+    samples: list
+    share: float = 1.0
+
+
+def training_share(op: Op, micro, samples_of: Callable[[int], list], max_len: int) -> TrainingShare:
+    """A training op's samples (clipped to ``max_len``) and loss share: 1 unless SIRIUS
+    split the task into micro-batches (``micro``: the node's
+    :class:`~raycolo.online.microbatches.MicroBatches`); then its share of the labelled
+    tokens, or of the pairs, so that the micro-batches' gradients add up to the whole
+    task's. ``samples_of(root)``: the root task's samples."""
+    task = op.tasks[0]
+    piece = micro.piece(task.task_id)
+    root = task.task_id if piece is None else piece.root
+    everything = [clip_sample(x, max_len) for x in samples_of(root)]
+    if piece is None:
+        return TrainingShare(root, everything)
+    mine = everything[piece.first:piece.first + piece.samples]
+    if len(everything[0]) == 3:
+        return TrainingShare(root, mine, len(mine) / len(everything))
+    return TrainingShare(root, mine, sum(len(c) for _, c in mine) / sum(len(c) for _, c in everything))
+
+
+def stage_message(op: Op, stages: int, requests: Mapping[int, ServedRequest],
+                  training: Callable[[Op], TrainingShare], version_dir: Callable[[object], str],
+                  sync_dir: Callable[[int], str], dpo_beta: float, received: tuple = ()) -> StageWork:
+    """What ``op``'s stage runs. ``training(op)``: a training op's samples;
+    ``version_dir(version)``: where a pinned adapter version is; ``sync_dir(version)``:
+    where SEPARATE's synced weights are; ``received``: the stage's sends since consumed."""
+    s, last = op.stage, op.stage == stages - 1
+    common = dict(seq=op.seq, after=op.after, received=tuple(received))
+    if op.kind in ("prefill", "decode"):
+        reqs = [requests[r.task_id] for r in op.tasks]
+        if op.kind == "prefill":      # a resumed request re-prefills what it streamed too
+            tokens = [q.prompt + q.generated for q in reqs]
+        else:
+            tokens = [[q.generated[-1]] for q in reqs]
+        sampling = None     # the last stage samples (raycolo.generation.sampler); None: all plain greedy
+        if last and not all(plain(q.params) for q in reqs):
+            sampling = [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids) for q in reqs]
+        return ForwardStep(prefill=op.kind == "prefill", requests=[q.task.task_id for q in reqs],
+                           counts=[len(t) for t in tokens], tokens=tokens if s == 0 else None,
+                           base=tuple(q.task.task_id for q in reqs if q.base),
+                           pinned={q.task.task_id: version_dir(q.version) for q in reqs if q.version is not None},
+                           sampling=sampling, **common)
+    if op.kind in ("train_f", "train_b"):
+        share = training(op)
+        rows, preference = training_rows(share.samples)
+        lengths = [len(p) + len(c) for p, c in rows]
+        shape = (len(rows), max(lengths))
+        if op.kind == "train_b":
+            return TrainBackward(task=op.tasks[0].task_id, shape=shape, preference=preference, step=op.step,
+                                 group=share.root, **common)
+        return TrainForward(task=op.tasks[0].task_id, shape=shape, lengths=lengths, preference=preference,
+                            beta=dpo_beta, loss_scale=share.share,
+                            samples=share.samples if (s == 0 or last) else None, **common)
+    if op.kind == "sync":
+        return LoadWeights(adapter=sync_dir(op.tasks[0]), **common)
+    raise ValueError(f"no stage message for op kind {op.kind!r}")
+
+
+def take_token(req: ServedRequest, token: int) -> tuple[bool, Optional[str]]:
+    """The last stage sampled ``token`` for ``req``: (whether the token is the request's,
+    why the request ends now or None). A cancelled request ends without it."""
+    if req.cancelled is not None:
+        return False, req.cancelled
+    req.generated.append(token)
+    return True, check_stop(req.params, req.stop_ids, req.generated)
