@@ -21,7 +21,6 @@ import queue
 import tempfile
 import traceback
 from dataclasses import dataclass, field
-from typing import Optional
 
 RESULT_TIMEOUT_S = 600.0
 
@@ -34,6 +33,7 @@ class RequestSpec:
     base: bool = False          # served by the base model (LoRA off)
     temperature: float = 0.0
     seed: int = 0
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,8 @@ def _drive(spec: NodeRunSpec, cfg, proc, dist, group, model_config, live_profile
                 loop.train(OnlineTask(1_000_000 + i, "train", now, length, len(samples)), samples, now)
             else:
                 r = spec.requests[i]
-                params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed)
+                params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed,
+                                        ignore_eos=r.ignore_eos)
                 task = OnlineTask(i, "inference", now, len(r.prompt), max_tokens=r.max_tokens)
                 served[i] = ServedRequest(task, list(r.prompt), params, seed=r.seed,
                                           stop_ids=stop_token_set(params, eos), base=r.base)
@@ -199,6 +200,3 @@ def run_node(spec: NodeRunSpec) -> NodeRunResult:
     return NodeRunResult(first["tokens"], first["finish"], first["token_times"],
                          dict(enumerate(first["losses"])), first["report"], first["ops_run"], lora)
 
-
-def first_failure(results: dict) -> Optional[BaseException]:
-    return next((v for v in results.values() if isinstance(v, BaseException)), None)
