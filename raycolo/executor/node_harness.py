@@ -75,7 +75,7 @@ def _run_stage(rank: int, spec: NodeRunSpec, store_path: str):
 
     from raycolo.executor.node_pipeline import serve_stage
     from raycolo.executor.stage_process import StageProcess, build_stage
-    from raycolo.online.config import OnlineConfig, layer_bounds, live_profile, model_hf_config, stage_build
+    from raycolo.online.config import OnlineConfig, layer_bounds, model_hf_config, stage_build
 
     torch.set_num_threads(spec.threads)
     cfg = OnlineConfig.model_validate(spec.config)
@@ -87,7 +87,7 @@ def _run_stage(rank: int, spec: NodeRunSpec, store_path: str):
         dist.init_process_group(cfg.stage.backend, store=dist.FileStore(store_path, stages), rank=rank,
                                 world_size=stages,
                                 **({"device_id": torch.device("cuda", 0)} if cfg.stage.backend == "nccl" else {}))
-    group = dist.new_group(backend="gloo") if cfg.stage.backend == "nccl" else None
+    group = dist.new_group(backend="gloo") if stages > 1 and cfg.stage.backend == "nccl" else None
     model_id = cfg.model_loading_config.model_id
     stage_model, model_config = build_stage(stage_build(cfg), layer_bounds(model_hf_config(model_id).num_hidden_layers,
                                                                             stages), rank)
@@ -97,8 +97,7 @@ def _run_stage(rank: int, spec: NodeRunSpec, store_path: str):
         if rank > 0:
             serve_stage(proc, dist, group)
             return {"lora": _lora(stage_model)}
-        return _drive(spec, cfg, proc, dist if stages > 1 else None, group, model_config, live_profile,
-                      stage_model)
+        return _drive(spec, cfg, proc, dist if stages > 1 else None, group, model_config, stage_model)
     finally:
         if stages > 1:
             dist.barrier()
@@ -109,12 +108,14 @@ def _lora(stage_model) -> dict:
     return {k: v.detach().float().cpu().numpy() for k, v in stage_model.lora_state().items()}
 
 
-def _drive(spec: NodeRunSpec, cfg, proc, dist, group, model_config, live_profile, stage_model) -> dict:
+def _drive(spec: NodeRunSpec, cfg, proc, dist, group, model_config, stage_model) -> dict:
     from raycolo.engines.models import load_tokenizer
     from raycolo.executor.node_pipeline import NodePipeline
     from raycolo.generation import SamplingParams, stop_token_set
     from raycolo.online.cluster import node_scheduler
-    from raycolo.online.node_loop import NodeLoop
+    from raycolo.online.config import live_profile
+    from raycolo.online.node_events import OpDone
+    from raycolo.online.node_loop import NodeLoop, NodeReport
     from raycolo.online.stage_messages import ServedRequest
     from raycolo.online.tasks import OnlineTask
     from raycolo.policies import make_online_policy
@@ -127,9 +128,8 @@ def _drive(spec: NodeRunSpec, cfg, proc, dist, group, model_config, live_profile
     arrivals = sorted([(r.at_s, 0, i) for i, r in enumerate(spec.requests)] +
                       [(t.at_s, 1, i) for i, t in enumerate(spec.training)])
     served: dict[int, ServedRequest] = {}
-    n_tasks = len(arrivals)
     report_events, token_times, losses = [], {}, {}
-    while arrivals or len(served) + len(losses) < n_tasks or not loop.idle:
+    while arrivals or not loop.idle or len(losses) < len(spec.training):
         now = pipe.now()
         while arrivals and arrivals[0][0] <= now:
             _, is_train, i = arrivals.pop(0)
@@ -149,17 +149,13 @@ def _drive(spec: NodeRunSpec, cfg, proc, dist, group, model_config, live_profile
         report = loop.take_report()
         report_events.extend(report.events)
         for event, _ in report.events:
-            if type(event).__name__ == "OpDone" and event.loss is not None:
+            if type(event) is OpDone and event.loss is not None:
                 losses[event.seq] = event.loss
         for t in report.tokens:
             token_times.setdefault(t.task_id, []).append(pipe.now())
         if pipe.now() > spec.timeout_s:
             raise TimeoutError(f"the node did not finish its work within {spec.timeout_s:g} s")
-        if len(losses) >= len(spec.training) and all(q.finish_reason for q in served.values()) \
-                and len(served) == len(spec.requests) and not arrivals and loop.idle:
-            break
     pipe.close()
-    from raycolo.online.node_loop import NodeReport
 
     return {"tokens": {i: list(q.generated) for i, q in served.items()},
             "finish": {i: q.finish_reason for i, q in served.items()},

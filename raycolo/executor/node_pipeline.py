@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Callable, Optional
+from typing import Callable
 
 from raycolo.executor.stage_ops import QUIET, StageResult, Stop
 from raycolo.executor.stage_process import StageProcess
@@ -63,7 +63,7 @@ class NodePipeline:
                 send_message(out.message, out.stage, DOWN_TAG, self.dist, self.group)
 
     def _absorb(self, stage: int, answer) -> None:
-        if isinstance(answer, BaseException) or (answer is not None and not isinstance(answer, StageResult)):
+        if answer is not None and not isinstance(answer, StageResult):     # the op raised there
             raise StageFailed(f"stage {stage}: {answer!r}")
         if answer is not None:
             self.ops_run[stage] += 1
@@ -110,7 +110,7 @@ class NodePipeline:
             t.join(timeout_s)
 
 
-def serve_stage(proc: StageProcess, dist, group=None, on_result: Optional[Callable] = None) -> int:
+def serve_stage(proc: StageProcess, dist, group=None) -> int:
     """Stage s > 0 of a node: run what stage 0 sends until it says stop; answer each op's
     result (an op that raises answers the exception, then raises). Returns the ops run."""
     ran = 0
@@ -126,6 +126,4 @@ def serve_stage(proc: StageProcess, dist, group=None, on_result: Optional[Callab
             raise
         if not isinstance(message, QUIET):
             ran += 1
-            if on_result is not None:
-                on_result(result)
             send_message(result, 0, UP_TAG, dist, group)

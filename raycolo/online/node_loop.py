@@ -79,7 +79,6 @@ class NodeLoop:
         self.received: dict[int, list] = {}        # stage -> its sends since consumed
         self.outbox: list[Outgoing] = []
         self.report = NodeReport(node.index)
-        self.trained: list[OnlineTask] = []        # training tasks whose backward reached stage 0
 
     # -- inputs ----------------------------------------------------------------------------
     def serve(self, request: ServedRequest, now: float) -> None:
@@ -160,9 +159,8 @@ class NodeLoop:
         for task_id in step.aborted:     # SIRIUS took memory back: the stages drop activations
             for s in range(self.stages):
                 self.outbox.append(Outgoing(s, DropActivations(seq=-1, tasks=(task_id,))))
-        for task in step.trained:
+        for task in step.trained:        # its backward reached stage 0
             self.samples.pop(task.task_id, None)
-            self.trained.append(task)
 
 
 def replay(mirror: NodeScheduler, report: NodeReport) -> list[NodeStep]:
