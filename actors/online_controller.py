@@ -34,6 +34,7 @@ from raycolo.errors import ConfigError
 from raycolo.executor.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
 from raycolo.actors.front_channel import FrontKey
 from raycolo.actors.online_adapters import AdapterVersions
+from raycolo.actors.online_nodes import NodeLinks
 from raycolo.actors.online_reports import Reports
 from raycolo.online.cluster import Cluster
 from raycolo.online.config import OnlineConfig, layer_bounds, live_profile, model_hf_config, stage_build
@@ -81,7 +82,7 @@ class FrontQueue:
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
-class OnlineController(AdapterVersions, Reports):
+class OnlineController(AdapterVersions, Reports, NodeLinks):
     def __init__(self, config: dict, name: str, namespace: str):
         from raycolo.engines.models import load_tokenizer
         from raycolo.policies import make_online_policy
@@ -154,6 +155,7 @@ class OnlineController(AdapterVersions, Reports):
         # (node, stage) -> seqs of its sends that their receivers consumed: told to it with
         # its next op, so it lets go of them (gloo's isend reports completion only to wait())
         self.received: dict[tuple[int, int], list[int]] = {}
+        self._links_init()
 
     # -- start and stop ----------------------------------------------------------------------
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> dict:
@@ -251,7 +253,8 @@ class OnlineController(AdapterVersions, Reports):
     def _driver(self) -> ClusterDriver:
         tick = self.config.lemix.slo_s(self.cluster.profile.forward_latency_s) / 4
         driver = ClusterDriver(self.cluster, self, retry_every_s=tick, on_failed=self._task_failed,
-                               on_aborted=self._training_aborted, on_error=self._run_failed)
+                               on_aborted=self._training_aborted, on_error=self._run_failed,
+                               link=self if self.node_loops else None)
         driver.start()
         self.mark_cpu()
         return driver
@@ -282,6 +285,7 @@ class OnlineController(AdapterVersions, Reports):
             "layer_bounds": self.bounds, "cpu_threads": cfg.stage.cpu_threads,
             "init_from": cfg.lora.init_from,      # every stage starts from its part (no checkpoint restored)
             "run_dir": str(Path(cfg.storage_path).resolve() / self.run_name(n)),
+            "data_plane": cfg.stage.data_plane,
         }
         return TorchTrainer(
             stage_loop, train_loop_config=loop_config,
@@ -378,6 +382,7 @@ class OnlineController(AdapterVersions, Reports):
     async def stop(self) -> dict:
         for q in self.queues.values():
             q.put_nowait(None)
+        self._links_stop()
         for f in self.fit_futures:
             try:
                 await asyncio.wait_for(asyncio.shield(f), 60)
@@ -497,6 +502,7 @@ class OnlineController(AdapterVersions, Reports):
             self.queues[(node, s)].put_nowait(None)
             self.queues[(node, s)] = asyncio.Queue()
             self.received.pop((node, s), None)
+        self._links_lost(node, reason)
         resumed = self.cluster.resumed
         if down:
             self.driver.node_down(node)
@@ -610,27 +616,39 @@ class OnlineController(AdapterVersions, Reports):
                 self.queues[(node, s)].put_nowait(DropActivations(seq=-1, tasks=(task_id,)))
 
     def _absorb_result(self, op: Op, result: StageResult) -> OpResult:
-        last = op.stage == self.config.stages - 1
-        finished = set()
-        if op.kind in ("prefill", "decode") and last:
+        if op.kind in ("prefill", "decode") and op.stage == self.config.stages - 1:
+            finished = set()
             logprobs = result.logprobs or [None] * len(op.tasks)
             for r, token, logprob in zip(op.tasks, result.tokens, logprobs):
                 req = self.requests[r.task_id]
                 kept, reason = take_token(req, token)     # raycolo.generation's stop rules
-                if kept:
-                    if logprob is not None:
-                        req.events.put_nowait(("logprob", logprob))
-                    req.events.put_nowait(("stop_token" if reason == "stop" else "token", token))
-                if reason:
-                    req.finish_reason = reason
+                if self._deliver(req, token, kept, reason, logprob):
                     finished.add(r.task_id)
-                    req.events.put_nowait(("done", reason))
                     for s in range(self.config.stages):
                         self.queues[(op.node, s)].put_nowait(ReleaseKV(seq=-1, requests=(r.task_id,)))
-        elif op.kind == "train_f" and last:   # the node's stage rule takes the loss (node_events.apply)
-            self.losses.append((time.time(), op.tasks[0].task_id, result.loss))
-            return OpResult(loss=result.loss)
-        elif op.kind == "train_b" and op.stage == 0:
+            return OpResult(frozenset(finished))
+        return self._training_done(op, result.loss)
+
+    @staticmethod
+    def _deliver(req: LiveRequest, token: int, kept: bool, reason: Optional[str], logprob) -> bool:
+        """A token the request got (``kept``: it is the request's; ``reason``: it ended it)
+        goes to its stream; returns whether the request ended."""
+        if kept:
+            if logprob is not None:
+                req.events.put_nowait(("logprob", logprob))
+            req.events.put_nowait(("stop_token" if reason == "stop" else "token", token))
+        if reason:
+            req.finish_reason = reason
+            req.events.put_nowait(("done", reason))
+        return bool(reason)
+
+    def _training_done(self, op: Op, loss: Optional[float]) -> OpResult:
+        """A training op ended (before its node's scheduler takes it in): a last-stage
+        forward's loss; a backward reaching stage 0 that takes the optimizer step."""
+        if op.kind == "train_f" and op.stage == self.config.stages - 1:   # the node's stage rule takes the loss
+            self.losses.append((time.time(), op.tasks[0].task_id, loss))
+            return OpResult(loss=loss)
+        if op.kind == "train_b" and op.stage == 0:
             if not op.step:           # a micro-batch of a task whose last one is still to come
                 return OpResult()
             root = self._samples_of(op).root
@@ -645,7 +663,7 @@ class OnlineController(AdapterVersions, Reports):
                 task = asyncio.get_running_loop().create_task(self._checkpoint(op.node))
                 self.background.add(task)
                 task.add_done_callback(self.background.discard)
-        return OpResult(frozenset(finished))
+        return OpResult()
 
     async def _paused(self, node: int, payloads: list) -> list:
         """Run out-of-band payloads, one per stage, with the node's scheduled ops held back
@@ -656,6 +674,8 @@ class OnlineController(AdapterVersions, Reports):
             await asyncio.sleep(0.001)
         gate.clear()
         try:
+            if self.node_loops:
+                return await self._paused_on_node(node, payloads)
             while self.inflight[node] > 0:
                 await asyncio.sleep(0.001)
             if callable(payloads):
@@ -786,6 +806,8 @@ class OnlineController(AdapterVersions, Reports):
         if req is not None and req.finish_reason is None and req.cancelled is None:
             req.cancelled = reason
             self.cancelled[reason] = self.cancelled.get(reason, 0) + 1
+            if self.node_loops:
+                self._cancel_on_nodes(rid, reason)
 
     def _request(self, rid: int) -> Optional[LiveRequest]:
         """Request ``rid``, or None when it was accepted before this controller restarted
@@ -952,3 +974,5 @@ class OnlineController(AdapterVersions, Reports):
         self.driver = self._driver()
         self.tasks = {}
         self.hops = 0
+        if self.node_loops:
+            self._adopt_on_nodes()

@@ -4,10 +4,11 @@ A node is one ``TorchTrainer`` whose S workers hold consecutive layer slices of 
 (:class:`~raycolo.executor.stage.StageModel`, LoRA on their layers). Ray Train gives them
 their process group (gloo on CPU, NCCL on GPU), gang placement, restarts and checkpoints.
 :func:`stage_loop` is the train function: a worker registers as ``node-<n>/stage-<s>``
-with the controller, then pulls ops from it forever (typed messages,
-:mod:`raycolo.executor.stage_ops`) and runs them with
-:class:`~raycolo.executor.stage_process.StageProcess` (each request for the next op
-carries the result of the last: one actor call per op).
+with the controller, then runs its ops (typed messages, :mod:`raycolo.executor.stage_ops`)
+with :class:`~raycolo.executor.stage_process.StageProcess`. With ``stage.data_plane:
+controller`` it pulls each op from the controller (each request for the next op carries
+the result of the last: one actor call per op); with ``node`` the node's own loop runs
+on its stage 0 and sends the other stages their ops (:mod:`raycolo.actors.node_worker`).
 """
 from __future__ import annotations
 
@@ -68,8 +69,27 @@ def stage_loop(config: dict) -> None:
         "node_ip": ray.util.get_node_ip_address(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "restored_version": restored, "restored_held": resumed.get("held"),
         "restored_cursor": resumed.get("cursor"), "placement_group": me.get_placement_group_id()}))
-    device = next(stage_model.executor.layers[0].parameters()).device
-    next_reading = 0.0
+    readings = DeviceReadings(next(stage_model.executor.layers[0].parameters()).device)
+
+    def checkpoint(op) -> StageResult | None:
+        """SaveCheckpoint: every stage reports its part to Ray Train; None for other ops."""
+        if not isinstance(op, SaveCheckpoint):
+            return None
+        # No flush of pending sends first: their receivers may be ops held back until the
+        # checkpoint is done (the weights do not depend on them).
+        proc.received(op.received)
+        _report_checkpoint(stage_model, stage, op)
+        if stage == 0:   # the node serves on while Ray Train commits the checkpoint
+            threading.Thread(target=_await_commit, args=(controller, node, epoch, op.version, config["run_dir"]),
+                             daemon=True).start()
+        # the weights come back too: the controller keeps the version servable (@v<k>)
+        return StageResult(op.seq, state=stage_model.lora_state())
+
+    if config.get("data_plane") == "node":
+        from raycolo.actors.node_worker import run_node_stage
+
+        run_node_stage(controller, node, stage, epoch, proc, dist, checkpoint, readings.annotate)
+        return
     done = None              # the StageResult of the last op, reported with the next request
     while True:
         op = ray.get(controller.next_op.remote(node, stage, epoch, done))
@@ -77,16 +97,7 @@ def stage_loop(config: dict) -> None:
         if op is None:          # the deployment stops
             return
         if isinstance(op, SaveCheckpoint):
-            # No flush of pending sends first: their receivers may be ops the controller
-            # holds back until the checkpoint is done (the weights do not depend on them).
-            proc.received(op.received)
-            _report_checkpoint(stage_model, stage, op)
-            # the weights come back too: the controller keeps the version servable (@v<k>)
-            ray.get(controller.op_done.remote(node, stage, epoch, StageResult(op.seq, state=stage_model.lora_state())))
-            if stage == 0:   # the node serves on while Ray Train commits the checkpoint
-                threading.Thread(target=_await_commit, args=(controller, node, epoch, op.version,
-                                                             config["run_dir"]),
-                                 daemon=True).start()
+            ray.get(controller.op_done.remote(node, stage, epoch, checkpoint(op)))
             continue
         if isinstance(op, ReadAdapter):
             controller.op_done.remote(node, stage, epoch, proc.run(op))
@@ -99,10 +110,20 @@ def stage_loop(config: dict) -> None:
         except Exception as exc:  # the op failed: the controller fails what it carried
             ray.get(controller.op_failed.remote(node, stage, epoch, op.seq, repr(exc)))
             raise
-        if time.monotonic() >= next_reading:   # the device's figures, every few seconds
-            result.device = device_reading(device)
-            next_reading = time.monotonic() + DEVICE_READING_EVERY_S
+        readings.annotate(result)
         done = result
+
+
+class DeviceReadings:
+    """Adds the device's figures to a result every ``DEVICE_READING_EVERY_S``."""
+
+    def __init__(self, device):
+        self.device, self.next_s = device, 0.0
+
+    def annotate(self, result: StageResult) -> None:
+        if time.monotonic() >= self.next_s:
+            result.device = device_reading(self.device)
+            self.next_s = time.monotonic() + DEVICE_READING_EVERY_S
 
 
 COMMIT_WAIT_S = 300.0

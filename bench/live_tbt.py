@@ -12,9 +12,13 @@ iteration through the same stages. This prints both, side by side:
 * **live TBT**: a deployment of 1 node x S stages (``--config`` with training off) replays
   B inference tasks that all arrive at once (prompts of ``--prompt-len``, ``--tokens``
   tokens each, EOS ignored); the run's TBT p50 as the controller records it (the HTTP
-  stream adds its hop on top). ``--repeats`` runs per batch, median.
+  stream adds its hop on top). ``--repeats`` runs per batch, median. One deployment per
+  ``--data-planes`` entry, one after the other: ``controller`` (every op an actor call
+  through the controller) and ``node`` (the node's loop on its stage 0; TBT from the times
+  the node's reports carry).
 
-    .venv/bin/python bench/live_tbt.py [--stages 2] [--batches 1,16] [--tokens 48] [--json out/bench_live_tbt.json]
+    .venv/bin/python bench/live_tbt.py [--stages 2] [--batches 1,16] [--tokens 48] [--data-planes controller,node]
+                                       [--json out/bench_live_tbt.json]
 """
 from __future__ import annotations
 
@@ -98,6 +102,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=200, help="executor iterations timed per batch")
+    ap.add_argument("--data-planes", default="controller,node")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from raycolo.actors.online_launch import OnlineDeployment
@@ -110,29 +115,38 @@ def main() -> int:
                                      "sample_store": str(work / "samples"),
                                      "storage_path": str(work / "checkpoints")})
     floor = {b: executor_step(config, b, args.prompt_len, args.steps) for b in batches}
-    dep = OnlineDeployment.start(config)
-    try:
-        live_tbt(dep, 4, args.prompt_len, 8, 1)                     # warm-up
-        live = {b: live_tbt(dep, b, args.prompt_len, args.tokens, args.repeats) for b in batches}
-        stats = dep.stats()
-    finally:
-        dep.stop()
+    live, stats = {}, {}
+    for plane in [p.strip() for p in args.data_planes.split(",") if p.strip()]:
+        dep = OnlineDeployment.start(config.model_copy(
+            update={"stage": config.stage.model_copy(update={"data_plane": plane})}))
+        try:
+            live_tbt(dep, 4, args.prompt_len, 8, 1)                     # warm-up
+            live[plane] = {b: live_tbt(dep, b, args.prompt_len, args.tokens, args.repeats) for b in batches}
+            stats[plane] = dep.stats()
+        finally:
+            dep.stop()
     model = config.model_loading_config.model_id
     print(f"Live TBT against the executor's own step: {model}, 1 node x {args.stages} stages "
           f"({config.stage.backend}, {config.stage.cpu_threads} thread(s) per stage), prompts of "
           f"{args.prompt_len}, {args.tokens} tokens, {args.repeats} runs per batch (medians)\n")
-    print("| batch | executor step, all stages (ms) | live TBT p50 (ms) | live TBT p99 (ms) | live / executor |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| data plane | batch | executor step, all stages (ms) | live TBT p50 (ms) | live TBT p99 (ms) "
+          "| live / executor |")
+    print("|---|---:|---:|---:|---:|---:|")
     rows = []
-    for b in batches:
-        (p50, p99), step = live[b], floor[b]
-        rows.append({"batch": b, "executor_step_s": step, "live_tbt_p50_s": p50, "live_tbt_p99_s": p99,
-                     "ratio": p50 / step})
-        print(f"| {b} | {step * 1e3:.2f} | {p50 * 1e3:.2f} | {p99 * 1e3:.2f} | {p50 / step:.1f}x |")
-    print(f"\ntarget: live / executor <= 1.3 (issue 27); actor hops per decode iteration "
-          f"{stats['hops_per_decode_iteration']:.1f}")
+    for plane, by_batch in live.items():
+        for b in batches:
+            (p50, p99), step = by_batch[b], floor[b]
+            rows.append({"data_plane": plane, "batch": b, "executor_step_s": step, "live_tbt_p50_s": p50,
+                         "live_tbt_p99_s": p99, "ratio": p50 / step})
+            print(f"| {plane} | {b} | {step * 1e3:.2f} | {p50 * 1e3:.2f} | {p99 * 1e3:.2f} | {p50 / step:.2f}x |")
+    print("\ntarget: live / executor <= 1.3 (issue 27). Controller calls per decode iteration "
+          "(node: reports and command polls):")
+    for plane, st in stats.items():
+        print(f"  {plane}: {st['hops_per_decode_iteration']:.2f}")
     if args.json:
-        write_json(args.json, {"rows": rows, "stages": args.stages, "model": model})
+        write_json(args.json, {"rows": rows, "stages": args.stages, "model": model,
+                               "hops_per_decode_iteration": {p: st["hops_per_decode_iteration"]
+                                                             for p, st in stats.items()}})
     return 0
 
 

@@ -1,6 +1,8 @@
 """Checks the live online tests share."""
 from __future__ import annotations
 
+import os
+
 import socket
 import time
 from typing import Callable, Optional
@@ -44,7 +46,9 @@ def small_online_config(out, *, nodes: int, stages: int, model: str = "tiny-llam
         "nodes": nodes, "stages": stages, "policy": "lemix",
         "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2, **(lemix or {})},
         "lora": {"rank": 4, "alpha": 8, "lr": 0.01, "micro_batch": 2, **(lora or {})},
-        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 4096, **(stage or {})},
+        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 4096,
+                  **({"data_plane": os.environ["RAYCOLO_TEST_DATA_PLANE"]} if os.environ.get("RAYCOLO_TEST_DATA_PLANE") else {}),
+                  **(stage or {})},
         "max_tokens": 8,
         "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
         **fields,

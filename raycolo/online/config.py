@@ -97,6 +97,11 @@ class StageSpec(BaseModel):
     # A node whose worker group is lost and not back within this long has the samples it
     # trained since its last checkpoint trained on the other nodes.
     rejoin_s: float = Field(default=30.0, ge=0, le=3600)
+    # Where a node's scheduler runs. "node": in its first stage's process, next to the
+    # stages (raycolo/online/node_loop.py): ops go stage to stage over the stages' own
+    # process group and the controller keeps a mirror fed the node's reports, with no
+    # actor call per op. "controller": in the controller actor, every op one actor call.
+    data_plane: Literal["node", "controller"] = "controller"
 
 
 class ServeSpec(BaseModel):

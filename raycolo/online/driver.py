@@ -7,6 +7,13 @@ an asyncio event loop, whose clock is the executor's clock: it arms timers with
 awaits an :class:`OpRunner` (live: the node's stage workers; in tests: a runner that
 sleeps an op's profiled duration on a fake-time loop). Nothing in it knows which.
 
+With a :class:`NodeLink` the nodes run as loops of their own (live: in their first
+stage's process, :mod:`raycolo.online.node_loop`) and the cluster's nodes are their
+mirrors: the driver sends each node what the cluster wants of it (a task placed there,
+SEPARATE's weight sync) through the link, never starts a node's ops or arms its timers,
+and takes the node's events in with :meth:`ClusterDriver.absorb` as the node reports
+them, checking that the mirror does what the node did.
+
 Time is seconds since :meth:`ClusterDriver.start`. No Ray import: the controller actor
 wraps this class.
 """
@@ -19,7 +26,7 @@ from typing import Callable, Optional, Protocol
 
 from raycolo.online.cluster import Cluster, ClusterStep
 from raycolo.online.node import Op, Timer
-from raycolo.online.node_events import OpResult
+from raycolo.online.node_events import Dispatched, NodeEvent, OpResult, check_in_step
 from raycolo.online.scheduler import RECENT_DECISIONS, Decision
 from raycolo.online.tasks import OnlineTask
 
@@ -37,14 +44,22 @@ class OpRunner(Protocol):
         reset (:meth:`ClusterDriver.node_lost`) meanwhile."""
 
 
+class NodeLink(Protocol):
+    def command(self, n: int, event: NodeEvent) -> None:
+        """Have node ``n``'s loop apply ``event`` (Dispatched, Synced) at its own time."""
+
+
 class ClusterDriver:
-    def __init__(self, cluster: Cluster, runner: OpRunner, query_cost_s: float = 0.0,
+    def __init__(self, cluster: Cluster, runner: Optional[OpRunner], query_cost_s: float = 0.0,
                  retry_every_s: Optional[float] = None,
                  on_failed: Optional[Callable[[OnlineTask], None]] = None,
                  on_aborted: Optional[Callable[[list], None]] = None,
-                 on_error: Optional[Callable[[BaseException], None]] = None):
+                 on_error: Optional[Callable[[BaseException], None]] = None,
+                 link: Optional[NodeLink] = None):
         self.cluster = cluster
         self.runner = runner
+        self.link = link                   # the nodes run as loops of their own (module docstring)
+        cluster.mirrored = link is not None
         self.query_cost_s = query_cost_s   # a simulated decision cost; live: 0 (it is real)
         # Live: while training tasks are held back, retry them at least this often even if
         # nothing arrives or finishes (a simulator needs no tick: its trace ends).
@@ -95,6 +110,18 @@ class ClusterDriver:
         """Node ``n`` is gone for good: as :meth:`node_lost`, and nothing goes there again."""
         self._step(self.cluster.node_down, n, self.now())
 
+    def absorb(self, n: int, event: NodeEvent, keys: list) -> None:
+        """Node ``n``'s loop applied ``event`` and started the ops and armed the timers
+        named ``keys`` (:func:`~raycolo.online.node_events.action_key`): its mirror applies
+        it too (raises :class:`~raycolo.online.node_events.MirrorDiverged` where the two
+        part)."""
+        def checked() -> ClusterStep:
+            step = self.cluster.apply(n, event)
+            check_in_step(n, event, keys, step.actions)
+            return step
+
+        self._step(checked)
+
     async def replay(self, tasks: list[OnlineTask]) -> None:
         """Submit ``tasks`` at their arrival times, then wait until every one completed."""
         if self._loop is None:
@@ -137,11 +164,13 @@ class ClusterDriver:
         for task in step.failed:
             if self.on_failed is not None:
                 self.on_failed(task)
-        if step.aborted and self.on_aborted is not None:
+        if step.aborted and self.on_aborted is not None and self.link is None:   # a loop drops them itself
             self.on_aborted(step.aborted)
         for decision in step.decisions:
             self._loop.call_at(self._t0 + decision.decided_s + self.query_cost_s, self._dispatch, decision)
-        for action in step.actions:
+        for n, event in step.commands:
+            self.link.command(n, event)
+        for action in step.actions if self.link is None else ():   # a loop started its own
             if isinstance(action, Timer):
                 self._loop.call_at(self._t0 + action.at_s, self._timer, action)
             else:
@@ -159,6 +188,9 @@ class ClusterDriver:
         self._step(self.cluster.retry, self.now())
 
     def _dispatch(self, decision: Decision) -> None:
+        if self.link is not None:      # the mirror applies it when the node's report says it did
+            self.link.command(decision.node, Dispatched(decision.task, self.now()))
+            return
         self._step(self.cluster.dispatch, decision, self.now())
 
     def _timer(self, timer: Timer) -> None:

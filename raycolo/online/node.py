@@ -31,7 +31,6 @@ executor's business (the simulator adds a transfer time and a slowdown).
 from __future__ import annotations
 
 import heapq
-import itertools
 from dataclasses import dataclass, field, replace
 from typing import Collection, Optional
 
@@ -164,7 +163,7 @@ class NodeScheduler:
         self.micro = MicroBatches(index, profile.stages)   # elastic micro-batches (SIRIUS)
         self.aborted_bytes = 0.0
         self.generation = 0          # resets so far
-        self._seq = itertools.count()
+        self._seq = 0                # the number of the node's next op
         self.armed: dict[int, Timer] = {}   # timers armed and not fired, by number
         self._timers = 0
         self._out = NodeStep()
@@ -335,7 +334,8 @@ class NodeScheduler:
         return out
 
     def _op(self, kind: str, stage: int, tasks: list, mem: float = 0.0, after: Optional[Op] = None) -> Op:
-        return Op(kind, self.index, stage, self._now, next(self._seq), tasks, mem,
+        self._seq += 1
+        return Op(kind, self.index, stage, self._now, self._seq - 1, tasks, mem,
                   after=None if after is None else after.seq, generation=self.generation)
 
     def _close_batch(self, token: int) -> None:

@@ -116,10 +116,10 @@ def action_key(action) -> tuple:
     return ("timer", action.kind, action.number, action.at_s)
 
 
-def check_in_step(node: int, event: NodeEvent, loop_actions: list, mirror_actions: list) -> None:
-    """The node loop and its mirror started the same ops and armed the same timers for
-    ``event`` (raises :class:`MirrorDiverged` otherwise)."""
-    ours = [action_key(a) for a in loop_actions]
+def check_in_step(node: int, event: NodeEvent, ours: list, mirror_actions: list) -> None:
+    """The node loop (the action keys ``ours``) and its mirror (``mirror_actions``)
+    started the same ops and armed the same timers for ``event`` (raises
+    :class:`MirrorDiverged` otherwise)."""
     theirs = [action_key(a) for a in mirror_actions]
     if ours != theirs:
         raise MirrorDiverged(f"node {node}: after {event!r} the loop did {ours} and its mirror {theirs}")

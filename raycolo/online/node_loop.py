@@ -26,7 +26,8 @@ from typing import Callable, Optional
 
 from raycolo.executor.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
 from raycolo.online.node import NodeScheduler, NodeStep, Op, Timer
-from raycolo.online.node_events import (Dispatched, MirrorDiverged, NodeEvent, TimerFired, action_key, apply,
+from raycolo.online.node_commands import Adopt, Cancel, NodeCommand, Serve, Sync, Train
+from raycolo.online.node_events import (Dispatched, NodeEvent, Synced, TimerFired, action_key, apply, check_in_step,
                                         op_done_event)
 from raycolo.online.stage_messages import ServedRequest, TrainingShare, stage_message, take_token, training_share
 from raycolo.online.tasks import OnlineTask
@@ -51,8 +52,24 @@ class NodeReport:
     it is in step) and the tokens its requests got."""
 
     node: int
+    era: int = 0                                   # the scheduler it reports on (NodeSetup.era)
     events: list = field(default_factory=list)     # (NodeEvent, [action_key, ...])
     tokens: list = field(default_factory=list)     # TokenOut
+    paused: Optional[int] = None                   # the Pause it is now paused for
+    devices: dict = field(default_factory=dict)    # stage -> its device's last reading
+    sends: dict = field(default_factory=dict)      # stage -> (sends it holds, sends it posted)
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.tokens or self.paused is not None or self.devices)
+
+    def extend(self, later: "NodeReport") -> None:
+        """Append ``later`` (the same node's next report, of the same era) to this one."""
+        self.events += later.events
+        self.tokens += later.tokens
+        self.devices.update(later.devices)
+        self.sends.update(later.sends)
+        if later.paused is not None:
+            self.paused = later.paused
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,18 +84,22 @@ class NodeLoop:
     """One node's scheduling next to its stages (see the module docstring)."""
 
     def __init__(self, node: NodeScheduler, dpo_beta: float, max_len: int,
-                 version_dir: Callable[[object], str] = str, sync_dir: Callable[[int], str] = str):
+                 version_dir: Optional[Callable[[object], str]] = None, sync_dir: Callable[[int], str] = str,
+                 era: int = 0):
         self.node = node
         self.stages = len(node.stages)
         self.dpo_beta, self.max_len = dpo_beta, max_len
-        self.version_dir, self.sync_dir = version_dir, sync_dir
+        self.pinned: dict = {}           # adapter version -> its directory (told with each Serve)
+        self.version_dir = version_dir if version_dir is not None else self.pinned.__getitem__
+        self.sync_dir = sync_dir
         self.requests: dict[int, ServedRequest] = {}
         self.samples: dict[int, list] = {}         # training task -> its samples
         self.running: dict[tuple[int, int], Op] = {}   # (stage, seq) -> op started there
         self.timers: list[tuple[float, int]] = []  # heap of (at_s, number)
         self.received: dict[int, list] = {}        # stage -> its sends since consumed
         self.outbox: list[Outgoing] = []
-        self.report = NodeReport(node.index)
+        self.era = era
+        self.report = NodeReport(node.index, era)
 
     # -- inputs ----------------------------------------------------------------------------
     def serve(self, request: ServedRequest, now: float) -> None:
@@ -90,6 +111,31 @@ class NodeLoop:
         """A training task (its samples: (prompt, completion) or preference triples) reaches the node."""
         self.samples[task.task_id] = samples
         self._apply(Dispatched(task, now))
+
+    def command(self, command: NodeCommand, now: float) -> None:
+        """What the control plane asked of the node (:mod:`raycolo.online.node_commands`;
+        the pipeline carries out Pause and OutOfBand itself)."""
+        kind = type(command)
+        if kind is Serve:
+            if command.pinned_dir is not None:
+                self.pinned[command.request.version] = command.pinned_dir
+            self.serve(command.request, now)
+        elif kind is Train:
+            self.train(command.task, command.samples, now)
+        elif kind is Cancel:
+            req = self.requests.get(command.task_id)
+            if req is not None and req.cancelled is None:
+                req.cancelled = command.reason
+        elif kind is Sync:
+            self._apply(Synced(command.version, now))
+        elif kind is Adopt:
+            if not self.idle:
+                raise RuntimeError(f"node {self.node.index}: told to adopt a new scheduler with work in flight")
+            self.take_report()       # the old scheduler's last words: its mirror is gone
+            self.node, self.timers, self.era = command.setup.node, [], command.setup.era
+            self.report = NodeReport(self.node.index, self.era)
+        else:
+            raise TypeError(f"not a node command: {command!r}")
 
     def next_timer(self) -> Optional[float]:
         """When the earliest armed timer is due (None: none armed)."""
@@ -106,6 +152,10 @@ class NodeLoop:
     def done(self, stage: int, result: StageResult, now: float) -> None:
         """``stage`` answered ``result`` for the op it ran."""
         op = self.running.pop((stage, result.seq))
+        if result.device is not None:
+            self.report.devices[stage] = result.device
+        if result.sends is not None:
+            self.report.sends[stage] = result.sends
         finished = set()
         if op.kind in ("prefill", "decode") and stage == self.stages - 1:
             logprobs = result.logprobs or [None] * len(op.tasks)
@@ -127,7 +177,7 @@ class NodeLoop:
         return out
 
     def take_report(self) -> NodeReport:
-        out, self.report = self.report, NodeReport(self.node.index)
+        out, self.report = self.report, NodeReport(self.node.index, self.era)
         return out
 
     @property
@@ -170,8 +220,6 @@ def replay(mirror: NodeScheduler, report: NodeReport) -> list[NodeStep]:
     steps = []
     for event, keys in report.events:
         step = apply(mirror, event)
-        theirs = [action_key(a) for a in step.actions]
-        if theirs != keys:
-            raise MirrorDiverged(f"node {report.node}: after {event!r} the loop did {keys} and its mirror {theirs}")
+        check_in_step(report.node, event, keys, step.actions)
         steps.append(step)
     return steps

@@ -26,7 +26,8 @@ from raycolo.online.clock import SimClock
 from raycolo.online.cluster import Cluster, ClusterStep
 from raycolo.online.metrics import OnlineResult
 from raycolo.online.node import FORWARD_KINDS, Op, Timer
-from raycolo.online.node_events import Dispatched, NodeEvent, TimerFired, apply, check_in_step, op_done_event
+from raycolo.online.node_events import (Dispatched, NodeEvent, TimerFired, action_key, apply, check_in_step,
+                                        op_done_event)
 from raycolo.online.params import LemixParams
 from raycolo.online.policy import OnlinePolicy
 from raycolo.online.profiles import NodeProfile
@@ -123,7 +124,7 @@ class ClusterSimulator:
             return
         started = apply(self.loops[n], event).actions
         step = self.cluster.apply(n, event)
-        check_in_step(n, event, started, step.actions)
+        check_in_step(n, event, [action_key(a) for a in started], step.actions)
         self._apply(step, started)
 
     def _apply(self, step: ClusterStep, actions: Optional[list] = None) -> None:

@@ -1,0 +1,103 @@
+"""A node's stage workers with the node's loop on the node (``stage.data_plane: node``).
+
+Stage 0 of a node's worker group runs the node's
+:class:`~raycolo.online.node_loop.NodeLoop` in a
+:class:`~raycolo.executor.node_pipeline.NodePipeline`: it runs its own ops, sends the
+other stages theirs over the group's own process group, and talks to the controller
+off its data path, from two threads:
+
+* one waits for the controller's commands (``node_commands``: tasks placed here,
+  cancellations, syncs, pauses for out-of-band work) and posts them to the pipeline;
+* one sends the loop's reports (``node_report``: its events and its requests' tokens),
+  one at a time, each carrying whatever piled up while the last was under way.
+
+The other stages run :func:`~raycolo.executor.node_pipeline.serve_stage`. Checkpoints
+(``ray.train.report``, a barrier of every stage) run on every stage as in the
+controller's data plane (:mod:`raycolo.actors.stage_worker`).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+
+import ray
+
+from raycolo.executor.node_pipeline import NodePipeline, serve_stage
+from raycolo.online.node_loop import NodeLoop
+
+REPORT_WAIT_S = 60.0      # a report the controller does not take within this long: the node stops
+
+
+def run_node_stage(controller, node: int, stage: int, epoch: int, proc, dist, special, annotate) -> None:
+    """The node-loop data plane of one stage worker (see the module docstring).
+    ``special``: runs a checkpoint; ``annotate``: adds the device's figures to a result."""
+    if stage > 0:
+        serve_stage(proc, dist, special=special, annotate=annotate)
+        return
+    setup = ray.get(controller.node_setup.remote(node, epoch))
+    if setup is None:          # a stale group
+        return
+    loop = NodeLoop(setup.node, setup.dpo_beta, setup.max_len,
+                    sync_dir=lambda v: os.path.join(setup.sync_root, f"v{v}"), era=setup.era)
+    pipeline = NodePipeline(loop, proc, dist, clock=time.time, started=setup.t0_wall, special=special,
+                            on_answer=lambda s, result: controller.op_done.remote(node, s, epoch, result),
+                            annotate=annotate)
+    reports: queue.Queue = queue.Queue()
+    threading.Thread(target=_take_commands, args=(controller, node, epoch, pipeline), daemon=True,
+                     name="node-commands").start()
+    reporter = threading.Thread(target=_send_reports, args=(controller, node, epoch, reports, pipeline),
+                                daemon=True, name="node-reports")
+    reporter.start()
+    try:
+        while not pipeline.stopped:
+            pipeline.turn()
+            if loop.report:
+                reports.put(loop.take_report())
+    except Exception as exc:     # an op failed here or on another stage: the group restarts
+        ray.get(controller.op_failed.remote(node, 0, epoch, -1, repr(exc)), timeout=REPORT_WAIT_S)
+        raise
+    finally:
+        reports.put(None)
+    reporter.join(REPORT_WAIT_S)
+    pipeline.close()
+
+
+def _take_commands(controller, node: int, epoch: int, pipeline: NodePipeline) -> None:
+    while True:
+        try:
+            commands = ray.get(controller.node_commands.remote(node, epoch))
+        except Exception:        # the controller is gone: so is this deployment's run
+            commands = None
+        pipeline.post(commands)
+        if commands is None:
+            return
+
+
+def _send_reports(controller, node: int, epoch: int, reports: queue.Queue, pipeline: NodePipeline) -> None:
+    while True:
+        report = reports.get()
+        last = report is None
+        while not last:          # everything that piled up goes in one report
+            try:
+                more = reports.get_nowait()
+            except queue.Empty:
+                break
+            if more is None:
+                last = True
+            elif more.era != report.era:     # a new scheduler's: the old era's goes first
+                _report(controller, node, epoch, report, pipeline)
+                report = more
+            else:
+                report.extend(more)
+        if report is not None:
+            _report(controller, node, epoch, report, pipeline)
+        if last:
+            return
+
+
+def _report(controller, node: int, epoch: int, report, pipeline: NodePipeline) -> None:
+    why = ray.get(controller.node_report.remote(node, epoch, report), timeout=REPORT_WAIT_S)
+    if why is not None:       # the controller's mirror parted from the loop: the group starts over
+        pipeline.fail(why)
