@@ -285,7 +285,8 @@ class OnlineController(AdapterVersions, Reports, NodeLinks):
             "layer_bounds": self.bounds, "cpu_threads": cfg.stage.cpu_threads,
             "init_from": cfg.lora.init_from,      # every stage starts from its part (no checkpoint restored)
             "run_dir": str(Path(cfg.storage_path).resolve() / self.run_name(n)),
-            "data_plane": cfg.stage.data_plane,
+            "data_plane": cfg.stage.data_plane, "report_every_s": cfg.stage.report_every_s,
+            "switch_interval_s": cfg.stage.switch_interval_s,
         }
         return TorchTrainer(
             stage_loop, train_loop_config=loop_config,

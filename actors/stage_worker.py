@@ -13,6 +13,7 @@ on its stage 0 and sends the other stages their ops (:mod:`raycolo.actors.node_w
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -35,6 +36,7 @@ def stage_loop(config: dict) -> None:
     stage, stages = ctx.get_world_rank(), ctx.get_world_size()
     node = config["node"]
     apply_thread_policy(config.get("cpu_threads"))
+    sys.setswitchinterval(config["switch_interval_s"])   # the GIL back to the compute soon (stage.switch_interval_s)
     controller = ray.get_actor(config["controller"], namespace=config["namespace"])
     stage_model, model_config = build_stage(config, config["layer_bounds"], stage)
     checkpoint = ray.train.get_checkpoint()
@@ -88,7 +90,8 @@ def stage_loop(config: dict) -> None:
     if config.get("data_plane") == "node":
         from raycolo.actors.node_worker import run_node_stage
 
-        run_node_stage(controller, node, stage, epoch, proc, dist, checkpoint, readings.annotate)
+        run_node_stage(controller, node, stage, epoch, proc, dist, checkpoint, readings.annotate,
+                       config["report_every_s"])
         return
     done = None              # the StageResult of the last op, reported with the next request
     while True:

@@ -33,6 +33,13 @@ def trained_exactly_once(drain: Callable[[], None], sample_ledger: Callable[[], 
     return ledger
 
 
+def data_plane() -> dict:
+    """The stage section's ``data_plane`` to test with: RAYCOLO_TEST_DATA_PLANE (node or
+    controller) where set, else the config's default."""
+    plane = os.environ.get("RAYCOLO_TEST_DATA_PLANE")
+    return {"data_plane": plane} if plane else {}
+
+
 def small_online_config(out, *, nodes: int, stages: int, model: str = "tiny-llama-s", lemix: Optional[dict] = None,
                         lora: Optional[dict] = None, stage: Optional[dict] = None, **fields):
     """The live tests' deployment: a tiny model in float32 on CPU, LeMix with a 5 s SLO,
@@ -46,8 +53,7 @@ def small_online_config(out, *, nodes: int, stages: int, model: str = "tiny-llam
         "nodes": nodes, "stages": stages, "policy": "lemix",
         "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2, **(lemix or {})},
         "lora": {"rank": 4, "alpha": 8, "lr": 0.01, "micro_batch": 2, **(lora or {})},
-        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 4096,
-                  **({"data_plane": os.environ["RAYCOLO_TEST_DATA_PLANE"]} if os.environ.get("RAYCOLO_TEST_DATA_PLANE") else {}),
+        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 4096, **data_plane(),
                   **(stage or {})},
         "max_tokens": 8,
         "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),

@@ -28,11 +28,16 @@ from tiny_reference import hf_greedy
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
+PLANES = [os.environ["RAYCOLO_TEST_DATA_PLANE"]] if os.environ.get("RAYCOLO_TEST_DATA_PLANE") else ["node", "controller"]
+
+
+@pytest.fixture(scope="module", params=PLANES)
+def deployment(tmp_path_factory, request):
+    """One deployment per data plane (stage.data_plane): each node's loop on its stage 0
+    (the default), or every op through the controller."""
     out = tmp_path_factory.mktemp("online")
     config = small_online_config(out, nodes=2, stages=2, train_rate=0.5, lemix={"sync_every": 2},
-                                 lora={"checkpoint_every": 3})
+                                 lora={"checkpoint_every": 3}, stage={"data_plane": request.param})
     # as raycolo starts a local cluster for a deployment: its processes get cluster_env()
     start_local(env=config.cluster_env(), num_gpus=4, num_cpus=4, include_dashboard=False, log_to_driver=False,
                 namespace="raycolo")

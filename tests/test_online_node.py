@@ -863,3 +863,69 @@ def test_a_loss_reaches_the_stage_rule_on_both_sides_and_a_mirror_out_of_step_sa
     assert not loop.armed
     step = apply(loop, TimerFired(timer.number, 1.2))
     assert step.actions == [] and not step.tokens
+
+
+def _run_stages(loop, now: float, tokens: dict, steps: int = 200) -> float:
+    """Answer what ``loop`` sends its stages, in order, as stages that take 0.01 s per op
+    would (the last stage samples ``tokens[task_id]`` for each of its requests), firing its
+    timers as they fall due, until it is idle; returns the time then."""
+    from raycolo.executor.stage_ops import QUIET, StageResult
+
+    pending = []
+    for _ in range(steps):
+        pending += [o for o in loop.take_outbox() if not isinstance(o.message, QUIET)]
+        if not pending:
+            due = loop.next_timer()
+            if due is None:
+                return now
+            now = max(now, due)
+            loop.fire_due(now)
+            continue
+        out = pending.pop(0)
+        now += 0.01
+        m = out.message
+        last = out.stage == loop.stages - 1
+        answer = StageResult(m.seq, tokens=[tokens[r] for r in m.requests] if last else None)
+        loop.done(out.stage, answer, now)
+    raise AssertionError("the loop did not go idle")
+
+
+def test_commands_reach_a_node_loop_started_from_its_mirror_and_its_reports_keep_the_mirror_in_step():
+    """A loop starts from a copy of the cluster's mirror (as a stage 0 gets it over Ray),
+    serves a request it is told of, ends it without its token when told to cancel, and
+    its report replayed on the mirror leaves both idle; a scheduler adopted later reports
+    under a new era, and adopting one with work in flight is refused."""
+    import pickle
+
+    from raycolo.generation import SamplingParams
+    from raycolo.online.node_commands import Adopt, Cancel, NodeSetup, Serve
+    from raycolo.online.node_loop import NodeLoop, replay
+    from raycolo.online.stage_messages import ServedRequest
+
+    profile, params = preset("llama-8b", 2), LemixParams()
+    cluster = Cluster(make_online_policy("lemix", params, nodes=1), profile, 1, params)
+    cluster.mirrored = True
+    loop = NodeLoop(pickle.loads(pickle.dumps(cluster.nodes[0])), 0.1, 64)
+    a, b = OnlineTask(1, "inference", 0.0, 3, 1, 6, 6), OnlineTask(2, "inference", 0.0, 3, 1, 6, 6)
+    for task in (a, b):
+        loop.command(Serve(ServedRequest(task, [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True))), 0.0)
+    loop.command(Cancel(2, "abort"), 0.0)       # before its first token: it ends with none
+    loop.command(Cancel(99, "abort"), 0.0)      # not here: nothing happens
+    now = _run_stages(loop, 0.0, {1: 7, 2: 8})
+    report = loop.take_report()
+    replay(cluster.nodes[0], report)
+    got = {}
+    for out in report.tokens:
+        got.setdefault(out.task_id, []).append(out)
+    assert [t.token for t in got[1]] == [7] * 6 and got[1][-1].finish_reason == "length"
+    assert got[2][-1].kept is False and got[2][-1].finish_reason == "abort"
+    assert len(got[2]) == 1
+    assert loop.idle and not cluster.nodes[0].active and cluster.nodes[0].queued_ops == 0
+    cluster.nodes[0].check_released()
+    fresh = Cluster(make_online_policy("mace", params, nodes=1), profile, 1, params)
+    loop.command(Adopt(NodeSetup(fresh.nodes[0], 0.0, 0.1, 64, "", era=1)), now)
+    assert loop.take_report().era == 1 and loop.node is fresh.nodes[0]
+    loop.command(Serve(ServedRequest(OnlineTask(3, "inference", 0.0, 3, 1, 2, 2), [1, 2, 3],
+                                     SamplingParams(max_tokens=2))), now)
+    with pytest.raises(RuntimeError, match="work in flight"):
+        loop.command(Adopt(NodeSetup(fresh.nodes[0], 0.0, 0.1, 64, "", era=2)), now)

@@ -19,7 +19,7 @@ import openai
 import pytest
 import torch
 
-from online_checks import free_port
+from online_checks import data_plane, free_port
 from raycolo.errors import ConfigError
 from raycolo.online.config import parse_online_config
 from tiny_reference import hf_greedy
@@ -75,7 +75,7 @@ def front(tmp_path_factory, adapters):
         "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2},
         "lora": {"rank": RANK, "alpha": ALPHA, "lr": 0.01, "micro_batch": 2, "checkpoint_every": 1,
                  "flush_after_s": 1, "init_from": str(adapters["init"])},
-        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 512},
+        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 512, **data_plane()},
         "max_tokens": N,
         "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
         "serve": {"port": free_port(), "app_name": "raycolo-adapters-test", "replicas": 2,

@@ -16,7 +16,7 @@ import ray
 import torch
 
 from hf_checkpoints import greedy_cases, load
-from online_checks import free_port
+from online_checks import data_plane, free_port
 
 MAX_NEW = 24
 KINDS = ["llama3", "qwen2"]
@@ -35,7 +35,9 @@ def front(request, hf_checkpoints, tmp_path_factory):
         "nodes": 1, "stages": 2, "policy": "lemix",
         "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2},
         "lora": {"rank": 4, "alpha": 8, "micro_batch": 2},
-        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 512},
+        # the Qwen2 one with every op through the controller (the other data plane)
+        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 512,
+                  **({"data_plane": "controller"} if kind == "qwen2" else {}), **data_plane()},
         "max_tokens": 16,
         "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
         "serve": {"port": free_port(), "app_name": f"raycolo-{kind}"},

@@ -100,8 +100,18 @@ class StageSpec(BaseModel):
     # Where a node's scheduler runs. "node": in its first stage's process, next to the
     # stages (raycolo/online/node_loop.py): ops go stage to stage over the stages' own
     # process group and the controller keeps a mirror fed the node's reports, with no
-    # actor call per op. "controller": in the controller actor, every op one actor call.
-    data_plane: Literal["node", "controller"] = "controller"
+    # actor call per op. "controller": in the controller actor, every op one actor call
+    # (the runtime before 2026-11-27; kept to compare, bench/live_tbt.py).
+    data_plane: Literal["node", "controller"] = "node"
+    # With data_plane node: the least time between two reports of a node to the
+    # controller (its requests' tokens reach their streams with them; 0: one per loop turn)
+    report_every_s: float = Field(default=0.005, ge=0, le=1.0)
+    # sys.setswitchinterval in each stage worker: how long a thread holding the GIL keeps
+    # it while another waits (Python's default: 5 ms). A stage worker's other threads (Ray's,
+    # the node loop's reports, commands and answers) then hand it back to the stage's
+    # compute within this: at 5 ms a 1-stage node's decode iteration took 4.7-6.9 ms
+    # against 1.1-1.9 ms of model time, at 0.2 ms 2.1 ms (bench/live_tbt.py, 2 cores)
+    switch_interval_s: float = Field(default=0.0002, gt=0, le=0.1)
 
 
 class ServeSpec(BaseModel):

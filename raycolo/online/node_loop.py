@@ -52,12 +52,12 @@ class NodeReport:
     it is in step) and the tokens its requests got."""
 
     node: int
-    era: int = 0                                   # the scheduler it reports on (NodeSetup.era)
     events: list = field(default_factory=list)     # (NodeEvent, [action_key, ...])
     tokens: list = field(default_factory=list)     # TokenOut
     paused: Optional[int] = None                   # the Pause it is now paused for
     devices: dict = field(default_factory=dict)    # stage -> its device's last reading
     sends: dict = field(default_factory=dict)      # stage -> (sends it holds, sends it posted)
+    era: int = 0                                   # the scheduler it reports on (NodeSetup.era)
 
     def __bool__(self) -> bool:
         return bool(self.events or self.tokens or self.paused is not None or self.devices)
@@ -99,7 +99,7 @@ class NodeLoop:
         self.received: dict[int, list] = {}        # stage -> its sends since consumed
         self.outbox: list[Outgoing] = []
         self.era = era
-        self.report = NodeReport(node.index, era)
+        self.report = NodeReport(node.index, era=era)
 
     # -- inputs ----------------------------------------------------------------------------
     def serve(self, request: ServedRequest, now: float) -> None:
@@ -133,7 +133,7 @@ class NodeLoop:
                 raise RuntimeError(f"node {self.node.index}: told to adopt a new scheduler with work in flight")
             self.take_report()       # the old scheduler's last words: its mirror is gone
             self.node, self.timers, self.era = command.setup.node, [], command.setup.era
-            self.report = NodeReport(self.node.index, self.era)
+            self.report = NodeReport(self.node.index, era=self.era)
         else:
             raise TypeError(f"not a node command: {command!r}")
 
@@ -177,7 +177,7 @@ class NodeLoop:
         return out
 
     def take_report(self) -> NodeReport:
-        out, self.report = self.report, NodeReport(self.node.index, self.era)
+        out, self.report = self.report, NodeReport(self.node.index, era=self.era)
         return out
 
     @property
