@@ -114,7 +114,7 @@ def test_sirius_takes_memory_back_from_training_that_waits_for_its_backward():
         for st in node.stages:
             st.held[("train", t.task_id)] = size
             st.used_bytes += size
-        node._ready(Op("train_b", 0, 1, 0.0, next(node._seq), [t], size))
+        node._ready(node._op("train_b", 1, [t], size))
     assert not node._reclaim(0, 10_000) and node.aborts == 0 and node.stages[0].used_bytes == 800
     assert node._reclaim(0, 400)
     assert node.aborts == 1 and node.aborted_bytes == 1000
