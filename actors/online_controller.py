@@ -35,6 +35,7 @@ from raycolo.executor.stage_ops import DropActivations, ReleaseKV, StageResult, 
 from raycolo.actors.front_channel import FrontKey
 from raycolo.actors.online_adapters import AdapterVersions
 from raycolo.actors.online_nodes import NodeLinks
+from raycolo.online.node_commands import OutOfBand
 from raycolo.actors.online_reports import Reports
 from raycolo.online.cluster import Cluster
 from raycolo.online.config import OnlineConfig, layer_bounds, live_profile, model_hf_config, stage_build
@@ -675,8 +676,8 @@ class OnlineController(AdapterVersions, Reports, NodeLinks):
             await asyncio.sleep(0.001)
         gate.clear()
         try:
-            if self.node_loops:
-                return await self._paused_on_node(node, payloads)
+            if self.node_loops:         # the node's loop holds its ops back itself
+                await self._pause_node(node)
             while self.inflight[node] > 0:
                 await asyncio.sleep(0.001)
             if callable(payloads):
@@ -686,7 +687,11 @@ class OnlineController(AdapterVersions, Reports, NodeLinks):
                 fut = asyncio.get_running_loop().create_future()
                 self.waiting[(node, s, payload.seq)] = fut
                 futures.append(fut)
-                self.queues[(node, s)].put_nowait(payload)
+            if self.node_loops:
+                self._send(node, OutOfBand(list(payloads)))
+            else:
+                for s, payload in enumerate(payloads):
+                    self.queues[(node, s)].put_nowait(payload)
             return await asyncio.gather(*futures)
         finally:
             gate.set()

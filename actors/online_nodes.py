@@ -12,7 +12,7 @@ Each node's scheduler runs in its first stage's process
   most one under way per node: their tokens go to the requests' streams and their events
   to the node's mirror, which checks it does what the node did; and
 * runs out-of-band work (checkpoints, adapter reads, evaluations) by pausing the node
-  (:meth:`NodeLinks._paused_on_node`).
+  (:meth:`NodeLinks._pause_node`, then an ``OutOfBand`` command).
 
 No actor call per op: a decode iteration costs the controller at most one report, and
 under load one report carries several iterations.
@@ -25,7 +25,7 @@ from dataclasses import fields
 from typing import Optional
 
 from raycolo.online.driver import OpLost
-from raycolo.online.node_commands import (Adopt, Cancel, NodeSetup, OutOfBand, Pause, Serve, Sync, Train)
+from raycolo.online.node_commands import (Adopt, Cancel, NodeSetup, Pause, Serve, Sync, Train)
 from raycolo.online.node_events import Dispatched, NodeEvent, OpDone, Synced
 from raycolo.online.node_loop import NodeReport
 from raycolo.online.stage_messages import ServedRequest
@@ -42,7 +42,6 @@ class NodeLinks:
         self.inbox_ready = [asyncio.Event() for _ in range(nodes)]
         self.pauses: dict[tuple[int, int], asyncio.Future] = {}        # (node, token) -> paused
         self.pause_tokens = 0
-        self.reports = [0] * nodes                                      # reports taken, per node
         self.eras = [0] * nodes                                         # schedulers the nodes were given (Adopt)
         self.stopping = False
 
@@ -84,7 +83,6 @@ class NodeLinks:
         self.hops += 1
         if epoch != self.epochs[node] or report.era != self.eras[node]:
             return None               # a group that is gone, or a scheduler replaced since
-        self.reports[node] += 1
         for stage, reading in report.devices.items():
             self.device[(node, stage)] = reading
         for stage, sends in report.sends.items():
@@ -168,22 +166,11 @@ class NodeLinks:
         for ready in self.inbox_ready:
             ready.set()
 
-    async def _paused_on_node(self, node: int, payloads) -> list:
-        """``_paused`` with the node's loop on its node: pause it, build ``payloads`` once
-        it says nothing is in flight (and its report brought the controller up to date),
-        run them, carry on."""
+    async def _pause_node(self, node: int) -> None:
+        """Pause node ``node``'s loop; returns once it said nothing is in flight (and its
+        report brought the controller up to date). ``OutOfBand`` work then resumes it."""
         self.pause_tokens += 1
-        token = self.pause_tokens
         paused = asyncio.get_running_loop().create_future()
-        self.pauses[(node, token)] = paused
-        self._send(node, Pause(token))
+        self.pauses[(node, self.pause_tokens)] = paused
+        self._send(node, Pause(self.pause_tokens))
         await paused
-        if callable(payloads):
-            payloads = payloads()
-        futures = []
-        for s, payload in enumerate(payloads):
-            future = asyncio.get_running_loop().create_future()
-            self.waiting[(node, s, payload.seq)] = future
-            futures.append(future)
-        self._send(node, OutOfBand(list(payloads)))
-        return await asyncio.gather(*futures)

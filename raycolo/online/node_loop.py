@@ -60,7 +60,7 @@ class NodeReport:
     era: int = 0                                   # the scheduler it reports on (NodeSetup.era)
 
     def __bool__(self) -> bool:
-        return bool(self.events or self.tokens or self.paused is not None or self.devices)
+        return bool(self.events or self.tokens or self.paused is not None)   # figures come with events
 
     def extend(self, later: "NodeReport") -> None:
         """Append ``later`` (the same node's next report, of the same era) to this one."""
