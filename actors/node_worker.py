@@ -8,11 +8,16 @@ off its data path, from two threads:
 
 * one waits for the controller's commands (``node_commands``: tasks placed here,
   cancellations, syncs, pauses for out-of-band work) and posts them to the pipeline;
-* one sends the loop's reports (``node_report``: its events and its requests' tokens),
+* one sends the loop's reports (``node_report``: its events, and its requests' tokens for
+  the controller's books),
   one at a time and at most one per ``stage.report_every_s``, each carrying whatever
   piled up meanwhile. On 2 cores a report per decode iteration cost the node about 1.5 ms
   of each iteration (bench/live_tbt.py), since the controller's side of it runs on the
   cores the stages use; a few milliseconds between reports is imperceptible in a stream.
+
+The tokens of a request an HTTP replica admitted go from the loop's own thread straight to
+that replica's token inbox (:class:`~raycolo.serving.token_wire.TokenSender`, one frame per
+replica per loop turn), not through the controller.
 
 The other stages run :func:`~raycolo.executor.node_pipeline.serve_stage`. Checkpoints
 (``ray.train.report``, a barrier of every stage) run on every stage as in the
@@ -28,7 +33,9 @@ import time
 import ray
 
 from raycolo.executor.node_pipeline import NodePipeline, serve_stage
+from raycolo.online.node_commands import Serve
 from raycolo.online.node_loop import NodeLoop
+from raycolo.serving.token_wire import TokenSender
 
 REPORT_WAIT_S = 60.0      # a report the controller does not take within this long: the node stops
 
@@ -50,7 +57,8 @@ def run_node_stage(controller, node: int, stage: int, epoch: int, proc, dist, sp
                             on_answer=lambda s, result: controller.op_done.remote(node, s, epoch, result),
                             annotate=annotate)
     reports: queue.Queue = queue.Queue()
-    threading.Thread(target=_take_commands, args=(controller, node, epoch, pipeline), daemon=True,
+    sender = TokenSender()
+    threading.Thread(target=_take_commands, args=(controller, node, epoch, pipeline, sender), daemon=True,
                      name="node-commands").start()
     reporter = threading.Thread(target=_send_reports, args=(controller, node, epoch, reports, pipeline,
                                                             report_every_s), daemon=True, name="node-reports")
@@ -59,22 +67,28 @@ def run_node_stage(controller, node: int, stage: int, epoch: int, proc, dist, sp
         while not pipeline.stopped:
             pipeline.turn()
             if loop.report:
-                reports.put(loop.take_report())
+                report = loop.take_report()
+                sender.send(report.tokens)
+                reports.put(report)
     except Exception as exc:     # an op failed here or on another stage: the group restarts
         ray.get(controller.op_failed.remote(node, 0, epoch, -1, repr(exc)), timeout=REPORT_WAIT_S)
         raise
     finally:
         reports.put(None)
     reporter.join(REPORT_WAIT_S)
+    sender.close()
     pipeline.close()
 
 
-def _take_commands(controller, node: int, epoch: int, pipeline: NodePipeline) -> None:
+def _take_commands(controller, node: int, epoch: int, pipeline: NodePipeline, sender: TokenSender) -> None:
     while True:
         try:
             commands = ray.get(controller.node_commands.remote(node, epoch))
         except Exception:        # the controller is gone: so is this deployment's run
             commands = None
+        for command in commands or ():
+            if type(command) is Serve:     # before the loop sees it: its tokens know their way
+                sender.watch(command.request.task.task_id, command.request.front)
         pipeline.post(commands)
         if commands is None:
             return

@@ -33,6 +33,7 @@ import ray
 from raycolo.errors import ConfigError
 from raycolo.executor.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
 from raycolo.actors.front_channel import FrontKey
+from raycolo.serving.token_wire import token_events
 from raycolo.actors.online_adapters import AdapterVersions
 from raycolo.actors.online_nodes import NodeLinks
 from raycolo.online.node_commands import OutOfBand
@@ -634,14 +635,13 @@ class OnlineController(AdapterVersions, Reports, NodeLinks):
     @staticmethod
     def _deliver(req: LiveRequest, token: int, kept: bool, reason: Optional[str], logprob) -> bool:
         """A token the request got (``kept``: it is the request's; ``reason``: it ended it)
-        goes to its stream; returns whether the request ended."""
-        if kept:
-            if logprob is not None:
-                req.events.put_nowait(("logprob", logprob))
-            req.events.put_nowait(("stop_token" if reason == "stop" else "token", token))
+        goes to its stream, unless its node sent it to the request's HTTP replica itself
+        (``req.front``); returns whether the request ended."""
+        if req.front is None:
+            for event in token_events(token, kept, reason, logprob):
+                req.events.put_nowait(event)
         if reason:
             req.finish_reason = reason
-            req.events.put_nowait(("done", reason))
         return bool(reason)
 
     def _training_done(self, op: Op, loss: Optional[float]) -> OpResult:
@@ -734,6 +734,8 @@ class OnlineController(AdapterVersions, Reports, NodeLinks):
                           submitted_s=self.driver.now(), base=base, version=version)
         if front is not None:
             req.events = FrontQueue(self._mux(front.replica), front.key)
+            if self.node_loops and front.inbox is not None:
+                req.front = front       # its node sends its tokens to the replica itself
         self.requests[tid] = req
         self.tasks[tid] = task
         self.arrived += 1

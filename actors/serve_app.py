@@ -180,7 +180,8 @@ class OpenAIIngress:
         ray.get(self.controller.start.remote())
         self.front_id = uuid.uuid4().hex[:8]
         ray.get(self.controller.attach.remote(self.front_id))
-        self.channel = FrontChannel(self.controller, self.front_id)   # this replica's requests' events
+        self.channel = FrontChannel(self.controller, self.front_id,     # this replica's requests' events
+                                    direct=cfg.serve.token_path == "direct")
         self.created = int(time.time())
         self.metrics = FrontMetrics()
         self.gauges = DeploymentMetrics()
@@ -311,7 +312,7 @@ class OpenAIIngress:
     async def _admit(self, body, ids: list[int], params, variant) -> tuple[int, FrontKey, asyncio.Queue]:
         """Admit one request: its id, its key on this replica's channel and its events' queue."""
         version = await self._pinned_version(variant)
-        front, events = self.channel.open()
+        front, events = await self.channel.open()
         try:
             admitted = await self.controller.admit.remote(ids, base=variant == BASE, version=version,
                                                           params=params, front=front)

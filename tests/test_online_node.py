@@ -918,8 +918,9 @@ def test_commands_reach_a_node_loop_started_from_its_mirror_and_its_reports_keep
     for out in report.tokens:
         got.setdefault(out.task_id, []).append(out)
     assert [t.token for t in got[1]] == [7] * 6 and got[1][-1].finish_reason == "length"
+    assert [t.position for t in got[1]] == list(range(6))     # each token's index in the completion
     assert got[2][-1].kept is False and got[2][-1].finish_reason == "abort"
-    assert len(got[2]) == 1
+    assert len(got[2]) == 1 and got[2][0].position == 0
     assert loop.idle and not cluster.nodes[0].active and cluster.nodes[0].queued_ops == 0
     cluster.nodes[0].check_released()
     fresh = Cluster(make_online_policy("mace", params, nodes=1), profile, 1, params)

@@ -128,6 +128,12 @@ class ServeSpec(BaseModel):
     retry_after_s: int = Field(default=1, ge=1, le=3600)
     max_body_bytes: int = Field(default=1 << 20, gt=0)        # 413 beyond
     replicas: int = Field(default=1, gt=0, le=64)             # ingress replicas
+    # With stage.data_plane node, how tokens reach the replica that admitted the request.
+    # "direct": the node writes them to the replica's token inbox, a TCP listener on the
+    # replica's Ray node address with a per-replica secret (raycolo/serving/token_wire.py);
+    # "controller": in the node's reports to the controller, then the controller's stream
+    # to the replica (two hops; the only path before 2026-11-27)
+    token_path: Literal["direct", "controller"] = "direct"
     # adapter checkpoints servable as <model>@v<k>: the newest this many
     pinned_versions: int = Field(default=4, ge=0, le=64)
     lora_load_dirs: list[str] = Field(default_factory=list, description=(

@@ -36,13 +36,15 @@ from raycolo.online.tasks import OnlineTask
 @dataclass(frozen=True, slots=True)
 class TokenOut:
     """A token the request ``task_id`` got (``kept``: it is the request's; False: the
-    request was cancelled and ends without it), and why the request ended with it."""
+    request was cancelled and ends without it), and why the request ended with it;
+    ``position``: its index in the completion (kept or not: the tokens before it)."""
 
     task_id: int
     token: int
     kept: bool = True
     finish_reason: Optional[str] = None
     logprob: object = None
+    position: int = 0
 
 
 @dataclass(slots=True)
@@ -162,7 +164,8 @@ class NodeLoop:
             for r, token, logprob in zip(op.tasks, result.tokens, logprobs):
                 req = self.requests[r.task_id]
                 kept, reason = take_token(req, int(token))
-                self.report.tokens.append(TokenOut(r.task_id, int(token), kept, reason, logprob))
+                self.report.tokens.append(TokenOut(r.task_id, int(token), kept, reason, logprob,
+                                                   len(req.generated) - kept))
                 if reason:
                     req.finish_reason = reason
                     finished.add(r.task_id)

@@ -24,6 +24,7 @@ from raycolo.generation.sampler import SamplingRow, plain
 from raycolo.online.node import Op
 from raycolo.online.samples import clip_sample, training_rows
 from raycolo.online.tasks import OnlineTask
+from raycolo.serving.token_wire import FrontKey
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ServedRequest:
     cancelled: Optional[str] = None     # finish it at its next token with this reason
     base: bool = False                  # served by the base model, without the adapter
     version: Optional[int] = None       # served by this saved adapter version (<model>@v<k>)
+    front: Optional[FrontKey] = None    # its tokens go from the node to this replica's inbox
 
 
 @dataclass(frozen=True, slots=True)
