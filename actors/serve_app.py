@@ -29,6 +29,8 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raycolo.actors.front_channel import CONTROLLER_FAILED, FrontChannel, FrontKey
+
+TOKEN_EVENTS = ("logprob", "token", "stop_token")
 from raycolo.errors import ConfigError
 from raycolo.online.config import OnlineConfig, load_online_config, parse_online_config
 from raycolo.errors import StoreFull
@@ -386,39 +388,50 @@ class OpenAIIngress:
         the events come over this replica's channel); an "error" finish carries the
         error's text. Text follows raycolo.generation: a stop token is counted, never
         shown; a stop string ends the text before it (the request is cancelled upstream),
-        as does a client that went away."""
+        as does a client that went away. Tokens that arrived together (the replica fell
+        behind) go out as one delta: one chunk, not one per token."""
         rid, front, events = admitted
         tags = {"model_name": self.model_name}
         stream = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, prompt_ids)
-        count, last, finished, lps = 0, None, False, []
+        count, last, finished, lps, held = 0, None, False, [], None
         try:
             while True:
-                kind, value = await events.get()
+                kind, value = held if held is not None else await events.get()
+                held = None
                 if (kind, value) == CONTROLLER_FAILED:
                     finished = True
                     self._finish("error", started)
                     yield CONTROLLER_DIED, "error", count, []
                     return
-                now = time.perf_counter()
-                if kind == "logprob":
-                    lps.append(value)
-                elif kind in ("token", "stop_token"):
-                    count += 1
-                    if last is None:
-                        self.metrics.ttft.observe(now - started, tags)
-                    else:
-                        self.metrics.itl.observe(now - last, tags)
-                    last = now
-                    self.metrics.generation_tokens.inc(1, tags)
-                    if kind == "stop_token":
-                        continue
-                    delta = stream.add(value, check=count > params.min_tokens)
-                    if stream.stopped is not None:
-                        finished = True
-                        await self.controller.cancel.remote(rid, "stop")
-                        self._finish("stop", started)
-                        yield delta, "stop", count, lps
-                        return
+                if kind in TOKEN_EVENTS:
+                    text = []
+                    while True:          # this token and those queued behind it
+                        now = time.perf_counter()
+                        if kind == "logprob":
+                            lps.append(value)
+                        else:
+                            count += 1
+                            if last is None:
+                                self.metrics.ttft.observe(now - started, tags)
+                            else:
+                                self.metrics.itl.observe(now - last, tags)
+                            last = now
+                            self.metrics.generation_tokens.inc(1, tags)
+                            if kind == "token":
+                                text.append(stream.add(value, check=count > params.min_tokens))
+                                if stream.stopped is not None:
+                                    finished = True
+                                    await self.controller.cancel.remote(rid, "stop")
+                                    self._finish("stop", started)
+                                    yield "".join(text), "stop", count, lps
+                                    return
+                        if events.empty():
+                            break
+                        kind, value = events.get_nowait()
+                        if kind not in TOKEN_EVENTS:
+                            held = (kind, value)
+                            break
+                    delta = "".join(text)
                     if delta or lps:
                         yield delta, None, count, lps
                         lps = []

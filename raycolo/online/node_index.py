@@ -47,13 +47,19 @@ DENSITY_AT_DISTANCE = 1 / math.sqrt(2 * math.pi * math.e)   # max over σ of N(d
 
 
 class SortedKeys:
-    """Nodes in key order, one key per node, updated one node at a time (parallel lists:
-    bisection compares floats, not tuples)."""
+    """Nodes in (key, node) order, one key per node, updated one node at a time (parallel
+    lists: bisection compares floats, not tuples; among equal keys, by node, so a node is
+    found in O(log n) even when many share a key, as every node does at the start)."""
 
     def __init__(self) -> None:
         self.keys: list[float] = []
         self.nodes: list[int] = []
         self.key: dict[int, float] = {}
+
+    def _at(self, key: float, node: int) -> int:
+        keys = self.keys
+        lo = bisect_left(keys, key)
+        return bisect_left(self.nodes, node, lo, bisect_right(keys, key, lo))
 
     def set(self, node: int, key: Optional[float]) -> None:
         """Node ``node`` now has ``key`` (None: leaves the order)."""
@@ -62,14 +68,12 @@ class SortedKeys:
             return
         keys, nodes = self.keys, self.nodes
         if old is not None:
-            i = bisect_left(keys, old)
-            while nodes[i] != node:
-                i += 1
+            i = self._at(old, node)
             del keys[i], nodes[i]
             del self.key[node]
         if key is not None:
             self.key[node] = key
-            i = bisect_right(keys, key)
+            i = self._at(key, node)
             keys.insert(i, key)
             nodes.insert(i, node)
 
