@@ -595,6 +595,63 @@ def _wait_health(h, status: int, timeout_s: float = 180.0):
     return r
 
 
+def test_streams_whose_node_dies_resume_elsewhere_with_each_token_once(front):
+    """SIGKILL stage 0 (the node loop) of the node serving most of four streamed
+    completions: its requests resume (re-prefilled from prompt and the tokens the
+    controller had), and each client still gets exactly the model's greedy text, each
+    token once, although the node had sent the replica tokens whose report died with it
+    (without the replica's position check a stream got 41 tokens of 40). The node comes
+    back."""
+    import signal
+
+    controller = ray.get_actor(f"raycolo-online-{front['config'].serve.app_name}", namespace="raycolo")
+    prompts = [f"resume {i} " + "y" * (3 * i) for i in range(4)]
+    n = 40
+    seen = [0] * len(prompts)
+
+    async def one(c, i):
+        stream = await c.completions.create(model=MODEL + "@base", prompt=prompts[i], max_tokens=n, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+        text, usage, finish = [], None, None
+        async for ch in stream:
+            if ch.choices:
+                text.append(ch.choices[0].text)
+                finish = ch.choices[0].finish_reason or finish
+                seen[i] += 1
+            usage = ch.usage or usage
+        return "".join(text), finish, usage.completion_tokens if usage else None
+
+    async def kill_when_decoding():
+        deadline = time.monotonic() + 60
+        while min(seen) < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        stats = await controller.stats.remote()
+        victim = max(range(2), key=lambda m: stats["queues"][m]["batch"] + stats["queues"][m]["decoding"])
+        registry = await controller.registry.remote()
+        os.kill(registry[f"node-{victim}/stage-0"]["pid"], signal.SIGKILL)   # its loop: reports in flight die with it
+        return victim
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=front["url"] + "/v1", api_key=KEY, max_retries=0, timeout=180) as c:
+            streams = [asyncio.ensure_future(one(c, i)) for i in range(len(prompts))]
+            victim = await kill_when_decoding()
+            return victim, await asyncio.gather(*streams)
+
+    victim, results = asyncio.run(all_of_them())
+    for prompt, (text, finish, tokens) in zip(prompts, results):
+        assert (finish, tokens) == ("length", n)
+        assert text == expected_text(prompt, n)
+    stats = ray.get(controller.stats.remote())
+    assert [r["node"] for r in stats["restarts"]].count(victim) == 1, stats["restarts"]
+    deadline = time.monotonic() + 180
+    while ray.get(controller.stats.remote())["restarting_nodes"]:       # back before the next test
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    TOKENS_SENT["n"] += len(prompts) * n
+
+
 def test_a_dead_controller_ends_open_streams_with_an_error_and_comes_back(front):
     """The controller dies while a completion streams: the stream ends with an error event
     (not a cut connection), new requests get 503 with Retry-After while it restarts, and
