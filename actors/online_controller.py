@@ -32,12 +32,11 @@ import ray
 
 from raycolo.errors import ConfigError
 from raycolo.executor.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
-from raycolo.actors.front_channel import FrontKey
-from raycolo.serving.token_wire import token_events
 from raycolo.actors.online_adapters import AdapterVersions
 from raycolo.actors.online_nodes import NodeLinks
-from raycolo.online.node_commands import OutOfBand
 from raycolo.actors.online_reports import Reports
+from raycolo.online.node_commands import OutOfBand
+from raycolo.serving.token_wire import FrontKey, token_events
 from raycolo.online.cluster import Cluster
 from raycolo.online.config import OnlineConfig, layer_bounds, live_profile, model_hf_config, stage_build
 from raycolo.online.driver import ClusterDriver, OpLost

@@ -29,8 +29,6 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raycolo.actors.front_channel import CONTROLLER_FAILED, FrontChannel, FrontKey
-
-TOKEN_EVENTS = ("logprob", "token", "stop_token")
 from raycolo.errors import ConfigError
 from raycolo.online.config import OnlineConfig, load_online_config, parse_online_config
 from raycolo.errors import StoreFull
@@ -42,6 +40,7 @@ from raycolo.serving.protocol import (ChatCompletionRequest, CompletionRequest, 
 from raycolo.serving.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from raycolo.serving.responses import SseChunks, choice, usage
 from raycolo.serving.text import TextStream, chat_prompt_ids, chat_sample_ids, encode_completion
+from raycolo.serving.token_wire import TOKEN_EVENTS
 
 NAMESPACE = "raycolo"
 MONITOR_EVERY_S = 2.0
@@ -404,33 +403,35 @@ class OpenAIIngress:
                     yield CONTROLLER_DIED, "error", count, []
                     return
                 if kind in TOKEN_EVENTS:
+                    batch = [(kind, value)]          # this token and those queued behind it
+                    while held is None and not events.empty():
+                        nxt = events.get_nowait()
+                        if nxt[0] in TOKEN_EVENTS:
+                            batch.append(nxt)
+                        else:
+                            held = nxt
                     text = []
-                    while True:          # this token and those queued behind it
-                        now = time.perf_counter()
+                    for kind, value in batch:
                         if kind == "logprob":
                             lps.append(value)
+                            continue
+                        now = time.perf_counter()
+                        count += 1
+                        if last is None:
+                            self.metrics.ttft.observe(now - started, tags)
                         else:
-                            count += 1
-                            if last is None:
-                                self.metrics.ttft.observe(now - started, tags)
-                            else:
-                                self.metrics.itl.observe(now - last, tags)
-                            last = now
-                            self.metrics.generation_tokens.inc(1, tags)
-                            if kind == "token":
-                                text.append(stream.add(value, check=count > params.min_tokens))
-                                if stream.stopped is not None:
-                                    finished = True
-                                    await self.controller.cancel.remote(rid, "stop")
-                                    self._finish("stop", started)
-                                    yield "".join(text), "stop", count, lps
-                                    return
-                        if events.empty():
-                            break
-                        kind, value = events.get_nowait()
-                        if kind not in TOKEN_EVENTS:
-                            held = (kind, value)
-                            break
+                            self.metrics.itl.observe(now - last, tags)
+                        last = now
+                        self.metrics.generation_tokens.inc(1, tags)
+                        if kind == "stop_token":
+                            continue
+                        text.append(stream.add(value, check=count > params.min_tokens))
+                        if stream.stopped is not None:
+                            finished = True
+                            await self.controller.cancel.remote(rid, "stop")
+                            self._finish("stop", started)
+                            yield "".join(text), "stop", count, lps
+                            return
                     delta = "".join(text)
                     if delta or lps:
                         yield delta, None, count, lps

@@ -65,6 +65,9 @@ class FrontKey:
     inbox: Optional[FrontInbox] = None
 
 
+TOKEN_EVENTS = ("logprob", "token", "stop_token")     # a token's events; then ("done", reason)
+
+
 def token_events(token: int, kept: bool, reason: Optional[str], logprob) -> list[tuple]:
     """A stream's events for a token the request got (``kept``: it is the request's;
     ``reason``: it ended the request): ("logprob", TokenLogprob) where asked for, then
