@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from raycolo.online.allocation import length_consistency
-from raycolo.online.node_index import NodeIndex
+from raycolo.online.node_index import LazyMin, NodeIndex
 from raycolo.online.params import LemixParams
 from raycolo.online.planning import NodeTrace, StagePath, TaskPath
 from raycolo.online.profiles import preset
@@ -131,3 +131,23 @@ def test_candidates_hold_the_free_nodes_with_the_best_length_consistency():
         after = sorted((k, n) for n, k in start.items() if k > at)[:2]
         assert {n for _, n in before + after} <= set(found)
         assert not set(found) & down
+
+
+def test_lazy_min_gives_the_smallest_key_passing_the_filter_as_a_sort_would():
+    """Brute force: after random re-keying (stale heap entries, equal keys, nodes leaving
+    and coming back), ``first`` is the sorted list's first (key, node) passing ``ok``
+    with ``exclude`` left out, and it forgets nothing it turned away."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        nodes = int(rng.integers(1, 30))
+        heap, keys = LazyMin(), {}
+        for _ in range(int(rng.integers(1, 300))):
+            n = int(rng.integers(0, nodes))
+            key = None if rng.random() < 0.15 else float(rng.integers(0, 8))    # ties on purpose
+            heap.set(n, key)
+            keys.pop(n, None) if key is None else keys.__setitem__(n, key)
+            banned = set(rng.choice(nodes, size=int(rng.integers(0, 4))).tolist())
+            exclude = int(rng.integers(0, nodes)) if rng.random() < 0.5 else None
+            want = next(((k, m) for k, m in sorted((k, m) for m, k in keys.items())
+                         if m not in banned and m != exclude), None)
+            assert heap.first(lambda m: m not in banned, exclude) == want

@@ -26,8 +26,10 @@ run tasks of this length before (LC); all three are read from a few numbers per 
   joins this order when the decisions' start time passes the end of its planned work (a
   heap of those times), and leaves it when its trace changes.
 
-:class:`NodeIndex` keeps each ordering as a sorted list, updated only for nodes whose
-trace changed since the last decision (:meth:`NodeIndex.touch`); a decision then plans
+:class:`NodeIndex` keeps ``start`` and ``free_lengths`` as sorted lists (read around a
+key) and ``finish`` and ``arrival`` as heaps with stale entries (only their smallest is
+read), updated only for nodes whose trace changed since the last decision
+(:meth:`NodeIndex.touch`); a decision then plans
 O(window) candidates found by bisection. Keys are absolute times, so time passing
 changes no key. With no more placeable nodes than :attr:`LemixParams.scan_nodes`,
 LeMix plans them all as before (``policies/lemix.py``).
@@ -81,6 +83,47 @@ class SortedKeys:
         return len(self.keys)
 
 
+class LazyMin:
+    """Nodes by a key, smallest first, where only the first few are ever read: a heap
+    whose entries go stale when a node's key changes (found stale on the way out), so a
+    change costs one push rather than a removal and an insertion in a sorted list."""
+
+    def __init__(self, keys: Optional[dict] = None) -> None:
+        self.key: dict[int, float] = dict(keys or {})
+        self.heap: list[tuple[float, int]] = sorted((k, n) for n, k in self.key.items())
+
+    def set(self, node: int, key: Optional[float]) -> None:
+        """Node ``node`` now has ``key`` (None: leaves the order)."""
+        if key is None:
+            self.key.pop(node, None)
+            return
+        if self.key.get(node) == key:
+            return
+        self.key[node] = key
+        heapq.heappush(self.heap, (key, node))
+        if len(self.heap) > 4 * len(self.key) + 64:          # stale entries of re-keyed nodes
+            self.heap = sorted((k, n) for n, k in self.key.items())
+
+    def first(self, ok: Callable[[int], bool], exclude: Optional[int] = None) -> Optional[tuple[float, int]]:
+        """The (key, node) with the smallest key among nodes passing ``ok``, ``exclude``
+        left out (None: no such node); ties go to the lowest node, as in a sorted list."""
+        heap, key = self.heap, self.key
+        passed: list = []                 # valid entries that ``ok`` or ``exclude`` turned away
+        found = None
+        while heap:
+            k, n = heap[0]
+            if key.get(n) != k:
+                heapq.heappop(heap)       # stale
+                continue
+            if n != exclude and ok(n):
+                found = heap[0]
+                break
+            passed.append(heapq.heappop(heap))
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        return found
+
+
 def _walk(nodes: list, start: int, step: int, ok: Callable[[int], bool], want: int, out: set) -> None:
     """Add to ``out`` up to ``want`` nodes that pass ``ok``, from ``nodes[start]`` in
     direction ``step``."""
@@ -96,8 +139,8 @@ def _walk(nodes: list, start: int, step: int, ok: Callable[[int], bool], want: i
 class NodeIndex:
     def __init__(self, nodes: int) -> None:
         self.start = SortedKeys()
-        self.finish = SortedKeys()
-        self.arrival = SortedKeys()
+        self.finish = LazyMin(dict.fromkeys(range(nodes), NEG_INF))   # read for its smallest only
+        self.arrival = LazyMin()
         self.free_lengths = SortedKeys()
         self.freeing: list[tuple[float, int]] = []     # (free key, node) of nodes not yet free
         self.free_key: dict[int, float] = {}            # when the node's planned work ends
@@ -105,8 +148,6 @@ class NodeIndex:
         # every node starts idle from 0 with no task: keyed so without a refresh each
         self.start.keys, self.start.nodes = [0.0] * nodes, list(range(nodes))
         self.start.key = dict.fromkeys(range(nodes), 0.0)
-        self.finish.keys, self.finish.nodes = [NEG_INF] * nodes, list(range(nodes))
-        self.finish.key = dict.fromkeys(range(nodes), NEG_INF)
         self.free_key = dict.fromkeys(range(nodes), 0.0)
         self.spread = dict.fromkeys(range(nodes), (0, 0.0, 0.0))
         self.dirty: set[int] = set()
@@ -161,7 +202,9 @@ class NodeIndex:
         _walk(nodes, cut - 1, -1, ok, window, found)
         _walk(nodes, cut, +1, ok, window, found)
         _walk(nodes, 0, +1, ok, 1, found)
-        _walk(self.arrival.nodes, 0, +1, ok, 1, found)
+        oldest = self.arrival.first(ok)
+        if oldest is not None:
+            found.add(oldest[1])
         found.update(self._nearest(length, ok, near))
         return found
 
@@ -197,7 +240,5 @@ class NodeIndex:
     def earliest_finish(self, ok: Callable[[int], bool], exclude: int) -> Optional[float]:
         """The smallest ``finish`` key among nodes passing ``ok``, ``exclude`` left out
         (None: no such node)."""
-        for key, node in zip(self.finish.keys, self.finish.nodes):
-            if node != exclude and ok(node):
-                return key
-        return None
+        first = self.finish.first(ok, exclude)
+        return first[0] if first is not None else None
