@@ -38,7 +38,7 @@ from raycolo.serving.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       TrainStatus, CompletionResponse, ChatCompletionResponse, EvalResponse,
                                       BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant)
 from raycolo.serving.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from raycolo.serving.responses import SseChunks, choice, usage
+from raycolo.serving.responses import SseChunks, StreamInterval, choice, usage
 from raycolo.serving.text import TextStream, chat_prompt_ids, chat_sample_ids, encode_completion
 from raycolo.serving.token_wire import TOKEN_EVENTS
 
@@ -468,13 +468,17 @@ class OpenAIIngress:
         sse = SseChunks(self.tokenizer, out_id, kind == "chat.completion", model, int(time.time()))
         if sse.chat:
             yield sse.chunk(None, None, role=True)
-        count = 0
+        count, held = 0, StreamInterval(self.config.serve.stream_interval)
         async for delta, finish, count, lps in events:
             if finish == "error":       # after the 200: the failure travels inside the stream
+                text, lps = held.add("", count, [], final=True)
+                if text or lps:
+                    yield sse.chunk(text, None, lps=lps)
                 yield sse.error(OpenAIError(503, f"generation failed: {delta}", code="generation_failed").body())
                 break
-            if delta or lps:
-                yield sse.chunk(delta, None, lps=lps)
+            out = held.add(delta, count, lps, final=finish is not None)
+            if out is not None and (out[0] or out[1]):
+                yield sse.chunk(out[0], None, lps=out[1])
             if finish:
                 yield sse.chunk(None, finish)
         if include_usage:

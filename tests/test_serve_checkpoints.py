@@ -20,6 +20,7 @@ from online_checks import data_plane, free_port
 
 MAX_NEW = 24
 KINDS = ["llama3", "qwen2"]
+STREAM_INTERVAL = 5
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -40,7 +41,9 @@ def front(request, hf_checkpoints, tmp_path_factory):
                   **({"data_plane": "controller"} if kind == "qwen2" else {}), **data_plane()},
         "max_tokens": 16,
         "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
-        "serve": {"port": free_port(), "app_name": f"raycolo-{kind}"},
+        # the Llama 3 one streams a chunk per STREAM_INTERVAL tokens (vLLM's --stream-interval)
+        "serve": {"port": free_port(), "app_name": f"raycolo-{kind}",
+                  **({"stream_interval": STREAM_INTERVAL} if kind == "llama3" else {})},
     })
     started, _ = serve_launch.init_ray(config, metrics_port=free_port())
     try:
@@ -72,6 +75,10 @@ def test_completions_equal_transformers_streamed_or_not(front):
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] \
             == [case["finish_reason"]]
         assert chunks[-1].usage.completion_tokens == len(case["output_ids"])
+        every = front["config"].serve.stream_interval
+        if every > 1:   # the first tokens, then one chunk per ``every`` tokens, then the rest
+            texts = [ch for ch in chunks if ch.choices and ch.choices[0].text]
+            assert len(texts) <= 2 + (len(case["output_ids"]) - 1) // every, len(texts)
 
 
 def test_token_id_prompts_and_the_controller_give_transformers_ids(front):

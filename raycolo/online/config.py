@@ -134,6 +134,10 @@ class ServeSpec(BaseModel):
     # "controller": in the node's reports to the controller, then the controller's stream
     # to the replica (two hops; the only path before 2026-11-27)
     token_path: Literal["direct", "controller"] = "direct"
+    # Streamed answers: a chunk for the first tokens, then one per this many tokens, and the
+    # rest with the last (vLLM's --stream-interval, same default). Above 1, fewer chunks
+    # cross Serve's proxy, where each costs CPU, at the price of smoothness
+    stream_interval: int = Field(default=1, ge=1, le=1024)
     # adapter checkpoints servable as <model>@v<k>: the newest this many
     pinned_versions: int = Field(default=4, ge=0, le=64)
     lora_load_dirs: list[str] = Field(default_factory=list, description=(

@@ -59,6 +59,28 @@ def choice(tokenizer, chat: bool, index: int, content: str, reason: Optional[str
             "finish_reason": reason}
 
 
+class StreamInterval:
+    """vLLM's ``--stream-interval`` rule for one streamed answer: the first tokens go out
+    at once, then a chunk once ``every`` more tokens have come, and what is held at the
+    end goes with the last chunk. ``every`` 1: a chunk per arrival, as before."""
+
+    def __init__(self, every: int):
+        self.every, self.sent = every, 0
+        self.text: list[str] = []
+        self.lps: list = []
+
+    def add(self, delta: str, count: int, lps, final: bool = False) -> Optional[tuple[str, list]]:
+        """Hold ``delta`` and ``lps`` (``count``: tokens so far); the (text, log-probabilities)
+        to send now, or None to keep holding."""
+        self.text.append(delta)
+        self.lps.extend(lps)
+        if not (final or self.sent == 0 or count - self.sent >= self.every):
+            return None
+        out = "".join(self.text), self.lps
+        self.text, self.lps, self.sent = [], [], count
+        return out
+
+
 class SseChunks:
     """The ``data: ...`` lines of one streamed answer (one choice)."""
 

@@ -1,0 +1,33 @@
+"""vLLM's --stream-interval rule for streamed answers (raycolo/serving/responses.py), by hand."""
+from raycolo.serving.responses import StreamInterval
+
+
+def _chunks(every, events):
+    held, out = StreamInterval(every), []
+    for delta, count, lps, final in events:
+        got = held.add(delta, count, lps, final)
+        if got is not None:
+            out.append(got)
+    return out
+
+
+def test_every_arrival_is_a_chunk_at_interval_one():
+    events = [("a", 1, [], False), ("b", 2, [], False), ("cd", 4, [], False), ("", 4, [], True)]
+    assert _chunks(1, events) == [("a", []), ("b", []), ("cd", []), ("", [])]
+
+
+def test_first_tokens_at_once_then_every_n_and_the_rest_at_the_end():
+    # tokens 1..10 one by one, then the end: with 4, chunks after 1, 5, 9 and the end (10)
+    events = [(str(i), i, [i], False) for i in range(1, 11)] + [("!", 10, [], True)]
+    assert _chunks(4, events) == [("1", [1]), ("2345", [2, 3, 4, 5]), ("6789", [6, 7, 8, 9]), ("10!", [10])]
+
+
+def test_tokens_arriving_together_count_as_many():
+    # 3 tokens in one arrival after the first: 1 + 3 >= 1 + 3, so they go out at once
+    events = [("a", 1, [], False), ("bcd", 4, [], False), ("e", 5, [], False), ("", 5, [], True)]
+    assert _chunks(3, events) == [("a", []), ("bcd", []), ("e", [])]
+
+
+def test_nothing_is_held_back_by_the_end():
+    events = [(c, i + 1, [], False) for i, c in enumerate("hello world")] + [("", 11, [], True)]
+    assert "".join(t for t, _ in _chunks(7, events)) == "hello world"
