@@ -5,7 +5,8 @@ reasons and ``usage`` as vLLM counts it (every generated token, the EOS included
 streamed and not; chats rendered once with the checkpoint's template (one BOS).
 
 One deployment per checkpoint kind (1 node x 2 stages): the Llama 3-style one, whose
-<|eot_id|> is an EOS only through generation_config.json, and the Qwen2 ChatML one.
+<|eot_id|> is an EOS only through generation_config.json (node loop, tokens through the
+controller, a chunk per 5 tokens), and the Qwen2 ChatML one (every op through the controller).
 """
 from __future__ import annotations
 
@@ -41,9 +42,11 @@ def front(request, hf_checkpoints, tmp_path_factory):
                   **({"data_plane": "controller"} if kind == "qwen2" else {}), **data_plane()},
         "max_tokens": 16,
         "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
-        # the Llama 3 one streams a chunk per STREAM_INTERVAL tokens (vLLM's --stream-interval)
+        # the Llama 3 one streams a chunk per STREAM_INTERVAL tokens (vLLM's --stream-interval),
+        # its tokens coming through the controller's reports rather than the token inbox
+        # (test_serve.py covers the inbox)
         "serve": {"port": free_port(), "app_name": f"raycolo-{kind}",
-                  **({"stream_interval": STREAM_INTERVAL} if kind == "llama3" else {})},
+                  **({"stream_interval": STREAM_INTERVAL, "token_path": "controller"} if kind == "llama3" else {})},
     })
     started, _ = serve_launch.init_ray(config, metrics_port=free_port())
     try:
@@ -59,9 +62,12 @@ def client(front) -> openai.OpenAI:
 
 
 def test_completions_equal_transformers_streamed_or_not(front):
+    from raycolo.actors.serve_launch import controller_handle
+
     c = client(front)
     cases = [x for x in front["cases"] if isinstance(x["prompt"], str)]
     assert cases
+    before = ray.get(controller_handle(front["config"]).stats.remote())["front_events"]
     for case in cases:
         r = c.completions.create(model=front["model"], prompt=case["prompt"], max_tokens=MAX_NEW, temperature=0)
         choice = r.choices[0]
@@ -79,6 +85,10 @@ def test_completions_equal_transformers_streamed_or_not(front):
         if every > 1:   # the first tokens, then one chunk per ``every`` tokens, then the rest
             texts = [ch for ch in chunks if ch.choices and ch.choices[0].text]
             assert len(texts) <= 2 + (len(case["output_ids"]) - 1) // every, len(texts)
+    events = ray.get(controller_handle(front["config"]).stats.remote())["front_events"] - before
+    # every token through the controller (its data plane, or its token path): an event each
+    direct = front["config"].stage.data_plane == "node" and front["config"].serve.token_path == "direct"
+    assert events == 0 if direct else events >= sum(len(x["output_ids"]) for x in cases), events
 
 
 def test_token_id_prompts_and_the_controller_give_transformers_ids(front):
