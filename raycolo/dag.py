@@ -11,7 +11,10 @@ import re
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from raycolo.bounds import (MAX_CHUNKS, describe, MAX_REPEAT, MAX_REQUESTS, MAX_TOKENS, MAX_WEIGHT, Name, PathText, Requests,
+                            Strict, Text, Tokens)
 
 from raycolo.catalog import get_model
 from raycolo.errors import ConfigError
@@ -24,18 +27,16 @@ PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_\-]*)\}")
 CHAIN_PLACEHOLDERS = ("chunk", "previous")
 
 
-class LengthDistribution(BaseModel):
+class LengthDistribution(Strict):
     """A distribution of token (or chunk) counts, clipped to [min, max]."""
 
-    model_config = ConfigDict(extra="forbid")
-
     distribution: Literal["lognormal", "uniform", "fixed"] = "lognormal"
-    min: int = Field(default=1, ge=1)
-    max: int = Field(gt=0)
-    mean: Optional[float] = Field(default=None, gt=0)
-    median: Optional[float] = Field(default=None, gt=0)
-    sigma: float = Field(default=0.8, gt=0)
-    value: Optional[int] = Field(default=None, gt=0)
+    min: Tokens = 1
+    max: Tokens
+    mean: Optional[float] = Field(default=None, gt=0, le=MAX_TOKENS)
+    median: Optional[float] = Field(default=None, gt=0, le=MAX_TOKENS)
+    sigma: float = Field(default=0.8, gt=0, le=10)    # lognormal's σ; e^10 is a 22,000× spread
+    value: Optional[Tokens] = None
 
     @model_validator(mode="after")
     def _check(self) -> "LengthDistribution":
@@ -45,22 +46,22 @@ class LengthDistribution(BaseModel):
             raise ValueError("lognormal needs exactly one of 'mean' or 'median'")
         if self.distribution == "fixed" and self.value is None:
             raise ValueError("fixed needs 'value'")
-        if self.mean is not None and not self.min <= self.mean <= self.max:
-            raise ValueError(f"mean ({self.mean}) must lie within [min, max]")
+        for key in ("mean", "median", "value"):
+            v = getattr(self, key)
+            if v is not None and not self.min <= v <= self.max:
+                raise ValueError(f"{key} ({v}) must lie within [min, max] ([{self.min}, {self.max}])")
         return self
 
 
-class SourceSpec(BaseModel):
+class SourceSpec(Strict):
     """Where requests come from: a count with distributions, or a jsonl/parquet file."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    count: Optional[int] = Field(default=None, gt=0)
+    count: Optional[Requests] = None
     input_tokens: Optional[LengthDistribution] = None
     # Documents: number of chunks per item, and tokens per chunk (chain summary).
     chunks: Optional[LengthDistribution] = None
-    chunk_tokens: int = Field(default=2048, gt=0)
-    file: Optional[str] = None
+    chunk_tokens: Tokens = 2048
+    file: Optional[PathText] = None
 
     @model_validator(mode="after")
     def _check(self) -> "SourceSpec":
@@ -71,26 +72,30 @@ class SourceSpec(BaseModel):
                 raise ValueError("give 'input_tokens' or 'chunks' with 'count'")
         elif self.count is not None:
             raise ValueError("give either 'count' or 'file', not both")
+        if self.chunks is not None:
+            if self.chunks.max > MAX_CHUNKS:
+                raise ValueError(f"chunks: max must be at most {MAX_CHUNKS} chunks per item")
+            if self.count is not None and self.count * self.chunks.max > MAX_REQUESTS:
+                raise ValueError(f"count x chunks.max ({self.count} x {self.chunks.max}) must be at most "
+                                 f"{MAX_REQUESTS} requests")
         return self
 
 
-class NodeSpec(BaseModel):
+class NodeSpec(Strict):
     """One LLM stage of the application."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1)
-    model: str
-    max_output_tokens: int = Field(gt=0)
-    prompt: str = "{input}"
+    name: Name
+    model: Name
+    max_output_tokens: Tokens            # and within the model's context (AppSpec.validate_graph)
+    prompt: Text = "{input}"
     # each: every input is its own request; concat: one request per item joining all inputs;
     # route: each item goes to exactly one of the sibling 'route' nodes, by route_weight.
     combine: Literal["each", "concat", "route"] = "each"
-    route_weight: float = Field(default=1.0, gt=0)
-    repeat: int = Field(default=1, gt=0)
+    route_weight: float = Field(default=1.0, gt=0, le=MAX_WEIGHT)
+    repeat: int = Field(default=1, ge=1, le=MAX_REPEAT)
     # Where the runtime loads the model from (a local checkpoint directory); tiny catalog
     # models need none. The planner only needs ``model``.
-    checkpoint: Optional[str] = None
+    checkpoint: Optional[PathText] = None
     # How the node's requests decode (raycolo.generation.SamplingParams, same bounds).
     # The default temperature is the one output-length eCDFs are measured at; 0 is greedy
     # (deterministic, and planned with the profile's greedy eCDF where it has one).
@@ -116,22 +121,20 @@ class NodeSpec(BaseModel):
                               seed=seed, stop=self.stop)
 
 
-class EdgeSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+class EdgeSpec(Strict):
+    model_config = ConfigDict(populate_by_name=True)
 
-    source: str = Field(alias="from")
-    target: str = Field(alias="to")
+    source: Name = Field(alias="from")
+    target: Name = Field(alias="to")
 
 
-class AppSpec(BaseModel):
+class AppSpec(Strict):
     """A multi-LLM application."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = "app"
-    sources: dict[str, SourceSpec]
-    nodes: list[NodeSpec] = Field(min_length=1)
-    edges: list[EdgeSpec] = Field(min_length=1)
+    name: Name = "app"
+    sources: dict[Name, SourceSpec] = Field(min_length=1, max_length=1024)
+    nodes: list[NodeSpec] = Field(min_length=1, max_length=1024)
+    edges: list[EdgeSpec] = Field(min_length=1, max_length=1 << 16)
     base_dir: Optional[str] = None  # set by the loader, for relative request files
 
     def node(self, name: str) -> NodeSpec:
@@ -189,9 +192,12 @@ class AppSpec(BaseModel):
                 raise ConfigError(f"nodes: '{name}' is also a source name")
         for i, node in enumerate(self.nodes):
             try:
-                get_model(node.model)
+                model = get_model(node.model)
             except ConfigError as exc:
                 raise ConfigError(f"nodes[{node.name}].model: {exc}") from None
+            if node.max_output_tokens > model.context_length:
+                raise ConfigError(f"nodes[{node.name}].max_output_tokens: must be within {node.model}'s context "
+                                  f"of {model.context_length} tokens, got {node.max_output_tokens}")
         known = set(names) | set(self.sources)
         for i, edge in enumerate(self.edges):
             for end, value in (("from", edge.source), ("to", edge.target)):
@@ -211,13 +217,6 @@ class AppSpec(BaseModel):
         self.topological_order()
 
 
-def _format_validation_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-    msg = err["msg"].removeprefix("Value error, ")
-    return f"{loc}: {msg}"
-
-
 def parse_app(data: object, origin: str = "<dict>") -> AppSpec:
     if not isinstance(data, dict):
         raise ConfigError(f"{origin}: expected a mapping at the top level")
@@ -229,7 +228,7 @@ def parse_app(data: object, origin: str = "<dict>") -> AppSpec:
     try:
         app = AppSpec.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{origin}: {_format_validation_error(exc)}") from None
+        raise ConfigError(f"{origin}: {describe(exc)}") from None
     except RecursionError:
         raise ConfigError(f"{origin}: nested too deeply") from None
     try:

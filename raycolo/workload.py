@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import numpy as np
+from pydantic import ConfigDict, Field, ValidationError
 
 from raycolo.catalog import ModelSpec, get_model
 from raycolo.costmodel.sampler import OutputLengthSampler, seeded_rng
 from raycolo.dag import PLACEHOLDER, AppSpec, LengthDistribution, NodeSpec, SourceSpec
 from raycolo.errors import ConfigError
-from raycolo.generation.params import MAX_TOKENS_LIMIT
+from raycolo.bounds import MAX_CHUNKS, MAX_REQUESTS, MAX_TOKENS, Strict, Text, Tokens, describe
 
 # Words-to-tokens ratio for text when no tokenizer is at hand (BPE tokenizers on English).
 TOKENS_PER_WORD = 4 / 3
@@ -72,18 +74,35 @@ class SourceItems:
     item_ids: np.ndarray  # global item ids
 
 
-def _positive_int(value, path: Path, row: int, column: str) -> Optional[int]:
-    """A positive whole number up to ``MAX_TOKENS_LIMIT`` (the bound of every token count),
-    or None where the cell is empty (JSON null, parquet NaN)."""
-    if value is None or (isinstance(value, float) and np.isnan(value)):
-        return None
-    whole = isinstance(value, (int, np.integer)) or (
-        isinstance(value, (float, np.floating)) and float(value).is_integer())
-    if isinstance(value, (bool, np.bool_)) or not whole or value <= 0:
-        raise ConfigError(f"{path}: row {row}: {column} must be a positive integer")
-    if value > MAX_TOKENS_LIMIT:
-        raise ConfigError(f"{path}: row {row}: {column} must be at most {MAX_TOKENS_LIMIT}, got {value:.3g}")
-    return int(value)
+class RequestRow(Strict):
+    """One row of a request file (jsonl or parquet): text, or a length, and chunks. Other
+    columns (an ``id``, anything else) are the user's and pass through."""
+
+    model_config = ConfigDict(extra="ignore")
+    prompt: Optional[Text] = None
+    input_tokens: Optional[Tokens] = None
+    chunks: Optional[Annotated[int, Field(ge=1, le=MAX_CHUNKS)]] = None
+
+
+def _cell(value):
+    """A cell as the row model reads it: empty (JSON null, a parquet NaN) is None, and a
+    whole float (a parquet column with an empty cell is float) the integer it is."""
+    if isinstance(value, (float, np.floating)) and not isinstance(value, bool):
+        if math.isnan(value):
+            return None
+        if math.isfinite(value) and float(value).is_integer():
+            return int(value)
+        return float(value)
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def request_row(row: dict, path: Path, number: int) -> RequestRow:
+    """Row ``number`` (from 1) of ``path`` through :class:`RequestRow`; the error names the
+    file, the row and the column."""
+    try:
+        return RequestRow.model_validate({k: _cell(row[k]) for k in RequestRow.model_fields if k in row})
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: row {number}: {describe(exc)}") from None
 
 
 def read_request_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
@@ -131,15 +150,18 @@ def read_request_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
 def _read_request_file(path: Path, limit: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
     rows = read_request_rows(path, limit)
     tokens, chunks = [], []
-    for i, row in enumerate(rows, 1):
-        value = _positive_int(row.get("input_tokens"), path, i, "input_tokens")
-        if value is not None:
-            tokens.append(value)
-        elif isinstance(row.get("prompt"), str):
-            tokens.append(max(1, count_text_tokens(row["prompt"])))
+    for i, raw in enumerate(rows, 1):
+        row = request_row(raw, path, i)
+        if row.input_tokens is not None:
+            tokens.append(row.input_tokens)
+        elif row.prompt is not None:
+            tokens.append(min(MAX_TOKENS, max(1, count_text_tokens(row.prompt))))
         else:
             raise ConfigError(f"{path}: row {i}: needs 'prompt' (text) or 'input_tokens'")
-        chunks.append(_positive_int(row.get("chunks"), path, i, "chunks") or 1)
+        chunks.append(row.chunks or 1)
+    if sum(chunks) > MAX_REQUESTS:
+        raise ConfigError(f"{path}: {sum(chunks)} chunks in all, more than the {MAX_REQUESTS} requests a run "
+                          "may hold")
     return np.asarray(tokens, dtype=np.int64), np.asarray(chunks, dtype=np.int64)
 
 

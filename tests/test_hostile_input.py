@@ -305,12 +305,12 @@ def test_numbers_that_no_surface_may_take_silently():
 @pytest.mark.parametrize("column", ["input_tokens", "chunks"])
 @pytest.mark.parametrize("value", [10 ** 30, 2 ** 63, 1e300])
 def test_a_request_file_with_a_huge_count_is_refused_naming_the_column(tmp_path, column, value):
-    """A count past the bound of every token count (MAX_TOKENS_LIMIT) is a clear error, not
+    """A count past its bound (raycolo/bounds.py) is a clear error, not
     an OverflowError when the counts become an int64 array (hypothesis found 10^30)."""
     from raycolo.errors import ConfigError
     from raycolo.workload import _read_request_file
 
     f = tmp_path / "requests.jsonl"
     f.write_text(json.dumps({"prompt": "hello", column: value}) + "\n")
-    with pytest.raises(ConfigError, match=f"row 1: {column} must be at most"):
+    with pytest.raises(ConfigError, match=f"row 1: {column}: must be at most"):
         _read_request_file(f, None)

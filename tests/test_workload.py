@@ -268,7 +268,9 @@ def test_output_respects_max_output_tokens():
 def test_output_respects_context_length():
     ctx = get_model("alpaca-13b").context_length
     assert ctx == 2048
-    app = parse_app(_single("alpaca-13b", 4096,
+    with pytest.raises(ConfigError, match=r"nodes\[n\]\.max_output_tokens: must be within alpaca-13b's context of 2048"):
+        parse_app(_single("alpaca-13b", 4096, {"distribution": "uniform", "min": 1500, "max": 3000}))
+    app = parse_app(_single("alpaca-13b", 2048,
                             {"distribution": "uniform", "min": 1500, "max": 3000}))
     w = build_workload(app, seed=0).nodes["n"]
     assert (w.input_len <= ctx - 1).all()

@@ -10,6 +10,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from raycolo.bounds import describe
 from raycolo.errors import ConfigError
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import GIB, NodeProfile
@@ -335,23 +336,13 @@ def layer_bounds(layers: int, stages: int) -> list[int]:
     return bounds
 
 
-def _field_path(loc) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def parse_online_config(values: dict, source: str = "config") -> OnlineConfig:
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: must be a mapping of settings")
     try:
         return OnlineConfig.model_validate(values)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = _field_path(err["loc"]) or "config"
-        msg = err["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"{source}: {where}: {msg}") from None
+        raise ConfigError(f"{source}: {describe(exc, whole='config')}") from None
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply") from None
 

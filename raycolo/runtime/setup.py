@@ -14,6 +14,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from raycolo.bounds import describe
 from raycolo.dag import AppSpec, SourceSpec, load_app
 from raycolo.errors import ConfigError
 from raycolo.hardware import ClusterSpec, make_cluster
@@ -65,9 +66,7 @@ def parse_run_config(values: dict) -> RunConfig:
     try:
         return RunConfig.model_validate(values)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = "--" + ".".join(str(p) for p in err["loc"]).replace("_", "-")
-        raise ConfigError(f"{field}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise ConfigError(describe(exc, flag=True)) from None
 
 
 @dataclass
