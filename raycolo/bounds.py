@@ -97,3 +97,21 @@ def describe(exc: ValidationError, flag: bool = False, whole: str = "(top level)
     if flag:
         where = "--" + where.replace("_", "-").replace(".", "-")
     return f"{where or whole}: {msg}"
+
+
+def field_bounds(model: type[BaseModel], name: str) -> tuple[float, float, bool, bool]:
+    """(least, most, least excluded, most excluded) a numeric field of ``model`` allows,
+    from its declared constraints (for checks that run over whole columns at once, and
+    for help texts)."""
+    lo, hi, lo_open, hi_open = float("-inf"), float("inf"), False, False
+    for c in model.model_fields[name].metadata:
+        for attr, is_lo, is_open in (("ge", True, False), ("gt", True, True), ("le", False, False),
+                                     ("lt", False, True)):
+            v = getattr(c, attr, None)
+            if v is None:
+                continue
+            if is_lo:
+                lo, lo_open = v, is_open
+            else:
+                hi, hi_open = v, is_open
+    return lo, hi, lo_open, hi_open

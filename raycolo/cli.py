@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from raycolo.costmodel.latency import resolve_profile_dir  # noqa: F401  (also imported from here)
 from raycolo.errors import RaycoloError, one_line
+from raycolo.flags import add_field_flag, field_type
 from raycolo.policies import DEFAULT_OFFLINE_POLICY
 
 EXIT_USAGE = 2
@@ -66,6 +67,9 @@ def _online_policy_names() -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from raycolo.online.config import OnlineConfig
+    from raycolo.online.tasks import Arrivals
+
     parser = _Parser(prog="raycolo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = sub.add_parser("plan", help="plan an application's execution stages")
@@ -100,10 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     # jobs/run_dag.py: the same, on the cluster the job was submitted to
     online = sub.add_parser("simulate-online", help="simulate co-located serving and retraining")
     _add_online_flags(online)
-    online.add_argument("--policy", default="lemix",
-                        help=f"online policy (default lemix): {', '.join(_online_policy_names())}")
-    online.add_argument("--rate", type=float, default=50.0, help="requests per second (default 50)")
-    online.add_argument("--train-rate", type=float, default=0.5, help="fraction of training tasks α")
+    add_field_flag(online, OnlineConfig, "policy", f"online policy: {', '.join(_online_policy_names())}")
+    add_field_flag(online, Arrivals, "rate", "requests per second")
+    add_field_flag(online, OnlineConfig, "train_rate", "fraction of training tasks α")
     online.add_argument("--trace", default=None, metavar="CSV", help="replay a trace instead of Poisson arrivals")
     online.add_argument("--plot", default=None, metavar="PNG", help="active nodes over time and the TTFT CDF")
     online.add_argument("--json", action="store_true")
@@ -120,10 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                                "simulate-online's metrics")
     orun.add_argument("config", help="online deployment config (YAML), e.g. examples/online.yaml")
     orun.add_argument("--trace", default=None, metavar="CSV", help="replay a trace instead of Poisson arrivals")
-    orun.add_argument("--rate", type=float, default=2.0, help="tasks per second (default 2)")
-    orun.add_argument("--train-rate", type=float, default=None,
-                      help="fraction of training tasks α (default: the config's train_rate)")
-    orun.add_argument("--tasks", type=COUNT, default=20, help="tasks to replay (default 20)")
+    add_field_flag(orun, Arrivals, "rate", "tasks per second", default=2.0)
+    add_field_flag(orun, OnlineConfig, "train_rate", "fraction of training tasks α (none: the config's)",
+                   default=None)
+    add_field_flag(orun, Arrivals, "tasks", "tasks to replay", default=20)
     orun.add_argument("--lengths", default="hh-rlhf", help="query lengths: hh-rlhf or shp")
     orun.add_argument("--max-length", type=TOKENS, default=64, help="clip query lengths to this (default 64)")
     orun.add_argument("--max-decode", type=TOKENS, default=16, help="clip decode lengths to this (default 16)")
@@ -148,14 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_online_flags(p: argparse.ArgumentParser) -> None:
+    from raycolo.online.params import LemixParams
+    from raycolo.online.tasks import Arrivals
+
     p.add_argument("--model", default="llama-8b", help="preset: gpt-400m ... llama-70b (default llama-8b)")
     p.add_argument("--nodes", type=GPUS, default=4, help="nodes (default 4)")
     p.add_argument("--stages", type=GPUS, default=2, help="pipeline stages (GPUs) per node (default 2)")
-    p.add_argument("--tasks", type=COUNT, default=1000, help="tasks to simulate (default 1000)")
+    add_field_flag(p, Arrivals, "tasks", "tasks to simulate")
     p.add_argument("--lengths", default="hh-rlhf", help="query lengths: hh-rlhf or shp")
     p.add_argument("--seed", type=SEED, default=0)
-    p.add_argument("--slo-multiplier", type=float, default=None, help="SLO = k x forward latency (default 5)")
-    p.add_argument("--slo-ms", type=float, default=None, help="absolute TTFT SLO in ms")
+    add_field_flag(p, LemixParams, "slo_multiplier", "SLO = k x forward latency")
+    add_field_flag(p, LemixParams, "slo_ms", "absolute TTFT SLO in ms (overrides the multiplier)")
 
 
 def _add_run_flags(p: argparse.ArgumentParser, local: bool) -> None:
@@ -515,12 +521,14 @@ def _report_online(result, summary: dict, args, title: str, heading: str) -> int
     return 0
 
 
-def _float_list(text: str, flag: str) -> list[float]:
+def _float_list(text: str, flag: str, model, field: str) -> list[float]:
+    """Comma-separated values of ``model``'s field ``field``, each held to its bounds."""
     from raycolo.errors import ConfigError
+    parse = field_type(model, field)
     try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag}: expected comma-separated numbers, got '{text}'") from None
+        values = [parse(x.strip()) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
     if not values:
         raise ConfigError(f"{flag}: empty")
     return values
@@ -536,12 +544,10 @@ def cmd_sweep_online(args) -> int:
         raise ConfigError(f"--policies: no policy named in '{args.policies}'")
     for policy in policies:
         _check_online_policy(policy, "--policies")
-    rates = _float_list(args.rates, "--rates")
-    alphas = _float_list(args.train_rates, "--train-rates")
-    if any(r <= 0 for r in rates):
-        raise ConfigError(f"--rates: must be positive, got {args.rates}")
-    if any(not 0 <= a <= 1 for a in alphas):
-        raise ConfigError(f"--train-rates: must lie in [0, 1], got {args.train_rates}")
+    from raycolo.online.config import OnlineConfig
+    from raycolo.online.tasks import Arrivals
+    rates = _float_list(args.rates, "--rates", Arrivals, "rate")
+    alphas = _float_list(args.train_rates, "--train-rates", OnlineConfig, "train_rate")
     from raycolo.online.tasks import get_length_distribution
     get_length_distribution(args.lengths)
     say = None if args.json else (lambda m: print(m, file=sys.stderr))
@@ -648,13 +654,27 @@ COMMANDS = {"serve": cmd_serve, "online": cmd_online, "simulate-online": cmd_sim
             "validate": cmd_validate, "run": cmd_run, "run-dag": cmd_run}
 
 
+# Flags a command writes to: (dest, is a directory, suffixes, example). Checked before any work.
+OUTPUTS = (("gantt", False, "image", "out/gantt.png"), ("plot", False, "image", "out/plot.png"),
+           ("save_profile", False, (".json",), "out/profile.json"), ("out", True, (), "out/dir"),
+           ("output", True, (), "out/run"))
+
+
+def _check_outputs(args) -> None:
+    from raycolo.outputs import check_output
+    from raycolo.plots import IMAGE_SUFFIXES
+
+    for dest, directory, suffixes, example in OUTPUTS:
+        value = getattr(args, dest, None)
+        if isinstance(value, str):
+            check_output(value, "--" + dest.replace("_", "-"), directory=directory,
+                         suffixes=IMAGE_SUFFIXES if suffixes == "image" else suffixes, example=example)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from raycolo.plots import check_image_path
-        for flag in ("gantt", "plot"):
-            if isinstance(getattr(args, flag, None), str):
-                check_image_path(getattr(args, flag), f"--{flag}")
+        _check_outputs(args)
         return COMMANDS[args.command](args)
     except RaycoloError as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)

@@ -15,16 +15,11 @@ IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".eps", ".ps
 
 
 def check_image_path(path: str, flag: str) -> None:
-    """A plot path whose suffix names an image format this module writes (none: PNG), so a
-    typo fails before any work with one line naming the flag."""
-    from raycolo.errors import ConfigError
+    """A plot path this module can write: a writable place, a suffix naming an image
+    format (none: PNG); checked before any work, one line naming the flag."""
+    from raycolo.outputs import check_output
 
-    suffix = Path(path).suffix.lower()
-    if not path.strip() or "\x00" in path:
-        raise ConfigError(f"{flag}: give a file name, e.g. out/plot.png")
-    if suffix and suffix not in IMAGE_SUFFIXES:
-        raise ConfigError(f"{flag}: '{suffix}' is not an image format; use one of "
-                          + ", ".join(IMAGE_SUFFIXES))
+    check_output(path, flag, suffixes=IMAGE_SUFFIXES, example="out/plot.png")
 
 
 def save_figure(fig, path: str | Path) -> Path:

@@ -8,38 +8,37 @@ import math
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
-from raycolo.bounds import describe
+from raycolo.bounds import MAX_TOKENS, Name, PathText, Strict, describe
 from raycolo.errors import ConfigError
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import GIB, NodeProfile
 from raycolo.yamlio import load_yaml
 
 
-class ModelLoadingConfig(BaseModel):
+class ModelLoadingConfig(Strict):
     """As Ray Serve LLM's: a catalog id of a tiny model (random weights, byte tokenizer)
     or a local checkpoint directory of a Llama-, Qwen2- or Mistral-style causal LM."""
 
-    model_config = ConfigDict(extra="forbid")
-    model_id: str = "tiny-llama-s"
-    seed: int = Field(default=0, ge=0)
+    model_id: PathText = "tiny-llama-s"
+    seed: int = Field(default=0, ge=0, le=2 ** 63 - 1)
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
 
 
-class LoraSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class LoraSpec(Strict):
     rank: int = Field(default=8, gt=0, le=1024)
-    alpha: int = Field(default=16, gt=0)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    alpha: int = Field(default=16, gt=0, le=1 << 16)
+    target_modules: list[Name] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                       min_length=1, max_length=256)
     lr: float = Field(default=1e-3, gt=0, le=1.0)
     micro_batch: int = Field(default=4, gt=0, le=1024)       # samples per training task (C)
-    checkpoint_every: int = Field(default=8, gt=0)            # optimizer steps between checkpoints
+    checkpoint_every: int = Field(default=8, gt=0, le=1 << 30)          # optimizer steps between checkpoints
     max_len: int = Field(default=256, gt=1, le=1 << 16)       # tokens per training sample, at most
     queued_tasks: int = Field(default=2, gt=0, le=1024)       # HTTP samples: training tasks outstanding per node
     flush_after_s: float = Field(default=10.0, gt=0, le=86400)  # HTTP samples: a partial micro-batch waits at most this
     dpo_beta: float = Field(default=0.1, gt=0, le=100)        # DPO's beta for preference pairs
-    init_from: Optional[str] = Field(default=None, description=(
+    init_from: Optional[PathText] = Field(default=None, description=(
         "A LoRA adapter directory in peft's format (adapter_config.json, adapter_model.safetensors) "
         "to start from: every node's stages load their layers' part of it and train on from it. Its rank, "
         "lora_alpha and target modules must be this section's, and its weights must fit the model "
@@ -59,12 +58,11 @@ class LoraSpec(BaseModel):
             raise ValueError(f"not a usable path: {exc}") from None
 
 
-class StageSpec(BaseModel):
+class StageSpec(Strict):
     """What each stage worker gets."""
 
-    model_config = ConfigDict(extra="forbid")
-    cpus_per_worker: float = Field(default=0.5, gt=0)
-    cpu_threads: Optional[int] = Field(default=1, gt=0)
+    cpus_per_worker: float = Field(default=0.5, gt=0, le=1024)
+    cpu_threads: Optional[int] = Field(default=1, gt=0, le=1024)
     # OpenMP's OMP_WAIT_POLICY for the stage workers (None: OpenMP's own). Their cores are
     # shared with the controller, the HTTP front and Serve's proxy, and an ACTIVE thread
     # spins on its core between ops: at 100 concurrent requests on 2 cores PASSIVE gave
@@ -75,10 +73,10 @@ class StageSpec(BaseModel):
     omp_wait_policy: Optional[Literal["PASSIVE", "ACTIVE"]] = "PASSIVE"
     backend: Literal["gloo", "nccl"] = "gloo"                 # nccl on real GPUs
     device: Literal["cpu", "cuda"] = "cpu"
-    block_size: int = Field(default=16, gt=0)
-    kv_cache_tokens: int = Field(default=16384, gt=0)
-    memory_bytes: float = Field(default=2 * GIB, gt=0)        # the stage's memory budget
-    max_failures: int = Field(default=1, ge=0)                # worker-group restarts per node
+    block_size: int = Field(default=16, gt=0, le=1 << 16)
+    kv_cache_tokens: int = Field(default=16384, gt=0, le=1 << 30)
+    memory_bytes: float = Field(default=2 * GIB, gt=0, le=1 << 50)   # the stage's memory budget (1 PiB at most)
+    max_failures: int = Field(default=1, ge=0, le=1 << 20)    # worker-group restarts per node
     # GPUs each stage worker asks Ray for: below 1 several stages share one GPU (0.5: two),
     # each with its own slice of layers and KV cache; their point-to-point traffic goes
     # through host memory over gloo (NCCL refuses two ranks on one device)
@@ -115,19 +113,18 @@ class StageSpec(BaseModel):
     switch_interval_s: float = Field(default=0.0002, gt=0, le=0.1)
 
 
-class ServeSpec(BaseModel):
+class ServeSpec(Strict):
     """The HTTP front (``raycolo serve``, ``serve run examples/serve.yaml``, docs/serve.md)."""
 
-    model_config = ConfigDict(extra="forbid")
-    host: str = "127.0.0.1"                                   # Serve's HTTP proxy; loopback only
+    host: Name = "127.0.0.1"                                   # Serve's HTTP proxy; loopback only
     port: int = Field(default=8000, ge=1, le=65535)           # Ray Serve's own default
-    route_prefix: str = "/"
-    app_name: str = "raycolo"
-    served_model_name: Optional[str] = None                   # default: model_loading_config.model_id
-    api_key_env: Optional[str] = None                         # env var holding the Bearer key
+    route_prefix: Name = "/"
+    app_name: Name = "raycolo"
+    served_model_name: Optional[Name] = None                  # default: model_loading_config.model_id
+    api_key_env: Optional[Name] = None                        # env var holding the Bearer key
     max_ongoing_requests: int = Field(default=64, gt=0, le=1 << 20)  # admission limit (429 beyond)
     retry_after_s: int = Field(default=1, ge=1, le=3600)
-    max_body_bytes: int = Field(default=1 << 20, gt=0)        # 413 beyond
+    max_body_bytes: int = Field(default=1 << 20, gt=0, le=1 << 40)  # 413 beyond
     replicas: int = Field(default=1, gt=0, le=64)             # ingress replicas
     # With stage.data_plane node, how tokens reach the replica that admitted the request.
     # "direct": the node writes them to the replica's token inbox, a TCP listener on the
@@ -141,7 +138,7 @@ class ServeSpec(BaseModel):
     stream_interval: int = Field(default=1, ge=1, le=1024)
     # adapter checkpoints servable as <model>@v<k>: the newest this many
     pinned_versions: int = Field(default=4, ge=0, le=64)
-    lora_load_dirs: list[str] = Field(default_factory=list, description=(
+    lora_load_dirs: list[PathText] = Field(default_factory=list, max_length=256, description=(
         "Directories POST /v1/load_lora_adapter may load adapters from (a lora_path must lie under one "
         "of them once symlinks are resolved; others are a 403 that says nothing of the path). Empty: "
         "loading adapters over HTTP is off, as vLLM's routes are without VLLM_ALLOW_RUNTIME_LORA_UPDATING. "
@@ -175,25 +172,24 @@ class ServeSpec(BaseModel):
         return v
 
 
-class OnlineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OnlineConfig(Strict):
     model_loading_config: ModelLoadingConfig = Field(default_factory=ModelLoadingConfig)
     nodes: int = Field(default=2, gt=0, le=64)
     stages: int = Field(default=2, gt=0, le=64)
-    policy: str = "lemix"
+    policy: Name = "lemix"
     train_rate: float = Field(default=0.5, ge=0, le=1)        # SEPARATE sizes its groups from it
     lemix: LemixParams = Field(default_factory=LemixParams)
     lora: LoraSpec = Field(default_factory=LoraSpec)
     stage: StageSpec = Field(default_factory=StageSpec)
-    max_tokens: int = Field(default=64, gt=0)                 # a completion's default limit
-    sample_store: str = "out/online/samples"
-    storage_path: str = "out/online/checkpoints"
+    max_tokens: int = Field(default=64, gt=0, le=MAX_TOKENS)               # a completion's default limit
+    sample_store: PathText = "out/online/samples"
+    storage_path: PathText = "out/online/checkpoints"
     # take up where an earlier deployment on the same storage_path and sample_store stopped:
     # each node restores its newest adapter checkpoint and trains the stored samples no
     # checkpoint holds (False: start from the base model, ignoring earlier checkpoints)
     resume: bool = True
-    profile: Optional[str] = None                             # a saved node profile (JSON) to start from
-    prior_gflops: float = Field(default=20.0, gt=0)           # the prior profile's assumed rate
+    profile: Optional[PathText] = None                           # a saved node profile (JSON) to start from
+    prior_gflops: float = Field(default=20.0, gt=0, le=1e9)         # the prior profile's assumed rate
     serve: ServeSpec = Field(default_factory=ServeSpec)
 
     def served_model_name(self) -> str:
@@ -295,13 +291,6 @@ class OnlineConfig(BaseModel):
         if name not in online_policy_names():
             raise ValueError(f"unknown online policy '{name}' (known: {', '.join(online_policy_names())})")
         return name
-
-    @field_validator("prior_gflops")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be finite")
-        return v
 
 
 def model_hf_config(model_id: str):

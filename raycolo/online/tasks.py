@@ -25,6 +25,9 @@ from typing import Literal, Optional, Sequence
 
 import numpy as np
 
+from pydantic import Field
+
+from raycolo.bounds import MAX_RATE, MAX_REQUESTS, MAX_TOKENS, Strict, Tokens, field_bounds
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.errors import ConfigError
 
@@ -115,7 +118,9 @@ def _check_train_rate(train_rate: float) -> None:
         raise ConfigError(f"--train-rate: must lie in [0, 1], got {train_rate:g}")
 
 
-MAX_COUNT = 10_000_000        # tasks, or queries per task: more is a typo, not a workload
+MAX_COUNT = MAX_REQUESTS      # tasks: more is a typo, not a workload
+MAX_TASK_BATCH = 4096         # queries per task
+MAX_TRACE_SPAN_S = 1e8        # a trace's timestamps (about three years of seconds)
 
 
 def _check_count(flag: str, value) -> int:
@@ -153,10 +158,8 @@ def poisson_workload(rate: float, train_rate: float, tasks: int, lengths: str = 
     Tasks are batches of ``batch`` queries; training tasks of ``train_batch`` (default:
     ``batch``), e.g. the live runtime's ``lora.micro_batch``.
     """
-    if not rate > 0:  # also rejects NaN
-        raise ConfigError(f"--rate: must be positive, got {rate:g}")
-    if math.isinf(rate):
-        raise ConfigError(f"--rate: must be finite, got {rate:g}")
+    if not 0 < rate <= MAX_RATE:  # also rejects NaN
+        raise ConfigError(f"--rate: must be positive and at most {MAX_RATE:g}, got {rate:g}")
     _check_train_rate(train_rate)
     count = _check_count("--tasks", tasks)
     _check_count("--batch", batch)
@@ -214,22 +217,43 @@ def _first_bad_row(bad: np.ndarray) -> Optional[int]:
     return int(hits[0]) + 1 if len(hits) else None
 
 
-def _integer_column(frame, column: str, path: Path, minimum: int,
-                    required: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Whole numbers >= ``minimum``; returns (values, present) with empty cells not present."""
+class Arrivals(Strict):
+    """Generated arrivals (``simulate-online``, ``sweep-online``, ``online run``)."""
+
+    rate: float = Field(default=50.0, gt=0, le=MAX_RATE)       # tasks per second (Poisson)
+    tasks: int = Field(default=1000, ge=1, le=MAX_COUNT)
+
+
+class TraceRow(Strict):
+    """One row of a trace CSV: the bounds of each column (checked a column at a time)."""
+
+    timestamp: float = Field(ge=-MAX_TRACE_SPAN_S, le=MAX_TRACE_SPAN_S)
+    length: Tokens
+    kind: Literal["inference", "train"] = "inference"
+    batch: int = Field(default=1, ge=1, le=MAX_TASK_BATCH)
+    decode_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
+    max_tokens: Tokens = DEFAULT_MAX_TOKENS
+
+
+def _integer_column(frame, column: str, path: Path, required: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Whole numbers within :class:`TraceRow`'s bounds for ``column``; returns (values,
+    present) with empty cells not present."""
     import pandas as pd
 
+    lo, hi, _, _ = field_bounds(TraceRow, column)     # ge, le
     raw = frame[column]
     numbers = pd.to_numeric(raw, errors="coerce").to_numpy(dtype=float)
     empty = raw.isna().to_numpy() | (raw.astype(str).str.strip() == "").to_numpy()
     with np.errstate(invalid="ignore"):
-        valid = np.isfinite(numbers) & (numbers == np.round(numbers)) & (numbers >= minimum)
+        whole = np.isfinite(numbers) & (numbers == np.round(numbers))
+        valid = whole & (numbers >= lo) & (numbers <= hi)
     bad = ~valid if required else ~valid & ~empty
     row = _first_bad_row(bad)
     if row is not None:
-        what = "a positive integer" if minimum >= 1 else "a non-negative integer"
-        raise ConfigError(f"{path}: row {row}: {column} must be {what}")
-    return np.where(valid, numbers, minimum).astype(np.int64), valid
+        value = numbers[row - 1]
+        what = ("an integer" if not whole[row - 1] else f"at least {lo:.0f}" if value < lo else f"at most {hi:.0f}")
+        raise ConfigError(f"{path}: row {row}: {column}: must be {what}, got {raw.iloc[row - 1]!r}")
+    return np.where(valid, numbers, lo).astype(np.int64), valid
 
 
 def load_trace(path, train_rate: Optional[float] = None, seed: int = 0,
@@ -274,10 +298,12 @@ def load_trace(path, train_rate: Optional[float] = None, seed: int = 0,
         raise ConfigError(f"--train-rate: cannot be used with {path}, which has a 'kind' column")
 
     timestamps = pd.to_numeric(frame["timestamp"], errors="coerce").to_numpy(dtype=float)
-    row = _first_bad_row(~np.isfinite(timestamps))
+    lo, hi, _, _ = field_bounds(TraceRow, "timestamp")
+    with np.errstate(invalid="ignore"):
+        row = _first_bad_row(~(np.isfinite(timestamps) & (timestamps >= lo) & (timestamps <= hi)))
     if row is not None:
-        raise ConfigError(f"{path}: row {row}: timestamp must be a number (seconds)")
-    lengths, _ = _integer_column(frame, "length", path, minimum=1, required=True)
+        raise ConfigError(f"{path}: row {row}: timestamp: must be a number of seconds within ±{hi:g}")
+    lengths, _ = _integer_column(frame, "length", path, required=True)
     if has_kind:
         kinds = frame["kind"].str.strip().str.lower().to_numpy(dtype=object)
         row = _first_bad_row(~np.isin(kinds, TASK_KINDS))
@@ -285,19 +311,18 @@ def load_trace(path, train_rate: Optional[float] = None, seed: int = 0,
             raise ConfigError(f"{path}: row {row}: kind must be 'inference' or 'train'")
         is_train = kinds == "train"
     if "batch" in frame.columns:
-        batches, present = _integer_column(frame, "batch", path, minimum=1, required=False)
+        batches, present = _integer_column(frame, "batch", path, required=False)
         batches = np.where(present, batches, 1)
     else:
         batches = np.ones(len(frame), dtype=np.int64)
     if "decode_tokens" in frame.columns:
-        given_decode, decode_present = _integer_column(frame, "decode_tokens", path, minimum=0,
-                                                       required=False)
+        given_decode, decode_present = _integer_column(frame, "decode_tokens", path, required=False)
     else:
         given_decode = np.zeros(len(frame), dtype=np.int64)
         decode_present = np.zeros(len(frame), dtype=bool)
 
     if "max_tokens" in frame.columns:
-        given_max, max_present = _integer_column(frame, "max_tokens", path, minimum=1, required=False)
+        given_max, max_present = _integer_column(frame, "max_tokens", path, required=False)
     else:
         given_max = np.zeros(len(frame), dtype=np.int64)
         max_present = np.zeros(len(frame), dtype=bool)

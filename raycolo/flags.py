@@ -1,0 +1,74 @@
+"""Command-line flags generated from config fields (the way Vidur builds its CLI from its
+config dataclasses): the flag's name, default, bounds and help come from the field, so
+a default or a bound is declared once, in the model, and a bad value is refused by the
+model's own rules, with the flag's name."""
+from __future__ import annotations
+
+import argparse
+import typing
+from typing import Any, Optional
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from raycolo.bounds import describe, field_bounds
+
+_UNSET: Any = object()
+
+
+def _base_type(annotation) -> type:
+    """int, float or str: what the flag's text is read as (Optional[X] reads as X)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Union and len(args) == 1:
+        return _base_type(args[0])
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _base_type(args[0])
+    return annotation if annotation in (int, float) else str
+
+
+def field_type(model: type[BaseModel], name: str):
+    """An argparse ``type``: the text read as the field's type, then validated by the
+    field's own constraints (a bad value: argparse's one-line error naming the flag)."""
+    info = model.model_fields[name]
+    adapter = TypeAdapter(typing.Annotated[(info.annotation, *info.metadata)],
+                          config={"strict": True, "allow_inf_nan": False})
+    base = _base_type(info.annotation)
+
+    def parse(text: str):
+        try:
+            value = base(text)
+        except ValueError:
+            kind = {int: "an integer", float: "a number"}.get(base, "text")
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+        try:
+            return adapter.validate_python(value)
+        except ValidationError as exc:
+            raise argparse.ArgumentTypeError(describe(exc).split(": ", 1)[-1] + f", got {text!r}") from None
+
+    parse.__name__ = base.__name__
+    return parse
+
+
+def field_help(model: type[BaseModel], name: str, text: str, default: Any = _UNSET) -> str:
+    """``text`` with the field's default and bounds, as ``--help`` shows them."""
+    info = model.model_fields[name]
+    value = info.default if default is _UNSET else default
+    lo, hi, lo_open, hi_open = field_bounds(model, name)
+    bounds = ("" if (lo, hi) == (float("-inf"), float("inf")) else
+              f"; {'(' if lo_open or lo == float('-inf') else '['}{_num(lo) if lo != float('-inf') else ''}, "
+              f"{_num(hi) if hi != float('inf') else ''}{')' if hi_open or hi == float('inf') else ']'}")
+    shown = "none" if value is None else _num(value) if isinstance(value, (int, float)) else value
+    return f"{text} (default {shown}{bounds})"
+
+
+def _num(x) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e7 else f"{x:g}"
+
+
+def add_field_flag(parser: argparse.ArgumentParser, model: type[BaseModel], name: str, text: str,
+                   flag: Optional[str] = None, default: Any = _UNSET, metavar: Optional[str] = None) -> None:
+    """``--<name>`` (or ``flag``) for field ``name`` of ``model``: its type, bounds and
+    default (``default`` where a command's differs, e.g. None for "the config's")."""
+    info = model.model_fields[name]
+    value = info.default if default is _UNSET else default
+    parser.add_argument(flag or "--" + name.replace("_", "-"), type=field_type(model, name), default=value,
+                        metavar=metavar, help=field_help(model, name, text, default))

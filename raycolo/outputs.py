@@ -1,0 +1,48 @@
+"""Where a command will write, checked before it does any work.
+
+An output path that cannot be written (its directory missing and not creatable, a file
+where a directory is promised, a directory where a file is, ``/proc``, a format the
+writer does not know) fails with one line naming the flag, before the work whose result
+would then be lost. Nothing is written by the check: it opens a temporary file in the
+nearest directory that exists (deleted on close), which is what writing there needs.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from raycolo.bounds import MAX_PATH_CHARS
+from raycolo.errors import ConfigError
+
+
+def check_output(path: str, flag: str, *, directory: bool = False, suffixes: Sequence[str] = (),
+                 example: str = "out/result") -> Path:
+    """``path`` as the flag ``flag`` will write it: a file (with one of ``suffixes``, none
+    meaning the writer's default) or, with ``directory``, a directory that may exist."""
+    if not path.strip() or "\x00" in path or len(path) > MAX_PATH_CHARS:
+        raise ConfigError(f"{flag}: give a {'directory' if directory else 'file'} name, e.g. {example}")
+    try:
+        target = Path(path).expanduser()
+    except RuntimeError as exc:      # ~unknown-user
+        raise ConfigError(f"{flag}: not a usable path: {exc}") from None
+    if directory:
+        if target.exists() and not target.is_dir():
+            raise ConfigError(f"{flag}: {path} exists and is not a directory")
+    else:
+        if target.is_dir():
+            raise ConfigError(f"{flag}: {path} is a directory; give a file name, e.g. {example}")
+        suffix = target.suffix.lower()
+        if suffixes and suffix and suffix not in suffixes:
+            raise ConfigError(f"{flag}: '{suffix}' is not a format it writes; use one of " + ", ".join(suffixes))
+    where = target if directory and target.is_dir() else target.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        raise ConfigError(f"{flag}: cannot write under {where}: not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot write in {where}: {exc.strerror or exc}") from None
+    return target
