@@ -105,6 +105,10 @@ def request_row(row: dict, path: Path, number: int) -> RequestRow:
         raise ConfigError(f"{path}: row {number}: {describe(exc)}") from None
 
 
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def read_request_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
     """The rows of a jsonl or parquet request file, with clear errors for bad files."""
     if not path.exists():
@@ -126,9 +130,13 @@ def read_request_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, parse_constant=_not_json)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{path}:{lineno}: invalid JSON: {exc.msg}") from None
+            except ValueError as exc:
+                raise ConfigError(f"{path}:{lineno}: invalid JSON: {exc}") from None
+            except RecursionError:
+                raise ConfigError(f"{path}:{lineno}: invalid JSON: nested too deeply") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"{path}:{lineno}: each line must be a JSON object")
             rows.append(row)

@@ -8,6 +8,30 @@ import yaml
 
 from raycolo.errors import ConfigError
 
+MAX_DEPTH = 100        # levels of [ ] and { } nesting (PyYAML takes seconds to fail at thousands)
+
+
+def flow_depth(text: str) -> int:
+    """The deepest nesting of flow brackets in ``text``, quoted strings and comments left out."""
+    depth = deepest = 0
+    quote = None
+    comment = False
+    for ch in text:
+        if comment:
+            comment = ch != "\n"
+        elif quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#":
+            comment = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
 
 def load_yaml(path: str | Path):
     path = Path(path)
@@ -19,6 +43,8 @@ def load_yaml(path: str | Path):
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not UTF-8 text") from None
+    if ("[[" in text or "{{" in text or "[{" in text or "{[" in text) and flow_depth(text) > MAX_DEPTH:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply (more than {MAX_DEPTH} levels)")
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import signal
 from collections import Counter
@@ -51,8 +52,9 @@ def _deep(depth: int) -> str:
     return "[" * depth + "]" * depth
 
 
-def _clean(surface: str, fn) -> None:
-    """``fn()`` returns, or raises a RaycoloError whose text is one line; anything else fails."""
+def _clean(surface: str, fn) -> bool:
+    """``fn()`` returns (True: accepted), or raises a RaycoloError whose text is one line
+    (False); anything else fails."""
     FUZZ_COUNTS[(surface, "tried")] += 1
     try:
         fn()
@@ -60,8 +62,9 @@ def _clean(surface: str, fn) -> None:
         text = str(exc)
         assert text.strip() and len(text.splitlines()) == 1 and "Traceback" not in text, repr(text)
         FUZZ_COUNTS[(surface, "rejected")] += 1
-        return
+        return False
     FUZZ_COUNTS[(surface, "accepted")] += 1
+    return True
 
 
 def _mutate(base: dict, path: list, value) -> dict:
@@ -314,3 +317,164 @@ def test_a_request_file_with_a_huge_count_is_refused_naming_the_column(tmp_path,
     f.write_text(json.dumps({"prompt": "hello", column: value}) + "\n")
     with pytest.raises(ConfigError, match=f"row 1: {column}: must be at most"):
         _read_request_file(f, None)
+
+
+# -- generated from the schemas: every field of every model, each set to each hostile value -------
+DEEP = "__DEEP__"                  # stands for 5,000 levels of nesting, written as text
+SCHEMA_HOSTILE = [10 ** 30, -1, 0, 1e308, float("nan"), float("inf"), float("-inf"), True, "", "x" * 10_000,
+                  [1], {"a": 1}, DEEP]
+# no field of any model may take these: every number is finite, bounded and strictly typed
+NEVER = (10 ** 30, 1e308, True, DEEP)
+
+
+def _never(case, flags: set) -> bool:
+    """Some value of ``case`` no field may take (``True`` only where the field is not a
+    flag: ``flags`` holds the boolean fields' names)."""
+    for path, v in dict(case).items():          # a path set twice holds its last value
+        if v is True and path[-1] in flags:
+            continue
+        if isinstance(v, float) and not math.isfinite(v) or any(v is n or (type(v) is type(n) and v == n)
+                                                                for n in NEVER):
+            return True
+    return False
+
+
+def boolean_fields(schema: dict) -> set:
+    out = set()
+    for node in [schema, *schema.get("$defs", {}).values()]:
+        for name, field in node.get("properties", {}).items():
+            if "boolean" in {field.get("type"), *(o.get("type") for o in field.get("anyOf", []))}:
+                out.add(name)
+    return out
+
+
+def _schema_check(surface: str, model, case, fn) -> None:
+    accepted = _clean(surface, fn)
+    assert not (accepted and _never(case, boolean_fields(model.model_json_schema()))), (surface, case)
+
+
+def schema_paths(schema: dict, node=None, prefix=()) -> list[tuple]:
+    """Every field path of a pydantic model's JSON schema, through nested models, lists
+    (item 0) and mappings (``additionalProperties``: each key the base data has, here
+    ``"*"``, filled in by :func:`_fill`)."""
+    defs = schema.get("$defs", {})
+    node = schema if node is None else node
+    if "$ref" in node:
+        node = defs[node["$ref"].rsplit("/", 1)[-1]]
+    out = []
+    for option in node.get("anyOf", []):
+        out += schema_paths(schema, option, prefix)
+    if node.get("type") == "array" and isinstance(node.get("items"), dict):
+        out += schema_paths(schema, node["items"], prefix + (0,))
+    if isinstance(node.get("additionalProperties"), dict):
+        out += schema_paths(schema, node["additionalProperties"], prefix + ("*",))
+    for name, field in node.get("properties", {}).items():
+        out.append(prefix + (name,))
+        out += schema_paths(schema, field, prefix + (name,))
+    return sorted(set(out), key=str)
+
+
+def _fill(path: tuple, base) -> list:
+    """``path`` with each ``"*"`` the first key ``base`` has there."""
+    out, node = [], base
+    for part in path:
+        if part == "*":
+            part = next(iter(node)) if isinstance(node, dict) and node else "x"
+        out.append(part)
+        node = node[part] if isinstance(node, (dict, list)) and part in (node if isinstance(node, dict)
+                                                                          else range(len(node))) else None
+    return out
+
+
+def _set(data, path: list, value):
+    node = data
+    for part in path[:-1]:
+        if isinstance(node, list):
+            node = node[part] if part < len(node) else None
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
+            return
+    if isinstance(node, list):
+        if path[-1] < len(node):
+            node[path[-1]] = value
+    elif isinstance(node, dict):
+        node[path[-1]] = value
+
+
+def schema_cases(model, base: dict, count: int, seed: int = 0) -> list[list[tuple]]:
+    """``count`` mutations of ``base`` (lists of (path, value)): every field path with
+    every hostile value once, then pairs of them drawn with ``seed`` up to ``count``."""
+    import random
+    singles = [(tuple(_fill(p, base)), v) for p in schema_paths(model.model_json_schema()) for v in SCHEMA_HOSTILE]
+    cases = [[s] for s in singles]
+    rng = random.Random(seed)
+    while len(cases) < count:
+        cases.append(rng.sample(singles, 2))
+    return cases[:max(count, len(singles))]
+
+
+def _mutated_text(base: dict, case, dump) -> str:
+    data = json.loads(json.dumps(base))
+    for path, value in case:
+        _set(data, list(path), value)
+    text = dump(data)
+    deep = "[" * 5000 + "]" * 5000
+    return text.replace(json.dumps(DEEP), deep).replace(repr(DEEP), deep).replace(DEEP, deep)
+
+
+def _yaml(data) -> str:
+    return yaml.safe_dump(data, allow_unicode=True, width=1 << 20)
+
+
+APP_BASE = {**{k: v for k, v in TINY.items() if k != "requests"}, "sources": {"input": TINY["requests"]}}
+
+
+def test_application_graph_schema(tmp_path):
+    from raycolo.dag import AppSpec, load_app
+    from raycolo.workload import build_workload
+
+    f = tmp_path / "app.yaml"
+    for case in schema_cases(AppSpec, APP_BASE, FUZZ_EXAMPLES):
+        f.write_text(_mutated_text(APP_BASE, case, _yaml), encoding="utf-8")
+        _schema_check("schema: application graph", AppSpec, case, lambda: build_workload(load_app(f), requests=4))
+
+
+def test_online_config_schema(tmp_path):
+    from raycolo.online.config import OnlineConfig, layer_bounds, load_online_config, model_hf_config
+
+    f = tmp_path / "online.yaml"
+
+    def load():
+        config = load_online_config(str(f))
+        layer_bounds(model_hf_config(config.model_loading_config.model_id).num_hidden_layers, config.stages)
+    for case in schema_cases(OnlineConfig, ONLINE, FUZZ_EXAMPLES):
+        f.write_text(_mutated_text(ONLINE, case, _yaml), encoding="utf-8")
+        _schema_check("schema: online config", OnlineConfig, case, load)
+
+
+def test_request_row_schema(tmp_path):
+    from raycolo.workload import RequestRow, _read_request_file
+
+    base = {"prompt": "hello there", "input_tokens": 5, "chunks": 1}
+    f = tmp_path / "requests.jsonl"
+    dump = lambda d: "\n".join([json.dumps(base), json.dumps(d), json.dumps(base)]) + "\n"   # noqa: E731
+    for case in schema_cases(RequestRow, base, FUZZ_EXAMPLES):
+        f.write_text(_mutated_text(base, case, dump), encoding="utf-8")
+        _schema_check("schema: request file row", RequestRow, case, lambda: _read_request_file(f, None))
+
+
+def test_trace_row_schema(tmp_path):
+    from raycolo.online.tasks import TraceRow, load_trace
+
+    base = {"timestamp": 0.5, "length": 12, "kind": "inference", "batch": 1, "decode_tokens": 4, "max_tokens": 8}
+    columns = list(base)
+    f = tmp_path / "trace.csv"
+
+    def dump(d):
+        cell = lambda v: json.dumps(v) if isinstance(v, (list, dict)) else str(v)   # noqa: E731
+        rows = [base, d, base]
+        return ",".join(columns) + "\n" + "".join(",".join(f'"{cell(r[c])}"' for c in columns) + "\n" for r in rows)
+    for case in schema_cases(TraceRow, base, FUZZ_EXAMPLES):
+        f.write_text(_mutated_text(base, case, dump), encoding="utf-8")
+        _schema_check("schema: trace CSV row", TraceRow, case, lambda: load_trace(f, seed=0))
