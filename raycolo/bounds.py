@@ -16,6 +16,7 @@ context) add it themselves; the CLI's flags and the docs quote these constants.
 """
 from __future__ import annotations
 
+import typing
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
@@ -99,12 +100,24 @@ def describe(exc: ValidationError, flag: bool = False, whole: str = "(top level)
     return f"{where or whole}: {msg}"
 
 
+def _annotated_metadata(annotation) -> list:
+    """Constraints inside an annotation (``Optional[Tokens]``: Tokens' own)."""
+    out = []
+    for arg in typing.get_args(annotation):
+        if hasattr(arg, "__metadata__"):
+            for m in arg.__metadata__:
+                out += getattr(m, "metadata", [m])      # a FieldInfo carries its constraints
+        out += _annotated_metadata(arg)
+    return out
+
+
 def field_bounds(model: type[BaseModel], name: str) -> tuple[float, float, bool, bool]:
     """(least, most, least excluded, most excluded) a numeric field of ``model`` allows,
     from its declared constraints (for checks that run over whole columns at once, and
     for help texts)."""
     lo, hi, lo_open, hi_open = float("-inf"), float("inf"), False, False
-    for c in model.model_fields[name].metadata:
+    info = model.model_fields[name]
+    for c in [*info.metadata, *_annotated_metadata(info.annotation)]:
         for attr, is_lo, is_open in (("ge", True, False), ("gt", True, True), ("le", False, False),
                                      ("lt", False, True)):
             v = getattr(c, attr, None)

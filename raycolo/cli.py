@@ -164,43 +164,22 @@ def _add_online_flags(p: argparse.ArgumentParser) -> None:
     add_field_flag(p, LemixParams, "slo_ms", "absolute TTFT SLO in ms (overrides the multiplier)")
 
 
+RUN_FLAGS_BY_HAND = ("dag", "output", "progress", "gantt")   # positional or per command; switches
+
+
 def _add_run_flags(p: argparse.ArgumentParser, local: bool) -> None:
-    p.add_argument("--output", required=not local, default=None, metavar="DIR",
-                   help="output directory; rerunning into it resumes" + (" (default out/<app>)" if local else ""))
-    p.add_argument("--input", default=None, metavar="FILE",
-                   help="requests (jsonl or parquet) replacing the DAG's single source")
-    p.add_argument("--policy", default=DEFAULT_OFFLINE_POLICY,
-                   help=f"planning policy (default {DEFAULT_OFFLINE_POLICY}; the paper's greedy: samullm)")
-    p.add_argument("--profile", default=None, metavar="DIR",
-                   help="latency profiles and eCDFs, a directory or 'cpu' (shipped tiny-model profiles)")
-    p.add_argument("--seed", type=SEED, default=0)
-    p.add_argument("--requests", type=COUNT, default=None, help="override every source's count")
-    p.add_argument("--gpus", type=GPUS, default=2 if local else None,
-                   help="logical GPUs of the local cluster (default 2)" if local else
-                   "GPUs to plan for (default: the cluster's)")
-    p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU for planning (default 80GiB)")
-    p.add_argument("--nvlink-group", type=GPUS, default=None, help="GPUs per NVLink group (default min(2, gpus))")
-    p.add_argument("--max-num-seqs", type=TOKENS, default=64, help="engine batch limit (default 64)")
-    p.add_argument("--backend", default="torch", help="engine backend: torch or vllm")
-    p.add_argument("--dtype", default="float32", help="model dtype (default float32)")
-    p.add_argument("--block-size", type=_int(1, 4096), default=None, help="engine KV block size (default 16)")
-    p.add_argument("--threads", type=THREADS, default=None, help="torch CPU threads per replica")
-    p.add_argument("--replica-start-s", type=float, default=None,
-                   help="seconds a replica takes to start, for planning (default: measured once)")
+    """``run`` and ``run-dag``: a flag per RunConfig field (raycolo/runtime/setup.py)."""
     from raycolo.runtime.setup import RunConfig
 
-    parked = RunConfig.model_fields["parked_engines"].default
-    p.add_argument("--parked-engines", type=_int(0, 64), default=parked,
-                   help=f"engines each warm engine actor keeps asleep to wake for a later stage "
-                        f"instead of loading again (default {parked}; 0: none)")
-    p.add_argument("--slice-s", type=float, default=0.2, help="engine time per controller round trip")
-    p.add_argument("--placement-strategy", default="PACK", help="placement group strategy (default PACK)")
-    p.add_argument("--max-restarts", type=_int(0, 100), default=3, help="restarts per replica before failing")
-    node_loss = RunConfig.model_fields["node_loss_s"].default
-    p.add_argument("--node-loss-s", type=float, default=node_loss,
-                   help=f"seconds with fewer GPUs than the run had before it plans what is left "
-                        f"on the GPUs that remain (default {node_loss:g})")
-    p.add_argument("--address", default=None, help="Ray cluster to join (default: local / RAY_ADDRESS)")
+    p.add_argument("--output", required=not local, default=None, metavar="DIR",
+                   help="output directory; rerunning into it resumes" + (" (default out/<app>)" if local else ""))
+    for name in RunConfig.model_fields:
+        if name in RUN_FLAGS_BY_HAND:
+            continue
+        if name == "gpus" and local:
+            add_field_flag(p, RunConfig, name, "logical GPUs of the local cluster", default=2)
+        else:
+            add_field_flag(p, RunConfig, name)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report JSON before the last line")
 

@@ -29,8 +29,8 @@ def field_type(model: type[BaseModel], name: str):
     """An argparse ``type``: the text read as the field's type, then validated by the
     field's own constraints (a bad value: argparse's one-line error naming the flag)."""
     info = model.model_fields[name]
-    adapter = TypeAdapter(typing.Annotated[(info.annotation, *info.metadata)],
-                          config={"strict": True, "allow_inf_nan": False})
+    typ = typing.Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    adapter = TypeAdapter(typ, config={"strict": True, "allow_inf_nan": False})
     base = _base_type(info.annotation)
 
     def parse(text: str):
@@ -48,9 +48,20 @@ def field_type(model: type[BaseModel], name: str):
     return parse
 
 
-def field_help(model: type[BaseModel], name: str, text: str, default: Any = _UNSET) -> str:
-    """``text`` with the field's default and bounds, as ``--help`` shows them."""
+def _choices(annotation) -> tuple:
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    return tuple(c for a in typing.get_args(annotation) for c in _choices(a))
+
+
+def field_help(model: type[BaseModel], name: str, text: Optional[str] = None, default: Any = _UNSET) -> str:
+    """``text`` (default: the field's description) with its choices, default and bounds,
+    as ``--help`` shows them."""
     info = model.model_fields[name]
+    text = text or info.description or name.replace("_", " ")
+    choices = _choices(info.annotation)
+    if choices:
+        text += ": " + ", ".join(map(str, choices))
     value = info.default if default is _UNSET else default
     lo, hi, lo_open, hi_open = field_bounds(model, name)
     bounds = ("" if (lo, hi) == (float("-inf"), float("inf")) else
@@ -64,7 +75,7 @@ def _num(x) -> str:
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e7 else f"{x:g}"
 
 
-def add_field_flag(parser: argparse.ArgumentParser, model: type[BaseModel], name: str, text: str,
+def add_field_flag(parser: argparse.ArgumentParser, model: type[BaseModel], name: str, text: Optional[str] = None,
                    flag: Optional[str] = None, default: Any = _UNSET, metavar: Optional[str] = None) -> None:
     """``--<name>`` (or ``flag``) for field ``name`` of ``model``: its type, bounds and
     default (``default`` where a command's differs, e.g. None for "the config's")."""

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from raycolo.bounds import describe
+from raycolo.bounds import Name, PathText, Requests, Seconds, Strict, describe
 from raycolo.dag import AppSpec, SourceSpec, load_app
 from raycolo.errors import ConfigError
 from raycolo.hardware import ClusterSpec, make_cluster
@@ -25,39 +25,44 @@ from raycolo.runtime.texts import SourceTexts, build_source_texts
 from raycolo.workload import Workload, build_workload
 
 
-class RunConfig(BaseModel):
-    """Options of ``jobs/run_dag.py`` and ``raycolo run`` (flag names with dashes)."""
+MAX_GPUS = 4096
 
-    model_config = ConfigDict(extra="forbid")
 
-    dag: str
-    output: str
-    input: Optional[str] = None
-    policy: str = DEFAULT_OFFLINE_POLICY
-    profile: Optional[str] = None
-    seed: int = 0
-    requests: Optional[int] = Field(default=None, gt=0)
-    gpus: Optional[int] = Field(default=None, gt=0)        # None: the cluster's GPU count
-    gpu_memory: str = "80GiB"
-    nvlink_group: Optional[int] = Field(default=None, gt=0)  # None: min(2, gpus)
-    max_num_seqs: int = Field(default=64, gt=0)
-    backend: Literal["torch", "vllm"] = "torch"
-    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
-    # KV block size of the engines (the planner counts in 16-token blocks either way);
-    # vLLM's CPU attention needs a multiple of 32.
-    block_size: Optional[int] = Field(default=None, gt=0)
-    threads: Optional[int] = Field(default=None, gt=0)     # torch CPU threads per replica
-    replica_start_s: Optional[float] = Field(default=None, ge=0)  # None: measure once
-    # Engines each warm engine actor keeps asleep for a later stage (a wake instead of a
-    # load); 0: every swap releases the old engine.
-    parked_engines: int = Field(default=1, ge=0, le=64)
-    slice_s: float = Field(default=0.2, gt=0)
-    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
-    max_restarts: int = Field(default=3, ge=0)
-    # Seconds the cluster may have fewer GPUs than the run has seen before the controller
-    # stops and plans what is left on the GPUs that remain (a node was lost).
-    node_loss_s: float = Field(default=5.0, gt=0)
-    address: Optional[str] = None
+class RunConfig(Strict):
+    """Options of ``jobs/run_dag.py`` and ``raycolo run``: each field is a flag of the same
+    name with dashes, its default, bounds and help generated from here (raycolo/flags.py)."""
+
+    dag: PathText
+    output: PathText = Field(description="output directory; rerunning into it resumes")
+    input: Optional[PathText] = Field(default=None, description="requests (jsonl or parquet) replacing the "
+                                      "DAG's single source")
+    policy: Name = Field(default=DEFAULT_OFFLINE_POLICY, description="planning policy (the paper's greedy: samullm)")
+    profile: Optional[PathText] = Field(default=None, description="latency profiles and eCDFs, a directory or "
+                                        "'cpu' (shipped tiny-model profiles)")
+    seed: int = Field(default=0, ge=0, le=2 ** 63 - 1, description="seed for sampling")
+    requests: Optional[Requests] = Field(default=None, description="override every source's count")
+    gpus: Optional[int] = Field(default=None, ge=1, le=MAX_GPUS, description="GPUs to plan for (none: the cluster's)")
+    gpu_memory: Name = Field(default="80GiB", description="memory per GPU for planning")
+    nvlink_group: Optional[int] = Field(default=None, ge=1, le=MAX_GPUS,
+                                        description="GPUs per NVLink group (none: min(2, gpus))")
+    max_num_seqs: int = Field(default=64, ge=1, le=1 << 16, description="engine batch limit")
+    backend: Literal["torch", "vllm"] = Field(default="torch", description="engine backend")
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(default="float32", description="model dtype")
+    # the planner counts in 16-token blocks either way; vLLM's CPU attention needs a multiple of 32
+    block_size: Optional[int] = Field(default=None, ge=1, le=4096, description="engine KV block size (none: 16)")
+    threads: Optional[int] = Field(default=None, ge=1, le=1024, description="torch CPU threads per replica")
+    replica_start_s: Optional[Seconds] = Field(default=None, description="seconds a replica takes to start, "
+                                               "for planning (none: measured once)")
+    parked_engines: int = Field(default=1, ge=0, le=64, description=(
+        "engines each warm engine actor keeps asleep to wake for a later stage instead of loading again "
+        "(0: every swap releases the old engine)"))
+    slice_s: float = Field(default=0.2, gt=0, le=3600, description="engine time per controller round trip")
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        default="PACK", description="placement group strategy")
+    max_restarts: int = Field(default=3, ge=0, le=100, description="restarts per replica before failing")
+    node_loss_s: float = Field(default=5.0, gt=0, le=3600, description=(
+        "seconds with fewer GPUs than the run had before it plans what is left on the GPUs that remain"))
+    address: Optional[Name] = Field(default=None, description="Ray cluster to join (none: local / RAY_ADDRESS)")
     progress: bool = True
     gantt: bool = True
 
