@@ -24,6 +24,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 MAX_TOKENS = 1 << 20              # tokens of one request (prompt, output, chunk)
 MAX_REQUESTS = 10_000_000         # requests of one run (a source's items, a node's requests)
 MAX_CHUNKS = 100_000              # chunks of one document
+MAX_GPUS = 4096                   # GPUs of one run or node
 MAX_REPEAT = 1024                 # times a node answers each input
 MAX_WEIGHT = 1e12                 # a route weight (the sum of a few stays finite)
 MAX_SECONDS = 86_400.0            # a time: one day

@@ -43,20 +43,32 @@ def _int(lo: int, hi: int):
     return parse
 
 
-GPUS, COUNT, SEED, THREADS, TOKENS = _int(1, 4096), _int(1, 10_000_000), _int(0, 2 ** 63 - 1), _int(1, 1024), _int(1, 1 << 16)
+def _bounded_types():
+    from raycolo.bounds import MAX_GPUS, MAX_REQUESTS
+    from raycolo.generation.params import MAX_SEED
+    return _int(1, MAX_GPUS), _int(1, MAX_REQUESTS), _int(0, MAX_SEED), _int(1, 1024), _int(1, 1 << 16)
+
+
+GPUS, COUNT, SEED, THREADS, TOKENS = _bounded_types()
+
+
+PLAN_GPUS, PLAN_NVLINK_GROUP = 8, 2     # plan and compare: one 8-GPU node in NVLink pairs
 
 
 def _add_problem_flags(p: argparse.ArgumentParser) -> None:
+    """plan and compare: the planning fields of RunConfig (the same names, types and
+    bounds as ``run``'s), for a node of PLAN_GPUS GPUs unless told otherwise."""
+    from raycolo.runtime.setup import RunConfig
+
     p.add_argument("dag", help="application graph (YAML)")
-    p.add_argument("--gpus", type=GPUS, default=8, help="GPUs on the node (default 8)")
-    p.add_argument("--gpu-memory", default="80GiB", help="memory per GPU (default 80GiB)")
-    p.add_argument("--nvlink-group", type=GPUS, default=2,
-                   help="GPUs per NVLink group; TP stays inside one (default 2)")
-    p.add_argument("--requests", type=COUNT, default=None,
-                   help="override the request count of every source")
-    p.add_argument("--seed", type=SEED, default=0, help="seed for sampling (default 0)")
-    p.add_argument("--profile", default=None, metavar="DIR",
-                   help="directory of latency profiles (<model>.tp<T>.json); defaults otherwise")
+    add_field_flag(p, RunConfig, "gpus", "GPUs on the node", default=PLAN_GPUS)
+    add_field_flag(p, RunConfig, "gpu_memory", "memory per GPU")
+    add_field_flag(p, RunConfig, "nvlink_group", "GPUs per NVLink group; TP stays inside one",
+                   default=PLAN_NVLINK_GROUP)
+    add_field_flag(p, RunConfig, "requests")
+    add_field_flag(p, RunConfig, "seed")
+    add_field_flag(p, RunConfig, "profile", "directory of latency profiles (<model>.tp<T>.json), or 'cpu'",
+                   metavar="DIR")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -67,7 +79,7 @@ def _online_policy_names() -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from raycolo.online.config import OnlineConfig
+    from raycolo.online.config import OnlineConfig, ServeSpec
     from raycolo.online.tasks import Arrivals
 
     parser = _Parser(prog="raycolo", description=__doc__.splitlines()[0])
@@ -142,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(Ray Serve) on a local cluster, until Ctrl-C")
     srv.add_argument("config", help="online deployment config (YAML), e.g. examples/online.yaml")
     srv.add_argument("--address", default=None, help="Ray cluster to join (default: a local cluster)")
-    srv.add_argument("--host", default=None, help="HTTP host (default: the config's serve.host, 127.0.0.1)")
-    srv.add_argument("--port", type=_int(1, 65535), default=None, help="HTTP port (default: the config's serve.port, 8000)")
+    add_field_flag(srv, ServeSpec, "host", "HTTP host (none: the config's serve.host)", default=None)
+    add_field_flag(srv, ServeSpec, "port", "HTTP port (none: the config's serve.port)", default=None)
     run_dag = sub.add_parser("run-dag", help="what jobs/run_dag.py runs under 'ray job submit'")
     run_dag.add_argument("--dag", required=True, help="application graph (YAML)")
     _add_run_flags(run_dag, local=False)
@@ -333,8 +345,6 @@ def cmd_profile(args) -> int:
                                "catalog model or a checkpoint directory")
     if args.tp != 1:
         raise RaycoloError("--tp: the torch engine profiles tp=1; profile larger TP with the vllm backend")
-    if args.threads <= 0:
-        raise RaycoloError(f"--threads: must be positive, got {args.threads}")
     settings = SweepSettings.quick() if args.quick else SweepSettings()
     progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
     profile, stats = profile_model(args.model, args.out, tp=args.tp, device=args.device,
@@ -375,8 +385,6 @@ def cmd_validate(args) -> int:
         if not (profile_dir / f"{m}.tp1.json").exists():
             raise RaycoloError(f"--profile: {profile_dir} has no profile for {m} "
                                f"(run: raycolo profile --model {m} --out {profile_dir})")
-    if args.requests <= 0:
-        raise RaycoloError(f"--requests: must be positive, got {args.requests}")
     progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
     report = validate(profile_dir, models, args.requests, args.seed, args.threads, progress)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
@@ -407,17 +415,10 @@ def cmd_run(args) -> int:
 
 
 def _online_setup(args):
-    from raycolo.errors import ConfigError
     from raycolo.online.params import LemixParams
     from raycolo.online.profiles import preset
 
-    for flag, value in (("--nodes", args.nodes), ("--stages", args.stages), ("--tasks", args.tasks)):
-        if value <= 0:
-            raise ConfigError(f"{flag}: must be positive, got {value}")
-    for flag, value in (("--slo-multiplier", args.slo_multiplier), ("--slo-ms", args.slo_ms)):
-        if value is not None and value <= 0:
-            raise ConfigError(f"{flag}: must be positive, got {value}")
-    values = {}
+    values = {}      # the flags' types held them to their bounds
     if args.slo_multiplier is not None:
         values["slo_multiplier"] = args.slo_multiplier
     if args.slo_ms is not None:
@@ -434,14 +435,11 @@ def _check_online_policy(name: str, flag: str = "--policy") -> None:
 
 
 def cmd_simulate_online(args) -> int:
-    from raycolo.errors import ConfigError
     from raycolo.online.sim import simulate
     from raycolo.online.tasks import load_trace, poisson_workload
 
     profile, params = _online_setup(args)
     _check_online_policy(args.policy)
-    if not 0 <= args.train_rate <= 1:
-        raise ConfigError(f"--train-rate: must lie in [0, 1], got {args.train_rate:g}")
     if args.trace:
         tasks = load_trace(args.trace, seed=args.seed, limit=args.tasks)
     else:
@@ -569,8 +567,6 @@ def cmd_online(args) -> int:
     config = load_online_config(args.config).model_copy(update={"resume": False})
     layer_bounds(model_hf_config(config.model_loading_config.model_id).num_hidden_layers, config.stages)
     if args.train_rate is not None:
-        if not 0 <= args.train_rate <= 1:
-            raise ConfigError(f"--train-rate: must lie in [0, 1], got {args.train_rate:g}")
         config = config.model_copy(update={"train_rate": args.train_rate})
     for flag, value in (("--tasks", args.tasks), ("--max-length", args.max_length),
                         ("--max-decode", args.max_decode)):
@@ -612,14 +608,11 @@ def cmd_online(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from raycolo.errors import ConfigError
     from raycolo.online.config import layer_bounds, load_online_config, model_hf_config
 
     config = load_online_config(args.config)
     layer_bounds(model_hf_config(config.model_loading_config.model_id).num_hidden_layers, config.stages)
     update = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    if args.port is not None and not 1 <= args.port <= 65535:
-        raise ConfigError(f"--port: must lie in [1, 65535], got {args.port}")
     if update:
         config = config.model_copy(update={"serve": config.serve.model_copy(update=update)})
     config.check_paths()

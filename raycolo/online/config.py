@@ -12,6 +12,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from raycolo.bounds import MAX_TOKENS, Name, PathText, Strict, describe
 from raycolo.errors import ConfigError
+from raycolo.generation.params import Seed
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import GIB, NodeProfile
 from raycolo.yamlio import load_yaml
@@ -22,7 +23,7 @@ class ModelLoadingConfig(Strict):
     or a local checkpoint directory of a Llama-, Qwen2- or Mistral-style causal LM."""
 
     model_id: PathText = "tiny-llama-s"
-    seed: int = Field(default=0, ge=0, le=2 ** 63 - 1)
+    seed: Seed = 0
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
 
 

@@ -14,7 +14,8 @@ from typing import Literal, Optional
 
 from pydantic import Field, ValidationError
 
-from raycolo.bounds import Name, PathText, Requests, Seconds, Strict, describe
+from raycolo.bounds import MAX_GPUS, Name, PathText, Requests, Seconds, Strict, describe
+from raycolo.generation.params import Seed
 from raycolo.dag import AppSpec, SourceSpec, load_app
 from raycolo.errors import ConfigError
 from raycolo.hardware import ClusterSpec, make_cluster
@@ -23,9 +24,6 @@ from raycolo.runtime.communicator import Communicator
 from raycolo.runtime.store import OutputStore, fingerprint
 from raycolo.runtime.texts import SourceTexts, build_source_texts
 from raycolo.workload import Workload, build_workload
-
-
-MAX_GPUS = 4096
 
 
 class RunConfig(Strict):
@@ -39,7 +37,7 @@ class RunConfig(Strict):
     policy: Name = Field(default=DEFAULT_OFFLINE_POLICY, description="planning policy (the paper's greedy: samullm)")
     profile: Optional[PathText] = Field(default=None, description="latency profiles and eCDFs, a directory or "
                                         "'cpu' (shipped tiny-model profiles)")
-    seed: int = Field(default=0, ge=0, le=2 ** 63 - 1, description="seed for sampling")
+    seed: Seed = Field(default=0, description="seed for sampling")
     requests: Optional[Requests] = Field(default=None, description="override every source's count")
     gpus: Optional[int] = Field(default=None, ge=1, le=MAX_GPUS, description="GPUs to plan for (none: the cluster's)")
     gpu_memory: Name = Field(default="80GiB", description="memory per GPU for planning")
