@@ -633,7 +633,7 @@ OUTPUTS = (("gantt", False, "image", "out/gantt.png"), ("plot", False, "image", 
 
 
 def _check_outputs(args) -> None:
-    from raycolo.outputs import check_output
+    from raycolo.paths import check_output
     from raycolo.plots import IMAGE_SUFFIXES
 
     for dest, directory, suffixes, example in OUTPUTS:

@@ -17,7 +17,7 @@ IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".eps", ".ps
 def check_image_path(path: str, flag: str) -> None:
     """A plot path this module can write: a writable place, a suffix naming an image
     format (none: PNG); checked before any work, one line naming the flag."""
-    from raycolo.outputs import check_output
+    from raycolo.paths import check_output
 
     check_output(path, flag, suffixes=IMAGE_SUFFIXES, example="out/plot.png")
 

@@ -21,6 +21,7 @@ from raycolo.catalog import ModelSpec, get_model
 from raycolo.costmodel.sampler import OutputLengthSampler, seeded_rng
 from raycolo.dag import PLACEHOLDER, AppSpec, LengthDistribution, NodeSpec, SourceSpec
 from raycolo.errors import ConfigError
+from raycolo.paths import check_input
 from raycolo.bounds import MAX_CHUNKS, MAX_REQUESTS, MAX_TOKENS, Strict, Text, Tokens, describe
 
 # Words-to-tokens ratio for text when no tokenizer is at hand (BPE tokenizers on English).
@@ -111,10 +112,7 @@ def _not_json(name: str):
 
 def read_request_rows(path: Path, limit: Optional[int] = None) -> list[dict]:
     """The rows of a jsonl or parquet request file, with clear errors for bad files."""
-    if not path.exists():
-        raise ConfigError(f"{path}: request file not found")
-    if not path.is_file():
-        raise ConfigError(f"{path}: request file is not a regular file")
+    check_input(path, "request file")
     rows: list[dict]
     if path.suffix == ".jsonl":
         rows = []

@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import shutil
 import signal
 from collections import Counter
 from pathlib import Path
@@ -478,3 +479,52 @@ def test_trace_row_schema(tmp_path):
     for case in schema_cases(TraceRow, base, FUZZ_EXAMPLES):
         f.write_text(_mutated_text(base, case, dump), encoding="utf-8")
         _schema_check("schema: trace CSV row", TraceRow, case, lambda: load_trace(f, seed=0))
+
+
+# -- every value flag of every in-process command, each hostile value in turn ---------------------
+FLAG_HOSTILE = ["1" + "0" * 30, "-1", "0", "1e308", "nan", "inf", "-inf", "true", "", "x" * 10_000]
+PATH_FLAGS = {"--gantt", "--plot", "--out", "--output", "--save-profile"}
+
+
+def _path_values(tmp: Path) -> list[str]:
+    (tmp / "existing.png").write_bytes(b"keep")
+    (tmp / "adir").mkdir(exist_ok=True)
+    return [str(tmp / "adir"), "/proc/raycolo/x.png", str(tmp / "existing.png"), str(tmp / "nosuffix")]
+
+
+@pytest.mark.parametrize("command", sorted(SMALL))
+def test_every_flag_with_every_hostile_value(command, tmp_path, monkeypatch):
+    """Deterministic, not sampled: each value flag set to each of 10^30, -1, 0, 1e308,
+    NaN, ±inf, true, "", 10,000 characters; each path flag to a directory, a path under
+    /proc, an existing file and a name without a suffix. Exit 2 with one ``error:`` line
+    naming the flag, or success; a refused value writes nothing."""
+    monkeypatch.chdir(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    app = [str(ROOT / "examples" / "tiny.yaml")] if command in ("plan", "compare") else []
+    surface = f"CLI {command}, every flag"
+    for flag in _value_flags(command):
+        values = _path_values(tmp_path) if flag in PATH_FLAGS else FLAG_HOSTILE
+        for value in values:
+            base = [x for i, x in enumerate(SMALL[command])
+                    if not (x == flag or (i > 0 and SMALL[command][i - 1] == flag))]
+            before = sorted(p.name for p in tmp_path.iterdir())
+            monkeypatch.chdir(work)
+            rc, err = _run_cli([command, *app, *base, flag, value])
+            monkeypatch.chdir(tmp_path)
+            FUZZ_COUNTS[(surface, "tried")] += 1
+            assert "Traceback" not in err, (flag, value[:40], err[-2000:])
+            if rc == 0:
+                FUZZ_COUNTS[(surface, "accepted")] += 1
+                shutil.rmtree(work)               # what the accepted run wrote
+                work.mkdir()
+                continue
+            lines = err.strip().splitlines()
+            assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), \
+                (flag, value[:40], rc, err[-500:][:500])
+            # the flag, or for a file the flag names, the file
+            assert flag in lines[0] or "argument" in lines[0] or (value and value[:40] in lines[0]), \
+                (flag, value[:40], lines[0])
+            assert sorted(p.name for p in tmp_path.iterdir()) == before and not any(work.iterdir()), (flag, value)
+            assert (tmp_path / "existing.png").read_bytes() == b"keep" if flag in PATH_FLAGS else True
+            FUZZ_COUNTS[(surface, "rejected")] += 1

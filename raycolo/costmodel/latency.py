@@ -185,10 +185,12 @@ def resolve_profile_dir(name: str) -> Path:
 
     from raycolo.errors import ConfigError
 
+    from raycolo.paths import is_dir
+
     path = Path(name)
-    if path.is_dir():
+    if is_dir(path):
         return path
     shipped = Path(str(resources.files("raycolo").joinpath("data", "profiles", name)))
-    if shipped.is_dir():
+    if is_dir(shipped):
         return shipped
     raise ConfigError(f"--profile: '{name}' is neither a directory nor a shipped profile")

@@ -12,6 +12,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from raycolo.bounds import MAX_TOKENS, Name, PathText, Strict, describe
 from raycolo.errors import ConfigError
+from raycolo.paths import check_input, is_dir
 from raycolo.generation.params import Seed
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import GIB, NodeProfile
@@ -297,7 +298,7 @@ class OnlineConfig(Strict):
 def model_hf_config(model_id: str):
     """The transformers config of a catalog tiny model or a checkpoint directory."""
     path = Path(model_id)
-    if path.is_dir():
+    if is_dir(path):
         if not (path / "config.json").exists():
             raise ConfigError(f"model_loading_config.model_id: {path} has no config.json")
         from transformers import AutoConfig
@@ -338,9 +339,7 @@ def parse_online_config(values: dict, source: str = "config") -> OnlineConfig:
 
 
 def load_online_config(path) -> OnlineConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
+    path = check_input(path, "config file")
     values = load_yaml(path) or {}
     if isinstance(values, dict) and "online" in values and isinstance(values["online"], dict):
         values = values["online"]   # a Serve config that carries raycolo's online config

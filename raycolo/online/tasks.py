@@ -30,6 +30,7 @@ from pydantic import Field
 from raycolo.bounds import MAX_RATE, MAX_REQUESTS, MAX_TOKENS, Strict, Tokens, field_bounds
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.errors import ConfigError
+from raycolo.paths import check_input
 
 TaskKind = Literal["inference", "train"]
 TASK_KINDS = ("inference", "train")
@@ -276,10 +277,7 @@ def load_trace(path, train_rate: Optional[float] = None, seed: int = 0,
         _check_train_rate(train_rate)
     if limit is not None:
         limit = _check_count("limit", limit)
-    if not path.exists():
-        raise ConfigError(f"{path}: trace file not found")
-    if not path.is_file():
-        raise ConfigError(f"{path}: trace file is not a regular file")
+    check_input(path, "trace file")
     try:
         # Strings keep the cells as written, so errors can say which row is wrong.
         frame = pd.read_csv(path, dtype=str, skipinitialspace=True, keep_default_na=False)
