@@ -72,7 +72,7 @@ def field_help(model: type[BaseModel], name: str, text: Optional[str] = None, de
 
 
 def _num(x) -> str:
-    return str(int(x)) if float(x).is_integer() and abs(x) < 1e7 else f"{x:g}"
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
 
 
 def add_field_flag(parser: argparse.ArgumentParser, model: type[BaseModel], name: str, text: Optional[str] = None,
@@ -83,3 +83,70 @@ def add_field_flag(parser: argparse.ArgumentParser, model: type[BaseModel], name
     value = info.default if default is _UNSET else default
     parser.add_argument(flag or "--" + name.replace("_", "-"), type=field_type(model, name), default=value,
                         metavar=metavar, help=field_help(model, name, text, default))
+
+
+def _type_name(annotation) -> str:
+    choices = _choices(annotation)
+    if choices:
+        return " \\| ".join(f"`{c}`" for c in choices)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _type_name(args[0])
+    if typing.get_origin(annotation) is typing.Union:
+        return " or ".join(_type_name(a) for a in args) + (" or none" if type(None) in typing.get_args(annotation)
+                                                          else "")
+    if typing.get_origin(annotation) in (list, dict):
+        return f"{typing.get_origin(annotation).__name__} of " + ", ".join(_type_name(a) for a in args)
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _rows(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = []
+    for name, info in model.model_fields.items():
+        key = prefix + name
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            rows += _rows(annotation, key + ".")
+            continue
+        lo, hi, lo_open, hi_open = field_bounds(model, name)
+        bounds = "" if (lo, hi) == (float("-inf"), float("inf")) else (
+            f"{'(' if lo_open or lo == float('-inf') else '['}{_num(lo) if lo != float('-inf') else ''}, "
+            f"{_num(hi) if hi != float('inf') else ''}{')' if hi_open or hi == float('inf') else ']'}")
+        default = "required" if info.is_required() else (
+            "computed" if info.default_factory is not None else f"`{info.default!r}`")
+        text = " ".join((info.description or "").split()).replace("|", "\\|")
+        rows.append(f"| `{key}` | {_type_name(annotation)} | {default} | {bounds} | {text} |")
+    return rows
+
+
+REFERENCE_MODELS = (
+    ("Online deployment config (`raycolo online run`, `raycolo serve`)", "raycolo.online.config", "OnlineConfig", ""),
+    ("Application graph (`raycolo plan`, `compare`, `run`)", "raycolo.dag", "AppSpec", ""),
+    ("Application graph node (`nodes[i]`)", "raycolo.dag", "NodeSpec", "nodes[i]."),
+    ("Request source (`requests` or `sources.<name>`)", "raycolo.dag", "SourceSpec", "sources.<name>."),
+    ("Length distribution (`input_tokens`, `chunks`)", "raycolo.dag", "LengthDistribution", ""),
+    ("Offline run options (`raycolo run`, `jobs/run_dag.py`: each a `--flag`)", "raycolo.runtime.setup", "RunConfig", ""),
+    ("Request-file row (jsonl, parquet)", "raycolo.workload", "RequestRow", ""),
+    ("Trace CSV row", "raycolo.online.tasks", "TraceRow", ""),
+)
+
+
+def config_reference() -> str:
+    """docs/config-reference.md: every field of every user-facing model, with its type,
+    default and bounds, read from the models (``python -m raycolo.flags``)."""
+    import importlib
+
+    out = ["# Configuration reference", "",
+           "Generated from the models by `python -m raycolo.flags > docs/config-reference.md`; "
+           "a test fails when this file and the models disagree. Bounds: `[a, b]` includes an end, "
+           "`(a, b)` excludes it. Every number is finite and strictly typed (`true` is not a number, "
+           "`2.0` is not a count); names are one printable line of at most 128 characters.", ""]
+    for title, module, name, prefix in REFERENCE_MODELS:
+        model = getattr(importlib.import_module(module), name)
+        out += [f"## {title}", "", "| key | type | default | bounds | meaning |", "|---|---|---|---|---|",
+                *_rows(model, prefix), ""]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(config_reference(), end="")

@@ -137,5 +137,13 @@ def test_generated_flags_show_the_fields_default_and_bounds():
     rc = subprocess.run(RAYCOLO + ["simulate-online", "--help"], capture_output=True, text=True, timeout=120)
     text = " ".join(rc.stdout.split())
     assert "fraction of training tasks α (default 0.5; [0, 1])" in text
-    assert "requests per second (default 50; (0, 1000000])" in text
+    assert "requests per second (default 50; (0, 1,000,000])" in text
     assert "online policy:" in text and "(default lemix)" in text
+
+
+def test_the_config_reference_is_generated_from_the_models():
+    """docs/config-reference.md quotes every default and bound from the models: regenerate
+    it with ``python -m raycolo.flags > docs/config-reference.md`` when a field changes."""
+    from raycolo.flags import config_reference
+
+    assert (ROOT / "docs" / "config-reference.md").read_text() == config_reference()
