@@ -80,7 +80,7 @@ def _online_policy_names() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     from raycolo.online.config import OnlineConfig, ServeSpec
-    from raycolo.online.tasks import Arrivals
+    from raycolo.online.tasks import Arrivals, LiveReplay
 
     parser = _Parser(prog="raycolo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -140,11 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None)
     add_field_flag(orun, Arrivals, "tasks", "tasks to replay", default=20)
     orun.add_argument("--lengths", default="hh-rlhf", help="query lengths: hh-rlhf or shp")
-    orun.add_argument("--max-length", type=TOKENS, default=64, help="clip query lengths to this (default 64)")
-    orun.add_argument("--max-decode", type=TOKENS, default=16, help="clip decode lengths to this (default 16)")
-    orun.add_argument("--preference-share", type=float, default=0.0,
-                      help="fraction of training tasks that are preference pairs, trained with the DPO "
-                           "loss; >0 also reports held-out win rate and CLPD before and after (default 0)")
+    for name in LiveReplay.model_fields:
+        add_field_flag(orun, LiveReplay, name)
     orun.add_argument("--seed", type=SEED, default=0)
     orun.add_argument("--address", default=None, help="Ray cluster address (default: a local cluster)")
     orun.add_argument("--save-profile", default=None, metavar="JSON", help="write the fitted node profile")
@@ -559,20 +556,14 @@ def replay_online(dep, config, tasks, rate: float, seed: int = 0, preference_sha
 
 
 def cmd_online(args) -> int:
-    from raycolo.errors import ConfigError
     from raycolo.online.config import layer_bounds, load_online_config, model_hf_config
-    from raycolo.online.tasks import _check_count, load_trace, poisson_workload
+    from raycolo.online.tasks import load_trace, poisson_workload
 
     # a trace replay measures one run from the base model: it takes up no earlier run's training
     config = load_online_config(args.config).model_copy(update={"resume": False})
     layer_bounds(model_hf_config(config.model_loading_config.model_id).num_hidden_layers, config.stages)
     if args.train_rate is not None:
         config = config.model_copy(update={"train_rate": args.train_rate})
-    for flag, value in (("--tasks", args.tasks), ("--max-length", args.max_length),
-                        ("--max-decode", args.max_decode)):
-        _check_count(flag, value)
-    if not 0 <= args.preference_share <= 1:
-        raise ConfigError(f"--preference-share: must lie in [0, 1], got {args.preference_share:g}")
     if args.trace:
         tasks = load_trace(args.trace, seed=args.seed, limit=args.tasks)
     else:

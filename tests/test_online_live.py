@@ -281,7 +281,9 @@ def _cli(*args):
 
 @pytest.mark.parametrize("args,field", [
     (["online", "run", "missing.yaml"], "missing.yaml: config file not found"),
-    (["online", "run", "examples/online.yaml", "--tasks", "0"], "--tasks: must be positive"),
+    (["online", "run", "examples/online.yaml", "--tasks", "0"], "--tasks: must be at least 1"),
+    (["online", "run", "examples/online.yaml", "--max-length", "1e30"], "--max-length: must be"),
+    (["online", "run", "examples/online.yaml", "--rate", "inf"], "--rate: must be a finite number"),
     (["online", "run", "examples/online.yaml", "--train-rate", "nan"], "--train-rate"),
     (["online", "run", "examples/online.yaml", "--preference-share", "1.5"], "--preference-share"),
     (["online", "run", "examples/online.yaml", "--preference-share", "nan"], "--preference-share"),

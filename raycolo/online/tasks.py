@@ -225,6 +225,16 @@ class Arrivals(Strict):
     tasks: int = Field(default=1000, ge=1, le=MAX_COUNT)
 
 
+class LiveReplay(Strict):
+    """What ``online run`` adds to the arrivals it replays on a live deployment."""
+
+    max_length: Tokens = Field(default=64, description="clip query lengths to this (tiny CPU models)")
+    max_decode: Tokens = Field(default=16, description="clip decode lengths to this (tiny CPU models)")
+    preference_share: float = Field(default=0.0, ge=0, le=1, description=(
+        "fraction of training tasks that are preference pairs, trained with the DPO loss; >0 also reports "
+        "held-out win rate and CLPD before and after"))
+
+
 class TraceRow(Strict):
     """One row of a trace CSV: the bounds of each column (checked a column at a time)."""
 
