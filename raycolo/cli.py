@@ -44,12 +44,12 @@ def _int(lo: int, hi: int):
 
 
 def _bounded_types():
-    from raycolo.bounds import MAX_GPUS, MAX_REQUESTS
+    from raycolo.bounds import MAX_GPUS
     from raycolo.generation.params import MAX_SEED
-    return _int(1, MAX_GPUS), _int(1, MAX_REQUESTS), _int(0, MAX_SEED), _int(1, 1024), _int(1, 1 << 16)
+    return _int(1, MAX_GPUS), _int(0, MAX_SEED), _int(1, 1024)
 
 
-GPUS, COUNT, SEED, THREADS, TOKENS = _bounded_types()
+GPUS, SEED, THREADS = _bounded_types()
 
 
 PLAN_GPUS, PLAN_NVLINK_GROUP = 8, 2     # plan and compare: one 8-GPU node in NVLink pairs

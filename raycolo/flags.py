@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from raycolo.bounds import describe, field_bounds
+from raycolo.bounds import Strict, describe, field_bounds
 
 _UNSET: Any = object()
 
@@ -30,7 +30,7 @@ def field_type(model: type[BaseModel], name: str):
     field's own constraints (a bad value: argparse's one-line error naming the flag)."""
     info = model.model_fields[name]
     typ = typing.Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
-    adapter = TypeAdapter(typ, config={"strict": True, "allow_inf_nan": False})
+    adapter = TypeAdapter(typ, config={k: Strict.model_config[k] for k in ("strict", "allow_inf_nan")})
     base = _base_type(info.annotation)
 
     def parse(text: str):
@@ -63,12 +63,18 @@ def field_help(model: type[BaseModel], name: str, text: Optional[str] = None, de
     if choices:
         text += ": " + ", ".join(map(str, choices))
     value = info.default if default is _UNSET else default
-    lo, hi, lo_open, hi_open = field_bounds(model, name)
-    bounds = ("" if (lo, hi) == (float("-inf"), float("inf")) else
-              f"; {'(' if lo_open or lo == float('-inf') else '['}{_num(lo) if lo != float('-inf') else ''}, "
-              f"{_num(hi) if hi != float('inf') else ''}{')' if hi_open or hi == float('inf') else ']'}")
+    bounds = interval(model, name)
     shown = "none" if value is None else _num(value) if isinstance(value, (int, float)) else value
-    return f"{text} (default {shown}{bounds})"
+    return f"{text} (default {shown}{'; ' + bounds if bounds else ''})"
+
+
+def interval(model: type[BaseModel], name: str) -> str:
+    """The field's bounds as ``[a, b]`` (``(`` or ``)`` where an end is excluded); "" if none."""
+    lo, hi, lo_open, hi_open = field_bounds(model, name)
+    if (lo, hi) == (float("-inf"), float("inf")):
+        return ""
+    return (f"{'(' if lo_open or lo == float('-inf') else '['}{_num(lo) if lo != float('-inf') else ''}, "
+            f"{_num(hi) if hi != float('inf') else ''}{')' if hi_open or hi == float('inf') else ']'}")
 
 
 def _num(x) -> str:
@@ -108,10 +114,7 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             rows += _rows(annotation, key + ".")
             continue
-        lo, hi, lo_open, hi_open = field_bounds(model, name)
-        bounds = "" if (lo, hi) == (float("-inf"), float("inf")) else (
-            f"{'(' if lo_open or lo == float('-inf') else '['}{_num(lo) if lo != float('-inf') else ''}, "
-            f"{_num(hi) if hi != float('inf') else ''}{')' if hi_open or hi == float('inf') else ']'}")
+        bounds = interval(model, name)
         default = "required" if info.is_required() else (
             "computed" if info.default_factory is not None else f"`{info.default!r}`")
         text = " ".join((info.description or "").split()).replace("|", "\\|")

@@ -14,14 +14,6 @@ def pyplot():
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".eps", ".ps", ".tif", ".tiff")
 
 
-def check_image_path(path: str, flag: str) -> None:
-    """A plot path this module can write: a writable place, a suffix naming an image
-    format (none: PNG); checked before any work, one line naming the flag."""
-    from raycolo.paths import check_output
-
-    check_output(path, flag, suffixes=IMAGE_SUFFIXES, example="out/plot.png")
-
-
 def save_figure(fig, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
