@@ -29,7 +29,9 @@ MAX_REPEAT = 1024                 # times a node answers each input
 MAX_WEIGHT = 1e12                 # a route weight (the sum of a few stays finite)
 MAX_SECONDS = 86_400.0            # a time: one day
 MAX_RATE = 1e6                    # arrivals per second
+MAX_THREADS = 1024                # torch CPU threads of one process
 MAX_NAME_CHARS = 128
+MAX_LINE_CHARS = 4096             # a one-line option (a comma-separated list)
 MAX_TEXT_CHARS = 1 << 20          # a prompt template
 MAX_PATH_CHARS = 4096
 
@@ -55,9 +57,11 @@ def _no_nul(value: str) -> str:
 Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
 Requests = Annotated[int, Field(ge=1, le=MAX_REQUESTS)]
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_one_line)]
+Line = Annotated[str, Field(min_length=1, max_length=MAX_LINE_CHARS), AfterValidator(_one_line)]
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 PathText = Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS), AfterValidator(_no_nul)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
+Threads = Annotated[int, Field(ge=1, le=MAX_THREADS)]
 
 
 _PLAIN = (("Input should be less than or equal to ", "must be at most "),
@@ -72,6 +76,9 @@ _PLAIN = (("Input should be less than or equal to ", "must be at most "),
           ("Input should be a valid list", "must be a list"),
           ("Input should be a valid dictionary", "must be a mapping"),
           ("Input should be ", "must be "),
+          ("String should have ", "must have "),
+          ("List should have ", "must have "),
+          ("Dictionary should have ", "must have "),
           ("Extra inputs are not permitted", "unknown key"),
           ("Field required", "missing"),
           ("Value error, ", ""))

@@ -13,8 +13,7 @@ from typing import Optional, Sequence
 
 from raycolo.costmodel.latency import resolve_profile_dir  # noqa: F401  (also imported from here)
 from raycolo.errors import RaycoloError, one_line
-from raycolo.flags import add_field_flag, field_type
-from raycolo.policies import DEFAULT_OFFLINE_POLICY
+from raycolo.flags import add_field_flag, add_model_flags, field_type
 
 EXIT_USAGE = 2
 EXIT_RUNTIME = 1
@@ -24,32 +23,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage block
         print(f"error: {one_line(message.removeprefix('argument '))}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
-
-
-def _int(lo: int, hi: int):
-    """An argparse type: an integer in [lo, hi] (a huge count is refused, not tried)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(
-                f"must be positive, got {value}" if lo == 1 else f"must be at least {lo}, got {value}")
-        if value > hi:
-            raise argparse.ArgumentTypeError(f"must be at most {hi}, got {value}")
-        return value
-    parse.__name__ = "integer"
-    return parse
-
-
-def _bounded_types():
-    from raycolo.bounds import MAX_GPUS
-    from raycolo.generation.params import MAX_SEED
-    return _int(1, MAX_GPUS), _int(0, MAX_SEED), _int(1, 1024)
-
-
-GPUS, SEED, THREADS = _bounded_types()
 
 
 PLAN_GPUS, PLAN_NVLINK_GROUP = 8, 2     # plan and compare: one 8-GPU node in NVLink pairs
@@ -79,6 +52,8 @@ def _online_policy_names() -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from raycolo.cli_options import (Attach, CompareOptions, LiveOptions, PlanOptions, ProfileOptions,
+                                     SweepOptions, ValidateOptions)
     from raycolo.online.config import OnlineConfig, ServeSpec
     from raycolo.online.tasks import Arrivals, LiveReplay
 
@@ -86,29 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = sub.add_parser("plan", help="plan an application's execution stages")
     _add_problem_flags(plan)
-    plan.add_argument("--policy", default=DEFAULT_OFFLINE_POLICY,
-                      help=f"planning policy (default {DEFAULT_OFFLINE_POLICY}; the paper's greedy: samullm)")
+    add_model_flags(plan, PlanOptions)
     plan.add_argument("--gantt", default=None, metavar="PNG", help="write a Gantt chart")
     compare = sub.add_parser("compare", help="run every policy on the same sampled workload")
     _add_problem_flags(compare)
-    compare.add_argument("--policies", default=None,
-                         help="comma-separated subset (default: all that apply)")
+    add_model_flags(compare, CompareOptions)
     profile = sub.add_parser("profile", help="measure a model on the torch engine and fit the cost model")
-    profile.add_argument("--model", required=True, help="tiny catalog model or checkpoint directory")
-    profile.add_argument("--tp", type=_int(1, 64), default=1, help="tensor-parallel degree (torch engine: 1)")
-    profile.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    profile.add_argument("--out", default="profiles", metavar="DIR", help="output directory")
-    profile.add_argument("--threads", type=THREADS, default=1, help="CPU threads for torch (default 1)")
-    profile.add_argument("--seed", type=SEED, default=0)
+    add_model_flags(profile, ProfileOptions)
     profile.add_argument("--quick", action="store_true", help="a smaller sweep (~30 s)")
     profile.add_argument("--json", action="store_true", help="print the fit statistics as JSON")
     validate = sub.add_parser("validate", help="compare predicted and measured run times")
-    validate.add_argument("--profile", default="cpu", metavar="DIR",
-                          help="profile directory, or 'cpu' for the shipped tiny-model profiles")
-    validate.add_argument("--models", default=None, help="comma-separated tiny models")
-    validate.add_argument("--requests", type=_int(1, 100_000), default=48, help="requests per case (default 48)")
-    validate.add_argument("--threads", type=THREADS, default=1)
-    validate.add_argument("--seed", type=SEED, default=4242)
+    add_model_flags(validate, ValidateOptions)
     validate.add_argument("--json", action="store_true")
     run = sub.add_parser("run", help="run an application for real on an embedded local Ray cluster")
     run.add_argument("dag", help="application graph (YAML)")
@@ -124,10 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--json", action="store_true")
     sweep = sub.add_parser("sweep-online", help="online policies across request and training rates")
     _add_online_flags(sweep)
-    sweep.add_argument("--policies", default="lemix,mix-rr,mix-luf,separate")
-    sweep.add_argument("--rates", default="10,50,100,150", help="comma-separated rps")
-    sweep.add_argument("--train-rates", default="0.1,0.5,0.9", help="comma-separated α")
-    sweep.add_argument("--out", default="out/sweep-online", metavar="DIR", help="where the plots go")
+    add_model_flags(sweep, SweepOptions)
     sweep.add_argument("--json", action="store_true")
     live = sub.add_parser("online", help="live co-located serving and retraining on Ray")
     live_sub = live.add_subparsers(dest="online_command", required=True, parser_class=_Parser)
@@ -139,18 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_field_flag(orun, OnlineConfig, "train_rate", "fraction of training tasks α (none: the config's)",
                    default=None)
     add_field_flag(orun, Arrivals, "tasks", "tasks to replay", default=20)
-    orun.add_argument("--lengths", default="hh-rlhf", help="query lengths: hh-rlhf or shp")
-    for name in LiveReplay.model_fields:
-        add_field_flag(orun, LiveReplay, name)
-    orun.add_argument("--seed", type=SEED, default=0)
-    orun.add_argument("--address", default=None, help="Ray cluster address (default: a local cluster)")
-    orun.add_argument("--save-profile", default=None, metavar="JSON", help="write the fitted node profile")
+    add_model_flags(orun, LiveReplay)
+    add_model_flags(orun, LiveOptions)
     orun.add_argument("--plot", default=None, metavar="PNG", help="active nodes over time and the TTFT CDF")
     orun.add_argument("--json", action="store_true")
     srv = sub.add_parser("serve", help="serve the online deployment over OpenAI-compatible HTTP "
                          "(Ray Serve) on a local cluster, until Ctrl-C")
     srv.add_argument("config", help="online deployment config (YAML), e.g. examples/online.yaml")
-    srv.add_argument("--address", default=None, help="Ray cluster to join (default: a local cluster)")
+    add_model_flags(srv, Attach)
     add_field_flag(srv, ServeSpec, "host", "HTTP host (none: the config's serve.host)", default=None)
     add_field_flag(srv, ServeSpec, "port", "HTTP port (none: the config's serve.port)", default=None)
     run_dag = sub.add_parser("run-dag", help="what jobs/run_dag.py runs under 'ray job submit'")
@@ -160,15 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_online_flags(p: argparse.ArgumentParser) -> None:
+    from raycolo.cli_options import SimulatedCluster
     from raycolo.online.params import LemixParams
     from raycolo.online.tasks import Arrivals
 
-    p.add_argument("--model", default="llama-8b", help="preset: gpt-400m ... llama-70b (default llama-8b)")
-    p.add_argument("--nodes", type=GPUS, default=4, help="nodes (default 4)")
-    p.add_argument("--stages", type=GPUS, default=2, help="pipeline stages (GPUs) per node (default 2)")
+    add_model_flags(p, SimulatedCluster)
     add_field_flag(p, Arrivals, "tasks", "tasks to simulate")
-    p.add_argument("--lengths", default="hh-rlhf", help="query lengths: hh-rlhf or shp")
-    p.add_argument("--seed", type=SEED, default=0)
     add_field_flag(p, LemixParams, "slo_multiplier", "SLO = k x forward latency")
     add_field_flag(p, LemixParams, "slo_ms", "absolute TTFT SLO in ms (overrides the multiplier)")
 
@@ -522,8 +475,6 @@ def cmd_sweep_online(args) -> int:
     from raycolo.online.tasks import Arrivals
     rates = _float_list(args.rates, "--rates", Arrivals, "rate")
     alphas = _float_list(args.train_rates, "--train-rates", OnlineConfig, "train_rate")
-    from raycolo.online.tasks import get_length_distribution
-    get_length_distribution(args.lengths)
     say = None if args.json else (lambda m: print(m, file=sys.stderr))
     from raycolo.policies import make_online_policy
     rows = sweep(profile, args.nodes, policies, rates, alphas, args.tasks, args.seed, args.lengths,
@@ -623,9 +574,17 @@ OUTPUTS = (("gantt", False, "image", "out/gantt.png"), ("plot", False, "image", 
            ("output", True, (), "out/run"))
 
 
-def _check_outputs(args) -> None:
-    from raycolo.paths import check_output
+# Files a command reads from a flag: (dest, what). Checked before any work, with the outputs.
+INPUTS = (("trace", "trace file (--trace)"),)
+
+
+def _check_paths(args) -> None:
+    from raycolo.paths import check_input, check_output
     from raycolo.plots import IMAGE_SUFFIXES
+
+    for dest, what in INPUTS:
+        if getattr(args, dest, None) is not None:
+            check_input(getattr(args, dest), what)
 
     for dest, directory, suffixes, example in OUTPUTS:
         value = getattr(args, dest, None)
@@ -637,7 +596,7 @@ def _check_outputs(args) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        _check_outputs(args)
+        _check_paths(args)
         return COMMANDS[args.command](args)
     except RaycoloError as exc:
         print(f"error: {one_line(exc)}", file=sys.stderr)

@@ -45,6 +45,7 @@ def field_type(model: type[BaseModel], name: str):
             raise argparse.ArgumentTypeError(describe(exc).split(": ", 1)[-1] + f", got {text!r}") from None
 
     parse.__name__ = base.__name__
+    parse.field = (model, name)          # where the flag comes from (tests find hand-written flags)
     return parse
 
 
@@ -62,8 +63,10 @@ def field_help(model: type[BaseModel], name: str, text: Optional[str] = None, de
     choices = _choices(info.annotation)
     if choices:
         text += ": " + ", ".join(map(str, choices))
-    value = info.default if default is _UNSET else default
     bounds = interval(model, name)
+    if info.is_required() and default is _UNSET:
+        return f"{text} (required{'; ' + bounds if bounds else ''})"
+    value = info.default if default is _UNSET else default
     shown = "none" if value is None else _num(value) if isinstance(value, (int, float)) else value
     return f"{text} (default {shown}{'; ' + bounds if bounds else ''})"
 
@@ -78,6 +81,8 @@ def interval(model: type[BaseModel], name: str) -> str:
 
 
 def _num(x) -> str:
+    if isinstance(x, int):
+        return f"{x:,}"
     return f"{int(x):,}" if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
 
 
@@ -86,9 +91,19 @@ def add_field_flag(parser: argparse.ArgumentParser, model: type[BaseModel], name
     """``--<name>`` (or ``flag``) for field ``name`` of ``model``: its type, bounds and
     default (``default`` where a command's differs, e.g. None for "the config's")."""
     info = model.model_fields[name]
-    value = info.default if default is _UNSET else default
+    required = info.is_required() and default is _UNSET
+    value = None if required else info.default if default is _UNSET else default
     parser.add_argument(flag or "--" + name.replace("_", "-"), type=field_type(model, name), default=value,
-                        metavar=metavar, help=field_help(model, name, text, default))
+                        required=required, metavar=metavar, help=field_help(model, name, text, default))
+
+
+def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel], skip: tuple = (),
+                    **defaults: Any) -> None:
+    """A flag per field of ``model`` but those in ``skip`` (``defaults``: a command's own
+    default for a field, e.g. ``gpus=2``)."""
+    for name in model.model_fields:
+        if name not in skip:
+            add_field_flag(parser, model, name, default=defaults.get(name, _UNSET))
 
 
 def _type_name(annotation) -> str:
@@ -131,6 +146,18 @@ REFERENCE_MODELS = (
     ("Offline run options (`raycolo run`, `jobs/run_dag.py`: each a `--flag`)", "raycolo.runtime.setup", "RunConfig", ""),
     ("Request-file row (jsonl, parquet)", "raycolo.workload", "RequestRow", ""),
     ("Trace CSV row", "raycolo.online.tasks", "TraceRow", ""),
+    ("`raycolo plan` (each a `--flag`)", "raycolo.cli_options", "PlanOptions", ""),
+    ("`raycolo compare` (each a `--flag`)", "raycolo.cli_options", "CompareOptions", ""),
+    ("`raycolo simulate-online`, `sweep-online`: the simulated cluster (each a `--flag`)", "raycolo.cli_options",
+     "SimulatedCluster", ""),
+    ("`raycolo sweep-online`: the sweep (each a `--flag`)", "raycolo.cli_options", "SweepOptions", ""),
+    ("`raycolo online run` (each a `--flag`; also `LiveReplay`'s below)", "raycolo.cli_options", "LiveOptions", ""),
+    ("Arrivals (`--rate`, `--tasks` of `simulate-online`, `sweep-online`, `online run`)", "raycolo.online.tasks",
+     "Arrivals", ""),
+    ("`raycolo online run`: the replay (each a `--flag`)", "raycolo.online.tasks", "LiveReplay", ""),
+    ("`raycolo online run`, `serve`: the cluster (each a `--flag`)", "raycolo.cli_options", "Attach", ""),
+    ("`raycolo profile` (each a `--flag`)", "raycolo.cli_options", "ProfileOptions", ""),
+    ("`raycolo validate` (each a `--flag`)", "raycolo.cli_options", "ValidateOptions", ""),
 )
 
 

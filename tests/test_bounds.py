@@ -3,6 +3,7 @@ with one ``error:`` line naming the field (file and row, or flag), no traceback,
 writes nothing. Plus the bounds module's own rules, checked by hand."""
 from __future__ import annotations
 
+import argparse
 import copy
 import subprocess
 import sys
@@ -116,6 +117,19 @@ def test_trace_rows_are_refused_naming_file_row_and_column(tmp_path, rows, named
     (["sweep-online", "--tasks", "10", "--rates", "10", "--train-rates", "0.5", "--out", "taken"],
      "--out: taken exists and is not a directory"),
     (["profile", "--model", "tiny-llama-s", "--out", "/proc/p"], "--out: cannot write in /proc"),
+    # flags generated from raycolo/cli_options.py: the field's bounds and choices, before any work
+    (["profile", "--model", "tiny-llama-s", "--tp", "65"], "--tp: must be at most 64"),
+    (["profile", "--model", "tiny-llama-s", "--device", "tpu"], "--device: must be 'cpu' or 'cuda'"),
+    (["validate", "--requests", "0"], "--requests: must be at least 1"),
+    (["validate", "--threads", "1025"], "--threads: must be at most 1024"),
+    (["simulate-online", "--tasks", "20", "--model", "gpt-9"], "--model: must be 'gpt-400m'"),
+    (["simulate-online", "--tasks", "20", "--lengths", "imdb"], "--lengths: must be 'hh-rlhf' or 'shp'"),
+    (["simulate-online", "--tasks", "20", "--nodes", "1e30"], "--nodes: must be an integer"),
+    (["sweep-online", "--tasks", "10", "--rates", "10\n20"], "--rates: must be one line"),
+    (["online", "run", ROOT / "examples" / "online.yaml", "--lengths", "imdb"], "--lengths: must be 'hh-rlhf' or 'shp'"),
+    (["online", "run", ROOT / "examples" / "online.yaml", "--seed", "-1"], "--seed: must be at least 0"),
+    (["serve", ROOT / "examples" / "online.yaml", "--address", "x" * 200], "--address: must have at most 128 characters"),
+    (["plan", ROOT / "examples" / "tiny.yaml", "--policy", ""], "--policy: must have at least 1 character"),
 ])
 def test_flags_are_refused_before_any_work(tmp_path, args, named):
     (tmp_path / "taken").write_text("a file the user keeps\n")
@@ -147,3 +161,26 @@ def test_the_config_reference_is_generated_from_the_models():
     from raycolo.flags import config_reference
 
     assert (ROOT / "docs" / "config-reference.md").read_text() == config_reference()
+
+
+def _subparsers(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield name, sub
+                yield from ((f"{name} {n}", p) for n, p in _subparsers(sub))
+
+
+HAND_WRITTEN = {"--trace", "--dag", "--plot", "--gantt", "--output", "--help"}   # files (raycolo/paths.py), help
+
+
+def test_every_value_flag_is_generated_from_a_model_field():
+    """A flag with a value takes its type, bounds, default and help from a field (of
+    RunConfig, OnlineConfig, raycolo/cli_options.py...), so none restates a default
+    or a bound; only the file flags are by hand, checked by raycolo/paths.py."""
+    from raycolo.cli import build_parser
+
+    by_hand = sorted(f"{name} {opt}" for name, sub in _subparsers(build_parser()) for a in sub._actions
+                     for opt in a.option_strings[:1] if a.nargs != 0 and opt not in HAND_WRITTEN
+                     and not hasattr(a.type, "field"))
+    assert by_hand == [], by_hand

@@ -12,6 +12,7 @@ a crash fails the test that met it).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import io
@@ -489,7 +490,7 @@ def test_trace_row_schema(tmp_path):
 
 # -- every value flag of every in-process command, each hostile value in turn ---------------------
 FLAG_HOSTILE = ["1" + "0" * 30, "-1", "0", "1e308", "nan", "inf", "-inf", "true", "", "x" * 10_000]
-PATH_FLAGS = {"--gantt", "--plot", "--out", "--output", "--save-profile"}
+PATH_FLAGS = {"--gantt", "--plot", "--out", "--output", "--save-profile", "--trace"}
 
 
 def _path_values(tmp: Path) -> list[str]:
@@ -533,4 +534,52 @@ def test_every_flag_with_every_hostile_value(command, tmp_path, monkeypatch):
                 (flag, value[:40], lines[0])
             assert sorted(p.name for p in tmp_path.iterdir()) == before and not any(work.iterdir()), (flag, value)
             assert (tmp_path / "existing.png").read_bytes() == b"keep" if flag in PATH_FLAGS else True
+            FUZZ_COUNTS[(surface, "rejected")] += 1
+
+
+# -- the commands that start Ray or torch: each flag's value is judged before any of that ------
+# Each runs into a stop the test chose (a missing file, an unknown model), after the flags and
+# the output paths are checked and before a cluster or a model starts: a value the flags
+# accept ends there, with that stop's error, instead of starting the work.
+MISSING = "no-such-file.yaml"
+STOPPED = {("online", "run"): ([MISSING], MISSING),
+           ("serve",): ([MISSING], MISSING),
+           ("run",): ([MISSING], MISSING),
+           ("run-dag",): (["--dag", MISSING, "--output", "out/x"], MISSING),
+           ("profile",): (["--model", "no-such-model"], "--model"),
+           ("validate",): (["--models", "no-such-model"], "--models")}
+
+
+def _flags_of(words: tuple) -> list[str]:
+    from raycolo.cli import build_parser
+
+    parser = build_parser()
+    for word in words:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[word]
+    return sorted(opt for a in parser._actions for opt in a.option_strings
+                  if opt.startswith("--") and a.nargs != 0 and opt not in SKIP_FLAGS)
+
+
+@pytest.mark.parametrize("words", sorted(STOPPED), ids=" ".join)
+def test_every_flag_of_the_ray_commands_with_every_hostile_value(words, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    base, stop = STOPPED[words]
+    surface = f"CLI {' '.join(words)}, every flag"
+    _path_values(tmp_path)                                     # the existing file a path flag must keep
+    for flag in _flags_of(words):
+        for value in (_path_values(tmp_path) if flag in PATH_FLAGS else FLAG_HOSTILE):
+            args = [x for i, x in enumerate(base) if not (x == flag or (i > 0 and base[i - 1] == flag))]
+            if flag in ("--model", "--models", "--dag") and flag in base:
+                continue                                      # the stop itself
+            rc, err = _run_cli([*words, *args, flag, value], seconds=30)
+            FUZZ_COUNTS[(surface, "tried")] += 1
+            lines = err.strip().splitlines()
+            assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, \
+                (flag, value[:40], rc, err[-500:])
+            assert (tmp_path / "existing.png").read_bytes() == b"keep"
+            if stop in lines[0] and flag not in lines[0]:
+                FUZZ_COUNTS[(surface, "accepted")] += 1       # the flags took it; the stop refused the run
+                continue
+            assert flag in lines[0] or "argument" in lines[0] or (value and value[:40] in lines[0]), \
+                (flag, value[:40], lines[0])
             FUZZ_COUNTS[(surface, "rejected")] += 1

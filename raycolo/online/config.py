@@ -10,7 +10,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
-from raycolo.bounds import MAX_TOKENS, Name, PathText, Strict, describe
+from raycolo.bounds import MAX_TOKENS, Name, PathText, Strict, Threads, describe
 from raycolo.errors import ConfigError
 from raycolo.paths import check_input, is_dir
 from raycolo.generation.params import Seed
@@ -23,23 +23,39 @@ class ModelLoadingConfig(Strict):
     """As Ray Serve LLM's: a catalog id of a tiny model (random weights, byte tokenizer)
     or a local checkpoint directory of a Llama-, Qwen2- or Mistral-style causal LM."""
 
-    model_id: PathText = "tiny-llama-s"
-    seed: Seed = 0
-    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+    model_id: PathText = Field(default="tiny-llama-s", description=(
+        "The model to serve and fine-tune: a catalog id of a tiny model (random weights, byte tokenizer) "
+        "or a local checkpoint directory of a Llama-, Qwen2- or Mistral-style causal LM."))
+    seed: Seed = Field(default=0, description=(
+        "Seed of a catalog tiny model's random weights and of the fresh LoRA adapters' initial weights; "
+        "part of the key an adapter checkpoint must match to be restored."))
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(default="float32", description=(
+        "Data type the stage workers load the model's weights in."))
 
 
 class LoraSpec(Strict):
-    rank: int = Field(default=8, gt=0, le=1024)
-    alpha: int = Field(default=16, gt=0, le=1 << 16)
+    rank: int = Field(default=8, gt=0, le=1024, description="Rank r of the LoRA adapters.")
+    alpha: int = Field(default=16, gt=0, le=1 << 16, description=(
+        "LoRA's alpha (peft's lora_alpha): the adapters' update is scaled by alpha / rank."))
     target_modules: list[Name] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-                                       min_length=1, max_length=256)
-    lr: float = Field(default=1e-3, gt=0, le=1.0)
-    micro_batch: int = Field(default=4, gt=0, le=1024)       # samples per training task (C)
-    checkpoint_every: int = Field(default=8, gt=0, le=1 << 30)          # optimizer steps between checkpoints
-    max_len: int = Field(default=256, gt=1, le=1 << 16)       # tokens per training sample, at most
-    queued_tasks: int = Field(default=2, gt=0, le=1024)       # HTTP samples: training tasks outstanding per node
-    flush_after_s: float = Field(default=10.0, gt=0, le=86400)  # HTTP samples: a partial micro-batch waits at most this
-    dpo_beta: float = Field(default=0.1, gt=0, le=100)        # DPO's beta for preference pairs
+                                       min_length=1, max_length=256, description=(
+        "Names of the model's modules that get LoRA adapters (peft's target_modules); the default is "
+        "the attention projections."))
+    lr: float = Field(default=1e-3, gt=0, le=1.0, description=(
+        "Learning rate of the AdamW optimizer that trains the LoRA adapters."))
+    micro_batch: int = Field(default=4, gt=0, le=1024, description=(
+        "Samples per training task (C)."))
+    checkpoint_every: int = Field(default=8, gt=0, le=1 << 30, description=(
+        "Optimizer steps between adapter checkpoints."))
+    max_len: int = Field(default=256, gt=1, le=1 << 16, description=(
+        "Most tokens of one training sample; a longer sample is cut to it."))
+    queued_tasks: int = Field(default=2, gt=0, le=1024, description=(
+        "For samples that arrive over HTTP: the most training tasks outstanding per node."))
+    flush_after_s: float = Field(default=10.0, gt=0, le=86400, description=(
+        "For samples that arrive over HTTP: the longest a partial micro-batch waits before it becomes "
+        "a training task, in seconds."))
+    dpo_beta: float = Field(default=0.1, gt=0, le=100, description=(
+        "DPO's beta, used for preference pairs (prompt, chosen, rejected)."))
     init_from: Optional[PathText] = Field(default=None, description=(
         "A LoRA adapter directory in peft's format (adapter_config.json, adapter_model.safetensors) "
         "to start from: every node's stages load their layers' part of it and train on from it. Its rank, "
@@ -63,26 +79,38 @@ class LoraSpec(Strict):
 class StageSpec(Strict):
     """What each stage worker gets."""
 
-    cpus_per_worker: float = Field(default=0.5, gt=0, le=1024)
-    cpu_threads: Optional[int] = Field(default=1, gt=0, le=1024)
-    # OpenMP's OMP_WAIT_POLICY for the stage workers (None: OpenMP's own). Their cores are
-    # shared with the controller, the HTTP front and Serve's proxy, and an ACTIVE thread
-    # spins on its core between ops: at 100 concurrent requests on 2 cores PASSIVE gave
-    # 1.6-1.9x the output tokens/s (docs/online-live.md). OpenMP reads it when torch loads,
-    # so it is set in the environment of the Ray cluster raycolo starts (cluster_env); on
-    # a cluster you start, give it to `ray start` (a runtime environment per worker would
-    # make every stage worker a cold process start, slowing each group (re)start)
-    omp_wait_policy: Optional[Literal["PASSIVE", "ACTIVE"]] = "PASSIVE"
-    backend: Literal["gloo", "nccl"] = "gloo"                 # nccl on real GPUs
-    device: Literal["cpu", "cuda"] = "cpu"
-    block_size: int = Field(default=16, gt=0, le=1 << 16)
-    kv_cache_tokens: int = Field(default=16384, gt=0, le=1 << 30)
-    memory_bytes: float = Field(default=2 * GIB, gt=0, le=1 << 50)   # the stage's memory budget (1 PiB at most)
-    max_failures: int = Field(default=1, ge=0, le=1 << 20)    # worker-group restarts per node
-    # GPUs each stage worker asks Ray for: below 1 several stages share one GPU (0.5: two),
-    # each with its own slice of layers and KV cache; their point-to-point traffic goes
-    # through host memory over gloo (NCCL refuses two ranks on one device)
-    gpus_per_worker: float = Field(default=1.0, gt=0, le=1)
+    cpus_per_worker: float = Field(default=0.5, gt=0, le=1024, description=(
+        "CPUs each stage worker asks Ray for; a local cluster raycolo starts gets nodes x stages x this, "
+        "plus two."))
+    cpu_threads: Optional[Threads] = Field(default=1, description=(
+        "Torch intra-op threads in each stage worker (none: OMP_NUM_THREADS when set, else one per CPU "
+        "the process may run on)."))
+    omp_wait_policy: Optional[Literal["PASSIVE", "ACTIVE"]] = Field(default="PASSIVE", description=(
+        "OpenMP's OMP_WAIT_POLICY for the stage workers (none: OpenMP's own). Their cores are shared with "
+        "the controller, the HTTP front and Serve's proxy, and an ACTIVE thread spins on its core between "
+        "ops: at 100 concurrent requests on 2 cores PASSIVE gave 1.6-1.9x the output tokens/s "
+        "(docs/online-live.md). OpenMP reads it when torch loads, so raycolo sets it in the environment of "
+        "the Ray cluster it starts (cluster_env); on a cluster you start, give it to `ray start` (a runtime "
+        "environment per worker would make every stage worker a cold process start, slowing each group "
+        "(re)start)."))
+    backend: Literal["gloo", "nccl"] = Field(default="gloo", description=(
+        "torch.distributed backend of a node's stage workers; nccl on real GPUs."))
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description=(
+        "Device the stage workers run the model on."))
+    block_size: int = Field(default=16, gt=0, le=1 << 16, description=(
+        "Tokens per block of a stage's paged KV cache."))
+    kv_cache_tokens: int = Field(default=16384, gt=0, le=1 << 30, description=(
+        "KV cache capacity of each stage, in tokens (it gets this / block_size blocks, rounded up); it "
+        "also caps the context a request may use."))
+    memory_bytes: float = Field(default=2 * GIB, gt=0, le=1 << 50, description=(
+        "The stage's memory budget in bytes (1 PiB at most). The prior node profile the scheduler plans "
+        "with takes the larger of this and twice the stage's weights."))
+    max_failures: int = Field(default=1, ge=0, le=1 << 20, description=(
+        "Worker-group restarts per node (Ray Train's max_failures for each node's run)."))
+    gpus_per_worker: float = Field(default=1.0, gt=0, le=1, description=(
+        "GPUs each stage worker asks Ray for: below 1 several stages share one GPU (0.5: two), each with "
+        "its own slice of layers and KV cache; their point-to-point traffic goes through host memory "
+        "over gloo (NCCL refuses two ranks on one device)."))
 
     @field_validator("gpus_per_worker")
     @classmethod
@@ -91,55 +119,67 @@ class StageSpec(Strict):
             raise ValueError("below 1, stages share a GPU, which NCCL refuses (two ranks on one device); "
                              "use stage.backend: gloo")
         return value
-    # A controller Ray restarted (its Ray node died) starts on the GPUs the cluster has
-    # left: once one node's stage workers registered it serves after this long, and the
-    # other nodes join when GPUs for them come back.
-    start_grace_s: float = Field(default=20.0, ge=0, le=3600)
-    # A node whose worker group is lost and not back within this long has the samples it
-    # trained since its last checkpoint trained on the other nodes.
-    rejoin_s: float = Field(default=30.0, ge=0, le=3600)
-    # Where a node's scheduler runs. "node": in its first stage's process, next to the
-    # stages (raycolo/online/node_loop.py): ops go stage to stage over the stages' own
-    # process group and the controller keeps a mirror fed the node's reports, with no
-    # actor call per op. "controller": in the controller actor, every op one actor call
-    # (the runtime before 2026-11-27; kept to compare, bench/live_tbt.py).
-    data_plane: Literal["node", "controller"] = "node"
-    # With data_plane node: the least time between two reports of a node to the
-    # controller (its requests' tokens reach their streams with them; 0: one per loop turn)
-    report_every_s: float = Field(default=0.005, ge=0, le=1.0)
-    # sys.setswitchinterval in each stage worker: how long a thread holding the GIL keeps
-    # it while another waits (Python's default: 5 ms). A stage worker's other threads (Ray's,
-    # the node loop's reports, commands and answers) then hand it back to the stage's
-    # compute within this: at 5 ms a 1-stage node's decode iteration took 4.7-6.9 ms
-    # against 1.1-1.9 ms of model time, at 0.2 ms 2.1 ms (bench/live_tbt.py, 2 cores)
-    switch_interval_s: float = Field(default=0.0002, gt=0, le=0.1)
+    start_grace_s: float = Field(default=20.0, ge=0, le=3600, description=(
+        "A controller Ray restarted (its Ray node died) starts on the GPUs the cluster has left: once one "
+        "node's stage workers registered it serves after this many seconds, and the other nodes join when "
+        "GPUs for them come back."))
+    rejoin_s: float = Field(default=30.0, ge=0, le=3600, description=(
+        "A node whose worker group is lost and not back within this many seconds has the samples it "
+        "trained since its last checkpoint trained on the other nodes."))
+    data_plane: Literal["node", "controller"] = Field(default="node", description=(
+        "Where a node's scheduler runs. \"node\": in its first stage's process, next to the stages "
+        "(raycolo/online/node_loop.py): ops go stage to stage over the stages' own process group and the "
+        "controller keeps a mirror fed the node's reports, with no actor call per op. \"controller\": in "
+        "the controller actor, every op one actor call (the runtime before 2026-11-27; kept to compare, "
+        "bench/live_tbt.py)."))
+    report_every_s: float = Field(default=0.005, ge=0, le=1.0, description=(
+        "With data_plane node: the least time in seconds between two reports of a node to the controller "
+        "(its requests' tokens reach their streams with them; 0: one per loop turn)."))
+    switch_interval_s: float = Field(default=0.0002, gt=0, le=0.1, description=(
+        "sys.setswitchinterval in each stage worker: how long a thread holding the GIL keeps it while "
+        "another waits (Python's default: 5 ms), so the worker's other threads (Ray's, the node loop's "
+        "reports, commands and answers) hand it back to the stage's compute within this. At 5 ms a "
+        "1-stage node's decode iteration took 4.7-6.9 ms against 1.1-1.9 ms of model time, at 0.2 ms "
+        "2.1 ms (bench/live_tbt.py, 2 cores)."))
 
 
 class ServeSpec(Strict):
     """The HTTP front (``raycolo serve``, ``serve run examples/serve.yaml``, docs/serve.md)."""
 
-    host: Name = "127.0.0.1"                                   # Serve's HTTP proxy; loopback only
-    port: int = Field(default=8000, ge=1, le=65535)           # Ray Serve's own default
-    route_prefix: Name = "/"
-    app_name: Name = "raycolo"
-    served_model_name: Optional[Name] = None                  # default: model_loading_config.model_id
-    api_key_env: Optional[Name] = None                        # env var holding the Bearer key
-    max_ongoing_requests: int = Field(default=64, gt=0, le=1 << 20)  # admission limit (429 beyond)
-    retry_after_s: int = Field(default=1, ge=1, le=3600)
-    max_body_bytes: int = Field(default=1 << 20, gt=0, le=1 << 40)  # 413 beyond
-    replicas: int = Field(default=1, gt=0, le=64)             # ingress replicas
-    # With stage.data_plane node, how tokens reach the replica that admitted the request.
-    # "direct": the node writes them to the replica's token inbox, a TCP listener on the
-    # replica's Ray node address with a per-replica secret (raycolo/serving/token_wire.py);
-    # "controller": in the node's reports to the controller, then the controller's stream
-    # to the replica (two hops; the only path before 2026-11-27)
-    token_path: Literal["direct", "controller"] = "direct"
-    # Streamed answers: a chunk for the first tokens, then one per this many tokens, and the
-    # rest with the last (vLLM's --stream-interval, same default). Above 1, fewer chunks
-    # cross Serve's proxy, where each costs CPU, at the price of smoothness
-    stream_interval: int = Field(default=1, ge=1, le=1024)
-    # adapter checkpoints servable as <model>@v<k>: the newest this many
-    pinned_versions: int = Field(default=4, ge=0, le=64)
+    host: Name = Field(default="127.0.0.1", description=(
+        "Address Serve's HTTP proxy listens on; the default is loopback only."))
+    port: int = Field(default=8000, ge=1, le=65535, description=(
+        "Port of Serve's HTTP proxy (Ray Serve's own default)."))
+    route_prefix: Name = Field(default="/", description=(
+        "URL path prefix the Serve application is mounted under; must start with '/'."))
+    app_name: Name = Field(default="raycolo", description=(
+        "Name of the Serve application; its controller actor is named raycolo-online-<app_name>."))
+    served_model_name: Optional[Name] = Field(default=None, description=(
+        "The model name clients send (none: model_loading_config.model_id)."))
+    api_key_env: Optional[Name] = Field(default=None, description=(
+        "Name of the environment variable holding the key clients must send as a Bearer token "
+        "(none: no key is asked for)."))
+    max_ongoing_requests: int = Field(default=64, gt=0, le=1 << 20, description=(
+        "Admission limit: unfinished requests beyond it get a 429."))
+    retry_after_s: int = Field(default=1, ge=1, le=3600, description=(
+        "Seconds sent in the Retry-After header of a refused request (429 when overloaded, 503 while the "
+        "stage workers (re)start)."))
+    max_body_bytes: int = Field(default=1 << 20, gt=0, le=1 << 40, description=(
+        "Largest request body in bytes; a larger one gets a 413."))
+    replicas: int = Field(default=1, gt=0, le=64, description=(
+        "Ingress replicas (all attach to one controller)."))
+    token_path: Literal["direct", "controller"] = Field(default="direct", description=(
+        "With stage.data_plane node, how tokens reach the replica that admitted the request. \"direct\": "
+        "the node writes them to the replica's token inbox, a TCP listener on the replica's Ray node "
+        "address with a per-replica secret (raycolo/serving/token_wire.py); \"controller\": in the node's "
+        "reports to the controller, then the controller's stream to the replica (two hops; the only path "
+        "before 2026-11-27)."))
+    stream_interval: int = Field(default=1, ge=1, le=1024, description=(
+        "Streamed answers: a chunk for the first tokens, then one per this many tokens, and the rest with "
+        "the last (vLLM's --stream-interval, same default). Above 1, fewer chunks cross Serve's proxy, "
+        "where each costs CPU, at the price of smoothness."))
+    pinned_versions: int = Field(default=4, ge=0, le=64, description=(
+        "Adapter checkpoints servable as <model>@v<k>: the newest this many (0: none)."))
     lora_load_dirs: list[PathText] = Field(default_factory=list, max_length=256, description=(
         "Directories POST /v1/load_lora_adapter may load adapters from (a lora_path must lie under one "
         "of them once symlinks are resolved; others are a 403 that says nothing of the path). Empty: "
@@ -175,24 +215,45 @@ class ServeSpec(Strict):
 
 
 class OnlineConfig(Strict):
-    model_loading_config: ModelLoadingConfig = Field(default_factory=ModelLoadingConfig)
-    nodes: int = Field(default=2, gt=0, le=64)
-    stages: int = Field(default=2, gt=0, le=64)
-    policy: Name = "lemix"
-    train_rate: float = Field(default=0.5, ge=0, le=1)        # SEPARATE sizes its groups from it
-    lemix: LemixParams = Field(default_factory=LemixParams)
-    lora: LoraSpec = Field(default_factory=LoraSpec)
-    stage: StageSpec = Field(default_factory=StageSpec)
-    max_tokens: int = Field(default=64, gt=0, le=MAX_TOKENS)               # a completion's default limit
-    sample_store: PathText = "out/online/samples"
-    storage_path: PathText = "out/online/checkpoints"
-    # take up where an earlier deployment on the same storage_path and sample_store stopped:
-    # each node restores its newest adapter checkpoint and trains the stored samples no
-    # checkpoint holds (False: start from the base model, ignoring earlier checkpoints)
-    resume: bool = True
-    profile: Optional[PathText] = None                           # a saved node profile (JSON) to start from
-    prior_gflops: float = Field(default=20.0, gt=0, le=1e9)         # the prior profile's assumed rate
-    serve: ServeSpec = Field(default_factory=ServeSpec)
+    model_loading_config: ModelLoadingConfig = Field(default_factory=ModelLoadingConfig, description=(
+        "The model every node serves and fine-tunes."))
+    nodes: int = Field(default=2, gt=0, le=64, description=(
+        "Nodes: copies of the model, each split into a pipeline of stage workers, that serve and train "
+        "side by side."))
+    stages: int = Field(default=2, gt=0, le=64, description=(
+        "Pipeline stages per node: the model's decoder layers are cut into this many contiguous slices, "
+        "one stage worker each."))
+    policy: Name = Field(default="lemix", description=(
+        "The online scheduling policy that places inference and training tasks on nodes (a registered "
+        "online policy name, e.g. lemix, mix-rr, mix-luf, separate)."))
+    train_rate: float = Field(default=0.5, ge=0, le=1, description=(
+        "The share of tasks that are training tasks (α); SEPARATE sizes its training and serving node "
+        "groups from it."))
+    lemix: LemixParams = Field(default_factory=LemixParams, description=(
+        "LeMix's scheduling parameters."))
+    lora: LoraSpec = Field(default_factory=LoraSpec, description=(
+        "The LoRA adapters trained online and how samples become training tasks."))
+    stage: StageSpec = Field(default_factory=StageSpec, description=(
+        "What each stage worker gets."))
+    max_tokens: int = Field(default=64, gt=0, le=MAX_TOKENS, description=(
+        "A completion's default token limit, for requests that do not set one."))
+    sample_store: PathText = Field(default="out/online/samples", description=(
+        "Directory where training samples received are journaled, so they survive restarts and can be "
+        "trained after a resume."))
+    storage_path: PathText = Field(default="out/online/checkpoints", description=(
+        "Directory of the nodes' Ray Train runs (their adapter checkpoints), the saved adapter versions "
+        "and the records of the nodes' placement groups."))
+    resume: bool = Field(default=True, description=(
+        "Take up where an earlier deployment on the same storage_path and sample_store stopped: each node "
+        "restores its newest adapter checkpoint and trains the stored samples no checkpoint holds "
+        "(false: start from the base model, ignoring earlier checkpoints)."))
+    profile: Optional[PathText] = Field(default=None, description=(
+        "A saved node profile (JSON) to start from (none: a prior profile built from the model's shapes "
+        "at prior_gflops)."))
+    prior_gflops: float = Field(default=20.0, gt=0, le=1e9, description=(
+        "The compute rate in GFLOP/s the prior node profile assumes."))
+    serve: ServeSpec = Field(default_factory=ServeSpec, description=(
+        "The HTTP front."))
 
     def served_model_name(self) -> str:
         return self.serve.served_model_name or self.model_loading_config.model_id

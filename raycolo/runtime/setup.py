@@ -14,7 +14,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, ValidationError
 
-from raycolo.bounds import MAX_GPUS, Name, PathText, Requests, Seconds, Strict, describe
+from raycolo.bounds import MAX_GPUS, Name, PathText, Requests, Seconds, Strict, Threads, describe
 from raycolo.generation.params import Seed
 from raycolo.dag import AppSpec, SourceSpec, load_app
 from raycolo.errors import ConfigError
@@ -48,7 +48,7 @@ class RunConfig(Strict):
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(default="float32", description="model dtype")
     # the planner counts in 16-token blocks either way; vLLM's CPU attention needs a multiple of 32
     block_size: Optional[int] = Field(default=None, ge=1, le=4096, description="engine KV block size (none: 16)")
-    threads: Optional[int] = Field(default=None, ge=1, le=1024, description="torch CPU threads per replica")
+    threads: Optional[Threads] = Field(default=None, description="torch CPU threads per replica")
     replica_start_s: Optional[Seconds] = Field(default=None, description="seconds a replica takes to start, "
                                                "for planning (none: measured once)")
     parked_engines: int = Field(default=1, ge=0, le=64, description=(
