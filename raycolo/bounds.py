@@ -62,6 +62,7 @@ Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 PathText = Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS), AfterValidator(_no_nul)]
 Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
 Threads = Annotated[int, Field(ge=1, le=MAX_THREADS)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
 
 
 _PLAIN = (("Input should be less than or equal to ", "must be at most "),
@@ -136,3 +137,25 @@ def field_bounds(model: type[BaseModel], name: str) -> tuple[float, float, bool,
             else:
                 hi, hi_open = v, is_open
     return lo, hi, lo_open, hi_open
+
+
+def checked(where: str, annotation, value):
+    """``value`` held to ``annotation`` (an alias here, or ``Model.model_fields[f]``'s
+    annotation with its metadata) as strictly as a model holds it; a ``ValueError`` saying
+    ``<where>: <what it must be>, got <value>`` otherwise (numpy scalars are read as
+    Python numbers). For library calls that take a bounded value outside a model."""
+    from pydantic import TypeAdapter
+
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        value = value.item()
+    adapter = TypeAdapter(annotation, config=ConfigDict(strict=True, allow_inf_nan=False))
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        raise ValueError(f"{where}: {describe(exc).split(': ', 1)[-1]}, got {value!r}") from None
+
+
+def field_annotation(model: type[BaseModel], name: str):
+    """``model``'s field ``name`` as one annotation with its constraints (for :func:`checked`)."""
+    info = model.model_fields[name]
+    return Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation

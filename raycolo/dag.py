@@ -30,13 +30,24 @@ CHAIN_PLACEHOLDERS = ("chunk", "previous")
 class LengthDistribution(Strict):
     """A distribution of token (or chunk) counts, clipped to [min, max]."""
 
-    distribution: Literal["lognormal", "uniform", "fixed"] = "lognormal"
-    min: Tokens = 1
-    max: Tokens
-    mean: Optional[float] = Field(default=None, gt=0, le=MAX_TOKENS)
-    median: Optional[float] = Field(default=None, gt=0, le=MAX_TOKENS)
-    sigma: float = Field(default=0.8, gt=0, le=10)    # lognormal's σ; e^10 is a 22,000× spread
-    value: Optional[Tokens] = None
+    distribution: Literal["lognormal", "uniform", "fixed"] = Field(default="lognormal", description=(
+        "The distribution's shape: lognormal (give mean or median, and sigma), uniform (whole numbers from min "
+        "to max, equally likely) or fixed (always value). Every draw is rounded to a whole number and clipped "
+        "to [min, max]."))
+    min: Tokens = Field(default=1, description="The smallest count a draw may take; draws below it are raised to it.")
+    max: Tokens = Field(description="The largest count a draw may take; draws above it are lowered to it. Must be "
+                                    "at least min.")
+    mean: Optional[float] = Field(default=None, gt=0, le=MAX_TOKENS, description=(
+        "lognormal only: the mean count, matched after clipping to [min, max]. Give exactly one of mean and "
+        "median; it must lie within [min, max]."))
+    median: Optional[float] = Field(default=None, gt=0, le=MAX_TOKENS, description=(
+        "lognormal only: the median count, the exponential of the lognormal's location. Give exactly one of "
+        "mean and median; it must lie within [min, max]."))
+    sigma: float = Field(default=0.8, gt=0, le=10, description=(
+        "lognormal only: the spread σ, the standard deviation of the count's logarithm; the bound of 10 is "
+        "already a 22,000× spread (e^10)."))
+    value: Optional[Tokens] = Field(default=None, description="fixed only (and required there): the count every "
+                                                              "draw takes; it must lie within [min, max].")
 
     @model_validator(mode="after")
     def _check(self) -> "LengthDistribution":
@@ -56,12 +67,23 @@ class LengthDistribution(Strict):
 class SourceSpec(Strict):
     """Where requests come from: a count with distributions, or a jsonl/parquet file."""
 
-    count: Optional[Requests] = None
-    input_tokens: Optional[LengthDistribution] = None
-    # Documents: number of chunks per item, and tokens per chunk (chain summary).
-    chunks: Optional[LengthDistribution] = None
-    chunk_tokens: Tokens = 2048
-    file: Optional[PathText] = None
+    count: Optional[Requests] = Field(default=None, description=(
+        "How many items (requests) the source generates, their lengths drawn from input_tokens and/or chunks; "
+        "give either count or file. --requests N overrides it."))
+    input_tokens: Optional[LengthDistribution] = Field(default=None, description=(
+        "With count: the distribution of each item's prompt length in tokens (without it, an item's input is "
+        "chunks × chunk_tokens)."))
+    chunks: Optional[LengthDistribution] = Field(default=None, description=(
+        "Documents (chain summary), with count: the distribution of the number of chunks per item, which a "
+        f"self-loop node processes one by one. Its max must be at most {MAX_CHUNKS:,}, and count × max at most "
+        f"{MAX_REQUESTS:,} requests."))
+    chunk_tokens: Tokens = Field(default=2048, description=(
+        "Documents (chain summary): tokens per chunk. Every chunk of a document is this long but the last, "
+        "which is a seeded 30-100 % of it."))
+    file: Optional[PathText] = Field(default=None, description=(
+        "A request file to read the items from instead of count: .jsonl rows or a .parquet table with prompt "
+        "(text) or input_tokens, and optionally chunks (each row is read through RequestRow). A relative path is "
+        "taken from the application YAML's directory; --requests N keeps the first N rows."))
 
     @model_validator(mode="after")
     def _check(self) -> "SourceSpec":
@@ -84,27 +106,43 @@ class SourceSpec(Strict):
 class NodeSpec(Strict):
     """One LLM stage of the application."""
 
-    name: Name
-    model: Name
-    max_output_tokens: Tokens            # and within the model's context (AppSpec.validate_graph)
-    prompt: Text = "{input}"
-    # each: every input is its own request; concat: one request per item joining all inputs;
-    # route: each item goes to exactly one of the sibling 'route' nodes, by route_weight.
-    combine: Literal["each", "concat", "route"] = "each"
-    route_weight: float = Field(default=1.0, gt=0, le=MAX_WEIGHT)
-    repeat: int = Field(default=1, ge=1, le=MAX_REPEAT)
-    # Where the runtime loads the model from (a local checkpoint directory); tiny catalog
-    # models need none. The planner only needs ``model``.
-    checkpoint: Optional[PathText] = None
-    # How the node's requests decode (raycolo.generation.SamplingParams, same bounds).
-    # The default temperature is the one output-length eCDFs are measured at; 0 is greedy
-    # (deterministic, and planned with the profile's greedy eCDF where it has one).
-    temperature: Temperature = ECDF_TEMPERATURE
-    top_p: TopP = 1.0
-    # the node's requests' seeds derive from it (else from the run's seed), per request
-    seed: Optional[Seed] = None
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS,
-                            description="strings that end an output (cut from the text)")
+    name: Name = Field(description=(
+        "The node's name, unique among nodes and sources; edges and other nodes' prompt placeholders refer to "
+        "the node by it."))
+    model: Name = Field(description=(
+        "The model the planner costs the node with: a name from the model catalog (raycolo/data/models.yaml)."))
+    max_output_tokens: Tokens = Field(description=(
+        "The most tokens one of the node's requests may generate: sampled output lengths are capped at it. It "
+        "must lie within the model's context (checked by AppSpec.validate_graph)."))
+    prompt: Text = Field(default="{input}", description=(
+        "The prompt template. {input} is all of the node's inputs joined and {<name>} the input from that node "
+        "or source; in a chain (self-loop) {chunk} is the current part and {previous} the last step's output. "
+        "Other braces are literal text."))
+    combine: Literal["each", "concat", "route"] = Field(default="each", description=(
+        "How the node's inputs become requests. each: every input is its own request; concat: one request per "
+        "item joining all of its inputs; route: each item goes to exactly one of the sibling 'route' nodes "
+        "(those with the same inputs), by route_weight."))
+    route_weight: float = Field(default=1.0, gt=0, le=MAX_WEIGHT, description=(
+        "With combine route: the node's share of the items among its route siblings, in proportion to the "
+        "weights (the counts are exact; which item goes where is seeded)."))
+    repeat: int = Field(default=1, ge=1, le=MAX_REPEAT, description=(
+        "How many requests the node makes of each input (e.g. 4: every input is answered 4 times)."))
+    checkpoint: Optional[PathText] = Field(default=None, description=(
+        "Where the runtime loads the model from: a local checkpoint directory (weights, tokenizer, chat "
+        "template, EOS set); tiny catalog models need none. The planner only needs model."))
+    temperature: Temperature = Field(default=ECDF_TEMPERATURE, description=(
+        "The sampling temperature of the node's requests (raycolo.generation.SamplingParams, same bounds). The "
+        "default is the temperature output-length eCDFs are measured at; 0 is greedy (deterministic, and "
+        "planned with the profile's greedy eCDF where it has one)."))
+    top_p: TopP = Field(default=1.0, description=(
+        "Nucleus sampling of the node's requests (raycolo.generation.SamplingParams): each token is drawn from "
+        "the smallest set of most likely tokens whose probabilities sum to top_p; 1.0 keeps every token."))
+    seed: Optional[Seed] = Field(default=None, description=(
+        "The seed the node's per-request sampling seeds derive from (none: the run's --seed), so a request "
+        "samples the same way whenever it runs."))
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS, description=(
+        "Strings that end an output; a matched stop string is cut from the text and the finish reason is "
+        "stop."))
 
     @field_validator("stop")
     @classmethod
@@ -124,18 +162,28 @@ class NodeSpec(Strict):
 class EdgeSpec(Strict):
     model_config = ConfigDict(populate_by_name=True)
 
-    source: Name = Field(alias="from")
-    target: Name = Field(alias="to")
+    source: Name = Field(alias="from", description=(
+        "The node or source the data flows from (YAML key `from`)."))
+    target: Name = Field(alias="to", description=(
+        "The node that receives the data (YAML key `to`; a source takes no inputs). An edge from a node "
+        "to itself makes a chain: each item is processed chunk by chunk."))
 
 
 class AppSpec(Strict):
     """A multi-LLM application."""
 
-    name: Name = "app"
-    sources: dict[Name, SourceSpec] = Field(min_length=1, max_length=1024)
-    nodes: list[NodeSpec] = Field(min_length=1, max_length=1024)
-    edges: list[EdgeSpec] = Field(min_length=1, max_length=1 << 16)
-    base_dir: Optional[str] = None  # set by the loader, for relative request files
+    name: Name = Field(default="app", description="The application's name, recorded in run reports.")
+    sources: dict[Name, SourceSpec] = Field(min_length=1, max_length=1024, description=(
+        "The application's request sources, by name (a top-level `requests` key instead is one source named "
+        "input)."))
+    nodes: list[NodeSpec] = Field(min_length=1, max_length=1024, description=(
+        "The application's LLM stages, each with a unique name."))
+    edges: list[EdgeSpec] = Field(min_length=1, max_length=1 << 16, description=(
+        "The data flow between sources and nodes; every node needs an input edge, and cycles are refused "
+        "except a node's edge to itself (a chain)."))
+    base_dir: Optional[str] = Field(default=None, description=(
+        "Set by the loader: the directory of the application's YAML file, from which relative request-file "
+        "paths are taken."))
 
     def node(self, name: str) -> NodeSpec:
         return self._nodes_by_name[name]

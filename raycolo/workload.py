@@ -80,9 +80,15 @@ class RequestRow(Strict):
     columns (an ``id``, anything else) are the user's and pass through."""
 
     model_config = ConfigDict(extra="ignore")
-    prompt: Optional[Text] = None
-    input_tokens: Optional[Tokens] = None
-    chunks: Optional[Annotated[int, Field(ge=1, le=MAX_CHUNKS)]] = None
+    prompt: Optional[Text] = Field(default=None, description=(
+        "The request's text. Where input_tokens is not given its length is counted as words × 4/3 tokens (no "
+        "tokenizer is loaded); the runtime sends the text itself, split into chunks for a document."))
+    input_tokens: Optional[Tokens] = Field(default=None, description=(
+        "The request's prompt length in tokens; when given it is used instead of counting the prompt's words. "
+        "Each row needs prompt or input_tokens."))
+    chunks: Optional[Annotated[int, Field(ge=1, le=MAX_CHUNKS)]] = Field(default=None, description=(
+        "Documents (chain summary): the number of chunks of the item, which a self-loop node processes one by "
+        "one (empty: 1)."))
 
 
 def _cell(value):

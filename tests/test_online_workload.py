@@ -103,16 +103,19 @@ def test_unknown_length_distribution():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(rate=-1), "--rate: must be positive and at most 1e+06, got -1"),
-    (dict(rate=0), "--rate: must be positive and at most 1e+06, got 0"),
-    (dict(rate=float("nan")), "--rate: must be positive and at most 1e+06, got nan"),
-    (dict(rate=float("inf")), "--rate: must be positive and at most 1e+06, got inf"),
-    (dict(rate=1e30), "--rate: must be positive and at most 1e+06, got 1e+30"),
-    (dict(train_rate=1.5), "--train-rate: must lie in [0, 1], got 1.5"),
-    (dict(train_rate=-0.1), "--train-rate: must lie in [0, 1], got -0.1"),
-    (dict(tasks=0), "--tasks: must be positive"),
+    (dict(rate=-1), "--rate: must be above 0, got -1"),
+    (dict(rate=0), "--rate: must be above 0, got 0"),
+    (dict(rate=float("nan")), "--rate: must be a finite number, got nan"),
+    (dict(rate=float("inf")), "--rate: must be a finite number, got inf"),
+    (dict(rate=1e30), "--rate: must be at most 1000000, got 1e+30"),
+    (dict(train_rate=1.5), "--train-rate: must be at most 1, got 1.5"),
+    (dict(train_rate=-0.1), "--train-rate: must be at least 0, got -0.1"),
+    (dict(tasks=0), "--tasks: must be at least 1, got 0"),
     (dict(tasks=2.5), "--tasks: must be an integer"),
-    (dict(batch=0), "--batch: must be positive"),
+    (dict(batch=0), "--batch: must be at least 1, got 0"),
+    (dict(tasks=True), "--tasks: must be an integer"),
+    (dict(tasks=10**30), "--tasks: must be at most 10000000"),
+    (dict(rate=True), "--rate: must be a number"),
 ])
 def test_poisson_validation_messages(kwargs, message):
     args = dict(rate=1.0, train_rate=0.5, tasks=10) | kwargs

@@ -10,7 +10,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
-from raycolo.bounds import MAX_TOKENS, Name, PathText, Strict, Threads, describe
+from raycolo.bounds import MAX_TOKENS, Fraction, Name, PathText, Strict, Threads, describe
 from raycolo.errors import ConfigError
 from raycolo.paths import check_input, is_dir
 from raycolo.generation.params import Seed
@@ -226,7 +226,7 @@ class OnlineConfig(Strict):
     policy: Name = Field(default="lemix", description=(
         "The online scheduling policy that places inference and training tasks on nodes (a registered "
         "online policy name, e.g. lemix, mix-rr, mix-luf, separate)."))
-    train_rate: float = Field(default=0.5, ge=0, le=1, description=(
+    train_rate: Fraction = Field(default=0.5, description=(
         "The share of tasks that are training tasks (α); SEPARATE sizes its training and serving node "
         "groups from it."))
     lemix: LemixParams = Field(default_factory=LemixParams, description=(

@@ -18,7 +18,6 @@ training rate) leaves the other draws (arrivals, lengths) unchanged.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Sequence
@@ -27,7 +26,8 @@ import numpy as np
 
 from pydantic import Field
 
-from raycolo.bounds import MAX_RATE, MAX_REQUESTS, MAX_TOKENS, Strict, Tokens, field_bounds
+from raycolo.bounds import (MAX_RATE, MAX_REQUESTS, MAX_TOKENS, Fraction, Requests, Strict, Tokens, checked,
+                            field_annotation, field_bounds)
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.errors import ConfigError
 from raycolo.paths import check_input
@@ -115,8 +115,15 @@ def get_length_distribution(name: str) -> LengthDistribution:
 
 
 def _check_train_rate(train_rate: float) -> None:
-    if not 0.0 <= train_rate <= 1.0:  # also rejects NaN
-        raise ConfigError(f"--train-rate: must lie in [0, 1], got {train_rate:g}")
+    _check("--train-rate", Fraction, train_rate)
+
+
+def _check(flag: str, annotation, value):
+    """``value`` held to its declared bounds (raycolo/bounds.py), as the flag's error."""
+    try:
+        return checked(flag, annotation, value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 MAX_COUNT = MAX_REQUESTS      # tasks: more is a typo, not a workload
@@ -125,17 +132,7 @@ MAX_TRACE_SPAN_S = 1e8        # a trace's timestamps (about three years of secon
 
 
 def _check_count(flag: str, value) -> int:
-    try:
-        whole = not isinstance(value, (bool, np.bool_)) and int(value) == value
-    except (TypeError, ValueError, OverflowError):  # None, NaN, inf, text
-        whole = False
-    if not whole:
-        raise ConfigError(f"{flag}: must be an integer, got {value}")
-    if value <= 0:
-        raise ConfigError(f"{flag}: must be positive, got {value}")
-    if value > MAX_COUNT:
-        raise ConfigError(f"{flag}: must be at most {MAX_COUNT}, got {value}")
-    return int(value)
+    return _check(flag, Requests, value)
 
 
 def _train_flags(count: int, train_rate: float, seed: int) -> np.ndarray:
@@ -159,8 +156,7 @@ def poisson_workload(rate: float, train_rate: float, tasks: int, lengths: str = 
     Tasks are batches of ``batch`` queries; training tasks of ``train_batch`` (default:
     ``batch``), e.g. the live runtime's ``lora.micro_batch``.
     """
-    if not 0 < rate <= MAX_RATE:  # also rejects NaN
-        raise ConfigError(f"--rate: must be positive and at most {MAX_RATE:g}, got {rate:g}")
+    _check("--rate", field_annotation(Arrivals, "rate"), rate)
     _check_train_rate(train_rate)
     count = _check_count("--tasks", tasks)
     _check_count("--batch", batch)
@@ -177,8 +173,7 @@ def bursty_workload(rate: float, train_rate: float, tasks: int, lengths: str = "
     ``burst_share`` of short gaps (a fifth of the mean gap on average) inside bursts and
     long gaps between them, each LogNormal with shape ``sigma``, scaled so that the mean
     gap is ``1 / rate``. Kinds, lengths and decode lengths as :func:`poisson_workload`."""
-    if not rate > 0 or math.isinf(rate):
-        raise ConfigError(f"--rate: must be positive and finite, got {rate:g}")
+    _check("--rate", field_annotation(Arrivals, "rate"), rate)
     if not 0 < burst_share < 1 or not 0 < sigma < 10:
         raise ConfigError("bursty workload: burst_share must be in (0, 1) and sigma in (0, 10)")
     count = _check_count("--tasks", tasks)
@@ -221,8 +216,11 @@ def _first_bad_row(bad: np.ndarray) -> Optional[int]:
 class Arrivals(Strict):
     """Generated arrivals (``simulate-online``, ``sweep-online``, ``online run``)."""
 
-    rate: float = Field(default=50.0, gt=0, le=MAX_RATE)       # tasks per second (Poisson)
-    tasks: int = Field(default=1000, ge=1, le=MAX_COUNT)
+    rate: float = Field(default=50.0, gt=0, le=MAX_RATE, description=(
+        "The mean arrival rate in tasks per second: a Poisson process, whose inter-arrival times are "
+        "exponential with mean 1/rate."))
+    tasks: Requests = Field(default=1000, description=(
+        "How many tasks arrive (the number to simulate or to replay)."))
 
 
 class LiveReplay(Strict):
@@ -238,12 +236,23 @@ class LiveReplay(Strict):
 class TraceRow(Strict):
     """One row of a trace CSV: the bounds of each column (checked a column at a time)."""
 
-    timestamp: float = Field(ge=-MAX_TRACE_SPAN_S, le=MAX_TRACE_SPAN_S)
-    length: Tokens
-    kind: Literal["inference", "train"] = "inference"
-    batch: int = Field(default=1, ge=1, le=MAX_TASK_BATCH)
-    decode_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
-    max_tokens: Tokens = DEFAULT_MAX_TOKENS
+    timestamp: float = Field(ge=-MAX_TRACE_SPAN_S, le=MAX_TRACE_SPAN_S, description=(
+        "The task's arrival time in seconds. Rows are sorted by it (ties keep file order), then shifted so the "
+        "first arrival is at 0."))
+    length: Tokens = Field(description="The task's query length ℓ in tokens.")
+    kind: Literal["inference", "train"] = Field(default="inference", description=(
+        "Whether the task is served (inference) or trained on (train). Without a kind column each task is "
+        "training with probability train_rate (default 0)."))
+    batch: int = Field(default=1, ge=1, le=MAX_TASK_BATCH, description=(
+        "The number of queries in the task, its batch size C."))
+    decode_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS, description=(
+        "Inference only: the tokens the request will generate, counting the prefill's first (the simulator ends "
+        "the request there). An empty cell or a missing column is sampled from the default decode "
+        "distribution; ignored for training tasks."))
+    max_tokens: Tokens = Field(default=DEFAULT_MAX_TOKENS, description=(
+        "Inference only: the request's token limit, all a scheduler may plan with (KV is reserved for length + "
+        "max_tokens); at least decode_tokens. An empty cell takes the larger of this default and the row's "
+        "decode_tokens."))
 
 
 def _integer_column(frame, column: str, path: Path, required: bool) -> tuple[np.ndarray, np.ndarray]:

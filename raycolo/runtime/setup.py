@@ -30,7 +30,7 @@ class RunConfig(Strict):
     """Options of ``jobs/run_dag.py`` and ``raycolo run``: each field is a flag of the same
     name with dashes, its default, bounds and help generated from here (raycolo/flags.py)."""
 
-    dag: PathText
+    dag: PathText = Field(description="the application graph (YAML) to run")
     output: PathText = Field(description="output directory; rerunning into it resumes")
     input: Optional[PathText] = Field(default=None, description="requests (jsonl or parquet) replacing the "
                                       "DAG's single source")
@@ -61,8 +61,8 @@ class RunConfig(Strict):
     node_loss_s: float = Field(default=5.0, gt=0, le=3600, description=(
         "seconds with fewer GPUs than the run had before it plans what is left on the GPUs that remain"))
     address: Optional[Name] = Field(default=None, description="Ray cluster to join (none: local / RAY_ADDRESS)")
-    progress: bool = True
-    gantt: bool = True
+    progress: bool = Field(default=True, description="show a progress bar (--no-progress: none)")
+    gantt: bool = Field(default=True, description="write the run's Gantt chart (gantt.png) to the output directory")
 
 
 def parse_run_config(values: dict) -> RunConfig:
