@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import ray
 
-from raycolo.actors.local_cluster import join_cluster, start_local
+from raycolo.actors.local_cluster import join_or_start
 from raycolo.actors.pool import ComputeScales, SwitchCosts, load_costs, start_pool
 from raycolo.errors import ConfigError
 from raycolo.planner.engines import SWITCH_KINDS
@@ -35,11 +35,9 @@ def connect(config: RunConfig, local_gpus: Optional[int] = None) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    if config.address or os.environ.get("RAY_ADDRESS"):
-        join_cluster(config.address, log_to_driver=False)
-        return
     gpus = local_gpus or config.gpus or 2
-    start_local(num_gpus=gpus, num_cpus=gpus + 2, include_dashboard=False, log_to_driver=False)
+    join_or_start(config.address or os.environ.get("RAY_ADDRESS"), num_gpus=gpus, num_cpus=gpus + 2,
+                  include_dashboard=False, log_to_driver=False, namespace=None)
 
 
 def cluster_gpus() -> int:

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Optional
+from typing import Any, Optional
 
 import ray
 
 from raycolo.errors import ConfigError
 
+NAMESPACE = "raycolo"          # the Ray namespace of every named actor raycolo starts
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 TASK_EVENTS_KEPT = 10_000      # tasks whose events the GCS keeps (Ray's default: 100,000)
 
@@ -142,3 +143,22 @@ def join_cluster(address: Optional[str] = None, flag: str = "--address", **init_
         return ray.init(address=target, **init_kwargs)
     except ConnectionError as exc:
         raise ConfigError(f"{flag}: cannot join the Ray cluster at {target}: {exc}") from None
+
+
+def join_or_start(address: Optional[str] = None, env: Optional[dict] = None, **kwargs) -> tuple[bool, Any]:
+    """The cluster at ``address`` if one is given, else a private local one
+    (:func:`start_local` with ``env`` and ``kwargs``, which also go to ``ray.init`` when
+    joining, less the local-only ones); in raycolo's namespace. Returns (whether this
+    process started the cluster, Ray's context); nothing when Ray is already up."""
+    if ray.is_initialized():
+        return False, None
+    kwargs.setdefault("namespace", NAMESPACE)
+    if address:
+        joined = {k: v for k, v in kwargs.items() if k in ("namespace", "log_to_driver", "runtime_env")}
+        return False, join_cluster(address, **joined)
+    return True, start_local(env=env, **kwargs)
+
+
+def controller_name(app_name: str) -> str:
+    """The online controller actor of the Serve application ``app_name``."""
+    return f"raycolo-online-{app_name}"

@@ -19,13 +19,12 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import ray
 
-from raycolo.actors.local_cluster import join_cluster, start_local
+from raycolo.actors.local_cluster import NAMESPACE, join_or_start
 from raycolo.actors.online_controller import OnlineController
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.online.config import OnlineConfig
 from raycolo.online.tasks import OnlineTask
 
-NAMESPACE = "raycolo"
 BOS, FIRST_BYTE = 1, 3
 RESTART_WAIT_S = 300.0    # calls wait this long for a controller Ray is restarting
 
@@ -60,15 +59,8 @@ class OnlineDeployment:
         """Start on the Ray cluster at ``address`` (or the one this process is connected
         to); with neither, a local cluster with ``nodes x stages`` logical GPUs."""
         config.check_paths()
-        started = False
-        if not ray.is_initialized():
-            if address:
-                join_cluster(address, namespace=NAMESPACE, log_to_driver=False)
-            else:
-                need = config.gpus_needed()
-                start_local(env=config.cluster_env(), num_gpus=gpus or need, num_cpus=config.local_cpus(),
-                            namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-                started = True
+        started, _ = join_or_start(address, env=config.cluster_env(), num_gpus=gpus or config.gpus_needed(),
+                                   num_cpus=config.local_cpus(), include_dashboard=False, log_to_driver=False)
         name = f"raycolo-online-{uuid.uuid4().hex[:8]}"
         controller = OnlineController.options(name=name, namespace=NAMESPACE, max_restarts=-1).remote(
             config.model_dump(), name, NAMESPACE)

@@ -29,6 +29,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raycolo.actors.front_channel import CONTROLLER_FAILED, FrontChannel, FrontKey
+from raycolo.actors.local_cluster import NAMESPACE, controller_name
 from raycolo.errors import ConfigError
 from raycolo.online.config import OnlineConfig, load_online_config, parse_online_config
 from raycolo.errors import StoreFull
@@ -42,7 +43,6 @@ from raycolo.serving.responses import SseChunks, StreamInterval, choice, usage
 from raycolo.serving.text import TextStream, chat_prompt_ids, chat_sample_ids, encode_completion
 from raycolo.serving.token_wire import TOKEN_EVENTS
 
-NAMESPACE = "raycolo"
 MONITOR_EVERY_S = 2.0
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 CONTROLLER_DIED = "the deployment's controller failed mid-request (it restarts); retry"
@@ -586,5 +586,5 @@ def build_app(args: BuildArgs):
     """The Serve application (``import_path: raycolo.actors.serve_app:build_app``)."""
     config = resolve_config(args.config if isinstance(args, BuildArgs) else BuildArgs(**args).config)
     config.check_init_from()           # lora.init_from: before anything starts
-    name = f"raycolo-online-{config.serve.app_name}"
+    name = controller_name(config.serve.app_name)
     return OpenAIIngress.options(num_replicas=config.serve.replicas).bind(config.model_dump(), name)

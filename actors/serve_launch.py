@@ -10,10 +10,9 @@ from typing import Optional
 
 import ray
 
-from raycolo.actors.local_cluster import join_cluster, start_local
+from raycolo.actors.local_cluster import NAMESPACE, controller_name, join_or_start
 from raycolo.online.config import OnlineConfig
 
-NAMESPACE = "raycolo"
 
 
 def init_ray(config: OnlineConfig, address: Optional[str] = None,
@@ -21,17 +20,11 @@ def init_ray(config: OnlineConfig, address: Optional[str] = None,
     """Join ``address`` (or RAY_ADDRESS), or start a local cluster with ``nodes x stages``
     logical GPUs, the dashboard on 127.0.0.1 and metrics exported every second. Returns
     whether this process started the cluster, and the dashboard's URL."""
-    if ray.is_initialized():
-        return False, None
-    if address:
-        ctx = join_cluster(address, namespace=NAMESPACE, log_to_driver=False)
-        return False, ctx.dashboard_url
-    need = config.gpus_needed()
-    ctx = start_local(env=config.cluster_env(), num_gpus=need, num_cpus=config.local_cpus(),
-                      namespace=NAMESPACE, include_dashboard=True, dashboard_host="127.0.0.1",
-                      log_to_driver=False, _metrics_export_port=metrics_port,
-                      _system_config={"metrics_report_interval_ms": 1000})
-    return True, ctx.dashboard_url
+    started, ctx = join_or_start(address, env=config.cluster_env(), num_gpus=config.gpus_needed(),
+                                 num_cpus=config.local_cpus(), include_dashboard=True, dashboard_host="127.0.0.1",
+                                 log_to_driver=False, _metrics_export_port=metrics_port,
+                                 _system_config={"metrics_report_interval_ms": 1000})
+    return started, ctx and ctx.dashboard_url
 
 
 def start(config: OnlineConfig, timeout_s: float = 600.0) -> str:
@@ -49,7 +42,7 @@ def start(config: OnlineConfig, timeout_s: float = 600.0) -> str:
 
 def controller_handle(config: OnlineConfig):
     """The deployment's controller actor (one per Serve app, detached, named after it)."""
-    return ray.get_actor(f"raycolo-online-{config.serve.app_name}", namespace=NAMESPACE)
+    return ray.get_actor(controller_name(config.serve.app_name), namespace=NAMESPACE)
 
 
 def stop(config: OnlineConfig, started_ray: bool) -> None:

@@ -124,6 +124,8 @@ def whole(controller_name: str, since: float, limit_s: float, before: dict, faul
     stages of one node (its Ray Train controller); all of them (the controller)."""
     import ray
 
+    from raycolo.actors.local_cluster import NAMESPACE
+
     def replaced(reg: dict) -> bool:
         new = {k for k in before if k in reg and reg[k]["pid"] != before[k]["pid"]}
         nodes = {k.split("/")[0] for k in before}
@@ -137,7 +139,7 @@ def whole(controller_name: str, since: float, limit_s: float, before: dict, faul
 
     while time.time() - since < limit_s:
         try:
-            controller = ray.get_actor(controller_name, namespace="raycolo")
+            controller = ray.get_actor(controller_name, namespace=NAMESPACE)
             health = ray.get(controller.health.remote(), timeout=10)
             stats = ray.get(controller.stats.remote(), timeout=10)
             reg = ray.get(controller.registry.remote(), timeout=10)
@@ -168,6 +170,7 @@ def main() -> int:
     import ray
 
     from raycolo.actors import serve_launch
+    from raycolo.actors.local_cluster import NAMESPACE, controller_name as online_controller_name
     from raycolo.online.config import load_online_config
 
     shutil.rmtree(OUT, ignore_errors=True)
@@ -182,8 +185,8 @@ def main() -> int:
     try:
         print(f"starting {config.nodes} x {config.stages} ...", file=sys.stderr, flush=True)
         url = serve_launch.start(config)
-        name = f"raycolo-online-{app}"
-        controller = ray.get_actor(name, namespace="raycolo")
+        name = online_controller_name(app)
+        controller = ray.get_actor(name, namespace=NAMESPACE)
         seconds = args.gap * (len(faults) + 1)
         load = subprocess.Popen([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--url", url,
                                  "--model", model, "--rate", str(args.rate), "--seconds", str(seconds),
@@ -202,7 +205,7 @@ def main() -> int:
             print(f"[{at - t0:5.1f} s] {fault}: {what}", file=sys.stderr, flush=True)
             back = recover(url, model, at, args.gap * 3)
             full = whole(name, at, args.gap * 3, registry, fault)
-            controller = ray.get_actor(name, namespace="raycolo")
+            controller = ray.get_actor(name, namespace=NAMESPACE)
             after = status(url)
             print(f"          serving again after {back} s, every worker group back after {full} s",
                   file=sys.stderr, flush=True)

@@ -271,6 +271,7 @@ def main() -> int:
     import ray
 
     from raycolo.actors import serve_launch
+    from raycolo.actors.local_cluster import NAMESPACE, controller_name
     from raycolo.engines.models import load_tokenizer
     from raycolo.online.config import load_online_config
 
@@ -288,7 +289,7 @@ def main() -> int:
         try:
             print(f"[{policy}] starting {config.nodes} x {config.stages} ...", file=sys.stderr, flush=True)
             url = serve_launch.start(config)
-            controller = ray.get_actor(f"raycolo-online-{config.serve.app_name}", namespace="raycolo")
+            controller = ray.get_actor(controller_name(config.serve.app_name), namespace=NAMESPACE)
             model = config.served_model_name()
             tokenizer = load_tokenizer(config.model_loading_config.model_id)
             row = {"overhead": None if args.skip_overhead else asyncio.run(

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from raycolo.errors import ConfigError
+from raycolo.kv_bytes import kv_bytes_per_token
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 
@@ -93,7 +94,7 @@ class ModelSpec(BaseModel):
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return int(kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.dtype_bytes))
 
     @property
     def ecdf_name(self) -> str:

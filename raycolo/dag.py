@@ -13,11 +13,11 @@ from typing import Literal, Optional
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from raycolo.bounds import (MAX_CHUNKS, describe, MAX_REPEAT, MAX_REQUESTS, MAX_TOKENS, MAX_WEIGHT, Name, PathText, Requests,
-                            Strict, Text, Tokens)
-
+from raycolo.bounds import (MAX_CHUNKS, MAX_REPEAT, MAX_REQUESTS, MAX_WEIGHT, Name, PathText, Requests, Strict, Text,
+                            Tokens, describe)
 from raycolo.catalog import get_model
 from raycolo.errors import ConfigError
+from raycolo.lengths import LengthDistribution
 from raycolo.generation.params import (ECDF_TEMPERATURE, GREEDY_EPS, MAX_STOP_STRINGS, SamplingParams, Seed,
                                        Temperature, TopP, stop_strings)
 from raycolo.yamlio import load_yaml
@@ -25,43 +25,6 @@ from raycolo.yamlio import load_yaml
 # ``{name}`` in a prompt template is a placeholder; other braces are literal text.
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_\-]*)\}")
 CHAIN_PLACEHOLDERS = ("chunk", "previous")
-
-
-class LengthDistribution(Strict):
-    """A distribution of token (or chunk) counts, clipped to [min, max]."""
-
-    distribution: Literal["lognormal", "uniform", "fixed"] = Field(default="lognormal", description=(
-        "The distribution's shape: lognormal (give mean or median, and sigma), uniform (whole numbers from min "
-        "to max, equally likely) or fixed (always value). Every draw is rounded to a whole number and clipped "
-        "to [min, max]."))
-    min: Tokens = Field(default=1, description="The smallest count a draw may take; draws below it are raised to it.")
-    max: Tokens = Field(description="The largest count a draw may take; draws above it are lowered to it. Must be "
-                                    "at least min.")
-    mean: Optional[float] = Field(default=None, gt=0, le=MAX_TOKENS, description=(
-        "lognormal only: the mean count, matched after clipping to [min, max]. Give exactly one of mean and "
-        "median; it must lie within [min, max]."))
-    median: Optional[float] = Field(default=None, gt=0, le=MAX_TOKENS, description=(
-        "lognormal only: the median count, the exponential of the lognormal's location. Give exactly one of "
-        "mean and median; it must lie within [min, max]."))
-    sigma: float = Field(default=0.8, gt=0, le=10, description=(
-        "lognormal only: the spread σ, the standard deviation of the count's logarithm; the bound of 10 is "
-        "already a 22,000× spread (e^10)."))
-    value: Optional[Tokens] = Field(default=None, description="fixed only (and required there): the count every "
-                                                              "draw takes; it must lie within [min, max].")
-
-    @model_validator(mode="after")
-    def _check(self) -> "LengthDistribution":
-        if self.max < self.min:
-            raise ValueError(f"max ({self.max}) is below min ({self.min})")
-        if self.distribution == "lognormal" and (self.mean is None) == (self.median is None):
-            raise ValueError("lognormal needs exactly one of 'mean' or 'median'")
-        if self.distribution == "fixed" and self.value is None:
-            raise ValueError("fixed needs 'value'")
-        for key in ("mean", "median", "value"):
-            v = getattr(self, key)
-            if v is not None and not self.min <= v <= self.max:
-                raise ValueError(f"{key} ({v}) must lie within [min, max] ([{self.min}, {self.max}])")
-        return self
 
 
 class SourceSpec(Strict):

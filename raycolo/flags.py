@@ -141,7 +141,7 @@ REFERENCE_MODELS = (
     ("Application graph (`raycolo plan`, `compare`, `run`)", "raycolo.dag", "AppSpec", ""),
     ("Application graph node (`nodes[i]`)", "raycolo.dag", "NodeSpec", "nodes[i]."),
     ("Request source (`requests` or `sources.<name>`)", "raycolo.dag", "SourceSpec", "sources.<name>."),
-    ("Length distribution (`input_tokens`, `chunks`)", "raycolo.dag", "LengthDistribution", ""),
+    ("Length distribution (`input_tokens`, `chunks`)", "raycolo.lengths", "LengthDistribution", ""),
     ("Offline run options (`raycolo run`, `jobs/run_dag.py`: each a `--flag`)", "raycolo.runtime.setup", "RunConfig", ""),
     ("Request-file row (jsonl, parquet)", "raycolo.workload", "RequestRow", ""),
     ("Trace CSV row", "raycolo.online.tasks", "TraceRow", ""),

@@ -7,7 +7,6 @@ topological order. Everything is seeded: the same (app, seed) gives the same wor
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -19,8 +18,9 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from raycolo.catalog import ModelSpec, get_model
 from raycolo.costmodel.sampler import OutputLengthSampler, seeded_rng
-from raycolo.dag import PLACEHOLDER, AppSpec, LengthDistribution, NodeSpec, SourceSpec
+from raycolo.dag import PLACEHOLDER, AppSpec, NodeSpec, SourceSpec
 from raycolo.errors import ConfigError
+from raycolo.lengths import sample_lengths
 from raycolo.paths import check_input
 from raycolo.bounds import MAX_CHUNKS, MAX_REQUESTS, MAX_TOKENS, Strict, Text, Tokens, describe
 
@@ -35,33 +35,6 @@ def count_text_tokens(text: str) -> int:
 
 def template_tokens(template: str) -> int:
     return count_text_tokens(PLACEHOLDER.sub(" ", template))
-
-
-@functools.lru_cache(maxsize=None)
-def _standard_normal_sample() -> np.ndarray:
-    return np.random.default_rng(20240501).standard_normal(20000)
-
-
-def _lognormal_mu_for_mean(dist: LengthDistribution) -> float:
-    """Location whose clipped lognormal has the requested mean (bisection)."""
-    z = _standard_normal_sample()
-    lo, hi = np.log(dist.min) - 5 * dist.sigma, np.log(dist.max) + 5 * dist.sigma
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        mean = np.clip(np.exp(mid + dist.sigma * z), dist.min, dist.max).mean()
-        lo, hi = (mid, hi) if mean < dist.mean else (lo, mid)
-    return (lo + hi) / 2
-
-
-def sample_lengths(dist: LengthDistribution, count: int, rng: np.random.Generator) -> np.ndarray:
-    if dist.distribution == "fixed":
-        values = np.full(count, float(dist.value))
-    elif dist.distribution == "uniform":
-        values = rng.integers(dist.min, dist.max + 1, count).astype(float)
-    else:
-        mu = np.log(dist.median) if dist.median is not None else _lognormal_mu_for_mean(dist)
-        values = np.exp(mu + dist.sigma * rng.standard_normal(count))
-    return np.clip(np.rint(values), dist.min, dist.max).astype(np.int64)
 
 
 @dataclass

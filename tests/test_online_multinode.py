@@ -24,7 +24,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycolo.actors.local_cluster import join_cluster
 from raycolo.actors.online_controller import OnlineController
-from raycolo.actors.online_launch import NAMESPACE, OnlineDeployment, learnable_pair
+from raycolo.actors.local_cluster import NAMESPACE
+from raycolo.actors.online_launch import OnlineDeployment, learnable_pair
 from raycolo.costmodel.sampler import seeded_rng
 
 from online_checks import free_port, small_online_config, trained_exactly_once

@@ -18,6 +18,8 @@ import openai
 import pytest
 import ray
 
+from raycolo.actors.local_cluster import NAMESPACE, controller_name
+
 from online_checks import free_port, small_online_config
 from tiny_reference import hf_greedy
 
@@ -478,7 +480,7 @@ def test_concurrent_streams_reach_their_replica_without_a_message_per_token(fron
     over that channel with several events per message (one message per decode iteration
     for the whole batch, not one per token and request). A request the front admitted
     cannot be read through the per-request stream instead."""
-    controller = ray.get_actor(f"raycolo-online-{front['config'].serve.app_name}", namespace="raycolo")
+    controller = ray.get_actor(controller_name(front["config"].serve.app_name), namespace=NAMESPACE)
     before = ray.get(controller.stats.remote())
     prompts = [f"concurrent {i} " + "x" * i for i in range(6)]
     ids = set()
@@ -604,7 +606,7 @@ def test_streams_whose_node_dies_resume_elsewhere_with_each_token_once(front):
     back."""
     import signal
 
-    controller = ray.get_actor(f"raycolo-online-{front['config'].serve.app_name}", namespace="raycolo")
+    controller = ray.get_actor(controller_name(front["config"].serve.app_name), namespace=NAMESPACE)
     prompts = [f"resume {i} " + "y" * (3 * i) for i in range(4)]
     n = 40
     seen = [0] * len(prompts)
@@ -658,7 +660,7 @@ def test_a_dead_controller_ends_open_streams_with_an_error_and_comes_back(front)
     then it serves again."""
     import ray
 
-    controller = ray.get_actor(f"raycolo-online-{front['config'].serve.app_name}", namespace="raycolo")
+    controller = ray.get_actor(controller_name(front["config"].serve.app_name), namespace=NAMESPACE)
     body = {"model": MODEL, "prompt": "a long one", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with http(front) as h, h.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200

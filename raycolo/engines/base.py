@@ -15,17 +15,25 @@ from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from raycolo.bounds import PathText, Strict
 from raycolo.errors import ConfigError
 from raycolo.generation import SamplingParams  # noqa: F401  (engines take the one definition)
+from raycolo.generation.params import Seed
 
 
-class ModelLoadingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ModelLoadingConfig(Strict):
+    """As Ray Serve LLM's: a catalog id of a tiny model (random weights, byte tokenizer)
+    or a local checkpoint directory of a Llama-, Qwen2- or Mistral-style causal LM (an
+    engine replica's, and an online deployment's ``model_loading_config``)."""
 
-    # A catalog name of a tiny model (seeded random weights) or a local checkpoint directory.
-    model_id: str
-    seed: int = 0
-    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+    model_id: PathText = Field(default="tiny-llama-s", description=(
+        "The model to serve and fine-tune: a catalog id of a tiny model (random weights, byte tokenizer) "
+        "or a local checkpoint directory of a Llama-, Qwen2- or Mistral-style causal LM."))
+    seed: Seed = Field(default=0, description=(
+        "Seed of a catalog tiny model's random weights and of the fresh LoRA adapters' initial weights; "
+        "part of the key an adapter checkpoint must match to be restored."))
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(default="float32", description=(
+        "Data type the stage workers load the model's weights in."))
 
 
 class EngineKwargs(BaseModel):

