@@ -36,6 +36,7 @@ from raycolo.actors.online_adapters import AdapterVersions
 from raycolo.actors.online_nodes import NodeLinks
 from raycolo.actors.online_reports import Reports
 from raycolo.online.node_commands import OutOfBand
+from raycolo.serving.messages import LAST_EVENTS, Admission, StreamEvent
 from raycolo.serving.token_wire import FrontKey, token_events
 from raycolo.online.cluster import Cluster
 from raycolo.online.config import OnlineConfig, layer_bounds, live_profile, model_hf_config, stage_build
@@ -56,10 +57,7 @@ LOST_IN_RESTART = ("request {rid} was accepted before the deployment's controlle
 
 @dataclass
 class LiveRequest(ServedRequest):
-    """A request's events go to its stream: ("logprob", TokenLogprob) before its token
-    where log-probabilities were asked for; ("token", id) for each token of the text;
-    ("stop_token", id) for the stop token that ended it (counted, never text); then
-    ("done", finish_reason), or ("error", why)."""
+    """A request's events (raycolo.serving.messages.StreamEvent) go to its stream."""
 
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted_s: float = 0.0
@@ -377,7 +375,7 @@ class OnlineController(AdapterVersions, Reports, NodeLinks):
         req = self.requests.get(task.task_id)
         if req is not None and req.finish_reason is None:
             req.finish_reason = "error"
-            req.events.put_nowait(("error", why))
+            req.events.put_nowait(StreamEvent("error", why))
         elif task.is_train:
             self.errors.append(f"training task {task.task_id} not run: {why}")
 
@@ -556,7 +554,7 @@ class OnlineController(AdapterVersions, Reports, NodeLinks):
     # -- the op runner (ClusterDriver calls it) ---------------------------------------------
     async def run(self, op: Op):
         if op.kind == "sync":   # every stage of a serving node waits for the exported adapter
-            await self._export_for_sync(op.tasks[0])
+            await self._export_for_sync(op.version)
         await self.gates[op.node].wait()
         if op.generation != self.cluster.nodes[op.node].generation:
             raise OpLost("its node was reset")
@@ -588,7 +586,7 @@ class OnlineController(AdapterVersions, Reports, NodeLinks):
                 req = self.requests.get(r.task_id)
                 if req is not None and req.finish_reason is None:
                     req.finish_reason = "error"
-                    req.events.put_nowait(("error", why))
+                    req.events.put_nowait(StreamEvent("error", why))
 
     def _payload(self, op: Op) -> StageWork:
         return stage_message(op, self.config.stages, self.requests, self._samples_of,
@@ -608,7 +606,7 @@ class OnlineController(AdapterVersions, Reports, NodeLinks):
         for req in self.requests.values():
             if req.finish_reason is None:
                 req.finish_reason = "error"
-                req.events.put_nowait(("error", why))
+                req.events.put_nowait(StreamEvent("error", why))
 
     def _training_aborted(self, aborted: list) -> None:
         """SIRIUS took memory back from training micro-batches: every stage of their node
@@ -744,26 +742,26 @@ class OnlineController(AdapterVersions, Reports, NodeLinks):
     async def admit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
                     version: Optional[int] = None, params: Optional[SamplingParams] = None,
-                    front: Optional[FrontKey] = None) -> dict:
-        """The HTTP front's submit: ``{"id"}``, or ``{"rejected": "overloaded"}`` beyond
-        ``serve.max_ongoing_requests`` unfinished requests, ``{"rejected": "unavailable"}``
-        when no node is alive, or ``{"rejected": "unknown_version", "versions"}`` for an
-        adapter version that is not (or no longer) servable. A rejected request was never
-        accepted; an accepted one ends with its tokens or an error event, never silently.
-        ``{"rejected": "starting"}`` while the stage workers (re)start."""
+                    front: Optional[FrontKey] = None) -> Admission:
+        """The HTTP front's submit: the request's id, or rejected "overloaded" beyond
+        ``serve.max_ongoing_requests`` unfinished requests, "unavailable" when no node is
+        alive, "unknown_version" (with the servable versions) for an adapter version that
+        is not (or no longer) servable, "starting" while the stage workers (re)start. A
+        rejected request was never accepted; an accepted one ends with its tokens or an
+        error event, never silently."""
         if not self.ready.is_set():
             self._wake()
-            return {"rejected": "starting", "retry_after_s": self.config.serve.retry_after_s,
-                    "why": "the deployment is starting (or restarting after its controller failed)"}
+            return Admission(rejected="starting", retry_after_s=self.config.serve.retry_after_s,
+                             why="the deployment is starting (or restarting after its controller failed)")
         if version is not None and not self._servable(version):
-            return {"rejected": "unknown_version", "versions": list(self.versions)}
+            return Admission(rejected="unknown_version", versions=tuple(self.versions))
         if len(self.dead) == self.config.nodes:
-            return {"rejected": "unavailable", "why": "; ".join(self.dead.values())}
+            return Admission(rejected="unavailable", why="; ".join(self.dead.values()))
         if self.unfinished() >= self.config.serve.max_ongoing_requests:
             self.rejections += 1
-            return {"rejected": "overloaded", "retry_after_s": self.config.serve.retry_after_s}
-        return {"id": await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos, base,
-                                        version, params, front)}
+            return Admission(rejected="overloaded", retry_after_s=self.config.serve.retry_after_s)
+        return Admission(id=await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos, base,
+                                              version, params, front))
 
     def _mux(self, front: str) -> asyncio.Queue:
         if front not in self.muxes:
@@ -834,17 +832,16 @@ class OnlineController(AdapterVersions, Reports, NodeLinks):
         raise ValueError(f"request {rid}: no such request")
 
     async def stream(self, rid: int):
-        """Events of request ``rid`` as they come (:class:`LiveRequest`): ("token", id) ...
-        then ("done", reason), or ("error", why)."""
+        """Events of request ``rid`` as they come (:class:`~raycolo.serving.messages.StreamEvent`)."""
         req = self._request(rid)
         if req is None:
-            yield ("error", LOST_IN_RESTART.format(rid=rid))
+            yield StreamEvent("error", LOST_IN_RESTART.format(rid=rid))
             return
         self._own_queue(req, rid)
         while True:
             event = await req.events.get()
             yield event
-            if event[0] in ("done", "error"):
+            if event[0] in LAST_EVENTS:
                 return
 
     async def result(self, rid: int) -> dict:

@@ -41,7 +41,7 @@ from raycolo.serving.protocol import (ChatCompletionRequest, CompletionRequest, 
 from raycolo.serving.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from raycolo.serving.responses import SseChunks, StreamInterval, choice, usage
 from raycolo.serving.text import TextStream, chat_prompt_ids, chat_sample_ids, encode_completion
-from raycolo.serving.token_wire import TOKEN_EVENTS
+from raycolo.serving.messages import TOKEN_EVENTS
 
 MONITOR_EVERY_S = 2.0
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
@@ -320,27 +320,26 @@ class OpenAIIngress:
         except BaseException:
             self.channel.close(front)
             raise
-        if admitted.get("rejected"):
+        if admitted.rejected:
             self.channel.close(front)
-        if admitted.get("rejected") == "overloaded":
+        if admitted.rejected == "overloaded":
             self.metrics.rejected.inc(tags={"model_name": self.model_name})
-            retry = admitted["retry_after_s"]
+            retry = admitted.retry_after_s
             raise OpenAIError(429, f"the server is at its limit of {self.config.serve.max_ongoing_requests} "
                               f"ongoing requests; retry after {retry} s", code="overloaded",
                               headers={"Retry-After": str(retry)})
-        if admitted.get("rejected") == "unknown_version":
-            held = ", ".join(f"'{self.model_name}{VERSION_SUFFIX}{k}'" for k in admitted["versions"]) or "none yet"
+        if admitted.rejected == "unknown_version":
+            held = ", ".join(f"'{self.model_name}{VERSION_SUFFIX}{k}'" for k in admitted.versions) or "none yet"
             raise OpenAIError(404, f"model '{body.model}': adapter version {version} is not servable (only the "
                               f"newest {self.config.serve.pinned_versions} saved versions are); servable: {held}",
                               param="model", code="model_not_found")
-        if admitted.get("rejected") == "starting":
-            raise OpenAIError(503, admitted["why"], code="unavailable",
-                              headers={"Retry-After": str(admitted["retry_after_s"])})
-        if admitted.get("rejected"):
-            raise OpenAIError(503, f"no stage-worker node is alive: {admitted.get('why', '')}",
-                              code="unavailable")
+        if admitted.rejected == "starting":
+            raise OpenAIError(503, admitted.why, code="unavailable",
+                              headers={"Retry-After": str(admitted.retry_after_s)})
+        if admitted.rejected:
+            raise OpenAIError(503, f"no stage-worker node is alive: {admitted.why}", code="unavailable")
         self.metrics.prompt_tokens.inc(len(ids), tags={"model_name": self.model_name})
-        return admitted["id"], front, events
+        return admitted.id, front, events
 
     async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool,
                         variant: Union[str, int] = LATEST):

@@ -100,7 +100,7 @@ async def python_stream(controller, tokenizer, prompt: str, max_tokens: int) -> 
     started = time.perf_counter()
     admitted = await controller.admit.remote(tokenizer.encode(prompt), max_tokens, 0.0, 1.0, 0, True)
     text, times, first = TextStream(tokenizer), [], None
-    async for ref in controller.stream.options(num_returns="streaming").remote(admitted["id"]):
+    async for ref in controller.stream.options(num_returns="streaming").remote(admitted.id):
         kind, value = await ref
         if kind in ("token", "stop_token"):
             now = time.perf_counter()

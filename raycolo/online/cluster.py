@@ -147,7 +147,7 @@ class Cluster:
         """An op ended: the op log, and what the profile learner takes from it."""
         if op is None:
             return
-        ids = tuple(getattr(x, "task_id", x) for x in op.tasks)
+        ids = (op.version,) if op.kind == "sync" else tuple(x.task_id for x in op.tasks)
         self.op_log.append((op.start_s, now, op.node, op.stage, op.kind, ids))
         if op.kind == "decode":
             self.learner.observe_decode(now - op.start_s)

@@ -65,7 +65,7 @@ class Op:
     stage: int
     ready_s: float
     seq: int
-    tasks: list                  # Requests (prefill, decode), [OnlineTask] (train), [version] (sync)
+    tasks: list                  # Requests (prefill, decode), [OnlineTask] (train_f, train_b); [] (sync)
     mem_bytes: float = 0.0       # held on this stage from a forward's start
     waited_s: float = 0.0
     offloaded: bool = False      # Algorithm 2 line 10: ran with its memory on the host
@@ -76,6 +76,7 @@ class Op:
     generation: int = 0          # the node's resets before this op was made
     step: bool = True            # train_b: the stage takes its optimizer step after it (the
                                  # last micro-batch of its task there; microbatches.py)
+    version: Optional[int] = None  # sync: the training tasks whose weights it loads
 
     @property
     def batch(self) -> int:
@@ -218,7 +219,7 @@ class NodeScheduler:
         self._begin(now)
         self.syncing = len(self.stages)
         for s in range(len(self.stages)):
-            self._ready(self._op("sync", s, [version]))
+            self._ready(self._op("sync", s, [], version=version))
         return self._end()
 
     def op_done(self, op: Op, now: float, finished: Collection[int] = ()) -> NodeStep:
@@ -272,8 +273,8 @@ class NodeScheduler:
         elif op.kind == "sync":
             self.syncing -= 1
             if self.syncing == 0:
-                self.update_count = op.tasks[0]
-                self._out.synced = op.tasks[0]
+                self.update_count = op.version
+                self._out.synced = op.version
         self._try_start(s)
         if self.rule.holds:       # a held op may fit now that this one ended
             for other in range(len(self.stages)):
@@ -298,7 +299,7 @@ class NodeScheduler:
         for stage in self.stages:
             ops = [op for _, _, op in stage.ready] + ([stage.busy] if stage.busy else [])
             for op in sorted(ops, key=lambda o: o.seq):
-                for x in op.tasks if op.kind != "sync" else ():
+                for x in op.tasks:
                     lost.setdefault(x.task_id, x)
             if stage.busy is not None:
                 stage.busy_s += now - stage.busy.start_s
@@ -333,10 +334,11 @@ class NodeScheduler:
                 self.armed[action.number] = action
         return out
 
-    def _op(self, kind: str, stage: int, tasks: list, mem: float = 0.0, after: Optional[Op] = None) -> Op:
+    def _op(self, kind: str, stage: int, tasks: list, mem: float = 0.0, after: Optional[Op] = None,
+            version: Optional[int] = None) -> Op:
         self._seq += 1
         return Op(kind, self.index, stage, self._now, self._seq - 1, tasks, mem,
-                  after=None if after is None else after.seq, generation=self.generation)
+                  after=None if after is None else after.seq, generation=self.generation, version=version)
 
     def _close_batch(self, token: int) -> None:
         if token != self.batch_token or not self.batch:

@@ -106,7 +106,7 @@ def stage_message(op: Op, stages: int, requests: Mapping[int, ServedRequest],
                             beta=dpo_beta, loss_scale=share.share,
                             samples=share.samples if (s == 0 or last) else None, **common)
     if op.kind == "sync":
-        return LoadWeights(adapter=sync_dir(op.tasks[0]), **common)
+        return LoadWeights(adapter=sync_dir(op.version), **common)
     raise ValueError(f"no stage message for op kind {op.kind!r}")
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from raycolo.generation.sampler import TokenLogprob
+from raycolo.serving.messages import StreamEvent
 
 MAX_FRAME_BYTES = 16 << 20        # a frame longer than this closes the connection
 CONNECT_TIMEOUT_S = 2.0
@@ -65,10 +66,7 @@ class FrontKey:
     inbox: Optional[FrontInbox] = None
 
 
-TOKEN_EVENTS = ("logprob", "token", "stop_token")     # a token's events; then ("done", reason)
-
-
-def token_events(token: int, kept: bool, reason: Optional[str], logprob) -> list[tuple]:
+def token_events(token: int, kept: bool, reason: Optional[str], logprob) -> list[StreamEvent]:
     """A stream's events for a token the request got (``kept``: it is the request's;
     ``reason``: it ended the request): ("logprob", TokenLogprob) where asked for, then
     ("token", id), or ("stop_token", id) for the stop token that ended it (counted, never
@@ -76,10 +74,10 @@ def token_events(token: int, kept: bool, reason: Optional[str], logprob) -> list
     out = []
     if kept:
         if logprob is not None:
-            out.append(("logprob", logprob))
-        out.append(("stop_token" if reason == "stop" else "token", token))
+            out.append(StreamEvent("logprob", logprob))
+        out.append(StreamEvent("stop_token" if reason == "stop" else "token", token))
     if reason:
-        out.append(("done", reason))
+        out.append(StreamEvent("done", reason))
     return out
 
 
