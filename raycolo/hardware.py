@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from raycolo.bounds import Name
 from raycolo.errors import ConfigError
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -25,6 +27,23 @@ def parse_bytes(text: str | int | float, field: str = "gpu_memory") -> int:
     if value <= 0:
         raise ConfigError(f"{field}: must be positive, got '{text}'")
     return int(value)
+
+
+MIN_GPU_MEMORY = 1 << 20        # 1 MiB: below, a size is a typo (a bare number is bytes)
+MAX_GPU_MEMORY = 1 << 50        # 1 PiB
+
+
+def _gpu_memory(text: str) -> str:
+    try:
+        value = parse_bytes(text)
+    except ConfigError:
+        raise ValueError("must be a size such as 80GiB or 512MiB (a bare number is bytes)") from None
+    if not MIN_GPU_MEMORY <= value <= MAX_GPU_MEMORY:
+        raise ValueError("must be between 1 MiB and 1 PiB (a bare number is bytes; e.g. 80GiB)")
+    return text
+
+
+GpuMemory = Annotated[Name, AfterValidator(_gpu_memory)]    # a GPU's memory as written: "80GiB"
 
 
 class ClusterSpec(BaseModel):

@@ -130,6 +130,8 @@ def test_trace_rows_are_refused_naming_file_row_and_column(tmp_path, rows, named
     (["online", "run", ROOT / "examples" / "online.yaml", "--seed", "-1"], "--seed: must be at least 0"),
     (["serve", ROOT / "examples" / "online.yaml", "--address", "x" * 200], "--address: must have at most 128 characters"),
     (["plan", ROOT / "examples" / "tiny.yaml", "--policy", ""], "--policy: must have at least 1 character"),
+    (["plan", ROOT / "examples" / "tiny.yaml", "--gpu-memory", "6"], "--gpu-memory: must be between 1 MiB and 1 PiB"),
+    (["run", ROOT / "examples" / "tiny.yaml", "--gpu-memory", "80XB"], "--gpu-memory: must be a size such as 80GiB"),
 ])
 def test_flags_are_refused_before_any_work(tmp_path, args, named):
     (tmp_path / "taken").write_text("a file the user keeps\n")

@@ -18,6 +18,7 @@ from raycolo.bounds import MAX_GPUS, Name, PathText, Requests, Seconds, Strict, 
 from raycolo.generation.params import Seed
 from raycolo.dag import AppSpec, SourceSpec, load_app
 from raycolo.errors import ConfigError
+from raycolo.hardware import GpuMemory
 from raycolo.hardware import ClusterSpec, make_cluster
 from raycolo.policies import DEFAULT_OFFLINE_POLICY
 from raycolo.runtime.communicator import Communicator
@@ -40,7 +41,7 @@ class RunConfig(Strict):
     seed: Seed = Field(default=0, description="seed for sampling")
     requests: Optional[Requests] = Field(default=None, description="override every source's count")
     gpus: Optional[int] = Field(default=None, ge=1, le=MAX_GPUS, description="GPUs to plan for (none: the cluster's)")
-    gpu_memory: Name = Field(default="80GiB", description="memory per GPU for planning")
+    gpu_memory: GpuMemory = Field(default="80GiB", description="memory per GPU for planning")
     nvlink_group: Optional[int] = Field(default=None, ge=1, le=MAX_GPUS,
                                         description="GPUs per NVLink group (none: min(2, gpus))")
     max_num_seqs: int = Field(default=64, ge=1, le=1 << 16, description="engine batch limit")
