@@ -149,11 +149,15 @@ class EngineActor:
         it cannot sleep or host memory is short."""
         import psutil
 
-        while self._parked and len(self._parked) >= self.max_parked:
-            self._parked.popitem(last=False)[1].release()
+        from raycolo.planner.engines import park
+
+        kept, released = park(tuple(self._parked), self._config_key, self.max_parked)   # the plan's rule
+        for key in released:
+            if key != self._config_key:
+                self._parked.pop(key).release()
         host = psutil.virtual_memory()
         to_host = 0 if engine.config.engine_kwargs.device == "cpu" else engine.memory().weight_bytes
-        if (self.max_parked > 0 and host.available - to_host >= PARK_MIN_FREE_FRACTION * host.total
+        if (self._config_key in kept and host.available - to_host >= PARK_MIN_FREE_FRACTION * host.total
                 and engine.sleep()):
             self._parked[self._config_key] = engine
         else:

@@ -17,7 +17,7 @@ in the same single-machine mode, and an address nothing answers at fails at once
 
 Its GCS keeps the events of the last ``TASK_EVENTS_KEPT`` tasks (the dashboard's task
 list and timeline), not Ray's default 100,000: a service runs a few tasks per request,
-and under the default the GCS grew by 162 MB in a 30-minute soak (README, Reliability). A cluster you start yourself takes the same bound from
+and under the default the GCS grew by 162 MB in a 30-minute soak (docs/benchmarks.md, Reliability). A cluster you start yourself takes the same bound from
 ``RAY_task_events_max_num_task_in_gcs`` (an environment variable of ``ray start``).
 """
 from __future__ import annotations

@@ -105,3 +105,25 @@ def test_the_exact_searches_stay_exact_with_switch_costs(app, gpus, nvlink, acto
     assert search.makespan_s <= greedy.makespan_s * (1 + 1e-9)
     kinds = {k for s in search.stages for m in s.models for k in m.switches}
     assert kinds and kinds <= {"cold", "swap", "wake", "keep"}
+
+
+def test_the_parking_rule_against_a_brute_force_lru():
+    """``park`` (the planner's and EngineActor.swap's one rule) against a hand-run LRU:
+    every sequence of parks over four keys, at every limit."""
+    import itertools
+
+    from raycolo.planner.engines import park
+
+    for limit in range(0, 4):
+        for seq in itertools.product("abcd", repeat=5):
+            parked, lru = (), []
+            for key in seq:
+                if key in parked:                       # a wake takes it out first
+                    parked = tuple(k for k in parked if k != key)
+                    lru.remove(key)
+                parked, released = park(parked, key, limit)
+                lru.append(key)
+                gone = []
+                while len(lru) > limit:
+                    gone.append(lru.pop(0))
+                assert list(parked) == lru and sorted(released) == sorted(gone), (limit, seq)

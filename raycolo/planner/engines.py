@@ -69,6 +69,17 @@ def switch_kind(actors: Actors, gpus: tuple[int, ...], key: EngineKey) -> str:
     return "cold"
 
 
+def park(parked: tuple, engine, max_parked: int) -> tuple[tuple, tuple]:
+    """The one parking rule (the planner's :func:`start` and ``EngineActor.swap``): the
+    engines parked, least recently used first, after ``engine`` is parked, and those
+    released to make room, so that at most ``max_parked`` stay; with ``max_parked`` 0,
+    ``engine`` itself is released. Any hashable key names an engine."""
+    if max_parked <= 0:
+        return tuple(parked), (engine,)
+    drop = max(0, len(parked) + 1 - max_parked)
+    return tuple(parked[drop:]) + (engine,), tuple(parked[:drop])
+
+
 def start(actors: Actors, gpus: tuple[int, ...], key: EngineKey, max_parked: int) -> Actors:
     """The actors after a replica of ``key`` started on ``gpus`` (as ``EngineActor.swap``
     and the controller's cold start do)."""
@@ -81,10 +92,9 @@ def start(actors: Actors, gpus: tuple[int, ...], key: EngineKey, max_parked: int
     out = []
     for a in actors:
         if a.gpus == gpus:
-            parked = [k for k in a.parked if k != key]          # a wake takes it out first
-            if a.held is not None and max_parked > 0:
-                parked = parked[len(parked) - max_parked + 1:] if len(parked) >= max_parked else parked
-                parked.append(a.held)
-            a = HeldEngines(gpus, key, tuple(parked))
+            parked = tuple(k for k in a.parked if k != key)     # a wake takes it out first
+            if a.held is not None:
+                parked = park(parked, a.held, max_parked)[0]
+            a = HeldEngines(gpus, key, parked)
         out.append(a)
     return tuple(out)
