@@ -395,19 +395,22 @@ def _fill(path: tuple, base) -> list:
 
 
 def _set(data, path: list, value):
+    """Set ``value`` at ``path``; nothing where an earlier mutation of the same case
+    changed what lies on the path (a list where a mapping was, or the reverse)."""
     node = data
     for part in path[:-1]:
         if isinstance(node, list):
-            node = node[part] if part < len(node) else None
+            node = node[part] if isinstance(part, int) and part < len(node) else None
         elif isinstance(node, dict):
             node = node.setdefault(part, {})
         if not isinstance(node, (dict, list)):
             return
+    last = path[-1]
     if isinstance(node, list):
-        if path[-1] < len(node):
-            node[path[-1]] = value
+        if isinstance(last, int) and last < len(node):
+            node[last] = value
     elif isinstance(node, dict):
-        node[path[-1]] = value
+        node[last] = value
 
 
 def schema_cases(model, base: dict, count: int, seed: int = 0) -> list[list[tuple]]:
