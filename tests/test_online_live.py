@@ -136,7 +136,7 @@ def test_every_task_of_a_short_trace_completes_exactly_once(deployment, policy):
 def test_online_run_and_simulate_online_print_the_same_keys(deployment):
     """``online run --json`` (its replay on this deployment: cli.replay_online) and
     ``simulate-online --json`` have the same top-level keys, ``model`` included."""
-    from raycolo.cli import replay_online
+    from raycolo.cli_online import replay_online
 
     dep, config, _ = deployment
     dep.use_policy("lemix")
