@@ -43,6 +43,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raycolo.actors.engine_actor import EngineActor
+from raycolo.planner.dispatch import RoundRobin
 from raycolo.planner.engines import SWITCH_KINDS
 from raycolo.planner.placement import place
 from raycolo.planner.problem import ExecPlan, PlanningProblem
@@ -173,8 +174,7 @@ class Controller:
         self.all_replicas: list[Replica] = []
         self.pending: dict[str, list[Pending]] = defaultdict(list)
         self.by_ref: dict[object, tuple[Replica, str]] = {}
-        self.round_robin: dict[str, int] = defaultdict(int)
-        self.item_replica: dict[tuple[str, int], int] = {}
+        self.turns: dict[str, RoundRobin] = defaultdict(RoundRobin)    # the planner's dispatch rule
         self.names_used: dict[str, int] = defaultdict(int)
         self.stages: list[dict] = []
         self.switches: list[dict] = []
@@ -302,18 +302,12 @@ class Controller:
 
     def _dispatch(self, node: str, items: list[Pending]) -> None:
         replicas = self.replicas[node]
+        ordered = sorted(items, key=lambda p: p.ready.index)
         chained = node in self.comm.position
+        ranks = self.turns[node].assign(len(ordered), len(replicas),
+                                        [p.ready.item for p in ordered] if chained else None)
         touched = set()
-        for p in sorted(items, key=lambda p: p.ready.index):
-            if chained:
-                key = (node, p.ready.item)
-                if key not in self.item_replica or self.item_replica[key] >= len(replicas):
-                    self.item_replica[key] = self.round_robin[node] % len(replicas)
-                    self.round_robin[node] += 1
-                rank = self.item_replica[key]
-            else:
-                rank = self.round_robin[node] % len(replicas)
-                self.round_robin[node] += 1
+        for p, rank in zip(ordered, ranks.tolist()):
             replicas[rank].outbox.append(p)
             touched.add(rank)
         for rank in touched:

@@ -127,3 +127,30 @@ def test_the_parking_rule_against_a_brute_force_lru():
                 while len(lru) > limit:
                     gone.append(lru.pop(0))
                 assert list(parked) == lru and sorted(released) == sorted(gone), (limit, seq)
+
+
+def test_the_dispatch_rule_against_the_runtimes_old_loop():
+    """RoundRobin (the planner's and the runtime's one dispatch rule) against a hand-run
+    turn-by-turn loop, over random batches, chains and changing replica counts."""
+    import numpy as np
+
+    from raycolo.planner.dispatch import RoundRobin
+
+    rng = np.random.default_rng(0)
+    for chained in (False, True):
+        rule, turn, item_replica = RoundRobin(), 0, {}
+        for _ in range(300):
+            replicas = int(rng.integers(1, 5))
+            items = rng.integers(0, 12, int(rng.integers(0, 9)))
+            expect = []
+            for item in items.tolist():
+                if chained:
+                    if item not in item_replica or item_replica[item] >= replicas:
+                        item_replica[item] = turn % replicas
+                        turn += 1
+                    expect.append(item_replica[item])
+                else:
+                    expect.append(turn % replicas)
+                    turn += 1
+            got = rule.assign(len(items), replicas, items if chained else None)
+            assert got.tolist() == expect

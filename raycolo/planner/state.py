@@ -20,6 +20,7 @@ from typing import Optional
 
 import numpy as np
 
+from raycolo.planner.dispatch import RoundRobin
 from raycolo.planner.engines import Actors, start, switch_kind
 from raycolo.planner.placement import Placement, place
 from raycolo.planner.problem import ExecPlan, PlanningProblem
@@ -157,18 +158,12 @@ def _ready_times(problem: PlanningProblem, node: str, st: NodeState,
 
 def _assign_replicas(problem: PlanningProblem, node: str, pending: np.ndarray, dp: int,
                      chained: bool) -> list[np.ndarray]:
-    """Round-robin over items for chains (a document stays on one replica), else requests."""
-    w = problem.node(node)
+    """The replicas' requests, by the runtime's own rule (:class:`RoundRobin`: requests in
+    turn; for chains, items, so a document stays on one replica)."""
     if dp == 1:
         return [pending]
-    if chained:
-        items, first = np.unique(w.item[pending], return_index=True)
-        order = np.argsort(first, kind="stable")
-        rank = np.empty(len(items), dtype=np.int64)
-        rank[order] = np.arange(len(items))
-        slot = rank[np.searchsorted(items, w.item[pending])] % dp
-        return [pending[slot == r] for r in range(dp)]
-    return [pending[r::dp] for r in range(dp)]
+    ranks = RoundRobin().assign(len(pending), dp, problem.node(node).item[pending] if chained else None)
+    return [pending[ranks == r] for r in range(dp)]
 
 
 def run_node(problem: PlanningProblem, node: str, st: NodeState, plan: ExecPlan, continuing: bool,
