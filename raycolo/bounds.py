@@ -36,10 +36,13 @@ MAX_TEXT_CHARS = 1 << 20          # a prompt template
 MAX_PATH_CHARS = 4096
 
 
+STRICT_VALUES = ConfigDict(strict=True, allow_inf_nan=False)   # types strict, numbers finite
+
+
 class Strict(BaseModel):
     """Base of every user-facing model: unknown keys refused, types strict, numbers finite."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", **STRICT_VALUES)
 
 
 def _one_line(value: str) -> str:
@@ -148,7 +151,7 @@ def checked(where: str, annotation, value):
 
     if type(value).__module__ == "numpy" and hasattr(value, "item"):
         value = value.item()
-    adapter = TypeAdapter(annotation, config=ConfigDict(strict=True, allow_inf_nan=False))
+    adapter = TypeAdapter(annotation, config=STRICT_VALUES)
     try:
         return adapter.validate_python(value)
     except ValidationError as exc:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from raycolo.bounds import Strict, describe, field_annotation, field_bounds
+from raycolo.bounds import STRICT_VALUES, describe, field_annotation, field_bounds
 
 _UNSET: Any = object()
 
@@ -29,7 +29,7 @@ def field_type(model: type[BaseModel], name: str):
     """An argparse ``type``: the text read as the field's type, then validated by the
     field's own constraints (a bad value: argparse's one-line error naming the flag)."""
     info = model.model_fields[name]
-    adapter = TypeAdapter(field_annotation(model, name), config={k: Strict.model_config[k] for k in ("strict", "allow_inf_nan")})
+    adapter = TypeAdapter(field_annotation(model, name), config=STRICT_VALUES)
     base = _base_type(info.annotation)
 
     def parse(text: str):

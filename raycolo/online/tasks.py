@@ -26,7 +26,7 @@ import numpy as np
 
 from pydantic import Field
 
-from raycolo.bounds import (MAX_RATE, MAX_REQUESTS, MAX_TOKENS, Fraction, Requests, Strict, Tokens, checked,
+from raycolo.bounds import (MAX_RATE, MAX_TOKENS, Fraction, Requests, Strict, Tokens, checked,
                             field_annotation, field_bounds)
 from raycolo.costmodel.sampler import seeded_rng
 from raycolo.errors import ConfigError
@@ -112,7 +112,6 @@ def _check(flag: str, annotation, value):
         raise ConfigError(str(exc)) from None
 
 
-MAX_COUNT = MAX_REQUESTS      # tasks: more is a typo, not a workload
 MAX_TASK_BATCH = 4096         # queries per task
 MAX_TRACE_SPAN_S = 1e8        # a trace's timestamps (about three years of seconds)
 
