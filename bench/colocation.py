@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 from raycolo.online.params import LemixParams  # noqa: E402
 from raycolo.online.profiles import preset  # noqa: E402
-from raycolo.online.sim import simulate  # noqa: E402
+from raycolo.online.simulation.sim import simulate  # noqa: E402
 from raycolo.online.tasks import bursty_workload, load_trace, poisson_workload  # noqa: E402
-from raycolo.policies import make_online_policy  # noqa: E402
+from raycolo.online.policies import make_online_policy  # noqa: E402
 from common import write_json  # noqa: E402
 
 POLICIES = ("lemix", "separate", "mix-rr", "harli", "lemix+harli", "harli-static", "sirius",
@@ -84,9 +84,9 @@ def handover(trials: int, seed: int) -> dict:
 
     import torch
 
-    from raycolo.engines.models import build_tiny_model
-    from raycolo.executor.stage import LoraSettings, StageModel, add_lora, training_batch
-    from raycolo.online.memory_broker import MemoryBroker
+    from raycolo.engine.models import build_tiny_model
+    from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora, training_batch
+    from raycolo.online.scheduling.memory_broker import MemoryBroker
 
     torch.manual_seed(seed)
     model, _ = build_tiny_model("tiny-llama-l", seed, "float32")

@@ -1,7 +1,7 @@
 """Does ``torch.compile`` pay for the executor's decode steps on this machine?
 
 Steady decode steps of a fixed batch (static shapes: the batch never changes, so one
-compiled graph serves every step) through :class:`raycolo.executor.ModelExecutor`, eager
+compiled graph serves every step) through :class:`raycolo.engine.executor.ModelExecutor`, eager
 against the same model with its norms and MLPs compiled by inductor (``dynamic=False``;
 attention stays eager since its key length grows every step). Prints compile time and
 the median step time of each. CUDA graphs are measured only where a GPU is present.
@@ -21,9 +21,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from raycolo.engines.models import build_tiny_model  # noqa: E402
-from raycolo.executor import SeqChunk, create_executor  # noqa: E402
-from raycolo.sim.blocks import BlockAllocator  # noqa: E402
+from raycolo.engine.models import build_tiny_model  # noqa: E402
+from raycolo.engine.executor import SeqChunk, create_executor  # noqa: E402
+from raycolo.batching.blocks import BlockAllocator  # noqa: E402
 
 
 def step_times(ex, batch: int, prompt: int, steps: int, block_size: int = 16) -> tuple[list[float], float]:

@@ -17,8 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from raycolo.calibration import TINY_MODELS, validate  # noqa: E402
-from raycolo.costmodel.latency import resolve_profile_dir  # noqa: E402
+from raycolo.offline.calibration import TINY_MODELS, validate  # noqa: E402
+from raycolo.offline.costmodel.latency import resolve_profile_dir  # noqa: E402
 from common import write_json  # noqa: E402
 
 

@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from raycolo.engines.base import SamplingParams, create_engine
-from raycolo.engines.models import BOS_ID, BYTE_OFFSET
+from raycolo.engine.base import SamplingParams, create_engine
+from raycolo.engine.models import BOS_ID, BYTE_OFFSET
 
 
 def run(model_id: str, device: str, prompts, tokens: int, graphs: bool, repeats: int):
@@ -54,7 +54,7 @@ def hf_generate(model_id: str, device: str, prompt, tokens: int, repeats: int):
     """transformers' own generate() for one prompt: (median seconds, token ids)."""
     from transformers import GenerationConfig
 
-    from raycolo.engines.models import build_tiny_model
+    from raycolo.engine.models import build_tiny_model
 
     model = build_tiny_model(model_id, 0, "float32")[0].to(device).eval()
     model.generation_config.eos_token_id = None

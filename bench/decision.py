@@ -1,8 +1,8 @@
 """LeMix's cluster decision at scale: every node planned (exhaustive) against the node index.
 
 Above ``LemixParams.scan_nodes`` placeable nodes, LeMix plans only the candidates the
-node index finds (raycolo/online/node_index.py) instead of every node. This measures,
-in the discrete-event simulator (``raycolo.online.sim``, the code ``simulate-online``
+node index finds (raycolo/online/scheduling/node_index.py) instead of every node. This measures,
+in the discrete-event simulator (``raycolo.online.simulation.sim``, the code ``simulate-online``
 runs), on the same task lists:
 
 1. **Decision cost**: mean and p99 microseconds per decision (``OnlineScheduler``'s own
@@ -29,13 +29,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import write_json  # noqa: E402
-from raycolo.online.allocation import best_node  # noqa: E402
+from raycolo.online.scheduling.allocation import best_node  # noqa: E402
 from raycolo.online.params import LemixParams  # noqa: E402
-from raycolo.online.planning import commit  # noqa: E402
+from raycolo.online.scheduling.planning import commit  # noqa: E402
 from raycolo.online.profiles import preset  # noqa: E402
-from raycolo.online.sim import ClusterSimulator  # noqa: E402
+from raycolo.online.simulation.sim import ClusterSimulator  # noqa: E402
 from raycolo.online.tasks import poisson_workload  # noqa: E402
-from raycolo.policies import make_online_policy  # noqa: E402
+from raycolo.online.policies import make_online_policy  # noqa: E402
 
 MODEL, STAGES = "llama-8b", 2
 EXHAUSTIVE = 1 << 20      # scan_nodes above any node count: every node planned

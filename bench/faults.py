@@ -169,7 +169,7 @@ def main() -> int:
 
     import ray
 
-    from raycolo.actors import serve_launch
+    from raycolo.actors.serve import launch as serve_launch
     from raycolo.actors.local_cluster import NAMESPACE, controller_name as online_controller_name
     from raycolo.online.config import load_online_config
 

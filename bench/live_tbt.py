@@ -39,9 +39,9 @@ def executor_step(config, batch: int, prompt_len: int, steps: int) -> float:
     """Median seconds of one decode iteration through every stage slice, in process."""
     import torch
 
-    from raycolo.engines.models import load_model
-    from raycolo.engines.threads import apply_thread_policy
-    from raycolo.executor.stage import LoraSettings, StageModel, add_lora
+    from raycolo.engine.models import load_model
+    from raycolo.engine.threads import apply_thread_policy
+    from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora
     from raycolo.generation.sampler import sample_plain
     from raycolo.online.config import layer_bounds
 
@@ -105,7 +105,7 @@ def main() -> int:
     ap.add_argument("--data-planes", default="controller,node")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from raycolo.actors.online_launch import OnlineDeployment
+    from raycolo.actors.online.launch import OnlineDeployment
     from raycolo.online.config import load_online_config
 
     batches = [int(b) for b in args.batches.split(",") if b.strip()]

@@ -1,6 +1,6 @@
 """Online benchmark: LeMix against its baselines on co-located serving and training.
 
-Three parts, all in the discrete-event simulator of raycolo.online.sim (no GPUs):
+Three parts, all in the discrete-event simulator of raycolo.online.simulation.sim (no GPUs):
 
 1. The paper's setting (LeMix §VI-A/B, Fig. 11/12): 4 nodes x 2 stages, each model,
    each request rate x training rate (alpha); lemix, mix-rr, mix-luf and separate run
@@ -45,10 +45,10 @@ sys.path.insert(0, str(ROOT))
 
 from raycolo.online.params import LemixParams  # noqa: E402
 from raycolo.online.profiles import preset  # noqa: E402
-from raycolo.online.scheduler import OnlineScheduler  # noqa: E402
-from raycolo.online.sim import simulate  # noqa: E402
+from raycolo.online.scheduling.scheduler import OnlineScheduler  # noqa: E402
+from raycolo.online.simulation.sim import simulate  # noqa: E402
 from raycolo.online.tasks import poisson_workload  # noqa: E402
-from raycolo.policies import make_online_policy  # noqa: E402
+from raycolo.online.policies import make_online_policy  # noqa: E402
 
 NODES, STAGES = 4, 2
 POLICIES = ["lemix", "mix-rr", "mix-luf", "separate"]

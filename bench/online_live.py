@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 
 from raycolo.online.config import load_online_config  # noqa: E402
 from raycolo.online.profiles import NodeProfile  # noqa: E402
-from raycolo.online.sim import simulate  # noqa: E402
+from raycolo.online.simulation.sim import simulate  # noqa: E402
 from raycolo.online.tasks import poisson_workload  # noqa: E402
-from raycolo.policies import make_online_policy  # noqa: E402
+from raycolo.online.policies import make_online_policy  # noqa: E402
 from common import write_json  # noqa: E402
 
 PAPER_THROUGHPUT_RATIO, PAPER_SLO_RATIO = 3.53, 2.12
@@ -83,7 +83,7 @@ def main() -> int:
                     help="raylets to spread the nodes over (ray.cluster_utils.Cluster); 1: one local raylet")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from raycolo.actors.online_launch import OnlineDeployment
+    from raycolo.actors.online.launch import OnlineDeployment
 
     config = load_online_config(args.config).model_copy(update={"resume": False})   # each run from the base model
     if args.train_rate is not None:

@@ -23,12 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from raycolo.dag import parse_app  # noqa: E402
+from raycolo.offline.dag import parse_app  # noqa: E402
 from raycolo.hardware import make_cluster  # noqa: E402
-from raycolo.planner.problem import PlanningProblem  # noqa: E402
-from raycolo.planner.validate import plan_violations  # noqa: E402
-from raycolo.policies import DEFAULT_OFFLINE_POLICY, get_policy  # noqa: E402
-from raycolo.workload import build_workload  # noqa: E402
+from raycolo.offline.planner.problem import PlanningProblem  # noqa: E402
+from raycolo.offline.planner.validate import plan_violations  # noqa: E402
+from raycolo.offline.policies import DEFAULT_OFFLINE_POLICY, get_policy  # noqa: E402
+from raycolo.offline.workload import build_workload  # noqa: E402
 
 POLICIES = ["samullm", "samullm-rollout", "samullm-nopreempt", "max", "min", DEFAULT_OFFLINE_POLICY]
 MODELS = [  # 6-13 B models of the catalog

@@ -20,12 +20,12 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from raycolo.dag import load_app, parse_app  # noqa: E402
+from raycolo.offline.dag import load_app, parse_app  # noqa: E402
 from raycolo.hardware import make_cluster  # noqa: E402
-from raycolo.planner.problem import PlanningProblem  # noqa: E402
-from raycolo.planner.validate import plan_violations  # noqa: E402
-from raycolo.policies import get_policy  # noqa: E402
-from raycolo.workload import build_workload  # noqa: E402
+from raycolo.offline.planner.problem import PlanningProblem  # noqa: E402
+from raycolo.offline.planner.validate import plan_violations  # noqa: E402
+from raycolo.offline.policies import get_policy  # noqa: E402
+from raycolo.offline.workload import build_workload  # noqa: E402
 from common import write_json  # noqa: E402
 
 POLICIES = ["samullm-search", "samullm", "samullm-rollout", "samullm-window", "samullm-nopreempt", "max", "min"]

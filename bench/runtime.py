@@ -30,9 +30,9 @@ import ray
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from raycolo.actors.launch import run_application  # noqa: E402
-from raycolo.planner.engines import SWITCH_KINDS  # noqa: E402
-from raycolo.runtime.setup import RunConfig  # noqa: E402
+from raycolo.actors.offline.launch import run_application  # noqa: E402
+from raycolo.offline.planner.engines import SWITCH_KINDS  # noqa: E402
+from raycolo.offline.runtime.setup import RunConfig  # noqa: E402
 
 PREDICTION_APPS = ("tiny.yaml", "tiny_chain.yaml")
 POLICY_APP = "tiny.yaml"

@@ -95,7 +95,7 @@ async def python_stream(controller, tokenizer, prompt: str, max_tokens: int) -> 
     front would send a chunk: when a token makes new text safe to show (TextStream holds
     back half a UTF-8 character, and the tiny models' random bytes often are), so both
     paths time the same thing; ``first_token`` is the first token's own arrival."""
-    from raycolo.serving.text import TextStream
+    from raycolo.online.serving.text import TextStream
 
     started = time.perf_counter()
     admitted = await controller.admit.remote(tokenizer.encode(prompt), max_tokens, 0.0, 1.0, 0, True)
@@ -270,9 +270,9 @@ def main() -> int:
 
     import ray
 
-    from raycolo.actors import serve_launch
+    from raycolo.actors.serve import launch as serve_launch
     from raycolo.actors.local_cluster import NAMESPACE, controller_name
-    from raycolo.engines.models import load_tokenizer
+    from raycolo.engine.models import load_tokenizer
     from raycolo.online.config import load_online_config
 
     base = load_online_config(args.config)

@@ -95,7 +95,7 @@ def run_vllm(args, work: Path) -> dict:
 
 
 def run_raycolo(args, stages: int, token_path: str, work: Path) -> dict:
-    from raycolo.actors import serve_launch
+    from raycolo.actors.serve import launch as serve_launch
     from raycolo.online.config import load_online_config
 
     base = load_online_config(args.config)

@@ -123,7 +123,7 @@ def main() -> int:
 
     import shutil
 
-    from raycolo.actors import serve_launch
+    from raycolo.actors.serve import launch as serve_launch
 
     config = demo_config(args.config)
     shutil.rmtree("out/serve-demo", ignore_errors=True)

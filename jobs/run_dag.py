@@ -11,7 +11,7 @@ on stderr, exit status 2.
 """
 import sys
 
-from raycolo.cli import main
+from raycolo.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["run-dag", *sys.argv[1:]]))

@@ -16,7 +16,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="online deployment config (YAML)")
     args = ap.parse_args()
-    from raycolo.actors.serve_launch import serve_until_stopped
+    from raycolo.actors.serve.launch import serve_until_stopped
     from raycolo.online.config import load_online_config
 
     try:

@@ -16,7 +16,7 @@ from raycolo.bounds import MAX_TOKENS, field_bounds
 from raycolo.catalog import _builtin_catalog
 
 ROOT = Path(__file__).resolve().parent.parent
-RAYCOLO = [sys.executable, "-m", "raycolo.cli"]
+RAYCOLO = [sys.executable, "-m", "raycolo.cli.main"]
 BASE = {"name": "tiny", "requests": {"count": 16, "input_tokens": {"distribution": "uniform", "min": 8, "max": 96}},
         "nodes": [{"name": "small", "model": "tiny-llama-s", "max_output_tokens": 64},
                   {"name": "medium", "model": "tiny-llama-m", "max_output_tokens": 64, "repeat": 1}],
@@ -117,7 +117,7 @@ def test_trace_rows_are_refused_naming_file_row_and_column(tmp_path, rows, named
     (["sweep-online", "--tasks", "10", "--rates", "10", "--train-rates", "0.5", "--out", "taken"],
      "--out: taken exists and is not a directory"),
     (["profile", "--model", "tiny-llama-s", "--out", "/proc/p"], "--out: cannot write in /proc"),
-    # flags generated from raycolo/cli_options.py: the field's bounds and choices, before any work
+    # flags generated from raycolo/cli/options.py: the field's bounds and choices, before any work
     (["profile", "--model", "tiny-llama-s", "--tp", "65"], "--tp: must be at most 64"),
     (["profile", "--model", "tiny-llama-s", "--device", "tpu"], "--device: must be 'cpu' or 'cuda'"),
     (["validate", "--requests", "0"], "--requests: must be at least 1"),
@@ -140,7 +140,7 @@ def test_flags_are_refused_before_any_work(tmp_path, args, named):
 
 
 def test_token_bound_covers_every_catalog_context_and_field_bounds_read_the_constraints():
-    from raycolo.dag import LengthDistribution, NodeSpec
+    from raycolo.offline.dag import LengthDistribution, NodeSpec
     from raycolo.online.params import LemixParams
 
     assert max(m.context_length for m in _builtin_catalog().values()) <= MAX_TOKENS
@@ -159,8 +159,8 @@ def test_generated_flags_show_the_fields_default_and_bounds():
 
 def test_the_config_reference_is_generated_from_the_models():
     """docs/config-reference.md quotes every default and bound from the models: regenerate
-    it with ``python -m raycolo.flags > docs/config-reference.md`` when a field changes."""
-    from raycolo.flags import config_reference
+    it with ``python -m raycolo.cli.flags > docs/config-reference.md`` when a field changes."""
+    from raycolo.cli.flags import config_reference
 
     assert (ROOT / "docs" / "config-reference.md").read_text() == config_reference()
 
@@ -178,9 +178,9 @@ HAND_WRITTEN = {"--trace", "--dag", "--plot", "--gantt", "--output", "--help"}  
 
 def test_every_value_flag_is_generated_from_a_model_field():
     """A flag with a value takes its type, bounds, default and help from a field (of
-    RunConfig, OnlineConfig, raycolo/cli_options.py...), so none restates a default
+    RunConfig, OnlineConfig, raycolo/cli/options.py...), so none restates a default
     or a bound; only the file flags are by hand, checked by raycolo/paths.py."""
-    from raycolo.cli import build_parser
+    from raycolo.cli.main import build_parser
 
     by_hand = sorted(f"{name} {opt}" for name, sub in _subparsers(build_parser()) for a in sub._actions
                      for opt in a.option_strings[:1] if a.nargs != 0 and opt not in HAND_WRITTEN

@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from raycolo.executor.losses import IGNORE_INDEX, dpo_loss, preference_stats, sequence_logprob
-from raycolo.online.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit, mape
-from raycolo.online.memory_broker import MemoryBroker, OutOfMemory
+from raycolo.engine.executor.losses import IGNORE_INDEX, dpo_loss, preference_stats, sequence_logprob
+from raycolo.online.scheduling.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit, mape
+from raycolo.online.scheduling.memory_broker import MemoryBroker, OutOfMemory
 
 
 # -- Harli's two-stage predictor ------------------------------------------------------------------
@@ -149,8 +149,8 @@ def test_sequence_logprob_sums_the_labelled_tokens():
 
 # -- gradient accumulation and aborted micro-batches on a real stage -------------------------------------
 def _stage():
-    from raycolo.engines.models import build_tiny_model
-    from raycolo.executor.stage import LoraSettings, StageModel, add_lora
+    from raycolo.engine.models import build_tiny_model
+    from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora
 
     model, _ = build_tiny_model("tiny-llama-s", 0, "float64")
     model = add_lora(model, LoraSettings(rank=4, alpha=8, lr=0.05))
@@ -164,7 +164,7 @@ def _pairs(seed):
 
 
 def test_accumulated_micro_batches_give_the_full_batch_update():
-    from raycolo.executor.stage import training_batch
+    from raycolo.engine.executor.stage import training_batch
 
     pairs = _pairs(1)
     full, acc = _stage(), _stage()
@@ -208,14 +208,14 @@ def test_a_tasks_micro_batches_accumulate_apart_from_other_tasks_steps():
 
 
 def _batch(pairs):
-    from raycolo.executor.stage import training_batch
+    from raycolo.engine.executor.stage import training_batch
 
     ids, labels, lengths = training_batch(pairs)
     return ids, lengths, labels
 
 
 def test_an_aborted_micro_batch_leaves_adapter_optimizer_and_gradients_untouched():
-    from raycolo.executor.stage import training_batch
+    from raycolo.engine.executor.stage import training_batch
 
     stage = _stage()
     ids, labels, lengths = training_batch(_pairs(2))
@@ -284,7 +284,7 @@ def test_dpo_on_a_stage_matches_peft_by_hand_and_learns_the_preference():
 def test_device_reading_on_the_cpu_is_the_process_rss():
     import psutil
 
-    from raycolo.engines.device_stats import device_reading
+    from raycolo.engine.device_stats import device_reading
 
     r = device_reading()
     assert r["source"] == "process_rss" and r["utilization"] is None

@@ -1,4 +1,4 @@
-"""Application graphs (raycolo.dag): YAML loading, validation and graph structure.
+"""Application graphs (raycolo.offline.dag): YAML loading, validation and graph structure.
 
 Real parsing and validation only, no mocks: dicts go through ``parse_app`` and files
 written to ``tmp_path`` go through ``load_app``.
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raycolo.dag import AppSpec, load_app, parse_app
+from raycolo.offline.dag import AppSpec, load_app, parse_app
 from raycolo.errors import ConfigError, RaycoloError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -334,8 +334,8 @@ def test_bad_sampling_settings_name_the_field(field, value):
 def test_a_greedy_node_is_planned_with_the_profiles_greedy_ecdf(tmp_path):
     """Where the profile has <model>.greedy.csv, greedy nodes sample their lengths from
     it and sampled nodes from <model>.csv."""
-    from raycolo.costmodel.sampler import write_ecdf
-    from raycolo.workload import build_workload
+    from raycolo.offline.costmodel.sampler import write_ecdf
+    from raycolo.offline.workload import build_workload
 
     write_ecdf(tmp_path / "tiny-llama-s.csv", [3] * 10, "sampled")
     write_ecdf(tmp_path / "tiny-llama-s.greedy.csv", [11] * 10, "greedy")

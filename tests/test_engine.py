@@ -16,8 +16,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from raycolo.engines import SamplingParams, create_engine
-from raycolo.engines.models import (BOS_ID, BYTE_OFFSET, EOS_ID, ByteTokenizer, build_tiny_model,
+from raycolo.engine import SamplingParams, create_engine
+from raycolo.engine.models import (BOS_ID, BYTE_OFFSET, EOS_ID, ByteTokenizer, build_tiny_model,
                                     save_tiny_checkpoint)
 from raycolo.errors import ConfigError
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from hf_checkpoints import KINDS, greedy_cases, hf_reference, load
-from raycolo.engines import create_engine
-from raycolo.engines.models import load_tokenizer
+from raycolo.engine import create_engine
+from raycolo.engine.models import load_tokenizer
 from raycolo.generation import SamplingParams
-from raycolo.serving.text import chat_prompt_ids, chat_sample_ids
+from raycolo.online.serving.text import chat_prompt_ids, chat_sample_ids
 
 MAX_NEW = 24
 

@@ -1,4 +1,4 @@
-"""The model executor (raycolo.executor) against transformers' own forward and generate().
+"""The model executor (raycolo.engine.executor) against transformers' own forward and generate().
 
 Real tiny models of each fast-path family (Llama, Qwen2 with a sliding-window layer,
 Mistral with a sliding window shorter than the test contexts), one fallback architecture
@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 
-from raycolo.engines import SamplingParams, create_engine
-from raycolo.engines.models import BOS_ID, BYTE_OFFSET, EOS_ID, TINY_SLIDING_WINDOW, build_tiny_model
+from raycolo.engine import SamplingParams, create_engine
+from raycolo.engine.models import BOS_ID, BYTE_OFFSET, EOS_ID, TINY_SLIDING_WINDOW, build_tiny_model
 from raycolo.errors import ConfigError
-from raycolo.executor import FallbackExecutor, ModelExecutor, SeqChunk, create_executor, fast_path_family
-from raycolo.sim.blocks import BlockAllocator
+from raycolo.engine.executor import FallbackExecutor, ModelExecutor, SeqChunk, create_executor, fast_path_family
+from raycolo.batching.blocks import BlockAllocator
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -119,7 +119,7 @@ def test_fallback_architecture_is_correct_and_says_so_once(tmp_path, caplog):
     prompts = random_prompts([4, 17, 30])
     lengths = [15, 9, 12]
     FallbackExecutor._warned.discard("GPT2LMHeadModel")
-    with caplog.at_level(logging.WARNING, logger="raycolo.executor"):
+    with caplog.at_level(logging.WARNING, logger="raycolo.engine.executor"):
         engine = engine_for(str(tmp_path))
         engine_for(str(tmp_path)).release()
     assert isinstance(engine.executor, FallbackExecutor)
@@ -296,7 +296,7 @@ def test_fused_pointwise_kernels_equal_the_model_modules():
     and apply_rotary_pos_emb, on random rows (float32)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-    from raycolo.executor.native import add_rms_norm, rotary_
+    from raycolo.engine.executor.native import add_rms_norm, rotary_
 
     gen = torch.Generator().manual_seed(3)
     for rows, dim in ((1, 64), (37, 384), (300, 768)):
@@ -341,8 +341,8 @@ def test_native_kernel_equals_dense_attention(head_dim, block_size, group, windo
     dense softmax attention computed from each sequence's keys and values in order
     (float64 reference): both bodies (vector: float32, 16-slot blocks, head_dim 32/64/128;
     plain loops otherwise), GQA groups and sliding windows."""
-    from raycolo.executor.kv_cache import PagedKVCache
-    from raycolo.executor.native import paged_attention
+    from raycolo.engine.executor.kv_cache import PagedKVCache
+    from raycolo.engine.executor.native import paged_attention
 
     gen = torch.Generator().manual_seed(head_dim + block_size + group)
     kv_heads, lengths = 2, [1, 15, 16, 17, 83, 200]
@@ -378,13 +378,13 @@ def test_native_kernel_equals_dense_attention(head_dim, block_size, group, windo
 
 
 def test_native_kernel_build_failure_falls_back_and_says_so(tmp_path, monkeypatch, caplog):
-    from raycolo.executor import native
+    from raycolo.engine.executor import native
 
     saved = dict(native._state)
     try:
         native._state.clear()
         monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-        with caplog.at_level(logging.WARNING, logger="raycolo.executor"):
+        with caplog.at_level(logging.WARNING, logger="raycolo.engine.executor"):
             assert native.native_library() is None
             model, _ = build_tiny_model("tiny-llama-s", 0, "float64")
             ex = ModelExecutor(model, 64, 4)
@@ -407,7 +407,7 @@ def test_native_kernel_build_failure_falls_back_and_says_so(tmp_path, monkeypatc
 
 FAULTS_ON_REUSE = """
 import resource, torch
-from raycolo.executor.heap import keep_freed_memory
+from raycolo.engine.executor.heap import keep_freed_memory
 assert keep_freed_memory()
 for _ in range(6):                        # allocate, touch, free until glibc has settled
     torch.ones(16 << 20)
@@ -438,7 +438,7 @@ def test_loading_the_native_kernel_keeps_subnormal_floats():
     link does, through crtfastmath.o): subnormals must survive in every process that loads it."""
     import sys
 
-    from raycolo.executor.native import native_library
+    from raycolo.engine.executor.native import native_library
 
     assert native_library() is not None
     assert sys.float_info.min / 2 > 0

@@ -1,4 +1,4 @@
-"""Padded decode steps (raycolo/executor/graphs.py), the shapes CUDA graphs replay.
+"""Padded decode steps (raycolo/engine/executor/graphs.py), the shapes CUDA graphs replay.
 
 A CPU cannot capture a CUDA graph, but the padded step a graph records runs here eagerly
 (``enable_padded_decode(capture=False)``): the same static batch, padding rows and padded
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raycolo.engines.models import TINY_SLIDING_WINDOW, build_tiny_model
-from raycolo.executor import ModelExecutor, SeqChunk, create_executor
-from raycolo.executor.graphs import BATCH_BUCKETS, DecodeBatch, enable_padded_decode
+from raycolo.engine.models import TINY_SLIDING_WINDOW, build_tiny_model
+from raycolo.engine.executor import ModelExecutor, SeqChunk, create_executor
+from raycolo.engine.executor.graphs import BATCH_BUCKETS, DecodeBatch, enable_padded_decode
 from tests.test_executor import hf_greedy, random_prompts, run_steps
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

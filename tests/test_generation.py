@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import (RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper)
 
-from raycolo.engines.models import ByteTokenizer
+from raycolo.engine.models import ByteTokenizer
 from raycolo.generation import SamplingParams, StopChecker, check_stop, eos_token_ids, stop_token_set
 from raycolo.generation.sampler import SamplingRow, position_seed, sample
 

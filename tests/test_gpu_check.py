@@ -1,4 +1,4 @@
-"""`make gpu-check` (raycolo/gpu_check.py): the skip without CUDA, and its checks run on the CPU.
+"""`make gpu-check` (raycolo/engine/gpu_check.py): the skip without CUDA, and its checks run on the CPU.
 
 `--device cpu` runs the same checks (the same references: transformers' generate()/forward
 and peft's training step on CPU float64, two real stage processes over gloo) on the CPU,
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from raycolo import gpu_check
+from raycolo.engine import gpu_check
 
 
 def test_without_cuda_it_prints_skipped_and_exits_zero(tmp_path):
@@ -23,7 +23,7 @@ def test_without_cuda_it_prints_skipped_and_exits_zero(tmp_path):
     import sys
 
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "raycolo.gpu_check", "--json", str(tmp_path / "gpu.json")],
+    proc = subprocess.run([sys.executable, "-m", "raycolo.engine.gpu_check", "--json", str(tmp_path / "gpu.json")],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr

@@ -131,8 +131,8 @@ TINY_PATHS = _paths(TINY)
 @FUZZ
 @given(path=st.sampled_from(TINY_PATHS), value=VALUES, extra=st.sampled_from([None, "tail"]))
 def test_application_graphs(tmp_path_factory, path, value, extra):
-    from raycolo.dag import load_app
-    from raycolo.workload import build_workload
+    from raycolo.offline.dag import load_app
+    from raycolo.offline.workload import build_workload
 
     f = tmp_path_factory.mktemp("app") / "app.yaml"
     _write_yaml(f, _mutate(TINY, path if extra is None else path + ["tail"], value))
@@ -142,7 +142,7 @@ def test_application_graphs(tmp_path_factory, path, value, extra):
 @FUZZ
 @given(raw=st.binary(max_size=200))
 def test_application_graph_bytes(tmp_path_factory, raw):
-    from raycolo.dag import load_app
+    from raycolo.offline.dag import load_app
 
     f = tmp_path_factory.mktemp("app") / "app.yaml"
     f.write_bytes(raw)
@@ -152,7 +152,7 @@ def test_application_graph_bytes(tmp_path_factory, raw):
 @pytest.mark.parametrize("text", [f"name: x\nnodes: {_deep(5000)}\n", f"lora: {_deep(3000)}\n",
                                   "a: &a [*a]\n", "a: " + "{b: " * 3000 + "1" + "}" * 3000 + "\n"])
 def test_deep_and_self_referencing_yaml_is_refused_in_one_line(tmp_path, text):
-    from raycolo.dag import load_app
+    from raycolo.offline.dag import load_app
     from raycolo.online.config import load_online_config
 
     f = tmp_path / "deep.yaml"
@@ -168,7 +168,7 @@ def test_deep_and_self_referencing_yaml_is_refused_in_one_line(tmp_path, text):
                                VALUES), min_size=0, max_size=5),
        junk=st.sampled_from(["", "\xff\xfe", "{", "[1, 2]", "null"]))
 def test_request_files(tmp_path_factory, rows, junk):
-    from raycolo.workload import _read_request_file
+    from raycolo.offline.workload import _read_request_file
 
     f = tmp_path_factory.mktemp("req") / "requests.jsonl"
     lines = []
@@ -239,7 +239,7 @@ SKIP_FLAGS = {"--help"}
 
 
 def _value_flags(command: str) -> list[str]:
-    from raycolo.cli import build_parser
+    from raycolo.cli.main import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
@@ -248,7 +248,7 @@ def _value_flags(command: str) -> list[str]:
 
 
 def _run_cli(argv: list[str], seconds: int = 60) -> tuple[int, str]:
-    from raycolo.cli import main
+    from raycolo.cli.main import main
 
     def timeout(*_):
         raise TimeoutError(f"raycolo {' '.join(argv)} did not finish in {seconds} s")
@@ -314,7 +314,7 @@ def test_a_request_file_with_a_huge_count_is_refused_naming_the_column(tmp_path,
     """A count past its bound (raycolo/bounds.py) is a clear error, not
     an OverflowError when the counts become an int64 array (hypothesis found 10^30)."""
     from raycolo.errors import ConfigError
-    from raycolo.workload import _read_request_file
+    from raycolo.offline.workload import _read_request_file
 
     f = tmp_path / "requests.jsonl"
     f.write_text(json.dumps({"prompt": "hello", column: value}) + "\n")
@@ -442,8 +442,8 @@ APP_BASE = {**{k: v for k, v in TINY.items() if k != "requests"}, "sources": {"i
 
 
 def test_application_graph_schema(tmp_path):
-    from raycolo.dag import AppSpec, load_app
-    from raycolo.workload import build_workload
+    from raycolo.offline.dag import AppSpec, load_app
+    from raycolo.offline.workload import build_workload
 
     f = tmp_path / "app.yaml"
     for case in schema_cases(AppSpec, APP_BASE, FUZZ_EXAMPLES):
@@ -465,7 +465,7 @@ def test_online_config_schema(tmp_path):
 
 
 def test_request_row_schema(tmp_path):
-    from raycolo.workload import RequestRow, _read_request_file
+    from raycolo.offline.workload import RequestRow, _read_request_file
 
     base = {"prompt": "hello there", "input_tokens": 5, "chunks": 1}
     f = tmp_path / "requests.jsonl"
@@ -554,7 +554,7 @@ STOPPED = {("online", "run"): ([MISSING], MISSING),
 
 
 def _flags_of(words: tuple) -> list[str]:
-    from raycolo.cli import build_parser
+    from raycolo.cli.main import build_parser
 
     parser = build_parser()
     for word in words:

@@ -31,7 +31,7 @@ def test_the_executor_cache_and_the_catalog_use_the_rule():
     import torch
 
     from raycolo.catalog import get_model
-    from raycolo.executor.kv_cache import PagedKVCache
+    from raycolo.engine.executor.kv_cache import PagedKVCache
 
     spec = get_model("tiny-llama-s")
     assert spec.kv_bytes_per_token == kv_bytes_per_token(spec.layers, spec.kv_heads, spec.head_dim, spec.dtype_bytes)

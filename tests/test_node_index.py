@@ -1,17 +1,17 @@
-"""LeMix's node index (raycolo/online/node_index.py): bounded candidates instead of a scan of
+"""LeMix's node index (raycolo/online/scheduling/node_index.py): bounded candidates instead of a scan of
 every node, checked against the exhaustive scan and a brute force."""
 import numpy as np
 import pytest
 
-from raycolo.online.allocation import length_consistency
-from raycolo.online.node_index import LazyMin, NodeIndex
+from raycolo.online.scheduling.allocation import length_consistency
+from raycolo.online.scheduling.node_index import LazyMin, NodeIndex
 from raycolo.online.params import LemixParams
-from raycolo.online.planning import NodeTrace, StagePath, TaskPath
+from raycolo.online.scheduling.planning import NodeTrace, StagePath, TaskPath
 from raycolo.online.profiles import preset
-from raycolo.online.scheduler import OnlineScheduler
-from raycolo.online.sim import ClusterSimulator
+from raycolo.online.scheduling.scheduler import OnlineScheduler
+from raycolo.online.simulation.sim import ClusterSimulator
 from raycolo.online.tasks import poisson_workload
-from raycolo.policies import make_online_policy
+from raycolo.online.policies import make_online_policy
 
 EXHAUSTIVE = LemixParams(scan_nodes=1 << 20)
 

@@ -1,5 +1,5 @@
 """A node's data plane without a central actor: the node loop in stage 0's process, its ops
-to stage 1 over the stages' own gloo group (raycolo/executor/node_pipeline.py), on real
+to stage 1 over the stages' own gloo group (raycolo/engine/executor/node_pipeline.py), on real
 checkpoints (tests/hf_checkpoints.py), in spawned processes, no Ray.
 
 * The tokens equal transformers' ``generate()`` on the same directory, with requests
@@ -25,9 +25,9 @@ def _config(path, **kw) -> dict:
 
 
 def _mirror(config: dict):
-    from raycolo.online.cluster import Cluster
+    from raycolo.online.scheduling.cluster import Cluster
     from raycolo.online.config import OnlineConfig, live_profile, model_hf_config
-    from raycolo.policies import make_online_policy
+    from raycolo.online.policies import make_online_policy
 
     cfg = OnlineConfig.model_validate(config)
     policy = make_online_policy(cfg.policy, cfg.lemix, nodes=1, train_rate=cfg.train_rate)
@@ -37,7 +37,7 @@ def _mirror(config: dict):
 
 @pytest.fixture(scope="module")
 def served(hf_checkpoints):
-    from raycolo.executor.node_harness import NodeRunSpec, RequestSpec, run_node
+    from raycolo.engine.executor.node_harness import NodeRunSpec, RequestSpec, run_node
 
     path = hf_checkpoints["llama3"]
     cases = greedy_cases(path, MAX_NEW, n=6)
@@ -58,8 +58,8 @@ def test_the_node_loop_on_two_stage_processes_gives_transformers_tokens(served):
 
 
 def test_a_mirror_replaying_the_report_stays_in_step_and_a_gap_is_caught(served):
-    from raycolo.online.node_events import MirrorDiverged, OpDone
-    from raycolo.online.node_loop import NodeReport, replay
+    from raycolo.online.scheduling.node_events import MirrorDiverged, OpDone
+    from raycolo.online.scheduling.node_loop import NodeReport, replay
 
     config, cases, res = served
     mirror = _mirror(config)
@@ -81,7 +81,7 @@ def _peft_step(path, sample, lora_cfg):
     weights after peft's own AdamW step on it."""
     from peft import get_peft_model_state_dict
 
-    from raycolo.executor.stage import LoraSettings, add_lora
+    from raycolo.engine.executor.stage import LoraSettings, add_lora
 
     model = load(path)[0]
     whole = add_lora(type(model).from_pretrained(path, dtype=torch.float32).eval(),
@@ -97,8 +97,8 @@ def _peft_step(path, sample, lora_cfg):
 
 
 def test_training_through_the_node_loop_gives_peft_step_beside_base_requests(hf_checkpoints):
-    from raycolo.executor.node_harness import NodeRunSpec, RequestSpec, TrainSpec, run_node
-    from raycolo.online.node_loop import replay
+    from raycolo.engine.executor.node_harness import NodeRunSpec, RequestSpec, TrainSpec, run_node
+    from raycolo.online.scheduling.node_loop import replay
 
     path = hf_checkpoints["qwen2"]
     cases = greedy_cases(path, MAX_NEW, n=2)

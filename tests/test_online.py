@@ -5,17 +5,17 @@ import sys
 
 import pytest
 
-from raycolo.online.allocation import (best_node, idleness_profit, length_consistency, priority,
+from raycolo.online.scheduling.allocation import (best_node, idleness_profit, length_consistency, priority,
                                        violates_slo)
 from raycolo.online.params import LemixParams
-from raycolo.online.planning import NodeTrace, commit, compute_idleness
+from raycolo.online.scheduling.planning import NodeTrace, commit, compute_idleness
 from raycolo.online.profiles import preset
-from raycolo.online.scheduler import OnlineScheduler
-from raycolo.online.sim import ClusterSimulator, simulate
+from raycolo.online.scheduling.scheduler import OnlineScheduler
+from raycolo.online.simulation.sim import ClusterSimulator, simulate
 from raycolo.online.tasks import OnlineTask, poisson_workload
-from raycolo.policies import get_online_policy, make_online_policy, online_policy_names
-from raycolo.policies.lemix import LengthBlind
-from raycolo.policies.online_baselines import train_node_count
+from raycolo.online.policies import get_online_policy, make_online_policy, online_policy_names
+from raycolo.online.policies.lemix import LengthBlind
+from raycolo.online.policies.baselines import train_node_count
 
 UNIT = LengthBlind(forward=1.0, backward=2.0)  # every forward 1 s, every backward 2 s, per stage
 
@@ -145,7 +145,7 @@ def test_every_task_completes_exactly_once(policy):
 
 
 def test_a_cluster_that_forgets_finished_tasks_keeps_its_counts_and_frees_their_records():
-    """What a long-running service does (actors/online_controller.py): forget the finished
+    """What a long-running service does (raycolo/actors/online/controller.py): forget the finished
     tasks' records. The counts, the active-node area and the results of the tasks kept are
     those of a run that forgot nothing."""
     workload = poisson_workload(50, 0.5, 400, seed=0)
@@ -214,7 +214,7 @@ def test_online_policies_are_registered():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "raycolo.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "raycolo.cli.main", *args], capture_output=True, text=True,
                           timeout=120)
 
 
@@ -249,7 +249,7 @@ def test_sweep_online_prints_tables_and_writes_plots(tmp_path):
 
 
 def test_clocks_and_the_timeline_plot(tmp_path):
-    from raycolo.online.clock import SimClock, WallClock
+    from raycolo.online.simulation.clock import SimClock, WallClock
 
     clock = SimClock()
     clock.advance_to(2.5)

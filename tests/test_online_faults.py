@@ -16,8 +16,8 @@ import pytest
 import ray
 from ray.exceptions import RayActorError
 
-from raycolo.actors.online_launch import OnlineDeployment, learnable_pair
-from raycolo.costmodel.sampler import seeded_rng
+from raycolo.actors.online.launch import OnlineDeployment, learnable_pair
+from raycolo.rng import seeded_rng
 
 from online_checks import trained_exactly_once, small_online_config
 

@@ -20,8 +20,8 @@ import torch
 
 from online_checks import small_online_config
 from raycolo.actors.local_cluster import start_local
-from raycolo.actors.online_launch import OnlineDeployment, learnable_pair, learnable_preference
-from raycolo.costmodel.sampler import seeded_rng
+from raycolo.actors.online.launch import OnlineDeployment, learnable_pair, learnable_preference
+from raycolo.rng import seeded_rng
 from raycolo.online.tasks import poisson_workload
 from tiny_reference import hf_greedy
 
@@ -136,7 +136,7 @@ def test_every_task_of_a_short_trace_completes_exactly_once(deployment, policy):
 def test_online_run_and_simulate_online_print_the_same_keys(deployment):
     """``online run --json`` (its replay on this deployment: cli.replay_online) and
     ``simulate-online --json`` have the same top-level keys, ``model`` included."""
-    from raycolo.cli_online import replay_online
+    from raycolo.cli.online import replay_online
 
     dep, config, _ = deployment
     dep.use_policy("lemix")
@@ -275,7 +275,7 @@ def test_a_node_whose_group_restarts_gets_no_work_until_it_is_back(deployment):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "raycolo.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "raycolo.cli.main", *args], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
 
 

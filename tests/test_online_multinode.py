@@ -23,10 +23,10 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycolo.actors.local_cluster import join_cluster
-from raycolo.actors.online_controller import OnlineController
+from raycolo.actors.online.controller import OnlineController
 from raycolo.actors.local_cluster import NAMESPACE
-from raycolo.actors.online_launch import OnlineDeployment, learnable_pair
-from raycolo.costmodel.sampler import seeded_rng
+from raycolo.actors.online.launch import OnlineDeployment, learnable_pair
+from raycolo.rng import seeded_rng
 
 from online_checks import free_port, small_online_config, trained_exactly_once
 
@@ -220,7 +220,7 @@ def test_raycolo_serve_joins_the_cluster_answers_and_leaves_nothing_listening(cl
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    proc = subprocess.Popen([sys.executable, "-m", "raycolo.cli", "serve", str(path), "--address",
+    proc = subprocess.Popen([sys.executable, "-m", "raycolo.cli.main", "serve", str(path), "--address",
                              cluster["cluster"].address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=env, cwd=tmp_path)
     try:

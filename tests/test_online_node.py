@@ -12,15 +12,15 @@ import itertools
 import looptime
 import pytest
 
-from raycolo.online.cluster import Cluster
+from raycolo.online.scheduling.cluster import Cluster
 from raycolo.online.driver import ClusterDriver
-from raycolo.online.node import NodeScheduler, Op, Timer
-from raycolo.online.node_events import OpResult
+from raycolo.online.scheduling.node import NodeScheduler, Op, Timer
+from raycolo.online.scheduling.node_events import OpResult
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import NodeProfile, ProfileLearner, preset
-from raycolo.online.sim import ClusterSimulator, ends_with, op_duration, query_cost_s
+from raycolo.online.simulation.sim import ClusterSimulator, ends_with, op_duration, query_cost_s
 from raycolo.online.tasks import OnlineTask, poisson_workload
-from raycolo.policies import make_online_policy
+from raycolo.online.policies import make_online_policy
 
 TOY = NodeProfile(name="toy", stages=2, eta_f=1e-3, eta_b=2e-3, decode_floor_s=0.01,
                   kv_bytes_per_token=1.0, activation_bytes_per_token=9.0, weight_bytes_per_stage=0.0,
@@ -772,7 +772,7 @@ def test_sirius_splits_a_training_task_that_does_not_fit_into_micro_batches():
     """TOY holds 10 bytes per training token and 900 under the threshold: a task of 4 x 25
     tokens (1,000 bytes) starts as a micro-batch of 3 (750) and leaves 1 waiting; each stage
     steps once, on the task's last micro-batch, and the task is trained once."""
-    from raycolo.online.stage_rules import SiriusRule
+    from raycolo.online.scheduling.stage_rules import SiriusRule
 
     n = NodeScheduler(0, TOY, PARAMS, True, rule=SiriusRule())
     trained, done = [], n.op_done
@@ -797,7 +797,7 @@ def test_sirius_splits_a_training_task_that_does_not_fit_into_micro_batches():
 
 
 def test_a_task_that_fits_is_not_split_and_other_rules_never_split():
-    from raycolo.online.stage_rules import SiriusRule
+    from raycolo.online.scheduling.stage_rules import SiriusRule
 
     n = NodeScheduler(0, TOY, PARAMS, True, rule=SiriusRule())
     run_all(n, [n.dispatch(train(1, length=20, batch=4), 0.0)])      # 800 bytes fit
@@ -838,7 +838,7 @@ def test_a_loss_reaches_the_stage_rule_on_both_sides_and_a_mirror_out_of_step_sa
     event (MACE ranks a task's backward by it), on the loop and on its mirror alike; an
     event naming an op the node is not running is refused, and a timer from before a
     reset is void."""
-    from raycolo.online.node_events import Dispatched, MirrorDiverged, OpDone, TimerFired, apply
+    from raycolo.online.scheduling.node_events import Dispatched, MirrorDiverged, OpDone, TimerFired, apply
 
     profile, params = preset("llama-8b", 2), LemixParams()
     cluster = Cluster(make_online_policy("mace", params, nodes=1), profile, 1, params)
@@ -869,7 +869,7 @@ def _run_stages(loop, now: float, tokens: dict, steps: int = 200) -> float:
     """Answer what ``loop`` sends its stages, in order, as stages that take 0.01 s per op
     would (the last stage samples ``tokens[task_id]`` for each of its requests), firing its
     timers as they fall due, until it is idle; returns the time then."""
-    from raycolo.executor.stage_ops import QUIET, StageResult
+    from raycolo.engine.executor.stage_ops import QUIET, StageResult
 
     pending = []
     for _ in range(steps):
@@ -898,8 +898,8 @@ def test_commands_reach_a_node_loop_started_from_its_mirror_and_its_reports_keep
     import pickle
 
     from raycolo.generation import SamplingParams
-    from raycolo.online.node_commands import Adopt, Cancel, NodeSetup, Serve
-    from raycolo.online.node_loop import NodeLoop, replay
+    from raycolo.online.scheduling.node_commands import Adopt, Cancel, NodeSetup, Serve
+    from raycolo.online.scheduling.node_loop import NodeLoop, replay
     from raycolo.online.stage_messages import ServedRequest
 
     profile, params = preset("llama-8b", 2), LemixParams()

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from raycolo.costmodel.sampler import seeded_rng
+from raycolo.rng import seeded_rng
 from raycolo.errors import ConfigError
 from raycolo.online.profiles import (PRESETS, REFERENCE_LENGTH, NodeProfile, fit_coefficients,
                                      fit_profile, preset, profile_names)

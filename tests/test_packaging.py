@@ -1,6 +1,6 @@
-"""Packaging checks: ``raycolo.policies`` (mapped from the top-level ``policies/`` folder
-via setuptools ``package-dir``) and ``raycolo.catalog`` with its package data must import
-from an installed copy, not only from the source tree.
+"""Packaging checks: every subpackage (``raycolo.policies``, the offline policies, the engine
+with its C kernels) and ``raycolo.catalog`` with its package data must import from an
+installed copy, not only from the source tree.
 
 These are real builds, no mocks: a regular (non-editable) ``pip install --target`` of the
 project, and the editable install of the running test environment.
@@ -61,17 +61,19 @@ def test_regular_install_imports_policies_and_catalog(tmp_path):
         sys.meta_path[:] = [f for f in sys.meta_path
                             if not getattr(f, "__module__", "").startswith("__editable__")]
         import raycolo, raycolo.catalog, raycolo.policies
-        import raycolo.executor, raycolo.engines.torch_engine  # every subpackage is installed
+        import raycolo.engine.executor, raycolo.engine.torch_engine  # every subpackage is installed
         from pathlib import Path
         names = raycolo.policies.policy_names()
         assert names, "no policies registered"
         policy_mods = sorted({m.__file__ for n, m in list(sys.modules.items())
-                              if n.startswith("raycolo.policies.")})
+                              if n.startswith("raycolo.offline.policies.")})
         spec = raycolo.catalog.get_model("tiny-llama-s")
         assert spec.name == "tiny-llama-s", spec
         ecdfs = list((Path(raycolo.__file__).parent / "data" / "ecdf").glob("*.csv"))
         assert ecdfs, "package data data/ecdf/*.csv not installed"
-        for f in [raycolo.__file__, raycolo.catalog.__file__, raycolo.executor.__file__, *policy_mods]:
+        kernels = list((Path(raycolo.__file__).parent / "engine" / "executor" / "kernels").glob("*.c"))
+        assert kernels, "the executor's C kernels (engine/executor/kernels/*.c) not installed"
+        for f in [raycolo.__file__, raycolo.catalog.__file__, raycolo.engine.executor.__file__, *policy_mods]:
             print("MOD", f)
         print("POLICIES", raycolo.policies.__file__)
     """)
@@ -92,9 +94,9 @@ def test_regular_install_imports_policies_and_catalog(tmp_path):
         assert target.resolve() in mod.parents, f"{mod} not loaded from the installed copy"
 
 
-def test_editable_install_maps_policies_to_source_folder(tmp_path):
+def test_editable_install_resolves_to_source_folder(tmp_path):
     # The test environment (make venv) holds raycolo as an editable install; from a
-    # directory outside the checkout, raycolo.policies must resolve to <repo>/policies.
+    # directory outside the checkout, raycolo.policies must resolve to <repo>/raycolo/policies.
     probe = textwrap.dedent("""
         import raycolo.catalog, raycolo.policies
         assert raycolo.policies.policy_names()
@@ -104,5 +106,5 @@ def test_editable_install_maps_policies_to_source_folder(tmp_path):
     out = _run([sys.executable, "-c", probe], cwd=tmp_path, env=_clean_env(), timeout=120)
     found = dict(ln.split(" ", 1) for ln in out.splitlines()
                  if ln.startswith(("POLICIES ", "CATALOG ")))
-    assert Path(found["POLICIES"]).resolve() == (REPO / "policies" / "__init__.py").resolve()
+    assert Path(found["POLICIES"]).resolve() == (REPO / "raycolo" / "policies" / "__init__.py").resolve()
     assert Path(found["CATALOG"]).resolve() == (REPO / "raycolo" / "catalog.py").resolve()

@@ -3,14 +3,14 @@ from pathlib import Path
 
 import pytest
 
-from raycolo.dag import load_app, parse_app
+from raycolo.offline.dag import load_app, parse_app
 from raycolo.hardware import ClusterSpec, make_cluster
-from raycolo.planner.placement import place
-from raycolo.planner.problem import ExecPlan, PlanningProblem
-from raycolo.planner.replay import replay
-from raycolo.planner.validate import plan_violations
-from raycolo.policies import get_policy, policy_names
-from raycolo.workload import build_workload
+from raycolo.offline.planner.placement import place
+from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
+from raycolo.offline.planner.replay import replay
+from raycolo.offline.planner.validate import plan_violations
+from raycolo.offline.policies import get_policy, policy_names
+from raycolo.offline.workload import build_workload
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SIZES = {"ensemble": 300, "routing": 1500, "chain_summary": 30, "mixed": 40}

@@ -1,4 +1,4 @@
-"""The planner following the runtime's engine actors (raycolo.planner.engines): the rules
+"""The planner following the runtime's engine actors (raycolo.offline.planner.engines): the rules
 of keep / wake / swap / cold, each replica charged by how it gets its engine, and the
 exact searches still exact with those charges (against a brute force without bounds or
 memo). The runtime's side is tested against real engine actors in test_runtime.py."""
@@ -8,12 +8,12 @@ import math
 
 import pytest
 
-from raycolo.planner.branch import branch_and_bound
-from raycolo.planner.engines import HeldEngines, LoadCosts, start, switch_kind
-from raycolo.planner.problem import ExecPlan, PlanningProblem
-from raycolo.planner.search import SearchContext
-from raycolo.planner.state import StageEvaluator, initial_state
-from raycolo.policies import get_policy
+from raycolo.offline.planner.branch import branch_and_bound
+from raycolo.offline.planner.engines import HeldEngines, LoadCosts, start, switch_kind
+from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
+from raycolo.offline.planner.search import SearchContext
+from raycolo.offline.planner.state import StageEvaluator, initial_state
+from raycolo.offline.policies import get_policy
 from test_planner_search import FUSER, TINY, brute_force, problem_of, small_case
 
 A, B, C, D, E = ("a", 1), ("b", 1), ("c", 1), ("d", 2), ("e", 1)
@@ -112,7 +112,7 @@ def test_the_parking_rule_against_a_brute_force_lru():
     every sequence of parks over four keys, at every limit."""
     import itertools
 
-    from raycolo.planner.engines import park
+    from raycolo.offline.planner.engines import park
 
     for limit in range(0, 4):
         for seq in itertools.product("abcd", repeat=5):
@@ -134,7 +134,7 @@ def test_the_dispatch_rule_against_the_runtimes_old_loop():
     turn-by-turn loop, over random batches, chains and changing replica counts."""
     import numpy as np
 
-    from raycolo.planner.dispatch import RoundRobin
+    from raycolo.offline.planner.dispatch import RoundRobin
 
     rng = np.random.default_rng(0)
     for chained in (False, True):

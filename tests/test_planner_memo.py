@@ -9,16 +9,16 @@ import math
 import numpy as np
 import pytest
 
-from raycolo.dag import parse_app
+from raycolo.offline.dag import parse_app
 from raycolo.hardware import make_cluster
-from raycolo.planner.branch import all_selections
-from raycolo.planner.placement import place
-from raycolo.planner.problem import ExecPlan, PlanningProblem
-from raycolo.planner.search import SearchContext
-from raycolo.planner.state import StageEvaluator, initial_state, run_node
-from raycolo.policies import get_policy
-from raycolo.policies.samullm import _in_child, _split
-from raycolo.workload import build_workload
+from raycolo.offline.planner.branch import all_selections
+from raycolo.offline.planner.placement import place
+from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
+from raycolo.offline.planner.search import SearchContext
+from raycolo.offline.planner.state import StageEvaluator, initial_state, run_node
+from raycolo.offline.policies import get_policy
+from raycolo.offline.policies.samullm import _in_child, _split
+from raycolo.offline.workload import build_workload
 from test_planner_search import FUSER as SEARCH_FUSER
 
 # two answers and a model reading both (runs depend on runs upstream in the stage), larger

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raycolo.dag import parse_app
+from raycolo.offline.dag import parse_app
 from raycolo.hardware import make_cluster
-from raycolo.planner.branch import all_selections, branch_and_bound
-from raycolo.planner.problem import PlanningProblem
-from raycolo.planner.search import SearchContext
-from raycolo.planner.state import StageEvaluator, initial_state
-from raycolo.planner.validate import plan_violations
-from raycolo.policies import DEFAULT_OFFLINE_POLICY, get_policy, policy_names
-from raycolo.workload import build_workload
+from raycolo.offline.planner.branch import all_selections, branch_and_bound
+from raycolo.offline.planner.problem import PlanningProblem
+from raycolo.offline.planner.search import SearchContext
+from raycolo.offline.planner.state import StageEvaluator, initial_state
+from raycolo.offline.planner.validate import plan_violations
+from raycolo.offline.policies import DEFAULT_OFFLINE_POLICY, get_policy, policy_names
+from raycolo.offline.workload import build_workload
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = ["vicuna-13b-v1.5", "chatglm3-6b", "mpt-7b-chat", "mistral-7b-instruct-v0.2",
@@ -112,7 +112,7 @@ def brute_force(problem: PlanningProblem) -> float:
 
 def test_default_policy_is_the_search_and_samullm_still_works():
     assert DEFAULT_OFFLINE_POLICY == "samullm-search" and DEFAULT_OFFLINE_POLICY in policy_names()
-    from raycolo.cli import build_parser
+    from raycolo.cli.main import build_parser
     parser = build_parser()
     assert parser.parse_args(["plan", "x.yaml"]).policy == DEFAULT_OFFLINE_POLICY
     assert parser.parse_args(["run", "x.yaml"]).policy == DEFAULT_OFFLINE_POLICY
@@ -176,7 +176,7 @@ def test_search_is_deterministic():
 
 
 def test_search_respects_its_budget():
-    from raycolo.policies.search import HARD_LIMIT_FACTOR
+    from raycolo.offline.policies.search import HARD_LIMIT_FACTOR
     app = {**TINY, "requests": {"count": 400, "input_tokens": {"distribution": "uniform", "min": 5, "max": 200}},
            "nodes": [{"name": f"n{i}", "model": m, "max_output_tokens": 256}
                      for i, m in enumerate(MODELS[:4])],
@@ -198,7 +198,7 @@ def test_search_respects_its_budget():
 
 
 def _cli_json(*args) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "raycolo.cli", *map(str, args), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "raycolo.cli.main", *map(str, args), "--json"],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from raycolo.catalog import get_model
-from raycolo.cli import resolve_profile_dir
-from raycolo.costmodel.fit import IterationSample, fit_profile
-from raycolo.costmodel.latency import IterationLatency, LatencyProfile, default_profile
-from raycolo.costmodel.sampler import OutputLengthSampler, load_ecdf, write_ecdf
+from raycolo.cli.main import resolve_profile_dir
+from raycolo.offline.costmodel.fit import IterationSample, fit_profile
+from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile, default_profile
+from raycolo.offline.costmodel.sampler import OutputLengthSampler, load_ecdf, write_ecdf
 from raycolo.errors import ConfigError
 from raycolo.hardware import ClusterSpec
-from raycolo.profiler import SweepSettings, profile_model
+from raycolo.offline.profiler import SweepSettings, profile_model
 
 TRUTH = LatencyProfile(
     model="synthetic", tp=1, source="measured",
@@ -122,17 +122,17 @@ requests: {count: 40, input_tokens: {distribution: uniform, min: 8, max: 64}}
 nodes: [{name: a, model: tiny-llama-s, max_output_tokens: 64}]
 edges: [{from: input, to: a}]
 """)
-    args = [sys.executable, "-m", "raycolo.cli", "plan", str(app), "--gpus", "1", "--nvlink-group", "1",
+    args = [sys.executable, "-m", "raycolo.cli.main", "plan", str(app), "--gpus", "1", "--nvlink-group", "1",
             "--gpu-memory", "4GiB", "--json"]
     with_profile = json.loads(subprocess.run(args + ["--profile", str(out)], capture_output=True,
                                              text=True, check=True).stdout)
     without = json.loads(subprocess.run(args, capture_output=True, text=True, check=True).stdout)
     # the CLI's plan is the planner's plan with the measured coefficients and eCDF
-    from raycolo.dag import load_app
+    from raycolo.offline.dag import load_app
     from raycolo.hardware import make_cluster
-    from raycolo.planner.problem import PlanningProblem
-    from raycolo.policies import get_policy
-    from raycolo.workload import build_workload
+    from raycolo.offline.planner.problem import PlanningProblem
+    from raycolo.offline.policies import get_policy
+    from raycolo.offline.workload import build_workload
     workload = build_workload(load_app(app), seed=0, ecdf_dir=out / "ecdf")
     expected = get_policy("samullm")(PlanningProblem(workload, make_cluster(1, "4GiB", 1), profile_dir=out))
     assert with_profile["makespan_s"] == pytest.approx(expected.makespan_s, rel=1e-9)
@@ -151,7 +151,7 @@ def test_shipped_cpu_profiles_cover_the_tiny_models():
 
 
 def test_validate_reports_predicted_and_measured_times():
-    result = subprocess.run([sys.executable, "-m", "raycolo.cli", "validate", "--models", "tiny-llama-s",
+    result = subprocess.run([sys.executable, "-m", "raycolo.cli.main", "validate", "--models", "tiny-llama-s",
                              "--requests", "8", "--json"], capture_output=True, text=True, check=True)
     report = json.loads(result.stdout)
     assert {c["name"].split(" ")[0] for c in report["cases"]} >= {"tiny-llama-s", "2-model"}
@@ -170,7 +170,7 @@ def test_validate_reports_predicted_and_measured_times():
     (["validate", "--requests", "0"], "--requests"),
 ])
 def test_profiling_cli_errors_name_the_field(argv, field):
-    result = subprocess.run([sys.executable, "-m", "raycolo.cli", *argv], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "raycolo.cli.main", *argv], capture_output=True, text=True)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0]

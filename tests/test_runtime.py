@@ -16,8 +16,8 @@ import pandas as pd
 import pytest
 import ray
 
-from raycolo.actors.launch import run_application
-from raycolo.runtime.setup import RunConfig
+from raycolo.actors.offline.launch import run_application
+from raycolo.offline.runtime.setup import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -77,7 +77,7 @@ def test_ensemble_with_a_judge_runs_every_request_once(cluster, tmp_path):
 
 def test_routing_sends_each_request_to_one_model(cluster, tmp_path):
     """The medium model loads from a real checkpoint directory (a node's ``checkpoint``)."""
-    from raycolo.engines.models import save_tiny_checkpoint
+    from raycolo.engine.models import save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint("tiny-llama-m", tmp_path / "ckpt")
     dag = tmp_path / "routing.yaml"
@@ -175,10 +175,10 @@ def test_a_replica_killed_while_it_starts_is_restarted(cluster, tmp_path):
 def test_the_replica_start_probe_survives_a_probe_that_dies(cluster, tmp_path):
     """A pool actor killed while it starts gives no sample and is not pooled; the others
     still time the start (before, the whole run failed: found by bench/offline_faults.py)."""
-    from raycolo.actors.controller import stop_actor
-    from raycolo.actors.launch import prepare
-    from raycolo.actors.pool import start_pool
-    from raycolo.planner.problem import PlanningProblem
+    from raycolo.actors.offline.controller import stop_actor
+    from raycolo.actors.offline.launch import prepare
+    from raycolo.actors.offline.pool import start_pool
+    from raycolo.offline.planner.problem import PlanningProblem
 
     killed, thread = _kill_on_sight(lambda name: name.startswith("raycolo-pool-0~"))
     run = prepare(_config(tmp_path, "tiny_routing.yaml", requests=4))
@@ -223,7 +223,7 @@ def test_a_warm_swap_gives_the_outputs_of_a_cold_start(cluster):
     the same config again is a keep, with the same answers too. The first model was
     parked asleep meanwhile: swapping back to it wakes it (no new engine), and it answers
     as a fresh engine of that model does."""
-    from raycolo.actors.engine_actor import EngineActor
+    from raycolo.actors.offline.engine_actor import EngineActor
     from raycolo.generation import SamplingParams
 
     def config(model: str) -> dict:
@@ -265,10 +265,10 @@ def test_a_grown_replica_keeps_its_requests_and_later_stages_reuse_actors(cluste
     r0 runs on (not drained) keeping its share of the requests, a new r1 on small's pooled
     actor takes the other half with their tokens (nothing generated twice), and the
     judge's replicas take over the pooled actors (swaps, no new process)."""
-    from raycolo.actors.controller import Controller
-    from raycolo.planner.problem import ExecPlan, PlanningProblem
-    from raycolo.planner.search import replay_selections, run_policy
-    from raycolo.runtime.setup import prepare
+    from raycolo.actors.offline.controller import Controller
+    from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
+    from raycolo.offline.planner.search import replay_selections, run_policy
+    from raycolo.offline.runtime.setup import prepare
 
     dag = _short_small(tmp_path / "grow.yaml")
     config = _config(tmp_path, str(dag), requests=8)
@@ -392,7 +392,7 @@ def test_bad_dag_or_input_fails_before_ray_starts(tmp_path):
                  ["run", str(EXAMPLES / "tiny.yaml"), "--input", str(tmp_path / "missing.jsonl")],
                  ["run", str(EXAMPLES / "tiny.yaml"), "--policy", "nope"],
                  ["run", str(EXAMPLES / "tiny.yaml"), "--gpus", "0"]):
-        proc = subprocess.run([sys.executable, "-m", "raycolo.cli", *args, "--output", str(tmp_path / "o")],
+        proc = subprocess.run([sys.executable, "-m", "raycolo.cli.main", *args, "--output", str(tmp_path / "o")],
                               capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == 2, (args, proc.stderr)
         lines = proc.stderr.strip().splitlines()
@@ -459,10 +459,10 @@ def test_the_runtime_adapts_when_models_finish_in_another_order(cluster, tmp_pat
     """Plan with a wrong belief (the small model's answers 1000 tokens long): the
     plan expects 'medium' to finish first, reality finishes 'small' first, and the stage
     adjuster takes the next stage from there."""
-    from raycolo.actors.controller import Controller
-    from raycolo.planner.problem import PlanningProblem
-    from raycolo.policies import get_policy
-    from raycolo.runtime.setup import prepare
+    from raycolo.actors.offline.controller import Controller
+    from raycolo.offline.planner.problem import PlanningProblem
+    from raycolo.offline.policies import get_policy
+    from raycolo.offline.runtime.setup import prepare
 
     # 'small' really answers in at most 4 tokens and 'medium' in up to 512 (seconds of work
     # even on the fast executor, more than replica starts vary), so the real order does not
@@ -494,7 +494,7 @@ def test_the_runtime_adapts_when_models_finish_in_another_order(cluster, tmp_pat
 
 def _dag_with_broken_checkpoint(tmp_path) -> Path:
     """tiny_routing with 'small' loading a checkpoint whose weights file is gone."""
-    from raycolo.engines.models import save_tiny_checkpoint
+    from raycolo.engine.models import save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint("tiny-llama-s", tmp_path / "broken")
     for weights in checkpoint.glob("*.safetensors"):
@@ -508,7 +508,7 @@ def _dag_with_broken_checkpoint(tmp_path) -> Path:
 def test_a_replica_that_cannot_start_fails_the_run_at_once(cluster, tmp_path):
     """A checkpoint whose weights are missing passes the driver's checks (its config and
     tokenizer are fine) but cannot load in the actor: one clear error, no restarts."""
-    from raycolo.actors.controller import ReplicaFailed
+    from raycolo.actors.offline.controller import ReplicaFailed
 
     dag = _dag_with_broken_checkpoint(tmp_path)
     with pytest.raises(ReplicaFailed, match=r"small/r0@gpu\d#s0 failed to start: .*"):
@@ -518,7 +518,7 @@ def test_a_replica_that_cannot_start_fails_the_run_at_once(cluster, tmp_path):
 def test_cli_reports_a_replica_failure_as_one_error_line(tmp_path):
     dag = _dag_with_broken_checkpoint(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "raycolo.cli", "run", str(dag), "--gpus", "1",
+    proc = subprocess.run([sys.executable, "-m", "raycolo.cli.main", "run", str(dag), "--gpus", "1",
                            "--requests", "4", "--replica-start-s", str(START_S), "--no-progress",
                            "--output", str(tmp_path / "out")], capture_output=True, text=True,
                           timeout=300, env=env)

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import yaml
 
-from raycolo.dag import parse_app
-from raycolo.engines.models import ByteTokenizer, load_tokenizer
+from raycolo.offline.dag import parse_app
+from raycolo.engine.models import ByteTokenizer, load_tokenizer
 from raycolo.errors import ConfigError
 from raycolo.hardware import ClusterSpec
-from raycolo.runtime.communicator import Communicator, request_seed
-from raycolo.runtime.setup import RunConfig, parse_run_config, prepare
-from raycolo.runtime.store import OutputStore
-from raycolo.runtime.texts import build_source_texts, synthetic_text, split_words
-from raycolo.workload import build_workload
+from raycolo.offline.runtime.communicator import Communicator, request_seed
+from raycolo.offline.runtime.setup import RunConfig, parse_run_config, prepare
+from raycolo.offline.runtime.store import OutputStore
+from raycolo.offline.runtime.texts import build_source_texts, synthetic_text, split_words
+from raycolo.offline.workload import build_workload
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TOK = ByteTokenizer(512)
@@ -211,7 +211,7 @@ def test_load_tokenizer_needs_a_checkpoint_for_real_models():
 
 
 def test_remaining_workload_drops_finished_requests_and_met_dependencies():
-    from raycolo.runtime.remaining import remaining_workload
+    from raycolo.offline.runtime.remaining import remaining_workload
 
     app = parse_app(yaml.safe_load("""
 name: r
@@ -240,8 +240,8 @@ edges: [{from: docs, to: s}, {from: s, to: s}, {from: s, to: e}]
 
 
 def _profiled_problem(**kw):
-    from raycolo.costmodel.latency import resolve_profile_dir
-    from raycolo.planner.problem import PlanningProblem
+    from raycolo.offline.costmodel.latency import resolve_profile_dir
+    from raycolo.offline.planner.problem import PlanningProblem
     app = parse_app(yaml.safe_load("""
 name: scaled
 requests: {count: 24, input_tokens: {distribution: uniform, min: 8, max: 96}}
@@ -258,10 +258,10 @@ def test_a_compute_scale_multiplies_every_iteration_but_not_the_load():
     """The probe's prediction agrees with the reference simulator (the slow, step-by-step
     one) on the profile as it is; a compute scale of 2.5 makes every iteration, so the
     whole batch, 2.5 times as long, and leaves the load alone."""
-    from raycolo.costmodel.latency import IterationLatency
-    from raycolo.planner.problem import ExecPlan
-    from raycolo.sim import reference
-    from raycolo.sim.types import ReplicaWorkload
+    from raycolo.offline.costmodel.latency import IterationLatency
+    from raycolo.offline.planner.problem import ExecPlan
+    from raycolo.offline.sim import reference
+    from raycolo.offline.sim.types import ReplicaWorkload
 
     plain, scaled = _profiled_problem(), _profiled_problem(compute_scale={"tiny-llama-m": 2.5})
     rng = np.random.default_rng(5)
@@ -276,7 +276,7 @@ def test_a_compute_scale_multiplies_every_iteration_but_not_the_load():
 
 
 def test_compute_scales_are_low_medians_and_unprobed_models_take_the_clusters():
-    from raycolo.actors.pool import ComputeScales
+    from raycolo.actors.offline.pool import ComputeScales
 
     scales = ComputeScales()
     assert scales.scales(["a", "b"]) == {}                  # nothing measured: the profiles

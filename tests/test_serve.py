@@ -1,4 +1,4 @@
-"""The HTTP front (actors/serve_app.py) against a real deployment on a local Ray cluster:
+"""The HTTP front (raycolo/actors/serve/app.py) against a real deployment on a local Ray cluster:
 Ray Serve, the official ``openai`` client, httpx, Prometheus's parser, schemathesis.
 
 One deployment (2 nodes x 2 stages of tiny-llama-s) serves the module, with an API key,
@@ -31,7 +31,7 @@ SAMPLES_SENT = {"n": 0}         # training samples the tests had acknowledged
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory):
-    from raycolo.actors import serve_launch
+    from raycolo.actors.serve import launch as serve_launch
 
     out = tmp_path_factory.mktemp("serve")
     config = small_online_config(
@@ -58,7 +58,7 @@ def http(front) -> httpx.Client:
 
 
 def expected_text(prompt_text: str, n: int) -> str:
-    from raycolo.engines.models import load_tokenizer
+    from raycolo.engine.models import load_tokenizer
     tok = load_tokenizer(MODEL)
     # a last character cut off by max_tokens is not text (an incremental detokenizer's rule)
     return tok.decode(hf_greedy(MODEL, tok.encode(prompt_text), n)).rstrip("\ufffd")
@@ -88,7 +88,7 @@ def test_completion_is_the_models_greedy_text_streamed_or_not(front):
 
 
 def test_chat_uses_the_plain_template_streamed_or_not(front):
-    from raycolo.serving.text import render_plain
+    from raycolo.online.serving.text import render_plain
 
     c = client(front)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -272,7 +272,7 @@ def test_saved_adapter_versions_are_listed_and_served_as_pinned_models(front):
             versions = again
     assert [m.id for m in listed] == [f"{MODEL}@v{k}" for k in versions]
     assert all(m.adapter == "version" and m.parent == MODEL for m in listed)
-    from raycolo.engines.models import load_tokenizer
+    from raycolo.engine.models import load_tokenizer
     tok = load_tokenizer(MODEL)
     prompt = "Pinned adapters"
     texts = {}
@@ -337,7 +337,7 @@ def test_preference_pairs_over_http_are_stored_trained_and_evaluated(front):
         r = h.post("/v1/train_samples", json={"samples": pairs})
         assert r.status_code == 200, r.text
         stored = [json.loads(line) for line in (front["out"] / "samples" / "samples.jsonl").read_text().splitlines()]
-        from raycolo.engines.models import load_tokenizer
+        from raycolo.engine.models import load_tokenizer
         tok = load_tokenizer(MODEL)
         assert [s["seq"] for s in stored[-2:]] == r.json()["ids"]
         assert all(tok.decode(s["rejected"][:-1]) == "no no" and tok.decode(s["completion"][:-1]) == "yes yes"
@@ -362,7 +362,7 @@ def test_train_samples_and_eval_take_a_bare_list_or_the_samples_object(front):
     """POST /v1/train_samples and /v1/eval take ``{"samples": [...]}`` or a bare JSON list
     of samples, with the same validation and limits; a 400 names the field as the body
     has it (``samples[3].completion`` or ``[3].completion``); /openapi.json gives both."""
-    from raycolo.serving.protocol import MAX_TRAIN_SAMPLES
+    from raycolo.online.serving.protocol import MAX_TRAIN_SAMPLES
 
     sample = {"prompt": "Form test:", "completion": "ok"}
     with http(front) as h:
@@ -684,7 +684,7 @@ def test_acknowledged_samples_are_trained_after_the_deployment_restarts(front):
     """The whole deployment stops and starts again on the same storage: every acknowledged
     sample is still stored, the adapter comes back from its newest checkpoint, and the
     samples no checkpoint held are trained."""
-    from raycolo.actors import serve_launch
+    from raycolo.actors.serve import launch as serve_launch
 
     with http(front) as h:
         before = h.get("/v1/train_samples/status").json()

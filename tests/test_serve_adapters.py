@@ -36,7 +36,7 @@ def make_adapter(directory: Path, rank: int = RANK, alpha: int = ALPHA, targets=
     """A peft LoRA adapter of ``model`` whose B weights are random (seeded), saved by peft."""
     from peft import LoraConfig, get_peft_model
 
-    from raycolo.engines.models import build_tiny_model
+    from raycolo.engine.models import build_tiny_model
 
     base, _ = build_tiny_model(model, 0)
     peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
@@ -66,7 +66,7 @@ def adapters(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory, adapters):
-    from raycolo.actors import serve_launch
+    from raycolo.actors.serve import launch as serve_launch
 
     out = tmp_path_factory.mktemp("serve-adapters")
     config = parse_online_config({
@@ -108,7 +108,7 @@ def served(front, model: str, prompt: str) -> tuple[str, list[float]]:
 
 @functools.lru_cache(maxsize=None)
 def _reference(prompt: str, adapter_dir) -> tuple[str, list[float]]:
-    from raycolo.engines.models import build_tiny_model, load_tokenizer
+    from raycolo.engine.models import build_tiny_model, load_tokenizer
 
     tok = load_tokenizer(MODEL)
     ids = tok.encode(prompt)
@@ -246,7 +246,7 @@ def test_loading_is_off_without_lora_load_dirs_and_confined_to_them(adapters, tm
     import asyncio
     from types import SimpleNamespace
 
-    from raycolo.actors.online_adapters import AdapterVersions
+    from raycolo.actors.online.adapters import AdapterVersions
 
     def load(dirs, path):
         state = SimpleNamespace(config=parse_online_config({"serve": {"lora_load_dirs": dirs}}))

@@ -26,7 +26,7 @@ STREAM_INTERVAL = 5
 
 @pytest.fixture(scope="module", params=KINDS)
 def front(request, hf_checkpoints, tmp_path_factory):
-    from raycolo.actors import serve_launch
+    from raycolo.actors.serve import launch as serve_launch
     from raycolo.online.config import parse_online_config
 
     kind = request.param
@@ -62,7 +62,7 @@ def client(front) -> openai.OpenAI:
 
 
 def test_completions_equal_transformers_streamed_or_not(front):
-    from raycolo.actors.serve_launch import controller_handle
+    from raycolo.actors.serve.launch import controller_handle
 
     c = client(front)
     cases = [x for x in front["cases"] if isinstance(x["prompt"], str)]
@@ -94,7 +94,7 @@ def test_completions_equal_transformers_streamed_or_not(front):
 def test_token_id_prompts_and_the_controller_give_transformers_ids(front):
     """The online runtime's own API (what raycolo online run drives): the generated ids,
     the stop token included, and the finish reason."""
-    from raycolo.actors.serve_launch import controller_handle
+    from raycolo.actors.serve.launch import controller_handle
 
     controller = controller_handle(front["config"])
     for case in front["cases"]:
@@ -174,7 +174,7 @@ def test_unknown_and_bad_fields_are_400_naming_them(front):
 def test_chat_training_samples_end_with_the_end_of_turn_token(front):
     """A chat sample is stored as the template renders it: the completion ends with the
     template's end-of-turn token, not the tokenizer's EOS."""
-    from raycolo.actors.serve_launch import controller_handle
+    from raycolo.actors.serve.launch import controller_handle
 
     with httpx.Client(base_url=front["url"], timeout=60) as h:
         r = h.post("/v1/train_samples", json={"samples": [{"messages": [

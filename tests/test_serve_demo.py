@@ -20,7 +20,7 @@ def _demo():
 
 
 def test_the_demo_teaches_the_served_model_a_made_up_answer(tmp_path):
-    from raycolo.actors import serve_launch
+    from raycolo.actors.serve import launch as serve_launch
 
     demo = _demo()
     config = demo.demo_config(str(ROOT / "examples" / "online.yaml"), root=str(tmp_path),

@@ -24,7 +24,7 @@ BIN = Path(sys.executable).parent
 def test_serve_run_with_the_shipped_config(tmp_path):
     shipped = yaml.safe_load((ROOT / "examples" / "serve.yaml").read_text())
     assert shipped["http_options"]["host"] == "127.0.0.1"
-    assert shipped["applications"][0]["import_path"] == "raycolo.actors.serve_app:build_app"
+    assert shipped["applications"][0]["import_path"] == "raycolo.actors.serve.app:build_app"
     # the shipped file, with a free port and this test's directories
     port, gcs = free_port(), free_port()
     shipped["http_options"]["port"] = port

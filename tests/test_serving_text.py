@@ -10,10 +10,10 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 from pydantic import ValidationError
 
-from raycolo.engines.models import ByteTokenizer
-from raycolo.serving.errors import from_validation
-from raycolo.serving.protocol import ChatCompletionRequest, CompletionRequest, TrainSamplesRequest
-from raycolo.serving.text import TextStream, encode_completion, render_plain
+from raycolo.engine.models import ByteTokenizer
+from raycolo.online.serving.errors import from_validation
+from raycolo.online.serving.protocol import ChatCompletionRequest, CompletionRequest, TrainSamplesRequest
+from raycolo.online.serving.text import TextStream, encode_completion, render_plain
 
 ROOT = Path(__file__).resolve().parent.parent
 TOK = ByteTokenizer(512)
@@ -127,7 +127,7 @@ def test_grafana_dashboard_uses_only_exported_metrics():
 def test_model_variant_names():
     """A model name selects a variant by a checked integer, never a path: nothing in a
     request can name a file (docs/security.md)."""
-    from raycolo.serving.protocol import model_variant
+    from raycolo.online.serving.protocol import model_variant
 
     served = "tiny-llama-s"
     assert model_variant(served, served) == "latest"

@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 
 from raycolo.catalog import get_model
-from raycolo.costmodel.latency import IterationLatency, default_profile
+from raycolo.offline.costmodel.latency import IterationLatency, default_profile
 from raycolo.hardware import ClusterSpec
-from raycolo.sim import fast, reference
-from raycolo.sim.reference import SchedulerDeadlock
-from raycolo.sim.types import ReplicaWorkload, SchedulerLimits
+from raycolo.offline.sim import fast, reference
+from raycolo.offline.sim.reference import SchedulerDeadlock
+from raycolo.offline.sim.types import ReplicaWorkload
+from raycolo.batching.limits import SchedulerLimits
 
 
 @pytest.fixture(scope="module")

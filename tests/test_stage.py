@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from raycolo.engines.models import build_tiny_model
-from raycolo.executor.stage import (LoraSettings, StageModel, add_lora, causal_lm_loss, training_batch,
+from raycolo.engine.models import build_tiny_model
+from raycolo.engine.executor.stage import (LoraSettings, StageModel, add_lora, causal_lm_loss, training_batch,
                                     training_rows)
 
 from test_executor import random_prompts  # noqa: E402
@@ -199,7 +199,7 @@ def test_a_lora_update_is_visible_to_the_next_forward_and_nothing_else_changes_i
 
 def test_exported_adapter_loads_in_peft_and_matches_the_stages(tmp_path):
     from peft import PeftModel
-    from raycolo.executor.adapters import export_adapter
+    from raycolo.engine.executor.adapters import export_adapter
 
     chain = stages("tiny-llama-m", [0, 2, 4])
     pipelined_step(chain, training_batch([(p, p[1:5]) for p in prompts([6, 9], seed=2)]))
@@ -232,10 +232,10 @@ def test_packed_projections_match_plain_ones_and_leave_training_to_the_plain_wei
     """float32 on the CPU: the executor packs frozen projections for oneDNN; logits agree
     with an unpacked executor, LoRA's A/B stay plain, and a training step still reaches the
     LoRA weights through the packed layers."""
-    from raycolo.executor import SeqChunk
-    from raycolo.executor.model import ModelExecutor
-    from raycolo.executor.packed import PackedLinear
-    from raycolo.sim.blocks import BlockAllocator
+    from raycolo.engine.executor import SeqChunk
+    from raycolo.engine.executor.model import ModelExecutor
+    from raycolo.engine.executor.packed import PackedLinear
+    from raycolo.batching.blocks import BlockAllocator
 
     packed = StageModel(add_lora(build_tiny_model("tiny-llama-m", 0, "float32")[0], LORA), (0, 4), 64, 4,
                         lr=LORA.lr)
@@ -315,7 +315,7 @@ def test_pinned_rows_run_with_their_saved_adapter_version_in_the_same_step(tmp_p
     step mixing a request pinned to v1, one on the latest adapter and one on the base
     model gives each row what a chain holding only that variant gives; the latest weights
     are exactly as before afterwards, and the next training step still works."""
-    from raycolo.executor.adapters import export_adapter
+    from raycolo.engine.executor.adapters import export_adapter
 
     chain = stages("tiny-llama-m", [0, 2, 4])
     nonzero_lora(chain)

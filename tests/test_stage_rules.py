@@ -1,14 +1,14 @@
-"""Harli's and MACE's stage rules (raycolo/online/stage_rules.py) on hand-worked cases,
+"""Harli's and MACE's stage rules (raycolo/online/scheduling/stage_rules.py) on hand-worked cases,
 through a real NodeScheduler, and in the simulator (the same code the live runtime runs)."""
 from __future__ import annotations
 
 import pytest
 
-from raycolo.online.latency_predictor import DecodeLatencyPredictor
-from raycolo.online.node import NodeScheduler, Op, Request
+from raycolo.online.scheduling.latency_predictor import DecodeLatencyPredictor
+from raycolo.online.scheduling.node import NodeScheduler, Op, Request
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import preset
-from raycolo.online.stage_rules import (HarliRule, MaceRule, PeriodicRule, StageRule, StaticPartitionRule,
+from raycolo.online.scheduling.stage_rules import (HarliRule, MaceRule, PeriodicRule, StageRule, StaticPartitionRule,
                                         expected_op_s, harli_rule, mace_rule, pack_bins)
 from raycolo.online.tasks import OnlineTask
 
@@ -84,9 +84,9 @@ def test_the_default_rule_is_oldest_first():
 def test_harli_keeps_decode_latency_down_in_the_simulator():
     """Same trace and round-robin allocation: Harli's rule lowers the TBT tail against
     plain mix-rr, and every task still completes exactly once."""
-    from raycolo.online.sim import simulate
+    from raycolo.online.simulation.sim import simulate
     from raycolo.online.tasks import poisson_workload
-    from raycolo.policies import make_online_policy
+    from raycolo.online.policies import make_online_policy
 
     params = LemixParams()
     tasks = poisson_workload(50, 0.5, 400, seed=2)
@@ -103,7 +103,7 @@ def test_sirius_takes_memory_back_from_training_that_waits_for_its_backward():
     backward; a prefill short of 400 bytes on stage 0 aborts the larger one only (its
     memory is freed on every stage and it runs again from its first forward); a need
     beyond what waiting training holds aborts nothing."""
-    from raycolo.online.stage_rules import SiriusRule
+    from raycolo.online.scheduling.stage_rules import SiriusRule
 
     profile = preset("llama-8b", 2)
     node = NodeScheduler(0, profile, LemixParams(), True, rule=SiriusRule())
@@ -126,8 +126,8 @@ def test_sirius_takes_memory_back_from_training_that_waits_for_its_backward():
 
 def _each_once_on_llama_70b(tasks, policies):
     """Simulate ``tasks`` on 4 x 2 llama-70b under each policy; every task completes once."""
-    from raycolo.online.sim import simulate
-    from raycolo.policies import make_online_policy
+    from raycolo.online.simulation.sim import simulate
+    from raycolo.online.policies import make_online_policy
 
     params = LemixParams()
     runs = {name: simulate(tasks, preset("llama-70b", 2), 4,
@@ -166,7 +166,7 @@ def test_sirius_trains_in_micro_batches_that_fit_and_finishes_sooner_than_waitin
 
 
 def test_training_first_baseline_orders_fine_tuning_before_inference():
-    from raycolo.online.stage_rules import TrainingFirstRule
+    from raycolo.online.scheduling.stage_rules import TrainingFirstRule
 
     decode = _op("decode", [], 1, ready_s=0.0)
     ft = _op("train_f", [OnlineTask(3, "train", 0.0, 50, 1, 0)], 2, ready_s=1.0)
@@ -205,7 +205,7 @@ def test_mace_keeps_reported_losses_until_the_task_is_done():
 
 
 def test_harli_static_mode_gives_fine_tuning_a_fixed_time_share():
-    from raycolo.online.stage_rules import StaticShareRule
+    from raycolo.online.scheduling.stage_rules import StaticShareRule
 
     profile = preset("llama-8b", 2)
     rule = StaticShareRule(share=0.5)
@@ -258,7 +258,7 @@ def test_mace_runs_its_first_bin_before_anything_that_came_later():
 
 
 def test_sirius_static_partition_splits_each_stages_memory():
-    from raycolo.online.node import Stage
+    from raycolo.online.scheduling.node import Stage
 
     rule = StaticPartitionRule(train_memory=0.25)
     stage = Stage(used_bytes=60.0, held={("train", 1): 20.0, ("req", 2): 40.0})

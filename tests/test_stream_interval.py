@@ -1,5 +1,5 @@
-"""vLLM's --stream-interval rule for streamed answers (raycolo/serving/responses.py), by hand."""
-from raycolo.serving.responses import StreamInterval
+"""vLLM's --stream-interval rule for streamed answers (raycolo/online/serving/responses.py), by hand."""
+from raycolo.online.serving.responses import StreamInterval
 
 
 def _chunks(every, events):

@@ -1,4 +1,4 @@
-"""Tokens from a node straight to an HTTP replica (raycolo/serving/token_wire.py), over
+"""Tokens from a node straight to an HTTP replica (raycolo/online/serving/token_wire.py), over
 real loopback sockets, without Ray: a node's TokenSender against a replica's inbox, the
 secret, hostile bytes, and a request resumed on another node."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 import pytest
 
 from raycolo.generation.sampler import TokenLogprob
-from raycolo.online.node_loop import TokenOut
-from raycolo.serving.token_wire import (FrontKey, InboxToken, Positions, TokenSender, decode_tokens, encode_tokens,
+from raycolo.online.scheduling.node_loop import TokenOut
+from raycolo.online.serving.token_wire import (FrontKey, InboxToken, Positions, TokenSender, decode_tokens, encode_tokens,
                                         frame, serve_inbox, token_events)
 
 WAIT_S = 10.0
@@ -131,7 +131,7 @@ def test_an_unreachable_replica_loses_its_tokens_without_stalling_the_node():
     with socket.socket() as s:              # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from raycolo.serving.token_wire import RETRY_AFTER_S, FrontInbox
+    from raycolo.online.serving.token_wire import RETRY_AFTER_S, FrontInbox
 
     sender = TokenSender()
     sender.watch(1, FrontKey("gone", 1, FrontInbox("127.0.0.1", port, "s")))

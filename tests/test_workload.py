@@ -1,4 +1,4 @@
-"""Workloads (raycolo.workload.build_workload): per-node request arrays, routing,
+"""Workloads (raycolo.offline.workload.build_workload): per-node request arrays, routing,
 chain expansion, output-length clipping, seeding and request files.
 
 Everything runs the real sampler on the shipped catalog and eCDFs; no mocks.
@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from raycolo.catalog import get_model
-from raycolo.dag import load_app, parse_app
+from raycolo.offline.dag import load_app, parse_app
 from raycolo.errors import ConfigError
-from raycolo.workload import build_workload, template_tokens
+from raycolo.offline.workload import build_workload, template_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 # Application graphs; examples/online.yaml and serve.yaml are online deployment configs (tests/test_online_samples.py, test_serve_run.py).

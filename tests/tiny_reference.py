@@ -8,7 +8,7 @@ def hf_greedy(model_id: str, prompt_ids, n: int, adapter_dir=None) -> list[int]:
     ``PeftModel.from_pretrained`` on top of the model."""
     from transformers import GenerationConfig
 
-    from raycolo.engines.models import build_tiny_model
+    from raycolo.engine.models import build_tiny_model
     model, _ = build_tiny_model(model_id, 0, "float32")
     model.generation_config.eos_token_id = None
     if adapter_dir is not None:

@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("vllm")
 ray = pytest.importorskip("ray")
 
-from raycolo.actors.launch import run_application  # noqa: E402
-from raycolo.engines.models import save_tiny_checkpoint  # noqa: E402
-from raycolo.runtime.setup import RunConfig  # noqa: E402
+from raycolo.actors.offline.launch import run_application  # noqa: E402
+from raycolo.engine.models import save_tiny_checkpoint  # noqa: E402
+from raycolo.offline.runtime.setup import RunConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,9 +11,9 @@ pytest.importorskip("vllm")
 
 from vllm.platforms import current_platform  # noqa: E402
 
-from raycolo.engines.base import EngineConfig, SamplingParams, create_engine  # noqa: E402
-from raycolo.engines.models import save_tiny_checkpoint  # noqa: E402
-from raycolo.engines.vllm_engine import VllmEngine  # noqa: E402
+from raycolo.engine.base import EngineConfig, SamplingParams, create_engine  # noqa: E402
+from raycolo.engine.models import save_tiny_checkpoint  # noqa: E402
+from raycolo.engine.vllm_engine import VllmEngine  # noqa: E402
 from raycolo.errors import ConfigError  # noqa: E402
 
 MODEL = "tiny-llama-m"  # head_dim 32, the least vLLM's CPU attention accepts

@@ -30,8 +30,8 @@ ECDF_TEMPERATURE = 1.0
 
 MAX_TOP_K = 1 << 20
 
-# The field types shared by SamplingParams, the offline DAG nodes (raycolo.dag.NodeSpec)
-# and the HTTP requests (raycolo.serving.protocol): each bound is declared here once.
+# The field types shared by SamplingParams, the offline DAG nodes (raycolo.offline.dag.NodeSpec)
+# and the HTTP requests (raycolo.online.serving.protocol): each bound is declared here once.
 Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False, strict=True,
                                      description="0: greedy")]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False, strict=True)]

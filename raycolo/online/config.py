@@ -16,7 +16,7 @@ from raycolo.paths import check_input, is_dir
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import GIB, NodeProfile
 from raycolo.yamlio import load_yaml
-from raycolo.engines.base import ModelLoadingConfig
+from raycolo.engine.base import ModelLoadingConfig
 from raycolo.kv_bytes import AttentionShape
 
 
@@ -115,7 +115,7 @@ class StageSpec(Strict):
         "trained since its last checkpoint trained on the other nodes."))
     data_plane: Literal["node", "controller"] = Field(default="node", description=(
         "Where a node's scheduler runs. \"node\": in its first stage's process, next to the stages "
-        "(raycolo/online/node_loop.py): ops go stage to stage over the stages' own process group and the "
+        "(raycolo/online/scheduling/node_loop.py): ops go stage to stage over the stages' own process group and the "
         "controller keeps a mirror fed the node's reports, with no actor call per op. \"controller\": in "
         "the controller actor, every op one actor call (the runtime before 2026-11-27; kept to compare, "
         "bench/live_tbt.py)."))
@@ -158,7 +158,7 @@ class ServeSpec(Strict):
     token_path: Literal["direct", "controller"] = Field(default="direct", description=(
         "With stage.data_plane node, how tokens reach the replica that admitted the request. \"direct\": "
         "the node writes them to the replica's token inbox, a TCP listener on the replica's Ray node "
-        "address with a per-replica secret (raycolo/serving/token_wire.py); \"controller\": in the node's "
+        "address with a per-replica secret (raycolo/online/serving/token_wire.py); \"controller\": in the node's "
         "reports to the controller, then the controller's stream to the replica (two hops; the only path "
         "before 2026-11-27)."))
     stream_interval: int = Field(default=1, ge=1, le=1024, description=(
@@ -292,7 +292,7 @@ class OnlineConfig(Strict):
             return
         import json
 
-        from raycolo.executor.model import FAST_PATH_FAMILIES
+        from raycolo.engine.executor.model import FAST_PATH_FAMILIES
 
         try:
             model_type = json.loads((path / "config.json").read_text()).get("model_type")
@@ -309,8 +309,8 @@ class OnlineConfig(Strict):
         one error naming the field and what differs."""
         if self.lora.init_from is None:
             return
-        from raycolo.executor.adapters import AdapterError, check_adapter
-        from raycolo.executor.stage import LoraSettings
+        from raycolo.engine.executor.adapters import AdapterError, check_adapter
+        from raycolo.engine.executor.stage import LoraSettings
 
         lora = LoraSettings(self.lora.rank, self.lora.alpha, tuple(self.lora.target_modules))
         try:
@@ -328,7 +328,7 @@ class OnlineConfig(Strict):
         m, lora = self.model_loading_config, self.lora
         key = f"{m.model_id}|{m.seed}|{m.dtype}|{self.stages}|{lora.rank}|{lora.alpha}|{sorted(lora.target_modules)}"
         if lora.init_from is not None:
-            from raycolo.executor.adapters import adapter_digest
+            from raycolo.engine.executor.adapters import adapter_digest
 
             key += f"|init_from={adapter_digest(lora.init_from)}"
         return hashlib.sha256(key.encode()).hexdigest()[:10]
@@ -336,7 +336,7 @@ class OnlineConfig(Strict):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        from raycolo.policies import online_policy_names
+        from raycolo.online.policies import online_policy_names
 
         if name not in online_policy_names():
             raise ValueError(f"unknown online policy '{name}' (known: {', '.join(online_policy_names())})")
@@ -352,7 +352,7 @@ def model_hf_config(model_id: str):
         from transformers import AutoConfig
         return AutoConfig.from_pretrained(path)
     from raycolo.catalog import get_model
-    from raycolo.engines.models import hf_config_for
+    from raycolo.engine.models import hf_config_for
     try:
         spec = get_model(model_id)
     except ConfigError as exc:
@@ -396,7 +396,7 @@ def load_online_config(path) -> OnlineConfig:
 
 def stage_build(config: "OnlineConfig") -> dict:
     """What every stage process of a deployment builds its model from
-    (:func:`raycolo.executor.stage_process.build_stage`)."""
+    (:func:`raycolo.engine.executor.stage_process.build_stage`)."""
     cfg = config
     return {"model_id": cfg.model_loading_config.model_id, "seed": cfg.model_loading_config.seed,
             "dtype": cfg.model_loading_config.dtype, "device": cfg.stage.device,

@@ -1,6 +1,6 @@
-"""An asyncio executor of a :class:`~raycolo.online.cluster.Cluster`: the live runtime's core.
+"""An asyncio executor of a :class:`~raycolo.online.scheduling.cluster.Cluster`: the live runtime's core.
 
-The simulator (:mod:`raycolo.online.sim`) carries out a cluster's steps on an event heap
+The simulator (:mod:`raycolo.online.simulation.sim`) carries out a cluster's steps on an event heap
 with op durations from a profile. :class:`ClusterDriver` carries out the same steps on
 an asyncio event loop, whose clock is the executor's clock: it arms timers with
 ``loop.call_at``, sends decided tasks to their nodes, and starts every op as a task that
@@ -8,7 +8,7 @@ awaits an :class:`OpRunner` (live: the node's stage workers; in tests: a runner 
 sleeps an op's profiled duration on a fake-time loop). Nothing in it knows which.
 
 With a :class:`NodeLink` the nodes run as loops of their own (live: in their first
-stage's process, :mod:`raycolo.online.node_loop`) and the cluster's nodes are their
+stage's process, :mod:`raycolo.online.scheduling.node_loop`) and the cluster's nodes are their
 mirrors: the driver sends each node what the cluster wants of it (a task placed there,
 SEPARATE's weight sync) through the link, never starts a node's ops or arms its timers,
 and takes the node's events in with :meth:`ClusterDriver.absorb` as the node reports
@@ -24,10 +24,10 @@ import time
 from collections import deque
 from typing import Callable, Optional, Protocol
 
-from raycolo.online.cluster import Cluster, ClusterStep
-from raycolo.online.node import Op, Timer
-from raycolo.online.node_events import Dispatched, NodeEvent, OpResult, check_in_step
-from raycolo.online.scheduler import RECENT_DECISIONS, Decision
+from raycolo.online.scheduling.cluster import Cluster, ClusterStep
+from raycolo.online.scheduling.node import Op, Timer
+from raycolo.online.scheduling.node_events import Dispatched, NodeEvent, OpResult, check_in_step
+from raycolo.online.scheduling.scheduler import RECENT_DECISIONS, Decision
 from raycolo.online.tasks import OnlineTask
 
 
@@ -112,8 +112,8 @@ class ClusterDriver:
 
     def absorb(self, n: int, event: NodeEvent, keys: list) -> None:
         """Node ``n``'s loop applied ``event`` and started the ops and armed the timers
-        named ``keys`` (:func:`~raycolo.online.node_events.action_key`): its mirror applies
-        it too (raises :class:`~raycolo.online.node_events.MirrorDiverged` where the two
+        named ``keys`` (:func:`~raycolo.online.scheduling.node_events.action_key`): its mirror applies
+        it too (raises :class:`~raycolo.online.scheduling.node_events.MirrorDiverged` where the two
         part)."""
         def checked() -> ClusterStep:
             step = self.cluster.apply(n, event)

@@ -1,6 +1,6 @@
 """What an online run measured, the same way in the simulator and the live runtime.
 
-:class:`OnlineMetrics` is fed by :class:`~raycolo.online.cluster.Cluster` as node
+:class:`OnlineMetrics` is fed by :class:`~raycolo.online.scheduling.cluster.Cluster` as node
 schedulers report tokens, finished requests and trained tasks, at the executor's clock;
 :meth:`OnlineMetrics.result` turns that into an :class:`OnlineResult`, whose
 :meth:`~OnlineResult.summary` keys are what ``simulate-online`` and ``online run`` print.
@@ -127,7 +127,7 @@ class OnlineMetrics:
 
     def result(self, policy: str, tasks: list[OnlineTask], nodes: list, slo_s: float,
                train_done: int, decision_us_mean: float) -> OnlineResult:
-        """``nodes``: the run's :class:`~raycolo.online.node.NodeScheduler` objects."""
+        """``nodes``: the run's :class:`~raycolo.online.scheduling.node.NodeScheduler` objects."""
         first = min((t.arrival_s for t in tasks), default=0.0)
         end = max((n.last_end for n in nodes), default=0.0)
         makespan = max(end - first, 1e-9)

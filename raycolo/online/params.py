@@ -94,7 +94,7 @@ class LemixParams(Strict):
         "and let decode steps set the decode floor; false: LeMix's η·C·ℓ² alone."))
     scan_nodes: int = Field(default=16, ge=1, le=1 << 20, description=(
         "LeMix's cluster decision plans every placeable node up to this many of them; beyond, only "
-        "candidates from the node index (raycolo/online/node_index.py)."))
+        "candidates from the node index (raycolo/online/scheduling/node_index.py)."))
     candidate_window: int = Field(default=2, ge=1, le=1024, description=(
         "Beyond scan_nodes, the node index offers the this-many nodes freed last before the task's start "
         "and the this-many freed first after it, besides the node idle longest."))

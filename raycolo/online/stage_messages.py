@@ -1,10 +1,10 @@
 """The one rule for what a stage is told to run for a node's op, and for what a sampled
 token does to its request: shared by the online controller (which runs every node's
-scheduler today) and a node loop (:mod:`raycolo.online.node_loop`, which runs one node's
+scheduler today) and a node loop (:mod:`raycolo.online.scheduling.node_loop`, which runs one node's
 scheduler next to its stages).
 
-* :func:`stage_message` turns a :class:`~raycolo.online.node.Op` into the typed message of
-  :mod:`raycolo.executor.stage_ops` its stage runs, from the requests' state (prompts,
+* :func:`stage_message` turns a :class:`~raycolo.online.scheduling.node.Op` into the typed message of
+  :mod:`raycolo.engine.executor.stage_ops` its stage runs, from the requests' state (prompts,
   tokens so far, sampling settings, pinned adapters) and the training tasks' samples.
 * :func:`take_token` appends a sampled token to its request and says whether it ended it
   (raycolo.generation's stop rules: stop tokens after ``min_tokens``, ``max_tokens``; a
@@ -18,13 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
-from raycolo.executor.stage_ops import ForwardStep, LoadWeights, StageWork, TrainBackward, TrainForward
+from raycolo.engine.executor.stage_ops import ForwardStep, LoadWeights, StageWork, TrainBackward, TrainForward
 from raycolo.generation import SamplingParams, check_stop
 from raycolo.generation.sampler import SamplingRow, plain
-from raycolo.online.node import Op
+from raycolo.online.scheduling.node import Op
 from raycolo.online.samples import clip_sample, training_rows
 from raycolo.online.tasks import OnlineTask
-from raycolo.serving.token_wire import FrontKey
+from raycolo.online.serving.token_wire import FrontKey
 
 
 @dataclass
@@ -57,7 +57,7 @@ class TrainingShare:
 def training_share(op: Op, micro, samples_of: Callable[[int], list], max_len: int) -> TrainingShare:
     """A training op's samples (clipped to ``max_len``) and loss share: 1 unless SIRIUS
     split the task into micro-batches (``micro``: the node's
-    :class:`~raycolo.online.microbatches.MicroBatches`); then its share of the labelled
+    :class:`~raycolo.online.scheduling.microbatches.MicroBatches`); then its share of the labelled
     tokens, or of the pairs, so that the micro-batches' gradients add up to the whole
     task's. ``samples_of(root)``: the root task's samples."""
     task = op.tasks[0]

@@ -12,7 +12,7 @@ Two sources of tasks:
   ``train_rate`` and query lengths follow one of :data:`LENGTH_DISTRIBUTIONS`.
 * :func:`load_trace` — a CSV trace (format in docs/online-workloads.md).
 
-Every random draw goes through :func:`raycolo.costmodel.sampler.seeded_rng` with its own
+Every random draw goes through :func:`raycolo.offline.costmodel.sampler.seeded_rng` with its own
 label, so the same seed always gives the same workload, and changing one knob (say the
 training rate) leaves the other draws (arrivals, lengths) unchanged.
 """
@@ -28,7 +28,7 @@ from pydantic import Field
 
 from raycolo.bounds import (MAX_RATE, MAX_TOKENS, Fraction, Requests, Strict, Tokens, checked,
                             field_annotation, field_bounds)
-from raycolo.costmodel.sampler import seeded_rng
+from raycolo.rng import seeded_rng
 from raycolo.errors import ConfigError
 from raycolo.lengths import LengthDistribution
 from raycolo.paths import check_input

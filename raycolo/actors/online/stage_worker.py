@@ -1,0 +1,184 @@
+"""Stage workers: the Ray Train workers of one node, each a pipeline stage that serves and trains.
+
+A node is one ``TorchTrainer`` whose S workers hold consecutive layer slices of the model
+(:class:`~raycolo.engine.executor.stage.StageModel`, LoRA on their layers). Ray Train gives them
+their process group (gloo on CPU, NCCL on GPU), gang placement, restarts and checkpoints.
+:func:`stage_loop` is the train function: a worker registers as ``node-<n>/stage-<s>``
+with the controller, then runs its ops (typed messages, :mod:`raycolo.engine.executor.stage_ops`)
+with :class:`~raycolo.engine.executor.stage_process.StageProcess`. With ``stage.data_plane:
+controller`` it pulls each op from the controller (each request for the next op carries
+the result of the last: one actor call per op); with ``node`` the node's own loop runs
+on its stage 0 and sends the other stages their ops (:mod:`raycolo.actors.online.node_worker`).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from raycolo.engine.device_stats import device_reading
+from raycolo.engine.executor.stage_ops import QUIET, ReadAdapter, SaveCheckpoint, StageResult
+from raycolo.engine.executor.stage_process import StageProcess, build_stage
+
+DEVICE_READING_EVERY_S = 2.0      # how often a stage reports its device's memory (and GPU use)
+
+
+def stage_loop(config: dict) -> None:
+    """``train_loop_per_worker`` of a node's TorchTrainer."""
+    import ray
+    import ray.train
+    import torch.distributed as dist
+
+    from raycolo.engine.threads import apply_thread_policy
+
+    ctx = ray.train.get_context()
+    stage, stages = ctx.get_world_rank(), ctx.get_world_size()
+    node = config["node"]
+    apply_thread_policy(config.get("cpu_threads"))
+    sys.setswitchinterval(config["switch_interval_s"])   # the GIL back to the compute soon (stage.switch_interval_s)
+    controller = ray.get_actor(config["controller"], namespace=config["namespace"])
+    stage_model, model_config = build_stage(config, config["layer_bounds"], stage)
+    checkpoint = ray.train.get_checkpoint()
+    restored = None          # the adapter version a restarted group resumes from
+    resumed = {}             # stage 0: the samples that version holds, and the cursor saved with it
+    if checkpoint is not None:
+        import json
+
+        from safetensors.torch import load_file
+        with checkpoint.as_directory() as d:
+            path = os.path.join(d, f"stage-{stage}.safetensors")
+            if os.path.exists(path):
+                stage_model.load_lora_state(load_file(path))
+                with open(os.path.join(d, f"stage-{stage}.json")) as f:
+                    restored = json.load(f)["adapter_version"]
+                if stage == 0:       # what the checkpoint's adapter was trained on
+                    for key, name in (("held", "held.json"), ("cursor", "cursor.json")):
+                        if os.path.exists(os.path.join(d, name)):
+                            with open(os.path.join(d, name)) as f:
+                                resumed[key] = json.load(f)
+    if restored is None and config.get("init_from"):   # lora.init_from: a restored checkpoint wins
+        from safetensors.torch import load_file
+
+        from raycolo.engine.executor.stage import ADAPTER_WEIGHTS_FILE
+
+        stage_model.load_lora_state(load_file(os.path.join(config["init_from"], ADAPTER_WEIGHTS_FILE)))
+    proc = StageProcess(stage_model, stage, stages, model_config.hidden_size,
+                        next(stage_model.executor.layers[0].parameters()).dtype, dist)
+    me = ray.get_runtime_context()
+    epoch = ray.get(controller.register.remote(node, stage, {
+        "actor_id": me.get_actor_id(), "pid": os.getpid(), "node_id": me.get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "restored_version": restored, "restored_held": resumed.get("held"),
+        "restored_cursor": resumed.get("cursor"), "placement_group": me.get_placement_group_id()}))
+    readings = DeviceReadings(next(stage_model.executor.layers[0].parameters()).device)
+
+    def checkpoint(op) -> StageResult | None:
+        """SaveCheckpoint: every stage reports its part to Ray Train; None for other ops."""
+        if not isinstance(op, SaveCheckpoint):
+            return None
+        # No flush of pending sends first: their receivers may be ops held back until the
+        # checkpoint is done (the weights do not depend on them).
+        proc.received(op.received)
+        _report_checkpoint(stage_model, stage, op)
+        if stage == 0:   # the node serves on while Ray Train commits the checkpoint
+            threading.Thread(target=_await_commit, args=(controller, node, epoch, op.version, config["run_dir"]),
+                             daemon=True).start()
+        # the weights come back too: the controller keeps the version servable (@v<k>)
+        return StageResult(op.seq, state=stage_model.lora_state())
+
+    if config.get("data_plane") == "node":
+        from raycolo.actors.online.node_worker import run_node_stage
+
+        run_node_stage(controller, node, stage, epoch, proc, dist, checkpoint, readings.annotate,
+                       config["report_every_s"])
+        return
+    done = None              # the StageResult of the last op, reported with the next request
+    while True:
+        op = ray.get(controller.next_op.remote(node, stage, epoch, done))
+        done = None
+        if op is None:          # the deployment stops
+            return
+        if isinstance(op, SaveCheckpoint):
+            ray.get(controller.op_done.remote(node, stage, epoch, checkpoint(op)))
+            continue
+        if isinstance(op, ReadAdapter):
+            controller.op_done.remote(node, stage, epoch, proc.run(op))
+            continue
+        if isinstance(op, QUIET):   # free KV blocks or activations (nothing to report)
+            proc.run(op)
+            continue
+        try:
+            result = proc.run(op)
+        except Exception as exc:  # the op failed: the controller fails what it carried
+            ray.get(controller.op_failed.remote(node, stage, epoch, op.seq, repr(exc)))
+            raise
+        readings.annotate(result)
+        done = result
+
+
+class DeviceReadings:
+    """Adds the device's figures to a result every ``DEVICE_READING_EVERY_S``."""
+
+    def __init__(self, device):
+        self.device, self.next_s = device, 0.0
+
+    def annotate(self, result: StageResult) -> None:
+        if time.monotonic() >= self.next_s:
+            result.device = device_reading(self.device)
+            self.next_s = time.monotonic() + DEVICE_READING_EVERY_S
+
+
+COMMIT_WAIT_S = 300.0
+
+
+def _await_commit(controller, node: int, epoch: int, version: int, run_dir: str) -> None:
+    """Tell the controller once Ray Train committed checkpoint ``version``. A report is
+    only collected at the Train controller's next poll (about a second here): a group that
+    dies before that restarts from the checkpoint before, so only a committed one counts.
+
+    Read from the run's ``checkpoint_manager_snapshot.json``, which Ray Train rewrites at
+    each commit, rather than ``ray.train.get_all_reported_checkpoints``: in a run restored
+    from an earlier one of the same name (a resumed deployment) the snapshot's report
+    index carries on from the old run while the new workers count from zero, and that call
+    then waited past its timeout for commits that had happened."""
+    import json
+    import time
+
+    path = os.path.join(run_dir, "checkpoint_manager_snapshot.json")
+    deadline = time.monotonic() + COMMIT_WAIT_S
+    committed = None
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                results = json.load(f).get("checkpoint_results", [])
+            committed = max((r["metrics"]["adapter_version"] for r in results
+                             if "adapter_version" in r.get("metrics", {})), default=None)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass              # not written yet, or caught mid-rewrite
+        if committed is not None and committed >= version:
+            break
+        time.sleep(0.2)
+    controller.checkpoint_committed.remote(node, epoch, version, committed)
+
+
+def _report_checkpoint(stage_model, stage: int, op: SaveCheckpoint) -> None:
+    """Every stage calls ``ray.train.report`` (a barrier) with its adapter weights."""
+    import json
+    import tempfile
+
+    import ray.train
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as d:
+        state = {k: v.contiguous() for k, v in stage_model.lora_state().items()}
+        save_file(state, os.path.join(d, f"stage-{stage}.safetensors"))
+        with open(os.path.join(d, f"stage-{stage}.json"), "w") as f:
+            json.dump({"adapter_version": op.version}, f)
+        if stage == 0:
+            with open(os.path.join(d, "cursor.json"), "w") as f:
+                f.write(op.cursor)
+            with open(os.path.join(d, "held.json"), "w") as f:
+                f.write(op.held)
+        ray.train.report({"adapter_version": op.version, "stage": stage},
+                         checkpoint=ray.train.Checkpoint.from_directory(d))

@@ -1,0 +1,3 @@
+from raycolo.cli.main import main
+
+raise SystemExit(main())

@@ -1,5 +1,0 @@
-"""Cost model: output-length sampling, per-iteration latency, load times."""
-from raycolo.costmodel.latency import IterationLatency, LatencyProfile, default_profile
-from raycolo.costmodel.sampler import OutputLengthSampler
-
-__all__ = ["IterationLatency", "LatencyProfile", "OutputLengthSampler", "default_profile"]

@@ -1,0 +1,389 @@
+"""Running a transformers causal LM, or a slice of its layers, on a paged KV cache.
+
+:class:`ModelExecutor` is the fast path for the Llama, Qwen2 and Mistral families. It
+calls the model's own modules (embedding, norms, q/k/v/o projections, MLP, rotary
+embedding, LM head), so a peft LoRA wrapped around any projection applies unchanged;
+only attention is its own: new keys/values go into the paged cache, and
+``scaled_dot_product_attention`` reads every key/value through the block tables. Grouped
+query attention folds each key/value head's query group into the query length, so no
+key/value is ever repeated.
+
+An executor runs layers ``[first, last)``: the embedding only on the first slice, the
+final norm and the LM head only on the last, and a KV cache for its own layers alone. A
+middle slice takes and returns hidden states; chaining slices gives the whole model.
+
+Other causal LMs get :class:`FallbackExecutor`: the model's own forward, one sequence at
+a time with its own transformers cache. Correct and slower; it says so once in the log.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from raycolo.errors import ConfigError
+from raycolo.engine.executor.batch import SeqChunk, StepBatch
+from raycolo.engine.executor.graphs import DecodeBatch, DecodeGraphs
+from raycolo.engine.executor.heap import keep_freed_memory
+from raycolo.engine.executor.kv_cache import PagedKVCache
+from raycolo.engine.executor.native import (add_rms_norm, fused_pointwise_supported,
+                                     native_attention_supported, paged_attention, rotary_)
+from raycolo.engine.executor.packed import pack_linears
+
+log = logging.getLogger("raycolo.engine.executor")
+
+FAST_PATH_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+
+
+def fast_path_family(model) -> Optional[str]:
+    """The fast-path family of a transformers (or peft-wrapped) causal LM, or None."""
+    base = _unwrap(model)
+    return base.config.model_type if base.config.model_type in FAST_PATH_FAMILIES else None
+
+
+def _unwrap(model):
+    """A peft ``PeftModel`` wraps the transformers model; its layers hold the LoRA."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _has_adapters(model) -> bool:
+    """Whether peft put adapter layers into the model (wrapped or injected)."""
+    return any(type(m).__module__.startswith("peft.") for m in model.modules())
+
+
+def _layer_range(num_layers: int, layers: Optional[tuple[int, int]]) -> tuple[int, int]:
+    first, last = layers if layers is not None else (0, num_layers)
+    if not 0 <= first < last <= num_layers:
+        raise ConfigError(f"layers: [{first}, {last}) is not a non-empty slice of the model's "
+                          f"{num_layers} layers")
+    return first, last
+
+
+class ModelExecutor:
+    """Batched prefill and decode of a Llama/Qwen2/Mistral model slice on a paged cache."""
+
+    paged = True
+
+    def __init__(self, model, num_blocks: int, block_size: int,
+                 layers: Optional[tuple[int, int]] = None, pack_weights: bool = True,
+                 native_attention: bool = True, cuda_graphs: bool = False):
+        base = _unwrap(model)
+        family = fast_path_family(base)
+        if family is None:
+            raise ConfigError(f"model: {type(base).__name__} has no fast path (Llama, Qwen2 and "
+                              "Mistral families); use create_executor for the fallback")
+        cfg = base.config
+        self.model, self.config = model, cfg
+        self.num_layers = cfg.num_hidden_layers
+        self.first, self.last = _layer_range(self.num_layers, layers)
+        inner = base.model
+        self.embed = inner.embed_tokens if self.is_first else None
+        self.norm = inner.norm if self.is_last else None
+        self.lm_head = base.lm_head if self.is_last else None
+        self.rotary = inner.rotary_emb
+        self.layers = list(inner.layers[self.first:self.last])
+        # On the CPU, frozen projections multiply with oneDNN-packed weights (packed.py).
+        self.packed = pack_linears(self.layers, base if self.is_last else None) if pack_weights else 0
+        self.lm_head = base.lm_head if self.is_last else None
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.group = self.heads // self.kv_heads
+        self.scale = attn.scaling
+        self.windows = [self._window(layer.self_attn) for layer in self.layers]
+        self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        param = next(base.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        if self.device.type == "cpu":
+            keep_freed_memory()    # reuse step temporaries instead of faulting in new pages
+        self.block_size = block_size
+        # Decode steps as CUDA graphs (graphs.py): on a CUDA device, for a model without
+        # peft adapters. The cache then holds one scratch block past num_blocks for padding.
+        graphs = cuda_graphs and self.device.type == "cuda" and not _has_adapters(model)
+        self.cache = PagedKVCache(len(self.layers), num_blocks + (1 if graphs else 0), block_size, self.kv_heads,
+                                  self.head_dim, self.dtype, self.device)
+        self.graphs = DecodeGraphs(self, num_blocks, capture=True) if graphs else None
+        # On the CPU, attention reads the cache in place with a native kernel (native.py).
+        self.native = native_attention and native_attention_supported(self.dtype, self.device)
+        # ... and, in float32 inference, the residual adds, RMSNorms, rotary and SiLU fuse.
+        self.fused = (self.native and fused_pointwise_supported(self.dtype, self.device)
+                      and all(_fusable(layer) for layer in self.layers)
+                      and (self.norm is None or _is_rms_norm(self.norm)))
+
+    def sleep(self) -> None:
+        """Free the KV cache (an engine put to sleep); :meth:`wake_up` makes a fresh one.
+        Captured graphs go too: they hold the cache's and the weights' addresses."""
+        self.cache.drop()
+        if self.graphs is not None:
+            self.graphs.clear()
+
+    def wake_up(self) -> None:
+        self.cache.allocate()
+
+    def _window(self, attn) -> Optional[int]:
+        if hasattr(attn, "sliding_window"):      # Qwen2: per layer type
+            return attn.sliding_window
+        return getattr(self.config, "sliding_window", None)  # Mistral
+
+    @property
+    def is_first(self) -> bool:
+        return self.first == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.last == self.num_layers
+
+    def batch(self, chunks: Sequence[SeqChunk]) -> "StepBatch | DecodeBatch":
+        if self.graphs is not None:
+            decode = self.graphs.decode_batch(chunks)
+            if decode is not None:
+                return decode
+        native = self.native
+        if native:
+            top = max((b for c in chunks for b in c.table), default=0)
+            if top >= self.cache.num_blocks or min((b for c in chunks for b in c.table), default=0) < 0:
+                raise ValueError(f"a block table names block {top}; the cache has "
+                                 f"{self.cache.num_blocks}")
+        return StepBatch.build(chunks, self.block_size, self.device, with_ids=self.is_first,
+                               groups=not native)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run the slice on one step. The first slice embeds ``batch.input_ids``; later ones
+        take ``hidden`` (num_tokens, hidden_size) from the slice before. The last slice
+        returns the logits of each sequence's last token (num_seqs, vocab); other slices
+        return hidden states (num_tokens, hidden_size)."""
+        if isinstance(batch, DecodeBatch):
+            return self.graphs.run(batch, hidden)
+        return self.forward(batch, hidden)
+
+    def forward(self, batch: StepBatch, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """:meth:`execute` without inference mode (the trainer's forward, with autograd)."""
+        if self.is_first:
+            x = self.embed(batch.input_ids)
+        else:
+            if hidden is None or hidden.shape[0] != batch.num_tokens:
+                raise ValueError(f"layers [{self.first}, {self.last}): need hidden states for "
+                                 f"{batch.num_tokens} tokens")
+            x = hidden
+        if self.fused and not torch.is_grad_enabled():
+            return self._forward_fused(batch, x.clone() if hidden is not None else x)
+        x = x.unsqueeze(0)  # (1, tokens, hidden): the modules' (batch, seq, hidden)
+        cos, sin = self.rotary(x, batch.positions.unsqueeze(0))
+        rope = (cos[0], sin[0])
+        for i, layer in enumerate(self.layers):
+            residual = x
+            h = layer.input_layernorm(x)
+            x = residual + self._attention(i, layer.self_attn, h[0], rope, batch).unsqueeze(0)
+            residual = x
+            x = residual + layer.mlp(layer.post_attention_layernorm(x))
+        x = x[0]
+        if not self.is_last:
+            return x
+        last = x.index_select(0, batch.last_index)
+        return self.lm_head(self.norm(last))
+
+    def _forward_fused(self, batch: StepBatch, x: torch.Tensor) -> torch.Tensor:
+        """The same layers with native fused pointwise steps (float32, CPU, no autograd):
+        ``x`` is the residual stream, updated in place; each residual add runs in one pass
+        with the RMSNorm after it, rotary runs in place, SiLU and the gate product in place.
+        The projections are still the model's modules (LoRA applies)."""
+        cos, sin = self.rotary(x, batch.positions.unsqueeze(0))
+        rope = (cos[0].contiguous(), sin[0].contiguous())
+        h = add_rms_norm(x, None, *_norm_args(self.layers[0].input_layernorm))
+        for i, layer in enumerate(self.layers):
+            a = self._attention(i, layer.self_attn, h, rope, batch, fused=True)
+            h = add_rms_norm(x, a, *_norm_args(layer.post_attention_layernorm))
+            mlp = layer.mlp
+            m = mlp.down_proj(F.silu(mlp.gate_proj(h), inplace=True).mul_(mlp.up_proj(h)))
+            if i + 1 < len(self.layers):
+                h = add_rms_norm(x, m, *_norm_args(self.layers[i + 1].input_layernorm))
+            else:
+                x += m
+        if not self.is_last:
+            return x
+        last = x.index_select(0, batch.last_index)
+        return self.lm_head(add_rms_norm(last, None, *_norm_args(self.norm)))
+
+    def forward_train(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """The slice over whole sequences, with autograd and without the KV cache (a
+        training forward). ``x``: token ids (B, T) on the first slice, else hidden states
+        (B, T, hidden) from the slice before; sequences are right-padded to T and
+        ``lengths`` holds their true lengths. Returns hidden states (B, T, hidden), or on the
+        last slice the logits of every position (B, T, vocab). Padded positions hold
+        garbage: leave them out of the loss (their labels are -100)."""
+        if self.is_first:
+            x = self.embed(x)
+        elif x.dim() != 3:
+            raise ValueError(f"layers [{self.first}, {self.last}): need hidden states (B, T, hidden)")
+        b, t = x.shape[:2]
+        positions = torch.arange(t, device=x.device).unsqueeze(0).expand(b, t)
+        cos, sin = self.rotary(x, positions)
+        keys = torch.arange(t, device=x.device)
+        causal = keys.view(1, t) <= keys.view(t, 1)                       # (T, T): key <= query
+        valid = keys.view(1, t) < torch.tensor(list(lengths), device=x.device).view(b, 1)
+        masks = {}
+        for i, layer in enumerate(self.layers):
+            window = self.windows[i]
+            if window not in masks:
+                m = causal if window is None else causal & (keys.view(t, 1) - keys.view(1, t) < window)
+                masks[window] = (m.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)  # (B, 1, T, T)
+            residual = x
+            h = layer.input_layernorm(x)
+            x = residual + self._train_attention(layer.self_attn, h, (cos, sin), masks[window])
+            residual = x
+            x = residual + layer.mlp(layer.post_attention_layernorm(x))
+        if not self.is_last:
+            return x
+        return self.lm_head(self.norm(x))
+
+    def _train_attention(self, attn, h: torch.Tensor, rope, mask: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape[0], h.shape[1], self.head_dim
+        q = attn.q_proj(h).view(b, t, self.heads, d).transpose(1, 2)      # (B, heads, T, d)
+        k = attn.k_proj(h).view(b, t, self.kv_heads, d).transpose(1, 2)
+        v = attn.v_proj(h).view(b, t, self.kv_heads, d).transpose(1, 2)
+        q, k = self.apply_rope(q, k, *rope)
+        # A padded query row sees no key at all; let it see itself so softmax stays finite.
+        mask = mask | torch.eye(t, dtype=torch.bool, device=h.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                           enable_gqa=self.group > 1)
+        return attn.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * d))
+
+    def _attention(self, i: int, attn, h: torch.Tensor, rope, batch: StepBatch,
+                   fused: bool = False) -> torch.Tensor:
+        n, d = h.shape[0], self.head_dim
+        q = attn.q_proj(h).view(n, self.heads, d)
+        k = attn.k_proj(h).view(n, self.kv_heads, d)
+        v = attn.v_proj(h).view(n, self.kv_heads, d)
+        if fused and q.is_contiguous() and k.is_contiguous():
+            rotary_(q, k, *rope)
+        else:
+            q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
+        self.cache.write(i, batch.slots, k, v)
+        if batch.tables is not None:  # the native kernel reads K/V in place
+            if q.requires_grad:
+                raise ValueError("the native attention kernel has no backward: run the "
+                                 "executor under torch.inference_mode (execute)")
+            o = paged_attention(q, self.cache.keys[i], self.cache.values[i], batch.tables,
+                                batch.table_start, batch.positions, self.windows[i], self.scale)
+            return attn.o_proj(o.view(n, self.heads * d))
+        groups = batch.groups
+        if len(groups) == 1 and groups[0].out_index is None:  # decode, rows in batch order
+            return attn.o_proj(self._group_attention(i, q, groups[0]))
+        out = q.new_empty((n, self.heads * d))
+        for g in groups:
+            out.index_copy_(0, g.out_index, self._group_attention(i, q, g).index_select(0, g.out_src))
+        return attn.o_proj(out)
+
+    def _group_attention(self, i: int, q: torch.Tensor, g) -> torch.Tensor:
+        """Attention of one group: (rows * Lq, heads * head_dim) in padded query order."""
+        rows, lq, kvh, grp, d = g.rows, g.query_len, self.kv_heads, self.group, self.head_dim
+        keys, values = self.cache.read(i, g.tables)            # (rows, kvh, T, d)
+        qg = q.index_select(0, g.query_index) if g.out_index is not None else q
+        # (rows, Lq, kvh, grp, d) -> (rows, kvh, grp * Lq, d): a query group shares its K/V head
+        qg = qg.view(rows, lq, kvh, grp, d).permute(0, 2, 3, 1, 4).reshape(rows, kvh, grp * lq, d)
+        mask = g.mask(self.windows[i], keys.shape[2])          # (rows, 1, Lq, T)
+        if grp > 1:
+            mask = mask.unsqueeze(2).expand(rows, 1, grp, lq, mask.shape[-1]).reshape(
+                rows, 1, grp * lq, mask.shape[-1])
+        o = _attend(qg, keys, values, mask, self.scale)
+        return o.view(rows, kvh, grp, lq, d).permute(0, 3, 1, 2, 4).reshape(rows * lq, kvh * grp * d)
+
+
+def _is_rms_norm(norm) -> bool:
+    """transformers' Llama/Qwen2/Mistral RMSNorm: ``weight * x * rsqrt(mean(x**2) + eps)``."""
+    return type(norm).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+
+
+def _norm_args(norm) -> tuple[torch.Tensor, float]:
+    return norm.weight, norm.variance_epsilon
+
+
+def _fusable(layer) -> bool:
+    """Whether a decoder layer's norms and MLP are the ones the fused forward computes."""
+    mlp = layer.mlp
+    return (_is_rms_norm(layer.input_layernorm) and _is_rms_norm(layer.post_attention_layernorm)
+            and type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP", "MistralMLP")
+            and getattr(mlp.config, "hidden_act", None) == "silu")
+
+
+def _attend(q, k, v, mask, scale):
+    """softmax(q k^T * scale, masked) v. On the CPU, plain matmuls on contiguous K/V beat
+    ``scaled_dot_product_attention`` on these small per-row shapes (docs/executor.md)."""
+    if q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.contiguous().transpose(-1, -2)).mul_(scale)
+    scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.contiguous())
+
+
+class FallbackExecutor:
+    """Any causal LM through its own forward: one sequence at a time, each with its own
+    transformers cache, no paging. Whole models only (no layer slices)."""
+
+    paged = False
+    _warned: set = set()
+
+    def __init__(self, model, num_blocks: int, block_size: int,
+                 layers: Optional[tuple[int, int]] = None):
+        base = _unwrap(model)
+        n = getattr(base.config, "num_hidden_layers", None)
+        if layers is not None and n is not None and tuple(layers) != (0, n):
+            raise ConfigError(f"layers: {type(base).__name__} has no fast path, and the fallback "
+                              "runs whole models only")
+        self.model, self.config = model, base.config
+        self.block_size = block_size
+        self.is_first = self.is_last = True
+        self.caches: dict[int, object] = {}  # sequence handle -> its transformers cache
+        name = type(base).__name__
+        if name not in FallbackExecutor._warned:
+            FallbackExecutor._warned.add(name)
+            log.warning("raycolo executor: %s is not in the fast path (Llama, Qwen2, Mistral); "
+                        "running the model's own forward one sequence at a time (correct, slower)",
+                        name)
+
+    def sleep(self) -> None:
+        """Forget every sequence's cache (an engine put to sleep)."""
+        self.caches.clear()
+
+    def wake_up(self) -> None:
+        pass
+
+    def batch(self, chunks: Sequence[SeqChunk]) -> list[SeqChunk]:
+        return list(chunks)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SeqChunk], hidden=None, handles: Sequence[int] = ()) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        param = next(self.model.parameters())
+        rows = []
+        for handle, c in zip(handles, chunks):
+            cache = self.caches.get(handle) if c.start else None
+            if c.start and cache is None:
+                raise ValueError(f"sequence {handle}: no cache to continue from position {c.start}")
+            cache = cache if cache is not None else DynamicCache()
+            ids = torch.tensor([list(c.tokens)], device=param.device)
+            pos = torch.arange(c.start, c.start + len(c.tokens), device=param.device).unsqueeze(0)
+            out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
+                             attention_mask=torch.ones((1, c.start + len(c.tokens)), dtype=torch.long,
+                                                       device=param.device))
+            self.caches[handle] = out.past_key_values
+            rows.append(out.logits[0, -1])
+        return torch.stack(rows)
+
+    def free(self, handle: int) -> None:
+        self.caches.pop(handle, None)
+
+
+def create_executor(model, num_blocks: int, block_size: int,
+                    layers: Optional[tuple[int, int]] = None, cuda_graphs: bool = False):
+    """The fast executor where the model's family has one, the fallback otherwise.
+    ``cuda_graphs``: replay decode steps as CUDA graphs on a CUDA device (graphs.py)."""
+    if fast_path_family(model):
+        return ModelExecutor(model, num_blocks, block_size, layers, cuda_graphs=cuda_graphs)
+    return FallbackExecutor(model, num_blocks, block_size, layers)

@@ -1,0 +1,223 @@
+"""A node's data plane: its loop in stage 0's process, its ops to the stages over their
+process group, no central actor per op.
+
+:class:`NodePipeline` runs a :class:`~raycolo.online.scheduling.node_loop.NodeLoop` in the process of
+the node's first stage. Stage 0's own ops run in that process; stage s > 0 gets each of
+its ops as a typed message over the stages' own process group
+(:mod:`raycolo.engine.executor.wire`), runs it in :func:`serve_stage` and answers its
+:class:`~raycolo.engine.executor.stage_ops.StageResult` the same way. A receiver thread per
+remote stage waits for its answers (gloo's ``recv`` blocks the calling thread), so stage
+0 computes while the other stages do. Activations still go stage to stage, tagged by op
+(:mod:`raycolo.engine.executor.stage_process`).
+
+The control plane's commands (:mod:`raycolo.online.scheduling.node_commands`) arrive through
+:meth:`NodePipeline.post` (from any thread) and are applied between ops. A ``Pause``
+holds back what the loop starts until nothing is in flight, says so in the loop's report,
+and an ``OutOfBand`` then runs one message per stage (a checkpoint, an adapter read, an
+evaluation) with every stage idle, answering each through ``on_answer``.
+
+Pure torch: no Ray. The loop reads the time from ``clock`` (seconds), relative to
+``started`` (default: when the pipeline was built).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional
+
+from raycolo.engine.executor.stage_ops import QUIET, StageResult, StageWork, Stop
+from raycolo.engine.executor.stage_process import StageProcess
+from raycolo.engine.executor.wire import DOWN_TAG, UP_TAG, recv_message, send_message
+from raycolo.online.scheduling.node_commands import Adopt, OutOfBand, Pause
+
+
+class StageFailed(RuntimeError):
+    """A stage's op raised: the node's state is lost (its group restarts)."""
+
+
+Special = Callable[[StageWork], Optional[StageResult]]   # runs what StageProcess does not (None: not mine)
+COMMANDS = -1          # the inbox key of a list of commands (stages answer under their index)
+FAILED = -2            # the inbox key of why the node must start over
+
+
+class NodePipeline:
+    """Drives a node loop on stage 0 (see the module docstring)."""
+
+    def __init__(self, loop, proc: StageProcess, dist=None, group=None,
+                 clock: Callable[[], float] = time.perf_counter, started: Optional[float] = None,
+                 special: Optional[Special] = None,
+                 on_answer: Optional[Callable[[int, StageResult], None]] = None,
+                 annotate: Optional[Callable[[StageResult], None]] = None):
+        self.loop, self.proc, self.dist, self.group = loop, proc, dist, group
+        self.clock = clock
+        self.started = clock() if started is None else started
+        self.special, self.on_answer, self.annotate = special, on_answer, annotate
+        self.local: deque = deque()
+        self.inbox: queue.Queue = queue.Queue()    # (stage, answer) or (COMMANDS, [command, ...] | None)
+        self.inflight = 0              # messages sent (or queued here for stage 0) not yet answered
+        self.pause: Optional[int] = None           # the Pause under way
+        self.pause_told = False
+        self.out_of_band: dict[int, int] = {}      # stage -> seq of its out-of-band message unanswered
+        self.stopped = False           # the control plane said stop (a None command list)
+        self.receivers = [threading.Thread(target=self._receive, args=(s,), daemon=True,
+                                           name=f"stage-{s}-answers") for s in range(1, loop.stages)]
+        for t in self.receivers:
+            t.start()
+        self.ops_run = [0] * loop.stages
+
+    def now(self) -> float:
+        return self.clock() - self.started
+
+    def post(self, commands: Optional[list]) -> None:
+        """Commands for the loop (None: stop), from any thread; applied at the next turn."""
+        self.inbox.put((COMMANDS, commands))
+
+    def fail(self, why: str) -> None:
+        """The node must start over (its mirror parted from it): the next turn raises."""
+        self.inbox.put((FAILED, why))
+
+    def _receive(self, stage: int) -> None:
+        while True:
+            answer = recv_message(stage, UP_TAG, self.dist, self.group)
+            self.inbox.put((stage, answer))
+            if answer is None:      # the stage stopped
+                return
+
+    def _send_out(self) -> None:
+        if self.pause is not None:       # held back until the out-of-band work is done
+            return
+        for out in self.loop.take_outbox():
+            if not isinstance(out.message, QUIET):
+                self.inflight += 1
+            if out.stage == 0:
+                self.local.append(out.message)
+            else:
+                send_message(out.message, out.stage, DOWN_TAG, self.dist, self.group)
+
+    def _absorb(self, stage: int, answer) -> None:
+        if stage == COMMANDS:
+            self._commands(answer)
+            return
+        if stage == FAILED:
+            raise StageFailed(answer)
+        if answer is not None and not isinstance(answer, StageResult):     # the op raised there
+            raise StageFailed(f"stage {stage}: {answer!r}")
+        if answer is None:
+            return
+        if self.out_of_band.get(stage) == answer.seq:
+            self._answered(stage, answer)
+            return
+        self.inflight -= 1
+        self.ops_run[stage] += 1
+        self.loop.done(stage, answer, self.now())
+
+    def _commands(self, commands: Optional[list]) -> None:
+        if commands is None:
+            self.stopped = True
+            return
+        for command in commands:
+            kind = type(command)
+            if kind is Pause:
+                self.pause, self.pause_told = command.token, False
+            elif kind is OutOfBand:
+                self._run_out_of_band(command.messages)
+            elif kind is Adopt:        # a new clock too (commands come with the wall clock)
+                self.loop.command(command, self.now())
+                self.started = command.setup.t0_wall
+            else:
+                self.loop.command(command, self.now())
+
+    def _run_out_of_band(self, messages: list) -> None:
+        if self.pause is None or self.inflight:
+            raise RuntimeError("out-of-band work must follow a Pause the node answered")
+        for s, message in enumerate(messages[1:], start=1):   # first: stage 0 may wait for them (a barrier)
+            self.out_of_band[s] = message.seq
+            send_message(message, s, DOWN_TAG, self.dist, self.group)
+        first = messages[0]
+        result = self.special(first) if self.special is not None else None
+        self._answered(0, result if result is not None else self.proc.run(first))
+
+    def _answered(self, stage: int, result: StageResult) -> None:
+        self.out_of_band.pop(stage, None)
+        if self.on_answer is not None:
+            self.on_answer(stage, result)
+        if not self.out_of_band:
+            self.pause = None
+
+    def _run_local(self) -> None:
+        message = self.local.popleft()
+        result = self.proc.run(message)
+        if isinstance(message, QUIET):
+            return
+        self.inflight -= 1
+        self.ops_run[0] += 1
+        if self.annotate is not None:
+            self.annotate(result)
+        self.loop.done(0, result, self.now())
+
+    def turn(self, wait_s: float = 0.05) -> None:
+        """One turn: take the stages' answers, commands and due timers, send what they
+        started, run one of stage 0's ops, or wait up to ``wait_s`` (or the next timer)
+        for an answer or a command."""
+        self._send_out()
+        while True:
+            try:
+                self._absorb(*self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        self.loop.fire_due(self.now())
+        self._send_out()
+        if self.local:
+            self._run_local()
+            return
+        if self.pause is not None and not self.pause_told and not self.inflight:
+            self.loop.report.paused, self.pause_told = self.pause, True     # nothing in flight now
+        due = self.loop.next_timer()
+        timeout = wait_s if due is None else max(0.0, min(wait_s, due - self.now()))
+        try:
+            self._absorb(*self.inbox.get(timeout=timeout))
+        except queue.Empty:
+            pass
+
+    def run_until(self, done: Callable[[], bool], timeout_s: float) -> None:
+        """Turn until ``done()`` (raises TimeoutError after ``timeout_s``)."""
+        deadline = self.clock() + timeout_s
+        while not done():
+            if self.clock() > deadline:
+                raise TimeoutError(f"node {self.loop.node.index}: not done within {timeout_s:g} s")
+            self.turn()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the other stages and their receivers."""
+        for s in range(1, self.loop.stages):
+            send_message(Stop(seq=-1), s, DOWN_TAG, self.dist, self.group)
+        for t in self.receivers:
+            t.join(timeout_s)
+
+
+def serve_stage(proc: StageProcess, dist, group=None, special: Optional[Special] = None,
+                annotate: Optional[Callable[[StageResult], None]] = None) -> int:
+    """Stage s > 0 of a node: run what stage 0 sends until it says stop; answer each op's
+    result (an op that raises answers the exception, then raises). ``special``: runs the
+    messages StageProcess does not (a checkpoint); ``annotate``: adds to a result before
+    it is answered (the device's figures). Returns the ops run."""
+    ran = 0
+    while True:
+        message = recv_message(0, DOWN_TAG, dist, group)
+        if isinstance(message, Stop):
+            send_message(None, 0, UP_TAG, dist, group)
+            return ran
+        try:
+            result = special(message) if special is not None else None
+            if result is None:
+                result = proc.run(message)
+        except Exception as exc:
+            send_message(RuntimeError(repr(exc)), 0, UP_TAG, dist, group)
+            raise
+        if not isinstance(message, QUIET):
+            ran += 1
+            if annotate is not None:
+                annotate(result)
+            send_message(result, 0, UP_TAG, dist, group)

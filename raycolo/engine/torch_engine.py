@@ -1,0 +1,214 @@
+"""The embedded engine: transformers models on raycolo's model executor.
+
+Scheduling is :class:`raycolo.batching.scheduler.FcfsBlockScheduler`, the same code the
+reference simulator runs: FCFS admission under a KV budget in blocks, prefill-first
+iterations, preemption by recompute. Its block tables are the pages of the executor's
+preallocated KV cache (:mod:`raycolo.engine.executor`), so the blocks the cost model counts are
+the blocks the engine fills. A prefill runs all admitted prompts in one packed forward;
+a decode iteration runs every running request in one forward, attention reading each
+request's keys/values through its block table.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from raycolo.engine.base import (Engine, EngineConfig, EngineStats, IterationRecord, MemoryUsage,
+                                  RequestOutput, SamplingParams, TrackedRequest)
+from raycolo.engine.models import load_model
+from raycolo.engine.threads import apply_thread_policy
+from raycolo.errors import ConfigError
+from raycolo.engine.executor import SeqChunk, create_executor
+from raycolo.generation import StopChecker
+from raycolo.generation.sampler import SamplingRow, plain, position_seed, sample, sample_plain
+from raycolo.batching.scheduler import FcfsBlockScheduler
+from raycolo.batching.limits import SchedulerLimits, ceil_div
+from raycolo.kv_bytes import AttentionShape
+
+
+@dataclass
+class _Request(TrackedRequest):
+    seed: int = 0
+    checker: Optional[StopChecker] = None     # raycolo.generation's stop rules; owns ``generated``
+    plain: bool = True                        # greedy on raw logits (raycolo.generation.sampler.plain)
+
+
+class TorchEngine(Engine):
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        kw = config.engine_kwargs
+        if kw.tensor_parallel_size != 1:
+            raise ConfigError("engine_kwargs.tensor_parallel_size: the torch engine runs tp=1; "
+                              "use the vllm backend for tensor parallelism")
+        self.threads = apply_thread_policy(kw.cpu_threads)
+        started = time.perf_counter()
+        load = config.model_loading_config
+        self.model, self.tokenizer = load_model(load.model_id, load.seed, load.dtype, kw.device)
+        self.device = torch.device(kw.device)
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self.eos_ids = self.tokenizer.eos_token_ids     # the checkpoint's EOS set
+        self.limits = SchedulerLimits(num_blocks=self._cache_blocks(kw),
+                                      max_num_seqs=kw.max_num_seqs,
+                                      max_num_batched_tokens=kw.max_num_batched_tokens,
+                                      block_size=kw.block_size, watermark=kw.watermark)
+        self.executor = create_executor(self.model, self.limits.num_blocks, kw.block_size,
+                                        cuda_graphs=kw.cuda_graphs)
+        self.stats = EngineStats(load_seconds=time.perf_counter() - started)
+        self.scheduler = FcfsBlockScheduler(self.limits)
+        self.requests: dict[int, _Request] = {}
+        self._next_handle = 0
+        self._seed = load.seed
+
+    def _cache_blocks(self, kw) -> int:
+        """KV blocks to preallocate: ``kv_cache_tokens``, capped at what ``max_num_seqs``
+        sequences of the model's full context can ever hold (plus the watermark). The cap
+        never changes a scheduling decision; it keeps a planner's budget for a large
+        logical GPU from reserving memory no request can use."""
+        per_seq = ceil_div(self.max_positions, kw.block_size)
+        most = math.ceil(kw.max_num_seqs * per_seq / (1 - kw.watermark)) + 1
+        return min(kw.kv_cache_tokens // kw.block_size, most)
+
+    # -- requests ------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    params: Optional[SamplingParams] = None) -> None:
+        params = params or SamplingParams()
+        ids = self._prompt_ids(request_id, prompt, params)
+        need = ceil_div(len(ids) + params.max_tokens, self.limits.block_size)
+        if need + self.limits.watermark_blocks > self.limits.num_blocks:
+            raise ConfigError(f"request {request_id}: needs {need} KV blocks, the engine has "
+                              f"{self.limits.num_blocks} (raise engine_kwargs.kv_cache_tokens)")
+        seed = params.seed if params.seed is not None else position_seed(self._seed, self._next_handle)
+        handle = self._next_handle
+        self._next_handle += 1
+        checker = StopChecker(params, self.eos_ids, self.tokenizer, ids)
+        self.requests[handle] = _Request(request_id, ids, params, time.perf_counter(), seed=seed,
+                                         generated=checker.output, checker=checker, plain=plain(params),
+                                         logprobs=[] if params.logprobs is not None else None)
+        self.scheduler.add(handle, len(ids))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one iteration ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler
+        started = time.perf_counter()  # an iteration's time includes its scheduling
+        decision = sched.schedule()
+        if decision.kind == "idle":
+            if self.requests:  # add_request's checks make this unreachable; never spin
+                raise RuntimeError(f"scheduler idle with {len(self.requests)} requests queued "
+                                   f"({sched.blocks_used}/{self.limits.num_blocks} KV blocks used)")
+            return []
+        for handle in decision.preempted:
+            self.requests[handle].preemptions += 1
+            self._forget(handle)
+        if decision.kind == "prefill":  # from scratch: prompt plus tokens before a preemption
+            chunks = [SeqChunk(r.prompt + r.generated, 0, sched.table(h))
+                      for h, r in ((h, self.requests[h]) for h in decision.seqs)]
+        else:
+            chunks = [SeqChunk(self.requests[h].generated[-1:], sched.stored[h], sched.table(h))
+                      for h in decision.seqs]
+        contexts = [c.start + len(c.tokens) for c in chunks]
+        sampled = self._run(decision.seqs, chunks) if chunks else None
+        tokens = sampled.tokens if sampled else []
+        now = time.perf_counter()
+        finished = []
+        if decision.kind == "decode":
+            sched.decoded(decision.seqs)
+        for i, (handle, token) in enumerate(zip(decision.seqs, tokens)):
+            req = self.requests[handle]      # req.generated is req.checker.output: append() adds the token
+            if req.logprobs is not None:
+                req.logprobs.append(sampled.logprobs[i])
+            if math.isnan(req.first_token_s):
+                req.first_token_s = now
+            reason = req.checker.append(token)
+            if reason:
+                sched.finished(handle)
+                self._forget(handle)
+                finished.append(self._output(self.requests.pop(handle), reason, now))
+            elif decision.kind == "prefill":
+                sched.prefilled(handle)
+        self.stats.iterations.append(IterationRecord(
+            kind=decision.kind, num_seqs=len(decision.seqs), new_tokens=len(tokens),
+            context_lens=contexts, seconds=time.perf_counter() - started,
+            preempted=len(decision.preempted)))
+        return finished
+
+    def _run(self, handles: list[int], chunks: list[SeqChunk]):
+        ex = self.executor
+        if ex.paged:
+            logits = ex.execute(ex.batch(chunks))
+        else:
+            logits = ex.execute(ex.batch(chunks), handles=handles)
+        reqs = [self.requests[h] for h in handles]
+        if all(r.plain for r in reqs):
+            return sample_plain(logits)
+        return sample(logits, [SamplingRow.of(r.params, r.seed, r.generated, r.prompt, r.checker.stop_ids)
+                               for r in reqs])
+
+    def _forget(self, handle: int) -> None:
+        if not self.executor.paged:
+            self.executor.free(handle)
+
+    def _output(self, req: _Request, reason: str, now: float) -> RequestOutput:
+        return req.output(reason, req.checker.text(self.tokenizer), now)
+
+    # -- resources -----------------------------------------------------------------
+    def memory(self) -> MemoryUsage:
+        """KV bytes count the tokens held (the cache itself is preallocated:
+        ``executor.cache.nbytes``)."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        per_token = AttentionShape.of(self.model.config).kv_bytes_per_token(
+            next(self.model.parameters()).element_size())
+        kv = per_token * sum(self.scheduler.stored.values())
+        return MemoryUsage(self.scheduler.blocks_used, self.limits.num_blocks, weights, kv)
+
+    def take(self, n: int) -> list[TrackedRequest]:
+        sched = self.scheduler
+        order = sorted(self.requests, key=lambda h: (h not in sched.waiting, len(self.requests[h].generated), -h))
+        taken = order[:max(0, n)]
+        for handle in taken:
+            if handle in sched.waiting:
+                sched.waiting.remove(handle)
+            if handle in sched.running:
+                sched.running.remove(handle)
+            sched.prompt_len.pop(handle, None)
+            sched.stored.pop(handle, None)
+            sched.alloc.release(handle)
+            self._forget(handle)
+        return [self.requests.pop(h) for h in taken]
+
+    def reset(self) -> bool:
+        for handle in list(self.requests):
+            self._forget(handle)
+        self.requests.clear()
+        self.scheduler = FcfsBlockScheduler(self.limits)
+        self.stats.iterations.clear()
+        return True
+
+    def sleep(self) -> bool:
+        """Requests dropped, the KV cache freed and, on an accelerator, the weights moved
+        to host memory (what vLLM's sleep level 1 does). :meth:`wake_up` then costs a copy
+        back and a fresh cache, not a model build and weight packing."""
+        self.reset()
+        self.executor.sleep()
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        return True
+
+    def wake_up(self) -> None:
+        if self.device.type != "cpu":
+            self.model.to(self.device)
+        self.executor.wake_up()
+
+    def release(self) -> None:
+        self.requests.clear()
+        del self.executor
+        del self.model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,151 @@
+"""``raycolo validate``: does the cost model predict what the engine really does?
+
+For each tiny model, a held-out request set (seeds the profiler never used) runs on the
+torch engine; the prediction samples output lengths from the profiled eCDF and simulates
+the engine's scheduler with the fitted coefficients, as the planner does. A two-model
+application (an answering model, then a judging model on its answers, one model at a
+time on one device) compares the planner's predicted makespan, loads included, with the
+measured wall time. Error = (predicted - measured) / measured.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from raycolo.catalog import get_model
+from raycolo.rng import seeded_rng
+from raycolo.offline.dag import parse_app
+from raycolo.engine.base import SamplingParams, create_engine
+from raycolo.hardware import ClusterSpec
+from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
+from raycolo.offline.planner.state import StageEvaluator, initial_state
+from raycolo.offline.profiler import ECDF_MAX_TOKENS, ECDF_TEMPERATURE, engine_config, random_prompts
+from raycolo.offline.workload import build_workload
+
+TINY_MODELS = ("tiny-llama-s", "tiny-llama-m", "tiny-llama-l")
+MAX_NUM_SEQS = 64
+JUDGE_MAX_TOKENS = 64
+JUDGE_INSTRUCTION = [7] * 12  # a fixed 12-token instruction before each answer
+
+
+def cpu_cluster() -> ClusterSpec:
+    """One device whose memory never limits tiny models (the engine's KV budget is large too)."""
+    return ClusterSpec(num_gpus=1, nvlink_group=1, gpu_memory_bytes=8 * 2**30)
+
+
+def _write_requests(path: Path, lengths) -> Path:
+    path.write_text("".join(json.dumps({"input_tokens": int(n)}) + "\n" for n in lengths))
+    return path
+
+
+def _problem(app_yaml: str, profile_dir: Path, seed: int) -> PlanningProblem:
+    import yaml
+    app = parse_app(yaml.safe_load(app_yaml))
+    workload = build_workload(app, seed=seed, ecdf_dir=profile_dir / "ecdf")
+    return PlanningProblem(workload, cpu_cluster(), profile_dir=profile_dir, max_num_seqs=MAX_NUM_SEQS)
+
+
+def _sampling(rng_seed: int, count: int, max_tokens: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=max_tokens, temperature=ECDF_TEMPERATURE, seed=rng_seed + i)
+            for i in range(count)]
+
+
+def model_case(model_id: str, profile_dir: Path, requests: int, seed: int, threads: int) -> dict:
+    rng = seeded_rng(seed, "validate", model_id)
+    lengths = rng.integers(8, 128, requests)
+    engine = create_engine(engine_config(model_id, threads=threads, max_num_seqs=MAX_NUM_SEQS))
+    vocab = get_model(model_id).vocab
+    engine.generate(random_prompts(rng, 2, 8, vocab), SamplingParams(max_tokens=4))  # warm-up
+    prompts = random_prompts(rng, requests, lengths, vocab)
+    started = time.perf_counter()
+    outputs = engine.generate(prompts, _sampling(seed * 100_003, requests, ECDF_MAX_TOKENS))
+    measured = time.perf_counter() - started
+    engine.release()
+    with tempfile.TemporaryDirectory() as tmp:
+        source = _write_requests(Path(tmp) / "requests.jsonl", [len(p) for p in prompts])
+        problem = _problem(f"""
+requests: {{file: {source}}}
+nodes: [{{name: m, model: {model_id}, max_output_tokens: {ECDF_MAX_TOKENS}}}]
+edges: [{{from: input, to: m}}]
+""", profile_dir, seed)
+        state = initial_state(problem)
+        run = StageEvaluator(problem).node_run(state, "m", ExecPlan(1, 1), False, {})
+        problem.node("m").output_len = np.array([o.output_len for o in outputs])
+        known = StageEvaluator(problem).node_run(state, "m", ExecPlan(1, 1), False, {})
+    return _case(f"{model_id} x{requests}", run.end - run.load_s, known.end - known.load_s, measured)
+
+
+def _case(name: str, predicted: float, predicted_known: float, measured: float) -> dict:
+    """``error`` is the planner's view (sampled output lengths); ``error_known_lengths``
+    uses the lengths the engine really produced, isolating latency model and simulator."""
+    return {"name": name, "predicted_s": predicted, "measured_s": measured,
+            "error": (predicted - measured) / measured,
+            "predicted_known_lengths_s": predicted_known,
+            "error_known_lengths": (predicted_known - measured) / measured}
+
+
+def dag_case(profile_dir: Path, requests: int, seed: int, threads: int,
+             answer: str = "tiny-llama-s", judge: str = "tiny-llama-m") -> dict:
+    rng = seeded_rng(seed, "validate-dag")
+    lengths = rng.integers(8, 128, requests)
+    prompts = random_prompts(rng, requests, lengths, get_model(answer).vocab)
+    started = time.perf_counter()
+    first = create_engine(engine_config(answer, threads=threads, max_num_seqs=MAX_NUM_SEQS))
+    answers = first.generate(prompts, _sampling(seed * 7_919, requests, ECDF_MAX_TOKENS))
+    first.release()
+    second = create_engine(engine_config(judge, threads=threads, max_num_seqs=MAX_NUM_SEQS))
+    judged = second.generate([JUDGE_INSTRUCTION + a.token_ids for a in answers],
+                             _sampling(seed * 104_729, requests, JUDGE_MAX_TOKENS))
+    second.release()
+    measured = time.perf_counter() - started
+    with tempfile.TemporaryDirectory() as tmp:
+        source = _write_requests(Path(tmp) / "requests.jsonl", lengths)
+        problem = _problem(f"""
+requests: {{file: {source}}}
+nodes:
+  - {{name: answer, model: {answer}, max_output_tokens: {ECDF_MAX_TOKENS}}}
+  - {{name: judge, model: {judge}, max_output_tokens: {JUDGE_MAX_TOKENS}, prompt: "{' '.join(['w'] * 9)} {{input}}"}}
+edges: [{{from: input, to: answer}}, {{from: answer, to: judge}}]
+""", profile_dir, seed)
+        from raycolo.offline.policies import get_policy
+        plan = get_policy("samullm")(problem)
+        answered = np.array([a.output_len for a in answers])
+        problem.node("answer").output_len = answered
+        problem.node("judge").input_len = answered + len(JUDGE_INSTRUCTION)
+        problem.node("judge").output_len = np.array([j.output_len for j in judged])
+        known = get_policy("samullm")(problem)
+    return _case(f"2-model DAG {answer} -> {judge} x{requests}", plan.makespan_s, known.makespan_s,
+                 measured)
+
+
+def validate(profile_dir: str | Path, models=TINY_MODELS, requests: int = 48, seed: int = 4242,
+             threads: int = 1, progress: Optional[Callable[[str], None]] = None) -> dict:
+    say = progress or (lambda msg: None)
+    profile_dir = Path(profile_dir)
+    cases = []
+    for model_id in models:
+        say(f"validating {model_id}")
+        cases.append(model_case(model_id, profile_dir, requests, seed, threads))
+    say("validating a 2-model application")
+    cases.append(dag_case(profile_dir, requests, seed, threads))
+    mape = float(np.mean([abs(c["error"]) for c in cases]))
+    mape_known = float(np.mean([abs(c["error_known_lengths"]) for c in cases]))
+    return {"cases": cases, "mape": mape, "mape_known_lengths": mape_known,
+            "profile": str(profile_dir), "threads": threads}
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{'case':<44} {'predicted_s':>11} {'measured_s':>10} {'error':>8} "
+             f"{'known-lengths error':>19}"]
+    for c in report["cases"]:
+        lines.append(f"{c['name']:<44} {c['predicted_s']:>11.2f} {c['measured_s']:>10.2f} "
+                     f"{c['error']:>+8.1%} {c['error_known_lengths']:>+19.1%}")
+    lines.append(f"MAPE {report['mape']:.1%} with sampled output lengths (the planner's prediction), "
+                 f"{report['mape_known_lengths']:.1%} with the lengths the engine produced "
+                 f"(profile {report['profile']}, {report['threads']} thread(s))")
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""Fitting the per-iteration latency model to measured iterations.
+
+Each measured iteration gives (kind, n sequences, tokens, per-GPU FLOPs, seconds). The
+model is SamuLLM's Eq. 5 with the constant parts folded into the per-bucket intercept:
+
+    seconds = a[b(n)] + c[b(n)] * TFLOPs + p1 * tokens + s1 * n
+
+solved by non-negative least squares (coefficients are times, never negative).
+Buckets without samples borrow the nearest bucket that has some.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from raycolo.offline.costmodel.latency import DEFAULT_BUCKETS, IterationLatency, LatencyProfile
+
+MIN_SAMPLES_PER_BUCKET = 3
+
+
+@dataclass
+class IterationSample:
+    kind: str          # "prefill" or "decode"
+    num_seqs: int
+    tokens: int        # prompt tokens (prefill) or attended tokens (decode)
+    flops: float       # per-GPU FLOPs of the iteration
+    seconds: float
+
+
+def samples_from_records(records: Iterable, latency: IterationLatency) -> list[IterationSample]:
+    """Turn engine IterationRecords into samples, FLOPs computed as the simulator does."""
+    out = []
+    for r in records:
+        tokens = sum(r.context_lens)
+        if r.kind == "prefill":
+            flops = latency.prefill_flops(tokens, sum(c * c for c in r.context_lens))
+        else:
+            flops = latency.decode_flops(r.num_seqs, tokens)
+        out.append(IterationSample(r.kind, r.num_seqs, tokens, flops, r.seconds))
+    return out
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
+    """Lawson-Hanson non-negative least squares (numpy only)."""
+    m, n = a.shape
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    w = a.T @ (b - a @ x)
+    tol = 1e-10 * max(1.0, np.abs(w).max(initial=0.0))
+    for _ in range(max_iter):
+        if passive.all() or (w[~passive] <= tol).all():
+            break
+        j = np.argmax(np.where(passive, -np.inf, w))
+        passive[j] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+        w = a.T @ (b - a @ x)
+    return x
+
+
+def _fit_part(samples: Sequence[IterationSample], buckets: list[int]):
+    """NNLS of one iteration kind; returns per-bucket (intercept, slope), per-token, per-seq."""
+    n = np.array([s.num_seqs for s in samples])
+    tflops = np.array([s.flops for s in samples]) / 1e12
+    tokens = np.array([s.tokens for s in samples], dtype=float)
+    y = np.array([s.seconds for s in samples])
+    b = np.minimum(np.searchsorted(np.asarray(buckets), n, side="left"), len(buckets) - 1)
+    # A bucket needs a few samples to pin its line; thin ones join the nearest full bucket.
+    counts = np.bincount(b, minlength=len(buckets))
+    full = [i for i in range(len(buckets)) if counts[i] >= MIN_SAMPLES_PER_BUCKET] or [int(np.argmax(counts))]
+    b = np.array([min(full, key=lambda f: (abs(f - v), f)) for v in b.tolist()])
+    used = sorted(set(b.tolist()))
+    col = {bk: i for i, bk in enumerate(used)}
+    k = len(used)
+    x = np.zeros((len(samples), 2 * k + 2))
+    rows = np.arange(len(samples))
+    x[rows, [col[v] for v in b]] = 1.0
+    x[rows, [k + col[v] for v in b]] = tflops
+    x[:, 2 * k] = tokens
+    x[:, 2 * k + 1] = n
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # comparable magnitudes for the solver
+    coef = nnls(x / scale, y) / scale
+    intercept = np.empty(len(buckets))
+    slope = np.empty(len(buckets))
+    for i in range(len(buckets)):
+        nearest = min(used, key=lambda u: (abs(u - i), u))
+        intercept[i] = coef[col[nearest]]
+        slope[i] = coef[k + col[nearest]]
+    return (intercept.tolist(), slope.tolist(), float(coef[2 * k]), float(coef[2 * k + 1]),
+            x @ coef, y, [buckets[u] for u in used])
+
+
+def fit_profile(samples: Sequence[IterationSample], model: str, tp: int, load_s: float,
+                buckets: Sequence[int] = DEFAULT_BUCKETS,
+                separate_prefill: bool = True) -> tuple[LatencyProfile, dict]:
+    """Fit a LatencyProfile; returns it with fit statistics (R², median |error|).
+
+    With ``separate_prefill`` prefill and decode iterations get their own coefficients;
+    otherwise one set serves both, as in the paper.
+    """
+    buckets = list(buckets)
+    decode = [s for s in samples if s.kind == "decode"] if separate_prefill else list(samples)
+    prefill = [s for s in samples if s.kind == "prefill"] if separate_prefill else []
+    if len(decode) < 4 or (separate_prefill and len(prefill) < 4):
+        raise ValueError("need at least 4 measured iterations of each kind to fit a profile")
+    intercept, slope, per_token, per_seq, pred, y, used = _fit_part(decode, buckets)
+    extra = {}
+    if separate_prefill:
+        p_int, p_slope, p_tok, p_seq, p_pred, p_y, _ = _fit_part(prefill, buckets)
+        extra = dict(prefill_intercept_s=p_int, prefill_s_per_tflop=p_slope,
+                     prefill_s_per_token=p_tok, prefill_s_per_seq=p_seq)
+        pred, y = np.concatenate([pred, p_pred]), np.concatenate([y, p_y])
+    profile = LatencyProfile(
+        model=model, tp=tp, source="measured", buckets=buckets,
+        compute_intercept_s=intercept, compute_s_per_tflop=slope,
+        prepare_intercept_s=0.0, prepare_s_per_token=per_token,
+        sample_intercept_s=0.0, sample_s_per_seq=per_seq, load_s=load_s, **extra)
+    ss_res = float(((y - pred) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum()) or 1e-30
+    stats = {"samples": len(samples), "r2": 1 - ss_res / ss_tot,
+             "median_abs_error": float(np.median(np.abs(pred - y) / np.maximum(y, 1e-12))),
+             "buckets_measured": used}
+    return profile, stats

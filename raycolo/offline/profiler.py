@@ -1,0 +1,238 @@
+"""``raycolo profile``: measure a model on an engine and write the cost model's files.
+
+1. Load time: median of timed engine loads from a checkpoint directory.
+2. Sweep: batches of 1..64 requests at several context lengths, plus a mixed run of
+   random lengths, recording every iteration (kind, sequences, tokens, seconds).
+3. Output lengths: run a request set with sampling and write the measured eCDF.
+4. Fit SamuLLM's per-iteration coefficients (:mod:`raycolo.offline.costmodel.fit`) to the
+   iterations of steps 2 and 3.
+
+Files (docs/profiles.md): ``DIR/<model>.tp<T>.json`` (LatencyProfile, what
+``raycolo plan --profile DIR`` reads), ``DIR/ecdf/<model>.csv`` and
+``DIR/<model>.tp<T>.fit.json`` (fit statistics and the sweep's settings).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from raycolo.catalog import get_model
+from raycolo.offline.costmodel.fit import fit_profile, samples_from_records
+from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile
+from raycolo.offline.costmodel.sampler import GREEDY_ECDF_SUFFIX, write_ecdf
+from raycolo.rng import seeded_rng
+from raycolo.engine.base import EngineConfig, SamplingParams, create_engine
+from raycolo.engine.models import save_tiny_checkpoint
+from raycolo.generation.params import ECDF_TEMPERATURE  # the planner's eCDFs are measured at it
+
+ECDF_MAX_TOKENS = 256
+
+
+@dataclass
+class SweepSettings:
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    context_lens: tuple[int, ...] = (16, 128, 384)
+    decode_steps: int = 12
+    mixed_requests: int = 64
+    ecdf_requests: int = 200
+    load_repeats: int = 3
+
+    @classmethod
+    def quick(cls) -> "SweepSettings":
+        return cls(batch_sizes=(1, 4, 16), context_lens=(16, 128), decode_steps=6,
+                   mixed_requests=16, ecdf_requests=40, load_repeats=1)
+
+
+def engine_config(model_id: str, device: str = "cpu", threads: Optional[int] = 1, seed: int = 0,
+                  max_num_seqs: int = 64, kv_cache_tokens: int = 1 << 17) -> EngineConfig:
+    return EngineConfig.model_validate({
+        "backend": "torch",
+        "model_loading_config": {"model_id": model_id, "seed": seed},
+        "engine_kwargs": {"max_num_seqs": max_num_seqs, "kv_cache_tokens": kv_cache_tokens,
+                          "device": device, "cpu_threads": threads}})
+
+
+def random_prompts(rng: np.random.Generator, count: int, lengths, vocab: int) -> list[list[int]]:
+    lengths = np.broadcast_to(np.asarray(lengths), (count,))
+    return [rng.integers(3, vocab, int(n)).tolist() for n in lengths]
+
+
+def _measure_load(model_id: str, device: str, threads: Optional[int], seed: int, repeats: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        source = model_id
+        if not Path(model_id).is_dir():
+            source = str(save_tiny_checkpoint(model_id, Path(tmp) / "ckpt", seed))
+        create_engine(engine_config(source, device, threads, seed)).release()  # warm imports
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            create_engine(engine_config(source, device, threads, seed)).release()
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str = "cpu",
+                  threads: Optional[int] = 1, seed: int = 0, settings: Optional[SweepSettings] = None,
+                  progress: Optional[Callable[[str], None]] = None) -> tuple[LatencyProfile, dict]:
+    settings = settings or SweepSettings()
+    say = progress or (lambda msg: None)
+    spec = get_model(model_id)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    say(f"{model_id}: timing loads")
+    load_s = _measure_load(model_id, device, threads, seed, settings.load_repeats)
+
+    engine = create_engine(engine_config(model_id, device, threads, seed))
+    rng = seeded_rng(seed, "profile", model_id)
+    vocab = spec.vocab
+    greedy = SamplingParams(max_tokens=settings.decode_steps, ignore_eos=True)
+    engine.generate(random_prompts(rng, 2, 8, vocab), greedy)  # warm-up, not recorded
+    engine.stats.iterations.clear()
+    for length in settings.context_lens:
+        for batch in settings.batch_sizes:
+            say(f"{model_id}: sweep batch {batch} x context {length}")
+            engine.generate(random_prompts(rng, batch, length, vocab), greedy)
+    say(f"{model_id}: mixed run")
+    mixed_lens = rng.integers(8, 256, settings.mixed_requests)
+    mixed_params = [SamplingParams(max_tokens=int(m), ignore_eos=True)
+                    for m in rng.integers(1, 128, settings.mixed_requests)]
+    engine.generate(random_prompts(rng, settings.mixed_requests, mixed_lens, vocab), mixed_params)
+
+    # The output-length run is real traffic: many requests of mixed contexts batched
+    # together. Its iterations join the fit, so the fit sees batches whose contexts differ
+    # (attention pads each group of similar contexts to its longest), not only the sweep's
+    # uniform ones.
+    say(f"{model_id}: output lengths of {settings.ecdf_requests} sampled requests")
+    prompts = random_prompts(rng, settings.ecdf_requests, rng.integers(8, 128, settings.ecdf_requests), vocab)
+    params = [SamplingParams(max_tokens=ECDF_MAX_TOKENS, temperature=ECDF_TEMPERATURE, seed=seed * 7919 + i)
+              for i in range(len(prompts))]
+    lengths = [o.output_len for o in engine.generate(prompts, params)]
+    # the same prompts decoded greedily: the lengths a greedy DAG node really produces
+    greedy_lengths = [o.output_len for o in engine.generate(prompts, SamplingParams(max_tokens=ECDF_MAX_TOKENS))]
+    records = list(engine.stats.iterations)
+    engine.release()
+
+    from raycolo.offline.costmodel.latency import default_profile
+    from raycolo.hardware import ClusterSpec
+    flops_model = IterationLatency(spec, default_profile(spec, ClusterSpec(), tp))
+    profile, stats = fit_profile(samples_from_records(records, flops_model), model_id, tp, load_s)
+    profile.save(out / f"{model_id}.tp{tp}.json")
+    write_ecdf(out / "ecdf" / f"{model_id}.csv", lengths,
+               f"MEASURED output lengths of {model_id} ({len(lengths)} requests, torch engine, "
+               f"temperature {ECDF_TEMPERATURE}, max_tokens {ECDF_MAX_TOKENS}, seed {seed}).\n"
+               "Written by raycolo profile.")
+    write_ecdf(out / "ecdf" / f"{model_id}{GREEDY_ECDF_SUFFIX}.csv", greedy_lengths,
+               f"MEASURED output lengths of {model_id} ({len(greedy_lengths)} requests, torch engine, "
+               f"greedy, max_tokens {ECDF_MAX_TOKENS}, seed {seed}).\n"
+               "Written by raycolo profile.")
+    say(f"{model_id}: co-located iterations (fine-tune ops between decode iterations)")
+    colocated = measure_colocated(model_id, seed, device, settings)
+    stats["decode_predictor"] = fit_decode_predictor(records, colocated)
+    stats.update(model=model_id, tp=tp, device=device, threads=threads, seed=seed,
+                 load_s=load_s, iterations=len(records),
+                 ecdf_mean=float(np.mean(lengths)), ecdf_max=int(np.max(lengths)),
+                 sweep={"batch_sizes": list(settings.batch_sizes),
+                        "context_lens": list(settings.context_lens),
+                        "decode_steps": settings.decode_steps})
+    (out / f"{model_id}.tp{tp}.fit.json").write_text(json.dumps(stats, indent=2))
+    return profile, stats
+
+
+def fit_decode_predictor(records, colocated=(), held_out_every: int = 5) -> dict:
+    """Harli's decode predictor (raycolo.online.scheduling.latency_predictor). Stage 1 is fitted to
+    the engine's decode iterations measured here. Stage 2 is fitted to the iterations of
+    :func:`measure_colocated` (solo and co-located, on a pipeline stage: its interference
+    factor is relative to that stage's own solo iterations). Every ``held_out_every``-th
+    iteration of each kind is held out for its error (Harli reports 3 % for stage 1 and
+    about 5 % for stage 2)."""
+    from raycolo.online.scheduling.latency_predictor import DecodeSample, fit, mape
+
+    samples = [DecodeSample(r.num_seqs, float(np.mean(r.context_lens)), r.seconds)
+               for r in records if r.kind == "decode" and r.seconds > 0 and not r.preempted]
+    held = samples[::held_out_every]
+    predictor = fit([s for i, s in enumerate(samples) if i % held_out_every])
+    out = {"b0": predictor.b0, "c0": predictor.c0, "k0": predictor.k0, "b1": 1.0, "k1": 1.0,
+           "fit_iterations": len(samples) - len(held), "held_out_iterations": len(held),
+           "held_out_mape": mape(predictor, held)}
+    colocated = list(colocated)
+    if colocated:
+        held_colo = [s for s in colocated[::held_out_every] if not s.solo]
+        stage = fit([s for i, s in enumerate(colocated) if i % held_out_every])
+        out.update(b1=stage.b1, k1=stage.k1, colocated_iterations=sum(not s.solo for s in colocated),
+                   colocated_held_out_iterations=len(held_colo),
+                   colocated_held_out_mape=mape(stage, held_colo))
+    return out
+
+
+COLOCATED_BATCHES = (1, 4, 16)
+COLOCATED_CONTEXTS = (16, 128)
+COLOCATED_FINETUNE = ((1, 32), (2, 64), (4, 96))      # fine-tune ops: samples x tokens
+
+
+def measure_colocated(model_id: str, seed: int, device: str, settings: SweepSettings,
+                      repeats: int = 3) -> list:
+    """Co-located decode iterations as a raycolo stage runs them under time shares: a
+    whole-model stage with LoRA runs a fine-tune op (forward and backward of a micro-batch)
+    and then a decode iteration of ``bs`` requests at context ``seqlen``. Each gives a
+    :class:`DecodeSample` whose latency is the period (fine-tune op plus the decode
+    iteration after it) and whose shares are the solo decode's and the fine-tune op's parts
+    of the solo-time period; the solo iteration timed before each is a sample too. Harli's
+    stage 2 then fits the interference (caches and memory traffic the fine-tune op leaves
+    behind)."""
+    import torch
+
+    from raycolo.engine.models import load_model
+    from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora, training_batch
+    from raycolo.online.scheduling.latency_predictor import DecodeSample
+
+    model, _ = load_model(model_id, seed=seed, dtype="float32", device=device)
+    layers = model.config.num_hidden_layers
+    stage = StageModel(add_lora(model, LoraSettings(seed=seed)), (0, layers), 4096, 16)
+    rng = seeded_rng(seed, "profile", model_id, "colocated")
+    vocab = get_model(model_id).vocab
+    out, rid, task = [], 0, 0
+    batches = [b for b in COLOCATED_BATCHES if b <= max(settings.batch_sizes)]
+    for bs in batches:
+        for ctx in COLOCATED_CONTEXTS:
+            requests = list(range(rid, rid + bs))
+            rid += bs
+            with torch.no_grad():
+                stage.forward(requests, random_prompts(rng, bs, ctx, vocab))
+            for samples, tokens in COLOCATED_FINETUNE:
+                pairs = [(p[: tokens // 2], p[tokens // 2:]) for p in random_prompts(rng, samples, tokens, vocab)]
+                ids, labels, lengths = training_batch(pairs)
+                for _ in range(repeats):
+                    solo = _timed(lambda: _decode(stage, requests, rng, vocab))
+                    task += 1
+                    ft = _timed(lambda: (stage.train_forward(task, ids, lengths, labels),
+                                         stage.train_backward(task, step=False)))
+                    after = _timed(lambda: _decode(stage, requests, rng, vocab))
+                    share = solo / (solo + ft)
+                    seqlen = float(np.mean([stage.contexts[r] for r in requests]))
+                    out.append(DecodeSample(bs, seqlen - 1, solo))
+                    out.append(DecodeSample(bs, seqlen, ft + after, share, 1.0 - share))
+            for r in requests:
+                stage.release(r)
+    if stage.optimizer is not None:
+        stage.optimizer.zero_grad(set_to_none=True)   # nothing is applied: the gradients go
+    return out
+
+
+def _decode(stage, requests, rng, vocab) -> None:
+    import torch
+
+    with torch.no_grad():
+        stage.forward(requests, [[int(t)] for t in rng.integers(3, vocab, len(requests))])
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started

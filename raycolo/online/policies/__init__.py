@@ -1,0 +1,37 @@
+"""Online allocation policies (LeMix and its baselines), registered by name.
+
+They decide where each arriving task runs. Each module registers a factory
+``(params, nodes, train_rate) -> OnlinePolicy`` (:mod:`raycolo.online.scheduling.policy`).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from raycolo.errors import ConfigError
+from raycolo.online.policies.registry import _ONLINE, register_online
+
+_ONLINE_MODULES = ["lemix", "baselines", "colocation"]
+
+
+def get_online_policy(name: str) -> Callable:
+    for module in _ONLINE_MODULES:
+        importlib.import_module(f"raycolo.online.policies.{module}")
+    if name not in _ONLINE:
+        raise ConfigError(f"--policy: unknown online policy '{name}' (known: {', '.join(online_policy_names())})")
+    return _ONLINE[name]
+
+
+def make_online_policy(name: str, params, nodes: int = 4, train_rate: float = 0.5):
+    """The online policy registered as ``name``, built for ``nodes`` nodes and a
+    training share ``train_rate`` (SEPARATE sizes its groups from them)."""
+    return get_online_policy(name)(params, nodes=nodes, train_rate=train_rate)
+
+
+def online_policy_names() -> list[str]:
+    for module in _ONLINE_MODULES:
+        importlib.import_module(f"raycolo.online.policies.{module}")
+    return list(_ONLINE)
+
+
+__all__ = ["get_online_policy", "make_online_policy", "online_policy_names", "register_online"]

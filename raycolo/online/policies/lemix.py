@@ -1,0 +1,141 @@
+"""LeMix (Li et al.): plan every task's path on every node, score nodes by eq. 3, hold
+training back when the next inference would miss its SLO (eq. 4).
+
+Registered variants drop one part each, for the paper's ablation (Fig. 17):
+``lemix-noprofile`` plans with length-blind latencies (the reference task's, whatever
+the query length), ``lemix-noprioritize`` never defers training, ``lemix-nomemory`` runs
+without the memory-aware wait-or-offload of Algorithm 2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from raycolo.online.scheduling.allocation import best_node, idleness_profit, length_consistency, priority, violates_slo
+from raycolo.online.scheduling.planning import commit, compute_idleness
+from raycolo.online.scheduling.policy import OnlinePolicy, PolicyCapabilities
+from raycolo.online.tasks import OnlineTask
+from raycolo.online.policies.registry import register_online
+
+
+@dataclass
+class Lemix(OnlinePolicy):
+    params: object
+    name: str = "lemix"
+    prioritize: bool = True
+    memory_aware: bool = True
+    profiled: bool = True
+
+    def __post_init__(self) -> None:
+        self.capabilities = PolicyCapabilities(prioritize=self.prioritize, memory_aware=self.memory_aware)
+
+    def estimator(self, profile):
+        if self.profiled:
+            return profile
+        return LengthBlind(profile.forward_latency_s / profile.stages,
+                           profile.backward_latency_s / profile.stages)
+
+    def allocate(self, task: OnlineTask, sched, now: float) -> Optional[int]:
+        nodes, scanned = self._nodes(sched, task, now)
+        plans, scores = self.score(sched, task, now, nodes)
+        n = best_node(scores)
+        if task.is_train and self.capabilities.prioritize and self._at_risk(sched, n, plans[n], now, scanned):
+            return None
+        commit(sched.traces[n], plans[n].path, now)
+        sched.pending_path = plans[n].path
+        return n
+
+    def score(self, sched, task: OnlineTask, now: float, nodes) -> tuple[dict, dict]:
+        """Algorithm 1's plan and eq. 3's score of the task on each of ``nodes`` (pure)."""
+        p = self.params
+        slo = p.slo_s(sched.profiles[0].forward_latency_s)
+        traces, estimators, profiles = sched.traces, sched.estimators, sched.profiles
+        global_gap = sched.interarrival if p.arrival_gap == "global" else None
+        task_id, arrival, length, batch, is_train = task.task_id, task.arrival_s, task.length, task.batch, task.is_train
+        tau, lambda1, lambda2, rule = p.tau, p.lambda1, p.lambda2, p.score_rule
+        plans, scores = {}, {}
+        # one estimator for every node (the cluster sets them all at once): one forward latency
+        forward = estimators[0].forward_s(batch, length) if sched.uniform_estimator else None
+        for n in nodes:
+            trace = traces[n]
+            plan = compute_idleness(trace, task_id, arrival, length, batch, is_train, estimators[n], now,
+                                    idle_cap=slo, forward=forward)
+            if global_gap is not None:
+                gap = global_gap
+            else:
+                last = trace.last
+                gap = max(0.0, now - last.arrival_s) if last is not None else 0.0
+            ip = idleness_profit(plan.idle, trace.stages, gap, tau * profiles[n].forward_latency_s)
+            lc = length_consistency(length, trace.count, trace.length_mean, trace.length_std)
+            plans[n] = plan
+            scores[n] = priority(ip, lc, plan.response, lambda1, lambda2, rule)
+        return plans, scores
+
+    def _nodes(self, sched, task: OnlineTask, now: float) -> tuple[list[int], bool]:
+        """The nodes to plan the task on, and whether they are every placeable node: all
+        of them up to ``scan_nodes``, else the node index's candidates (node_index.py)."""
+        p = self.params
+        if sched.nodes - len(sched.down) <= p.scan_nodes or not sched.uniform_estimator:
+            return sched.placeable, True
+        at = max(now, task.arrival_s)
+        reach = at + (sched.stages - 1) * sched.estimators[0].forward_s(task.batch, task.length)
+        sched.index.refresh(sched.traces, reach)
+        found = sched.index.candidates(at, task.length, sched.preferred, p.candidate_window, p.candidate_lengths)
+        return (found, False) if found else (sched.placeable, True)
+
+    def _at_risk(self, sched, node: int, plan, now: float, scanned: bool = True) -> bool:
+        """Eq. 4 with this training task placed on ``node``. Unscanned (many nodes, one
+        estimator): the other nodes' earliest last-stage finish comes from the index."""
+        nxt = sched.next_inference(now)
+        if nxt is None:
+            return False
+        arrival, length = nxt
+        stages = sched.stages
+        free, forward = [], []
+        if scanned:
+            for n in sched.placeable:
+                trace = sched.traces[n]
+                last = plan if n == node else trace.last
+                free.append(max(now, arrival, last.end_f(stages - 1) if last else now))
+                forward.append(stages * sched.estimators[n].forward_s(1, length))
+        else:
+            other = sched.index.earliest_finish(sched.preferred, exclude=node)
+            free = [max(now, arrival, plan.end_f(stages - 1))]
+            free += [max(now, arrival, other)] if other is not None else []
+            forward = [stages * sched.estimators[node].forward_s(1, length)] * len(free)
+        slo = self.params.slo_s(sched.profiles[0].forward_latency_s)
+        return violates_slo(free, forward, arrival, slo)
+
+
+@dataclass
+class LengthBlind:
+    """Latencies without a profile: the reference task's per stage, whatever ℓ and C."""
+
+    forward: float
+    backward: float
+
+    def forward_s(self, batch: int, length: int) -> float:
+        return self.forward
+
+    def backward_s(self, batch: int, length: int) -> float:
+        return self.backward
+
+
+@register_online("lemix")
+def lemix(params, **_):
+    return Lemix(params)
+
+
+@register_online("lemix-noprofile")
+def lemix_noprofile(params, **_):
+    return Lemix(params, name="lemix-noprofile", profiled=False)
+
+
+@register_online("lemix-noprioritize")
+def lemix_noprioritize(params, **_):
+    return Lemix(params, name="lemix-noprioritize", prioritize=False)
+
+
+@register_online("lemix-nomemory")
+def lemix_nomemory(params, **_):
+    return Lemix(params, name="lemix-nomemory", memory_aware=False)

@@ -1,0 +1,526 @@
+"""One node's scheduling logic (LeMix Algorithms 2 and 3), with no clock and no Ray.
+
+A node is S pipeline stages, one GPU each. :class:`NodeScheduler` decides what every
+stage runs next; an executor (the simulator of :mod:`raycolo.online.simulation.sim`, or the live
+node actor) runs it and reports back. Every entry point takes the executor's ``now`` and
+returns a :class:`NodeStep`: the ops to start now and the timers to arm, in order, plus
+what happened (observed op times, tokens out, finished requests, trained tasks).
+
+* Inference: Algorithm 3 batches arriving requests (up to ``max_batch`` queries, within
+  ``T_w = max_wait`` forward latencies of the first; a training task closes the batch)
+  into a *prefill* op that walks the stages; its last stage emits each request's first
+  token. Then *decode* ops, one iteration of every running request per op, walk the
+  stages; one decode op is in flight per node (iteration-level batching). A request
+  ends when the executor says its last token came out (EOS, a stop string, or the
+  simulator's sampled length), and at the latest at its ``max_tokens``.
+* Training: a *train_f* op walks the stages forward, then *train_b* walks them back from
+  stage S-1 to 0; each stage keeps the task's activations between the two.
+* SEPARATE's weight *sync* op runs on every stage of a serving node.
+
+A stage runs one op at a time, oldest ready first, unless the policy's stage rule
+(:mod:`raycolo.online.scheduling.stage_rules`: Harli, SIRIUS, MACE) orders or holds back its ready
+ops. Memory is a ledger per stage: a
+prefill reserves each request's KV for its prompt plus ``max_tokens`` (what a real
+engine knows, not the decode length it will turn out to have) until the request ends; a
+training forward holds its activations until its backward on that stage. Memory-aware
+policies run Algorithm 2 before a forward that would pass the threshold: wait in steps
+of Δt (a timer), and after ``T_max`` run it *offloaded* (its memory on the host). Other
+policies run it anyway and mark it *overrun*. What offload and overrun cost is the
+executor's business (the simulator adds a transfer time and a slowdown).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field, replace
+from typing import Collection, Optional
+
+from raycolo.online.scheduling.microbatches import MicroBatches
+from raycolo.online.params import LemixParams
+from raycolo.online.profiles import NodeProfile
+from raycolo.online.scheduling.stage_rules import TRAIN_KINDS, StageRule
+from raycolo.online.tasks import OnlineTask
+
+FORWARD_KINDS = ("prefill", "train_f")
+OP_KINDS = ("prefill", "decode", "train_f", "train_b", "sync")
+
+
+@dataclass(eq=False)
+class Request:
+    """An inference task's progress on its node."""
+
+    task: OnlineTask
+    context: int                 # tokens in the KV cache after the next op
+    generated: int = 0           # tokens out of the last stage so far
+    kv_bytes: float = 0.0        # reserved on each stage whose prefill kept it on the GPU
+
+    @property
+    def task_id(self) -> int:
+        return self.task.task_id
+
+
+@dataclass(eq=False)
+class Op:
+    kind: str                    # prefill | decode | train_f | train_b | sync
+    node: int
+    stage: int
+    ready_s: float
+    seq: int
+    tasks: list                  # Requests (prefill, decode), [OnlineTask] (train_f, train_b); [] (sync)
+    mem_bytes: float = 0.0       # held on this stage from a forward's start
+    waited_s: float = 0.0
+    offloaded: bool = False      # Algorithm 2 line 10: ran with its memory on the host
+    overrun: bool = False        # ran past the stage's memory (not memory-aware)
+    reload: bool = False         # a backward whose activations were offloaded
+    start_s: float = 0.0
+    after: Optional[int] = None  # seq of the op on the neighbour stage whose output this consumes
+    generation: int = 0          # the node's resets before this op was made
+    step: bool = True            # train_b: the stage takes its optimizer step after it (the
+                                 # last micro-batch of its task there; microbatches.py)
+    version: Optional[int] = None  # sync: the training tasks whose weights it loads
+
+    @property
+    def batch(self) -> int:
+        """Queries in the op (Σ C)."""
+        if self.kind in ("prefill", "decode"):
+            return sum(r.task.batch for r in self.tasks)
+        return self.tasks[0].batch if self.kind in ("train_f", "train_b") else 0
+
+
+@dataclass(eq=False)
+class Timer:
+    """Call :meth:`NodeScheduler.timer` with this at ``at_s``."""
+
+    at_s: float
+    node: int
+    kind: str                    # close_batch | memory_retry | rule_wake
+    token: int = 0               # close_batch: the batch it closes
+    stage: int = 0               # memory_retry, rule_wake: the stage (and the op that waits)
+    op: Optional[Op] = None
+    step_s: float = 0.0
+    generation: int = 0          # a timer armed before the node was reset is ignored
+    number: int = -1             # the node's count of timers armed before it (node_events.py)
+
+
+@dataclass
+class NodeStep:
+    """What one call into the node produced."""
+
+    actions: list = field(default_factory=list)    # Op (start now) or Timer (arm), in order
+    observed: list = field(default_factory=list)   # (task_id, stage, "forward"|"backward", start, end)
+    tokens: list = field(default_factory=list)     # Requests whose token left the last stage
+    finished: list = field(default_factory=list)   # Requests that ended (after their last token)
+    trained: list = field(default_factory=list)    # OnlineTasks whose backward reached stage 0
+    lost: list = field(default_factory=list)       # reset: unfinished Requests and training OnlineTasks
+    aborted: list = field(default_factory=list)    # training task ids whose activations the stages drop (SIRIUS)
+    synced: Optional[int] = None                   # weights version the node serves from now
+    activated: bool = False                        # the node went from idle to active
+    idle: bool = False                             # the node has nothing left to do
+
+    @property
+    def started(self) -> list:
+        return [a for a in self.actions if isinstance(a, Op)]
+
+    @property
+    def timers(self) -> list:
+        return [a for a in self.actions if isinstance(a, Timer)]
+
+
+@dataclass
+class Stage:
+    ready: list = field(default_factory=list)   # heap of (ready_s, seq, op)
+    busy: Optional[Op] = None
+    used_bytes: float = 0.0
+    held: dict = field(default_factory=dict)    # (kind, task id) -> bytes this stage holds
+    busy_s: float = 0.0
+    train_busy_s: float = 0.0                   # of busy_s, in training ops
+    retry_pending: bool = False
+    wake_at: Optional[float] = None             # a rule_wake timer armed for this time
+
+
+class NodeScheduler:
+    """Algorithms 2 and 3 for one node; see the module docstring."""
+
+    def __init__(self, index: int, profile: NodeProfile, params: LemixParams, memory_aware: bool,
+                 rule: Optional[StageRule] = None):
+        self.index = index
+        self.rule = rule if rule is not None else StageRule()   # which ready op a stage runs
+        self.profile = profile
+        self.params = params
+        self.memory_aware = memory_aware
+        self.stages = [Stage() for _ in range(profile.stages)]
+        self.batch: list[OnlineTask] = []
+        self.batch_c = 0
+        self.batch_token = 0         # invalidates a scheduled close of an earlier batch
+        self.joining: list[Request] = []
+        self.decode_inflight = False
+        self.queued_ops = 0          # ops ready or running on any stage
+        self.update_count = 0        # cluster training tasks reflected in the served weights
+        self.syncing = 0             # sync ops left on this node's stages
+        self.active = False
+        self.first_start: Optional[float] = None
+        self.last_end = 0.0
+        self.memory_waits = self.offloads = self.overruns = 0
+        self.aborts = 0              # training tasks aborted for a prefill's memory (SIRIUS)
+        self.micro = MicroBatches(index, profile.stages)   # elastic micro-batches (SIRIUS)
+        self.aborted_bytes = 0.0
+        self.generation = 0          # resets so far
+        self._seq = 0                # the number of the node's next op
+        self.armed: dict[int, Timer] = {}   # timers armed and not fired, by number
+        self._timers = 0
+        self._out = NodeStep()
+        self._now = 0.0
+
+    # -- entry points ----------------------------------------------------------------------
+    def dispatch(self, task: OnlineTask, now: float) -> NodeStep:
+        """The task reaches this node."""
+        self._begin(now)
+        if task.is_train:
+            if self.batch:
+                self._close_batch(self.batch_token)
+            mem = self.profile.train_bytes(task.batch, task.length)
+            self._ready(self._op("train_f", 0, [task], mem))
+        else:
+            if not self.batch:
+                self.batch_token += 1
+                wait = self.params.max_wait * self.profile.forward_latency_s
+                self._out.actions.append(Timer(now + wait, self.index, "close_batch", token=self.batch_token,
+                                               generation=self.generation))
+            self.batch.append(task)
+            self.batch_c += task.batch
+            self._set_active()
+            if self.batch_c >= self.params.max_batch:
+                self._close_batch(self.batch_token)
+        return self._end()
+
+    def timer(self, timer: Timer, now: float) -> NodeStep:
+        """A timer this node armed fires."""
+        self._begin(now)
+        self.armed.pop(timer.number, None)
+        if timer.generation != self.generation:
+            return self._end()
+        if timer.kind == "close_batch":
+            self._close_batch(timer.token)
+        elif timer.kind == "rule_wake":
+            stage = self.stages[timer.stage]
+            if stage.wake_at is not None and stage.wake_at <= timer.at_s:
+                stage.wake_at = None    # (a live clock may fire it a hair early: the rule re-arms)
+            self._try_start(timer.stage)
+        elif timer.kind == "memory_retry":
+            stage = self.stages[timer.stage]
+            stage.retry_pending = False
+            timer.op.waited_s += timer.step_s
+            self._try_start(timer.stage)
+        else:
+            raise ValueError(f"unknown timer kind {timer.kind!r}")
+        return self._end()
+
+    def sync(self, version: int, now: float) -> NodeStep:
+        """SEPARATE: weights of ``version`` training tasks arrive; every stage loads them."""
+        self._begin(now)
+        self.syncing = len(self.stages)
+        for s in range(len(self.stages)):
+            self._ready(self._op("sync", s, [], version=version))
+        return self._end()
+
+    def op_done(self, op: Op, now: float, finished: Collection[int] = ()) -> NodeStep:
+        """``op`` ended on its stage. ``finished``: ids of requests whose token from this op
+        (a last-stage prefill or decode) was their last; ``max_tokens`` ends one anyway."""
+        self._begin(now)
+        s = op.stage
+        stage = self.stages[s]
+        if stage.busy is not op:
+            raise ValueError(f"node {self.index} stage {s}: {op.kind} op was not running")
+        stage.busy = None
+        stage.busy_s += now - op.start_s
+        if op.kind in TRAIN_KINDS:
+            stage.train_busy_s += now - op.start_s
+        self.queued_ops -= 1
+        self.last_end = now
+        last = s == len(self.stages) - 1
+        if op.kind == "prefill":
+            for r in op.tasks:
+                self._out.observed.append((r.task_id, s, "forward", op.start_s, now))
+            if not last:
+                self._ready(self._op("prefill", s + 1, op.tasks, op.mem_bytes, after=op))
+            else:
+                for r in op.tasks:
+                    self._token_out(r, finished)
+                self._decode_next()
+        elif op.kind == "train_f":
+            task = op.tasks[0]
+            self._out.observed.append((self.micro.root_of(task).task_id, s, "forward", op.start_s, now))
+            nxt = self._op("train_f", s + 1, op.tasks, op.mem_bytes, after=op) if not last else \
+                self._op("train_b", s, op.tasks, op.mem_bytes)
+            self._ready(nxt)
+        elif op.kind == "train_b":
+            task = op.tasks[0]
+            self._out.observed.append((self.micro.root_of(task).task_id, s, "backward", op.start_s, now))
+            self._release(stage, ("train", task.task_id))
+            root = self.micro.backward_done(task, s)
+            if s > 0:
+                self._ready(self._op("train_b", s - 1, op.tasks, op.mem_bytes, after=op))
+            elif root is not None:
+                self._out.trained.append(root)
+        elif op.kind == "decode":
+            if not last:
+                self._ready(self._op("decode", s + 1, op.tasks, after=op))
+            else:
+                self.decode_inflight = False
+                for r in op.tasks:
+                    r.context += 1
+                    self._token_out(r, finished)
+                self._decode_next()
+        elif op.kind == "sync":
+            self.syncing -= 1
+            if self.syncing == 0:
+                self.update_count = op.version
+                self._out.synced = op.version
+        self._try_start(s)
+        if self.rule.holds:       # a held op may fit now that this one ended
+            for other in range(len(self.stages)):
+                if other != s:
+                    self._try_start(other)
+        self._maybe_idle()
+        return self._end()
+
+    def reset(self, now: float) -> NodeStep:
+        """The node's executor lost its state (its stage workers restarted: KV caches,
+        activations and ops in flight are gone). Every op ready or running is dropped, the
+        memory ledger is emptied, timers armed so far are void, and the work that was on
+        the node comes back in ``lost``: each unfinished inference :class:`Request` (its
+        ``generated`` tokens are already out) and each training task whose backward had
+        not reached stage 0. The executor must not report the dropped ops' completion."""
+        self._begin(now)
+        lost: dict[int, object] = {}
+        for r in self.joining:
+            lost[r.task_id] = r
+        for t in self.batch:
+            lost[t.task_id] = Request(t, t.length)
+        for stage in self.stages:
+            ops = [op for _, _, op in stage.ready] + ([stage.busy] if stage.busy else [])
+            for op in sorted(ops, key=lambda o: o.seq):
+                for x in op.tasks:
+                    lost.setdefault(x.task_id, x)
+            if stage.busy is not None:
+                stage.busy_s += now - stage.busy.start_s
+            stage.ready, stage.busy, stage.held, stage.used_bytes = [], None, {}, 0.0
+            stage.retry_pending, stage.wake_at = False, None
+        self._out.lost = sorted(self.micro.lost(list(lost.values())), key=lambda x: x.task_id)
+        self.batch, self.batch_c, self.joining = [], 0, []
+        self.decode_inflight = False
+        self.queued_ops = self.syncing = 0
+        self.generation += 1
+        self.armed.clear()              # they fire void (their generation is old)
+        self.last_end = max(self.last_end, now)
+        self._maybe_idle()
+        return self._end()
+
+    # -- reading ---------------------------------------------------------------------------
+    def busy_seconds(self, now: float) -> float:
+        """Seconds the stages have been busy, counting ops in flight up to ``now``."""
+        return sum(st.busy_s + (now - st.busy.start_s if st.busy else 0.0) for st in self.stages)
+
+    # -- internals -------------------------------------------------------------------------
+    def _begin(self, now: float) -> None:
+        self._now = now
+        self._out = NodeStep()
+
+    def _end(self) -> NodeStep:
+        out, self._out = self._out, NodeStep()
+        for action in out.actions:        # timers get their numbers in the order armed
+            if type(action) is Timer:
+                action.number = self._timers
+                self._timers += 1
+                self.armed[action.number] = action
+        return out
+
+    def _op(self, kind: str, stage: int, tasks: list, mem: float = 0.0, after: Optional[Op] = None,
+            version: Optional[int] = None) -> Op:
+        self._seq += 1
+        return Op(kind, self.index, stage, self._now, self._seq - 1, tasks, mem,
+                  after=None if after is None else after.seq, generation=self.generation, version=version)
+
+    def _close_batch(self, token: int) -> None:
+        if token != self.batch_token or not self.batch:
+            return
+        tasks, self.batch, self.batch_c = self.batch, [], 0
+        self.batch_token += 1
+        requests = [Request(t, t.length) for t in tasks]
+        for r in requests:
+            r.kv_bytes = self.profile.inference_bytes(r.task.batch, r.task.length + r.task.token_budget)
+        self._ready(self._op("prefill", 0, requests, sum(r.kv_bytes for r in requests)))
+
+    def _ready(self, op: Op) -> None:
+        heapq.heappush(self.stages[op.stage].ready, (op.ready_s, op.seq, op))
+        self.queued_ops += 1
+        self._set_active()
+        self._try_start(op.stage)
+
+    def _try_start(self, s: int) -> None:
+        stage = self.stages[s]
+        if stage.busy is not None or not stage.ready:
+            return
+        capacity = self.profile.free_bytes
+        limit = self.params.memory_threshold * capacity
+        chosen, blocked = None, False
+        for op in self.rule.order(self, s, [item[2] for item in stage.ready], self._now):
+            if op.kind not in FORWARD_KINDS or op.offloaded or op.mem_bytes == 0:
+                chosen = op
+                break
+            if blocked:
+                continue  # forwards keep their order behind a waiting forward
+            if not self.memory_aware or self.rule.fits(stage, op, limit):
+                chosen = op
+                break
+            if op.kind == "prefill" and self.rule.reclaims and \
+                    self._reclaim(s, stage.used_bytes + op.mem_bytes - limit):
+                chosen = op
+                break
+            if op.kind == "train_f" and s == 0 and self.rule.elastic and self._shrink(stage, op, limit):
+                chosen = op
+                break
+            if op.waited_s >= self.params.max_memory_wait * self.profile.forward_latency_s:
+                op.offloaded = True  # Algorithm 2 line 10: give the stage its memory back
+                self.offloads += 1
+                chosen = op
+                break
+            blocked = True
+            if not stage.retry_pending:
+                stage.retry_pending = True
+                step = self.params.check_interval * self.profile.forward_latency_s
+                self.memory_waits += 1
+                self._out.actions.append(Timer(self._now + step, self.index, "memory_retry",
+                                               stage=s, op=op, step_s=step, generation=self.generation))
+        if chosen is None:
+            if not blocked and self.rule.holds:
+                self._wake(s)
+            return
+        self.rule.started(s, chosen)
+        stage.ready.remove((chosen.ready_s, chosen.seq, chosen))
+        heapq.heapify(stage.ready)
+        chosen.start_s = self._now
+        if chosen.kind in FORWARD_KINDS and not chosen.offloaded:
+            if stage.used_bytes + chosen.mem_bytes > capacity:
+                self.overruns += 1
+                chosen.overrun = True
+            for key, size in self._holdings(chosen):
+                stage.held[key] = size
+                stage.used_bytes += size
+        if chosen.kind == "train_f" and s == 0:
+            self.micro.forward_started(chosen.tasks[0])
+        if chosen.kind == "train_b":
+            chosen.step = self.micro.steps(chosen.tasks[0], s)
+            if ("train", chosen.tasks[0].task_id) not in stage.held:
+                chosen.reload = True
+        stage.busy = chosen
+        self.first_start = self._now if self.first_start is None else self.first_start
+        self._out.actions.append(chosen)
+
+    def _wake(self, s: int) -> None:
+        """The rule held back every ready op of stage ``s``: look again when it says."""
+        stage = self.stages[s]
+        at = self.rule.wake_at(self, s, self._now)
+        if at is None or at <= self._now or (stage.wake_at is not None and stage.wake_at <= at):
+            return
+        stage.wake_at = at
+        self._out.actions.append(Timer(at, self.index, "rule_wake", stage=s, generation=self.generation))
+
+    def _shrink(self, stage: Stage, op: Op, limit: float) -> bool:
+        """SIRIUS: the first forward ``op`` of a training task does not fit; start the
+        largest micro-batch of its samples that does, and leave the rest waiting as another
+        micro-batch (:mod:`raycolo.online.scheduling.microbatches`). False: not even one sample fits."""
+        task = op.tasks[0]
+        for samples in range(task.batch - 1, 0, -1):
+            mem = self.profile.train_bytes(samples, task.length)
+            if self.rule.fits(stage, replace(op, mem_bytes=mem), limit):
+                break
+        else:
+            return False
+        now_piece, rest = self.micro.split(task, samples)
+        op.tasks, op.mem_bytes = [now_piece], mem
+        later = self._op("train_f", 0, [rest], self.profile.train_bytes(rest.batch, rest.length))
+        heapq.heappush(stage.ready, (later.ready_s, later.seq, later))   # queued: the stage starts op now
+        self.queued_ops += 1
+        return True
+
+    def _reclaim(self, s: int, need: float) -> bool:
+        """SIRIUS: free ``need`` bytes on stage ``s`` by aborting training tasks that wait
+        for their first backward (their forward is done on every stage, nothing of theirs
+        runs or travels between stages), largest first; each runs again from its first
+        forward. True when enough was freed (nothing is aborted otherwise)."""
+        last = self.stages[-1]
+        waiting = [op for _, _, op in last.ready if op.kind == "train_b"]
+        held = self.stages[s].held
+        victims, freed = [], 0.0
+        for op in sorted(waiting, key=lambda o: -held.get(("train", o.tasks[0].task_id), 0.0)):
+            if freed >= need:
+                break
+            size = held.get(("train", op.tasks[0].task_id), 0.0)
+            if size > 0:
+                victims.append(op)
+                freed += size
+        if freed < need:
+            return False
+        for op in victims:
+            task = op.tasks[0]
+            last.ready.remove((op.ready_s, op.seq, op))
+            self.queued_ops -= 1
+            for stage in self.stages:
+                self.aborted_bytes += stage.held.get(("train", task.task_id), 0.0)
+                self._release(stage, ("train", task.task_id))
+            self.aborts += 1
+            self._out.aborted.append(task.task_id)
+            # queued, not started: the stage that called this is about to start the prefill
+            self.micro.restarted(task)
+            retry = self._op("train_f", 0, [task], op.mem_bytes)
+            heapq.heappush(self.stages[0].ready, (retry.ready_s, retry.seq, retry))
+            self.queued_ops += 1
+        heapq.heapify(last.ready)
+        return True
+
+    @staticmethod
+    def _holdings(op: Op) -> list[tuple[tuple, float]]:
+        """What a forward keeps on its stage, per task, so release is exact per stage."""
+        if op.kind == "prefill":
+            return [(("req", r.task_id), r.kv_bytes) for r in op.tasks]
+        return [(("train", op.tasks[0].task_id), op.mem_bytes)]
+
+    @staticmethod
+    def _release(stage: Stage, key: tuple) -> None:
+        stage.used_bytes -= stage.held.pop(key, 0.0)
+
+    def _decode_next(self) -> None:
+        if self.decode_inflight or not self.joining:
+            return
+        running, self.joining = self.joining, []
+        self.decode_inflight = True
+        self._ready(self._op("decode", 0, running))
+
+    def _token_out(self, r: Request, finished: Collection[int]) -> None:
+        """A request's token left the last stage: it ends, or joins the next decode."""
+        r.generated += 1
+        self._out.tokens.append(r)
+        if r.task_id in finished or r.generated >= r.task.token_budget:
+            for stage in self.stages:
+                self._release(stage, ("req", r.task_id))
+            self._out.finished.append(r)
+        else:
+            self.joining.append(r)
+
+    def _set_active(self) -> None:
+        if not self.active:
+            self.active = True
+            self._out.activated = True
+
+    def _maybe_idle(self) -> None:
+        if self.active and self.queued_ops == 0 and not self.batch and not self.joining \
+                and not self.decode_inflight:
+            self.active = False
+            self._out.idle = True
+
+    def check_released(self) -> None:
+        """Every byte held was released: memory is conserved (call after a run)."""
+        for s, stage in enumerate(self.stages):
+            if stage.held or abs(stage.used_bytes) > 1.0:
+                raise RuntimeError(f"node {self.index} stage {s}: memory left held after the run: "
+                                   f"{len(stage.held)} tasks, {stage.used_bytes:.0f} bytes")

@@ -1,0 +1,206 @@
+"""The cluster-level online scheduler: a registered policy plus LeMix's shared state.
+
+:class:`OnlineScheduler` owns the global queue (deferred training tasks), the per-node
+trace queues and the arrival statistics eq. 4 needs. An executor, simulated
+(:mod:`raycolo.online.simulation.sim`) or live, reaches it through
+:class:`~raycolo.online.scheduling.cluster.Cluster`, which fixes the order of the calls:
+:meth:`submit` on every arrival, :meth:`observe` with every executed forward/backward
+(calibration), :meth:`node_idle`, then :meth:`retry`. Time
+comes from the executor's clock: the scheduler never reads a wall clock itself.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from raycolo.online.scheduling.node_index import NodeIndex
+from raycolo.online.params import LemixParams
+from raycolo.online.scheduling.planning import NodeTrace, TaskPath, calibrate
+from raycolo.online.scheduling.policy import OnlinePolicy
+from raycolo.online.profiles import NodeProfile
+from raycolo.online.tasks import OnlineTask
+
+EWMA_WEIGHT = 0.1  # arrival statistics for eq. 4's predicted next inference task
+RECENT_DECISIONS = 10_000   # decision times kept for percentiles (a service runs for ever)
+
+
+@dataclass
+class Decision:
+    task: OnlineTask
+    node: int
+    path: Optional[TaskPath]
+    decided_s: float             # the scheduler's time of the decision (any query cost is the executor's)
+    decision_us: float
+
+
+@dataclass
+class OnlineScheduler:
+    policy: OnlinePolicy
+    profiles: list[NodeProfile]           # what nodes really are (the executor's truth)
+    estimators: list[object]              # what planning believes (profiles, or not)
+    params: LemixParams
+    utilization: Callable[[int], float] = lambda n: 0.0  # executor's busy fraction (LUF)
+    traces: list[NodeTrace] = field(init=False)
+    deferred: list[OnlineTask] = field(default_factory=list)
+    paths: dict[int, TaskPath] = field(default_factory=dict)
+    last_arrival_s: float = 0.0
+    inference_gap_s: Optional[float] = None
+    inference_length: Optional[float] = None
+    last_inference_s: Optional[float] = None
+    arrivals_done: bool = False
+    decisions: int = 0
+    decision_us_total: float = 0.0
+    decision_us: deque = field(default_factory=lambda: deque(maxlen=RECENT_DECISIONS))   # the latest, for percentiles
+    pending_path: Optional[TaskPath] = None  # set by a policy that planned the task
+    interarrival: float = 0.0                 # Δa of the task being decided (eq. 1)
+    down: set = field(default_factory=set)    # nodes gone for good: nothing is placed there
+    restarting: set = field(default_factory=set)  # nodes whose executor is coming back: avoided meanwhile
+
+    def __post_init__(self) -> None:
+        self.traces = [NodeTrace(p.stages) for p in self.profiles]
+        self.index = NodeIndex(len(self.profiles))    # the traces in LeMix's orders
+        self.path_nodes: dict[int, int] = {}            # task id -> node of its planned path
+        self._uniform: tuple = (None, False)            # (estimators list, all the same object)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.profiles)
+
+    @property
+    def stages(self) -> int:
+        return self.profiles[0].stages
+
+    @property
+    def placeable(self) -> list[int]:
+        """The nodes new work may go to: those neither down nor restarting; while every
+        node left is restarting, those (the work waits for them)."""
+        live = [m for m in range(self.nodes) if m not in self.down]
+        return [m for m in live if m not in self.restarting] or live
+
+    def preferred(self, m: int) -> bool:
+        """Node ``m`` is neither down nor restarting (O(1); :attr:`placeable` lists them)."""
+        return m not in self.down and m not in self.restarting
+
+    def is_placeable(self, m: int) -> bool:
+        """``m in self.placeable`` without listing every node."""
+        if m in self.down:
+            return False
+        return m not in self.restarting or len(self.restarting) >= self.nodes - len(self.down)
+
+    @property
+    def uniform_estimator(self) -> bool:
+        """Every node plans with the same estimator (the cluster sets them all at once)."""
+        if self._uniform[0] is not self.estimators:
+            first = self.estimators[0]
+            self._uniform = (self.estimators, all(e is first for e in self.estimators))
+        return self._uniform[1]
+
+    # -- arrivals ------------------------------------------------------------------------
+    def submit(self, task: OnlineTask, now: float) -> Optional[Decision]:
+        interarrival = task.arrival_s - self.last_arrival_s
+        decision = self._decide(task, now, interarrival)
+        self.last_arrival_s = task.arrival_s
+        if not task.is_train:
+            if self.last_inference_s is not None:
+                gap = task.arrival_s - self.last_inference_s
+                self.inference_gap_s = gap if self.inference_gap_s is None else (
+                    (1 - EWMA_WEIGHT) * self.inference_gap_s + EWMA_WEIGHT * gap)
+            self.inference_length = task.length if self.inference_length is None else (
+                (1 - EWMA_WEIGHT) * self.inference_length + EWMA_WEIGHT * task.length)
+            self.last_inference_s = task.arrival_s
+        if decision is None:
+            self.deferred.append(task)
+        return decision
+
+    def resubmit(self, task: OnlineTask, now: float) -> Optional[Decision]:
+        """Place again a task whose node lost it (not an arrival: the arrival statistics
+        stay as they are); a training task may be deferred as usual."""
+        decision = self._decide(task, now, interarrival=0.0)
+        if decision is None:
+            self.deferred.append(task)
+        return decision
+
+    def retry(self, now: float, limit: int = 1) -> list[Decision]:
+        """Deferred training tasks, oldest first, until one is still held back; at most
+        ``limit`` per call. Executors call this on every completion, so a backlog drains
+        at the pace nodes free up and each release is planned on calibrated traces,
+        rather than landing all at once on plans nothing has corrected yet."""
+        out = []
+        while self.deferred and len(out) < limit:
+            task = self.deferred[0]
+            decision = self._decide(task, now, interarrival=0.0)
+            if decision is None:
+                break
+            self.deferred.pop(0)
+            out.append(decision)
+        return out
+
+    def _decide(self, task: OnlineTask, now: float, interarrival: float) -> Optional[Decision]:
+        started = time.perf_counter()
+        self.interarrival = interarrival
+        self.pending_path = None
+        node = self.policy.allocate(task, self, now)
+        if node is not None and not self.is_placeable(node):
+            # The policy did not look at availability: its share of work goes to the next
+            # node that can take it (a plan it made for the node it chose is void).
+            node = min(self.placeable, key=lambda m: (m - node) % self.nodes)
+            self.pending_path = None
+        spent = (time.perf_counter() - started) * 1e6
+        self.decisions += 1
+        self.decision_us_total += spent
+        self.decision_us.append(spent)
+        if node is None:
+            return None
+        self.index.touch(node)
+        path = self.pending_path
+        if path is not None:
+            self.paths[task.task_id] = path
+            self.path_nodes[task.task_id] = node
+        return Decision(task, node, path, now, spent)
+
+    # -- eq. 4's view of the next inference task ------------------------------------------
+    def next_inference(self, now: float) -> Optional[tuple[float, int]]:
+        """(predicted arrival, length) of the next inference task, from the arrival
+        statistics; None once no more tasks will arrive or none has been seen."""
+        if self.arrivals_done or self.inference_length is None:
+            return None
+        gap = self.inference_gap_s if self.inference_gap_s is not None else 0.0
+        last = self.last_inference_s if self.last_inference_s is not None else now
+        return max(now, last + gap), int(round(self.inference_length))
+
+    # -- execution feedback ----------------------------------------------------------------
+    def observe(self, task_id: int, stage: int, kind: str, start: float, end: float) -> None:
+        path = self.paths.get(task_id)
+        if path is None:
+            return
+        calibrate(path, stage, kind, start, end)
+        self.index.touch(self.path_nodes[task_id])
+        if (kind == "backward" and stage == 0) or (kind == "forward" and stage == len(path.stages) - 1
+                                                   and not path.is_train):
+            self.paths.pop(task_id, None)
+            self.path_nodes.pop(task_id, None)
+
+    def node_reset(self, node: int, task_ids, now: float) -> None:
+        """Node ``node`` lost its work (``task_ids``): its planned paths are void and it
+        is idle from ``now``; what it learnt of allocated lengths stays."""
+        old = self.traces[node]
+        trace = NodeTrace(old.stages, idle_since=now)
+        trace.count, trace.length_mean, trace.length_m2 = old.count, old.length_mean, old.length_m2
+        self.traces[node] = trace
+        self.index.touch(node)
+        for task_id in task_ids:
+            self.paths.pop(task_id, None)
+            self.path_nodes.pop(task_id, None)
+
+    def node_idle(self, node: int, now: float) -> None:
+        """The executor found the node with nothing to do: idleness starts now."""
+        trace = self.traces[node]
+        if trace.last is None or trace.busy_until() <= now:
+            trace.idle_since = max(trace.idle_since, now)
+            self.index.touch(node)
+
+    @property
+    def mean_decision_us(self) -> float:
+        return self.decision_us_total / self.decisions if self.decisions else 0.0

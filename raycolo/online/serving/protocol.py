@@ -1,0 +1,432 @@
+"""The OpenAI-compatible request and response bodies, and raycolo's own routes' bodies.
+
+Requests are validated strictly (a string where a number belongs is a 400 naming the
+parameter, NaN and infinities are refused, bounds are explicit). No request field is
+silently ignored: a generation request takes what vLLM's OpenAI server takes of
+:class:`raycolo.generation.SamplingParams` (``max_tokens``, ``min_tokens``,
+``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stop_token_ids``,
+``ignore_eos``, ``skip_special_tokens``, the repetition, presence and frequency
+penalties, ``logprobs``/``top_logprobs``, ``n``), ``stream`` and ``stream_options``, and
+``user`` (recorded nowhere, as in vLLM); any other field is a 400 naming it. Bounds are
+the generation module's (declared once there); ``temperature`` keeps OpenAI's [0, 2].
+Response models are what the routes return, so ``/openapi.json`` describes them truthfully.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, RootModel, Tag,
+                      field_validator, model_validator)
+
+from raycolo.generation import SamplingParams
+from raycolo.generation.params import (MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT, LogprobCount, MinTokens,
+                                       Penalty, RepetitionPenalty, TopK, TopP, nonnegative_ids, stop_strings)
+
+MAX_TRAIN_SAMPLES = 1024                      # per POST /v1/train_samples
+MAX_CHOICES = 16                              # n
+
+
+def _whole(v):
+    """JSON Schema counts 5.0 as an integer; so do we (5.5 and "5" stay errors)."""
+    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2 ** 63 else v
+
+
+WholeInt = Annotated[int, BeforeValidator(_whole)]
+
+
+# raycolo.generation's int fields (their bounds declared there once), taking 5.0 as 5
+WholeMinTokens = Annotated[MinTokens, BeforeValidator(_whole)]
+WholeTopK = Annotated[TopK, BeforeValidator(_whole)]
+WholeLogprobCount = Annotated[LogprobCount, BeforeValidator(_whole)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Closed(BaseModel):
+    """A generation request's parts: a field raycolo does not support is a 400 naming it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Closed):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str = Field(min_length=1, max_length=512)
+    max_tokens: Optional[WholeInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    min_tokens: WholeMinTokens = Field(default=0, description="vLLM's extension: no stop before this many tokens")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)    # OpenAI's range
+    top_p: TopP = 1.0
+    top_k: WholeTopK = Field(default=0, description="vLLM's extension: 0 or -1 for all tokens")
+    seed: Optional[WholeInt] = Field(default=None, ge=0, le=MAX_SEED)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[WholeInt]] = Field(default=None, max_length=MAX_STOP_TOKEN_IDS,
+                                                     description="vLLM's extension")
+    n: WholeInt = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per request (each with its own "
+                        "seed: seed + i); with stream, 1")
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = Field(default=False, description="vLLM's extension: keep generating past every EOS id")
+    skip_special_tokens: bool = Field(default=True, description="vLLM's extension")
+    repetition_penalty: RepetitionPenalty = Field(default=1.0, description="vLLM's extension")
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    user: Optional[str] = Field(default=None, max_length=512, description="accepted, recorded nowhere")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop):
+        stop_strings(stop)
+        return stop
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, ids):
+        return nonnegative_ids(ids)
+
+    @model_validator(mode="after")
+    def _stream_one(self):
+        if self.stream and self.n > 1:
+            raise ValueError("n: a streamed request has one choice (n = 1)")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def top_logprobs_asked(self) -> Optional[int]:
+        """How many top log-probabilities per token (None: no log-probabilities)."""
+        return None
+
+    def sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
+        """The one SamplingParams of this request (raycolo.generation)."""
+        return SamplingParams(max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=seed, stop=self.stop_list(),
+                              stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+                              skip_special_tokens=self.skip_special_tokens,
+                              repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, logprobs=self.top_logprobs_asked())
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions: one prompt (text, a list of one text, or token ids)."""
+
+    prompt: Union[str, list[WholeInt], list[str]] = Field(description="a text, or token ids")
+    echo: Literal[False] = Field(default=False, description="not supported (only false)")
+    logprobs: Optional[WholeLogprobCount] = Field(default=None, description="the sampled tokens' "
+                                                  "log-probabilities and this many most likely tokens' per position")
+
+    def top_logprobs_asked(self) -> Optional[int]:
+        return self.logprobs
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list):
+            if not prompt:
+                raise ValueError("must not be empty")
+            if isinstance(prompt[0], str):
+                if len(prompt) != 1:
+                    raise ValueError("one prompt per request (n = 1, no batches)")
+                return prompt[0]
+            if any(t < 0 for t in prompt):
+                raise ValueError("token ids must be >= 0")
+        return prompt
+
+
+class TextPart(_Closed):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Closed):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[WholeInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool = Field(default=False, description="the sampled tokens' log-probabilities")
+    top_logprobs: Optional[WholeLogprobCount] = Field(default=None, description="this many most likely tokens "
+                                                      "per position (needs logprobs)")
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
+    def top_logprobs_asked(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- responses ------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Optional[Literal["stop", "length", "error"]]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+BASE_SUFFIX = "@base"          # <model>@base: the base model, without the adapter
+VERSION_SUFFIX = "@v"          # <model>@v<k>: adapter checkpoint k, as it was saved
+LATEST, BASE = "latest", "base"
+
+
+def model_variant(name: str, served: str) -> Union[str, int, None]:
+    """What a request's ``model`` names: ``"latest"`` (the served model, whose adapter
+    follows retraining), ``"base"`` (``<served>@base``), an adapter version ``k``
+    (``<served>@v<k>``), or None when it names nothing this server serves."""
+    if name == served:
+        return LATEST
+    if name == served + BASE_SUFFIX:
+        return BASE
+    prefix = served + VERSION_SUFFIX
+    digits = name[len(prefix):]
+    if name.startswith(prefix) and digits.isascii() and digits.isdigit() and len(digits) <= 9 \
+            and str(int(digits)) == digits:
+        return int(digits)
+    return None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "raycolo"
+    root: str
+    parent: Optional[str] = None
+    adapter: Literal["latest", "base", "version", "loaded"] = Field(
+        description="'latest' follows retraining; 'base' is the model without the adapter "
+                    "(<model>@base); 'version' is a saved adapter checkpoint (<model>@v<k>); 'loaded' "
+                    "is an adapter loaded with POST /v1/load_lora_adapter (its root: the path it was "
+                    "loaded from)")
+    adapter_version: Optional[int] = Field(default=None, description="k of <model>@v<k>")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter: vLLM's body."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=512, description="the model name requests will use")
+    lora_path: str = Field(min_length=1, max_length=4096, description="a peft LoRA adapter directory "
+                           "(adapter_config.json, adapter_model.safetensors) the deployment can read; "
+                           "a relative path is taken from the controller's directory")
+    load_inplace: bool = Field(default=False, description="replace an adapter loaded under this name")
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter: vLLM's body."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=512)
+    lora_int_id: Optional[WholeInt] = Field(default=None, description="vLLM's; accepted and not used "
+                                            "(adapters are named)")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# -- raycolo's routes -----------------------------------------------------------------------
+class TrainSample(_Strict):
+    """A training sample: ``prompt`` and ``completion`` texts; chat ``messages`` whose last
+    message is the assistant's (the completion); or a preference pair, ``prompt`` (or chat
+    ``messages`` ending with the user's turn) with the ``chosen`` and the ``rejected``
+    completion (trained with the DPO loss against the frozen base). Chat samples are
+    rendered with the model's chat template: the completion is the assistant's turn as the
+    template writes it, ending with its end-of-turn token (raycolo.online.serving.text)."""
+
+    prompt: Optional[str] = None
+    completion: Optional[str] = None
+    chosen: Optional[str] = None
+    rejected: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
+
+    @property
+    def is_pair(self) -> bool:
+        return self.chosen is not None or self.rejected is not None
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if self.messages is not None and self.prompt is not None:
+            raise ValueError("give prompt or messages, not both")
+        if self.completion is not None and self.is_pair:
+            raise ValueError("give completion, or chosen and rejected, not both")
+        if self.messages is None and self.prompt is None:
+            raise ValueError("give prompt and completion, prompt (or messages) with chosen and rejected, "
+                             "or messages")
+        if self.prompt is not None and not self.is_pair and not self.completion:
+            raise ValueError("prompt and a non-empty completion are both required")
+        if self.is_pair and (not self.chosen or not self.rejected):
+            raise ValueError("a preference pair needs non-empty chosen and rejected")
+        if self.is_pair and self.chosen == self.rejected:
+            raise ValueError("chosen and rejected must differ")
+        if self.messages is not None and not self.is_pair:
+            if self.completion is not None:
+                raise ValueError("messages carry the completion as their last (assistant) message")
+            if len(self.messages) < 2 or self.messages[-1].role != "assistant":
+                raise ValueError("the last message must be the assistant's (the completion)")
+        if self.messages is not None and self.is_pair and self.messages[-1].role == "assistant":
+            raise ValueError("a chat preference pair's messages end before the assistant's answer "
+                             "(chosen and rejected are the answers)")
+        return self
+
+
+class TrainSamplesRequest(_Strict):
+    samples: list[TrainSample] = Field(min_length=1, max_length=MAX_TRAIN_SAMPLES)
+
+
+# The two forms of a training body, as tags of the union below. Pydantic puts the tag in an
+# error's location; both hold a "[", so param_path leaves them out of the named parameter:
+# ``samples[3].completion`` in the object form, ``[3].completion`` in the bare list.
+SAMPLES_OBJECT, SAMPLES_LIST = '{"samples": [...]}', "[...]"
+
+
+def _samples_form(body) -> Optional[str]:
+    return SAMPLES_OBJECT if isinstance(body, dict) else SAMPLES_LIST if isinstance(body, list) else None
+
+
+class TrainSamplesBody(RootModel):
+    """POST /v1/train_samples and /v1/eval: ``{"samples": [...]}`` or a bare JSON list of
+    samples, with the same validation and limits (1 to MAX_TRAIN_SAMPLES samples)."""
+
+    root: Annotated[Union[
+        Annotated[TrainSamplesRequest, Tag(SAMPLES_OBJECT)],
+        Annotated[list[TrainSample], Field(min_length=1, max_length=MAX_TRAIN_SAMPLES), Tag(SAMPLES_LIST)]],
+        Discriminator(_samples_form, custom_error_type="invalid_body",
+                      custom_error_message='the body must be {"samples": [...]} or a JSON list of samples')]
+
+    @property
+    def samples(self) -> list[TrainSample]:
+        return self.root.samples if isinstance(self.root, TrainSamplesRequest) else self.root
+
+    @property
+    def param(self) -> str:
+        """The samples' parameter path in this body: ``samples``, or ``""`` (the body itself)."""
+        return "samples" if isinstance(self.root, TrainSamplesRequest) else ""
+
+
+class EvalResponse(BaseModel):
+    loss: Optional[float] = Field(default=None, description="mean next-token loss over the samples' "
+                                  "completions, no training ((prompt, completion) samples)")
+    win_rate: Optional[float] = Field(default=None, description="preference pairs: the fraction where the "
+                                      "chosen completion is more probable than the rejected one")
+    clpd: Optional[float] = Field(default=None, description="preference pairs: the mean log-probability "
+                                  "of the chosen completion minus the rejected one's")
+    samples: int
+    adapter_version: int
+
+
+class TrainSamplesResponse(BaseModel):
+    ids: list[int] = Field(description="the samples' sequence numbers in the store")
+    sequence: int = Field(description="the store's sequence number after this append (samples stored)")
+    persisted: bool = Field(description="always true: fsynced before this answer")
+
+
+class TrainStatus(BaseModel):
+    received: int
+    trained: int
+    pending: int
+    adapter_version: int
+    last_checkpoint: Optional[dict] = None
+    pinned_versions: list[int] = Field(default_factory=list,
+                                       description="adapter versions servable as <model>@v<k>")
+    resumed: Optional[dict] = Field(default=None, description="what this deployment took up from an earlier "
+                                    "one on the same storage: adapter_version, samples_held, samples_resumed")
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded", "starting"]
+    nodes_alive: int
+    nodes: int
+    nodes_restarting: int = Field(default=0, description="nodes whose worker group is being restarted: "
+                                  "alive, but given no new work until it is back")

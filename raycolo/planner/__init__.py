@@ -1,9 +1,0 @@
-"""Offline planner core: problem, per-stage evaluation, placement, bounds, replay.
-
-Policies (``raycolo.policies``) decide *which* stages to run; this package answers
-*what happens* when a stage runs, so the same code serves search, replay and runtime.
-"""
-from raycolo.planner.problem import ExecPlan, PlanningProblem
-from raycolo.planner.schedule import AppPlan, Stage, StageModel
-
-__all__ = ["AppPlan", "ExecPlan", "PlanningProblem", "Stage", "StageModel"]

@@ -1,0 +1,12 @@
+"""Seeded random generators: every random choice in raycolo takes one."""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+
+def seeded_rng(seed: int, *names: str) -> np.random.Generator:
+    """A generator keyed by the run seed and stable names (crc32, not Python's salted hash)."""
+    keys = [int(seed) & 0xFFFFFFFF] + [zlib.crc32(n.encode()) for n in names]
+    return np.random.default_rng(keys)

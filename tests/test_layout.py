@@ -1,0 +1,97 @@
+"""The layout's rules, checked on the source itself (docs/layout.md):
+
+* no import cycles between raycolo's modules, counting the imports inside functions too;
+* Ray is imported only under ``raycolo.actors`` (all Ray code) and ``raycolo.cli`` (which
+  wires both halves); no other module imports either of them;
+* no file over 500 lines and no class over 20 methods.
+
+Imports are read with ``ast`` from every file, the way Python resolves them, and the
+cycles are found by networkx (strongly connected components).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "raycolo"
+OUTER = ("raycolo.actors", "raycolo.cli")   # the only homes of Ray and of the wiring
+MAX_LINES = 500
+MAX_METHODS = 20
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in PKG.rglob("*.py"):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Every raycolo module (and 'ray') that ``name`` imports, wherever the import is."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t == "ray" or t.startswith("ray."):
+                found.add("ray")
+            while t and t not in mods:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def _graph() -> nx.DiGraph:
+    mods = _modules()
+    g = nx.DiGraph()
+    for name, path in mods.items():
+        g.add_node(name)
+        for target in _imports(name, path, mods):
+            g.add_edge(name, target)
+    return g
+
+
+def test_no_import_cycles_even_through_lazy_imports():
+    g = _graph()
+    cycles = [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_ray_lives_only_in_actors_and_the_cli():
+    g = _graph()
+    leaks = sorted(f"{m} -> {t}" for m, t in g.edges
+                   if not m.startswith(OUTER) and (t == "ray" or t.startswith(OUTER)))
+    assert not leaks, f"pure modules importing Ray or the Ray package: {leaks}"
+    # and the check can fail: the actors do import Ray
+    assert any(t == "ray" for m, t in g.edges if m.startswith("raycolo.actors"))
+
+
+def test_file_and_class_sizes():
+    too_long, too_wide = [], []
+    for path in PKG.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > MAX_LINES:
+            too_long.append(f"{path.relative_to(REPO)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                if len(methods) > MAX_METHODS:
+                    too_wide.append(f"{path.relative_to(REPO)}:{node.name}: {len(methods)} methods")
+    assert not too_long and not too_wide, "\n".join(too_long + too_wide)
