@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from raycolo.engine.base import SamplingParams, create_engine
+from raycolo.engine.base import SamplingParams
+from raycolo.engine.factory import create_engine
 from raycolo.engine.models import BOS_ID, BYTE_OFFSET
 
 

@@ -11,7 +11,8 @@ pytest.importorskip("vllm")
 
 from vllm.platforms import current_platform  # noqa: E402
 
-from raycolo.engine.base import EngineConfig, SamplingParams, create_engine  # noqa: E402
+from raycolo.engine.base import EngineConfig, SamplingParams  # noqa: E402
+from raycolo.engine.factory import create_engine
 from raycolo.engine.models import save_tiny_checkpoint  # noqa: E402
 from raycolo.engine.vllm_engine import VllmEngine  # noqa: E402
 from raycolo.errors import ConfigError  # noqa: E402

@@ -208,16 +208,3 @@ class Engine(abc.ABC):
             self.add_request(rid, prompt, p)
         by_id = {o.request_id: o for o in self.run_until_done()}
         return [by_id[rid] for rid in ids]
-
-
-def create_engine(config: EngineConfig | dict) -> Engine:
-    """Build the engine a config names (``backend``: torch or vllm)."""
-    if isinstance(config, dict):
-        config = EngineConfig.model_validate(config)
-    if config.backend == "torch":
-        from raycolo.engine.torch_engine import TorchEngine
-        return TorchEngine(config)
-    if config.backend == "vllm":
-        from raycolo.engine.vllm_engine import VllmEngine
-        return VllmEngine(config)
-    raise ConfigError(f"backend: unknown engine backend '{config.backend}'")

@@ -361,7 +361,8 @@ def check_executor_graphs(device) -> Row:
 def check_torch_engine(device) -> Row:
     import torch
 
-    from raycolo.engine.base import SamplingParams, create_engine
+    from raycolo.engine.base import SamplingParams
+    from raycolo.engine.factory import create_engine
 
     ps = _prompts([9, 23, 14, 40])
     ref = _model(MODEL, "float64", "cpu").eval()
@@ -685,7 +686,8 @@ def check_vllm(device) -> Row:
         return Row("vllm", SKIP, {}, f"installed vllm runs on {platform!r}, not {device.type!r}")
     import torch
 
-    from raycolo.engine.base import SamplingParams, create_engine
+    from raycolo.engine.base import SamplingParams
+    from raycolo.engine.factory import create_engine
     from raycolo.engine.models import save_tiny_checkpoint
 
     if device.type == "cuda":

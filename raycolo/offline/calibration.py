@@ -20,7 +20,8 @@ import numpy as np
 from raycolo.catalog import get_model
 from raycolo.rng import seeded_rng
 from raycolo.offline.dag import parse_app
-from raycolo.engine.base import SamplingParams, create_engine
+from raycolo.engine.base import SamplingParams
+from raycolo.engine.factory import create_engine
 from raycolo.hardware import ClusterSpec
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
 from raycolo.offline.planner.state import StageEvaluator, initial_state

@@ -28,7 +28,8 @@ from raycolo.offline.costmodel.fit import fit_profile, samples_from_records
 from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile
 from raycolo.offline.costmodel.sampler import GREEDY_ECDF_SUFFIX, write_ecdf
 from raycolo.rng import seeded_rng
-from raycolo.engine.base import EngineConfig, SamplingParams, create_engine
+from raycolo.engine.base import EngineConfig, SamplingParams
+from raycolo.engine.factory import create_engine
 from raycolo.engine.models import save_tiny_checkpoint
 from raycolo.generation.params import ECDF_TEMPERATURE  # the planner's eCDFs are measured at it
 

@@ -83,7 +83,7 @@ def engine_config_key(config: dict) -> str:
 class EngineActor:
     def __init__(self, engine_config: dict, label: str, max_parked: int):
         started = time.perf_counter()
-        from raycolo.engine.base import create_engine
+        from raycolo.engine.factory import create_engine
 
         self._config = _resolve(engine_config)
         self._config_key = engine_config_key(engine_config)
@@ -121,7 +121,7 @@ class EngineActor:
         engine of that config (*wake*) or loads a new one (*swap*). Returns :meth:`info`,
         whose ``load_s`` is this switch's time."""
         started = time.perf_counter()
-        from raycolo.engine.base import create_engine
+        from raycolo.engine.factory import create_engine
 
         self._stop_loop()
         config, key = _resolve(engine_config), engine_config_key(engine_config)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raycolo.engine.executor.stage import IGNORE_INDEX
+IGNORE_INDEX = -100   # the label of a token no loss counts (PyTorch's cross_entropy default)
 
 
 def sequence_logprob(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -33,11 +33,11 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from raycolo.engine.executor.batch import SeqChunk
+from raycolo.engine.executor.losses import IGNORE_INDEX
 from raycolo.engine.executor.model import ModelExecutor
 from raycolo.online.samples import training_rows  # noqa: F401  (the stage's row layout)
 from raycolo.batching.blocks import BlockAllocator
 
-IGNORE_INDEX = -100
 _DPO_STEP = -1               # the training-task key of a dpo_step (live tasks have ids >= 0)
 LATEST = "latest"            # a request's adapter variant: the weights as they train
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"   # peft's file name (adapters.py)
