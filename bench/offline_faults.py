@@ -40,7 +40,7 @@ OUT = Path("out/bench-offline-faults")
 
 
 def command(args, output: Path) -> list[str]:
-    return [sys.executable, "-m", "raycolo.cli.main", "run", args.dag, "--profile", "cpu", "--gpus", "2",
+    return [sys.executable, "-m", "raycolo.cli", "run", args.dag, "--profile", "cpu", "--gpus", "2",
             "--requests", str(args.requests), "--seed", str(args.seed), "--max-restarts", str(args.kills + 1),
             "--output", str(output), "--no-progress"]
 

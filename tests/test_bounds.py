@@ -16,7 +16,7 @@ from raycolo.bounds import MAX_TOKENS, field_bounds
 from raycolo.catalog import _builtin_catalog
 
 ROOT = Path(__file__).resolve().parent.parent
-RAYCOLO = [sys.executable, "-m", "raycolo.cli.main"]
+RAYCOLO = [sys.executable, "-m", "raycolo.cli"]
 BASE = {"name": "tiny", "requests": {"count": 16, "input_tokens": {"distribution": "uniform", "min": 8, "max": 96}},
         "nodes": [{"name": "small", "model": "tiny-llama-s", "max_output_tokens": 64},
                   {"name": "medium", "model": "tiny-llama-m", "max_output_tokens": 64, "repeat": 1}],

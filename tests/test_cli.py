@@ -1,4 +1,4 @@
-"""The ``raycolo`` command line, run as a real subprocess (``python -m raycolo.cli.main`` and
+"""The ``raycolo`` command line, run as a real subprocess (``python -m raycolo.cli`` and
 the installed console script): plan/compare output contracts, determinism, the Gantt
 PNG, and one-line ``error:`` messages with exit status 2 for invalid input.
 """
@@ -30,7 +30,7 @@ SMALL_APP = {
 
 def _run(*args: str, cwd: Path | None = None, script: bool = False,
          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [str(CONSOLE_SCRIPT)] if script else [sys.executable, "-m", "raycolo.cli.main"]
+    cmd = [str(CONSOLE_SCRIPT)] if script else [sys.executable, "-m", "raycolo.cli"]
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True,
                           cwd=cwd or REPO, timeout=120, env={**os.environ, **(env or {})})
 

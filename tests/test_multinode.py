@@ -67,7 +67,7 @@ def test_a_loopback_address_that_nothing_answers_fails_fast_naming_address(tmp_p
     runs = {
         "run_dag": (RUN_DAG + ["--dag", str(EXAMPLES / "tiny.yaml"), "--output", str(tmp_path / "o"),
                                "--profile", "cpu", "--address", f"127.0.0.1:{port}"], {}),
-        "serve": ([sys.executable, "-m", "raycolo.cli.main", "serve", str(EXAMPLES / "online.yaml"),
+        "serve": ([sys.executable, "-m", "raycolo.cli", "serve", str(EXAMPLES / "online.yaml"),
                    "--address", f"127.0.0.1:{port}"], {}),
         # ray job submit's way: the address comes in RAY_ADDRESS
         "job": (RUN_DAG + ["--dag", str(EXAMPLES / "tiny.yaml"), "--output", str(tmp_path / "j"),

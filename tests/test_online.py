@@ -214,7 +214,7 @@ def test_online_policies_are_registered():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "raycolo.cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "raycolo.cli", *args], capture_output=True, text=True,
                           timeout=120)
 
 

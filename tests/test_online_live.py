@@ -275,7 +275,7 @@ def test_a_node_whose_group_restarts_gets_no_work_until_it_is_back(deployment):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "raycolo.cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "raycolo.cli", *args], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
 
 

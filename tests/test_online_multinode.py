@@ -220,7 +220,7 @@ def test_raycolo_serve_joins_the_cluster_answers_and_leaves_nothing_listening(cl
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    proc = subprocess.Popen([sys.executable, "-m", "raycolo.cli.main", "serve", str(path), "--address",
+    proc = subprocess.Popen([sys.executable, "-m", "raycolo.cli", "serve", str(path), "--address",
                              cluster["cluster"].address], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=env, cwd=tmp_path)
     try:

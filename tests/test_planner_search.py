@@ -198,7 +198,7 @@ def test_search_respects_its_budget():
 
 
 def _cli_json(*args) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "raycolo.cli.main", *map(str, args), "--json"],
+    proc = subprocess.run([sys.executable, "-m", "raycolo.cli", *map(str, args), "--json"],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

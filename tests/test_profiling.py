@@ -122,7 +122,7 @@ requests: {count: 40, input_tokens: {distribution: uniform, min: 8, max: 64}}
 nodes: [{name: a, model: tiny-llama-s, max_output_tokens: 64}]
 edges: [{from: input, to: a}]
 """)
-    args = [sys.executable, "-m", "raycolo.cli.main", "plan", str(app), "--gpus", "1", "--nvlink-group", "1",
+    args = [sys.executable, "-m", "raycolo.cli", "plan", str(app), "--gpus", "1", "--nvlink-group", "1",
             "--gpu-memory", "4GiB", "--json"]
     with_profile = json.loads(subprocess.run(args + ["--profile", str(out)], capture_output=True,
                                              text=True, check=True).stdout)
@@ -151,7 +151,7 @@ def test_shipped_cpu_profiles_cover_the_tiny_models():
 
 
 def test_validate_reports_predicted_and_measured_times():
-    result = subprocess.run([sys.executable, "-m", "raycolo.cli.main", "validate", "--models", "tiny-llama-s",
+    result = subprocess.run([sys.executable, "-m", "raycolo.cli", "validate", "--models", "tiny-llama-s",
                              "--requests", "8", "--json"], capture_output=True, text=True, check=True)
     report = json.loads(result.stdout)
     assert {c["name"].split(" ")[0] for c in report["cases"]} >= {"tiny-llama-s", "2-model"}
@@ -170,7 +170,7 @@ def test_validate_reports_predicted_and_measured_times():
     (["validate", "--requests", "0"], "--requests"),
 ])
 def test_profiling_cli_errors_name_the_field(argv, field):
-    result = subprocess.run([sys.executable, "-m", "raycolo.cli.main", *argv], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "raycolo.cli", *argv], capture_output=True, text=True)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0]

@@ -392,7 +392,7 @@ def test_bad_dag_or_input_fails_before_ray_starts(tmp_path):
                  ["run", str(EXAMPLES / "tiny.yaml"), "--input", str(tmp_path / "missing.jsonl")],
                  ["run", str(EXAMPLES / "tiny.yaml"), "--policy", "nope"],
                  ["run", str(EXAMPLES / "tiny.yaml"), "--gpus", "0"]):
-        proc = subprocess.run([sys.executable, "-m", "raycolo.cli.main", *args, "--output", str(tmp_path / "o")],
+        proc = subprocess.run([sys.executable, "-m", "raycolo.cli", *args, "--output", str(tmp_path / "o")],
                               capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == 2, (args, proc.stderr)
         lines = proc.stderr.strip().splitlines()
@@ -518,7 +518,7 @@ def test_a_replica_that_cannot_start_fails_the_run_at_once(cluster, tmp_path):
 def test_cli_reports_a_replica_failure_as_one_error_line(tmp_path):
     dag = _dag_with_broken_checkpoint(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "raycolo.cli.main", "run", str(dag), "--gpus", "1",
+    proc = subprocess.run([sys.executable, "-m", "raycolo.cli", "run", str(dag), "--gpus", "1",
                            "--requests", "4", "--replica-start-s", str(START_S), "--no-progress",
                            "--output", str(tmp_path / "out")], capture_output=True, text=True,
                           timeout=300, env=env)

@@ -51,7 +51,7 @@ def servers(tmp_path_factory):
         "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 512},
         "sample_store": str(tmp / "samples"), "storage_path": str(tmp / "checkpoints"),
         "serve": {"port": ray_port, "served_model_name": "m"}}))
-    ray_proc = subprocess.Popen([str(MAIN_PYTHON), "-m", "raycolo.cli.main", "serve", str(config)],
+    ray_proc = subprocess.Popen([str(MAIN_PYTHON), "-m", "raycolo.cli", "serve", str(config)],
                                 stdout=ray_log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
                                 start_new_session=True)
     try:

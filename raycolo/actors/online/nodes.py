@@ -24,6 +24,7 @@ import time
 from dataclasses import fields
 from typing import Optional
 
+from raycolo.actors.online.state import ControllerState
 from raycolo.online.driver import OpLost
 from raycolo.online.scheduling.node_commands import Adopt, Cancel, NodeSetup, Pause, Serve, Sync, Train
 from raycolo.online.scheduling.node_events import Dispatched, NodeEvent, OpDone, Synced
@@ -33,7 +34,7 @@ from raycolo.online.stage_messages import ServedRequest
 COMMAND_POLL_S = 1.0        # a node's wait for commands returns empty after this long
 
 
-class NodeLinks:
+class NodeLinks(ControllerState):
     """Mixin of OnlineController (see the module docstring)."""
 
     def _links_init(self) -> None:

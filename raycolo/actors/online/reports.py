@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import time
 
+from raycolo.actors.online.state import ControllerState
+
 
 def _pct(values, q) -> float:
     import numpy as np
     return float(np.percentile(values, q)) if len(values) else 0.0
 
 
-class Reports:
+class Reports(ControllerState):
     async def train_status(self) -> dict:
         trained = sum(1 for n in self.ledger.trained.values() if n > 0)
         last = max(((n, v) for n, v in enumerate(self.ledger.version) if v),

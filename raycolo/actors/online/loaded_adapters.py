@@ -1,0 +1,141 @@
+"""Adapters loaded while serving (vLLM's ``POST /v1/load_lora_adapter``).
+
+A role of the online controller over its declared state (:mod:`.state`): the one
+registry every HTTP replica asks. Each adapter is checked against the model and the
+deployment's LoRA, copied in the deployment's shape under ``loaded/lora-<n>`` and served
+by the same mechanism as a saved version (a request pins that directory).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+from raycolo.actors.online.state import ControllerState
+from raycolo.engine.executor.adapters import AdapterError, check_adapter, convert_adapter
+
+MAX_LOADED_ADAPTERS = 64       # adapters loaded over HTTP at a time (each a copy on storage)
+
+
+class LoadedAdapters(ControllerState):
+    @functools.cached_property
+    def _lora_layout(self) -> tuple[dict, dict]:
+        """The deployment's adapter weights (key -> shape) and the model's linear layers."""
+        from raycolo.engine.executor.adapters import lora_shapes, model_linears
+
+        return lora_shapes(self.model_config, self._lora_settings()), model_linears(self.model_config)
+
+    @functools.cached_property
+    def _adapter_lock(self) -> asyncio.Lock:
+        return asyncio.Lock()
+
+    @functools.cached_property
+    def _handles(self) -> itertools.count:
+        return itertools.count(1)
+
+    @functools.cached_property
+    def _drops(self) -> set:
+        return set()                   # deletions of unloaded adapters' copies under way
+
+    def _reserved_name(self, name: str) -> bool:
+        """A name the served model's variants use: ``<model>``, ``<model>@base``, ``<model>@v<k>``
+        (anything ``<model>@...``)."""
+        served = self.config.served_model_name()
+        return name == served or name.startswith(served + "@")
+
+    async def load_adapter(self, name: str, path: str, load_inplace: bool = False) -> dict:
+        """Serve the peft LoRA adapter at ``path`` as model ``name``: ``{"loaded": name}``, or
+        ``{"status", "message", "param", "code"}`` saying why not (vLLM's errors: a name
+        loaded already is a 400 unless ``load_inplace``, a path with nothing there a 404).
+        It is checked against the model and the deployment's LoRA (rank at most
+        ``lora.rank``, only modules it adapts), then written in the deployment's shape to
+        ``loaded/lora-<n>``: requests naming it pin that copy, so later changes to ``path``
+        do not reach them. ``load_inplace`` replaces an adapter of that name (requests
+        running on the old one finish on it)."""
+        def refuse(status: int, message: str, param: str, code: str) -> dict:
+            return {"status": status, "message": message, "param": param, "code": code}
+
+        allowed = self.config.serve.lora_load_dirs
+        if not allowed:
+            return refuse(403, "loading adapters over HTTP is off: the deployment's serve.lora_load_dirs names "
+                          "no directory to load them from", "lora_path", "adapter_loading_disabled")
+        try:
+            source = Path(path).resolve()       # symlinks too: the directory it really is
+        except (OSError, ValueError, RuntimeError):
+            source = None
+        if source is None or not any(source.is_relative_to(Path(d).resolve()) for d in allowed):
+            return refuse(403, f"lora_path: adapters are loaded only from under serve.lora_load_dirs "
+                          f"({', '.join(allowed)})", "lora_path", "path_not_allowed")
+        if self._reserved_name(name):
+            return refuse(400, f"The lora adapter name '{name}' conflicts with a served base model "
+                          f"('{self.config.served_model_name()}' and its '@base' and '@v<k>' variants).",
+                          "lora_name", "adapter_name_conflict")
+        async with self._adapter_lock:
+            if name in self.loaded and not load_inplace:
+                return refuse(400, f"The lora adapter '{name}' has already been loaded. If you want to load "
+                              "the adapter in place, set 'load_inplace' to True.", "lora_name",
+                              "adapter_already_loaded")
+            if name not in self.loaded and len(self.loaded) >= MAX_LOADED_ADAPTERS:
+                return refuse(400, f"{MAX_LOADED_ADAPTERS} adapters are loaded already, the most at a time; "
+                              "unload one first (POST /v1/unload_lora_adapter)", "lora_name", "too_many_adapters")
+            handle = f"lora-{next(self._handles)}"
+            expected, linears = await asyncio.to_thread(lambda: self._lora_layout)
+
+            def convert():
+                info = check_adapter(source, self.model_config, self._lora_settings(), exact=False,
+                                     expected=expected, linears=linears)
+                convert_adapter(info, self._lora_settings(), expected, self._version_dir(handle),
+                                self.config.model_loading_config.model_id)
+                return info
+
+            try:
+                info = await asyncio.to_thread(convert)
+            except AdapterError as exc:
+                await asyncio.to_thread(shutil.rmtree, self._version_dir(handle), True)
+                message = f"Loading lora adapter '{name}' failed: {path}: {exc}"
+                if exc.missing:            # vLLM: "No adapter found" is a 404
+                    return refuse(404, message, "lora_path", "adapter_not_found")
+                return refuse(400, message, "lora_path", "invalid_adapter")
+            old = self.loaded.get(name)
+            self.loaded[name] = {"name": name, "path": str(path), "handle": handle, "rank": info.rank,
+                                 "created": int(time.time())}
+            if old is not None:
+                self._drop_loaded(old["handle"])
+        return {"loaded": name}
+
+    async def unload_adapter(self, name: str) -> dict:
+        """Stop serving loaded adapter ``name``: ``{"unloaded": name}``, or a 404 (vLLM's)
+        for a name not loaded. Requests running on it finish on it; its copy goes after them."""
+        async with self._adapter_lock:
+            entry = self.loaded.pop(name, None)
+        if entry is None:
+            loaded = ", ".join(f"'{n}'" for n in self.loaded) or "none"
+            return {"status": 404, "message": f"The lora adapter '{name}' cannot be found (loaded: {loaded}).",
+                    "param": "lora_name", "code": "adapter_not_found"}
+        self._drop_loaded(entry["handle"])
+        return {"unloaded": name}
+
+    def _drop_loaded(self, handle: str) -> None:
+        """Delete an unloaded adapter's copy once no unfinished request pins it."""
+        async def drop():
+            while any(r.version == handle and r.finish_reason is None for r in self.requests.values()):
+                await asyncio.sleep(0.5)
+            await asyncio.to_thread(shutil.rmtree, self._version_dir(handle), True)
+
+        task = asyncio.get_running_loop().create_task(drop())
+        self._drops.add(task)
+        task.add_done_callback(self._drops.discard)
+
+    async def resolve_adapter(self, name: str) -> Optional[str]:
+        """The handle a request for loaded adapter ``name`` pins (``version`` of
+        :meth:`admit`), or None when no adapter of that name is loaded."""
+        entry = self.loaded.get(name)
+        return None if entry is None else entry["handle"]
+
+    async def loaded_adapters(self) -> list[dict]:
+        """The adapters loaded now, in load order: name, path, rank, created."""
+        return [{k: v for k, v in a.items() if k != "handle"} for a in self.loaded.values()]

@@ -1,0 +1,205 @@
+"""The op runner: an op the :class:`~raycolo.online.driver.ClusterDriver` starts becomes a
+typed payload on its stage's queue (``run``); the stage worker pulls it (``next_op``) and
+reports (``op_done``); tokens go to their requests by the stop rules of
+:mod:`raycolo.generation`, and a training op's end to the ledger. Out-of-band payloads run
+with the node's scheduled ops held back (``_paused``).
+
+A role of the online controller over its declared state (:mod:`.state`)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Optional
+
+import ray
+
+from raycolo.engine.executor.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
+from raycolo.online.scheduling.node_commands import OutOfBand
+from raycolo.online.serving.messages import StreamEvent
+from raycolo.online.serving.token_wire import token_events
+from raycolo.online.driver import OpLost
+from raycolo.online.scheduling.node_types import Op
+from raycolo.online.scheduling.node_events import OpResult
+from raycolo.online.stage_messages import TrainingShare, stage_message, take_token, training_share
+
+from raycolo.actors.online.state import ControllerState, LiveRequest
+
+
+class OpRunner(ControllerState):
+    @ray.method(enable_task_events=False)   # per op and stage: kept out of the GCS's task-event store
+    async def next_op(self, node: int, stage: int, epoch: int,
+                      done: Optional[StageResult] = None) -> Optional[StageWork]:
+        """The stage's next op; None tells a worker of an old group to stop. ``done``: the
+        result of the op the worker just ran, reported in the same call (one actor call
+        per op rather than two)."""
+        self.hops += 1
+        if done is not None:
+            self._op_done(node, stage, epoch, done)
+        if epoch != self.epochs[node]:
+            return None
+        return await self.queues[(node, stage)].get()
+
+    @ray.method(enable_task_events=False)   # per op and stage: kept out of the GCS's task-event store
+    async def op_done(self, node: int, stage: int, epoch: int, result: StageResult) -> None:
+        self.hops += 1
+        self._op_done(node, stage, epoch, result)
+
+    def _op_done(self, node: int, stage: int, epoch: int, result: StageResult) -> None:
+        if epoch != self.epochs[node]:
+            return           # an op of a worker group that is gone: its node was reset
+        if result.device is not None:
+            self.device[(node, stage)] = result.device
+        if result.sends is not None:
+            self.sends[(node, stage)] = result.sends
+        future = self.waiting.pop((node, stage, result.seq), None)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    async def op_failed(self, node: int, stage: int, epoch: int, seq: int, error: str) -> None:
+        """An op raised on its stage (the worker then exits and Ray Train restarts the
+        group, up to ``max_failures``): the node is reset now rather than at the new
+        group's registration, and its work is placed again."""
+        self.errors.append(f"node-{node}/stage-{stage} op {seq}: {error}")
+        if epoch == self.epochs[node]:
+            self._node_lost(node, f"node-{node}/stage-{stage} op {seq} failed: {error}")
+
+    async def run(self, op: Op):
+        if op.kind == "sync":   # every stage of a serving node waits for the exported adapter
+            await self._export_for_sync(op.version)
+        await self.gates[op.node].wait()
+        if op.generation != self.cluster.nodes[op.node].generation:
+            raise OpLost("its node was reset")
+        payload = self._payload(op)
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[(op.node, op.stage, op.seq)] = future
+        self.inflight[op.node] += 1
+        try:
+            self.queues[(op.node, op.stage)].put_nowait(payload)
+            result = await future
+        except OpLost:
+            raise            # its requests were placed again
+        except Exception as exc:
+            self._fail_requests(op, f"node-{op.node}/stage-{op.stage}: {exc}")
+            raise
+        finally:
+            self.inflight[op.node] -= 1
+        if op.generation != self.cluster.nodes[op.node].generation:
+            raise OpLost("its node was reset as it finished")
+        if op.after is not None:      # this op received what its neighbour sent
+            sender = op.stage + 1 if op.kind == "train_b" else op.stage - 1
+            self.received.setdefault((op.node, sender), []).append(op.after)
+        return self._absorb_result(op, result)
+
+    def _fail_requests(self, op: Op, why: str) -> None:
+        """The requests ``op`` carried get a clear error in their streams."""
+        if op.kind in ("prefill", "decode"):
+            for r in op.tasks:
+                req = self.requests.get(r.task_id)
+                if req is not None and req.finish_reason is None:
+                    req.finish_reason = "error"
+                    req.events.put_nowait(StreamEvent("error", why))
+
+    def _payload(self, op: Op) -> StageWork:
+        return stage_message(op, self.config.stages, self.requests, self._samples_of,
+                             lambda v: str(self._version_dir(v)), lambda v: str(self.adapter_dir / f"v{v}"),
+                             self.config.lora.dpo_beta, self.received.pop((op.node, op.stage), ()))
+
+    def _samples_of(self, op: Op) -> TrainingShare:
+        """A training op's task: its root task id, its samples and its share of the root's loss."""
+        return training_share(op, self.cluster.nodes[op.node].micro, self.train_tasks.__getitem__,
+                              self.config.lora.max_len)
+
+    def _run_failed(self, exc: BaseException) -> None:
+        """An op failed and the driver stopped: no request may wait for ever, so every one
+        still running ends with the error in its stream."""
+        why = f"the run stopped: {exc!r}"
+        self.errors.append(why)
+        for req in self.requests.values():
+            if req.finish_reason is None:
+                req.finish_reason = "error"
+                req.events.put_nowait(StreamEvent("error", why))
+
+    def _training_aborted(self, aborted: list) -> None:
+        """SIRIUS took memory back from training micro-batches: every stage of their node
+        drops their activations now (they run again from their first forward)."""
+        for node, task_id in aborted:
+            for s in range(self.config.stages):
+                self.queues[(node, s)].put_nowait(DropActivations(seq=-1, tasks=(task_id,)))
+
+    def _absorb_result(self, op: Op, result: StageResult) -> OpResult:
+        if op.kind in ("prefill", "decode") and op.stage == self.config.stages - 1:
+            finished = set()
+            logprobs = result.logprobs or [None] * len(op.tasks)
+            for r, token, logprob in zip(op.tasks, result.tokens, logprobs):
+                req = self.requests[r.task_id]
+                kept, reason = take_token(req, token)     # raycolo.generation's stop rules
+                if self._deliver(req, token, kept, reason, logprob):
+                    finished.add(r.task_id)
+                    for s in range(self.config.stages):
+                        self.queues[(op.node, s)].put_nowait(ReleaseKV(seq=-1, requests=(r.task_id,)))
+            return OpResult(frozenset(finished))
+        return self._training_done(op, result.loss)
+
+    @staticmethod
+    def _deliver(req: LiveRequest, token: int, kept: bool, reason: Optional[str], logprob) -> bool:
+        """A token the request got (``kept``: it is the request's; ``reason``: it ended it)
+        goes to its stream, unless its node sent it to the request's HTTP replica itself
+        (``req.front``); returns whether the request ended."""
+        if req.front is None:
+            for event in token_events(token, kept, reason, logprob):
+                req.events.put_nowait(event)
+        if reason:
+            req.finish_reason = reason
+        return bool(reason)
+
+    def _training_done(self, op: Op, loss: Optional[float]) -> OpResult:
+        """A training op ended (before its node's scheduler takes it in): a last-stage
+        forward's loss; a backward reaching stage 0 that takes the optimizer step."""
+        if op.kind == "train_f" and op.stage == self.config.stages - 1:   # the node's stage rule takes the loss
+            self.losses.append((time.time(), op.tasks[0].task_id, loss))
+            return OpResult(loss=loss)
+        if op.kind == "train_b" and op.stage == 0:
+            if not op.step:           # a micro-batch of a task whose last one is still to come
+                return OpResult()
+            root = self._samples_of(op).root
+            self.train_tasks.pop(root, None)
+            self.ledger.train(op.node, self.train_seqs.pop(root, []))
+            self.last_trained_node = op.node
+            self.trained_steps[op.node] += 1
+            self.adapter_changed_s = time.time()
+            if self.auto_train or self.backlog:
+                self._pump_training()
+            if self.trained_steps[op.node] % self.config.lora.checkpoint_every == 0:
+                task = asyncio.get_running_loop().create_task(self._checkpoint(op.node))
+                self.background.add(task)
+                task.add_done_callback(self.background.discard)
+        return OpResult()
+
+    async def _paused(self, node: int, payloads: list) -> list:
+        """Run out-of-band payloads, one per stage, with the node's scheduled ops held back
+        and none in flight (so no stage waits on a neighbour busy with something else).
+        ``payloads`` may be a function, called once nothing is in flight."""
+        gate = self.gates[node]
+        while not gate.is_set():
+            await asyncio.sleep(0.001)
+        gate.clear()
+        try:
+            if self.node_loops:         # the node's loop holds its ops back itself
+                await self._pause_node(node)
+            while self.inflight[node] > 0:
+                await asyncio.sleep(0.001)
+            if callable(payloads):
+                payloads = payloads()
+            futures = []
+            for s, payload in enumerate(payloads):
+                fut = asyncio.get_running_loop().create_future()
+                self.waiting[(node, s, payload.seq)] = fut
+                futures.append(fut)
+            if self.node_loops:
+                self._send(node, OutOfBand(list(payloads)))
+            else:
+                for s, payload in enumerate(payloads):
+                    self.queues[(node, s)].put_nowait(payload)
+            return await asyncio.gather(*futures)
+        finally:
+            gate.set()

@@ -1,0 +1,84 @@
+"""The sample pump: training samples persisted (fsynced) before they are acknowledged, and
+turned into training tasks a micro-batch at a time, at most ``lora.queued_tasks`` per
+node outstanding.
+
+A role of the online controller over its declared state (:mod:`.state`)."""
+from __future__ import annotations
+
+import asyncio
+from typing import Optional
+
+
+from raycolo.online.samples import (clip_sample, training_rows)
+from raycolo.online.tasks import OnlineTask
+
+from raycolo.actors.online.state import ControllerState
+
+
+class SamplePump(ControllerState):
+    async def stored_samples(self, seqs: list) -> list[tuple]:
+        """The stored samples ``seqs`` as token ids: (prompt, completion) or (prompt,
+        chosen, rejected), as training takes them."""
+        return [tuple(list(part) for part in s.ids()) for s in self.store.get(seqs)]
+
+    async def add_samples(self, samples: list, train: bool = False) -> dict:
+        """Persist training samples (fsynced) before acknowledging them: (prompt,
+        completion) token ids, or preference pairs (prompt, chosen, rejected). With ``train``
+        (the HTTP front), every full micro-batch of pending samples becomes a training task."""
+        seqs = self.store.append([tuple(x) for x in samples])   # (prompt, completion) or pairs
+        if train:
+            self.auto_train = True
+            if self.ready.is_set():
+                self._pump_training()
+            else:                      # a restarted controller: pumped once its workers are back
+                self._wake()
+        return {"ids": seqs, "stored": len(self.store)}
+
+    def _pump_training(self, flush: bool = False) -> None:
+        """Samples that came over HTTP: full micro-batches of pending samples become training
+        tasks, at most ``lora.queued_tasks`` per node outstanding (more follow as they finish).
+        A partial micro-batch is trained as it is once it waited ``lora.flush_after_s``
+        (``flush``), so no acknowledged sample waits for ever for others to fill its batch."""
+        limit = self.config.lora.queued_tasks * (self.config.nodes - len(self.dead))
+        micro = self.config.lora.micro_batch
+        while self.backlog and len(self.train_tasks) < limit:      # resumed samples first
+            batch, self.backlog = self.backlog[:micro], self.backlog[micro:]
+            self._submit_samples(self.store.get(batch))
+        if not self.auto_train:
+            return
+        while len(self.train_tasks) < limit and (self.store.pending(self.cursor) >= micro or
+                                                 (flush and self.store.pending(self.cursor) > 0)):
+            samples, self.cursor = self.store.take(self.cursor, micro)
+            self._submit_samples(samples)
+        if 0 < self.store.pending(self.cursor) < micro and self._flush_timer is None:
+            def flush() -> None:
+                self._flush_timer = None
+                self._pump_training(flush=True)
+            self._flush_timer = asyncio.get_running_loop().call_later(self.config.lora.flush_after_s, flush)
+
+    async def submit_training(self) -> Optional[int]:
+        """Turn the next micro-batch of stored samples into a training task."""
+        await self.start()
+        samples, self.cursor = self.store.take(self.cursor, self.config.lora.micro_batch)
+        if not samples:
+            return None
+        return self._submit_samples(samples)[0]
+
+    def _submit_samples(self, samples: list) -> list[int]:
+        """Stored samples become training tasks: one for the (prompt, completion) samples,
+        one for the preference pairs (trained with the DPO loss), as there are."""
+        tids = []
+        for group in ([s for s in samples if not s.is_pair], [s for s in samples if s.is_pair]):
+            if not group:
+                continue
+            tid = self._new_id()
+            ids = [s.ids() for s in group]
+            rows, _ = training_rows([clip_sample(x, self.config.lora.max_len) for x in ids])
+            task = OnlineTask(tid, "train", self.driver.now(), max(len(p) + len(c) for p, c in rows), len(rows), 0)
+            self.train_tasks[tid] = ids
+            self.train_seqs[tid] = [s.seq for s in group]
+            self.tasks[tid] = task
+            self.arrived += 1
+            self.driver.submit(task)
+            tids.append(tid)
+        return tids
