@@ -1,4 +1,4 @@
-"""`make gpu-check` (raycolo/engine/gpu_check.py): the skip without CUDA, and its checks run on the CPU.
+"""`make gpu-check` (raycolo/engine/gpu_check/): the skip without CUDA, and its checks run on the CPU.
 
 `--device cpu` runs the same checks (the same references: transformers' generate()/forward
 and peft's training step on CPU float64, two real stage processes over gloo) on the CPU,
@@ -13,6 +13,7 @@ import time
 import torch
 
 from raycolo.engine import gpu_check
+from raycolo.engine.gpu_check import executor_checks
 
 
 def test_without_cuda_it_prints_skipped_and_exits_zero(tmp_path):
@@ -50,8 +51,9 @@ def test_the_checks_pass_on_the_cpu_against_their_references(capsys, tmp_path):
 
 
 def test_a_wrong_result_is_a_failed_row_and_exit_code_one(monkeypatch, capsys):
-    real = gpu_check._hf_last_logits
-    monkeypatch.setattr(gpu_check, "_hf_last_logits", lambda model, ps: real(model, ps) + 1e-3)
+    # patched where the executor rows look it up (executor_checks imports it from references)
+    real = executor_checks._hf_last_logits
+    monkeypatch.setattr(executor_checks, "_hf_last_logits", lambda model, ps: real(model, ps) + 1e-3)
     rc = gpu_check.main(["--device", "cpu", "--only", "executor.whole"])
     out = capsys.readouterr().out
     assert rc == 1

@@ -1,0 +1,7 @@
+"""``python -m raycolo.engine.gpu_check`` (``make gpu-check``): see the package's docstring."""
+import sys
+
+from raycolo.engine.gpu_check.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
