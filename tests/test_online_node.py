@@ -14,7 +14,8 @@ import pytest
 
 from raycolo.online.scheduling.cluster import Cluster
 from raycolo.online.driver import ClusterDriver
-from raycolo.online.scheduling.node import NodeScheduler, Op, Timer
+from raycolo.online.scheduling.node import NodeScheduler
+from raycolo.online.scheduling.node_types import Op, Timer
 from raycolo.online.scheduling.node_events import OpResult
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import NodeProfile, ProfileLearner, preset

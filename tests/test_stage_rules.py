@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from raycolo.online.scheduling.latency_predictor import DecodeLatencyPredictor
-from raycolo.online.scheduling.node import NodeScheduler, Op, Request
+from raycolo.online.scheduling.node import NodeScheduler
+from raycolo.online.scheduling.node_types import Op, Request
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import preset
 from raycolo.online.scheduling.stage_rules import (HarliRule, MaceRule, PeriodicRule, StageRule, StaticPartitionRule,
@@ -258,7 +259,7 @@ def test_mace_runs_its_first_bin_before_anything_that_came_later():
 
 
 def test_sirius_static_partition_splits_each_stages_memory():
-    from raycolo.online.scheduling.node import Stage
+    from raycolo.online.scheduling.node_types import Stage
 
     rule = StaticPartitionRule(train_memory=0.25)
     stage = Stage(used_bytes=60.0, held={("train", 1): 20.0, ("req", 2): 40.0})

@@ -25,7 +25,7 @@ from collections import deque
 from typing import Callable, Optional, Protocol
 
 from raycolo.online.scheduling.cluster import Cluster, ClusterStep
-from raycolo.online.scheduling.node import Op, Timer
+from raycolo.online.scheduling.node_types import Op, Timer
 from raycolo.online.scheduling.node_events import Dispatched, NodeEvent, OpResult, check_in_step
 from raycolo.online.scheduling.scheduler import RECENT_DECISIONS, Decision
 from raycolo.online.tasks import OnlineTask

@@ -3,7 +3,7 @@ token does to its request: shared by the online controller (which runs every nod
 scheduler today) and a node loop (:mod:`raycolo.online.scheduling.node_loop`, which runs one node's
 scheduler next to its stages).
 
-* :func:`stage_message` turns a :class:`~raycolo.online.scheduling.node.Op` into the typed message of
+* :func:`stage_message` turns a :class:`~raycolo.online.scheduling.node_types.Op` into the typed message of
   :mod:`raycolo.engine.executor.stage_ops` its stage runs, from the requests' state (prompts,
   tokens so far, sampling settings, pinned adapters) and the training tasks' samples.
 * :func:`take_token` appends a sampled token to its request and says whether it ended it
@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Optional
 from raycolo.engine.executor.stage_ops import ForwardStep, LoadWeights, StageWork, TrainBackward, TrainForward
 from raycolo.generation import SamplingParams, check_stop
 from raycolo.generation.sampler import SamplingRow, plain
-from raycolo.online.scheduling.node import Op
+from raycolo.online.scheduling.node_types import Op
 from raycolo.online.samples import clip_sample, training_rows
 from raycolo.online.tasks import OnlineTask
 from raycolo.online.serving.token_wire import FrontKey

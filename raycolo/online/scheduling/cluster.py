@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, replace
 from typing import Collection, Optional
 
 from raycolo.online.metrics import OnlineMetrics, OnlineResult
-from raycolo.online.scheduling.node import NodeScheduler, NodeStep, Op, Timer
+from raycolo.online.scheduling.node import NodeScheduler
+from raycolo.online.scheduling.node_types import NodeStep, Op, Timer
 from raycolo.online.scheduling.node_events import Dispatched, NodeEvent, OpDone, Synced, TimerFired, apply, op_done_event
 from raycolo.online.params import LemixParams
 from raycolo.online.scheduling.policy import OnlinePolicy
@@ -137,22 +138,11 @@ class Cluster:
         out = ClusterStep()
         done = type(event) is OpDone
         if done:
-            self._record(self.nodes[n].stages[event.stage].busy, now)
+            record_op(self.op_log, self.learner, self.nodes[n].stages[event.stage].busy, now)
         self._absorb(n, apply(self.nodes[n], event), out)   # (an op not running raises here)
         if done:
             out.decisions.extend(self.scheduler.retry(now))
         return out
-
-    def _record(self, op: Optional[Op], now: float) -> None:
-        """An op ended: the op log, and what the profile learner takes from it."""
-        if op is None:
-            return
-        ids = (op.version,) if op.kind == "sync" else tuple(x.task_id for x in op.tasks)
-        self.op_log.append((op.start_s, now, op.node, op.stage, op.kind, ids))
-        if op.kind == "decode":
-            self.learner.observe_decode(now - op.start_s)
-        elif op.kind == "prefill" and self.learner.op_cost:
-            self.learner.observe_prefill(op.batch, max(r.task.length for r in op.tasks), now - op.start_s)
 
     def _command(self, n: int, event: NodeEvent, out: ClusterStep) -> None:
         """The cluster wants ``event`` applied to node ``n``: at once, or (mirrored) by
@@ -288,6 +278,19 @@ class Cluster:
             self.active -= 1
             self.metrics.active_change(now, -1)
             self.scheduler.node_idle(n, now)
+
+
+def record_op(op_log: list, learner: ProfileLearner, op: Optional[Op], now: float) -> None:
+    """An op ended: its entry in ``op_log`` (:attr:`Cluster.op_log`), and what the profile
+    learner takes from it."""
+    if op is None:
+        return
+    ids = (op.version,) if op.kind == "sync" else tuple(x.task_id for x in op.tasks)
+    op_log.append((op.start_s, now, op.node, op.stage, op.kind, ids))
+    if op.kind == "decode":
+        learner.observe_decode(now - op.start_s)
+    elif op.kind == "prefill" and learner.op_cost:
+        learner.observe_prefill(op.batch, max(r.task.length for r in op.tasks), now - op.start_s)
 
 
 def resumed_task(task: OnlineTask, generated: int) -> OnlineTask:

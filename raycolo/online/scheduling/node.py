@@ -4,7 +4,9 @@ A node is S pipeline stages, one GPU each. :class:`NodeScheduler` decides what e
 stage runs next; an executor (the simulator of :mod:`raycolo.online.simulation.sim`, or the live
 node actor) runs it and reports back. Every entry point takes the executor's ``now`` and
 returns a :class:`NodeStep`: the ops to start now and the timers to arm, in order, plus
-what happened (observed op times, tokens out, finished requests, trained tasks).
+what happened (observed op times, tokens out, finished requests, trained tasks). These
+data types (``Op``, ``Timer``, ``NodeStep``, ``Request``, ``Stage``) live in
+:mod:`raycolo.online.scheduling.node_types`.
 
 * Inference: Algorithm 3 batches arriving requests (up to ``max_batch`` queries, within
   ``T_w = max_wait`` forward latencies of the first; a training task closes the batch)
@@ -31,111 +33,15 @@ executor's business (the simulator adds a transfer time and a slowdown).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Collection, Optional
 
 from raycolo.online.scheduling.microbatches import MicroBatches
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import NodeProfile
+from raycolo.online.scheduling.node_types import FORWARD_KINDS, NodeStep, Op, Request, Stage, Timer, forward_holdings
 from raycolo.online.scheduling.stage_rules import TRAIN_KINDS, StageRule
 from raycolo.online.tasks import OnlineTask
-
-FORWARD_KINDS = ("prefill", "train_f")
-OP_KINDS = ("prefill", "decode", "train_f", "train_b", "sync")
-
-
-@dataclass(eq=False)
-class Request:
-    """An inference task's progress on its node."""
-
-    task: OnlineTask
-    context: int                 # tokens in the KV cache after the next op
-    generated: int = 0           # tokens out of the last stage so far
-    kv_bytes: float = 0.0        # reserved on each stage whose prefill kept it on the GPU
-
-    @property
-    def task_id(self) -> int:
-        return self.task.task_id
-
-
-@dataclass(eq=False)
-class Op:
-    kind: str                    # prefill | decode | train_f | train_b | sync
-    node: int
-    stage: int
-    ready_s: float
-    seq: int
-    tasks: list                  # Requests (prefill, decode), [OnlineTask] (train_f, train_b); [] (sync)
-    mem_bytes: float = 0.0       # held on this stage from a forward's start
-    waited_s: float = 0.0
-    offloaded: bool = False      # Algorithm 2 line 10: ran with its memory on the host
-    overrun: bool = False        # ran past the stage's memory (not memory-aware)
-    reload: bool = False         # a backward whose activations were offloaded
-    start_s: float = 0.0
-    after: Optional[int] = None  # seq of the op on the neighbour stage whose output this consumes
-    generation: int = 0          # the node's resets before this op was made
-    step: bool = True            # train_b: the stage takes its optimizer step after it (the
-                                 # last micro-batch of its task there; microbatches.py)
-    version: Optional[int] = None  # sync: the training tasks whose weights it loads
-
-    @property
-    def batch(self) -> int:
-        """Queries in the op (Σ C)."""
-        if self.kind in ("prefill", "decode"):
-            return sum(r.task.batch for r in self.tasks)
-        return self.tasks[0].batch if self.kind in ("train_f", "train_b") else 0
-
-
-@dataclass(eq=False)
-class Timer:
-    """Call :meth:`NodeScheduler.timer` with this at ``at_s``."""
-
-    at_s: float
-    node: int
-    kind: str                    # close_batch | memory_retry | rule_wake
-    token: int = 0               # close_batch: the batch it closes
-    stage: int = 0               # memory_retry, rule_wake: the stage (and the op that waits)
-    op: Optional[Op] = None
-    step_s: float = 0.0
-    generation: int = 0          # a timer armed before the node was reset is ignored
-    number: int = -1             # the node's count of timers armed before it (node_events.py)
-
-
-@dataclass
-class NodeStep:
-    """What one call into the node produced."""
-
-    actions: list = field(default_factory=list)    # Op (start now) or Timer (arm), in order
-    observed: list = field(default_factory=list)   # (task_id, stage, "forward"|"backward", start, end)
-    tokens: list = field(default_factory=list)     # Requests whose token left the last stage
-    finished: list = field(default_factory=list)   # Requests that ended (after their last token)
-    trained: list = field(default_factory=list)    # OnlineTasks whose backward reached stage 0
-    lost: list = field(default_factory=list)       # reset: unfinished Requests and training OnlineTasks
-    aborted: list = field(default_factory=list)    # training task ids whose activations the stages drop (SIRIUS)
-    synced: Optional[int] = None                   # weights version the node serves from now
-    activated: bool = False                        # the node went from idle to active
-    idle: bool = False                             # the node has nothing left to do
-
-    @property
-    def started(self) -> list:
-        return [a for a in self.actions if isinstance(a, Op)]
-
-    @property
-    def timers(self) -> list:
-        return [a for a in self.actions if isinstance(a, Timer)]
-
-
-@dataclass
-class Stage:
-    ready: list = field(default_factory=list)   # heap of (ready_s, seq, op)
-    busy: Optional[Op] = None
-    used_bytes: float = 0.0
-    held: dict = field(default_factory=dict)    # (kind, task id) -> bytes this stage holds
-    busy_s: float = 0.0
-    train_busy_s: float = 0.0                   # of busy_s, in training ops
-    retry_pending: bool = False
-    wake_at: Optional[float] = None             # a rule_wake timer armed for this time
-
 
 class NodeScheduler:
     """Algorithms 2 and 3 for one node; see the module docstring."""
@@ -255,7 +161,7 @@ class NodeScheduler:
         elif op.kind == "train_b":
             task = op.tasks[0]
             self._out.observed.append((self.micro.root_of(task).task_id, s, "backward", op.start_s, now))
-            self._release(stage, ("train", task.task_id))
+            stage.release(("train", task.task_id))
             root = self.micro.backward_done(task, s)
             if s > 0:
                 self._ready(self._op("train_b", s - 1, op.tasks, op.mem_bytes, after=op))
@@ -393,7 +299,10 @@ class NodeScheduler:
                                                stage=s, op=op, step_s=step, generation=self.generation))
         if chosen is None:
             if not blocked and self.rule.holds:
-                self._wake(s)
+                wake = rule_wake_timer(self, s, self._now)
+                if wake is not None:
+                    stage.wake_at = wake.at_s
+                    self._out.actions.append(wake)
             return
         self.rule.started(s, chosen)
         stage.ready.remove((chosen.ready_s, chosen.seq, chosen))
@@ -403,7 +312,7 @@ class NodeScheduler:
             if stage.used_bytes + chosen.mem_bytes > capacity:
                 self.overruns += 1
                 chosen.overrun = True
-            for key, size in self._holdings(chosen):
+            for key, size in forward_holdings(chosen):
                 stage.held[key] = size
                 stage.used_bytes += size
         if chosen.kind == "train_f" and s == 0:
@@ -415,15 +324,6 @@ class NodeScheduler:
         stage.busy = chosen
         self.first_start = self._now if self.first_start is None else self.first_start
         self._out.actions.append(chosen)
-
-    def _wake(self, s: int) -> None:
-        """The rule held back every ready op of stage ``s``: look again when it says."""
-        stage = self.stages[s]
-        at = self.rule.wake_at(self, s, self._now)
-        if at is None or at <= self._now or (stage.wake_at is not None and stage.wake_at <= at):
-            return
-        stage.wake_at = at
-        self._out.actions.append(Timer(at, self.index, "rule_wake", stage=s, generation=self.generation))
 
     def _shrink(self, stage: Stage, op: Op, limit: float) -> bool:
         """SIRIUS: the first forward ``op`` of a training task does not fit; start the
@@ -467,7 +367,7 @@ class NodeScheduler:
             self.queued_ops -= 1
             for stage in self.stages:
                 self.aborted_bytes += stage.held.get(("train", task.task_id), 0.0)
-                self._release(stage, ("train", task.task_id))
+                stage.release(("train", task.task_id))
             self.aborts += 1
             self._out.aborted.append(task.task_id)
             # queued, not started: the stage that called this is about to start the prefill
@@ -477,17 +377,6 @@ class NodeScheduler:
             self.queued_ops += 1
         heapq.heapify(last.ready)
         return True
-
-    @staticmethod
-    def _holdings(op: Op) -> list[tuple[tuple, float]]:
-        """What a forward keeps on its stage, per task, so release is exact per stage."""
-        if op.kind == "prefill":
-            return [(("req", r.task_id), r.kv_bytes) for r in op.tasks]
-        return [(("train", op.tasks[0].task_id), op.mem_bytes)]
-
-    @staticmethod
-    def _release(stage: Stage, key: tuple) -> None:
-        stage.used_bytes -= stage.held.pop(key, 0.0)
 
     def _decode_next(self) -> None:
         if self.decode_inflight or not self.joining:
@@ -502,7 +391,7 @@ class NodeScheduler:
         self._out.tokens.append(r)
         if r.task_id in finished or r.generated >= r.task.token_budget:
             for stage in self.stages:
-                self._release(stage, ("req", r.task_id))
+                stage.release(("req", r.task_id))
             self._out.finished.append(r)
         else:
             self.joining.append(r)
@@ -524,3 +413,13 @@ class NodeScheduler:
             if stage.held or abs(stage.used_bytes) > 1.0:
                 raise RuntimeError(f"node {self.index} stage {s}: memory left held after the run: "
                                    f"{len(stage.held)} tasks, {stage.used_bytes:.0f} bytes")
+
+
+def rule_wake_timer(node: NodeScheduler, s: int, now: float) -> Optional[Timer]:
+    """The rule held back every ready op of stage ``s``: the timer that looks again when
+    it says (None: no time, or not later than ``now``, or a wake already armed no later)."""
+    stage = node.stages[s]
+    at = node.rule.wake_at(node, s, now)
+    if at is None or at <= now or (stage.wake_at is not None and stage.wake_at <= at):
+        return None
+    return Timer(at, node.index, "rule_wake", stage=s, generation=node.generation)

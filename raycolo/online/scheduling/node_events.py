@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Optional, Union
 
-from raycolo.online.scheduling.node import NodeScheduler, NodeStep, Op
+from raycolo.online.scheduling.node import NodeScheduler
+from raycolo.online.scheduling.node_types import NodeStep, Op
 from raycolo.online.tasks import OnlineTask
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from raycolo.engine.executor.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
-from raycolo.online.scheduling.node import NodeScheduler, NodeStep, Op, Timer
+from raycolo.online.scheduling.node import NodeScheduler
+from raycolo.online.scheduling.node_types import NodeStep, Op, Timer
 from raycolo.online.scheduling.node_commands import Adopt, Cancel, NodeCommand, Serve, Sync, Train
 from raycolo.online.scheduling.node_events import (Dispatched, NodeEvent, Synced, TimerFired, action_key, apply, check_in_step,
                                         op_done_event)

@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from raycolo.online.scheduling.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raycolo.online.scheduling.node import NodeScheduler, Op, Stage
+    from raycolo.online.scheduling.node import NodeScheduler
+    from raycolo.online.scheduling.node_types import Op, Stage
 
 INFERENCE_KINDS = ("prefill", "decode")
 TRAIN_KINDS = ("train_f", "train_b")

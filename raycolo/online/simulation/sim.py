@@ -25,7 +25,7 @@ from typing import Callable, Optional
 from raycolo.online.simulation.clock import SimClock
 from raycolo.online.scheduling.cluster import Cluster, ClusterStep
 from raycolo.online.metrics import OnlineResult
-from raycolo.online.scheduling.node import FORWARD_KINDS, Op, Timer
+from raycolo.online.scheduling.node_types import FORWARD_KINDS, Op, Timer
 from raycolo.online.scheduling.node_events import (Dispatched, NodeEvent, TimerFired, action_key, apply, check_in_step,
                                         op_done_event)
 from raycolo.online.params import LemixParams
