@@ -175,9 +175,9 @@ def test_a_replica_killed_while_it_starts_is_restarted(cluster, tmp_path):
 def test_the_replica_start_probe_survives_a_probe_that_dies(cluster, tmp_path):
     """A pool actor killed while it starts gives no sample and is not pooled; the others
     still time the start (before, the whole run failed: found by bench/offline_faults.py)."""
-    from raycolo.actors.offline.controller import stop_actor
     from raycolo.actors.offline.launch import prepare
     from raycolo.actors.offline.pool import start_pool
+    from raycolo.actors.offline.replicas import stop_actor
     from raycolo.offline.planner.problem import PlanningProblem
 
     killed, thread = _kill_on_sight(lambda name: name.startswith("raycolo-pool-0~"))
@@ -508,7 +508,7 @@ def _dag_with_broken_checkpoint(tmp_path) -> Path:
 def test_a_replica_that_cannot_start_fails_the_run_at_once(cluster, tmp_path):
     """A checkpoint whose weights are missing passes the driver's checks (its config and
     tokenizer are fine) but cannot load in the actor: one clear error, no restarts."""
-    from raycolo.actors.offline.controller import ReplicaFailed
+    from raycolo.actors.offline.failures import ReplicaFailed
 
     dag = _dag_with_broken_checkpoint(tmp_path)
     with pytest.raises(ReplicaFailed, match=r"small/r0@gpu\d#s0 failed to start: .*"):

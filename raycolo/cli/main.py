@@ -351,7 +351,7 @@ def cmd_run(args) -> int:
         values["output"] = str(Path("out") / load_app(args.dag).name)
     values["progress"] = not args.no_progress
     config = parse_run_config({k: v for k, v in values.items() if v is not None})
-    from raycolo.actors.offline.controller import RunFailed
+    from raycolo.actors.offline.failures import RunFailed
     from raycolo.actors.offline.launch import dump, report_line, run_application
     from raycolo.errors import StoreFull
     try:

@@ -56,7 +56,7 @@ def run_application(config: RunConfig, on_output: Optional[Callable] = None,
     ``config.node_loss_s``), every actor is stopped and what the journal does not hold is
     planned again on the GPUs that remain, as a resume would (nothing journaled runs
     twice; requests that were in flight run again). No GPU left: :class:`RunFailed`."""
-    from raycolo.actors.offline.controller import CapacityLost, RunFailed
+    from raycolo.actors.offline.failures import CapacityLost, RunFailed
 
     replans: list[dict] = []
     state: dict = {}

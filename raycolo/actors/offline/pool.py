@@ -159,7 +159,7 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from raycolo.actors.offline.controller import Pooled, stop_actor
+    from raycolo.actors.offline.replicas import Pooled, stop_actor
 
     measure_compute = run.config.backend == "torch"
     if measure_compute:

@@ -1,5 +1,5 @@
 """Which data-parallel replica takes each request: one rule for the planner's simulation
-(:func:`raycolo.offline.planner.state.run_node`) and the runtime's dispatch (``raycolo/actors/offline/controller.py``).
+(:func:`raycolo.offline.planner.state.run_node`) and the runtime's dispatch (``raycolo/actors/offline/dispatch.py``).
 
 Requests take the replicas in turn, in the order given (by request index). A chain's
 requests (a document's chunks, one after another) stay on the replica their item first
