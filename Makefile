@@ -87,7 +87,7 @@ bench-vllm-server: venv
 	PYTHON=$(PYTHON) ./tools/run_vllm_tests.sh --install-only
 	$(VPY) bench/vs_vllm_server.py --json out/bench_vs_vllm_server.json $(BENCH_ARGS)
 
-# One GPU, under 10 minutes (raycolo/engine/gpu_check.py, docs/executor.md "GPU readiness").
+# One GPU, under 10 minutes (raycolo/engine/gpu_check/, docs/executor.md "GPU readiness").
 # GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--json out/gpu_check.json" or "--device cpu"
 # (a dry run on the CPU); GPU_PYTHON another interpreter (e.g. one with the official vllm wheel).
 GPU_CHECK_ARGS ?=

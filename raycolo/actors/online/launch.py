@@ -21,12 +21,12 @@ import ray
 
 from raycolo.actors.local_cluster import NAMESPACE, join_or_start
 from raycolo.actors.online.controller import OnlineController
+from raycolo.actors.online.launch_reports import DeploymentReports
 from raycolo.rng import seeded_rng
 from raycolo.online.config import OnlineConfig
 from raycolo.online.tasks import OnlineTask
 
 BOS, FIRST_BYTE = 1, 3
-RESTART_WAIT_S = 300.0    # calls wait this long for a controller Ray is restarting
 
 
 def learnable_pair(rng: np.random.Generator, prompt_len: int, vocab: int) -> tuple[list[int], list[int]]:
@@ -46,7 +46,11 @@ def learnable_preference(rng: np.random.Generator, prompt_len: int, vocab: int) 
     return prompt, chosen, [FIRST_BYTE + (t - FIRST_BYTE + 1) % span for t in chosen]
 
 
-class OnlineDeployment:
+class OnlineDeployment(DeploymentReports):
+    """A live deployment: requests, samples and training, its lifecycle and trace replay
+    here; its read-only reports (stats, train_status, metrics, health, ...) and the retried
+    controller call ``_call`` in :class:`~raycolo.actors.online.launch_reports.DeploymentReports`."""
+
     def __init__(self, controller, config: OnlineConfig, name: str, started_ray: bool):
         self.controller = controller
         self.config = config
@@ -66,18 +70,6 @@ class OnlineDeployment:
             config.model_dump(), name, NAMESPACE)
         ray.get(controller.start.remote(timeout_s))
         return cls(controller, config, name, started)
-
-    def _call(self, method: str, *args):
-        """Call the controller. While Ray restarts it after a crash, calls are refused
-        (ActorUnavailableError, nothing ran) and sent again, for up to ``RESTART_WAIT_S``."""
-        deadline = time.monotonic() + RESTART_WAIT_S
-        while True:
-            try:
-                return ray.get(getattr(self.controller, method).remote(*args))
-            except ray.exceptions.ActorUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_tokens: Optional[int] = None, temperature: float = 0.0,
@@ -109,21 +101,6 @@ class OnlineDeployment:
     def train(self) -> Optional[int]:
         return self._call("submit_training")
 
-    def stats(self) -> dict:
-        return self._call("stats")
-
-    def train_status(self) -> dict:
-        """Samples received, trained and pending, the adapter version, and what the
-        deployment resumed from an earlier one (``resumed``)."""
-        return self._call("train_status")
-
-    def metrics(self):
-        """The run's OnlineResult (``.summary()``: simulate-online's keys)."""
-        return self._call("metrics")
-
-    def profile_json(self) -> str:
-        return self._call("profile_json")
-
     def held_out_loss(self, seed: int = 999, count: int = 16, node: int = 0) -> float:
         """Loss on ``count`` fresh samples of the training distribution (forward only)."""
         rng = seeded_rng(seed, "online-live", "held-out")
@@ -141,26 +118,6 @@ class OnlineDeployment:
             node = self._call("last_node")
         return self._call("held_out_preference",
                           [learnable_preference(rng, 12, vocab) for _ in range(count)], node)
-
-    def save_profile(self, path) -> None:
-        from pathlib import Path
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(self._call("profile_json"))
-
-    def sample_ledger(self) -> dict:
-        """Per stored sample, how often the adapters keep its training (see the controller)."""
-        return self._call("sample_ledger")
-
-    def placement(self) -> dict:
-        """Which Ray node (id) runs the controller and each stage worker."""
-        return self._call("placement")
-
-    def registry(self) -> dict:
-        return self._call("registry")
-
-    def health(self) -> dict:
-        """``status`` (ok, degraded, starting), ``nodes_alive``, ``nodes``, ``nodes_restarting``."""
-        return self._call("health")
 
     def export_adapter(self, directory: str, node: Optional[int] = None) -> str:
         return self._call("export_adapter", directory, node)
