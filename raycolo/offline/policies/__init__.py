@@ -6,21 +6,20 @@ decides stages in the simulator, in replay and (via the controller) at run time.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 from raycolo.errors import ConfigError
 from raycolo.offline.policies.registry import _REGISTRY, register
 
-_MODULES = ["samullm", "heuristics", "nopreempt", "rollout", "search", "optimal"]
 
 # The policy ``raycolo plan``/``run`` use when none is named (declared here only).
 DEFAULT_OFFLINE_POLICY = "samullm-search"
 
 
-def _load_all() -> None:
-    for module in _MODULES:
-        importlib.import_module(f"raycolo.offline.policies.{module}")
+def _load_all() -> tuple:
+    # every policy module registers itself on import (static imports: the import graph sees them)
+    from raycolo.offline.policies import samullm, heuristics, nopreempt, rollout, search, optimal
+    return samullm, heuristics, nopreempt, rollout, search, optimal     # in registration order
 
 
 def get_policy(name: str) -> Callable:

@@ -5,18 +5,20 @@ They decide where each arriving task runs. Each module registers a factory
 """
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 from raycolo.errors import ConfigError
 from raycolo.online.policies.registry import _ONLINE, register_online
 
-_ONLINE_MODULES = ["lemix", "baselines", "colocation"]
+
+def _load_all() -> tuple:
+    # every policy module registers itself on import (static imports: the import graph sees them)
+    from raycolo.online.policies import lemix, baselines, colocation
+    return lemix, baselines, colocation         # in registration order
 
 
 def get_online_policy(name: str) -> Callable:
-    for module in _ONLINE_MODULES:
-        importlib.import_module(f"raycolo.online.policies.{module}")
+    _load_all()
     if name not in _ONLINE:
         raise ConfigError(f"--policy: unknown online policy '{name}' (known: {', '.join(online_policy_names())})")
     return _ONLINE[name]
@@ -29,8 +31,7 @@ def make_online_policy(name: str, params, nodes: int = 4, train_rate: float = 0.
 
 
 def online_policy_names() -> list[str]:
-    for module in _ONLINE_MODULES:
-        importlib.import_module(f"raycolo.online.policies.{module}")
+    _load_all()
     return list(_ONLINE)
 
 

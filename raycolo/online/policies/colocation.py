@@ -25,7 +25,8 @@ from raycolo.online.scheduling.policy import OnlinePolicy
 from raycolo.online.scheduling.stage_rules import (harli_rule, mace_rule, periodic_rule, sirius_rule,
                                         static_partition_rule, static_share_rule, training_first_rule)
 from raycolo.online.tasks import OnlineTask
-from raycolo.online.policies.registry import register_online
+from raycolo.online.policies import lemix, baselines
+from raycolo.online.policies.registry import _ONLINE, register_online
 
 
 @dataclass
@@ -54,11 +55,12 @@ class WithStageRule(OnlinePolicy):
         return self.rule(profile, params)
 
 
+_COMPOSED_FROM = (lemix, baselines)     # they register the allocations composed here
+
+
 def _compose(allocation: str, rule: Callable, name: str, memory: bool):
     def factory(params, **kw):
-        from raycolo.online.policies import make_online_policy
-
-        return WithStageRule(make_online_policy(allocation, params, **kw), rule, name=name, memory=memory)
+        return WithStageRule(_ONLINE[allocation](params, **kw), rule, name=name, memory=memory)
     return factory
 
 
