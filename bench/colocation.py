@@ -75,18 +75,17 @@ def run(tasks, args, policy: str) -> dict:
 
 
 def handover(trials: int, seed: int) -> dict:
-    """SIRIUS's REQUIRE on a real stage (CPU): a training micro-batch's forward holds its
-    activations; inference requires memory; the broker says abort; the stage drops the
-    micro-batch (its activations are freed: torch releases the tensors to the process's
-    heap, where the next step reuses them). The latency from ``require`` to the freed
-    tensors, over ``trials`` handovers."""
+    """SIRIUS's handover on a real stage (CPU), as the runtime does it: a training
+    micro-batch's forward holds its activations; a prefill needs the memory, the node
+    scheduler aborts the micro-batch (``NodeScheduler._reclaim``) and the stage drops it
+    (``DropActivations``: torch releases the tensors to the process's heap, where the next
+    step reuses them). The latency of the drop, over ``trials`` handovers."""
     import statistics
 
     import torch
 
     from raycolo.engine.models import build_tiny_model
     from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora, training_batch
-    from raycolo.online.scheduling.memory_broker import MemoryBroker
 
     torch.manual_seed(seed)
     model, _ = build_tiny_model("tiny-llama-l", seed, "float32")
@@ -95,20 +94,14 @@ def handover(trials: int, seed: int) -> dict:
     ids, labels, lengths = training_batch([(list(range(3, 99)), list(range(100, 196))) for _ in range(4)])
     times = []
     for i in range(trials):
-        broker = MemoryBroker(capacity=1 << 30, weights=1 << 28, watermark=1 << 24,
-                              bytes_per_sample=1 << 26, max_microbatch=4)
-        broker.start_microbatch()
         stage.train_forward(i, ids, lengths, labels)
         started = time.perf_counter()
-        decision = broker.require(broker.free + broker.training)
-        if decision.trainer == "abort_microbatch":
-            stage.drop_training(i)
+        stage.drop_training(i)
         times.append(time.perf_counter() - started)
     times.sort()
     return {"trials": trials, "p50_ms": 1e3 * statistics.median(times),
             "p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
             "mean_ms": 1e3 * statistics.fmean(times)}
-
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,5 +1,5 @@
 """Co-location mechanisms shared by the simulator and the live runtime (issue 12):
-Harli's decode-latency predictor, SIRIUS's memory broker, the DPO loss and MACE's
+Harli's decode-latency predictor, the DPO loss and MACE's
 alignment metrics, gradient accumulation and aborted micro-batches on a real stage."""
 from __future__ import annotations
 
@@ -8,11 +8,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 
 from raycolo.engine.executor.losses import IGNORE_INDEX, dpo_loss, preference_stats, sequence_logprob
 from raycolo.online.scheduling.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit, mape
-from raycolo.online.scheduling.memory_broker import MemoryBroker, OutOfMemory
 
 
 # -- Harli's two-stage predictor ------------------------------------------------------------------
@@ -63,71 +61,6 @@ def test_predictor_fit_errors_are_clear():
         fit([DecodeSample(1, 10, 0.01)])
     with pytest.raises(ValueError, match="two batch sizes"):
         fit([DecodeSample(8, 10, 0.01)] * 5)
-
-
-# -- SIRIUS's memory broker ---------------------------------------------------------------------------
-def broker(**kw):
-    args = dict(capacity=1000, weights=300, watermark=50, bytes_per_sample=40, max_microbatch=8)
-    args.update(kw)
-    return MemoryBroker(**args)
-
-
-def test_broker_require_takes_free_then_reserve_then_aborts_training():
-    b = broker()
-    assert b.microbatch == 8                        # 700 free: room for the whole batch
-    assert b.start_microbatch() == 8 and b.training == 320
-    h = b.require(300)                              # 380 free: no handover
-    assert (h.from_free, h.from_training, h.trainer) == (300, 0, "none")
-    h = b.require(200)                              # 80 free: 120 must come from training
-    assert (h.from_free, h.from_reserve, h.from_training, h.trainer) == (80, 0, 120, "abort_microbatch")
-    assert b.training == 0 and b.kv == 500 and b.microbatch == 5      # 200 free // 40
-    b.check()
-    assert b.start_microbatch() == 5
-    b.begin_optimizer()
-    h = b.require(100)                              # inside the optimizer step: wait
-    assert h.trainer == "wait_optimizer" and b.kv == 500 and b.training == 200
-    b.end_optimizer()
-    b.end_microbatch()
-    b.check()
-
-
-def test_broker_release_waits_for_the_watermark_then_gives_training_room():
-    b = broker()
-    b.require(600)
-    assert b.microbatch == 2                        # 100 free
-    assert b.release(60) == 0 and b.reserve == 60   # below 2W: kept for inference
-    assert b.release(50) == 60 and b.reserve == 50  # 110 >= 2W: down to W, 60 to training
-    assert b.microbatch == 4                        # 160 free // 40
-    h = b.require(40)                               # served from free memory first
-    assert h.from_free == 40 and h.from_reserve == 0
-    b.check()
-    with pytest.raises(OutOfMemory):
-        b.require(10_000)
-    with pytest.raises(ValueError):
-        b.release(10_000)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["require", "release", "start", "end", "opt"]),
-                          st.integers(0, 400)), max_size=60))
-def test_broker_ledger_balances_after_any_sequence(ops):
-    b = broker()
-    for op, n in ops:
-        if op == "require":
-            try:
-                b.require(n)
-            except OutOfMemory:
-                pass
-        elif op == "release":
-            b.release(min(n, b.kv))
-        elif op == "start":
-            b.end_microbatch()
-            b.start_microbatch()
-        elif op == "end":
-            b.end_microbatch()
-        else:
-            b.in_optimizer = not b.in_optimizer
-        b.check()
 
 
 # -- DPO and MACE's metrics ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ the simulator and in the live controller, because both drive the same ``NodeSche
   the batch in its gradient phase and retries its samples). Only tasks with no op in
   flight and no activation or gradient on the wire are aborted, so the live pipeline's
   point-to-point messages stay matched. What SIRIUS adds on a real GPU (a shared memory
-  pool, 5 ms handovers) is the memory broker's business (memory_broker.py).
+  pool, 5 ms handovers) is the node scheduler's reclaim (node.py) and MicroBatches.
 * :class:`StaticShareRule`: Harli's StaticMode baseline, a fixed time share for
   fine-tuning whatever the load.
 * :class:`MaceRule` (MACE §4.1): every ready op gets the priority
