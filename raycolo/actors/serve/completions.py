@@ -1,0 +1,285 @@
+"""What the ingress's generation routes (/v1/completions, /v1/chat/completions) share,
+outside the ingress class: the requested model variant, the sampling parameters and
+their checks, admission by the controller, the request's token events turned into text
+deltas (and metrics), and the server-sent events of a streamed response.
+:class:`Completions` is a base class of :class:`~raycolo.actors.serve.app.OpenAIIngress`,
+which sets every attribute it declares."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from raycolo.actors.serve.front_channel import CONTROLLER_FAILED, FrontChannel, FrontKey
+from raycolo.online.config import OnlineConfig
+from raycolo.online.serving.errors import OpenAIError
+from raycolo.online.serving.messages import TOKEN_EVENTS
+from raycolo.online.serving.protocol import BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant
+from raycolo.online.serving.responses import SseChunks, StreamInterval, choice, usage
+from raycolo.online.serving.text import TextStream
+
+if TYPE_CHECKING:
+    from raycolo.actors.serve.metrics import DeploymentMetrics, FrontMetrics
+
+MONITOR_EVERY_S = 2.0
+CONTROLLER_DIED = "the deployment's controller failed mid-request (it restarts); retry"
+
+
+class AdapterName:
+    """A request's ``model`` that names none of the served model's variants: perhaps an
+    adapter loaded with POST /v1/load_lora_adapter (never equal to LATEST or BASE, whatever
+    its name)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class Completions:
+    """The generation machinery of an ingress replica (set by its ``__init__``)."""
+
+    config: OnlineConfig
+    model_name: str
+    tokenizer: Any
+    context: int                 # the model's context (max_position_embeddings)
+    controller: Any              # the OnlineController's actor handle
+    channel: FrontChannel        # this replica's requests' events
+    metrics: FrontMetrics
+    gauges: DeploymentMetrics
+    monitor: Optional[asyncio.Task]
+
+    async def _monitor(self) -> None:
+        while True:
+            try:
+                self.gauges.update(self.model_name, await self.controller.monitor.remote())
+            except Exception:    # the controller restarts or stops: try again
+                pass
+            await asyncio.sleep(MONITOR_EVERY_S)
+
+    def _ensure_monitor(self) -> None:
+        if self.monitor is None:
+            self.monitor = asyncio.get_running_loop().create_task(self._monitor())
+
+    def _check_model(self, name: str) -> Union[str, int, "AdapterName"]:
+        """The variant ``name`` asks for (model_variant), or an :class:`AdapterName` for any
+        other name: a loaded adapter's, or nothing this server serves (the controller's
+        registry says which when it is pinned: :meth:`_pinned_version`). Whether a version
+        is still servable is the controller's answer too (admit)."""
+        variant = model_variant(name, self.model_name)
+        return AdapterName(name) if variant is None else variant
+
+    async def _pinned_version(self, variant) -> Union[int, str, None]:
+        """``version`` of the controller's admit: k of ``<model>@v<k>``, the handle of a
+        loaded adapter, or None (the latest adapter, or the base). 404 for a name that is
+        neither the served model's nor a loaded adapter's."""
+        if isinstance(variant, int):
+            return variant
+        if not isinstance(variant, AdapterName):
+            return None
+        handle = await self.controller.resolve_adapter.remote(variant.name)
+        if handle is None:
+            raise OpenAIError(404, f"model '{variant.name}' does not exist; this server serves "
+                              f"'{self.model_name}', '{self.model_name}{BASE_SUFFIX}', "
+                              f"'{self.model_name}{VERSION_SUFFIX}<k>' for saved adapter versions and the "
+                              "adapters loaded with POST /v1/load_lora_adapter (GET /v1/models)",
+                              param="model", code="model_not_found")
+        return handle
+
+    def _sampling(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool):
+        """The request's SamplingParams, its limit checked against the context."""
+        limit = max_tokens if max_tokens is not None else self.config.max_tokens
+        kv = self.config.stage.kv_cache_tokens
+        context = min(self.context, kv)
+        if len(ids) >= context:
+            raise OpenAIError(400, f"{prompt_param}: the prompt has {len(ids)} tokens; this model's "
+                              f"context is {context} tokens", param=prompt_param, code="context_length_exceeded")
+        param = "max_tokens" if not chat or body.max_completion_tokens is None else "max_completion_tokens"
+        if len(ids) + limit > context:
+            raise OpenAIError(400, f"{param}: {len(ids)} prompt tokens + {limit} completion tokens exceed "
+                              f"this model's context of {context} tokens", param=param,
+                              code="context_length_exceeded")
+        if body.min_tokens > limit:
+            raise OpenAIError(400, f"min_tokens: {body.min_tokens} is more than the {limit} tokens allowed",
+                              param="min_tokens", code="invalid_parameter")
+        seed = body.seed if body.seed is not None else secrets.randbits(31)
+        return body.sampling_params(limit, seed)
+
+    async def _admit(self, body, ids: list[int], params, variant) -> tuple[int, FrontKey, asyncio.Queue]:
+        """Admit one request: its id, its key on this replica's channel and its events' queue."""
+        version = await self._pinned_version(variant)
+        front, events = await self.channel.open()
+        try:
+            admitted = await self.controller.admit.remote(ids, base=variant == BASE, version=version,
+                                                          params=params, front=front)
+        except BaseException:
+            self.channel.close(front)
+            raise
+        if admitted.rejected:
+            self.channel.close(front)
+        if admitted.rejected == "overloaded":
+            self.metrics.rejected.inc(tags={"model_name": self.model_name})
+            retry = admitted.retry_after_s
+            raise OpenAIError(429, f"the server is at its limit of {self.config.serve.max_ongoing_requests} "
+                              f"ongoing requests; retry after {retry} s", code="overloaded",
+                              headers={"Retry-After": str(retry)})
+        if admitted.rejected == "unknown_version":
+            held = ", ".join(f"'{self.model_name}{VERSION_SUFFIX}{k}'" for k in admitted.versions) or "none yet"
+            raise OpenAIError(404, f"model '{body.model}': adapter version {version} is not servable (only the "
+                              f"newest {self.config.serve.pinned_versions} saved versions are); servable: {held}",
+                              param="model", code="model_not_found")
+        if admitted.rejected == "starting":
+            raise OpenAIError(503, admitted.why, code="unavailable",
+                              headers={"Retry-After": str(admitted.retry_after_s)})
+        if admitted.rejected:
+            raise OpenAIError(503, f"no stage-worker node is alive: {admitted.why}", code="unavailable")
+        self.metrics.prompt_tokens.inc(len(ids), tags={"model_name": self.model_name})
+        return admitted.id, front, events
+
+    async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool,
+                        variant: Union[str, int] = LATEST):
+        self._ensure_monitor()
+        params = self._sampling(body, ids, max_tokens, prompt_param, chat)
+        started = time.perf_counter()
+        kind = "chat.completion" if chat else "text_completion"
+        if body.stream:
+            admitted = await self._admit(body, ids, params, variant)
+            out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted[0]}-{uuid.uuid4().hex[:8]}"
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._events(admitted, params, started, ids)
+            return StreamingResponse(self._sse(events, out_id, kind, len(ids), include_usage, body.model),
+                                     media_type="text/event-stream")
+        # n choices: n requests, choice i drawn with seed + i (all admitted before any is awaited)
+        admitted = []
+        for i in range(body.n):
+            choice_params = params if i == 0 else params.model_copy(update={"seed": params.seed + i})
+            admitted.append(await self._admit(body, ids, choice_params, variant))
+        out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted[0][0]}-{uuid.uuid4().hex[:8]}"
+        results = await asyncio.gather(*[self._collect(a, params, started, ids) for a in admitted])
+        count = sum(r[2] for r in results)
+        choices = [choice(self.tokenizer, chat, i, content, reason, logprobs)
+                   for i, (content, reason, _, logprobs) in enumerate(results)]
+        return JSONResponse({"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
+                             "choices": choices, "usage": usage(len(ids), count)})
+
+    async def _collect(self, admitted: tuple, params, started: float, prompt_ids: list[int]):
+        """A whole (non-streamed) choice: text, finish_reason, tokens, log-probabilities."""
+        text, reason, count, logprobs = [], None, 0, None if params.logprobs is None else []
+        async for delta, finish, n, lps in self._events(admitted, params, started, prompt_ids):
+            text.append(delta)
+            count = n
+            if finish == "error":
+                raise OpenAIError(503, f"generation failed: {delta}", code="generation_failed")
+            reason = finish or reason
+            if logprobs is not None:
+                logprobs.extend(lps)
+        return "".join(text), reason, count, logprobs
+
+    async def _events(self, admitted: tuple, params, started: float, prompt_ids: list[int]):
+        """(text delta, finish_reason or None, tokens so far, log-probabilities of the tokens
+        since the last event) as tokens arrive (``admitted``: what :meth:`_admit` returned;
+        the events come over this replica's channel); an "error" finish carries the
+        error's text. Text follows raycolo.generation: a stop token is counted, never
+        shown; a stop string ends the text before it (the request is cancelled upstream),
+        as does a client that went away. Tokens that arrived together (the replica fell
+        behind) go out as one delta: one chunk, not one per token."""
+        rid, front, events = admitted
+        tags = {"model_name": self.model_name}
+        stream = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, prompt_ids)
+        count, last, finished, lps, held = 0, None, False, [], None
+        try:
+            while True:
+                kind, value = held if held is not None else await events.get()
+                held = None
+                if (kind, value) == CONTROLLER_FAILED:
+                    finished = True
+                    self._finish("error", started)
+                    yield CONTROLLER_DIED, "error", count, []
+                    return
+                if kind in TOKEN_EVENTS:
+                    batch = [(kind, value)]          # this token and those queued behind it
+                    while held is None and not events.empty():
+                        nxt = events.get_nowait()
+                        if nxt[0] in TOKEN_EVENTS:
+                            batch.append(nxt)
+                        else:
+                            held = nxt
+                    text = []
+                    for kind, value in batch:
+                        if kind == "logprob":
+                            lps.append(value)
+                            continue
+                        now = time.perf_counter()
+                        count += 1
+                        if last is None:
+                            self.metrics.ttft.observe(now - started, tags)
+                        else:
+                            self.metrics.itl.observe(now - last, tags)
+                        last = now
+                        self.metrics.generation_tokens.inc(1, tags)
+                        if kind == "stop_token":
+                            continue
+                        text.append(stream.add(value, check=count > params.min_tokens))
+                        if stream.stopped is not None:
+                            finished = True
+                            await self.controller.cancel.remote(rid, "stop")
+                            self._finish("stop", started)
+                            yield "".join(text), "stop", count, lps
+                            return
+                    delta = "".join(text)
+                    if delta or lps:
+                        yield delta, None, count, lps
+                        lps = []
+                elif kind == "done":
+                    finished = True
+                    self._finish(value, started)
+                    yield stream.flush(), value, count, lps
+                    return
+                else:
+                    finished = True
+                    self._finish("error", started)
+                    yield str(value), "error", count, lps
+                    return
+        except (RayActorError, ActorUnavailableError):   # the controller died: the stream ends with an error
+            finished = True
+            self._finish("error", started)
+            yield CONTROLLER_DIED, "error", count, []
+        finally:
+            self.channel.close(front)
+            if not finished:      # the client disconnected: free the request's work
+                try:
+                    await self.controller.cancel.remote(rid, "abort")
+                except (RayActorError, ActorUnavailableError):
+                    pass          # the controller died: the request died with it
+                self._finish("abort", started)
+
+    def _finish(self, reason: str, started: float) -> None:
+        tags = {"model_name": self.model_name}
+        self.metrics.success.inc(tags=dict(tags, finished_reason=reason))
+        self.metrics.e2e.observe(time.perf_counter() - started, tags)
+
+    async def _sse(self, events, out_id: str, kind: str, prompt_tokens: int, include_usage: bool, model: str):
+        sse = SseChunks(self.tokenizer, out_id, kind == "chat.completion", model, int(time.time()))
+        if sse.chat:
+            yield sse.chunk(None, None, role=True)
+        count, held = 0, StreamInterval(self.config.serve.stream_interval)
+        async for delta, finish, count, lps in events:
+            if finish == "error":       # after the 200: the failure travels inside the stream
+                text, lps = held.add("", count, [], final=True)
+                if text or lps:
+                    yield sse.chunk(text, None, lps=lps)
+                yield sse.error(OpenAIError(503, f"generation failed: {delta}", code="generation_failed").body())
+                break
+            out = held.add(delta, count, lps, final=finish is not None)
+            if out is not None and (out[0] or out[1]):
+                yield sse.chunk(out[0], None, lps=out[1])
+            if finish:
+                yield sse.chunk(None, finish)
+        if include_usage:
+            yield sse.usage(prompt_tokens, count)
+        yield sse.DONE
