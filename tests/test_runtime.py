@@ -204,16 +204,17 @@ def test_the_replica_start_probe_survives_a_probe_that_dies(cluster, tmp_path):
 
 def _generate(actor, prompts: list, seed: int) -> dict:
     """Run ``prompts`` on an engine actor to the end: {key: generated text}."""
+    from raycolo.engine.replica_messages import EngineRequest
     from raycolo.generation import SamplingParams
 
-    requests = [{"key": f"q{i}", "prompt": p,
-                 "params": SamplingParams(max_tokens=24, temperature=0.8 if i % 2 else 0.0, seed=seed + i)}
+    requests = [EngineRequest(f"q{i}", p, SamplingParams(max_tokens=24, temperature=0.8 if i % 2 else 0.0,
+                                                           seed=seed + i))
                 for i, p in enumerate(prompts)]
     out = {}
     while len(out) < len(prompts):
         got = ray.get(actor.run.remote(requests, 5.0))
         requests = []
-        out.update({o.request_id: (o.text, tuple(o.token_ids)) for o in got["outputs"]})
+        out.update({o.request_id: (o.text, tuple(o.token_ids)) for o in got.outputs})
     return out
 
 
@@ -224,6 +225,7 @@ def test_a_warm_swap_gives_the_outputs_of_a_cold_start(cluster):
     parked asleep meanwhile: swapping back to it wakes it (no new engine), and it answers
     as a fresh engine of that model does."""
     from raycolo.actors.offline.engine_actor import EngineActor
+    from raycolo.engine.replica_messages import EngineRequest
     from raycolo.generation import SamplingParams
 
     def config(model: str) -> dict:
@@ -235,25 +237,25 @@ def test_a_warm_swap_gives_the_outputs_of_a_cold_start(cluster):
     warm = EngineActor.options(num_gpus=1).remote(config("tiny-llama-s"), "warm", 1)
     try:
         expected = _generate(cold, prompts, seed=7)
-        ray.get(warm.run.remote([{"key": "busy", "prompt": "left mid-way",
-                                  "params": SamplingParams(max_tokens=500, ignore_eos=True)}], 0.05))
-        pid = ray.get(warm.info.remote())["pid"]
+        ray.get(warm.run.remote([EngineRequest("busy", "left mid-way",
+                                               SamplingParams(max_tokens=500, ignore_eos=True))], 0.05))
+        pid = ray.get(warm.info.remote()).pid
         drained = ray.get(warm.drain.remote())
-        assert [u["key"] for u in drained["unfinished"]] == ["busy"]
+        assert [u.key for u in drained.unfinished] == ["busy"]
         info = ray.get(warm.swap.remote(config("tiny-llama-m"), "warm-2"))
-        assert info["switch"] == "swap" and info["model_id"] == "tiny-llama-m" and info["pid"] == pid
+        assert info.switch == "swap" and info.model_id == "tiny-llama-m" and info.pid == pid
         assert _generate(warm, prompts, seed=7) == expected
         ray.get(warm.drain.remote())
         info = ray.get(warm.swap.remote(config("tiny-llama-m"), "warm-3"))
-        assert info["switch"] == "keep" and info["swaps"] == 2 and info["parked"] == 1
+        assert info.switch == "keep" and info.swaps == 2 and info.parked == 1
         assert _generate(warm, prompts, seed=7) == expected
         ray.get(cold.drain.remote())
-        assert ray.get(cold.swap.remote(config("tiny-llama-s"), "cold-2"))["switch"] == "swap"
+        assert ray.get(cold.swap.remote(config("tiny-llama-s"), "cold-2")).switch == "swap"
         expected_s = _generate(cold, prompts, seed=3)
         ray.get(warm.drain.remote())
         info = ray.get(warm.swap.remote(config("tiny-llama-s"), "warm-4"))
-        assert info["switch"] == "wake" and info["model_id"] == "tiny-llama-s" and info["parked"] == 1
-        assert info["pid"] == pid
+        assert info.switch == "wake" and info.model_id == "tiny-llama-s" and info.parked == 1
+        assert info.pid == pid
         assert _generate(warm, prompts, seed=3) == expected_s
     finally:
         for actor in (cold, warm):

@@ -27,6 +27,23 @@ from raycolo.online.tasks import OnlineTask
 from raycolo.online.serving.token_wire import FrontKey
 
 
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a stage worker tells the controller when it registers: where it runs (Ray
+    actor, process, Ray node, placement group) and the checkpoint it restored (the adapter
+    version, the sample ranges it holds, the sample cursor), if any."""
+
+    actor_id: str
+    pid: int
+    node_id: str                                  # the Ray node
+    node_ip: str
+    omp_wait_policy: Optional[str] = None
+    restored_version: Optional[int] = None
+    restored_held: Optional[list] = None          # sample seq ranges the checkpoint holds
+    restored_cursor: Optional[dict] = None        # the samples.Cursor it saved, as fields
+    placement_group: Optional[str] = None
+
+
 @dataclass
 class ServedRequest:
     """What a node needs of a request it serves."""

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from raycolo.engine.replica_messages import ReplicaInfo
 from raycolo.actors.offline.dispatch import Dispatcher
 from raycolo.actors.offline.failures import ReplicaFailed, RunFailed, cause
 from raycolo.actors.offline.rebalance import CAPACITY_CHECK_S, CapacityWatch, Rebalancer
@@ -157,13 +158,13 @@ class Controller:
             return
         if kind == "info":
             rep.info = result
-            rep.switch = result.get("switch", rep.switch)
+            rep.switch = result.switch
             rep.ready_s = self.now()
             self.dispatcher.kick(rep)
             return
         rep.inflight = None
         rep.account(result)
-        self._finish(rep, result["outputs"])
+        self._finish(rep, result.outputs)
         self.dispatcher.kick(rep)
 
     # -- the loop -----------------------------------------------------------------------
@@ -233,10 +234,10 @@ class Controller:
         GPUs) it ran."""
         nodes: dict[str, dict] = {}
         for r in self.replica_set.all_replicas:
-            node_id = r.info.get("node_id")
-            if node_id is None:
+            if r.info is None:
                 continue
-            entry = nodes.setdefault(node_id, {"node_id": node_id, "ip": r.info.get("node_ip"),
+            node_id = r.info.node_id
+            entry = nodes.setdefault(node_id, {"node_id": node_id, "ip": r.info.node_ip,
                                                "replicas": [], "gpus": set()})
             entry["replicas"].append(r.name)
             entry["gpus"].update(r.gpus)
@@ -264,11 +265,7 @@ class Controller:
             "models": per_node,
             "gpu_busy_fraction": gpu_busy / (gpus * end) if end else None,
             "replicas": [{"name": r.name, "node": r.node, "dp": r.plan.dp, "tp": r.plan.tp,
-                          "gpus": list(r.gpus), "ray_gpu_ids": r.info.get("gpu_ids"),
-                          "device": r.info.get("device"), "model_id": r.info.get("model_id"),
-                          # the Ray actor it ran in (a warm actor keeps its first name) and its node
-                          "actor": r.info.get("actor_name"), "ray_node_id": r.info.get("node_id"),
-                          "ray_node_ip": r.info.get("node_ip"),
+                          "gpus": list(r.gpus), **_where(r.info),
                           "created_s": r.created_s, "switch": r.switch,
                           "ready_s": r.ready_s, "stopped_s": r.stopped_s, "busy_s": r.busy_s,
                           "tokens": r.tokens, "restarts": r.restarts} for r in self.replica_set.all_replicas],
@@ -290,3 +287,11 @@ class Controller:
                 "pool_evictions": self.replica_set.evicted,
             },
         }
+
+
+def _where(info: Optional[ReplicaInfo]) -> dict:
+    """A report's record of where a replica ran: its GPUs as Ray numbers them, its device
+    and model, the Ray actor it ran in (a warm actor keeps its first name) and its node."""
+    return {"ray_gpu_ids": getattr(info, "gpu_ids", None), "device": getattr(info, "device", None),
+            "model_id": getattr(info, "model_id", None), "actor": getattr(info, "actor_name", None),
+            "ray_node_id": getattr(info, "node_id", None), "ray_node_ip": getattr(info, "node_ip", None)}

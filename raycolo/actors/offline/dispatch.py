@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from raycolo.engine.replica_messages import EngineRequest
 from raycolo.offline.planner.dispatch import RoundRobin
 from raycolo.offline.runtime.communicator import Communicator, ReadyRequest
 from raycolo.offline.runtime.setup import RunConfig
@@ -31,10 +32,9 @@ class Pending:
     attempts: int = 0
     dispatched_s: float = 0.0
 
-    def payload(self) -> dict:
-        params = self.ready.sampling(len(self.generated))     # a SamplingParams
+    def payload(self) -> EngineRequest:
         prompt = self.ready.prompt if self.prompt_ids is None else self.prompt_ids + self.generated
-        return {"key": self.ready.key, "prompt": prompt, "params": params}
+        return EngineRequest(self.ready.key, prompt, self.ready.sampling(len(self.generated)))
 
 
 class Dispatcher:

@@ -33,6 +33,9 @@ from typing import Optional
 
 import ray
 
+from raycolo.engine.replica_messages import (DrainReport, EngineRequest, ProbeTiming, ReplicaInfo, RunReport,
+                                            Unfinished)
+
 
 def _engine_metrics() -> dict:
     """Per-replica series for the Ray dashboard / Prometheus (prefixed ``ray_`` there),
@@ -52,10 +55,9 @@ def _tags(label: str) -> dict:
     return {"replica": label, "node": label.split("/")[1] if label.count("/") >= 2 else label}
 
 
-def _left(r) -> dict:
+def _left(r) -> Unfinished:
     """An unfinished request handed back, with its prompt and the tokens it generated."""
-    return {"key": r.request_id, "prompt_ids": list(r.prompt), "generated": list(r.generated),
-            "preemptions": r.preemptions}
+    return Unfinished(r.request_id, list(r.prompt), list(r.generated), r.preemptions)
 
 
 def _resolve(engine_config: dict) -> dict:
@@ -101,7 +103,7 @@ class EngineActor:
         """Serve as replica ``label``: fresh queues and counters, the engine loop started."""
         self.label = label
         self._tags = _tags(label)
-        self._incoming: list[dict] = []
+        self._incoming: list[EngineRequest] = []
         self._finished: list = []
         self._active = False      # the loop holds requests (queued in the engine or incoming)
         self._stopping = False
@@ -114,7 +116,7 @@ class EngineActor:
         self._thread = threading.Thread(target=self._loop, name=f"engine-{label}", daemon=True)
         self._thread.start()
 
-    def swap(self, engine_config: dict, label: str) -> dict:
+    def swap(self, engine_config: dict, label: str) -> ReplicaInfo:
         """Serve replica ``label`` with ``engine_config`` in this process (the previous
         replica was drained): the same config keeps the loaded model (*keep*: only its
         requests and KV are cleared), another parks or releases it and wakes a parked
@@ -184,7 +186,7 @@ class EngineActor:
                         return
                     self._active = True
                     for r in self._incoming:
-                        self.engine.add_request(r["key"], r["prompt"], r["params"])   # a SamplingParams
+                        self.engine.add_request(r.key, r.prompt, r.params)
                     self._incoming = []
                     if self._take:   # between steps: the engine is ours
                         self._taken, self._take = [_left(r) for r in self.engine.take(self._take)], 0
@@ -211,28 +213,27 @@ class EngineActor:
                 self._active = False
                 self._cond.notify_all()
 
-    def _collect(self) -> dict:
+    def _collect(self) -> RunReport:
         if self._error is not None:
             raise RuntimeError(f"engine {self.label} failed: {self._error!r}") from self._error
-        out = {"outputs": self._finished, "busy_s": self._busy_s, "steps": self._steps,
-               "tokens": self._tokens}
+        out = RunReport(self._finished, self._busy_s, self._steps, self._tokens)
         self._finished = []
         self._busy_s, self._steps, self._tokens = 0.0, 0, 0
         return out
 
     # -- the controller's calls ---------------------------------------------------------
-    def info(self) -> dict:
+    def info(self) -> ReplicaInfo:
         context = ray.get_runtime_context()
-        return {"label": self.label, "pid": os.getpid(), "node_id": context.get_node_id(),
-                "node_ip": ray.util.get_node_ip_address(), "actor_name": context.get_actor_name(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "load_s": self.load_s,
-                "switch": self.switch, "swaps": self.swaps, "parked": len(self._parked),
-                "engine_key": self._config_key, "parked_keys": list(self._parked),
-                "device": self.engine.config.engine_kwargs.device,
-                "model_id": self.engine.config.model_loading_config.model_id}
+        return ReplicaInfo(label=self.label, pid=os.getpid(), node_id=context.get_node_id(),
+                           node_ip=ray.util.get_node_ip_address(), actor_name=context.get_actor_name(),
+                           gpu_ids=[str(g) for g in ray.get_gpu_ids()], load_s=self.load_s,
+                           switch=self.switch, swaps=self.swaps, parked=len(self._parked),
+                           engine_key=self._config_key, parked_keys=list(self._parked),
+                           device=self.engine.config.engine_kwargs.device,
+                           model_id=self.engine.config.model_loading_config.model_id)
 
-    def run(self, requests: list[dict], budget_s: float) -> dict:
-        """Queue ``requests`` ({key, prompt, params}); return once some have finished, the
+    def run(self, requests: list[EngineRequest], budget_s: float) -> RunReport:
+        """Queue ``requests``; return once some have finished, the
         replica is idle, or ``budget_s`` has passed."""
         deadline = time.perf_counter() + budget_s
         with self._cond:
@@ -248,29 +249,28 @@ class EngineActor:
                 self._cond.wait(left)
             return self._collect()
 
-    def time_batch(self, requests: list[dict]) -> dict:
+    def time_batch(self, requests: list[EngineRequest]) -> ProbeTiming:
         """Run ``requests`` to the end, as a replica would, and time it (the pool's compute
-        probe): {"seconds", "output_lens": {key: tokens generated}}."""
+        probe)."""
         started = time.perf_counter()
         lens: dict[str, int] = {}
         pending = requests
         while len(lens) < len(requests):
             got = self.run(pending, 60.0)
             pending = []
-            lens.update({o.request_id: o.output_len for o in got["outputs"]})
-            if not got["outputs"] and not self._active:
+            lens.update({o.request_id: o.output_len for o in got.outputs})
+            if not got.outputs and not self._active:
                 raise RuntimeError(f"engine {self.label} went idle with "
                                    f"{len(requests) - len(lens)} probe requests unanswered")
-        return {"seconds": time.perf_counter() - started, "output_lens": lens}
+        return ProbeTiming(time.perf_counter() - started, lens)
 
-    def take(self, n: int) -> list[dict]:
+    def take(self, n: int) -> list[Unfinished]:
         """Hand back up to ``n`` unfinished requests, the least advanced first: those not
         yet given to the engine, then the engine's (taken by the loop between two steps),
         each as :meth:`drain` returns an unfinished one. They are forgotten here."""
         with self._cond:
             k = min(n, len(self._incoming))
-            out = [{"key": r["key"], "prompt_ids": None, "generated": [], "preemptions": 0}
-                   for r in self._incoming[len(self._incoming) - k:]]
+            out = [Unfinished(r.key) for r in self._incoming[len(self._incoming) - k:]]
             del self._incoming[len(self._incoming) - k:]
             if len(out) < n and self._active and self._thread.is_alive():
                 self._taken, self._take = None, n - len(out)
@@ -281,7 +281,7 @@ class EngineActor:
                 self._take = 0
             return out
 
-    def drain(self) -> dict:
+    def drain(self) -> DrainReport:
         """Stop the engine; return uncollected outputs and every unfinished request with
         its prompt and generated token ids. Runs beside a pending :meth:`run` call (the
         actor takes two calls at once), which then returns at once with what it has."""
@@ -289,9 +289,8 @@ class EngineActor:
         with self._cond:
             collected = self._collect()
             left = [_left(r) for r in self.engine.unfinished()]
-            left += [{"key": r["key"], "prompt_ids": None, "generated": [], "preemptions": 0}
-                     for r in self._incoming]
+            left += [Unfinished(r.key) for r in self._incoming]
             self._incoming = []
             self._cond.notify_all()
         # the engine stays loaded: the controller pools this actor for a later swap or keep
-        return {**collected, "unfinished": left}
+        return DrainReport(**vars(collected), unfinished=left)

@@ -29,6 +29,7 @@ from typing import Optional
 
 import ray
 
+from raycolo.engine.replica_messages import EngineRequest, ReplicaInfo
 from raycolo.actors.offline.engine_actor import EngineActor
 from raycolo.offline.planner.engines import SWITCH_KINDS, HeldEngines, LoadCosts
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
@@ -128,8 +129,8 @@ def _probes(run: PreparedRun, problem: PlanningProblem) -> list[_Probe]:
         lens = [int(n) for n in w.input_len[:k]]
         rng = seeded_rng(run.config.seed, "pool-probe", node)
         vocab = get_model(w.model.name).vocab
-        requests = [{"key": f"probe-{i}", "prompt": rng.integers(3, vocab, n).tolist(),
-                     "params": SamplingParams(max_tokens=tokens, temperature=ECDF_TEMPERATURE, seed=i)}
+        requests = [EngineRequest(f"probe-{i}", rng.integers(3, vocab, n).tolist(),
+                                  SamplingParams(max_tokens=tokens, temperature=ECDF_TEMPERATURE, seed=i))
                     for i, n in enumerate(lens)]
         probes.append(_Probe(w.model.name, node, run.engine_config(problem, node, ExecPlan(1, 1)),
                              requests, lens))
@@ -189,9 +190,9 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
             calls = {alive[i].time_batch.remote(picks[i].requests): i for i in alive}
             for i, out in _each(alive, died, calls):
                 p = picks[i]
-                outputs = [out["output_lens"][q["key"]] for q in p.requests]
+                outputs = [out.output_lens[q.key] for q in p.requests]
                 predicted = problem.replica_seconds(p.model, p.prompt_lens, outputs)
-                scales.add(p.model, i, len(outputs), out["seconds"], predicted)
+                scales.add(p.model, i, len(outputs), out.seconds, predicted)
     if run.config.parked_engines:   # back to the previous round's model: parked, so a wake
         current = {i: previous[i] for i in alive}
         _switch_all(alive, died, current, costs)
@@ -206,7 +207,7 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
         if retries > 0:
             return start_pool(run, problem, gpus, swaps, retries - 1)
         raise RuntimeError(f"every pool actor died while starting: {died[-1]}")
-    pooled = [Pooled((i,), groups[i], actor, held[i]["engine_key"], tuple(held[i]["parked_keys"]))
+    pooled = [Pooled((i,), groups[i], actor, held[i].engine_key, tuple(held[i].parked_keys))
               for i, actor in alive.items()]
     return pooled, costs, scales
 
@@ -233,13 +234,13 @@ def load_costs(run: PreparedRun, problem: PlanningProblem, pooled: list, costs: 
                      actors=actors, node_models=node_models)
 
 
-def _switch_all(alive: dict, died: list, configs: dict, costs: SwitchCosts) -> dict[int, dict]:
+def _switch_all(alive: dict, died: list, configs: dict, costs: SwitchCosts) -> dict[int, ReplicaInfo]:
     """Every living actor ``i`` takes ``configs[i]``; each switch's time goes to ``costs``
     under the kind the actor reports. Returns each actor's ``info`` after its switch."""
     calls = {actor.swap.remote(configs[i], f"raycolo-pool-{i}"): i for i, actor in alive.items()}
     infos = {}
     for i, info in _each(alive, died, calls):
-        getattr(costs, info["switch"]).append(info["load_s"])
+        getattr(costs, info.switch).append(info.load_s)
         infos[i] = info
     return infos
 

@@ -23,6 +23,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raycolo.engine.replica_messages import ReplicaInfo, RunReport, Unfinished
 from raycolo.actors.offline.dispatch import Dispatcher, Pending
 from raycolo.actors.offline.engine_actor import EngineActor
 from raycolo.actors.offline.failures import ReplicaFailed, cause
@@ -43,7 +44,7 @@ class Replica:
     info_ref: Optional[object] = None
     ready_s: Optional[float] = None
     stopped_s: Optional[float] = None
-    info: dict = field(default_factory=dict)
+    info: Optional[ReplicaInfo] = None
     inflight: Optional[object] = None
     outbox: list[Pending] = field(default_factory=list)
     outstanding: dict[str, Pending] = field(default_factory=dict)
@@ -59,11 +60,11 @@ class Replica:
         ready = self.ready_s if self.ready_s is not None else stop
         return [(g, self.created_s, min(ready, stop), stop, self.node) for g in self.gpus]
 
-    def account(self, result: dict) -> None:
+    def account(self, result: RunReport) -> None:
         """Add the work a ``run`` or ``drain`` call reports."""
-        self.busy_s += result["busy_s"]
-        self.tokens += result["tokens"]
-        self.steps += result["steps"]
+        self.busy_s += result.busy_s
+        self.tokens += result.tokens
+        self.steps += result.steps
 
 
 @dataclass
@@ -202,8 +203,8 @@ class ReplicaSet:
                 try:
                     drained = ray.get(drain)
                     rep.account(drained)
-                    self.finish(rep, drained["outputs"])
-                    left = drained["unfinished"]
+                    self.finish(rep, drained.outputs)
+                    left = drained.unfinished
                 except RayActorError:
                     left = None       # died while draining: nothing to pool
             rep.stopped_s = self.now()
@@ -239,15 +240,15 @@ class ReplicaSet:
             rep.plan = plan
 
     @staticmethod
-    def handed_back(rep: Replica, item: dict) -> Optional[Pending]:
+    def handed_back(rep: Replica, item: Unfinished) -> Optional[Pending]:
         """An unfinished request a replica handed back (drained or taken): it continues
         elsewhere from its prompt plus the tokens generated so far."""
-        p = rep.outstanding.pop(item["key"], None)
+        p = rep.outstanding.pop(item.key, None)
         if p is None:
             return None
-        if p.prompt_ids is None and item["prompt_ids"] is not None:
-            p.prompt_ids = list(item["prompt_ids"])
-        p.generated = p.generated + list(item["generated"])
+        if p.prompt_ids is None and item.prompt_ids is not None:
+            p.prompt_ids = list(item.prompt_ids)
+        p.generated = p.generated + list(item.generated)
         p.preemptions += 1
         return p
 

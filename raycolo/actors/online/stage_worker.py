@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+from raycolo.online.stage_messages import WorkerInfo
 from raycolo.engine.device_stats import device_reading
 from raycolo.engine.executor.stage_ops import QUIET, ReadAdapter, SaveCheckpoint, StageResult
 from raycolo.engine.executor.stage_process import StageProcess, build_stage
@@ -66,11 +67,11 @@ def stage_loop(config: dict) -> None:
     proc = StageProcess(stage_model, stage, stages, model_config.hidden_size,
                         next(stage_model.executor.layers[0].parameters()).dtype, dist)
     me = ray.get_runtime_context()
-    epoch = ray.get(controller.register.remote(node, stage, {
-        "actor_id": me.get_actor_id(), "pid": os.getpid(), "node_id": me.get_node_id(),
-        "node_ip": ray.util.get_node_ip_address(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "restored_version": restored, "restored_held": resumed.get("held"),
-        "restored_cursor": resumed.get("cursor"), "placement_group": me.get_placement_group_id()}))
+    epoch = ray.get(controller.register.remote(node, stage, WorkerInfo(
+        actor_id=me.get_actor_id(), pid=os.getpid(), node_id=me.get_node_id(),
+        node_ip=ray.util.get_node_ip_address(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+        restored_version=restored, restored_held=resumed.get("held"),
+        restored_cursor=resumed.get("cursor"), placement_group=me.get_placement_group_id())))
     readings = DeviceReadings(next(stage_model.executor.layers[0].parameters()).device)
 
     def checkpoint(op) -> StageResult | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -17,7 +18,8 @@ import ray
 from raycolo.errors import ConfigError
 from raycolo.online.config import stage_build
 from raycolo.online.driver import OpLost
-from raycolo.online.samples import (Cursor, from_ranges, plan_resumption)
+from raycolo.online.samples import Cursor, from_ranges, plan_resumption
+from raycolo.online.stage_messages import WorkerInfo
 
 from raycolo.actors.online.state import ControllerState
 
@@ -167,19 +169,19 @@ class WorkerGroups(ControllerState):
         self.dead[node] = why
         self._node_lost(node, why, down=True)
 
-    async def register(self, node: int, stage: int, info: dict) -> int:
+    async def register(self, node: int, stage: int, info: WorkerInfo) -> int:
         """A stage worker starts; returns its epoch (the node's worker-group generation).
         A stage registering twice means Ray Train restarted the node's group."""
         if stage in self.registered[node]:
             self._node_lost(node, f"node-{node}/stage-{stage} registered again (worker group restarted)")
         key = f"node-{node}/stage-{stage}"
-        self.workers[key] = dict(info, node=node, stage=stage, epoch=self.epochs[node],
+        self.workers[key] = dict(asdict(info), node=node, stage=stage, epoch=self.epochs[node],
                                  registered_s=time.time())
         if stage == 0:
-            self.groups.note(node, info.get("placement_group"))
-        if stage == 0 and not self.ready.is_set() and self.config.resume and info.get("restored_version"):
-            self.restored[node] = (info["restored_version"], from_ranges(info.get("restored_held") or []),
-                                   Cursor(**info["restored_cursor"]) if info.get("restored_cursor") else Cursor())
+            self.groups.note(node, info.placement_group)
+        if stage == 0 and not self.ready.is_set() and self.config.resume and info.restored_version:
+            self.restored[node] = (info.restored_version, from_ranges(info.restored_held or []),
+                                   Cursor(**info.restored_cursor) if info.restored_cursor else Cursor())
         self.registered[node].add(stage)
         complete = len(self.registered[node]) == self.config.stages
         if complete and self.driver is not None:
