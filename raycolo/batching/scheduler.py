@@ -21,7 +21,7 @@ from raycolo.batching.limits import SchedulerLimits, ceil_div
 
 
 @dataclass
-class Decision:
+class ScheduledStep:
     kind: Literal["prefill", "decode", "idle"]
     seqs: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
@@ -59,7 +59,7 @@ class FcfsBlockScheduler:
             self.alloc.release(req)
         self.waiting.extendleft(reversed(reqs))
 
-    def schedule(self) -> Decision:
+    def schedule(self) -> ScheduledStep:
         lim = self.limits
         batch, tokens, free_after = [], 0, self.free
         for req in self.waiting:
@@ -78,9 +78,9 @@ class FcfsBlockScheduler:
             for req in batch:
                 self.waiting.popleft()
                 self.alloc.allocate(req, ceil_div(self.prompt_len[req], lim.block_size))
-            return Decision("prefill", batch)
+            return ScheduledStep("prefill", batch)
         if not self.running:
-            return Decision("idle")
+            return ScheduledStep("idle")
         bs = lim.block_size
         need = sum(1 for r in self.running if self.stored[r] % bs == 0)
         preempted = []
@@ -95,7 +95,7 @@ class FcfsBlockScheduler:
         for req in self.running:  # the block this step's new token goes into
             if self.stored[req] % bs == 0:
                 self.alloc.allocate(req, 1)
-        return Decision("decode", list(self.running), preempted)
+        return ScheduledStep("decode", list(self.running), preempted)
 
     def prefilled(self, req: int) -> None:
         """``req`` was prefilled and stays running (it did not finish on its first token)."""

@@ -191,7 +191,7 @@ class WorkerGroups(ControllerState):
                 if r["node"] == node and r["epoch"] == self.epochs[node]:
                     r["back_s"] = self.driver.now()
             # train again what the restored checkpoint does not hold
-            self._replay(node, self.ledger.restore(node, self.workers[f"node-{node}/stage-0"].get("restored_version")))
+            self._retrain(node, self.ledger.restore(node, self.workers[f"node-{node}/stage-0"].get("restored_version")))
         if all(len(r) == self.config.stages for r in self.registered) and not self.ready.is_set():
             self._resume()
             self.ready.set()
@@ -258,7 +258,7 @@ class WorkerGroups(ControllerState):
                               "replayed_samples": None, "adapter_version": self.ledger.version[node],
                               "down": down})
         if down:                   # trained again on the other nodes
-            self._replay(node, self.ledger.abandon(node))
+            self._retrain(node, self.ledger.abandon(node))
         else:   # replayed once the new group says which checkpoint it restored (register),
             # or on the other nodes if it is not back in time (its Ray node may be gone)
             self._loop.call_later(self.config.stage.rejoin_s, self._rejoin_overdue, node, self.epochs[node])
@@ -273,9 +273,9 @@ class WorkerGroups(ControllerState):
         seqs = self.ledger.abandon(node)
         self.errors.append(f"node {node}: not back {self.config.stage.rejoin_s:g} s after its loss; "
                            f"{len(seqs)} samples it trained since its checkpoint go to the other nodes")
-        self._replay(node, seqs)
+        self._retrain(node, seqs)
 
-    def _replay(self, node: int, seqs: list) -> None:
+    def _retrain(self, node: int, seqs: list) -> None:
         for r in reversed(self.restarts):
             if r["node"] == node:
                 r["replayed_samples"] = len(seqs)

@@ -6,7 +6,7 @@ from typing import Optional
 
 
 @dataclass
-class StageModel:
+class PlannedModel:
     node: str
     model: str
     dp: int
@@ -23,10 +23,10 @@ class StageModel:
 
 
 @dataclass
-class Stage:
+class PlanStage:
     start_s: float
     end_s: float
-    models: list[StageModel]
+    models: list[PlannedModel]
 
 
 @dataclass
@@ -35,7 +35,7 @@ class AppPlan:
     makespan_s: float
     search_s: float
     lower_bound_s: float
-    stages: list[Stage]
+    stages: list[PlanStage]
     node_finish_s: dict[str, float]
     simulations: int = 0
     gpus: int = 0

@@ -13,7 +13,7 @@ from raycolo.errors import PlanningError
 from raycolo.offline.planner.bounds import lower_bound
 from raycolo.offline.planner.engines import switch_kind
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
-from raycolo.offline.planner.schedule import AppPlan, Stage, StageModel
+from raycolo.offline.planner.schedule import AppPlan, PlanStage, PlannedModel
 from raycolo.offline.planner.state import AppState, StageEval, StageEvaluator, initial_state
 
 GAIN_EPSILON = 1e-12
@@ -99,7 +99,7 @@ def greedy_stage(ctx: SearchContext, state: AppState,
         current = nxt
 
 
-def stage_record(problem: PlanningProblem, state: AppState, ev: StageEval, after: AppState) -> Stage:
+def stage_record(problem: PlanningProblem, state: AppState, ev: StageEval, after: AppState) -> PlanStage:
     models = []
     for node in problem.nodes:
         if node not in ev.selection:
@@ -109,12 +109,12 @@ def stage_record(problem: PlanningProblem, state: AppState, ev: StageEval, after
         before, now = state.nodes[node], after.nodes[node]
         switches = [] if run.continuing or problem.load_costs is None else [
             switch_kind(state.actors, tuple(g), problem.engine_key(node, plan)) for g in replicas]
-        models.append(StageModel(
+        models.append(PlannedModel(
             node=node, model=problem.node(node).model.name, dp=plan.dp, tp=plan.tp,
             gpus=sorted(g for r in replicas for g in r), replica_gpus=replicas,
             load_s=run.load_s, reloaded=not run.continuing, finishes=now.finished,
             requests_done=int(now.done.sum() - before.done.sum()), switches=switches))
-    return Stage(start_s=state.time, end_s=after.time, models=models)
+    return PlanStage(start_s=state.time, end_s=after.time, models=models)
 
 
 def run_policy(problem: PlanningProblem, name: str, choose: Chooser,

@@ -1,14 +1,6 @@
-"""The offline policy registry: name -> policy. Policy modules register here; the package
-loads them and looks names up."""
-from __future__ import annotations
+"""The offline policy registry: name -> ``plan(problem, **options) -> AppPlan``. Policy
+modules register here; the package loads them and looks names up."""
+from raycolo.registry import Registry
 
-from typing import Callable
-
-_REGISTRY: dict[str, Callable] = {}
-
-
-def register(name: str):
-    def wrap(fn: Callable) -> Callable:
-        _REGISTRY[name] = fn
-        return fn
-    return wrap
+_REGISTRY = Registry()
+register = _REGISTRY.register
