@@ -246,11 +246,11 @@ def test_loading_is_off_without_lora_load_dirs_and_confined_to_them(adapters, tm
     import asyncio
     from types import SimpleNamespace
 
-    from raycolo.actors.online.adapters import AdapterVersions
+    from raycolo.actors.online.loaded_adapters import LoadedAdapters
 
     def load(dirs, path):
         state = SimpleNamespace(config=parse_online_config({"serve": {"lora_load_dirs": dirs}}))
-        return asyncio.run(AdapterVersions.load_adapter(state, "x", str(path)))
+        return asyncio.run(LoadedAdapters.load_adapter(state, "x", str(path)))
 
     out = load([], adapters["init"])
     assert out["status"] == 403 and out["code"] == "adapter_loading_disabled"
