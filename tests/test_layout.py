@@ -109,3 +109,29 @@ def test_file_and_class_sizes():
                 if len(methods) > MAX_METHODS:
                     too_wide.append(f"{path.relative_to(REPO)}:{node.name}: {len(methods)} methods")
     assert not too_long and not too_wide, "\n".join(too_long + too_wide)
+
+
+def test_the_online_controllers_roles_use_only_declared_state():
+    """Every attribute a role of the online controller reads or writes on ``self`` is
+    declared by ``ControllerState`` (set in its ``__init__`` or annotated on the class) or
+    is a method or property of one of the roles: no role relies on state it cannot see."""
+    folder = PKG / "actors" / "online"
+    state = ast.parse((folder / "state.py").read_text())
+    cls = next(n for n in state.body if isinstance(n, ast.ClassDef) and n.name == "ControllerState")
+    declared = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)}
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                and isinstance(node.ctx, ast.Store):
+            declared.add(node.attr)
+    roles, members = [], set()
+    for path in folder.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") in ("ControllerState",) for b in node.bases) \
+                    or isinstance(node, ast.ClassDef) and node.name == "OnlineController":
+                roles.append((path.name, node))
+                members |= {b.name for b in node.body if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    assert len(roles) >= 8, [name for name, _ in roles]
+    undeclared = sorted({f"{name}: self.{n.attr}" for name, role in roles for n in ast.walk(role)
+                         if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+                         and n.attr not in declared and n.attr not in members})
+    assert not undeclared, undeclared
