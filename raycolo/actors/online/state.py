@@ -106,7 +106,7 @@ class ControllerState:
         self.rejections = 0                           # admissions refused (429)
         self.auto_train = False                       # samples arrive over HTTP: train them as they come
         self.adapter_changed_s = time.time()          # the served adapter last changed
-        self.fronts: set[str] = set()                 # HTTP replicas attached (serve_app.py)
+        self.fronts: set[str] = set()                 # HTTP replicas attached (serve/app.py)
         self.muxes: dict[str, asyncio.Queue] = {}     # HTTP replica -> its requests' events (front_events)
         self.front_sent = [0, 0]                      # front_events: messages, events in them
         self.busy_s: dict = {}                        # (node, stage) -> seconds of ops run (monitor)
