@@ -22,7 +22,7 @@ PIP    := $(VENV)/bin/pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: fuzz faults soak venv test demo bench bench-runtime bench-online bench-engine bench-engine-vllm bench-vllm-server clean test-vllm
+.PHONY: fuzz faults soak venv test demo bench bench-runtime bench-online bench-online-grid bench-engine bench-engine-vllm bench-vllm-server clean test-vllm
 
 # Internal: make sure .venv exists and holds torch (pinned CPU wheel) and raycolo[test].
 venv: $(STAMP)
@@ -70,6 +70,9 @@ bench-runtime: venv
 
 bench-online: venv
 	$(VPY) bench/online.py
+
+bench-online-grid: venv
+	$(VPY) bench/online_grid.py --json out/bench_online_grid.json --plot out/online_grid.png
 
 # BENCH_ARGS passes options, e.g. make bench-engine BENCH_ARGS="--quick --json out/bench_engine.json".
 BENCH_ARGS ?=

@@ -115,8 +115,11 @@ def test_deprioritization_triggers_exactly_when_eq4_says():
     # Through the policy: one node (S = 1) busy until 1; a training task at 0.5 plans its
     # forward [1, 2]. The predicted next inference arrives at max(0.5, 0 + gap .5) = 0.5
     # with length 10: it could start at 2 and end at 3, R' = 2.5 s. Held iff 2.5 > τ_R.
-    for slo_ms, held in ((2500.0, False), (2499.0, True)):
-        params = LemixParams(slo_ms=slo_ms)
+    # Batch-aware (the default), it waits for its batch (.015 s), starts at 2 but would
+    # overlap T's backward [2, 4], so it runs after it: [4, 5], R' = 4.5 s.
+    for slo_ms, held, aware in ((2500.0, False, False), (2499.0, True, False),
+                                (4500.0, False, True), (4499.0, True, True)):
+        params = LemixParams(slo_ms=slo_ms, batch_aware=aware)
         profile = preset("gpt-400m", stages=1)
         sched = OnlineScheduler(get_online_policy("lemix")(params), [profile], [UNIT], params)
         busy = compute_idleness(sched.traces[0], 100, 0.0, 10, 1, False, UNIT, now=0.0)

@@ -41,6 +41,11 @@ class LemixParams(Strict):
         "(IP = -max(Π/S - Δa, τ) <= -τ). With eq. 3 as raycolo reads it (docs/online.md) a busy node keeps "
         "winning until τ·R exceeds an idle node's penalty, so τ = 1 forward spills to a new node about "
         "when R reaches the 5-forward SLO."))
+    batch_aware: bool = Field(default=True, description=(
+        "Plan inference tasks in the batch they will run in (raycolo's extension of Algorithm 1, "
+        "docs/online.md): a task waits for its batch to close (T_w) and costs the padded forward of the "
+        "whole batch, and eq. 4 plans the next inference task the same way, behind the backwards already "
+        "planned. false: Algorithm 1 and eq. 4 as the paper writes them (each task its own forward)."))
     slo_multiplier: float = Field(default=5.0, gt=0, le=BIG, description=(
         "τ_R of eq. 4: the response SLO, in forward latencies (the paper: \"e.g. 5x inference latency\")."))
     slo_ms: Optional[float] = Field(default=None, gt=0, le=MAX_SECONDS * 1e3, description=(

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raycolo.online.scheduling.allocation import best_node, idleness_profit, length_consistency, priority, violates_slo
-from raycolo.online.scheduling.planning import commit, compute_idleness
+from raycolo.online.scheduling.batch_rule import BatchRule
+from raycolo.online.scheduling.planning import commit_plan, compute_idleness, with_path
 from raycolo.online.scheduling.policy import OnlinePolicy, PolicyCapabilities
 from raycolo.online.tasks import OnlineTask
 from raycolo.online.policies.registry import register_online
@@ -39,11 +40,14 @@ class Lemix(OnlinePolicy):
         nodes, scanned = self._nodes(sched, task, now)
         plans, scores = self.score(sched, task, now, nodes)
         n = best_node(scores)
-        if task.is_train and self.capabilities.prioritize and self._at_risk(sched, n, plans[n], now, scanned):
+        if task.is_train and self.capabilities.prioritize and self._at_risk(sched, n, plans[n], now, scanned, nodes):
             return None
-        commit(sched.traces[n], plans[n].path, now)
-        sched.pending_path = plans[n].path
+        sched.pending_path = commit_plan(sched.traces[n], plans[n], now)
         return n
+
+    def batching(self, sched, n: int) -> Optional[BatchRule]:
+        """Node ``n``'s batching rule when plans are batch-aware (the node closes batches by it)."""
+        return BatchRule.of(self.params, sched.profiles[n]) if self.params.batch_aware else None
 
     def score(self, sched, task: OnlineTask, now: float, nodes) -> tuple[dict, dict]:
         """Algorithm 1's plan and eq. 3's score of the task on each of ``nodes`` (pure)."""
@@ -59,7 +63,7 @@ class Lemix(OnlinePolicy):
         for n in nodes:
             trace = traces[n]
             plan = compute_idleness(trace, task_id, arrival, length, batch, is_train, estimators[n], now,
-                                    idle_cap=slo, forward=forward)
+                                    idle_cap=slo, forward=forward, batching=self.batching(sched, n))
             if global_gap is not None:
                 gap = global_gap
             else:
@@ -83,13 +87,26 @@ class Lemix(OnlinePolicy):
         found = sched.index.candidates(at, task.length, sched.preferred, p.candidate_window, p.candidate_lengths)
         return (found, False) if found else (sched.placeable, True)
 
-    def _at_risk(self, sched, node: int, plan, now: float, scanned: bool = True) -> bool:
+    def _at_risk(self, sched, node: int, plan, now: float, scanned: bool = True, nodes=()) -> bool:
         """Eq. 4 with this training task placed on ``node``. Unscanned (many nodes, one
-        estimator): the other nodes' earliest last-stage finish comes from the index."""
+        estimator): the other nodes are the planned ``nodes`` and the one the index says
+        finishes first."""
         nxt = sched.next_inference(now)
         if nxt is None:
             return False
         arrival, length = nxt
+        slo = self.params.slo_s(sched.profiles[0].forward_latency_s)
+        if self.params.batch_aware:
+            # the next inference task planned on every node as it would run: in its batch,
+            # behind the forwards and backwards planned there (this task's on ``node``)
+            check = sched.placeable
+            if not scanned:
+                first = sched.index.finish.first(sched.preferred, node)
+                check = list(nodes) + ([first[1]] if first is not None and first[1] not in nodes else [])
+            return all(compute_idleness(with_path(sched.traces[n], plan.path) if n == node else sched.traces[n],
+                                        -1, arrival, length, 1, False, sched.estimators[n], now,
+                                        batching=self.batching(sched, n)).response > slo
+                       for n in check)
         stages = sched.stages
         free, forward = [], []
         if scanned:
@@ -103,7 +120,6 @@ class Lemix(OnlinePolicy):
             free = [max(now, arrival, plan.end_f(stages - 1))]
             free += [max(now, arrival, other)] if other is not None else []
             forward = [stages * sched.estimators[node].forward_s(1, length)] * len(free)
-        slo = self.params.slo_s(sched.profiles[0].forward_latency_s)
         return violates_slo(free, forward, arrival, slo)
 
 

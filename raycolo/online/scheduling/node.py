@@ -36,6 +36,7 @@ import heapq
 from dataclasses import replace
 from typing import Collection, Optional
 
+from raycolo.online.scheduling.batch_rule import BatchRule
 from raycolo.online.scheduling.microbatches import MicroBatches
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import NodeProfile
@@ -53,6 +54,7 @@ class NodeScheduler:
         self.profile = profile
         self.params = params
         self.memory_aware = memory_aware
+        self.batching = BatchRule.of(params, profile)
         self.stages = [Stage() for _ in range(profile.stages)]
         self.batch: list[OnlineTask] = []
         self.batch_c = 0
@@ -88,13 +90,12 @@ class NodeScheduler:
         else:
             if not self.batch:
                 self.batch_token += 1
-                wait = self.params.max_wait * self.profile.forward_latency_s
-                self._out.actions.append(Timer(now + wait, self.index, "close_batch", token=self.batch_token,
+                self._out.actions.append(Timer(self.batching.closes_at(now), self.index, "close_batch", token=self.batch_token,
                                                generation=self.generation))
             self.batch.append(task)
             self.batch_c += task.batch
             self._set_active()
-            if self.batch_c >= self.params.max_batch:
+            if self.batching.full(self.batch_c):
                 self._close_batch(self.batch_token)
         return self._end()
 

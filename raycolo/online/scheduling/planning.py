@@ -9,11 +9,23 @@ dependency rescheduling*): if the forward ends before a backward begins, it runs
 idle period before it; otherwise it is pushed after that backward. Backwards executed
 between the previous and the new forward are not idleness, so their time is subtracted
 from the gap that makes Π. Actual execution times calibrate the paths (Algorithm 2).
+
+**Batch-aware planning** (``batching``, raycolo's extension; docs/online.md): Algorithm 1
+plans every inference task as a forward of its own, but the node (Algorithm 3) runs it in
+a padded batch that waits up to T_w to close and costs one forward of ΣC queries at the
+batch's longest ℓ. With a :class:`~raycolo.online.scheduling.batch_rule.BatchRule`, each
+trace also holds its open planned batch (:class:`PlannedBatch`): an inference task that
+reaches a node before that batch closes joins it (the batch is planned again from the
+path before it, at the cost of the bigger batch, and the task's Π is what that adds to the
+batch's idleness); otherwise it opens a new batch that starts no earlier than it closes. A
+training task closes the open batch, as on the node.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
+
+from raycolo.online.scheduling.batch_rule import BatchRule
 
 
 class LatencyEstimator(Protocol):
@@ -49,6 +61,23 @@ class TaskPath:
 
 
 @dataclass(slots=True)
+class PlannedBatch:
+    """A node's open inference batch as planned: one path shared by its tasks."""
+
+    path: TaskPath
+    base: Optional[list]     # the stages of the path planned before the batch (None: idle_since)
+    close_s: float           # when the node's T_w closes it
+    queries: int             # ΣC
+    length: int              # the longest ℓ (the prefill is padded to it)
+    idle: float              # the Π its plan left so far
+    closed: bool = False
+
+    def joinable(self, at: float) -> bool:
+        """A task reaching the node at ``at`` joins this batch."""
+        return not self.closed and at < self.close_s and not self.path.stages[0].executed_f
+
+
+@dataclass(slots=True)
 class NodeTrace:
     """A node's planned paths: ``train`` holds training tasks whose backward is pending,
     ``order`` every task in allocation order (the last is Algorithm 1's task_prev)."""
@@ -61,6 +90,7 @@ class NodeTrace:
     count: int = 0
     length_mean: float = 0.0
     length_m2: float = 0.0
+    batch: Optional[PlannedBatch] = None    # batch-aware planning: the open batch
 
     def add_length(self, length: int) -> None:
         self.count += 1
@@ -118,6 +148,13 @@ class PlanResult:
     trace: "NodeTrace"
     estimator: object
     _path: Optional[TaskPath] = None
+    # batch-aware planning: the batch the task would be in
+    batching: Optional[BatchRule] = None
+    joined: Optional[PlannedBatch] = None     # the open batch it joins (None: it opens one)
+    base: Optional[list] = None               # the stages planned before its batch
+    close_s: float = 0.0
+    queries: int = 0
+    longest: int = 0
 
     @property
     def path(self) -> TaskPath:
@@ -135,7 +172,8 @@ class PlanResult:
 
 def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: int, batch: int,
                      is_train: bool, estimator: LatencyEstimator, now: float,
-                     idle_cap: float = float("inf"), forward: Optional[float] = None) -> PlanResult:
+                     idle_cap: float = float("inf"), forward: Optional[float] = None,
+                     batching: Optional[BatchRule] = None) -> PlanResult:
     """Algorithm 1, line by line (line numbers in comments refer to the paper).
 
     ``idle_cap`` bounds each stage's gap: a node idle for longer than that counts as
@@ -143,18 +181,29 @@ def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: i
     Q_temp is walked in place (an index into the node's training queue), not copied:
     a decision costs O(S) plus the backwards it actually passes. ``forward``: the
     estimator's forward latency for (batch, length), where the caller has it already
-    (one estimator for every node it plans)."""
-    if forward is None:
-        forward = estimator.forward_s(batch, length)
+    (one estimator for every node it plans). ``batching``: plan an inference task in the
+    batch it will run in (the module docstring)."""
     last = trace.last
     prev = last.stages if last is not None else None                     # task_prev's path
+    at = arrival_s if arrival_s > now else now
+    joined, queries, longest, close, idle = None, batch, length, at, 0.0
+    if batching is not None and not is_train:
+        open_batch = trace.batch
+        if open_batch is not None and open_batch.joinable(at):
+            joined, prev, idle = open_batch, open_batch.base, -open_batch.idle
+            queries, longest = open_batch.queries + batch, max(open_batch.length, length)
+            close = at if batching.full(queries) else open_batch.close_s
+            forward = None
+        else:
+            close = at if batching.full(batch) else batching.closes_at(at)
+    if forward is None:
+        forward = estimator.forward_s(queries, longest)
     idle_since = trace.idle_since
     pending = trace.train
     waiting = len(pending)
     head = 0                                                              # Q_temp <- Q_train
-    idle = 0.0
     spans = []
-    end = arrival_s if arrival_s > now else now
+    end = close
     for s in range(trace.stages):
         prev_end = prev[s].end_f if prev is not None else idle_since
         start = end if end > prev_end else prev_end                       # line 5
@@ -175,7 +224,9 @@ def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: i
         idle += (gap if gap < idle_cap else idle_cap) - offset            # line 19
         spans.append((start, end))
     return PlanResult(idle, end - arrival_s, spans,                      # line 20
-                      (task_id, is_train, arrival_s, length, batch), trace, estimator)
+                      (task_id, is_train, arrival_s, length, batch), trace, estimator,
+                      batching=batching, joined=joined, base=prev, close_s=close, queries=queries,
+                      longest=longest)
 
 
 def plan_backward(path: TaskPath, trace: NodeTrace, estimator: LatencyEstimator) -> None:
@@ -197,6 +248,40 @@ def commit(trace: NodeTrace, path: TaskPath, now: float = float("-inf")) -> None
         trace.train.append(path)
     trace.add_length(path.length)
     trace.prune(now)
+
+
+def commit_plan(trace: NodeTrace, plan: PlanResult, now: float = float("-inf")) -> TaskPath:
+    """Record the plan of an allocated task (:func:`compute_idleness`'s ``plan`` for its
+    node) and return its path: a task that joins the open batch shares the batch's path,
+    planned again; one that opens a batch starts a new open batch; a training task closes
+    the open one (Algorithm 3, line 8)."""
+    task_id, is_train, arrival_s, length, batch = plan.task
+    if plan.batching is None or is_train:
+        if is_train and trace.batch is not None:
+            trace.batch.closed = True
+        commit(trace, plan.path, now)
+        return plan.path
+    joined = plan.joined
+    if joined is None:
+        path = plan.path
+        commit(trace, path, now)
+        joined = trace.batch = PlannedBatch(path, plan.base, plan.close_s, plan.queries, plan.longest, plan.idle)
+    else:
+        for st, (start, end) in zip(joined.path.stages, plan.spans):
+            st.start_f, st.end_f = start, end
+        joined.close_s, joined.queries, joined.length = plan.close_s, plan.queries, plan.longest
+        joined.idle += plan.idle
+        trace.add_length(length)
+        trace.prune(now)
+    joined.closed = plan.batching.full(joined.queries)
+    return joined.path
+
+
+def with_path(trace: NodeTrace, path: TaskPath) -> NodeTrace:
+    """A view of ``trace`` with ``path`` committed last (the trace itself is unchanged):
+    what eq. 4 plans the next inference task on."""
+    return NodeTrace(trace.stages, trace.idle_since, trace.train + [path] if path.is_train else trace.train,
+                     [path])
 
 
 def calibrate(path: TaskPath, stage: int, kind: str, start: float, end: float) -> None:
