@@ -82,7 +82,7 @@ def judge(runs: list[dict]) -> dict:
     best = max(BASELINES, key=lambda b: med[b][0])
     return {"median": med, "best_baseline": best, "slo_margin": med[DEFAULT][0] - med[best][0],
             "tput_vs_separate": med[DEFAULT][1] / med["separate"][1] if med["separate"][1] else float("inf"),
-            "slo_losers_to": slo_fail, "tput_ok": tput_ok, "holds": not slo_fail and tput_ok}
+            "slo_losers_to": slo_fail, "tput_ok": bool(tput_ok), "holds": bool(not slo_fail and tput_ok)}
 
 
 def table(model: str, cells: dict) -> list[str]:

@@ -11,7 +11,13 @@ same trace with the profile fitted from the live warm-up, and the live/simulated
 
     .venv/bin/python bench/online_live.py [--tasks 40] [--rate 3] [--train-rate 0.3]
         [--policies lemix,mix-rr,separate] [--config examples/online.yaml] [--raylets 2]
-        [--json out/bench_online_live.json]
+        [--rates 3,10,20 --repeats 3 --seconds 10] [--json out/bench_online_live.json]
+
+``--rates``/``--repeats``: every rate, ``--repeats`` runs each (seeds ``--seed``, +1, ...;
+``--seconds`` of arrivals per run, so ``--tasks`` = rate x seconds), then a table of the
+medians and min-max spread per rate and policy, and whether the first policy is at least
+each other one on SLO attainment and throughput within the spread (the larger of the two
+policies' max - min).
 
 ``--raylets N``: the same on a Ray cluster of N raylets on this machine
 (``ray.cluster_utils.Cluster``, node IP 127.0.0.1), the config's nodes spread over them
@@ -81,8 +87,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--raylets", type=int, default=1,
                     help="raylets to spread the nodes over (ray.cluster_utils.Cluster); 1: one local raylet")
+    ap.add_argument("--rates", default=None, help="comma-separated rates, each run --repeats times")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--seconds", type=float, default=10.0, help="with --rates: seconds of arrivals per run")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.rates:
+        return grid(args)
     from raycolo.actors.online.launch import OnlineDeployment
 
     config = load_online_config(args.config).model_copy(update={"resume": False})   # each run from the base model
@@ -165,6 +176,73 @@ def main() -> int:
     if args.json:
         write_json(args.json, {"rows": rows, "held_out": held_out, "startup_s": startup, "raylets": args.raylets,
                                "placement": placed})
+    return 0
+
+
+def grid(args) -> int:
+    """Every rate of ``--rates``, ``--repeats`` runs each, on one deployment (module docstring)."""
+    import statistics
+
+    from raycolo.actors.online.launch import OnlineDeployment
+
+    config = load_online_config(args.config).model_copy(update={"resume": False})
+    if args.train_rate is not None:
+        config = config.model_copy(update={"train_rate": args.train_rate})
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    rates = [float(r) for r in args.rates.split(",")]
+    started = time.perf_counter()
+    dep = OnlineDeployment.start(config)
+    runs: dict = {}
+    try:
+        warm = trace(argparse.Namespace(**{**vars(args), "tasks": 12, "seed": args.seed + 100, "rate": 3.0}), 0.5)
+        dep.replay(warm, seed=7)
+        for rate in rates:
+            for r in range(args.repeats):
+                sub = argparse.Namespace(**{**vars(args), "rate": rate, "tasks": max(4, int(rate * args.seconds)),
+                                            "seed": args.seed + r})
+                tasks = trace(sub, config.train_rate)
+                for name in policies:
+                    dep.use_policy(name)
+                    s = dep.replay(tasks, seed=sub.seed).summary()
+                    runs.setdefault((rate, name), []).append(s)
+                    print(f"[online-live] {rate:g}/s run {r}: {name} {s['throughput']:.2f} tasks/s, "
+                          f"SLO {s['slo_attainment']:.2f}, TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms",
+                          file=sys.stderr, flush=True)
+    finally:
+        dep.stop()
+    first = policies[0]
+
+    def spread(xs):
+        return max(xs) - min(xs) if len(xs) > 1 else 0.0
+
+    print(f"Live online grid: {config.nodes} x {config.stages} {config.model_loading_config.model_id}, "
+          f"training share {config.train_rate:g}, {args.seconds:g} s of arrivals per run, {args.repeats} runs "
+          f"per rate (seeds {args.seed}..{args.seed + args.repeats - 1}); {time.perf_counter() - started:.0f} s in all")
+    print("| rate | policy | tasks/s median (min-max) | SLO att. median (min-max) | TTFT p50 ms median | "
+          f"{first} >= it (SLO, tput) |")
+    print("|---:|---|---|---|---:|---|")
+    out, holds = [], True
+    for rate in rates:
+        base = runs[(rate, first)]
+        for name in policies:
+            rs = runs[(rate, name)]
+            thr = [x["throughput"] for x in rs]
+            slo = [x["slo_attainment"] for x in rs]
+            ttft = statistics.median(x["ttft_p50_s"] for x in rs) * 1e3
+            verdict = "-"
+            if name != first:
+                bt, bs = [x["throughput"] for x in base], [x["slo_attainment"] for x in base]
+                ok_s = statistics.median(bs) >= statistics.median(slo) - max(spread(bs), spread(slo))
+                ok_t = statistics.median(bt) >= statistics.median(thr) - max(spread(bt), spread(thr))
+                holds &= ok_s and ok_t
+                verdict = f"{'yes' if ok_s else 'no'}, {'yes' if ok_t else 'no'}"
+            print(f"| {rate:g} | {name} | {statistics.median(thr):.2f} ({min(thr):.2f}-{max(thr):.2f}) | "
+                  f"{statistics.median(slo):.2f} ({min(slo):.2f}-{max(slo):.2f}) | {ttft:.0f} | {verdict} |")
+            out.append({"rate": rate, "policy": name, "runs": rs})
+    print(f"
+{first} holds at every rate: {'yes' if holds else 'no'}")
+    if args.json:
+        write_json(args.json, {"grid": out, "policies": policies, "rates": rates, "repeats": args.repeats})
     return 0
 
 

@@ -1,55 +1,55 @@
-"""Harli's and SIRIUS's headline settings, simulated with raycolo, and the one sweep each
-that shows what separates raycolo's numbers from the papers'.
+"""Harli's and SIRIUS's headline settings, simulated with raycolo, and the sweeps that show
+what separates raycolo's numbers from the papers'.
 
     .venv/bin/python bench/paper_settings.py [--seeds 0,1,2] [--json out/paper_settings.json]
 
-(about 2-3 minutes on 2 cores, one process; docs/colocation-gaps.md reads the tables.)
-
-What runs (docs/colocation-gaps.md gives the papers' settings, section by section):
+(about 2.5 minutes of one core; docs/colocation-gaps.md reads the tables.)
 
 * **Harli** (its §8.1-8.2, Fig. 11b): Llama3-8B decode on two GPUs beside a PEFT fine-tune
-  job, a 40 ms TPOT target, a production trace of 19,000 requests an hour (5.28/s), against
-  SeparateMode (one GPU decodes, the other fine-tunes). Here: the ``llama-8b`` preset on one
-  GPU per node (``stages=1``), 2 nodes; an Ada6000-48GB variant of it (the paper's headline
-  GPU: raycolo's ``RTX_6000_ADA`` memory and bandwidth, so a decode step reads the weights at
-  960 GB/s) and the preset itself (A100 80GB). Poisson inference at 5.28/s (raycolo's
-  hh-rlhf prompt lengths and decode lengths); ``harli`` vs ``separate`` (and
-  ``harli-static``) with Harli's rule held to 40 ms (``tpot_multiplier`` set so that
-  the target is 40 ms) and no weight syncs (Harli's fine-tune job trains its own copy, not
-  the served weights: ``sync_every`` = 2^40). Fine-tune micro-batches of 2 samples (Harli
-  §8.2), hh-rlhf lengths.
-  Sweep: the fine-tune op's duration (a fixed training length, so that its backward,
-  the longest op, takes 10-60 ms), the one quantity Harli's rule compares with the slack
-  of a decode iteration under the TPOT target.
+  job, a 40 ms TPOT target, a production trace of over 19,000 requests an hour (5.28/s),
+  against SeparateMode (one GPU decodes, the other fine-tunes). Here: the ``llama-8b``
+  preset on one GPU per node (``stages=1``), 2 nodes, as an Ada6000-48GB variant (the
+  paper's headline GPU: raycolo's ``RTX_6000_ADA`` memory and bandwidth, so a decode step
+  reads the weights at 960 GB/s) and as the preset itself (A100 80GB). Poisson inference at
+  5.28/s (raycolo's hh-rlhf prompts and decode lengths); ``harli``, ``harli-static`` and
+  ``separate``, with the TPOT target set to 40 ms (``tpot_multiplier``) and no weight syncs
+  (Harli's fine-tune job trains its own copy, not the served weights: ``sync_every`` =
+  2^40); fine-tune micro-batches of 2 samples (Harli §8.2) of hh-rlhf lengths. Also
+  ``harli-between``, a BENCH-ONLY rule (:class:`BetweenIterationsRule`) that packs fine-tune
+  ops into the slack of each decode iteration, which raycolo's ``harli`` never does on a
+  one-GPU node.
+  Sweep: the fine-tune op's duration (a fixed training length, so that its backward, the
+  longest op, takes 5-40 ms; Harli §6.1 cuts its ops to about 10 ms), also with 8-token
+  prompts, standing in for Harli's prefills on another GPU.
 * **SIRIUS** (§6.6, Fig. 17; its headline, §6.1 Fig. 10, is on DNN models raycolo does not
-  have): Llama2-13B served on one A100 80GB beside a training job, BurstGPT scaled to 10
-  req/s at most, SLOs at 4x the standalone TTFT (170.2 ms) and TBT (20.7 ms). Here: the
-  ``llama-13b`` preset (A100 80GB, 26 GB of weights, as Table 3) on one GPU, raycolo's
-  bursty arrivals at a mean of 2/s (its bursts run at 5x the mean: 10/s), TTFT SLO 680.8 ms
-  (``slo_ms``) and TBT SLO 82.8 ms (a request's mean gap between tokens); ``sirius`` vs
-  ``sirius-timeshare`` (time sharing, the README's baseline), ``sirius-static`` (SP-50) and
-  inference alone. raycolo fine-tunes the served model (LoRA), not a second model, so the
-  training task is C samples of 96 tokens (hh-rlhf's median) on llama-13b: C = 4 takes
-  338 ms (Table 3: 346 ms a batch), C = 72 is the paper's batch size.
-  Sweep: C from 4 to 72, i.e. the training task's memory as a share of the GPU's free
-  memory (memory pressure), the one quantity that separates ``sirius`` from
-  ``sirius-timeshare`` in raycolo.
+  have): Llama2-13B served on one A100 80GB beside a training job, BurstGPT scaled to at most
+  10 req/s, SLOs at 4x the standalone TTFT (170.2 ms) and TBT (20.7 ms). Here: the
+  ``llama-13b`` preset (A100 80GB, 26 GB of weights, as SIRIUS's Table 3) on one GPU,
+  raycolo's bursty arrivals at a mean of 2/s (its bursts run at 5x the mean: 10/s), TTFT SLO
+  680.8 ms (``slo_ms``) and TBT SLO 82.8 ms (a request's mean gap between tokens);
+  ``sirius`` vs ``sirius-timeshare`` (time sharing, the README's baseline),
+  ``sirius-static`` (SP-50) and inference alone. raycolo fine-tunes the served model (LoRA),
+  not a second model, so a training task is C samples of 96 tokens (hh-rlhf's median) on
+  llama-13b: C = 4 takes 338 ms (Table 3: 346 ms a batch), C = 72 is the paper's batch.
+  Sweeps: C from 4 to 72 (the task's memory as a share of the GPU's free memory: memory
+  pressure), and at C = 72 ``overrun_slowdown`` (what over-committing memory costs the
+  memory-blind baseline).
 
 The fine-tune job is closed-loop (:class:`FinetuneJobSim`): it keeps ``inflight`` training
-tasks in the system, and each time one is trained the next arrives, until the last
-inference request has arrived (a job with a backlog at t = 0 would, oldest ready first,
-run every queued forward before any backward). Fine-tune throughput is samples trained
-by the time the last request arrived, over that time (Harli: iterations/s x batch size;
-SIRIUS: samples/s). Latency figures cover the requests that arrived in that window. Each
-run is at most 1,000 tasks (inference + training); a run that reached that cap measures
-up to the moment it did (marked in the tables). Medians over the seeds; a ratio is the
-median of the per-seed ratios.
+tasks in the system (Harli: 4 per GPU that fine-tunes; SIRIUS: 1), and each time one is
+trained the next arrives, until the last request has arrived (a backlog queued at t = 0
+would, oldest ready first, run every queued forward before any backward). Fine-tune
+throughput is the samples trained by the time the last request arrived, over that time
+(Harli: iterations/s x batch size; SIRIUS: samples/s); latency figures cover the requests
+that arrived in that window. Each run is at most 1,000 tasks (inference + training); a run
+that reached the cap measures up to the moment it did ("cap" in the tables). Medians over
+the seeds; a ratio is the median of the per-seed ratios.
 """
 from __future__ import annotations
 
 import argparse
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import math
 import statistics
 import sys
@@ -127,13 +127,15 @@ class BetweenIterationsRule(HarliRule):
     iterations. raycolo's ``HarliRule`` offers fine-tune ops only when no inference op is
     ready; on a one-GPU node the next decode iteration is ready as soon as the last one
     ends, so while requests decode a fine-tune op never runs. This variant lets fine-tune
-    ops go before a ready decode iteration while the predicted iteration plus the fine-tune
+    ops go before a ready decode iteration while that iteration plus the fine-tune
     and prefill time already spent since the last one plus this op stays within the TPOT
     target (prefills still go first): time slices packed into each iteration's slack, the closest
-    a one-op-at-a-time stage comes to Harli's SM sharing."""
+    a one-op-at-a-time stage comes to Harli's SM sharing. The iteration is the ready decode
+    op's own duration by the profile, not HarliRule's fitted predictor, which under-predicts
+    a small batch's decode step (on the Ada6000 variant 7.7 ms against 14.5 ms at bs 1)."""
 
     name: str = "harli-between"
-    spent: dict = field(default_factory=dict)       # stage -> fine-tune seconds since its last decode
+    spent: dict = field(default_factory=dict)       # stage -> fine-tune and prefill seconds since its last decode
 
     def order(self, node, stage, ops, now):
         inference, training = split_oldest_first(ops)
@@ -141,7 +143,8 @@ class BetweenIterationsRule(HarliRule):
             return super().order(node, stage, ops, now)
         if any(op.kind != "decode" for op in inference):
             return inference
-        budget = self.tpot_target_s - self.decode_iteration_s(node) - self.spent.get(stage, 0.0)
+        iteration = self.profile.stages * max(expected_op_s(op, self.profile) for op in inference)
+        budget = self.tpot_target_s - iteration - self.spent.get(stage, 0.0)
         fits = [op for op in training if expected_op_s(op, self.profile) <= budget]
         if len(fits) < len(training):
             self.paused += 1
@@ -268,10 +271,13 @@ def harli_params(profile: NodeProfile) -> LemixParams:
     return LemixParams(tpot_multiplier=HARLI_TPOT_S / single, sync_every=1 << 40)
 
 
-def harli_tasks(seed: int, length=None):
-    """Harli's inference trace (Poisson at 5.28/s) and its fine-tune job's task maker
-    (micro-batches of 2; hh-rlhf lengths, or ``length``)."""
+def harli_tasks(seed: int, length=None, prompt=None):
+    """Harli's inference trace (Poisson at 5.28/s; hh-rlhf prompts, or all of ``prompt``
+    tokens) and its fine-tune job's task maker (micro-batches of 2; hh-rlhf lengths, or
+    ``length``)."""
     inference = poisson_workload(HARLI_RATE, 0.0, HARLI_REQUESTS, seed=seed)
+    if prompt is not None:
+        inference = [replace(t, length=prompt) for t in inference]
     lengths = LENGTH_DISTRIBUTIONS["hh-rlhf"].sample(MAX_TASKS, seeded_rng(seed, "paper-settings", "harli-ft"))
 
     def make(task_id, now):
@@ -283,9 +289,9 @@ def harli_tasks(seed: int, length=None):
 HARLI_POLICIES = ("harli", "harli-between", "separate", "harli-static")
 
 
-def harli_runs(profile: NodeProfile, seed: int, policies=HARLI_POLICIES, length=None) -> dict:
+def harli_runs(profile: NodeProfile, seed: int, policies=HARLI_POLICIES, length=None, prompt=None) -> dict:
     params = harli_params(profile)
-    inference, make = harli_tasks(seed, length)
+    inference, make = harli_tasks(seed, length, prompt)
     out = {}
     for p in policies:
         inflight = HARLI_INFLIGHT * (1 if p == "separate" else 2)   # per GPU that fine-tunes
@@ -351,8 +357,9 @@ def between_share(r: dict) -> str:
 
 
 HARLI_SWEEP_MS = (5, 10, 20, 25, 30, 40)
+SHORT_PROMPT = 8
 SIRIUS_SWEEP_C = (4, 32, 48, 56, 64, 68, 72)
-SIRIUS_SLOWDOWNS = (1, 2, 4, 8)
+SIRIUS_SLOWDOWNS = (1, 2, 4, 5, 6, 8)
 
 
 def main() -> int:
@@ -391,10 +398,13 @@ def main() -> int:
     # ---- Harli: the sweep of the fine-tune op's duration
     print(f"\n## Harli, sensitivity: the fine-tune op's duration (a fixed training length such that a micro-batch "
           f"of {HARLI_BATCH}'s backward, its longest op, takes the given time; same setting)\n")
+    print(f"Right-hand columns: every prompt {SHORT_PROMPT} tokens, so that a prefill costs next to nothing on "
+          "the decode GPU (Harli serves prefills on another GPU, §8.1; raycolo cannot).\n")
     print("| GPU | backward / forward op ms | length | `separate` samples/s | `harli` / separate "
           "| `harli-between` / separate | harli-between GPU time fine-tuning | harli-between TPOT p99 ms "
-          "| harli-between requests over 40 ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| harli-between requests over 40 ms | short prompts: `harli-between` / separate | short prompts: "
+          "requests over 40 ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     report["harli_sweep"] = []
     for gpu, prof in profiles.items():
         for op_ms in HARLI_SWEEP_MS:
@@ -405,12 +415,16 @@ def main() -> int:
                    "forward_ms": 1e3 * prof.forward_s(HARLI_BATCH, ell), "length": ell,
                    "harli_ratio": ratio(meds, "harli", "separate", "finetune_samples_per_s"),
                    "between_ratio": ratio(meds, "harli-between", "separate", "finetune_samples_per_s"), "runs": meds}
+            short = median_over(seeds, lambda s: harli_runs(prof, s, ("harli-between", "separate"), ell, SHORT_PROMPT))
+            row["short_prompt_ratio"] = ratio(short, "harli-between", "separate", "finetune_samples_per_s")
+            row["short_prompt_runs"] = short
             report["harli_sweep"].append(row)
-            capped = max(r["capped"] for r in meds.values())
+            capped = max(r["capped"] for r in list(meds.values()) + list(short.values()))
             print(f"| {gpu} | {row['backward_ms']:.1f} / {row['forward_ms']:.1f} | {ell} | "
                   f"{sep['finetune_samples_per_s']:.2f}{' (cap)' if capped else ''} | {row['harli_ratio']:.2f}x | "
                   f"{row['between_ratio']:.2f}x | {pct(hb['train_gpu_share'])} | {hb['tpot_p99_ms']:.1f} | "
-                  f"{pct(hb['tpot_over'])} |")
+                  f"{pct(hb['tpot_over'])} | {row['short_prompt_ratio']:.2f}x | "
+                  f"{pct(short['harli-between']['tpot_over'])} |")
 
     # ---- SIRIUS: the paper's LLM setting
     llama13 = preset("llama-13b", 1)

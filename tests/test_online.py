@@ -119,7 +119,7 @@ def test_deprioritization_triggers_exactly_when_eq4_says():
     # overlap T's backward [2, 4], so it runs after it: [4, 5], R' = 4.5 s.
     for slo_ms, held, aware in ((2500.0, False, False), (2499.0, True, False),
                                 (4500.0, False, True), (4499.0, True, True)):
-        params = LemixParams(slo_ms=slo_ms, batch_aware=aware)
+        params = LemixParams(slo_ms=slo_ms, batch_aware=aware, hold_share=1.0)
         profile = preset("gpt-400m", stages=1)
         sched = OnlineScheduler(get_online_policy("lemix")(params), [profile], [UNIT], params)
         busy = compute_idleness(sched.traces[0], 100, 0.0, 10, 1, False, UNIT, now=0.0)

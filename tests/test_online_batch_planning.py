@@ -102,13 +102,47 @@ def test_eq4_plans_the_next_inference_in_its_batch_behind_planned_backwards(batc
     forward [0, .05], backward [.05, .11]. The next inference (ℓ 10, predicted at 0) waits
     for its batch (.015), then for the forward, and ends after the backward: R = .11 + .05 =
     .16 > .15, so the task is held. Eq. 4 as written sees only the forward: .05 + .05."""
-    params = LemixParams(batch_aware=batch_aware)
+    params = LemixParams(batch_aware=batch_aware, hold_share=1.0)
     profile = preset("gpt-400m", stages=1)
     est = Fixed(0.05, 0.06)
     sched = OnlineScheduler(Lemix(params), [profile], [est], params)
     sched.inference_length, sched.last_inference_s, sched.inference_gap_s = 10.0, 0.0, 0.0
     node = sched.policy.allocate(OnlineTask(7, "train", 0.0, 10, 1), sched, now=0.0)
     assert (node is None) == held
+
+
+@pytest.mark.parametrize("hold_share, errors, held", [
+    (1.0, [], False),                # R' = .14: not above τ_R = .15
+    (0.9, [], True),                 # held above .9 · .15 = .135
+    (1.0, [0.02] * 15, False),       # 15 errors: fewer than MIN_PLAN_ERRORS, no margin yet
+    (1.0, [0.0] * 8 + [0.02] * 8, True),   # the 0.9 quantile of 16 errors (.02) comes off τ_R
+    (1.0, [0.0] * 15 + [0.02], False),     # ... but not the largest of them alone
+    (1.0, [-0.5] * 16, False),       # early first tokens give no negative margin
+])
+def test_eq4_holds_at_a_share_of_the_slo_less_the_plan_error_quantile(hold_share, errors, held):
+    """S = 1, batch-aware, backward .04: the next inference (at 0) waits for its batch, then
+    runs after the training forward and backward [0, .09]: R' = .09 + .05 = .14 (τ_R .15)."""
+    params = LemixParams(hold_share=hold_share)
+    profile = preset("gpt-400m", stages=1)
+    sched = OnlineScheduler(Lemix(params), [profile], [Fixed(0.05, 0.04)], params)
+    sched.inference_length, sched.last_inference_s, sched.inference_gap_s = 10.0, 0.0, 0.0
+    sched.plan_errors.extend(errors)
+    sched._errors_seen = len(errors)
+    node = sched.policy.allocate(OnlineTask(7, "train", 0.0, 10, 1), sched, now=0.0)
+    assert (node is None) == held
+
+
+def test_plan_errors_are_first_tokens_against_their_plan():
+    """An inference task's last-stage prefill ends .2 s after planned: one error of .2."""
+    params = LemixParams()
+    profile = preset("gpt-400m", stages=2)
+    sched = OnlineScheduler(Lemix(params), [profile], [Fixed(0.1, 0.1)], params)
+    d = sched.submit(OnlineTask(1, "inference", 0.0, 10, 1), now=0.0)
+    planned = d.path.end_f(1)
+    sched.observe(1, 0, "forward", d.path.stages[0].start_f, d.path.stages[0].end_f)
+    assert list(sched.plan_errors) == []
+    sched.observe(1, 1, "forward", planned, planned + 0.2)
+    assert list(sched.plan_errors) == pytest.approx([0.2])
 
 
 @dataclass

@@ -46,6 +46,16 @@ class LemixParams(Strict):
         "docs/online.md): a task waits for its batch to close (T_w) and costs the padded forward of the "
         "whole batch, and eq. 4 plans the next inference task the same way, behind the backwards already "
         "planned. false: Algorithm 1 and eq. 4 as the paper writes them (each task its own forward)."))
+    hold_share: float = Field(default=0.6, gt=0, le=1, description=(
+        "Eq. 4 holds a training task back when the next inference task's predicted response exceeds this "
+        "share of τ_R (raycolo's; the paper's eq. 4 is 1). Eq. 4 guards only the next inference task, so at "
+        "1 the nodes fill with training up to the SLO's edge and any planning error misses it; 0.6 won every "
+        "saturated cell of bench/online_grid.py that 1 lost (docs/online.md)."))
+    plan_error_quantile: Optional[float] = Field(default=0.9, ge=0, le=1, description=(
+        "Calibrated eq. 4 (raycolo's extension, docs/online.md): a training task is held back when the next "
+        "inference task's planned response plus this quantile of how late first tokens came out against "
+        "their plans (the latest 256, after 16) exceeds τ_R. Plans cannot see every op the node will run "
+        "first; this learns by how much they miss. null: eq. 4 as written."))
     slo_multiplier: float = Field(default=5.0, gt=0, le=BIG, description=(
         "τ_R of eq. 4: the response SLO, in forward latencies (the paper: \"e.g. 5x inference latency\")."))
     slo_ms: Optional[float] = Field(default=None, gt=0, le=MAX_SECONDS * 1e3, description=(

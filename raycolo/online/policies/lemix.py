@@ -95,7 +95,8 @@ class Lemix(OnlinePolicy):
         if nxt is None:
             return False
         arrival, length = nxt
-        slo = self.params.slo_s(sched.profiles[0].forward_latency_s)
+        p = self.params
+        slo = p.hold_share * p.slo_s(sched.profiles[0].forward_latency_s) - sched.plan_margin(p.plan_error_quantile)
         if self.params.batch_aware:
             # the next inference task planned on every node as it would run: in its batch,
             # behind the forwards and backwards planned there (this task's on ``node``)

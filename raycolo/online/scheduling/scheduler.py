@@ -24,6 +24,8 @@ from raycolo.online.tasks import OnlineTask
 
 EWMA_WEIGHT = 0.1  # arrival statistics for eq. 4's predicted next inference task
 RECENT_DECISIONS = 10_000   # decision times kept for percentiles (a service runs for ever)
+PLAN_ERRORS = 256           # the latest first-token plan errors eq. 4's margin is taken from
+MIN_PLAN_ERRORS = 16        # fewer than this: no margin yet
 
 
 @dataclass
@@ -59,6 +61,10 @@ class OnlineScheduler:
     restarting: set = field(default_factory=set)  # nodes whose executor is coming back: avoided meanwhile
 
     def __post_init__(self) -> None:
+        self.planned_first_token: dict[int, float] = {}    # inference task id -> planned last-stage end
+        self.plan_errors: deque = deque(maxlen=PLAN_ERRORS)  # executed minus planned, seconds
+        self._margin: Optional[tuple[int, float, float]] = None  # (errors seen, quantile, margin)
+        self._errors_seen = 0
         self.traces = [NodeTrace(p.stages) for p in self.profiles]
         self.index = NodeIndex(len(self.profiles))    # the traces in LeMix's orders
         self.path_nodes: dict[int, int] = {}            # task id -> node of its planned path
@@ -158,6 +164,8 @@ class OnlineScheduler:
         if path is not None:
             self.paths[task.task_id] = path
             self.path_nodes[task.task_id] = node
+            if not task.is_train:
+                self.planned_first_token[task.task_id] = path.end_f(len(path.stages) - 1)
         return Decision(task, node, path, now, spent)
 
     # -- eq. 4's view of the next inference task ------------------------------------------
@@ -175,6 +183,11 @@ class OnlineScheduler:
         path = self.paths.get(task_id)
         if path is None:
             return
+        if kind == "forward" and stage == len(path.stages) - 1:
+            planned = self.planned_first_token.pop(task_id, None)
+            if planned is not None:
+                self.plan_errors.append(end - planned)
+                self._errors_seen += 1
         calibrate(path, stage, kind, start, end)
         self.index.touch(self.path_nodes[task_id])
         if (kind == "backward" and stage == 0) or (kind == "forward" and stage == len(path.stages) - 1
@@ -193,6 +206,18 @@ class OnlineScheduler:
         for task_id in task_ids:
             self.paths.pop(task_id, None)
             self.path_nodes.pop(task_id, None)
+            self.planned_first_token.pop(task_id, None)
+
+    def plan_margin(self, quantile: Optional[float]) -> float:
+        """How much later than planned first tokens came out: the ``quantile`` of the latest
+        executed-minus-planned last-stage prefill ends (at least 0; 0 without a quantile or
+        with fewer than MIN_PLAN_ERRORS of them). Eq. 4 adds it to the response it predicts."""
+        if quantile is None or len(self.plan_errors) < MIN_PLAN_ERRORS:
+            return 0.0
+        if self._margin is None or self._margin[:2] != (self._errors_seen, quantile):
+            errors = sorted(self.plan_errors)
+            self._margin = (self._errors_seen, quantile, max(0.0, errors[int(quantile * (len(errors) - 1))]))
+        return self._margin[2]
 
     def node_idle(self, node: int, now: float) -> None:
         """The executor found the node with nothing to do: idleness starts now."""
