@@ -204,6 +204,7 @@ def grid(args) -> int:
                 for name in policies:
                     dep.use_policy(name)
                     s = dep.replay(tasks, seed=sub.seed).summary()
+                    s["decision_us_p50"] = dep.stats()["decision_us_p50"]
                     runs.setdefault((rate, name), []).append(s)
                     print(f"[online-live] {rate:g}/s run {r}: {name} {s['throughput']:.2f} tasks/s, "
                           f"SLO {s['slo_attainment']:.2f}, TTFT p50 {s['ttft_p50_s'] * 1e3:.0f} ms",
@@ -219,8 +220,8 @@ def grid(args) -> int:
           f"training share {config.train_rate:g}, {args.seconds:g} s of arrivals per run, {args.repeats} runs "
           f"per rate (seeds {args.seed}..{args.seed + args.repeats - 1}); {time.perf_counter() - started:.0f} s in all")
     print("| rate | policy | tasks/s median (min-max) | SLO att. median (min-max) | TTFT p50 ms median | "
-          f"{first} >= it (SLO, tput) |")
-    print("|---:|---|---|---|---:|---|")
+          f"decision µs p50 median | {first} >= it (SLO, tput) |")
+    print("|---:|---|---|---|---:|---:|---|")
     out, holds = [], True
     for rate in rates:
         base = runs[(rate, first)]
@@ -229,6 +230,7 @@ def grid(args) -> int:
             thr = [x["throughput"] for x in rs]
             slo = [x["slo_attainment"] for x in rs]
             ttft = statistics.median(x["ttft_p50_s"] for x in rs) * 1e3
+            decide = statistics.median(x["decision_us_p50"] for x in rs)
             verdict = "-"
             if name != first:
                 bt, bs = [x["throughput"] for x in base], [x["slo_attainment"] for x in base]
@@ -237,10 +239,9 @@ def grid(args) -> int:
                 holds &= ok_s and ok_t
                 verdict = f"{'yes' if ok_s else 'no'}, {'yes' if ok_t else 'no'}"
             print(f"| {rate:g} | {name} | {statistics.median(thr):.2f} ({min(thr):.2f}-{max(thr):.2f}) | "
-                  f"{statistics.median(slo):.2f} ({min(slo):.2f}-{max(slo):.2f}) | {ttft:.0f} | {verdict} |")
+                  f"{statistics.median(slo):.2f} ({min(slo):.2f}-{max(slo):.2f}) | {ttft:.0f} | {decide:.0f} | {verdict} |")
             out.append({"rate": rate, "policy": name, "runs": rs})
-    print(f"
-{first} holds at every rate: {'yes' if holds else 'no'}")
+    print(f"\n{first} holds at every rate: {'yes' if holds else 'no'}")
     if args.json:
         write_json(args.json, {"grid": out, "policies": policies, "rates": rates, "repeats": args.repeats})
     return 0

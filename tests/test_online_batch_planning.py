@@ -126,8 +126,8 @@ def test_eq4_holds_at_a_share_of_the_slo_less_the_plan_error_quantile(hold_share
     profile = preset("gpt-400m", stages=1)
     sched = OnlineScheduler(Lemix(params), [profile], [Fixed(0.05, 0.04)], params)
     sched.inference_length, sched.last_inference_s, sched.inference_gap_s = 10.0, 0.0, 0.0
-    sched.plan_errors.extend(errors)
-    sched._errors_seen = len(errors)
+    for e in errors:
+        sched.record_plan_error(e)
     node = sched.policy.allocate(OnlineTask(7, "train", 0.0, 10, 1), sched, now=0.0)
     assert (node is None) == held
 
@@ -143,6 +143,10 @@ def test_plan_errors_are_first_tokens_against_their_plan():
     assert list(sched.plan_errors) == []
     sched.observe(1, 1, "forward", planned, planned + 0.2)
     assert list(sched.plan_errors) == pytest.approx([0.2])
+    for k in range(300):                  # the latest 256 are kept, and their quantile is exact
+        sched.record_plan_error(k / 1000)
+    assert len(sched.plan_errors) == 256 and sched.plan_margin(1.0) == pytest.approx(0.299)
+    assert sched.plan_margin(0.0) == pytest.approx(0.044) and sched.plan_margin(None) == 0.0
 
 
 @dataclass

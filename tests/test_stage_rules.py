@@ -50,6 +50,35 @@ def test_harli_runs_inference_first_and_fine_tunes_only_within_the_tpot_target()
     assert slowed.order(node, 0, [f], 0.0) == []
 
 
+def test_harli_fits_a_fine_tune_op_into_a_decode_iterations_slack():
+    """Only a decode iteration is ready: the fine-tune op goes first iff the iteration
+    (the larger of the predictor's and the profiled step x stages) plus what ran on the
+    stage since the last iteration plus the op stays within the TPOT target."""
+    profile = preset("llama-8b", 2)
+    predictor = DecodeLatencyPredictor(b0=1e-4, c0=5e-3, k0=2e-7)
+    decoding = [Request(OnlineTask(i, "inference", 0.0, 100, 1, 10, 10), context=300) for i in range(4)]
+    f = _op("train_f", [OnlineTask(9, "train", 0.0, 128, 2, 0)], 1)
+    d = _op("decode", decoding, 2)
+    iteration = max(2 * (4 * 1e-4 + 5e-3 + 4 * 2e-7 * 300), 2 * expected_op_s(d, profile))
+    op_s = expected_op_s(f, profile)
+    fits = HarliRule(predictor, iteration + op_s + 1e-9, profile)
+    tight = HarliRule(predictor, iteration + op_s - 1e-9, profile)
+    for rule, expected in ((fits, [f, d]), (tight, [d])):
+        node = NodeScheduler(0, profile, LemixParams(), False, rule=rule)
+        node.joining = list(decoding)
+        assert rule.order(node, 0, [d, f], 0.0) == expected
+    assert (fits.paused, tight.paused) == (0, 1)
+    node = NodeScheduler(0, profile, LemixParams(), False, rule=fits)
+    node.joining = list(decoding)
+    fits.started(0, f)                                 # the op ran since the last iteration:
+    assert fits.order(node, 0, [d, f], 0.0) == [d]     # no slack left on stage 0 ...
+    assert fits.order(node, 1, [d, f], 0.0) == [f, d]  # ... but stage 1's is untouched
+    fits.started(0, d)                                 # a new iteration: the slack is back
+    assert fits.order(node, 0, [d, f], 0.0) == [f, d]
+    prefill = _op("prefill", decoding[:1], 3)
+    assert fits.order(node, 0, [d, f, prefill], 0.0) == [d, prefill]   # a prefill: inference only
+
+
 def test_harli_predictor_is_fitted_to_the_node_profile():
     profile = preset("llama-8b", 2)
     rule = harli_rule(profile, LemixParams(tpot_multiplier=4.0))

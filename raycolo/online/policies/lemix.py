@@ -29,6 +29,7 @@ class Lemix(OnlinePolicy):
 
     def __post_init__(self) -> None:
         self.capabilities = PolicyCapabilities(prioritize=self.prioritize, memory_aware=self.memory_aware)
+        self._rules: dict = {}         # id(profile) -> (profile, its BatchRule)
 
     def estimator(self, profile):
         if self.profiled:
@@ -47,7 +48,13 @@ class Lemix(OnlinePolicy):
 
     def batching(self, sched, n: int) -> Optional[BatchRule]:
         """Node ``n``'s batching rule when plans are batch-aware (the node closes batches by it)."""
-        return BatchRule.of(self.params, sched.profiles[n]) if self.params.batch_aware else None
+        if not self.params.batch_aware:
+            return None
+        profile = sched.profiles[n]
+        cached = self._rules.get(id(profile))
+        if cached is None or cached[0] is not profile:
+            cached = self._rules[id(profile)] = (profile, BatchRule.of(self.params, profile))
+        return cached[1]
 
     def score(self, sched, task: OnlineTask, now: float, nodes) -> tuple[dict, dict]:
         """Algorithm 1's plan and eq. 3's score of the task on each of ``nodes`` (pure)."""
@@ -104,10 +111,14 @@ class Lemix(OnlinePolicy):
             if not scanned:
                 first = sched.index.finish.first(sched.preferred, node)
                 check = list(nodes) + ([first[1]] if first is not None and first[1] not in nodes else [])
-            return all(compute_idleness(with_path(sched.traces[n], plan.path) if n == node else sched.traces[n],
+            # one node that answers in time ends the check: the least busy first, ``node`` last
+            traces, last = sched.traces, sched.stages - 1
+            order = sorted((n for n in check if n != node), key=lambda n: traces[n].prev_end_f(last))
+            order += [node] if node in check else []
+            return all(compute_idleness(with_path(traces[n], plan.path) if n == node else traces[n],
                                         -1, arrival, length, 1, False, sched.estimators[n], now,
                                         batching=self.batching(sched, n)).response > slo
-                       for n in check)
+                       for n in order)
         stages = sched.stages
         free, forward = [], []
         if scanned:

@@ -11,6 +11,7 @@ comes from the executor's clock: the scheduler never reads a wall clock itself.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -63,8 +64,7 @@ class OnlineScheduler:
     def __post_init__(self) -> None:
         self.planned_first_token: dict[int, float] = {}    # inference task id -> planned last-stage end
         self.plan_errors: deque = deque(maxlen=PLAN_ERRORS)  # executed minus planned, seconds
-        self._margin: Optional[tuple[int, float, float]] = None  # (errors seen, quantile, margin)
-        self._errors_seen = 0
+        self._sorted_errors: list[float] = []                 # the same, sorted (quantiles in O(1))
         self.traces = [NodeTrace(p.stages) for p in self.profiles]
         self.index = NodeIndex(len(self.profiles))    # the traces in LeMix's orders
         self.path_nodes: dict[int, int] = {}            # task id -> node of its planned path
@@ -186,8 +186,7 @@ class OnlineScheduler:
         if kind == "forward" and stage == len(path.stages) - 1:
             planned = self.planned_first_token.pop(task_id, None)
             if planned is not None:
-                self.plan_errors.append(end - planned)
-                self._errors_seen += 1
+                self.record_plan_error(end - planned)
         calibrate(path, stage, kind, start, end)
         self.index.touch(self.path_nodes[task_id])
         if (kind == "backward" and stage == 0) or (kind == "forward" and stage == len(path.stages) - 1
@@ -208,16 +207,21 @@ class OnlineScheduler:
             self.path_nodes.pop(task_id, None)
             self.planned_first_token.pop(task_id, None)
 
+    def record_plan_error(self, seconds: float) -> None:
+        """An inference task's first token came ``seconds`` after its plan (early: < 0)."""
+        if len(self.plan_errors) == self.plan_errors.maxlen:
+            del self._sorted_errors[bisect_left(self._sorted_errors, self.plan_errors[0])]
+        self.plan_errors.append(seconds)
+        insort(self._sorted_errors, seconds)
+
     def plan_margin(self, quantile: Optional[float]) -> float:
         """How much later than planned first tokens came out: the ``quantile`` of the latest
         executed-minus-planned last-stage prefill ends (at least 0; 0 without a quantile or
-        with fewer than MIN_PLAN_ERRORS of them). Eq. 4 adds it to the response it predicts."""
-        if quantile is None or len(self.plan_errors) < MIN_PLAN_ERRORS:
+        with fewer than MIN_PLAN_ERRORS of them). Eq. 4 takes it off the threshold."""
+        errors = self._sorted_errors
+        if quantile is None or len(errors) < MIN_PLAN_ERRORS:
             return 0.0
-        if self._margin is None or self._margin[:2] != (self._errors_seen, quantile):
-            errors = sorted(self.plan_errors)
-            self._margin = (self._errors_seen, quantile, max(0.0, errors[int(quantile * (len(errors) - 1))]))
-        return self._margin[2]
+        return max(0.0, errors[int(quantile * (len(errors) - 1))])
 
     def node_idle(self, node: int, now: float) -> None:
         """The executor found the node with nothing to do: idleness starts now."""

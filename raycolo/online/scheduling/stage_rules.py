@@ -106,6 +106,7 @@ class HarliRule(StageRule):
     name: str = "harli"
     holds = True                           # may leave a stage idle: retry on every op end
     paused: int = 0            # times a fine-tune op was held back (a predicted violation)
+    spent: dict = field(default_factory=dict)   # stage -> op seconds since its last decode iteration
 
     def running(self, node: "NodeScheduler") -> tuple[int, float]:
         """The node's decoding requests: how many, and their mean context."""
@@ -134,14 +135,42 @@ class HarliRule(StageRule):
 
     def order(self, node, stage, ops, now):
         inference, training = split_oldest_first(ops)
-        if inference or not training:
+        if not training:
             return inference
+        if inference:
+            if any(op.kind != "decode" for op in inference):
+                return inference              # prefills first
+            return self.between_iterations(node, stage, inference, training) + inference
         if self.decode_iteration_s(node) == 0.0 and not node.batch:
             return training                   # no inference on the node: fine-tune freely
         fits = [op for op in training if self.with_finetune_s(node, op) <= self.tpot_target_s]
         if len(fits) < len(training):
             self.paused += 1
         return fits
+
+    def between_iterations(self, node, stage, decodes, training) -> list:
+        """Only decode iterations are ready on ``stage``: the oldest fine-tune op that fits
+        runs first when the iteration it delays, plus what ran on the stage since its last
+        iteration, still meets the TPOT target. Harli gives fine-tuning the SMs a decode
+        leaves *during* the iteration; a stage that runs one op at a time can only use each
+        iteration's slack (docs/colocation-gaps.md: on a one-GPU node, without this, no
+        fine-tune op ran while requests decoded). The iteration is the larger of the
+        predictor's and the ready op's profiled step times the stages (the fitted predictor
+        runs low at small batch)."""
+        step = max(expected_op_s(op, self.profile) for op in decodes)
+        iteration = max(self.decode_iteration_s(node), self.profile.stages * step)
+        budget = self.tpot_target_s - iteration - self.spent.get(stage, 0.0)
+        for op in training:
+            if expected_op_s(op, self.profile) <= budget:
+                return [op]
+        self.paused += 1
+        return []
+
+    def started(self, stage, op):
+        if op.kind == "decode":
+            self.spent[stage] = 0.0
+        elif op.kind != "sync":           # fine-tune ops and prefills delay the next iteration
+            self.spent[stage] = self.spent.get(stage, 0.0) + expected_op_s(op, self.profile)
 
 
 @dataclass
