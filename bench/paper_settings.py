@@ -3,7 +3,7 @@ what separates raycolo's numbers from the papers'.
 
     .venv/bin/python bench/paper_settings.py [--seeds 0,1,2] [--json out/paper_settings.json]
 
-(about 2.5 minutes of one core; docs/colocation-gaps.md reads the tables.)
+(about 2 minutes of one core; docs/colocation-gaps.md reads the tables.)
 
 * **Harli** (its §8.1-8.2, Fig. 11b): Llama3-8B decode on two GPUs beside a PEFT fine-tune
   job, a 40 ms TPOT target, a production trace of over 19,000 requests an hour (5.28/s),
@@ -14,10 +14,10 @@ what separates raycolo's numbers from the papers'.
   5.28/s (raycolo's hh-rlhf prompts and decode lengths); ``harli``, ``harli-static`` and
   ``separate``, with the TPOT target set to 40 ms (``tpot_multiplier``) and no weight syncs
   (Harli's fine-tune job trains its own copy, not the served weights: ``sync_every`` =
-  2^40); fine-tune micro-batches of 2 samples (Harli §8.2) of hh-rlhf lengths. Also
-  ``harli-between``, a BENCH-ONLY rule (:class:`BetweenIterationsRule`) that packs fine-tune
-  ops into the slack of each decode iteration, which raycolo's ``harli`` never does on a
-  one-GPU node.
+  2^40); fine-tune micro-batches of 2 samples (Harli §8.2) of hh-rlhf lengths. raycolo's
+  ``harli`` runs a fine-tune op before a ready decode iteration while the iteration plus
+  what ran since the last one plus the op meets the TPOT target
+  (``HarliRule.between_iterations``): time slices in each iteration's slack.
   Sweep: the fine-tune op's duration (a fixed training length, so that its backward, the
   longest op, takes 5-40 ms; Harli §6.1 cuts its ops to about 10 ms), also with 8-token
   prompts, standing in for Harli's prefills on another GPU.
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 import math
 import statistics
 import sys
@@ -64,9 +64,7 @@ sys.path.insert(0, str(ROOT))
 from raycolo.online.params import LemixParams  # noqa: E402
 from raycolo.online.policies import make_online_policy  # noqa: E402
 from raycolo.online.profiles import GIB, RTX_6000_ADA, NodeProfile, preset  # noqa: E402
-from raycolo.online.policies.colocation import WithStageRule  # noqa: E402
-from raycolo.online.scheduling.stage_rules import (TRAIN_KINDS, HarliRule, expected_op_s, harli_rule,  # noqa: E402
-                                                   split_oldest_first)
+from raycolo.online.scheduling.stage_rules import TRAIN_KINDS, harli_rule  # noqa: E402
 from raycolo.online.simulation.sim import ClusterSimulator  # noqa: E402
 from raycolo.online.tasks import LENGTH_DISTRIBUTIONS, OnlineTask, bursty_workload, poisson_workload  # noqa: E402
 from raycolo.rng import seeded_rng  # noqa: E402
@@ -121,59 +119,12 @@ class FinetuneJobSim(ClusterSimulator):
         return task
 
 
-@dataclass
-class BetweenIterationsRule(HarliRule):
-    """BENCH-ONLY, not a raycolo policy: Harli's TPOT check applied *between* decode
-    iterations. raycolo's ``HarliRule`` offers fine-tune ops only when no inference op is
-    ready; on a one-GPU node the next decode iteration is ready as soon as the last one
-    ends, so while requests decode a fine-tune op never runs. This variant lets fine-tune
-    ops go before a ready decode iteration while that iteration plus the fine-tune
-    and prefill time already spent since the last one plus this op stays within the TPOT
-    target (prefills still go first): time slices packed into each iteration's slack, the closest
-    a one-op-at-a-time stage comes to Harli's SM sharing. The iteration is the ready decode
-    op's own duration by the profile, not HarliRule's fitted predictor, which under-predicts
-    a small batch's decode step (on the Ada6000 variant 7.7 ms against 14.5 ms at bs 1)."""
-
-    name: str = "harli-between"
-    spent: dict = field(default_factory=dict)       # stage -> fine-tune and prefill seconds since its last decode
-
-    def order(self, node, stage, ops, now):
-        inference, training = split_oldest_first(ops)
-        if not training or not inference:
-            return super().order(node, stage, ops, now)
-        if any(op.kind != "decode" for op in inference):
-            return inference
-        iteration = self.profile.stages * max(expected_op_s(op, self.profile) for op in inference)
-        budget = self.tpot_target_s - iteration - self.spent.get(stage, 0.0)
-        fits = [op for op in training if expected_op_s(op, self.profile) <= budget]
-        if len(fits) < len(training):
-            self.paused += 1
-        return fits[:1] + inference
-
-    def started(self, stage, op):
-        if op.kind == "decode":
-            self.spent[stage] = 0.0
-        elif op.kind != "sync":          # fine-tune ops and prefills delay the next iteration
-            self.spent[stage] = self.spent.get(stage, 0.0) + expected_op_s(op, self.profile)
-
-
-def between_rule(profile, params) -> BetweenIterationsRule:
-    base = harli_rule(profile, params)
-    return BetweenIterationsRule(base.predictor, base.tpot_target_s, base.profile)
-
-
-def build_policy(name: str, params: LemixParams, nodes: int):
-    if name == "harli-between":
-        return WithStageRule(make_online_policy("mix-rr", params, nodes=nodes), between_rule, name=name)
-    return make_online_policy(name, params, nodes=nodes, train_rate=0.5)
-
-
 def run(policy: str, profile: NodeProfile, nodes: int, params: LemixParams, inference, make_task,
         inflight: int, tpot_s: float, ttft_slo_s: float) -> dict:
     until = max(t.arrival_s for t in inference) if inference else 0.0
     cap = MAX_TASKS - len(inference)
     sim = FinetuneJobSim(inference, profile, nodes,
-                         build_policy(policy, params, nodes),
+                         make_online_policy(policy, params, nodes=nodes, train_rate=0.5),
                          params, make_task, inflight if inflight else 0, until, cap)
     result = sim.run()
     m = sim.cluster.metrics
@@ -286,7 +237,7 @@ def harli_tasks(seed: int, length=None, prompt=None):
     return inference, make
 
 
-HARLI_POLICIES = ("harli", "harli-between", "separate", "harli-static")
+HARLI_POLICIES = ("harli", "separate", "harli-static")
 
 
 def harli_runs(profile: NodeProfile, seed: int, policies=HARLI_POLICIES, length=None, prompt=None) -> dict:
@@ -401,30 +352,27 @@ def main() -> int:
     print(f"Right-hand columns: every prompt {SHORT_PROMPT} tokens, so that a prefill costs next to nothing on "
           "the decode GPU (Harli serves prefills on another GPU, §8.1; raycolo cannot).\n")
     print("| GPU | backward / forward op ms | length | `separate` samples/s | `harli` / separate "
-          "| `harli-between` / separate | harli-between GPU time fine-tuning | harli-between TPOT p99 ms "
-          "| harli-between requests over 40 ms | short prompts: `harli-between` / separate | short prompts: "
-          "requests over 40 ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| harli GPU time fine-tuning | harli TPOT p99 ms | harli requests over 40 ms "
+          "| short prompts: `harli` / separate | short prompts: requests over 40 ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     report["harli_sweep"] = []
     for gpu, prof in profiles.items():
         for op_ms in HARLI_SWEEP_MS:
             ell = backward_length(prof, op_ms / 1e3)
-            meds = median_over(seeds, lambda s: harli_runs(prof, s, ("harli", "harli-between", "separate"), ell))
-            hb, sep = meds["harli-between"], meds["separate"]
+            meds = median_over(seeds, lambda s: harli_runs(prof, s, ("harli", "separate"), ell))
+            ha, sep = meds["harli"], meds["separate"]
             row = {"gpu": gpu, "backward_ms": 1e3 * prof.backward_s(HARLI_BATCH, ell),
                    "forward_ms": 1e3 * prof.forward_s(HARLI_BATCH, ell), "length": ell,
-                   "harli_ratio": ratio(meds, "harli", "separate", "finetune_samples_per_s"),
-                   "between_ratio": ratio(meds, "harli-between", "separate", "finetune_samples_per_s"), "runs": meds}
-            short = median_over(seeds, lambda s: harli_runs(prof, s, ("harli-between", "separate"), ell, SHORT_PROMPT))
-            row["short_prompt_ratio"] = ratio(short, "harli-between", "separate", "finetune_samples_per_s")
+                   "harli_ratio": ratio(meds, "harli", "separate", "finetune_samples_per_s"), "runs": meds}
+            short = median_over(seeds, lambda s: harli_runs(prof, s, ("harli", "separate"), ell, SHORT_PROMPT))
+            row["short_prompt_ratio"] = ratio(short, "harli", "separate", "finetune_samples_per_s")
             row["short_prompt_runs"] = short
             report["harli_sweep"].append(row)
             capped = max(r["capped"] for r in list(meds.values()) + list(short.values()))
             print(f"| {gpu} | {row['backward_ms']:.1f} / {row['forward_ms']:.1f} | {ell} | "
                   f"{sep['finetune_samples_per_s']:.2f}{' (cap)' if capped else ''} | {row['harli_ratio']:.2f}x | "
-                  f"{row['between_ratio']:.2f}x | {pct(hb['train_gpu_share'])} | {hb['tpot_p99_ms']:.1f} | "
-                  f"{pct(hb['tpot_over'])} | {row['short_prompt_ratio']:.2f}x | "
-                  f"{pct(short['harli-between']['tpot_over'])} |")
+                  f"{pct(ha['train_gpu_share'])} | {ha['tpot_p99_ms']:.1f} | {pct(ha['tpot_over'])} | "
+                  f"{row['short_prompt_ratio']:.2f}x | {pct(short['harli']['tpot_over'])} |")
 
     # ---- SIRIUS: the paper's LLM setting
     llama13 = preset("llama-13b", 1)
