@@ -46,16 +46,6 @@ class Lemix(OnlinePolicy):
         sched.pending_path = commit_plan(sched.traces[n], plans[n], now)
         return n
 
-    def decode_wait(self, sched, n: int) -> float:
-        """Batch-aware: what a prefill on node ``n`` waits per stage for the decode iteration
-        in flight, one decode step of the node's decoding requests (0 when none decode, or
-        when the estimator has no decode model: ``lemix-noprofile``)."""
-        if not self.params.batch_aware:
-            return 0.0
-        count, context = sched.decoding(n)
-        step = getattr(sched.estimators[n], "decode_step_s", None)
-        return float(step(count, context)) if count and step is not None else 0.0
-
     def batching(self, sched, n: int) -> Optional[BatchRule]:
         """Node ``n``'s batching rule when plans are batch-aware (the node closes batches by it)."""
         if not self.params.batch_aware:
@@ -80,8 +70,7 @@ class Lemix(OnlinePolicy):
         for n in nodes:
             trace = traces[n]
             plan = compute_idleness(trace, task_id, arrival, length, batch, is_train, estimators[n], now,
-                                    idle_cap=slo, forward=forward, batching=self.batching(sched, n),
-                                    decode_wait=0.0 if is_train else self.decode_wait(sched, n))
+                                    idle_cap=slo, forward=forward, batching=self.batching(sched, n))
             if global_gap is not None:
                 gap = global_gap
             else:
@@ -128,8 +117,7 @@ class Lemix(OnlinePolicy):
             order += [node] if node in check else []
             return all(compute_idleness(with_path(traces[n], plan.path) if n == node else traces[n],
                                         -1, arrival, length, 1, False, sched.estimators[n], now,
-                                        batching=self.batching(sched, n),
-                                        decode_wait=self.decode_wait(sched, n)).response > slo
+                                        batching=self.batching(sched, n)).response > slo
                        for n in order)
         stages = sched.stages
         free, forward = [], []

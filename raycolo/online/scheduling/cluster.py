@@ -31,7 +31,6 @@ from raycolo.online.params import LemixParams
 from raycolo.online.scheduling.policy import OnlinePolicy
 from raycolo.online.profiles import NodeProfile, ProfileLearner
 from raycolo.online.scheduling.scheduler import Decision, OnlineScheduler
-from raycolo.online.scheduling.stage_rules import decoding
 from raycolo.online.tasks import OnlineTask
 
 
@@ -59,8 +58,7 @@ class Cluster:
         self.mirrored = False
         self.learner = ProfileLearner(profile, params.profile_warmup, params.fit_op_cost)
         self.scheduler = OnlineScheduler(policy, [profile] * nodes, [policy.estimator(profile)] * nodes,
-                                         params, utilization=self.utilization,
-                                         decoding=lambda n: decoding(self.nodes[n]))
+                                         params, utilization=self.utilization)
         self.metrics = OnlineMetrics()
         self.train_done = 0
         self.active = 0

@@ -173,7 +173,7 @@ class PlanResult:
 def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: int, batch: int,
                      is_train: bool, estimator: LatencyEstimator, now: float,
                      idle_cap: float = float("inf"), forward: Optional[float] = None,
-                     batching: Optional[BatchRule] = None, decode_wait: float = 0.0) -> PlanResult:
+                     batching: Optional[BatchRule] = None) -> PlanResult:
     """Algorithm 1, line by line (line numbers in comments refer to the paper).
 
     ``idle_cap`` bounds each stage's gap: a node idle for longer than that counts as
@@ -182,8 +182,7 @@ def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: i
     a decision costs O(S) plus the backwards it actually passes. ``forward``: the
     estimator's forward latency for (batch, length), where the caller has it already
     (one estimator for every node it plans). ``batching``: plan an inference task in the
-    batch it will run in (the module docstring). ``decode_wait``: what a prefill waits on
-    each stage for the decode iteration in flight there (0: nothing decodes)."""
+    batch it will run in (the module docstring)."""
     last = trace.last
     prev = last.stages if last is not None else None                     # task_prev's path
     at = arrival_s if arrival_s > now else now
@@ -207,7 +206,7 @@ def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: i
     end = close
     for s in range(trace.stages):
         prev_end = prev[s].end_f if prev is not None else idle_since
-        start = (end if end > prev_end else prev_end) + decode_wait      # line 5
+        start = end if end > prev_end else prev_end                       # line 5
         end = start + forward                                             # line 6
         offset = 0.0
         while head < waiting:                                             # line 8

@@ -45,7 +45,6 @@ class OnlineScheduler:
     estimators: list[object]              # what planning believes (profiles, or not)
     params: LemixParams
     utilization: Callable[[int], float] = lambda n: 0.0  # executor's busy fraction (LUF)
-    decoding: Callable[[int], tuple] = lambda n: (0, 0.0)  # node's decoding requests, mean context
     traces: list[NodeTrace] = field(init=False)
     deferred: list[OnlineTask] = field(default_factory=list)
     paths: dict[int, TaskPath] = field(default_factory=dict)

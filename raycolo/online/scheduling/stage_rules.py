@@ -110,7 +110,13 @@ class HarliRule(StageRule):
 
     def running(self, node: "NodeScheduler") -> tuple[int, float]:
         """The node's decoding requests: how many, and their mean context."""
-        return decoding(node)
+        running = list(node.joining)
+        for op in _node_ops(node):
+            if op.kind == "decode":
+                running.extend(op.tasks)
+        if not running:
+            return 0, 0.0
+        return len(running), sum(r.context for r in running) / len(running)
 
     def decode_iteration_s(self, node: "NodeScheduler") -> float:
         """The predicted latency of the node's next decode iteration (every stage), solo."""
@@ -276,18 +282,6 @@ def periodic_rule(profile, params) -> PeriodicRule:
 
 def _node_has_training(node: "NodeScheduler") -> bool:
     return any(op.kind in TRAIN_KINDS for op in _node_ops(node))
-
-
-def decoding(node: "NodeScheduler") -> tuple[int, float]:
-    """The node's decoding requests (joining the next iteration or in one): how many, and
-    their mean context. Harli's predictor and LeMix's batch-aware planning read it."""
-    running = list(node.joining)
-    for op in _node_ops(node):
-        if op.kind == "decode":
-            running.extend(op.tasks)
-    if not running:
-        return 0, 0.0
-    return len(running), sum(r.context for r in running) / len(running)
 
 
 def _node_ops(node: "NodeScheduler"):
