@@ -30,6 +30,7 @@ class Lemix(OnlinePolicy):
     def __post_init__(self) -> None:
         self.capabilities = PolicyCapabilities(prioritize=self.prioritize, memory_aware=self.memory_aware)
         self._rules: dict = {}         # id(profile) -> (profile, its BatchRule)
+        self._responses: dict = {}     # node -> ((trace version, a′, ℓ′, estimator), R′): eq. 4's cache
 
     def estimator(self, profile):
         if self.profiled:
@@ -45,6 +46,26 @@ class Lemix(OnlinePolicy):
             return None
         sched.pending_path = commit_plan(sched.traces[n], plans[n], now)
         return n
+
+    def _next_response(self, sched, n: int, plan, arrival: float, length: int, now: float) -> float:
+        """R′ of the next inference task (at ``arrival`` >= now, ``length``) planned on node
+        ``n``, with ``plan``'s path committed there first. Without a plan it depends on the
+        trace alone (``now`` only through max(now, arrival) = arrival), so it is kept until
+        the trace changes (``trace_version``): a backlog of held training tasks retried on
+        every event re-plans only the nodes that moved."""
+        if plan is not None:
+            trace = with_path(sched.traces[n], plan.path)
+        else:
+            key = (sched.trace_version[n], arrival, length, id(sched.estimators[n]))
+            hit = self._responses.get(n)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+            trace = sched.traces[n]
+        r = compute_idleness(trace, -1, arrival, length, 1, False, sched.estimators[n], now,
+                             batching=self.batching(sched, n)).response
+        if plan is None:
+            self._responses[n] = (key, r)
+        return r
 
     def batching(self, sched, n: int) -> Optional[BatchRule]:
         """Node ``n``'s batching rule when plans are batch-aware (the node closes batches by it)."""
@@ -115,9 +136,7 @@ class Lemix(OnlinePolicy):
             traces, last = sched.traces, sched.stages - 1
             order = sorted((n for n in check if n != node), key=lambda n: traces[n].prev_end_f(last))
             order += [node] if node in check else []
-            return all(compute_idleness(with_path(traces[n], plan.path) if n == node else traces[n],
-                                        -1, arrival, length, 1, False, sched.estimators[n], now,
-                                        batching=self.batching(sched, n)).response > slo
+            return all(self._next_response(sched, n, plan if n == node else None, arrival, length, now) > slo
                        for n in order)
         stages = sched.stages
         free, forward = [], []

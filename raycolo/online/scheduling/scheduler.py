@@ -67,6 +67,7 @@ class OnlineScheduler:
         self._sorted_errors: list[float] = []                 # the same, sorted (quantiles in O(1))
         self.traces = [NodeTrace(p.stages) for p in self.profiles]
         self.index = NodeIndex(len(self.profiles))    # the traces in LeMix's orders
+        self.trace_version = [0] * len(self.profiles)   # bumped whenever a node's trace may change
         self.path_nodes: dict[int, int] = {}            # task id -> node of its planned path
         self._uniform: tuple = (None, False)            # (estimators list, all the same object)
 
@@ -147,7 +148,7 @@ class OnlineScheduler:
         started = time.perf_counter()
         self.interarrival = interarrival
         self.pending_path = None
-        node = self.policy.allocate(task, self, now)
+        node = chosen = self.policy.allocate(task, self, now)
         if node is not None and not self.is_placeable(node):
             # The policy did not look at availability: its share of work goes to the next
             # node that can take it (a plan it made for the node it chose is void).
@@ -159,7 +160,9 @@ class OnlineScheduler:
         self.decision_us.append(spent)
         if node is None:
             return None
-        self.index.touch(node)
+        self.touch(node)
+        if chosen != node:
+            self.touch(chosen)             # the policy may have planned there
         path = self.pending_path
         if path is not None:
             self.paths[task.task_id] = path
@@ -188,7 +191,7 @@ class OnlineScheduler:
             if planned is not None:
                 self.record_plan_error(end - planned)
         calibrate(path, stage, kind, start, end)
-        self.index.touch(self.path_nodes[task_id])
+        self.touch(self.path_nodes[task_id])
         if (kind == "backward" and stage == 0) or (kind == "forward" and stage == len(path.stages) - 1
                                                    and not path.is_train):
             self.paths.pop(task_id, None)
@@ -201,11 +204,17 @@ class OnlineScheduler:
         trace = NodeTrace(old.stages, idle_since=now)
         trace.count, trace.length_mean, trace.length_m2 = old.count, old.length_mean, old.length_m2
         self.traces[node] = trace
-        self.index.touch(node)
+        self.touch(node)
         for task_id in task_ids:
             self.paths.pop(task_id, None)
             self.path_nodes.pop(task_id, None)
             self.planned_first_token.pop(task_id, None)
+
+    def touch(self, node: int) -> None:
+        """Node ``node``'s trace may have changed: the node index re-keys it and what a
+        policy cached of it (its ``trace_version``) is stale."""
+        self.index.touch(node)
+        self.trace_version[node] += 1
 
     def record_plan_error(self, seconds: float) -> None:
         """An inference task's first token came ``seconds`` after its plan (early: < 0)."""
@@ -228,7 +237,7 @@ class OnlineScheduler:
         trace = self.traces[node]
         if trace.last is None or trace.busy_until() <= now:
             trace.idle_since = max(trace.idle_since, now)
-            self.index.touch(node)
+            self.touch(node)
 
     @property
     def mean_decision_us(self) -> float:
