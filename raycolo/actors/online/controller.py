@@ -112,8 +112,10 @@ class OnlineController(WorkerGroups, OpRunner, RequestDesk, SamplePump, AdapterV
         from raycolo.online.policies import make_online_policy
 
         await self.drain()
-        for _ in range(1000):   # the stages take the last releases
-            if not any(self.inflight) and all(q.empty() for q in self.queues.values()):
+        for _ in range(1000):   # the stages take the last releases (and a node loop its last
+            # weight sync, which no task waits for: its mirror is active until the loop reports)
+            if not any(self.inflight) and all(q.empty() for q in self.queues.values()) \
+                    and not any(node.active for node in self.cluster.nodes):
                 break
             await asyncio.sleep(0.01)
         else:
