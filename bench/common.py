@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 
@@ -11,6 +12,19 @@ def write_json(path: str, data) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=2))
+
+
+def spread(values) -> float:
+    """max - min of repeated runs' figures (0 for one run)."""
+    values = list(values)
+    return max(values) - min(values) if len(values) > 1 else 0.0
+
+
+def holds_within_spread(ours, theirs) -> bool:
+    """median(ours) >= median(theirs), within the larger of the two runs' spreads: what the
+    grid benchmarks count as "at least as good"."""
+    ours, theirs = list(ours), list(theirs)
+    return statistics.median(ours) >= statistics.median(theirs) - max(spread(ours), spread(theirs))
 
 
 def pids_titled(prefix: str) -> list[int]:

@@ -41,7 +41,7 @@ from raycolo.online.policies import make_online_policy  # noqa: E402
 from raycolo.online.profiles import preset  # noqa: E402
 from raycolo.online.simulation.sim import simulate  # noqa: E402
 from raycolo.online.tasks import bursty_workload, poisson_workload  # noqa: E402
-from common import write_json  # noqa: E402
+from common import holds_within_spread, write_json  # noqa: E402
 
 NODES, STAGES = 4, 2
 DEFAULT = OnlineConfig.model_fields["policy"].default     # the default online policy
@@ -67,19 +67,14 @@ def run_cell(args: tuple) -> dict:
     return {"model": model, "rate": rate, "alpha": alpha, "arrivals": arrivals, "seed": seed, "runs": out}
 
 
-def spread(values: list[float]) -> float:
-    return max(values) - min(values) if len(values) > 1 else 0.0
-
-
 def judge(runs: list[dict]) -> dict:
     """One cell over its seeds: medians, margins and whether it holds (module docstring)."""
     def series(policy, k):
         return [r["runs"][policy][k] for r in runs]
 
     med = {p: (statistics.median(series(p, 0)), statistics.median(series(p, 1))) for p in runs[0]["runs"]}
-    slo_fail = [b for b in BASELINES if med[DEFAULT][0] < med[b][0] - max(spread(series(DEFAULT, 0)),
-                                                                          spread(series(b, 0)))]
-    tput_ok = med[DEFAULT][1] >= med["separate"][1] - max(spread(series(DEFAULT, 1)), spread(series("separate", 1)))
+    slo_fail = [b for b in BASELINES if not holds_within_spread(series(DEFAULT, 0), series(b, 0))]
+    tput_ok = holds_within_spread(series(DEFAULT, 1), series("separate", 1))
     best = max(BASELINES, key=lambda b: med[b][0])
     peer = max(PEERS, key=lambda b: med[b][0])
     return {"median": med, "best_baseline": best, "slo_margin": med[DEFAULT][0] - med[best][0],

@@ -39,7 +39,7 @@ from raycolo.online.profiles import NodeProfile  # noqa: E402
 from raycolo.online.simulation.sim import simulate  # noqa: E402
 from raycolo.online.tasks import poisson_workload  # noqa: E402
 from raycolo.online.policies import make_online_policy  # noqa: E402
-from common import write_json  # noqa: E402
+from common import holds_within_spread, write_json  # noqa: E402
 
 PAPER_THROUGHPUT_RATIO, PAPER_SLO_RATIO = 3.53, 2.12
 
@@ -213,9 +213,6 @@ def grid(args) -> int:
         dep.stop()
     first = policies[0]
 
-    def spread(xs):
-        return max(xs) - min(xs) if len(xs) > 1 else 0.0
-
     print(f"Live online grid: {config.nodes} x {config.stages} {config.model_loading_config.model_id}, "
           f"training share {config.train_rate:g}, {args.seconds:g} s of arrivals per run, {args.repeats} runs "
           f"per rate (seeds {args.seed}..{args.seed + args.repeats - 1}); {time.perf_counter() - started:.0f} s in all")
@@ -233,9 +230,8 @@ def grid(args) -> int:
             decide = statistics.median(x["decision_us_p50"] for x in rs)
             verdict = "-"
             if name != first:
-                bt, bs = [x["throughput"] for x in base], [x["slo_attainment"] for x in base]
-                ok_s = statistics.median(bs) >= statistics.median(slo) - max(spread(bs), spread(slo))
-                ok_t = statistics.median(bt) >= statistics.median(thr) - max(spread(bt), spread(thr))
+                ok_s = holds_within_spread([x["slo_attainment"] for x in base], slo)
+                ok_t = holds_within_spread([x["throughput"] for x in base], thr)
                 holds &= ok_s and ok_t
                 verdict = f"{'yes' if ok_s else 'no'}, {'yes' if ok_t else 'no'}"
             print(f"| {rate:g} | {name} | {statistics.median(thr):.2f} ({min(thr):.2f}-{max(thr):.2f}) | "

@@ -54,8 +54,8 @@ class LemixParams(Strict):
     plan_error_quantile: Optional[float] = Field(default=0.9, ge=0, le=1, description=(
         "Calibrated eq. 4 (raycolo's extension, docs/online.md): a training task is held back when the next "
         "inference task's planned response plus this quantile of how late first tokens came out against "
-        "their plans (the latest 256, after 16) exceeds τ_R. Plans cannot see every op the node will run "
-        "first; this learns by how much they miss. null: eq. 4 as written."))
+        "their plans (the latest 256, after 16) exceeds hold_share·τ_R. Plans cannot see every op the node "
+        "will run first; this learns by how much they miss. null: no margin, as eq. 4 is written."))
     slo_multiplier: float = Field(default=5.0, gt=0, le=BIG, description=(
         "τ_R of eq. 4: the response SLO, in forward latencies (the paper: \"e.g. 5x inference latency\")."))
     slo_ms: Optional[float] = Field(default=None, gt=0, le=MAX_SECONDS * 1e3, description=(

@@ -125,7 +125,7 @@ class Lemix(OnlinePolicy):
         arrival, length = nxt
         p = self.params
         slo = p.hold_share * p.slo_s(sched.profiles[0].forward_latency_s) - sched.plan_margin(p.plan_error_quantile)
-        if self.params.batch_aware:
+        if p.batch_aware:
             # the next inference task planned on every node as it would run: in its batch,
             # behind the forwards and backwards planned there (this task's on ``node``)
             check = sched.placeable

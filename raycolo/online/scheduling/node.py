@@ -90,8 +90,8 @@ class NodeScheduler:
         else:
             if not self.batch:
                 self.batch_token += 1
-                self._out.actions.append(Timer(self.batching.closes_at(now), self.index, "close_batch", token=self.batch_token,
-                                               generation=self.generation))
+                self._out.actions.append(Timer(self.batching.closes_at(now), self.index, "close_batch",
+                                               token=self.batch_token, generation=self.generation))
             self.batch.append(task)
             self.batch_c += task.batch
             self._set_active()
