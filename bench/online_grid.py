@@ -32,6 +32,9 @@ from concurrent.futures import ProcessPoolExecutor
 from itertools import product
 from pathlib import Path
 
+import yaml
+from pydantic import ValidationError
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -56,9 +59,9 @@ WORKLOADS = {"poisson": poisson_workload, "bursty": bursty_workload}
 
 def run_cell(args: tuple) -> dict:
     """Every policy on one (model, rate, alpha, arrivals, seed) task list."""
-    model, rate, alpha, arrivals, seed, tasks = args
+    model, rate, alpha, arrivals, seed, tasks, overrides = args
     work = WORKLOADS[arrivals](rate, alpha, tasks, seed=seed)
-    profile, params = preset(model, STAGES), LemixParams()
+    profile, params = preset(model, STAGES), LemixParams(**overrides)
     out = {}
     for name in (DEFAULT,) + BASELINES:
         policy = make_online_policy(name, params, nodes=NODES, train_rate=alpha)
@@ -163,13 +166,26 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default="out/online_grid.png")
     ap.add_argument("--json", default=None)
     ap.add_argument("--from-json", default=None, help="print and plot the runs of an earlier --json, run nothing")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a LemixParams field for every policy of the grid (YAML value), e.g. backlog_aware=false")
     args = ap.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in LemixParams.model_fields:
+            ap.error(f"--set {item!r}: expected KEY=VALUE with KEY a LemixParams field")
+        overrides[key] = yaml.safe_load(value)
+    try:
+        LemixParams(**overrides)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        ap.error(f"--set {'.'.join(map(str, err['loc']))}: {err['msg']}")
     models, arrivals = args.models.split(","), args.arrivals.split(",")
     alphas = tuple(float(a) for a in args.alphas.split(","))
     for m in models:
         if m not in RATES:
             ap.error(f"--models: no rates for {m!r} (choose {', '.join(RATES)})")
-    jobs = [(m, r, a, arr, s, args.tasks) for m in models for arr in arrivals for r in RATES[m]
+    jobs = [(m, r, a, arr, s, args.tasks, overrides) for m in models for arr in arrivals for r in RATES[m]
             for a, s in product(alphas, range(args.seeds))]
     started = time.perf_counter()
     results = []
@@ -191,7 +207,8 @@ def main(argv=None) -> int:
         by_cell.setdefault((r["model"], r["arrivals"], r["rate"], r["alpha"]), []).append(r)
     cells = {key: judge(runs) for key, runs in by_cell.items()}
     print(f"# Online grid: {DEFAULT} against {', '.join(BASELINES)}")
-    print(f"{args.tasks} tasks, seeds 0..{args.seeds - 1}, {NODES} x {STAGES}; "
+    print(f"{args.tasks} tasks, seeds 0..{args.seeds - 1}, {NODES} x {STAGES}"
+          + (f", {', '.join(args.set)}" if args.set else "") + "; "
           f"{time.perf_counter() - started:.0f} s on {args.jobs} processes")
     for m in models:
         print("\n".join(table(m, cells)))

@@ -105,6 +105,10 @@ def test_priority_is_eq3_for_positive_numerators_and_decreasing_in_r_otherwise()
     assert idleness_profit(idle=0.0, stages=2, interarrival=0.5, tau=0.1) == -0.1
     assert length_consistency(100, 1, 100.0, 0.0) == 0.0  # no spread yet
     assert length_consistency(100, 5, 100.0, 10.0) == pytest.approx(1 / (10 * (2 * 3.141592653589793) ** 0.5))
+    # the shape form (the default): exp(-z²/2) times τ, whatever σ; at most τ
+    assert length_consistency(100, 5, 100.0, 10.0, shape_scale=0.03) == pytest.approx(0.03)
+    assert length_consistency(110, 5, 100.0, 10.0, shape_scale=0.03) == pytest.approx(0.03 * 0.6065306597)
+    assert length_consistency(100, 5, 100.0, 0.2, shape_scale=0.03) == pytest.approx(0.03)   # σ >= 1 token
     assert best_node([1.0, 3.0, 3.0]) == 1
 
 

@@ -121,8 +121,9 @@ def test_eq4_plans_the_next_inference_in_its_batch_behind_planned_backwards(batc
 ])
 def test_eq4_holds_at_a_share_of_the_slo_less_the_plan_error_quantile(hold_share, errors, held):
     """S = 1, batch-aware, backward .04: the next inference (at 0) waits for its batch, then
-    runs after the training forward and backward [0, .09]: R' = .09 + .05 = .14 (τ_R .15)."""
-    params = LemixParams(hold_share=hold_share)
+    runs after the training forward and backward [0, .09]: R' = .09 + .05 = .14 (τ_R .15).
+    The margin is eq. 4's calibration without node backlogs (backlog_aware false)."""
+    params = LemixParams(hold_share=hold_share, backlog_aware=False)
     profile = preset("gpt-400m", stages=1)
     sched = OnlineScheduler(Lemix(params), [profile], [Fixed(0.05, 0.04)], params)
     sched.inference_length, sched.last_inference_s, sched.inference_gap_s = 10.0, 0.0, 0.0
@@ -147,6 +148,52 @@ def test_plan_errors_are_first_tokens_against_their_plan():
         sched.record_plan_error(k / 1000)
     assert len(sched.plan_errors) == 256 and sched.plan_margin(1.0) == pytest.approx(0.299)
     assert sched.plan_margin(0.0) == pytest.approx(0.044) and sched.plan_margin(None) == 0.0
+
+
+def test_a_node_backlog_is_its_latest_lateness_drained_at_wall_rate():
+    """A task's stage-0 forward ends .2 s after its plan: the node is .2 s behind then,
+    .1 s behind .1 s later, and caught up from .2 s later; a node reset forgets it."""
+    params = LemixParams()
+    profile = preset("gpt-400m", stages=2)
+    sched = OnlineScheduler(Lemix(params), [profile] * 2, [Fixed(0.1, 0.1)] * 2, params)
+    d = sched.submit(OnlineTask(1, "inference", 0.0, 10, 1), now=0.0)
+    st = d.path.stages[0]
+    end = st.end_f + 0.2
+    sched.observe(1, 0, "forward", st.start_f, end)
+    node = d.node
+    assert sched.backlog(node, end) == pytest.approx(0.2)
+    assert sched.backlog(node, end + 0.1) == pytest.approx(0.1)
+    assert sched.backlog(node, end + 0.3) == 0.0 and sched.backlog(1 - node, end) == 0.0
+    sched.observe(1, 1, "forward", end, end + 0.1 - 0.05)   # the last stage ends .05 s early
+    assert sched.backlog(node, end + 0.05) == 0.0
+    sched.lateness[node] = (1.0, end)
+    sched.node_reset(node, [], now=end)
+    assert sched.backlog(node, end) == 0.0
+
+
+@pytest.mark.parametrize("backlog_aware, expected_node", [(False, 0), (True, 1)])
+def test_a_backlog_the_plans_miss_moves_the_task_to_the_node_that_answers_sooner(backlog_aware, expected_node):
+    """tests/test_online.py's consolidation case: at .5, node 0 planned busy until 1 (R0 =
+    1.5, IP0 = -.03), node 1 idle (R1 = 1, IP1 = -.14): f0 = -.045 > f1 = -.14, node 0.
+    Node 0 ran 3.5 s late at .4, so 3.4 s behind at .5: R0 = 4.9, f0 = -.147 < f1: node 1."""
+    from test_online import _two_node_scheduler
+
+    sched = _two_node_scheduler(LemixParams(arrival_gap="global", backlog_aware=backlog_aware))
+    sched.last_arrival_s = 0.49
+    sched.lateness[0] = (3.5, 0.4)
+    assert sched.submit(OnlineTask(1, "inference", 0.5, 10, 1, 4), now=0.5).node == expected_node
+
+
+def test_eq4_adds_each_node_backlog_to_the_next_inference_response():
+    """As the eq. 4 case above (R' = .14 against τ_R = .15, not held): a node .02 s behind
+    makes R' = .16 and holds the training task."""
+    for behind, held in ((0.0, False), (0.02, True)):
+        params = LemixParams(hold_share=1.0)
+        sched = OnlineScheduler(Lemix(params), [preset("gpt-400m", stages=1)], [Fixed(0.05, 0.04)], params)
+        sched.inference_length, sched.last_inference_s, sched.inference_gap_s = 10.0, 0.0, 0.0
+        sched.lateness[0] = (behind, 0.0)
+        node = sched.policy.allocate(OnlineTask(7, "train", 0.0, 10, 1), sched, now=0.0)
+        assert (node is None) == held
 
 
 @dataclass

@@ -21,11 +21,12 @@ class LemixParams(Strict):
     lambda1: float = Field(default=1.0, gt=0, le=BIG, description=(
         "λ1 of LeMix's node score f = (IP + λ2·LC) / (λ1·R) (eq. 3): the weight of the planned response "
         "time R. The paper sweeps λ1 and λ2 (Fig. 18) without fixing defaults."))
-    lambda2: float = Field(default=1.0, ge=0, le=BIG, description=(
-        "λ2 of eq. 3: the weight of the length cohesion LC, a density (1/tokens: ~0.004 at σ = 100 tokens) "
-        "added to the idle penalty IP, which is at most -τ (seconds). 1 keeps λ2·LC below τ, so LC breaks "
-        "near-ties; a larger λ2 lets a node with a narrow length history turn its numerator positive and "
-        "then outrank every other node whatever its R (eq. 3's sign boundary; docs/online.md)."))
+    lambda2: float = Field(default=0.1, ge=0, le=BIG, description=(
+        "λ2 of eq. 3: the weight of the length consistency LC. With LC's default \"shape\" form (at most τ, "
+        "seconds), 0.1 lets LC move a score by at most a tenth of τ: it breaks near-ties and never turns "
+        "the numerator positive. With LC a density (1/tokens, ~0.004 at σ = 100 tokens but 0.13 at σ = 3) a "
+        "node with a narrow length history can turn its numerator positive and then outrank every other "
+        "node whatever its R (eq. 3's sign boundary; docs/online.md)."))
     score_rule: Literal["monotone", "quotient"] = Field(default="monotone", description=(
         "Eq. 3 with a negative numerator (the usual case: IP <= -τ). \"monotone\": num · λ1·R, under which "
         "a faster node always scores higher. \"quotient\": num / (λ1·R), as LeMix's code computes it "
@@ -56,6 +57,18 @@ class LemixParams(Strict):
         "inference task's planned response plus this quantile of how late first tokens came out against "
         "their plans (the latest 256, after 16) exceeds hold_share·τ_R. Plans cannot see every op the node "
         "will run first; this learns by how much they miss. null: no margin, as eq. 4 is written."))
+    backlog_aware: bool = Field(default=True, description=(
+        "Calibrated R (raycolo's extension, docs/online.md): each node's planned response, in eq. 3's "
+        "score and eq. 4's check, adds the work on that node its plans do not see: how late its latest "
+        "op ended against its plan, drained at one second per second since. Plans shift a late task's "
+        "own path, not the queue behind it, and cannot see decode iterations or a shared CPU. Eq. 4 then "
+        "takes no plan_error_quantile margin. false: R as planned."))
+    length_consistency: Literal["shape", "density"] = Field(default="shape", description=(
+        "LC of eq. 2. \"shape\": the Gaussian's shape exp(-z²/2) times τ (seconds, like IP; raycolo's), so "
+        "λ2·LC <= λ2·τ and with λ2 <= 1 the numerator of eq. 3 stays <= 0: LC breaks near-ties. "
+        "\"density\": N(ℓ; μ, σ) in 1/tokens, as the paper writes it; a node with a narrow length history "
+        "(short prompts, σ of a few tokens) then turns its numerator positive and outranks every other node "
+        "whatever its R (docs/online.md)."))
     slo_multiplier: float = Field(default=5.0, gt=0, le=BIG, description=(
         "τ_R of eq. 4: the response SLO, in forward latencies (the paper: \"e.g. 5x inference latency\")."))
     slo_ms: Optional[float] = Field(default=None, gt=0, le=MAX_SECONDS * 1e3, description=(

@@ -80,27 +80,33 @@ class Lemix(OnlinePolicy):
     def score(self, sched, task: OnlineTask, now: float, nodes) -> tuple[dict, dict]:
         """Algorithm 1's plan and eq. 3's score of the task on each of ``nodes`` (pure)."""
         p = self.params
-        slo = p.slo_s(sched.profiles[0].forward_latency_s)
+        # an idle node's gap counts up to the SLO in forward latencies (docs/online.md), so eq. 1's
+        # idle penalty stays within slo_multiplier·τ/tau of a busy node's whatever absolute SLO is set
+        idle_cap = p.slo_multiplier * sched.profiles[0].forward_latency_s
         traces, estimators, profiles = sched.traces, sched.estimators, sched.profiles
         global_gap = sched.interarrival if p.arrival_gap == "global" else None
         task_id, arrival, length, batch, is_train = task.task_id, task.arrival_s, task.length, task.batch, task.is_train
         tau, lambda1, lambda2, rule = p.tau, p.lambda1, p.lambda2, p.score_rule
+        shape = p.length_consistency == "shape"
         plans, scores = {}, {}
         # one estimator for every node (the cluster sets them all at once): one forward latency
         forward = estimators[0].forward_s(batch, length) if sched.uniform_estimator else None
         for n in nodes:
             trace = traces[n]
             plan = compute_idleness(trace, task_id, arrival, length, batch, is_train, estimators[n], now,
-                                    idle_cap=slo, forward=forward, batching=self.batching(sched, n))
+                                    idle_cap=idle_cap, forward=forward, batching=self.batching(sched, n))
             if global_gap is not None:
                 gap = global_gap
             else:
                 last = trace.last
                 gap = max(0.0, now - last.arrival_s) if last is not None else 0.0
-            ip = idleness_profit(plan.idle, trace.stages, gap, tau * profiles[n].forward_latency_s)
-            lc = length_consistency(length, trace.count, trace.length_mean, trace.length_std)
+            tau_s = tau * profiles[n].forward_latency_s
+            ip = idleness_profit(plan.idle, trace.stages, gap, tau_s)
+            lc = length_consistency(length, trace.count, trace.length_mean, trace.length_std,
+                                    tau_s if shape else None)
+            response = (plan.response + sched.backlog(n, now)) if p.backlog_aware else plan.response
             plans[n] = plan
-            scores[n] = priority(ip, lc, plan.response, lambda1, lambda2, rule)
+            scores[n] = priority(ip, lc, response, lambda1, lambda2, rule)
         return plans, scores
 
     def _nodes(self, sched, task: OnlineTask, now: float) -> tuple[list[int], bool]:
@@ -124,7 +130,9 @@ class Lemix(OnlinePolicy):
             return False
         arrival, length = nxt
         p = self.params
-        slo = p.hold_share * p.slo_s(sched.profiles[0].forward_latency_s) - sched.plan_margin(p.plan_error_quantile)
+        slo = p.hold_share * p.slo_s(sched.profiles[0].forward_latency_s)
+        if not p.backlog_aware:
+            slo -= sched.plan_margin(p.plan_error_quantile)
         if p.batch_aware:
             # the next inference task planned on every node as it would run: in its batch,
             # behind the forwards and backwards planned there (this task's on ``node``)
@@ -136,6 +144,9 @@ class Lemix(OnlinePolicy):
             traces, last = sched.traces, sched.stages - 1
             order = sorted((n for n in check if n != node), key=lambda n: traces[n].prev_end_f(last))
             order += [node] if node in check else []
+            if p.backlog_aware:
+                return all(self._next_response(sched, n, plan if n == node else None, arrival, length, now)
+                           + sched.backlog(n, now) > slo for n in order)
             return all(self._next_response(sched, n, plan if n == node else None, arrival, length, now) > slo
                        for n in order)
         stages = sched.stages

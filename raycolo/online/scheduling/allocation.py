@@ -18,7 +18,7 @@ placed on the node where it would answer soonest, would still exceed τ_R.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 MIN_SIGMA_TOKENS = 1.0
 
@@ -27,13 +27,18 @@ def idleness_profit(idle: float, stages: int, interarrival: float, tau: float) -
     return -max(idle / stages - interarrival, tau)
 
 
-def length_consistency(length: int, count: int, mean: float, std: float) -> float:
+def length_consistency(length: int, count: int, mean: float, std: float,
+                       shape_scale: Optional[float] = None) -> float:
     """Gaussian density of ``length`` under the node's lengths so far; 0 with fewer than
-    two (no spread to measure: a fresh node has no profile to be consistent with)."""
+    two (no spread to measure: a fresh node has no profile to be consistent with).
+    ``shape_scale``: the Gaussian's shape exp(-z²/2) times it instead (LC in seconds)."""
     if count < 2:
         return 0.0
     sigma = max(std, MIN_SIGMA_TOKENS)
-    return math.exp(-((length - mean) ** 2) / (2 * sigma * sigma)) / (sigma * math.sqrt(2 * math.pi))
+    shape = math.exp(-((length - mean) ** 2) / (2 * sigma * sigma))
+    if shape_scale is not None:
+        return shape * shape_scale
+    return shape / (sigma * math.sqrt(2 * math.pi))
 
 
 def priority(ip: float, lc: float, response: float, lambda1: float, lambda2: float,

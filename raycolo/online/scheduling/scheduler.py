@@ -69,6 +69,7 @@ class OnlineScheduler:
         self.index = NodeIndex(len(self.profiles))    # the traces in LeMix's orders
         self.trace_version = [0] * len(self.profiles)   # bumped whenever a node's trace may change
         self.path_nodes: dict[int, int] = {}            # task id -> node of its planned path
+        self.lateness = [(0.0, 0.0)] * len(self.profiles)  # node -> (latest first-token plan error, when)
         self._uniform: tuple = (None, False)            # (estimators list, all the same object)
 
     @property
@@ -190,6 +191,10 @@ class OnlineScheduler:
             planned = self.planned_first_token.pop(task_id, None)
             if planned is not None:
                 self.record_plan_error(end - planned)
+        st = path.stages[stage]
+        planned_end = st.end_f if kind == "forward" else st.end_b
+        if planned_end is not None:
+            self.lateness[self.path_nodes[task_id]] = (end - planned_end, end)
         calibrate(path, stage, kind, start, end)
         self.touch(self.path_nodes[task_id])
         if (kind == "backward" and stage == 0) or (kind == "forward" and stage == len(path.stages) - 1
@@ -204,6 +209,7 @@ class OnlineScheduler:
         trace = NodeTrace(old.stages, idle_since=now)
         trace.count, trace.length_mean, trace.length_m2 = old.count, old.length_mean, old.length_m2
         self.traces[node] = trace
+        self.lateness[node] = (0.0, now)
         self.touch(node)
         for task_id in task_ids:
             self.paths.pop(task_id, None)
@@ -231,6 +237,12 @@ class OnlineScheduler:
         if quantile is None or len(errors) < MIN_PLAN_ERRORS:
             return 0.0
         return max(0.0, errors[int(quantile * (len(errors) - 1))])
+
+    def backlog(self, node: int, now: float) -> float:
+        """Work on ``node`` that its plans do not see, in seconds: how late its latest first
+        token came against its plan, drained at one second per second since (at least 0)."""
+        late, at = self.lateness[node]
+        return max(0.0, late - max(0.0, now - at))
 
     def node_idle(self, node: int, now: float) -> None:
         """The executor found the node with nothing to do: idleness starts now."""
