@@ -88,13 +88,16 @@ class Lemix(OnlinePolicy):
         task_id, arrival, length, batch, is_train = task.task_id, task.arrival_s, task.length, task.batch, task.is_train
         tau, lambda1, lambda2, rule = p.tau, p.lambda1, p.lambda2, p.score_rule
         shape = p.length_consistency == "shape"
+        backlog = sched.backlog if p.backlog_aware else None
+        one_rule = self.batching(sched, nodes[0]) if nodes and sched.uniform_profile else False
         plans, scores = {}, {}
         # one estimator for every node (the cluster sets them all at once): one forward latency
         forward = estimators[0].forward_s(batch, length) if sched.uniform_estimator else None
         for n in nodes:
             trace = traces[n]
             plan = compute_idleness(trace, task_id, arrival, length, batch, is_train, estimators[n], now,
-                                    idle_cap=idle_cap, forward=forward, batching=self.batching(sched, n))
+                                    idle_cap=idle_cap, forward=forward,
+                                    batching=one_rule if one_rule is not False else self.batching(sched, n))
             if global_gap is not None:
                 gap = global_gap
             else:
@@ -104,7 +107,7 @@ class Lemix(OnlinePolicy):
             ip = idleness_profit(plan.idle, trace.stages, gap, tau_s)
             lc = length_consistency(length, trace.count, trace.length_mean, trace.length_std,
                                     tau_s if shape else None)
-            response = (plan.response + sched.backlog(n, now)) if p.backlog_aware else plan.response
+            response = plan.response + backlog(n, now) if backlog is not None else plan.response
             plans[n] = plan
             scores[n] = priority(ip, lc, response, lambda1, lambda2, rule)
         return plans, scores

@@ -14,7 +14,7 @@ import time
 from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from raycolo.online.scheduling.node_index import NodeIndex
 from raycolo.online.params import LemixParams
@@ -71,6 +71,8 @@ class OnlineScheduler:
         self.path_nodes: dict[int, int] = {}            # task id -> node of its planned path
         self.lateness = [(0.0, 0.0)] * len(self.profiles)  # node -> (latest first-token plan error, when)
         self._uniform: tuple = (None, False)            # (estimators list, all the same object)
+        self._uniform_profile: tuple = (None, False)    # (profiles list, all the same object)
+        self._every_node = tuple(range(len(self.profiles)))
 
     @property
     def nodes(self) -> int:
@@ -81,9 +83,11 @@ class OnlineScheduler:
         return self.profiles[0].stages
 
     @property
-    def placeable(self) -> list[int]:
+    def placeable(self) -> Sequence[int]:
         """The nodes new work may go to: those neither down nor restarting; while every
         node left is restarting, those (the work waits for them)."""
+        if not self.down and not self.restarting:
+            return self._every_node
         live = [m for m in range(self.nodes) if m not in self.down]
         return [m for m in live if m not in self.restarting] or live
 
@@ -104,6 +108,14 @@ class OnlineScheduler:
             first = self.estimators[0]
             self._uniform = (self.estimators, all(e is first for e in self.estimators))
         return self._uniform[1]
+
+    @property
+    def uniform_profile(self) -> bool:
+        """Every node has the same profile object (one batching rule for all of them)."""
+        if self._uniform_profile[0] is not self.profiles:
+            first = self.profiles[0]
+            self._uniform_profile = (self.profiles, all(p is first for p in self.profiles))
+        return self._uniform_profile[1]
 
     # -- arrivals ------------------------------------------------------------------------
     def submit(self, task: OnlineTask, now: float) -> Optional[Decision]:
@@ -242,7 +254,10 @@ class OnlineScheduler:
         """Work on ``node`` that its plans do not see, in seconds: how late its latest first
         token came against its plan, drained at one second per second since (at least 0)."""
         late, at = self.lateness[node]
-        return max(0.0, late - max(0.0, now - at))
+        if late <= 0.0:
+            return 0.0
+        late -= now - at if now > at else 0.0
+        return late if late > 0.0 else 0.0
 
     def node_idle(self, node: int, now: float) -> None:
         """The executor found the node with nothing to do: idleness starts now."""
