@@ -89,7 +89,7 @@ class Lemix(OnlinePolicy):
         tau, lambda1, lambda2, rule = p.tau, p.lambda1, p.lambda2, p.score_rule
         shape = p.length_consistency == "shape"
         backlog = sched.backlog if p.backlog_aware else None
-        one_rule = self.batching(sched, nodes[0]) if nodes and sched.uniform_profile else False
+        one_rule = self.batching(sched, 0) if sched.uniform_profile else False
         plans, scores = {}, {}
         # one estimator for every node (the cluster sets them all at once): one forward latency
         forward = estimators[0].forward_s(batch, length) if sched.uniform_estimator else None
