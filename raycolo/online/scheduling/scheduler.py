@@ -71,7 +71,8 @@ class OnlineScheduler:
         self.path_nodes: dict[int, int] = {}            # task id -> node of its planned path
         self.lateness = [(0.0, 0.0)] * len(self.profiles)  # node -> (latest first-token plan error, when)
         self._uniform: tuple = (None, False)            # (estimators list, all the same object)
-        self._uniform_profile: tuple = (None, False)    # (profiles list, all the same object)
+        # every node has the same profile object (one batching rule for all); profiles never change
+        self.uniform_profile = all(p is self.profiles[0] for p in self.profiles)
         self._every_node = tuple(range(len(self.profiles)))
 
     @property
@@ -108,14 +109,6 @@ class OnlineScheduler:
             first = self.estimators[0]
             self._uniform = (self.estimators, all(e is first for e in self.estimators))
         return self._uniform[1]
-
-    @property
-    def uniform_profile(self) -> bool:
-        """Every node has the same profile object (one batching rule for all of them)."""
-        if self._uniform_profile[0] is not self.profiles:
-            first = self.profiles[0]
-            self._uniform_profile = (self.profiles, all(p is first for p in self.profiles))
-        return self._uniform_profile[1]
 
     # -- arrivals ------------------------------------------------------------------------
     def submit(self, task: OnlineTask, now: float) -> Optional[Decision]:
