@@ -34,11 +34,16 @@ def pytest_unconfigure(config):
     """Leave with pytest's own exit status once every report is written, without the
     interpreter's teardown: a fresh-clone run (814 passed) once died there with SIGSEGV,
     after the summary, as the threads that Ray's driver and torch leave behind were torn
-    down, and make took the crash for a failed suite."""
+    down, and make took the crash for a failed suite. Only where pytest is the program
+    (``pytest``, ``python -m pytest``): a tool that runs pytest in its own process, as
+    mutmut does for every mutant, must get control back."""
     import os
     import sys
 
-    if "status" in _EXIT:
+    program = sys.argv[0] if sys.argv else ""
+    by_pytest = (os.path.basename(program).startswith(("pytest", "py.test"))
+                 or os.path.basename(os.path.dirname(program)) == "pytest")
+    if "status" in _EXIT and by_pytest:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_EXIT["status"])
