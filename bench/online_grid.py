@@ -38,6 +38,7 @@ from pydantic import ValidationError
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from raycolo.bounds import describe  # noqa: E402
 from raycolo.online.config import OnlineConfig  # noqa: E402
 from raycolo.online.params import LemixParams  # noqa: E402
 from raycolo.online.policies import make_online_policy  # noqa: E402
@@ -178,8 +179,7 @@ def main(argv=None) -> int:
     try:
         LemixParams(**overrides)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        ap.error(f"--set {'.'.join(map(str, err['loc']))}: {err['msg']}")
+        ap.error(f"--set {describe(exc)}")
     models, arrivals = args.models.split(","), args.arrivals.split(",")
     alphas = tuple(float(a) for a in args.alphas.split(","))
     for m in models:

@@ -61,8 +61,9 @@ class LemixParams(Strict):
         "Calibrated R (raycolo's extension, docs/online.md): each node's planned response, in eq. 3's "
         "score and eq. 4's check, adds the work on that node its plans do not see: how late its latest "
         "op ended against its plan, drained at one second per second since. Plans shift a late task's "
-        "own path, not the queue behind it, and cannot see decode iterations or a shared CPU. Eq. 4 then "
-        "takes no plan_error_quantile margin. false: R as planned."))
+        "own path, not the queue behind it, and cannot see decode iterations or a shared CPU. Eq. 4's "
+        "batch-aware check then takes no plan_error_quantile margin (with batch_aware false it keeps the "
+        "margin and adds no backlog). false: R as planned."))
     length_consistency: Literal["shape", "density"] = Field(default="shape", description=(
         "LC of eq. 2. \"shape\": the Gaussian's shape exp(-z²/2) times τ (seconds, like IP; raycolo's), so "
         "λ2·LC <= λ2·τ and with λ2 <= 1 the numerator of eq. 3 stays <= 0: LC breaks near-ties. "

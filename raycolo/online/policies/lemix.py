@@ -89,7 +89,7 @@ class Lemix(OnlinePolicy):
         tau, lambda1, lambda2, rule = p.tau, p.lambda1, p.lambda2, p.score_rule
         shape = p.length_consistency == "shape"
         backlog = sched.backlog if p.backlog_aware else None
-        one_rule = self.batching(sched, 0) if sched.uniform_profile else False
+        shared_rule = self.batching(sched, 0) if sched.uniform_profile else None   # one profile: one rule
         plans, scores = {}, {}
         # one estimator for every node (the cluster sets them all at once): one forward latency
         forward = estimators[0].forward_s(batch, length) if sched.uniform_estimator else None
@@ -97,7 +97,7 @@ class Lemix(OnlinePolicy):
             trace = traces[n]
             plan = compute_idleness(trace, task_id, arrival, length, batch, is_train, estimators[n], now,
                                     idle_cap=idle_cap, forward=forward,
-                                    batching=one_rule if one_rule is not False else self.batching(sched, n))
+                                    batching=shared_rule if sched.uniform_profile else self.batching(sched, n))
             if global_gap is not None:
                 gap = global_gap
             else:
@@ -134,7 +134,9 @@ class Lemix(OnlinePolicy):
         arrival, length = nxt
         p = self.params
         slo = p.hold_share * p.slo_s(sched.profiles[0].forward_latency_s)
-        if not p.backlog_aware:
+        # each node's backlog calibrates the batch-aware check; without it, the global margin does
+        backlog = sched.backlog if p.backlog_aware and p.batch_aware else None
+        if backlog is None:
             slo -= sched.plan_margin(p.plan_error_quantile)
         if p.batch_aware:
             # the next inference task planned on every node as it would run: in its batch,
@@ -147,11 +149,8 @@ class Lemix(OnlinePolicy):
             traces, last = sched.traces, sched.stages - 1
             order = sorted((n for n in check if n != node), key=lambda n: traces[n].prev_end_f(last))
             order += [node] if node in check else []
-            if p.backlog_aware:
-                return all(self._next_response(sched, n, plan if n == node else None, arrival, length, now)
-                           + sched.backlog(n, now) > slo for n in order)
-            return all(self._next_response(sched, n, plan if n == node else None, arrival, length, now) > slo
-                       for n in order)
+            return all(self._next_response(sched, n, plan if n == node else None, arrival, length, now)
+                       + (backlog(n, now) if backlog is not None else 0.0) > slo for n in order)
         stages = sched.stages
         free, forward = [], []
         if scanned:

@@ -69,7 +69,7 @@ class OnlineScheduler:
         self.index = NodeIndex(len(self.profiles))    # the traces in LeMix's orders
         self.trace_version = [0] * len(self.profiles)   # bumped whenever a node's trace may change
         self.path_nodes: dict[int, int] = {}            # task id -> node of its planned path
-        self.lateness = [(0.0, 0.0)] * len(self.profiles)  # node -> (latest first-token plan error, when)
+        self.lateness = [(0.0, 0.0)] * len(self.profiles)  # node -> (its latest op's end minus plan, when)
         self._uniform: tuple = (None, False)            # (estimators list, all the same object)
         # every node has the same profile object (one batching rule for all); profiles never change
         self.uniform_profile = all(p is self.profiles[0] for p in self.profiles)
@@ -244,8 +244,8 @@ class OnlineScheduler:
         return max(0.0, errors[int(quantile * (len(errors) - 1))])
 
     def backlog(self, node: int, now: float) -> float:
-        """Work on ``node`` that its plans do not see, in seconds: how late its latest first
-        token came against its plan, drained at one second per second since (at least 0)."""
+        """Work on ``node`` that its plans do not see, in seconds: how late its latest op
+        ended against its plan, drained at one second per second since (at least 0)."""
         late, at = self.lateness[node]
         if late <= 0.0:
             return 0.0
