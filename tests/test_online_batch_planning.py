@@ -8,6 +8,7 @@ import pytest
 from raycolo.online.params import LemixParams
 from raycolo.online.policies import make_online_policy
 from raycolo.online.policies.lemix import Lemix
+from raycolo.online.scheduling.allocation import best_node
 from raycolo.online.profiles import preset
 from raycolo.online.scheduling.batch_rule import BatchRule
 from raycolo.online.scheduling.node import NodeScheduler
@@ -206,6 +207,65 @@ class Fixed:
 
     def backward_s(self, batch, length):
         return self.backward
+
+
+@pytest.mark.parametrize("busy_until, surely, held", [
+    (0.11, True, True),     # R′ without the task .11 + .05 = .16 > .15: held before any planning
+    (0.09, False, True),    # R′ without it .14; with it (forward [.09, .14], backward to .18) .23
+    (0.00, False, False),   # as in the eq. 4 cases above: R′ = .14 with the task, not held
+])
+def test_a_training_task_is_surely_held_only_where_eq4_holds_it(busy_until, surely, held):
+    """S = 1, τ_R .15 (hold_share 1), T_w .015, forward .05, backward .04, one node busy
+    until ``busy_until``. The precheck's bound with the task: its forward after the node's
+    last one, then the next inference task's (.11: .16 + .05 = .21). It answers only where
+    the full eq. 4 check would hold the task, and may leave a held one to it (.09)."""
+    params = LemixParams(hold_share=1.0)
+    sched = OnlineScheduler(Lemix(params), [preset("gpt-400m", stages=1)], [Fixed(0.05, 0.04)], params)
+    sched.inference_length, sched.last_inference_s, sched.inference_gap_s = 10.0, 0.0, 0.0
+    sched.traces[0].idle_since = busy_until
+    task = OnlineTask(7, "train", 0.0, 10, 1)
+    assert sched.policy._surely_held(sched, task, now=0.0) == surely
+    assert (sched.policy.allocate(task, sched, now=0.0) is None) == held
+
+
+class _Checked(Lemix):
+    """LeMix that also runs the full eq. 4 check wherever the precheck answers."""
+
+    def _surely_held(self, sched, task, now):
+        surely = super()._surely_held(sched, task, now)
+        nodes, scanned = self._nodes(sched, task, now)
+        plans, scores = self.score(sched, task, now, nodes)
+        n = best_node(scores)
+        self.seen.append((surely, self._at_risk(sched, n, plans[n], now, scanned, nodes)))
+        return surely
+
+
+class _Unchecked(Lemix):
+    def _surely_held(self, sched, task, now):
+        return False
+
+
+@pytest.mark.parametrize("model, rate, alpha, overrides", [
+    ("gpt-2.5b", 150, 0.5, {}),
+    ("gpt-2.5b", 150, 0.5, {"scan_nodes": 2}),          # the node index's candidates
+    ("gpt-2.5b", 150, 0.5, {"backlog_aware": False}),   # the plan-error margin instead
+    ("llama-70b", 25, 0.15, {}),
+])
+def test_the_held_precheck_never_changes_a_decision(model, rate, alpha, overrides):
+    """Past saturation most training decisions are held; the precheck must answer only
+    where Algorithm 1 + eq. 4 would hold (checked on every decision) and leave the run
+    identical to one without it."""
+    work = poisson_workload(rate, alpha, 500, seed=3)
+    profile, params = preset(model, 2), LemixParams(**overrides)
+    checked = _Checked(params)
+    checked.seen = []
+    runs = [simulate(work, profile, 4, policy, params) for policy in (checked, _Unchecked(params))]
+    assert all(full for surely, full in checked.seen if surely)
+    assert sum(surely for surely, _ in checked.seen) > 0.2 * len(checked.seen)
+    a, b = (r.summary() for r in runs)
+    for key in ("decision_us_mean", "decision_us_p50", "decision_us_p99"):
+        a.pop(key, None), b.pop(key, None)
+    assert a == b and runs[0].deferred_max == runs[1].deferred_max
 
 
 def test_grid_slice_default_policy_at_least_mix_rr_on_slo():

@@ -39,6 +39,8 @@ class Lemix(OnlinePolicy):
                            profile.backward_latency_s / profile.stages)
 
     def allocate(self, task: OnlineTask, sched, now: float) -> Optional[int]:
+        if task.is_train and self.capabilities.prioritize and self._surely_held(sched, task, now):
+            return None
         nodes, scanned = self._nodes(sched, task, now)
         plans, scores = self.score(sched, task, now, nodes)
         n = best_node(scores)
@@ -124,6 +126,50 @@ class Lemix(OnlinePolicy):
         found = sched.index.candidates(at, task.length, sched.preferred, p.candidate_window, p.candidate_lengths)
         return (found, False) if found else (sched.placeable, True)
 
+    def _threshold(self, sched) -> tuple[float, Optional[object]]:
+        """Eq. 4's threshold on R′, and the per-node backlog added to R′ (or None)."""
+        p = self.params
+        slo = p.hold_share * p.slo_s(sched.profiles[0].forward_latency_s)
+        # each node's backlog calibrates the batch-aware check; without it, the global margin does
+        backlog = sched.backlog if p.backlog_aware and p.batch_aware else None
+        if backlog is None:
+            slo -= sched.plan_margin(p.plan_error_quantile)
+        return slo, backlog
+
+    def _surely_held(self, sched, task: OnlineTask, now: float) -> bool:
+        """Eq. 4 (batch-aware) would hold this training task wherever Algorithm 1 placed it,
+        decided without planning it: on every placeable node, a lower bound of R′ that holds
+        both without the task and with it committed there exceeds the threshold. Exact: it
+        answers True only where :meth:`_at_risk` would, so a backlog of held tasks retried
+        on every event costs O(S) per node plus R′ of the nodes whose trace moved.
+
+        The bound with the task: its forward chain and the next inference task's, each stage
+        starting no earlier than the previous stage's end and the node's last planned
+        forward (the far-dependency walk and the backward only delay them)."""
+        if not self.params.batch_aware:
+            return False
+        nxt = sched.next_inference(now)
+        if nxt is None:
+            return False
+        arrival, length = nxt
+        slo, backlog = self._threshold(sched)
+        stages, traces, estimators = sched.stages, sched.traces, sched.estimators
+        for n in sched.placeable:
+            trace, estimator = traces[n], estimators[n]
+            late = backlog(n, now) if backlog is not None else 0.0   # the same sums as _at_risk's
+            train = estimator.forward_s(task.batch, task.length)
+            serve = estimator.forward_s(1, length)
+            rule = self.batching(sched, n)
+            end = arrival if rule.full(1) else rule.closes_at(arrival)
+            own = task.arrival_s if task.arrival_s > now else now
+            for s in range(stages):
+                prev = trace.prev_end_f(s)
+                own = (own if own > prev else prev) + train
+                end = (end if end > own else own) + serve
+            if end - arrival + late <= slo or self._next_response(sched, n, None, arrival, length, now) + late <= slo:
+                return False
+        return True
+
     def _at_risk(self, sched, node: int, plan, now: float, scanned: bool = True, nodes=()) -> bool:
         """Eq. 4 with this training task placed on ``node``. Unscanned (many nodes, one
         estimator): the other nodes are the planned ``nodes`` and the one the index says
@@ -133,11 +179,7 @@ class Lemix(OnlinePolicy):
             return False
         arrival, length = nxt
         p = self.params
-        slo = p.hold_share * p.slo_s(sched.profiles[0].forward_latency_s)
-        # each node's backlog calibrates the batch-aware check; without it, the global margin does
-        backlog = sched.backlog if p.backlog_aware and p.batch_aware else None
-        if backlog is None:
-            slo -= sched.plan_margin(p.plan_error_quantile)
+        slo, backlog = self._threshold(sched)
         if p.batch_aware:
             # the next inference task planned on every node as it would run: in its batch,
             # behind the forwards and backwards planned there (this task's on ``node``)
