@@ -12,8 +12,12 @@ runs), on the same task lists:
    indexed run's decisions that pick the node the exhaustive scan picks on the same state
    (a shadow scan at every decision of the indexed run), over a grid of node counts, load
    levels, training shares and seeds. Medians over seeds; ratios indexed / exhaustive.
+3. **Against the paper-literal planner** (``raycolo.online.params.PAPER_LITERAL``), 4 × 2,
+   α 0.5, one cell below saturation and one past it: µs per decision, decisions per task
+   (held training tasks are decided again on every event), µs per task, and what the
+   decisions bought (SLO attainment). Medians of ``--repeats`` interleaved passes.
 
-    .venv/bin/python bench/decision.py [--quick] [--tasks 4000] [--seeds 3]
+    .venv/bin/python bench/decision.py [--quick] [--tasks 4000] [--seeds 3] [--only paper]
         [--json out/bench_decision.json]
 """
 from __future__ import annotations
@@ -30,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from common import write_json  # noqa: E402
 from raycolo.online.scheduling.allocation import best_node  # noqa: E402
-from raycolo.online.params import LemixParams  # noqa: E402
+from raycolo.online.params import PAPER_LITERAL, LemixParams  # noqa: E402
 from raycolo.online.scheduling.planning import commit  # noqa: E402
 from raycolo.online.profiles import preset  # noqa: E402
 from raycolo.online.simulation.sim import ClusterSimulator  # noqa: E402
@@ -173,6 +177,40 @@ def quality_table(args, report):
     report["quality"] = rows
 
 
+PAPER_CELLS = (("llama-8b", 50.0), ("gpt-2.5b", 150.0))   # (model, rps) at 4 × 2: below and past saturation
+
+
+def paper_table(args, report):
+    tasks = min(args.tasks, 2000)
+    print(f"\n## 3. Against the paper-literal planner: 4 x {STAGES}, alpha 0.5, {tasks} tasks, seed 0, "
+          f"medians of {args.repeats} interleaved passes\n")
+    print("| cell | planner | us/decision | decisions/task | us/task | SLO attainment |")
+    print("|---|---|---:|---:|---:|---:|")
+    rows = []
+    for model, rate in PAPER_CELLS:
+        work = poisson_workload(rate, 0.5, tasks, seed=0)
+        runs = {"default": [], "paper-literal": []}
+        for _ in range(args.repeats):
+            for name, overrides in (("default", {}), ("paper-literal", PAPER_LITERAL)):
+                params = LemixParams(**overrides)
+                sim = ClusterSimulator(work, preset(model, STAGES), 4,
+                                       make_online_policy("lemix", params, nodes=4, train_rate=0.5), params)
+                result = sim.run()
+                decisions = sim.cluster.scheduler.decisions
+                runs[name].append((result.decision_us_mean, decisions / tasks,
+                                   sim.cluster.scheduler.decision_us_total / tasks, result.slo_attainment))
+        cell = {}
+        for name, values in runs.items():
+            us, per_task, us_task, slo = (statistics.median(v[k] for v in values) for k in range(4))
+            cell[name] = us_task
+            rows.append({"model": model, "rps": rate, "planner": name, "us_per_decision": us,
+                         "decisions_per_task": per_task, "us_per_task": us_task, "slo_attainment": slo})
+            print(f"| {model}, {rate:g} rps | {name} | {us:.1f} | {per_task:.2f} | {us_task:.1f} | {slo:.3f} |")
+        print(f"| {model}, {rate:g} rps | default / paper-literal per task | | | "
+              f"{cell['default'] / cell['paper-literal']:.2f} | |")
+    report["paper_literal"] = rows
+
+
 def floats(text):
     return [float(x) for x in text.split(",")]
 
@@ -193,14 +231,16 @@ def main() -> int:
     ap.add_argument("--alphas", type=floats, default=[0.1, 0.5])
     ap.add_argument("--per-node-rps", type=float, default=12.5)
     ap.add_argument("--alpha", type=float, default=0.5)
+    ap.add_argument("--only", choices=("cost", "quality", "paper"), default=None, help="one section")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.quick:
         args.tasks, args.seeds, args.repeats = 1000, 1, 1
         args.nodes, args.quality_nodes, args.loads, args.alphas = [4, 64, 1024], [64], [12.5], [0.5]
     report = {"model": MODEL, "stages": STAGES, "tasks": args.tasks}
-    cost_table(args, report)
-    quality_table(args, report)
+    for name, section in (("cost", cost_table), ("quality", quality_table), ("paper", paper_table)):
+        if args.only in (None, name):
+            section(args, report)
     if args.json:
         write_json(args.json, report)
     return 0

@@ -133,3 +133,10 @@ class LemixParams(Strict):
 
     def slo_s(self, forward_latency_s: float) -> float:
         return self.slo_ms / 1e3 if self.slo_ms is not None else self.slo_multiplier * forward_latency_s
+
+
+# LeMix as the paper writes it, over raycolo's extensions: Algorithm 1 and eq. 4 with each task
+# its own forward, eq. 4 at τ_R without margin or backlogs, LC a density (with λ2 1, raycolo's
+# earlier default). ``LemixParams(**PAPER_LITERAL)``; bench/decision.py compares the two.
+PAPER_LITERAL = {"batch_aware": False, "hold_share": 1.0, "plan_error_quantile": None, "backlog_aware": False,
+                 "length_consistency": "density", "lambda2": 1.0}

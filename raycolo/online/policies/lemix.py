@@ -154,9 +154,10 @@ class Lemix(OnlinePolicy):
         arrival, length = nxt
         slo, backlog = self._threshold(sched)
         stages, traces, estimators = sched.stages, sched.traces, sched.estimators
-        for n in sched.placeable:
+        lates = {}
+        for n in sched.placeable:            # the bounds with the task first: O(S) each
             trace, estimator = traces[n], estimators[n]
-            late = backlog(n, now) if backlog is not None else 0.0   # the same sums as _at_risk's
+            late = lates[n] = backlog(n, now) if backlog is not None else 0.0   # the same sums as _at_risk's
             train = estimator.forward_s(task.batch, task.length)
             serve = estimator.forward_s(1, length)
             rule = self.batching(sched, n)
@@ -166,9 +167,10 @@ class Lemix(OnlinePolicy):
                 prev = trace.prev_end_f(s)
                 own = (own if own > prev else prev) + train
                 end = (end if end > own else own) + serve
-            if end - arrival + late <= slo or self._next_response(sched, n, None, arrival, length, now) + late <= slo:
+            if end - arrival + late <= slo:
                 return False
-        return True
+        return all(self._next_response(sched, n, None, arrival, length, now) + late > slo
+                   for n, late in lates.items())
 
     def _at_risk(self, sched, node: int, plan, now: float, scanned: bool = True, nodes=()) -> bool:
         """Eq. 4 with this training task placed on ``node``. Unscanned (many nodes, one
