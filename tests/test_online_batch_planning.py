@@ -231,8 +231,8 @@ def test_a_training_task_is_surely_held_only_where_eq4_holds_it(busy_until, sure
 class _Checked(Lemix):
     """LeMix that also runs the full eq. 4 check wherever the precheck answers."""
 
-    def _surely_held(self, sched, task, now):
-        surely = super()._surely_held(sched, task, now)
+    def _surely_held(self, sched, task, now, hold=None):
+        surely = super()._surely_held(sched, task, now, hold)
         nodes, scanned = self._nodes(sched, task, now)
         plans, scores = self.score(sched, task, now, nodes)
         n = best_node(scores)
@@ -241,7 +241,7 @@ class _Checked(Lemix):
 
 
 class _Unchecked(Lemix):
-    def _surely_held(self, sched, task, now):
+    def _surely_held(self, sched, task, now, hold=None):
         return False
 
 

@@ -39,12 +39,13 @@ class Lemix(OnlinePolicy):
                            profile.backward_latency_s / profile.stages)
 
     def allocate(self, task: OnlineTask, sched, now: float) -> Optional[int]:
-        if task.is_train and self.capabilities.prioritize and self._surely_held(sched, task, now):
+        hold = self._hold(sched, now) if task.is_train and self.capabilities.prioritize else None
+        if hold is not None and self._surely_held(sched, task, now, hold):
             return None
         nodes, scanned = self._nodes(sched, task, now)
         plans, scores = self.score(sched, task, now, nodes)
         n = best_node(scores)
-        if task.is_train and self.capabilities.prioritize and self._at_risk(sched, n, plans[n], now, scanned, nodes):
+        if hold is not None and self._at_risk(sched, n, plans[n], now, scanned, nodes, hold):
             return None
         sched.pending_path = commit_plan(sched.traces[n], plans[n], now)
         return n
@@ -126,17 +127,22 @@ class Lemix(OnlinePolicy):
         found = sched.index.candidates(at, task.length, sched.preferred, p.candidate_window, p.candidate_lengths)
         return (found, False) if found else (sched.placeable, True)
 
-    def _threshold(self, sched) -> tuple[float, Optional[object]]:
-        """Eq. 4's threshold on R′, and the per-node backlog added to R′ (or None)."""
+    def _hold(self, sched, now: float) -> Optional[tuple]:
+        """What eq. 4 checks against, once per decision: (the next inference task's
+        predicted arrival a′, its length ℓ′, the threshold on R′, the per-node backlog added
+        to R′ or None); None when nothing is predicted (nothing is held)."""
+        nxt = sched.next_inference(now)
+        if nxt is None:
+            return None
         p = self.params
         slo = p.hold_share * p.slo_s(sched.profiles[0].forward_latency_s)
         # each node's backlog calibrates the batch-aware check; without it, the global margin does
         backlog = sched.backlog if p.backlog_aware and p.batch_aware else None
         if backlog is None:
             slo -= sched.plan_margin(p.plan_error_quantile)
-        return slo, backlog
+        return nxt[0], nxt[1], slo, backlog
 
-    def _surely_held(self, sched, task: OnlineTask, now: float) -> bool:
+    def _surely_held(self, sched, task: OnlineTask, now: float, hold: Optional[tuple] = None) -> bool:
         """Eq. 4 (batch-aware) would hold this training task wherever Algorithm 1 placed it,
         decided without planning it: on every placeable node, a lower bound of R′ that holds
         both without the task and with it committed there exceeds the threshold. Exact: it
@@ -146,42 +152,45 @@ class Lemix(OnlinePolicy):
         The bound with the task: its forward chain and the next inference task's, each stage
         starting no earlier than the previous stage's end and the node's last planned
         forward (the far-dependency walk and the backward only delay them)."""
-        if not self.params.batch_aware:
+        hold = hold if hold is not None else self._hold(sched, now)
+        if not self.params.batch_aware or hold is None:
             return False
-        nxt = sched.next_inference(now)
-        if nxt is None:
-            return False
-        arrival, length = nxt
-        slo, backlog = self._threshold(sched)
+        arrival, length, slo, backlog = hold
+        placeable = sched.placeable
         stages, traces, estimators = sched.stages, sched.traces, sched.estimators
+        uniform = sched.uniform_estimator and sched.uniform_profile
+        train = serve = close = None
         lates = {}
-        for n in sched.placeable:            # the bounds with the task first: O(S) each
-            trace, estimator = traces[n], estimators[n]
+        for n in placeable:                  # the bounds with the task first: O(S) each
+            trace = traces[n]
             late = lates[n] = backlog(n, now) if backlog is not None else 0.0   # the same sums as _at_risk's
-            train = estimator.forward_s(task.batch, task.length)
-            serve = estimator.forward_s(1, length)
-            rule = self.batching(sched, n)
-            end = arrival if rule.full(1) else rule.closes_at(arrival)
-            own = task.arrival_s if task.arrival_s > now else now
+            if close is None or not uniform:
+                estimator, rule = estimators[n], self.batching(sched, n)
+                train = estimator.forward_s(task.batch, task.length)
+                serve = estimator.forward_s(1, length)
+                close = arrival if rule.full(1) else rule.closes_at(arrival)
+            own, end = (task.arrival_s if task.arrival_s > now else now), close
             for s in range(stages):
                 prev = trace.prev_end_f(s)
                 own = (own if own > prev else prev) + train
                 end = (end if end > own else own) + serve
             if end - arrival + late <= slo:
                 return False
-        return all(self._next_response(sched, n, None, arrival, length, now) + late > slo
-                   for n, late in lates.items())
+        # then R′ without it, least busy first as _at_risk orders them (it reuses the cached R′)
+        last = stages - 1
+        return all(self._next_response(sched, n, None, arrival, length, now) + lates[n] > slo
+                   for n in sorted(lates, key=lambda n: traces[n].prev_end_f(last)))
 
-    def _at_risk(self, sched, node: int, plan, now: float, scanned: bool = True, nodes=()) -> bool:
-        """Eq. 4 with this training task placed on ``node``. Unscanned (many nodes, one
-        estimator): the other nodes are the planned ``nodes`` and the one the index says
-        finishes first."""
-        nxt = sched.next_inference(now)
-        if nxt is None:
+    def _at_risk(self, sched, node: int, plan, now: float, scanned: bool = True, nodes=(),
+                 hold: Optional[tuple] = None) -> bool:
+        """Eq. 4 with this training task placed on ``node`` (``hold``: :meth:`_hold`'s, if
+        the caller has it). Unscanned (many nodes, one estimator): the other nodes are the
+        planned ``nodes`` and the one the index says finishes first."""
+        hold = hold if hold is not None else self._hold(sched, now)
+        if hold is None:
             return False
-        arrival, length = nxt
+        arrival, length, slo, backlog = hold
         p = self.params
-        slo, backlog = self._threshold(sched)
         if p.batch_aware:
             # the next inference task planned on every node as it would run: in its batch,
             # behind the forwards and backwards planned there (this task's on ``node``)

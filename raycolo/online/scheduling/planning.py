@@ -223,10 +223,9 @@ def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: i
         gap = start - prev_end
         idle += (gap if gap < idle_cap else idle_cap) - offset            # line 19
         spans.append((start, end))
-    return PlanResult(idle, end - arrival_s, spans,                      # line 20
-                      (task_id, is_train, arrival_s, length, batch), trace, estimator,
-                      batching=batching, joined=joined, base=prev, close_s=close, queries=queries,
-                      longest=longest)
+    # line 20 (positional, in PlanResult's field order: built once per node per decision)
+    return PlanResult(idle, end - arrival_s, spans, (task_id, is_train, arrival_s, length, batch), trace, estimator,
+                      None, batching, joined, prev, close, queries, longest)
 
 
 def plan_backward(path: TaskPath, trace: NodeTrace, estimator: LatencyEstimator) -> None:
