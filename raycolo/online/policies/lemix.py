@@ -31,6 +31,7 @@ class Lemix(OnlinePolicy):
         self.capabilities = PolicyCapabilities(prioritize=self.prioritize, memory_aware=self.memory_aware)
         self._rules: dict = {}         # id(profile) -> (profile, its BatchRule)
         self._responses: dict = {}     # node -> ((trace version, a′, ℓ′, estimator), R′): eq. 4's cache
+        self._holding = False          # the last training task eq. 4 decided was held
 
     def estimator(self, profile):
         if self.profiled:
@@ -40,13 +41,16 @@ class Lemix(OnlinePolicy):
 
     def allocate(self, task: OnlineTask, sched, now: float) -> Optional[int]:
         hold = self._hold(sched, now) if task.is_train and self.capabilities.prioritize else None
-        if hold is not None and self._surely_held(sched, task, now, hold):
+        # the precheck pays where holding is the rule (the last training decision held)
+        if hold is not None and self._holding and self._surely_held(sched, task, now, hold):
             return None
         nodes, scanned = self._nodes(sched, task, now)
         plans, scores = self.score(sched, task, now, nodes)
         n = best_node(scores)
-        if hold is not None and self._at_risk(sched, n, plans[n], now, scanned, nodes, hold):
-            return None
+        if hold is not None:
+            self._holding = self._at_risk(sched, n, plans[n], now, scanned, nodes, hold)
+            if self._holding:
+                return None
         sched.pending_path = commit_plan(sched.traces[n], plans[n], now)
         return n
 
