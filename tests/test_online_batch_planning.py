@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from raycolo.online.params import LemixParams
+from raycolo.online.params import PAPER_LITERAL, LemixParams
 from raycolo.online.policies import make_online_policy
 from raycolo.online.policies.lemix import Lemix
 from raycolo.online.scheduling.allocation import best_node
@@ -277,3 +277,6 @@ def test_grid_slice_default_policy_at_least_mix_rr_on_slo():
     rr = simulate(work, profile, 4, make_online_policy("mix-rr", params, nodes=4, train_rate=0.5), params)
     assert default.slo_attainment >= rr.slo_attainment, (default.slo_attainment, rr.slo_attainment)
     assert default.throughput >= rr.throughput * 0.95
+    literal = LemixParams(**PAPER_LITERAL)        # the paper's equations as written lose this cell
+    paper = simulate(work, profile, 4, make_online_policy("lemix", literal, nodes=4, train_rate=0.5), literal)
+    assert paper.slo_attainment < rr.slo_attainment <= default.slo_attainment
