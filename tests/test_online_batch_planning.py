@@ -12,7 +12,7 @@ from raycolo.online.scheduling.allocation import best_node
 from raycolo.online.profiles import preset
 from raycolo.online.scheduling.batch_rule import BatchRule
 from raycolo.online.scheduling.node import NodeScheduler
-from raycolo.online.scheduling.planning import NodeTrace, commit_plan, compute_idleness
+from raycolo.online.scheduling.planning import NodeTrace, commit_plan, compute_idleness, response_upper_bound
 from raycolo.online.scheduling.scheduler import OnlineScheduler
 from raycolo.online.simulation.sim import simulate
 from raycolo.online.tasks import OnlineTask, poisson_workload
@@ -229,7 +229,12 @@ def test_a_training_task_is_surely_held_only_where_eq4_holds_it(busy_until, sure
 
 
 class _Checked(Lemix):
-    """LeMix that also runs the full eq. 4 check wherever the precheck answers."""
+    """LeMix that also runs the full eq. 4 check wherever the held precheck answers, and
+    plans R′ exactly wherever the upper bound of eq. 4's below-saturation shortcut is taken."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.seen, self.bounds, self.answered = [], [], 0
 
     def _surely_held(self, sched, task, now, hold=None):
         surely = super()._surely_held(sched, task, now, hold)
@@ -239,33 +244,74 @@ class _Checked(Lemix):
         self.seen.append((surely, self._at_risk(sched, n, plans[n], now, scanned, nodes)))
         return surely
 
+    def _answers_in_time(self, sched, order, arrival, length, slo, backlog, now):
+        answered = super()._answers_in_time(sched, order, arrival, length, slo, backlog, now)
+        self.answered += answered
+        n, rule = order[0], self.batching(sched, order[0])
+        bound = response_upper_bound(sched.traces[n], arrival, length, sched.estimators[n], rule)
+        exact = compute_idleness(sched.traces[n], -1, arrival, length, 1, False, sched.estimators[n], now,
+                                 batching=rule).response
+        self.bounds.append((bound, exact))
+        return answered
+
 
 class _Unchecked(Lemix):
     def _surely_held(self, sched, task, now, hold=None):
         return False
 
+    def _answers_in_time(self, sched, order, arrival, length, slo, backlog, now):
+        return False
 
-@pytest.mark.parametrize("model, rate, alpha, overrides", [
-    ("gpt-2.5b", 150, 0.5, {}),
-    ("gpt-2.5b", 150, 0.5, {"scan_nodes": 2}),          # the node index's candidates
-    ("gpt-2.5b", 150, 0.5, {"backlog_aware": False}),   # the plan-error margin instead
-    ("llama-70b", 25, 0.15, {}),
+
+@pytest.mark.parametrize("model, rate, alpha, overrides, saturated", [
+    ("gpt-2.5b", 150, 0.5, {}, True),
+    ("gpt-2.5b", 150, 0.5, {"scan_nodes": 2}, True),          # the node index's candidates
+    ("gpt-2.5b", 150, 0.5, {"backlog_aware": False}, True),   # the plan-error margin instead
+    ("llama-70b", 25, 0.15, {}, True),
+    ("llama-8b", 50, 0.5, {}, False),
 ])
-def test_the_held_precheck_never_changes_a_decision(model, rate, alpha, overrides):
-    """Past saturation most training decisions are held; the precheck must answer only
-    where Algorithm 1 + eq. 4 would hold (checked on every decision) and leave the run
-    identical to one without it."""
+def test_eq4_shortcuts_never_change_a_decision(model, rate, alpha, overrides, saturated):
+    """Past saturation most training decisions are held: the held precheck must answer only
+    where Algorithm 1 + eq. 4 would hold (checked on every decision). Below it, eq. 4's
+    upper bound of R′ must never be below R′ as planned. Both leave the run identical to
+    one without them, and each answers often where it is meant to."""
     work = poisson_workload(rate, alpha, 500, seed=3)
     profile, params = preset(model, 2), LemixParams(**overrides)
     checked = _Checked(params)
-    checked.seen = []
     runs = [simulate(work, profile, 4, policy, params) for policy in (checked, _Unchecked(params))]
     assert all(full for surely, full in checked.seen if surely)
-    assert sum(surely for surely, _ in checked.seen) > 0.2 * len(checked.seen)
+    assert all(bound >= exact for bound, exact in checked.bounds if bound is not None)
+    if saturated:
+        assert sum(surely for surely, _ in checked.seen) > 0.2 * len(checked.seen)
+    else:
+        assert checked.answered > 0.5 * len(checked.bounds) > 0
     a, b = (r.summary() for r in runs)
     for key in ("decision_us_mean", "decision_us_p50", "decision_us_p99"):
         a.pop(key, None), b.pop(key, None)
     assert a == b and runs[0].deferred_max == runs[1].deferred_max
+
+
+def test_the_response_upper_bound_by_hand():
+    """S = 1, forward .05 per query, T_w .015, a training task planned at 0: forward [0, .05],
+    backward [.05, .11]. The next inference task at 0 waits for it and for the backward:
+    R′ = .16, and the bound is exact. With the backward planned at [1, 1.06] the forward
+    fits between (R′ = .05 + .05 = .10), but the bound, which does not walk the queue, is
+    1.06 + .05 = 1.11.
+    Joining the open batch: no bound."""
+    params = LemixParams(hold_share=1.0)
+    profile = preset("gpt-400m", stages=1)
+    rule = BatchRule.of(params, profile)
+    for backward_at, exact, bound in ((None, 0.16, 0.16), (1.0, 0.10, 1.11)):
+        trace = NodeTrace(stages=1)
+        train = compute_idleness(trace, 7, 0.0, 10, 1, True, Fixed(0.05, 0.06), now=0.0)
+        path = commit_plan(trace, train, now=0.0)
+        if backward_at is not None:
+            path.stages[0].start_b, path.stages[0].end_b = backward_at, backward_at + 0.06
+        plan = compute_idleness(trace, -1, 0.0, 10, 1, False, Fixed(0.05, 0.06), now=0.0, batching=rule)
+        assert plan.response == pytest.approx(exact)
+        assert response_upper_bound(trace, 0.0, 10, Fixed(0.05, 0.06), rule) == pytest.approx(bound)
+    commit_plan(trace, plan, now=0.0)                # an open batch the next task would join
+    assert response_upper_bound(trace, 0.001, 10, Fixed(0.05, 0.06), rule) is None
 
 
 def test_grid_slice_default_policy_at_least_mix_rr_on_slo():

@@ -13,7 +13,7 @@ from typing import Optional
 
 from raycolo.online.scheduling.allocation import best_node, idleness_profit, length_consistency, priority, violates_slo
 from raycolo.online.scheduling.batch_rule import BatchRule
-from raycolo.online.scheduling.planning import commit_plan, compute_idleness, with_path
+from raycolo.online.scheduling.planning import commit_plan, compute_idleness, response_upper_bound, with_path
 from raycolo.online.scheduling.policy import OnlinePolicy, PolicyCapabilities
 from raycolo.online.tasks import OnlineTask
 from raycolo.online.policies.registry import register_online
@@ -185,6 +185,17 @@ class Lemix(OnlinePolicy):
         return all(self._next_response(sched, n, None, arrival, length, now) + lates[n] > slo
                    for n in sorted(lates, key=lambda n: traces[n].prev_end_f(last)))
 
+    def _answers_in_time(self, sched, order, arrival: float, length: int, slo: float, backlog, now: float) -> bool:
+        """Below saturation (the last training decision was not held): the least busy of
+        ``order`` answers the next inference task in time by an upper bound of its R′
+        (planning.response_upper_bound), so eq. 4 passes without planning it. Exact: where
+        the bound does not answer, the check plans R′ as before."""
+        for n in order[:1]:
+            bound = response_upper_bound(sched.traces[n], arrival, length, sched.estimators[n], self.batching(sched, n))
+            if bound is not None and bound + (backlog(n, now) if backlog is not None else 0.0) <= slo:
+                return True
+        return False
+
     def _at_risk(self, sched, node: int, plan, now: float, scanned: bool = True, nodes=(),
                  hold: Optional[tuple] = None) -> bool:
         """Eq. 4 with this training task placed on ``node`` (``hold``: :meth:`_hold`'s, if
@@ -205,6 +216,8 @@ class Lemix(OnlinePolicy):
             # one node that answers in time ends the check: the least busy first, ``node`` last
             traces, last = sched.traces, sched.stages - 1
             order = sorted((n for n in check if n != node), key=lambda n: traces[n].prev_end_f(last))
+            if not self._holding and self._answers_in_time(sched, order, arrival, length, slo, backlog, now):
+                return False
             order += [node] if node in check else []
             return all(self._next_response(sched, n, plan if n == node else None, arrival, length, now)
                        + (backlog(n, now) if backlog is not None else 0.0) > slo for n in order)

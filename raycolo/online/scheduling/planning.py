@@ -228,6 +228,29 @@ def compute_idleness(trace: NodeTrace, task_id: int, arrival_s: float, length: i
                       None, batching, joined, prev, close, queries, longest)
 
 
+def response_upper_bound(trace: NodeTrace, arrival_s: float, length: int, estimator: LatencyEstimator,
+                         batching: BatchRule) -> Optional[float]:
+    """An upper bound of R of a one-query inference task arriving at ``arrival_s`` that
+    opens a batch on ``trace`` (:func:`compute_idleness` with ``batching``), without walking
+    the training queue; None where it would join the open batch. In Algorithm 1 a stage's
+    forward starts at the later of the previous stage's end and the last forward there, and
+    the far-dependency walk moves it only to the end of a pending backward on that stage
+    (lines 13-14), so it starts no later than the latest of the three."""
+    if trace.batch is not None and trace.batch.joinable(arrival_s):
+        return None
+    forward = estimator.forward_s(1, length)
+    end = arrival_s if batching.full(1) else batching.closes_at(arrival_s)
+    for s in range(trace.stages):
+        start = trace.prev_end_f(s)
+        start = end if end > start else start
+        for path in trace.train:
+            end_b = path.stages[s].end_b
+            if path.stages[s].start_b is not None and end_b > start:
+                start = end_b
+        end = start + forward
+    return end - arrival_s
+
+
 def plan_backward(path: TaskPath, trace: NodeTrace, estimator: LatencyEstimator) -> None:
     """Backward path right after the forward path, stage S down to 1, each stage after
     the later of its own forward end and the next stage's backward end."""
