@@ -247,6 +247,8 @@ class _Checked(Lemix):
     def _answers_in_time(self, sched, order, arrival, length, slo, backlog, now):
         answered = super()._answers_in_time(sched, order, arrival, length, slo, backlog, now)
         self.answered += answered
+        if not order:
+            return answered
         n, rule = order[0], self.batching(sched, order[0])
         bound = response_upper_bound(sched.traces[n], arrival, length, sched.estimators[n], rule)
         exact = compute_idleness(sched.traces[n], -1, arrival, length, 1, False, sched.estimators[n], now,

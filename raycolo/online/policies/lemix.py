@@ -190,11 +190,11 @@ class Lemix(OnlinePolicy):
         ``order`` answers the next inference task in time by an upper bound of its R′
         (planning.response_upper_bound), so eq. 4 passes without planning it. Exact: where
         the bound does not answer, the check plans R′ as before."""
-        for n in order[:1]:
-            bound = response_upper_bound(sched.traces[n], arrival, length, sched.estimators[n], self.batching(sched, n))
-            if bound is not None and bound + (backlog(n, now) if backlog is not None else 0.0) <= slo:
-                return True
-        return False
+        if not order:
+            return False
+        n = order[0]
+        bound = response_upper_bound(sched.traces[n], arrival, length, sched.estimators[n], self.batching(sched, n))
+        return bound is not None and bound + (backlog(n, now) if backlog is not None else 0.0) <= slo
 
     def _at_risk(self, sched, node: int, plan, now: float, scanned: bool = True, nodes=(),
                  hold: Optional[tuple] = None) -> bool:
