@@ -134,17 +134,16 @@ class Lemix(OnlinePolicy):
     def _hold(self, sched, now: float) -> Optional[tuple]:
         """What eq. 4 checks against, once per decision: (the next inference task's
         predicted arrival a′, its length ℓ′, the threshold on R′, the per-node backlog added
-        to R′ or None); None when nothing is predicted (nothing is held)."""
+        to R′: (node, now) -> seconds); None when nothing is predicted (nothing is held)."""
         nxt = sched.next_inference(now)
         if nxt is None:
             return None
         p = self.params
         slo = p.hold_share * p.slo_s(sched.profiles[0].forward_latency_s)
         # each node's backlog calibrates the batch-aware check; without it, the global margin does
-        backlog = sched.backlog if p.backlog_aware and p.batch_aware else None
-        if backlog is None:
-            slo -= sched.plan_margin(p.plan_error_quantile)
-        return nxt[0], nxt[1], slo, backlog
+        if p.backlog_aware and p.batch_aware:
+            return nxt[0], nxt[1], slo, sched.backlog
+        return nxt[0], nxt[1], slo - sched.plan_margin(p.plan_error_quantile), _no_backlog
 
     def _surely_held(self, sched, task: OnlineTask, now: float, hold: Optional[tuple] = None) -> bool:
         """Eq. 4 (batch-aware) would hold this training task wherever Algorithm 1 placed it,
@@ -167,7 +166,7 @@ class Lemix(OnlinePolicy):
         lates = {}
         for n in placeable:                  # the bounds with the task first: O(S) each
             trace = traces[n]
-            late = lates[n] = backlog(n, now) if backlog is not None else 0.0   # the same sums as _at_risk's
+            late = lates[n] = backlog(n, now)   # the same sums as _at_risk's
             if close is None or not uniform:
                 estimator, rule = estimators[n], self.batching(sched, n)
                 train = estimator.forward_s(task.batch, task.length)
@@ -180,10 +179,9 @@ class Lemix(OnlinePolicy):
                 end = (end if end > own else own) + serve
             if end - arrival + late <= slo:
                 return False
-        # then R′ without it, least busy first as _at_risk orders them (it reuses the cached R′)
-        last = stages - 1
+        # then R′ without it, in _at_risk's order (it reuses the cached R′)
         return all(self._next_response(sched, n, None, arrival, length, now) + lates[n] > slo
-                   for n in sorted(lates, key=lambda n: traces[n].prev_end_f(last)))
+                   for n in _least_busy_first(sched, lates))
 
     def _answers_in_time(self, sched, order, arrival: float, length: int, slo: float, backlog, now: float) -> bool:
         """Below saturation (the last training decision was not held): the least busy of
@@ -194,7 +192,7 @@ class Lemix(OnlinePolicy):
             return False
         n = order[0]
         bound = response_upper_bound(sched.traces[n], arrival, length, sched.estimators[n], self.batching(sched, n))
-        return bound is not None and bound + (backlog(n, now) if backlog is not None else 0.0) <= slo
+        return bound is not None and bound + backlog(n, now) <= slo
 
     def _at_risk(self, sched, node: int, plan, now: float, scanned: bool = True, nodes=(),
                  hold: Optional[tuple] = None) -> bool:
@@ -214,13 +212,12 @@ class Lemix(OnlinePolicy):
                 first = sched.index.finish.first(sched.preferred, node)
                 check = list(nodes) + ([first[1]] if first is not None and first[1] not in nodes else [])
             # one node that answers in time ends the check: the least busy first, ``node`` last
-            traces, last = sched.traces, sched.stages - 1
-            order = sorted((n for n in check if n != node), key=lambda n: traces[n].prev_end_f(last))
+            order = _least_busy_first(sched, (n for n in check if n != node))
             if not self._holding and self._answers_in_time(sched, order, arrival, length, slo, backlog, now):
                 return False
             order += [node] if node in check else []
             return all(self._next_response(sched, n, plan if n == node else None, arrival, length, now)
-                       + (backlog(n, now) if backlog is not None else 0.0) > slo for n in order)
+                       + backlog(n, now) > slo for n in order)
         stages = sched.stages
         free, forward = [], []
         if scanned:
@@ -235,6 +232,17 @@ class Lemix(OnlinePolicy):
             free += [max(now, arrival, other)] if other is not None else []
             forward = [stages * sched.estimators[node].forward_s(1, length)] * len(free)
         return violates_slo(free, forward, arrival, slo)
+
+
+def _no_backlog(node: int, now: float) -> float:
+    """Eq. 4 without per-node backlogs (its margin comes off the threshold instead)."""
+    return 0.0
+
+
+def _least_busy_first(sched, nodes) -> list:
+    """``nodes`` by their last planned forward end on the last stage, earliest first."""
+    traces, last = sched.traces, sched.stages - 1
+    return sorted(nodes, key=lambda n: traces[n].prev_end_f(last))
 
 
 @dataclass
