@@ -1,6 +1,14 @@
 """Shared fixtures."""
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run under Triton's interpreter (tests/test_triton_attention.py).
+# Triton reads the switch when it is imported and when a kernel is decorated, so it is set
+# before anything can import triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

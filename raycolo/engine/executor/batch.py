@@ -21,6 +21,8 @@ import torch
 # of at least MIN_GROUP rows each (each group is one SDPA call per layer).
 MAX_GROUPS = 4
 MIN_GROUP = 16
+# The Triton kernel's query tiles: up to this many consecutive tokens of one sequence.
+TILE_TOKENS = 16
 
 
 @dataclass
@@ -68,12 +70,16 @@ class StepBatch:
     groups: list[AttentionGroup]        # empty when built with groups=False
     tables: Optional[torch.Tensor] = None       # every sequence's block table, concatenated
     table_start: Optional[torch.Tensor] = None  # (num_tokens,) where its sequence's table starts
+    # The Triton kernel's query tiles (first packed token, length) of a step with a chunk of
+    # several tokens; None for a decode step (one token per sequence) or other kernels.
+    tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
     def build(cls, chunks: Sequence[SeqChunk], block_size: int, device: torch.device | str = "cpu",
-              with_ids: bool = True, groups: bool = True) -> "StepBatch":
+              with_ids: bool = True, groups: bool = True, tiles: bool = False) -> "StepBatch":
         """The step's index tensors: attention groups (``groups=True``, the torch attention
-        path), or flat block tables (``groups=False``, the native kernel)."""
+        path), or flat block tables (``groups=False``, the in-place kernels); with
+        ``tiles``, also the Triton kernel's query tiles where a chunk has several tokens."""
         ids, positions, slots, last, offsets = [], [], [], [], []
         flat_tables, table_start = [], []
         offset = 0
@@ -100,8 +106,10 @@ class StepBatch:
             return torch.tensor(values, dtype=torch.long, device=device)
 
         if not groups:
+            lengths = [c.length for c in chunks]
+            tiled = query_tiles(lengths, device) if tiles and offset > len(chunks) else None
             return cls(len(chunks), offset, tensor(ids) if with_ids else None, tensor(positions),
-                       tensor(slots), tensor(last), [], tensor(flat_tables), tensor(table_start))
+                       tensor(slots), tensor(last), [], tensor(flat_tables), tensor(table_start), tiled)
         built = [cls._group(chunks, rows, offsets, block_size, tensor)
                  for rows in _split_rows(chunks, block_size)]
         return cls(len(chunks), offset, tensor(ids) if with_ids else None, tensor(positions),
@@ -137,3 +145,16 @@ def _split_rows(chunks: Sequence[SeqChunk], block_size: int) -> list[list[int]]:
     order = sorted(range(n), key=lambda r: chunks[r].start + chunks[r].length)
     size = -(-n // groups)
     return [order[i:i + size] for i in range(0, n, size)]
+
+
+def query_tiles(lengths: Sequence[int], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The first packed token and the length of every query tile of a step whose sequences
+    have ``lengths`` new tokens each: up to TILE_TOKENS tokens, never across sequences."""
+    starts, sizes, offset = [], [], 0
+    for n in lengths:
+        for t in range(0, n, TILE_TOKENS):
+            starts.append(offset + t)
+            sizes.append(min(TILE_TOKENS, n - t))
+        offset += n
+    return (torch.tensor(starts, dtype=torch.long, device=device),
+            torch.tensor(sizes, dtype=torch.long, device=device))

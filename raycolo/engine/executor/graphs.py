@@ -62,13 +62,18 @@ class _Graph:
         self.packed = torch.zeros(rows * (3 + blocks), dtype=torch.long, device=device)
         self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
         self.index = torch.arange(rows, device=device)
+        self.table_start = self.index * blocks               # each row's table in the flat tables
         self.graph: Optional["torch.cuda.CUDAGraph"] = None
         self.output: Optional[torch.Tensor] = None
 
-    def batch(self) -> StepBatch:
+    def batch(self, flat: bool) -> StepBatch:
         """A fresh StepBatch over the static buffers (fresh: its masks are computed inside
-        the run that uses it, so a captured graph computes them from the static positions)."""
+        the run that uses it, so a captured graph computes them from the static positions).
+        ``flat``: the in-place kernels' flat tables instead of an attention group."""
         ids, positions, slots, tables = _fields(self.packed, self.rows)
+        if flat:
+            return StepBatch(self.rows, self.rows, ids, positions, slots, self.index, [],
+                             tables, self.table_start)
         group = AttentionGroup(self.rows, 1, tables.view(self.rows, -1), self.index,
                                positions.view(self.rows, 1), None, None)
         return StepBatch(self.rows, self.rows, ids, positions, slots, self.index, [group])
@@ -158,7 +163,7 @@ class DecodeGraphs:
             g.hidden[:batch.num_seqs].copy_(hidden)
             g.hidden[batch.num_seqs:].zero_()
         if g.graph is None:             # no capture here: the same padded step, eagerly
-            out = ex.forward(g.batch(), None if ex.is_first else g.hidden)
+            out = ex.forward(g.batch(ex.native), None if ex.is_first else g.hidden)
         else:
             g.graph.replay()
             out = g.output
@@ -174,11 +179,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(ex.device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                ex.forward(g.batch(), hidden)
+                ex.forward(g.batch(ex.native), hidden)
         torch.cuda.current_stream(ex.device).wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            g.output = ex.forward(g.batch(), hidden)
+            g.output = ex.forward(g.batch(ex.native), hidden)
         g.graph = graph

@@ -3,10 +3,11 @@
 :class:`ModelExecutor` is the fast path for the Llama, Qwen2 and Mistral families. It
 calls the model's own modules (embedding, norms, q/k/v/o projections, MLP, rotary
 embedding, LM head), so a peft LoRA wrapped around any projection applies unchanged;
-only attention is its own: new keys/values go into the paged cache, and
-``scaled_dot_product_attention`` reads every key/value through the block tables. Grouped
-query attention folds each key/value head's query group into the query length, so no
-key/value is ever repeated.
+only attention is its own: new keys/values go into the paged cache, and a kernel reads
+them where they lie through the block tables (:mod:`.attention`: the native C kernel on
+the CPU, the Triton kernel on a GPU), or, as a fallback and for autograd,
+``scaled_dot_product_attention`` over gathered copies. Grouped query attention folds each
+key/value head's query group into the query rows, so no key/value is ever repeated.
 
 An executor runs layers ``[first, last)``: the embedding only on the first slice, the
 final norm and the LM head only on the last, and a KV cache for its own layers alone. A
@@ -25,12 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from raycolo.errors import ConfigError
+from raycolo.engine.executor.attention import AttentionKernel, choose_kernel, paged_attention
 from raycolo.engine.executor.batch import SeqChunk, StepBatch
 from raycolo.engine.executor.graphs import DecodeBatch, DecodeGraphs
 from raycolo.engine.executor.heap import keep_freed_memory
 from raycolo.engine.executor.kv_cache import PagedKVCache
-from raycolo.engine.executor.native import (add_rms_norm, fused_pointwise_supported,
-                                     native_attention_supported, paged_attention, rotary_)
+from raycolo.engine.executor.native import add_rms_norm, fused_pointwise_supported, rotary_
 from raycolo.engine.executor.packed import pack_linears
 
 log = logging.getLogger("raycolo.engine.executor")
@@ -69,7 +70,8 @@ class ModelExecutor:
 
     def __init__(self, model, num_blocks: int, block_size: int,
                  layers: Optional[tuple[int, int]] = None, pack_weights: bool = True,
-                 native_attention: bool = True, cuda_graphs: bool = False):
+                 native_attention: bool = True, cuda_graphs: bool = False,
+                 attention: Optional[AttentionKernel] = None):
         base = _unwrap(model)
         family = fast_path_family(base)
         if family is None:
@@ -107,10 +109,13 @@ class ModelExecutor:
         self.cache = PagedKVCache(len(self.layers), num_blocks + (1 if graphs else 0), block_size, self.kv_heads,
                                   self.head_dim, self.dtype, self.device)
         self.graphs = DecodeGraphs(self, num_blocks, capture=True) if graphs else None
-        # On the CPU, attention reads the cache in place with a native kernel (native.py).
-        self.native = native_attention and native_attention_supported(self.dtype, self.device)
+        # Attention reads the cache in place (attention.py): the native kernel on the CPU,
+        # Triton on CUDA; ``native_attention=False`` asks for the torch path (gather + SDPA).
+        self.kernel = choose_kernel(attention if native_attention else AttentionKernel.TORCH,
+                                    self.dtype, self.device)
+        self.native = self.kernel.in_place
         # ... and, in float32 inference, the residual adds, RMSNorms, rotary and SiLU fuse.
-        self.fused = (self.native and fused_pointwise_supported(self.dtype, self.device)
+        self.fused = (self.kernel is AttentionKernel.NATIVE and fused_pointwise_supported(self.dtype, self.device)
                       and all(_fusable(layer) for layer in self.layers)
                       and (self.norm is None or _is_rms_norm(self.norm)))
 
@@ -149,7 +154,7 @@ class ModelExecutor:
                 raise ValueError(f"a block table names block {top}; the cache has "
                                  f"{self.cache.num_blocks}")
         return StepBatch.build(chunks, self.block_size, self.device, with_ids=self.is_first,
-                               groups=not native)
+                               groups=not native, tiles=self.kernel is AttentionKernel.TRITON)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -266,10 +271,10 @@ class ModelExecutor:
         self.cache.write(i, batch.slots, k, v)
         if batch.tables is not None:  # the native kernel reads K/V in place
             if q.requires_grad:
-                raise ValueError("the native attention kernel has no backward: run the "
-                                 "executor under torch.inference_mode (execute)")
-            o = paged_attention(q, self.cache.keys[i], self.cache.values[i], batch.tables,
-                                batch.table_start, batch.positions, self.windows[i], self.scale)
+                raise ValueError(f"the {self.kernel.value} attention kernel has no backward: run "
+                                 "the executor under torch.inference_mode (execute)")
+            o = paged_attention(self.kernel, q, self.cache.keys[i], self.cache.values[i], batch,
+                                self.windows[i], self.scale)
             return attn.o_proj(o.view(n, self.heads * d))
         groups = batch.groups
         if len(groups) == 1 and groups[0].out_index is None:  # decode, rows in batch order

@@ -1,0 +1,154 @@
+"""The Triton paged-attention kernel (raycolo.engine.executor.triton_attention) on the CPU,
+under Triton's interpreter: against dense softmax attention computed from each sequence's
+keys and values in order (float64), and inside the executor against its torch attention
+path and transformers' generate(). The same kernel runs compiled on a GPU (``make gpu-check``
+adds its rows there)."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from raycolo.engine.executor import ModelExecutor                                  # noqa: E402
+from raycolo.engine.executor.attention import AttentionKernel                         # noqa: E402
+from raycolo.engine.executor.batch import TILE_TOKENS, query_tiles                    # noqa: E402
+from raycolo.engine.executor.kv_cache import PagedKVCache                             # noqa: E402
+from raycolo.engine.models import build_tiny_model                                    # noqa: E402
+from tests.test_executor import hf_greedy, mixed_steps, random_prompts                 # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The kernel module, interpreted where there is no GPU (conftest.py sets
+    TRITON_INTERPRET before triton is imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    module = importlib.import_module("raycolo.engine.executor.triton_attention")
+    if not torch.cuda.is_available():
+        assert isinstance(module._attend_kernel, InterpretedFunction), \
+            "triton was imported before TRITON_INTERPRET was set"
+    return module
+
+
+def scattered_cache(gen, lengths, block_size, kv_heads, head_dim):
+    """A one-layer cache holding each sequence's random keys/values in blocks scattered at
+    random, with the flat tables and each sequence's table start."""
+    blocks_per_seq = [-(-n // block_size) for n in lengths]
+    cache = PagedKVCache(1, sum(blocks_per_seq) + 5, block_size, kv_heads, head_dim, torch.float32)
+    order = torch.randperm(cache.num_blocks, generator=gen).tolist()
+    keys, values, flat, starts = [], [], [], []
+    for n, nb in zip(lengths, blocks_per_seq):
+        table, order = order[:nb], order[nb:]
+        k = torch.randn(n, kv_heads, head_dim, generator=gen)
+        v = torch.randn(n, kv_heads, head_dim, generator=gen)
+        cache.write(0, torch.tensor([table[t // block_size] * block_size + t % block_size for t in range(n)]), k, v)
+        keys.append(k), values.append(v)
+        starts.append(len(flat))
+        flat += table
+    return cache, keys, values, torch.tensor(flat), starts
+
+
+def dense(q, k, v, group, scale):
+    """softmax(q k^T) v of one query (heads, d) over keys (len, kv_heads, d), float64."""
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    w = torch.einsum("hd,thd->ht", q.double(), k).mul(scale).softmax(-1)
+    return torch.einsum("ht,thd->hd", w, v)
+
+
+@pytest.mark.parametrize("head_dim,block_size,group,window", [
+    (64, 16, 4, None), (128, 16, 2, 37), (32, 16, 1, None), (48, 12, 3, 20), (16, 4, 8, None)])
+def test_decode_equals_dense_attention(kernel, head_dim, block_size, group, window):
+    """Decode (one query per sequence, at its last position, plus mid-sequence queries):
+    GQA groups of 1 to 8, head dims and block sizes that are not powers of two, sliding
+    windows, and split-K over long tables merged by the second kernel."""
+    gen = torch.Generator().manual_seed(head_dim + block_size + group)
+    kv_heads, lengths = 2, [1, 15, 16, 17, 83, 200]
+    cache, keys, values, flat, starts = scattered_cache(gen, lengths, block_size, kv_heads, head_dim)
+    queries = [(s, n - 1) for s, n in enumerate(lengths)] + [(4, 40), (5, 0), (5, 150)]
+    q = torch.randn(len(queries), group * kv_heads, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    out = kernel.paged_attention(q, cache.keys[0], cache.values[0], flat,
+                                 torch.tensor([starts[s] for s, _ in queries]),
+                                 torch.tensor([p for _, p in queries]), window, scale)
+    for row, (s, p) in enumerate(queries):
+        lo = 0 if window is None else max(0, p - window + 1)
+        expected = dense(q[row], keys[s][lo:p + 1], values[s][lo:p + 1], group, scale)
+        torch.testing.assert_close(out[row].double(), expected, rtol=0, atol=2e-5)
+
+
+def test_decode_splits_the_blocks_where_the_batch_is_small(kernel):
+    """Few (token, KV head) pairs over long tables take several split-K programs; a wide
+    batch or a short table takes one."""
+    cpu = torch.device("cpu")
+    assert kernel.decode_splits(1, 2, 64, cpu) > 1
+    assert kernel.decode_splits(64, 8, 64, cpu) == 1
+    assert kernel.decode_splits(1, 2, 2, cpu) == 1
+    assert kernel.decode_splits(1, 1, 10_000, cpu) <= kernel.MAX_SPLITS
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_prefill_tiles_equal_dense_attention(kernel, window):
+    """Chunks of several tokens (query tiles of up to TILE_TOKENS tokens of one sequence,
+    each token with its own causal limit), continuing from cached positions."""
+    gen = torch.Generator().manual_seed(7)
+    kv_heads, group, head_dim, block_size = 2, 3, 32, 8
+    lengths = [40, 5, 23]
+    cache, keys, values, flat, starts = scattered_cache(gen, lengths, block_size, kv_heads, head_dim)
+    chunks = [(0, 3, 40), (1, 0, 5), (2, 20, 23)]          # (sequence, first position, end)
+    assert max(e - b for _, b, e in chunks) > TILE_TOKENS
+    seq_of = [(s, p) for s, b, e in chunks for p in range(b, e)]
+    q = torch.randn(len(seq_of), group * kv_heads, head_dim, generator=gen)
+    tiles = query_tiles([e - b for _, b, e in chunks])
+    out = kernel.paged_attention(q, cache.keys[0], cache.values[0], flat,
+                                 torch.tensor([starts[s] for s, _ in seq_of]),
+                                 torch.tensor([p for _, p in seq_of]), window, 0.2, tiles)
+    for row, (s, p) in enumerate(seq_of):
+        lo = 0 if window is None else max(0, p - window + 1)
+        expected = dense(q[row], keys[s][lo:p + 1], values[s][lo:p + 1], group, 0.2)
+        torch.testing.assert_close(out[row].double(), expected, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("model_id,block_size", [("tiny-llama-m", 16), ("tiny-mistral-s", 4)])
+def test_executor_with_the_triton_kernel_equals_the_torch_path(kernel, model_id, block_size):
+    """The whole executor on the Triton kernel (chunked prefill, then decode steps; the
+    Mistral contexts run past its sliding window) against its torch attention path."""
+    model, _ = build_tiny_model(model_id, 0, "float32")
+    prompts = random_prompts([3, 70, 9, 64])
+    tri = ModelExecutor(model, 256, block_size, attention=AttentionKernel.TRITON)
+    assert tri.kernel is AttentionKernel.TRITON and tri.native
+    torch_path = ModelExecutor(model, 256, block_size, native_attention=False)
+    for a, b in zip(mixed_steps(tri, prompts, block_size), mixed_steps(torch_path, prompts, block_size)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+def test_engine_greedy_on_the_triton_kernel_equals_transformers(kernel):
+    """Greedy tokens from padded decode steps on the Triton kernel (the shapes CUDA graphs
+    replay) equal transformers' generate() on the same float32 model."""
+    from raycolo.batching.blocks import BlockAllocator
+    from raycolo.engine.executor import SeqChunk
+    from raycolo.engine.executor.graphs import enable_padded_decode
+
+    model, _ = build_tiny_model("tiny-llama-m", 0, "float32")
+    prompts, steps, bs = random_prompts([5, 30, 17]), 6, 16
+    ex = ModelExecutor(model, 64, bs, attention=AttentionKernel.TRITON)
+    enable_padded_decode(ex, capture=False)
+    alloc = BlockAllocator(64)
+    for i, p in enumerate(prompts):
+        alloc.allocate(i, -(-(len(p) + steps) // bs))
+    seqs = [list(p) for p in prompts]
+    logits = ex.execute(ex.batch([SeqChunk(p, 0, alloc.tables[i]) for i, p in enumerate(prompts)]))
+    for step in range(steps):
+        for s, t in zip(seqs, logits.argmax(-1).tolist()):
+            s.append(t)
+        if step + 1 < steps:
+            batch = ex.batch([SeqChunk([s[-1]], len(s) - 1, alloc.tables[i]) for i, s in enumerate(seqs)])
+            assert type(batch).__name__ == "DecodeBatch"
+            logits = ex.execute(batch)
+    for p, s in zip(prompts, seqs):
+        assert s[len(p):] == hf_greedy(model, p, steps)
