@@ -37,7 +37,7 @@ def test_padded_decode_equals_the_unpadded_executor_and_transformers(model_id):
     assert got_seqs == seqs
     for a, b in zip(plain, got):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    assert (4, 32 if model_id == "tiny-mistral-s" else 8) in whole.graphs.graphs
+    assert ((), 4, 32 if model_id == "tiny-mistral-s" else 8) in whole.graphs.graphs   # (adapter state, rows, blocks)
     for i, p in enumerate(prompts):
         assert seqs[i][len(p):] == hf_greedy(model, p, steps + 1)
     if model_id == "tiny-mistral-s":
@@ -53,7 +53,7 @@ def test_padded_decode_in_layer_slices_passes_hidden_states():
     assert got_seqs == seqs
     for a, b in zip(plain, got):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    assert all((8, 8) in ex.graphs.graphs for ex in chain)
+    assert all(((), 8, 8) in ex.graphs.graphs for ex in chain)
 
 
 def test_which_steps_are_padded_decode_steps():

@@ -310,14 +310,24 @@ def test_base_rows_run_without_the_adapter_in_the_same_step():
                                        chain(reference_base, nxt))
 
 
-def test_pinned_rows_run_with_their_saved_adapter_version_in_the_same_step(tmp_path):
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded-decode"])
+def test_pinned_rows_run_with_their_saved_adapter_version_in_the_same_step(tmp_path, padded):
     """Version 1 of the adapter is exported (peft's format), then training moves on. A
     step mixing a request pinned to v1, one on the latest adapter and one on the base
     model gives each row what a chain holding only that variant gives; the latest weights
-    are exactly as before afterwards, and the next training step still works."""
+    are exactly as before afterwards, and the next training step still works.
+
+    ``padded``: the chain under test decodes through the padded steps CUDA graphs replay
+    (graphs.py, run eagerly here), one set per adapter state: the base rows' steps are
+    kept apart from the adapter rows', and a pinned version reuses the latest's shapes
+    (its weights are swapped into the same tensors)."""
     from raycolo.engine.executor.adapters import export_adapter
+    from raycolo.engine.executor.graphs import enable_padded_decode
 
     chain = stages("tiny-llama-m", [0, 2, 4])
+    if padded:
+        for st in chain:
+            enable_padded_decode(st.executor, capture=False)
     nonzero_lora(chain)
     v1 = export_adapter([st.lora_state() for st in chain], LORA, tmp_path / "v1")
     reference_v1 = copy_of(chain)
@@ -346,4 +356,7 @@ def test_pinned_rows_run_with_their_saved_adapter_version_in_the_same_step(tmp_p
     for st, before in zip(chain, latest_before):
         for key, value in st.lora_state().items():
             assert torch.equal(value, before[key])
+    if padded:      # each variant is a pass of one row: v1 and the latest share one graph
+        states = {(key[0][0], key[1]) for key in chain[0].executor.graphs.graphs}
+        assert states == {(False, 1), (True, 1)}        # (adapters off?, rows)
     pipelined_step(chain, training_batch([(p, p[1:7]) for p in prompts([9, 6], seed=10)]))

@@ -84,6 +84,9 @@ class StageSpec(Strict):
         "torch.distributed backend of a node's stage workers; nccl on real GPUs."))
     device: Literal["cpu", "cuda"] = Field(default="cpu", description=(
         "Device the stage workers run the model on."))
+    cuda_graphs: bool = Field(default=True, description=(
+        "With device cuda: stage workers replay decode steps as CUDA graphs, LoRA active (one set of graphs "
+        "per adapter state); false runs every step eagerly."))
     block_size: int = Field(default=16, gt=0, le=1 << 16, description=(
         "Tokens per block of a stage's paged KV cache."))
     kv_cache_tokens: int = Field(default=16384, gt=0, le=1 << 30, description=(
@@ -404,7 +407,8 @@ def stage_build(config: "OnlineConfig") -> dict:
                      "target_modules": tuple(cfg.lora.target_modules), "lr": cfg.lora.lr,
                      "seed": cfg.model_loading_config.seed},
             "num_blocks": -(-cfg.stage.kv_cache_tokens // cfg.stage.block_size),
-            "block_size": cfg.stage.block_size, "pinned_versions": cfg.serve.pinned_versions}
+            "block_size": cfg.stage.block_size, "pinned_versions": cfg.serve.pinned_versions,
+            "cuda_graphs": cfg.stage.cuda_graphs}
 
 
 def live_profile(config: "OnlineConfig", model_config) -> NodeProfile:

@@ -21,8 +21,13 @@ padded batch runs eagerly where graphs cannot be captured (``capture=False``, th
 which is how the tests check the padding on a machine without a GPU.
 
 A graph holds the Python decisions made while it was captured: the executor drops its
-graphs when it sleeps (the weights and cache move), and graphs are not used for
-peft-wrapped models, whose adapters can be switched or merged between steps.
+graphs when it sleeps (the weights and cache move). A peft-wrapped model (an online stage
+serving while its LoRA trains) is captured once per adapter state: which adapters are
+active, switched off (peft's ``disable_adapter``) or merged, as
+:meth:`ModelExecutor.adapter_state` reads it; the key of a graph is that state and its
+shape. The LoRA weights themselves may change between replays: the optimizer steps and a
+saved version swapped in for a pass (:meth:`StageModel._variant`) write into the same
+tensors, which the graph reads at replay.
 """
 from __future__ import annotations
 
@@ -108,7 +113,7 @@ class DecodeGraphs:
         self.executor = executor
         self.scratch = scratch_block
         self.capture = capture
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple, _Graph] = {}     # (adapter state, rows, blocks) -> graph
         self.pool = None
 
     def clear(self) -> None:
@@ -125,9 +130,12 @@ class DecodeGraphs:
         rows = BATCH_BUCKETS[bisect.bisect_left(BATCH_BUCKETS, n)]
         widest = max(len(c.table) for c in chunks)
         blocks = 1 << max(0, widest - 1).bit_length()
-        if (rows, blocks) not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
+        if self._key(rows, blocks) not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
             return None
         return DecodeBatch(n, rows, blocks, self._pack(chunks, rows, blocks))
+
+    def _key(self, rows: int, blocks: int) -> tuple:
+        return (self.executor.adapter_state(), rows, blocks)
 
     def _pack(self, chunks: Sequence[SeqChunk], rows: int, blocks: int) -> torch.Tensor:
         """The packed inputs of ``chunks`` padded to ``rows`` x ``blocks`` (CPU)."""
@@ -149,12 +157,13 @@ class DecodeGraphs:
 
     def run(self, batch: DecodeBatch, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         ex = self.executor
-        g = self.graphs.get((batch.rows, batch.blocks))
+        key = self._key(batch.rows, batch.blocks)
+        g = self.graphs.get(key)
         if g is None:
             g = _Graph(batch.rows, batch.blocks, ex.config.hidden_size, ex.dtype, ex.device)
             if self.capture:
                 self._capture(g)
-            self.graphs[(batch.rows, batch.blocks)] = g
+            self.graphs[key] = g
         g.packed.copy_(batch.packed, non_blocking=True)
         if not ex.is_first:
             if hidden is None or hidden.shape[0] != batch.num_seqs:

@@ -50,9 +50,13 @@ def _unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _has_adapters(model) -> bool:
-    """Whether peft put adapter layers into the model (wrapped or injected)."""
-    return any(type(m).__module__.startswith("peft.") for m in model.modules())
+def _lora_layer(model):
+    """One of the LoRA layers peft put into the model (they switch together), or None."""
+    if not any(type(m).__module__.startswith("peft.") for m in model.modules()):
+        return None
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return next((m for m in model.modules() if isinstance(m, BaseTunerLayer)), None)
 
 
 def _layer_range(num_layers: int, layers: Optional[tuple[int, int]]) -> tuple[int, int]:
@@ -103,9 +107,10 @@ class ModelExecutor:
         if self.device.type == "cpu":
             keep_freed_memory()    # reuse step temporaries instead of faulting in new pages
         self.block_size = block_size
-        # Decode steps as CUDA graphs (graphs.py): on a CUDA device, for a model without
-        # peft adapters. The cache then holds one scratch block past num_blocks for padding.
-        graphs = cuda_graphs and self.device.type == "cuda" and not _has_adapters(model)
+        # Decode steps as CUDA graphs (graphs.py) on a CUDA device, one set per adapter
+        # state of a peft model. The cache then holds one scratch block past num_blocks.
+        self.lora = _lora_layer(model)
+        graphs = cuda_graphs and self.device.type == "cuda"
         self.cache = PagedKVCache(len(self.layers), num_blocks + (1 if graphs else 0), block_size, self.kv_heads,
                                   self.head_dim, self.dtype, self.device)
         self.graphs = DecodeGraphs(self, num_blocks, capture=True) if graphs else None
@@ -118,6 +123,14 @@ class ModelExecutor:
         self.fused = (self.kernel is AttentionKernel.NATIVE and fused_pointwise_supported(self.dtype, self.device)
                       and all(_fusable(layer) for layer in self.layers)
                       and (self.norm is None or _is_rms_norm(self.norm)))
+
+    def adapter_state(self) -> tuple:
+        """What a captured decode step depends on besides its shape: for a peft model,
+        whether its adapters are switched off, which are active, which are merged."""
+        lora = self.lora
+        if lora is None:
+            return ()
+        return (bool(lora.disable_adapters), tuple(lora.active_adapters), tuple(lora.merged_adapters))
 
     def sleep(self) -> None:
         """Free the KV cache (an engine put to sleep); :meth:`wake_up` makes a fresh one.

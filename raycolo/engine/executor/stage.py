@@ -103,12 +103,14 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class StageModel:
     def __init__(self, model, layers: tuple[int, int], num_blocks: int, block_size: int,
-                 lr: float = 1e-3, pinned_cache: int = 4):
+                 lr: float = 1e-3, pinned_cache: int = 4, cuda_graphs: bool = False):
         """``model``: the whole causal LM, already wrapped by :func:`add_lora` where the
         stage trains. Layers outside the slice are dropped from the module tree.
-        ``pinned_cache``: saved adapter versions kept loaded (:meth:`forward`'s ``pinned``)."""
+        ``pinned_cache``: saved adapter versions kept loaded (:meth:`forward`'s ``pinned``).
+        ``cuda_graphs``: on a CUDA device, decode steps replay as CUDA graphs with the LoRA
+        active (one set of graphs per adapter state; graphs.py)."""
         self.model = model
-        self.executor = ModelExecutor(model, num_blocks, block_size, layers)
+        self.executor = ModelExecutor(model, num_blocks, block_size, layers, cuda_graphs=cuda_graphs)
         self.first, self.last = self.executor.first, self.executor.last
         decoder = _decoder_layers(model)
         for i in range(len(decoder)):

@@ -27,6 +27,14 @@ step, and for NVML the CUDA driver's own memory figures. Rows:
 * ``executor.graphs``    decode steps replayed as CUDA graphs (executor/graphs.py): float64
                          tokens vs generate(), whole and sliced; float32 ms/step eager vs graphs
 
+* ``executor.triton``    the Triton paged attention kernel against dense float64 attention
+                         (decode with split-K, prefill tiles, a window; float32 and bfloat16),
+                         then a float32 executor on it with CUDA graphs, teacher-forced vs
+                         transformers (SKIP without triton, or on the CPU without
+                         ``TRITON_INTERPRET=1``)
+* ``stage.graphs``       a LoRA stage chain decoding through CUDA graphs against the same chain
+                         eagerly: latest-adapter and base rows, before and after a training step
+
 vLLM's own graphs are exercised by the ``vllm`` row (its default, compiled mode).
 
 Without CUDA it prints ``skipped: no CUDA device`` and exits 0. ``--device cpu`` runs the
@@ -40,6 +48,7 @@ The package, by role:
 * ``executor_checks.py`` the ``executor.*`` rows
 * ``engine_checks.py``   ``torch_engine``, ``device_stats`` and ``vllm``
 * ``stage_checks.py``    ``stage.inproc`` and ``stage.p2p``
+* ``kernel_checks.py``   ``executor.triton`` and ``stage.graphs``
 * ``cli.py``             the rows' registry (``CHECKS``), the table, ``main``
 """
 from raycolo.engine.gpu_check.cli import CHECKS, main, run_checks, table

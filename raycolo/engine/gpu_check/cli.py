@@ -15,6 +15,7 @@ from raycolo.engine.gpu_check.engine_checks import check_device_stats, check_tor
 from raycolo.engine.gpu_check.executor_checks import (check_executor_decode, check_executor_graphs,
                                                       check_executor_slices, check_executor_whole,
                                                       check_executor_windows)
+from raycolo.engine.gpu_check.kernel_checks import check_executor_triton, check_stage_graphs
 from raycolo.engine.gpu_check.stage_checks import check_stage_inproc, check_stage_p2p
 
 CHECKS: dict[str, Callable] = {
@@ -23,9 +24,11 @@ CHECKS: dict[str, Callable] = {
     "executor.windows": check_executor_windows,
     "executor.decode": check_executor_decode,
     "executor.graphs": check_executor_graphs,
+    "executor.triton": check_executor_triton,
     "torch_engine": check_torch_engine,
     "stage.inproc": check_stage_inproc,
     "stage.p2p": check_stage_p2p,
+    "stage.graphs": check_stage_graphs,
     "device_stats": check_device_stats,
     "vllm": check_vllm,
 }
