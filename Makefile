@@ -11,6 +11,8 @@
 #   make faults - kill engine actors, the driver, stage workers, controllers and the Serve
 #                 replica under load; count what was lost (bench/offline_faults.py, bench/faults.py)
 #   make soak   - 30 minutes of open-loop load at the measured capacity (bench/serve.py)
+#   make gpu-bench - real-size (Llama-3-8B/3.2-1B-shaped, random bf16) decode, prefill and LoRA
+#                    training on one GPU against the card's measured roofline (bench/gpu_realsize.py)
 #   make gpu-check - every CUDA path (executor, torch engine, stages over NCCL/gloo, NVML, vLLM)
 #                    against transformers/peft references, as a table; "skipped" without CUDA
 #   make clean  - remove the venv and build outputs
@@ -99,6 +101,16 @@ GPU_PYTHON ?= $(VPY)
 .PHONY: gpu-check
 gpu-check: venv
 	$(GPU_PYTHON) -m raycolo.engine.gpu_check $(GPU_CHECK_ARGS)
+
+# Under 5 minutes on one H100/H200 with the machine's own python3 (torch, triton,
+# transformers, peft; pydantic from tools/gpu_wheels.sh where it is missing). No venv:
+# the point is the GPU build of torch that machine has. Without CUDA it says "skipped".
+GPU_BENCH_ARGS ?= --json out/gpu_realsize.json
+GPU_BENCH_PYTHON ?= python3
+
+.PHONY: gpu-bench
+gpu-bench:
+	PYTHONPATH=.:$$PYTHONPATH $(GPU_BENCH_PYTHON) bench/gpu_realsize.py $(GPU_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info out

@@ -1,6 +1,7 @@
 """raycolo.generation against hand-worked cases, transformers' logits processors and a
 brute force: the EOS set, the stop checker's order, stop strings, penalties, min_tokens,
-top-k/top-p and log-probabilities."""
+top-k/top-p, log-probabilities, the batched sampler against itself row by row, and its
+counter-based random bits against a pure-Python reimplementation."""
 from __future__ import annotations
 
 import json
@@ -8,11 +9,13 @@ import math
 
 import pytest
 import torch
-from transformers import (RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
 
 from raycolo.engine.models import ByteTokenizer
 from raycolo.generation import SamplingParams, StopChecker, check_stop, eos_token_ids, stop_token_set
-from raycolo.generation.sampler import SamplingRow, position_seed, sample
+from raycolo.generation.random_bits import exponentials, fmix32, hash_bits, to_uniform, uniforms
+from raycolo.generation.sampler import SamplingRow, _race, position_seed, processed_logits, sample
 
 TOK = ByteTokenizer(512)
 
@@ -189,3 +192,185 @@ def test_params_bounds():
     with pytest.raises(ValueError):
         SamplingParams(stop=[""])
     assert SamplingParams(stop="x").stop == ("x",)
+
+
+# -- the batched sampler ---------------------------------------------------------------------
+def _mixed_rows(vocab: int = 64) -> list[SamplingRow]:
+    P = SamplingParams
+    return [
+        SamplingRow.of(P(max_tokens=9), 0, [1, 2]),                                        # plain greedy
+        SamplingRow.of(P(max_tokens=9, repetition_penalty=1.3, logprobs=2), 0, [4, 4, 9], [1, 2, 3]),
+        SamplingRow.of(P(max_tokens=9, temperature=0.8), 11, [5]),
+        SamplingRow.of(P(max_tokens=9, temperature=1.2, top_k=5), 12, []),
+        SamplingRow.of(P(max_tokens=9, temperature=0.7, top_p=0.8, logprobs=0), 13, [2, 3]),
+        SamplingRow.of(P(max_tokens=9, temperature=1.0, top_k=10, top_p=0.6, logprobs=5), 14, [7]),
+        SamplingRow.of(P(max_tokens=9, temperature=0.9, repetition_penalty=1.5, presence_penalty=0.5,
+                         frequency_penalty=0.3), 15, [3, 3, 8, 60], [8, 20]),
+        SamplingRow.of(P(max_tokens=9, min_tokens=4, temperature=0.5, top_k=3), 16, [1], (),
+                       frozenset({0, 7, 33, vocab + 5})),                                 # an id past the vocab
+        SamplingRow.of(P(max_tokens=9, min_tokens=2, logprobs=1), 0, [], (), frozenset(range(0, vocab, 2))),
+    ]
+
+
+def test_batched_sample_equals_row_by_row():
+    """A row's token, log-probabilities and processed logits do not depend on the batch."""
+    rows = _mixed_rows()
+    for s in range(5):
+        logits = _logits(100 + s, rows=len(rows))
+        batch = sample(logits, rows)
+        alone = [sample(logits[i:i + 1], [r]) for i, r in enumerate(rows)]
+        assert batch.tokens == [a.tokens[0] for a in alone]
+        assert batch.logprobs == [a.logprobs[0] for a in alone]
+        x = processed_logits(logits, rows)
+        for i, r in enumerate(rows):
+            assert torch.equal(x[i], processed_logits(logits[i:i + 1], [r])[0])
+        assert [lp is not None for lp in batch.logprobs] == [r.params.logprobs is not None for r in rows]
+        assert [len(lp.top) for lp in batch.logprobs if lp] == [2, 0, 5, 1]
+        raw = torch.log_softmax(logits, -1)
+        for i, lp in enumerate(batch.logprobs):
+            if lp:
+                assert lp.logprob == float(raw[i, batch.tokens[i]])
+                assert [t for t, _ in lp.top] == torch.topk(raw[i], len(lp.top)).indices.tolist()
+        # rows asking for no penalty are bitwise the raw logits (plain), or differ only in
+        # the stop ids they mask (min_tokens, greedy)
+        assert torch.equal(x[0], logits[0]) and batch.tokens[0] == int(logits[0].argmax())
+        masked = torch.isinf(x[8])
+        assert masked.tolist() == [t % 2 == 0 for t in range(64)]
+        assert torch.equal(x[8][~masked], logits[8][~masked]) and batch.tokens[8] % 2 == 1
+        assert x[7, 0] == x[7, 7] == x[7, 33] == float("-inf") and batch.tokens[7] not in (0, 7, 33)
+
+
+def _reference(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """transformers' processors (presence/frequency and min_tokens, which it lacks, by hand)."""
+    p = row.params
+    x = logits.unsqueeze(0).clone()
+    if p.repetition_penalty != 1.0:
+        history = torch.tensor([list(row.prompt) + list(row.output)])
+        x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(history, x)
+    for t in set(row.output):
+        x[0, t] -= p.frequency_penalty * row.output.count(t) + p.presence_penalty
+    for t in row.stop_ids if row.position < p.min_tokens else ():
+        x[0, t] = float("-inf")
+    if not p.greedy:
+        x = TemperatureLogitsWarper(p.temperature)(None, x)
+        if 0 < p.top_k:
+            x = TopKLogitsWarper(p.top_k)(None, x)
+        if p.top_p < 1.0:
+            x = TopPLogitsWarper(p.top_p)(None, x)
+    return x[0]
+
+
+def test_processed_logits_match_transformers_processors():
+    P = SamplingParams
+    rows = [SamplingRow.of(P(max_tokens=9, temperature=0.7, repetition_penalty=1.4, top_k=20, top_p=0.9), 1,
+                           [3, 9, 9], [1, 3, 50]),
+            SamplingRow.of(P(max_tokens=9, temperature=1.3, top_p=0.5), 2, [4]),
+            SamplingRow.of(P(max_tokens=9, temperature=0.5, top_k=7), 3, []),
+            SamplingRow.of(P(max_tokens=9, temperature=1.0, presence_penalty=0.8, frequency_penalty=-0.4,
+                             top_p=0.95), 4, [5, 5, 5, 6]),
+            SamplingRow.of(P(max_tokens=9, min_tokens=3, temperature=0.9, repetition_penalty=0.8), 5, [2],
+                           [7, 8], frozenset({11, 12})),
+            SamplingRow.of(P(max_tokens=9, repetition_penalty=2.0, frequency_penalty=0.5), 6, [1, 1], [9])]
+    for s in range(20):
+        logits = _logits(200 + s, rows=len(rows), vocab=100)
+        ours = processed_logits(logits, rows)
+        for i, row in enumerate(rows):
+            theirs = _reference(logits[i], row)
+            assert torch.equal(torch.isfinite(ours[i]), torch.isfinite(theirs)), (s, i)
+            assert torch.allclose(torch.softmax(ours[i], -1), torch.softmax(theirs, -1), atol=1e-6), (s, i)
+            if row.params.greedy:
+                assert sample(logits[i:i + 1], [row]).tokens[0] == int(theirs.argmax())
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=2.5, top_k=6, top_p=0.9),
+                                    dict(temperature=2.0, top_p=0.9, repetition_penalty=1.3)])
+def test_draw_frequencies_over_seeds_match_the_processed_distribution(params):
+    """4,000 rows of one batch (seeds 0..3999): the draws' frequencies are the softmax of
+    the processed logits (total variation < 0.05), and lie in their support."""
+    logits = _logits(7, vocab=12).expand(4000, 12)
+    rows = [SamplingRow.of(SamplingParams(max_tokens=9, **params), seed, [0, 1], [2]) for seed in range(4000)]
+    tokens = sample(logits, rows).tokens
+    probs = torch.softmax(processed_logits(logits[:1], rows[:1])[0], -1)
+    freq = torch.bincount(torch.tensor(tokens), minlength=12).double() / 4000
+    assert 0.5 * float((freq - probs.double()).abs().sum()) < 0.05
+    assert set(tokens) <= set(torch.nonzero(probs > 0).flatten().tolist())
+    assert len(set(tokens)) > 1
+
+
+def test_race_chunks_do_not_change_draws():
+    y = _logits(9, rows=10, vocab=50)
+    seeds = torch.tensor([position_seed(s, 3) for s in range(10)])
+    assert torch.equal(_race(y, seeds), _race(y, seeds, elements=120))     # chunks of 2 rows
+    assert torch.equal(_race(y, seeds), torch.cat([_race(y[i:i + 1], seeds[i:i + 1]) for i in range(10)]))
+
+
+# -- the counter-based random bits -------------------------------------------------------------
+M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & M32
+    return h ^ (h >> 16)
+
+
+def _bits(seed: int, i: int) -> int:
+    k1 = _fmix32((seed & M32) ^ 0x9E3779B9)
+    k2 = _fmix32((seed >> 32) ^ 0x7F4A7C15)
+    return _fmix32(_fmix32(((i * 0x9E3779B1) & M32) ^ k1) ^ k2)
+
+
+SEEDS = [0, 1, 2**31, 2**32 - 1, 2**32, position_seed(42, 5), position_seed(2**62, 7), 2**63 - 1]
+
+
+def test_hash_matches_pure_python():
+    """The int64 tensor ops (products up to 2**63 in size, never overflowing) give the
+    exact 32-bit arithmetic of a pure-Python reimplementation."""
+    assert _fmix32(1) == 0x514E28B7 and int(fmix32(torch.tensor([1]))) == 0x514E28B7    # murmur3's
+    got = hash_bits(torch.tensor(SEEDS), 1 << 17)
+    for r, seed in enumerate(SEEDS):
+        for i in (0, 1, 2, 1000, 65535, (1 << 17) - 1):
+            assert int(got[r, i]) == _bits(seed, i), (seed, i)
+    assert int(got.min()) >= 0 and int(got.max()) <= M32
+    b = _bits(position_seed(42, 5), 7)
+    assert to_uniform(torch.tensor([b])).item() == pytest.approx((b + 0.5) / 2**32, rel=2**-23)
+
+
+def test_random_bits_depend_only_on_seed_and_index():
+    seeds = torch.tensor(SEEDS)
+    batch = hash_bits(seeds, 500)
+    for r in range(len(SEEDS)):
+        assert torch.equal(batch[r], hash_bits(seeds[r:r + 1], 500)[0])
+        assert torch.equal(batch[r, :100], hash_bits(seeds[r:r + 1], 100)[0])
+    assert len({tuple(row) for row in batch.tolist()}) == len(SEEDS)
+    assert all(len(set(row)) == 500 for row in batch.tolist())          # a bijection in the index
+
+
+def test_uniforms_strictly_inside_the_unit_interval():
+    edges = to_uniform(torch.tensor([0, 1, 2**31, 2**32 - 2**8, 2**32 - 1]))
+    assert edges[0].item() == 0.5 * 2.0**-32 and edges[2].item() == 0.5
+    assert bool((edges > 0).all()) and bool((edges < 1).all())
+    u = uniforms(torch.tensor(SEEDS), 50_000)
+    assert bool((u > 0).all()) and bool((u < 1).all()) and abs(float(u.mean()) - 0.5) < 0.005
+    q = exponentials(torch.tensor(SEEDS), 50_000).double()
+    assert bool(torch.isfinite(q).all()) and bool((q > 0).all())
+    assert abs(float(q.mean()) - 1) < 0.01 and abs(float(q.var()) - 1) < 0.03
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_draws_equal_cpu_draws():
+    rows = _mixed_rows()
+    for s in range(5):
+        logits = _logits(300 + s, rows=len(rows))
+        cpu = sample(logits, rows)
+        gpu = sample(logits.cuda(), rows)
+        assert gpu.tokens == cpu.tokens
+        for a, b in zip(gpu.logprobs, cpu.logprobs):
+            assert (a is None) == (b is None)
+            if a:
+                assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+    seeds = torch.tensor(SEEDS)
+    assert torch.equal(hash_bits(seeds.cuda(), 4096).cpu(), hash_bits(seeds, 4096))
+    assert torch.equal(uniforms(seeds.cuda(), 4096).cpu(), uniforms(seeds, 4096))

@@ -38,7 +38,9 @@ class _Request(TrackedRequest):
 
 
 class TorchEngine(Engine):
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded: Optional[tuple] = None):
+        """``loaded``: a (model, tokenizer) pair already on ``engine_kwargs.device`` to run
+        instead of loading ``model_id`` (bench/gpu_realsize.py's random real-size models)."""
         self.config = config
         kw = config.engine_kwargs
         if kw.tensor_parallel_size != 1:
@@ -47,7 +49,7 @@ class TorchEngine(Engine):
         self.threads = apply_thread_policy(kw.cpu_threads)
         started = time.perf_counter()
         load = config.model_loading_config
-        self.model, self.tokenizer = load_model(load.model_id, load.seed, load.dtype, kw.device)
+        self.model, self.tokenizer = loaded or load_model(load.model_id, load.seed, load.dtype, kw.device)
         self.device = torch.device(kw.device)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.eos_ids = self.tokenizer.eos_token_ids     # the checkpoint's EOS set

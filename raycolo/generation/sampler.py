@@ -6,19 +6,31 @@ penalty over prompt and output tokens (positive logits divided by it, negative o
 multiplied), the presence and frequency penalties over output tokens, the ``min_tokens``
 mask of stop tokens, then greedy argmax, or temperature, top-k, top-p and a draw.
 
-A draw depends only on the request's seed and its position in the output
-(:func:`position_seed`), never on the batch it ran in or on how often it was preempted
-or moved: the same request gives the same text on any replica, stage layout or restart.
+The whole batch is sampled on the logits' device in float32, with batched tensor ops
+(no per-row loop of tensor ops): the rows' parameters go over in one int64 and one float32
+copy, and everything comes back (tokens, log-probabilities) in one device-to-host copy.
 Rows with nothing but plain greedy decoding take one argmax over the whole batch.
+
+A draw is an exponential race, the Gumbel-max trick as vLLM does it: the token is
+``argmax(probs / q)`` with ``q ~ Exp(1)`` independent per (row, token id), which picks
+each token with its probability. The ``q`` come from :mod:`.random_bits`: a counter-based
+hash of ``(position_seed(seed, position), token id)`` computed with int64 tensor ops, so
+a row's draw depends only on the request's seed and its position in the output, never
+on the batch it ran in, the other rows, the device or how often it was preempted or
+moved: the same request gives the same text on any replica, stage layout or restart.
+(Bitwise the same across devices but for the softmax and log: CPU and CUDA may round
+those a last bit apart, which changes a draw only where two tokens tie to that bit.)
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
 from raycolo.generation.params import SamplingParams
+from raycolo.generation.random_bits import exponentials
 
 SEED_STRIDE = 1_000_003
 SEED_MASK = (1 << 63) - 1
@@ -81,31 +93,155 @@ def sample_plain(logits: torch.Tensor) -> Sampled:
     return Sampled(tokens, [None] * len(tokens))
 
 
-def _penalize(x: torch.Tensor, row: SamplingRow) -> None:
-    p = row.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt) | set(row.output)), dtype=torch.long)
-        if len(seen):
-            vals = x[seen]
-            x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and len(row.output):
-        ids, counts = torch.unique(torch.tensor(list(row.output), dtype=torch.long), return_counts=True)
-        x[ids] -= p.frequency_penalty * counts.to(x.dtype) + p.presence_penalty
+# Rows x vocabulary of one chunk of the race: its int64 random bits take 128 MiB.
+RACE_ELEMENTS = 1 << 24
+NEG_INF = float("-inf")
 
 
-def _draw(x: torch.Tensor, row: SamplingRow) -> int:
-    p = row.params
-    x = x / p.temperature
-    if 0 < p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, -1)
-    if p.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < p.top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    gen = torch.Generator().manual_seed(position_seed(row.seed, row.position))
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+def _upload(arrays: dict[str, list], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Named lists (flat, or rectangular lists of lists) packed into one CPU tensor of
+    ``dtype``, moved to ``device`` in one copy and split back there (views)."""
+    flat: list = []
+    shapes = {}
+    for name, a in arrays.items():
+        if a and isinstance(a[0], list):
+            shapes[name] = (len(a), len(a[0]))
+            flat.extend(v for r in a for v in r)
+        else:
+            shapes[name] = (len(a),)
+            flat.extend(a)
+    packed = torch.tensor(flat, dtype=dtype).to(device, non_blocking=True)
+    out, at = {}, 0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        out[name] = packed[at:at + n].view(shape)
+        at += n
+    return out
+
+
+def _padded(lists: list[list[int]], vocab: int) -> list[list[int]]:
+    """Token ids right-padded to one width with ``vocab``: the scratch column of the masks
+    and counts (ids outside the vocabulary land there too)."""
+    width = max(1, max(len(ids) for ids in lists))
+    return [[t if 0 <= t < vocab else vocab for t in ids] + [vocab] * (width - len(ids)) for ids in lists]
+
+
+class _Plan:
+    """Which rows each step touches and their parameters, on the device: ``t[name]`` of
+    a row set is its index tensor, absent where the set holds every row (no gather, no
+    scatter); ``has[name]`` whether the set has any row."""
+
+    def __init__(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device):
+        ps = [r.params for r in rows]
+        n = len(rows)
+        rep = [i for i, p in enumerate(ps) if p.repetition_penalty != 1.0
+               and (len(rows[i].prompt) or len(rows[i].output))]
+        pen = [i for i, p in enumerate(ps) if (p.presence_penalty or p.frequency_penalty) and len(rows[i].output)]
+        stops = [[t for t in rows[i].stop_ids if t < vocab] if rows[i].position < p.min_tokens else []
+                 for i, p in enumerate(ps)]
+        mask = [i for i in range(n) if stops[i]]
+        drawn = [i for i, p in enumerate(ps) if not p.greedy]
+        trunc = [j for j, i in enumerate(drawn) if 0 < ps[i].top_k < vocab or ps[i].top_p < 1.0]
+        ask = [i for i, p in enumerate(ps) if p.logprobs is not None]
+        self.n, self.vocab, self.any_greedy = n, vocab, len(drawn) < n
+        self.asked = [ps[i].logprobs for i in ask]
+        self.kmax = max((ps[drawn[j]].top_k for j in trunc if 0 < ps[drawn[j]].top_k < vocab), default=0)
+        self.any_p = any(ps[drawn[j]].top_p < 1.0 for j in trunc)
+        sets = {"rep": (rep, n), "pen": (pen, n), "mask": (mask, n), "drawn": (drawn, n), "ask": (ask, n),
+                "trunc": (trunc, len(drawn))}        # trunc: positions among the drawn rows
+        self.has = {name: bool(idx) for name, (idx, _) in sets.items()}
+        ints = {name: idx for name, (idx, total) in sets.items() if idx and len(idx) < total}
+        ints.update(
+            rep_ids=_padded([list(set(rows[i].prompt) | set(rows[i].output)) for i in rep], vocab) if rep else [],
+            pen_ids=_padded([list(rows[i].output) for i in pen], vocab) if pen else [],
+            stop_ids=_padded([stops[i] for i in mask], vocab) if mask else [],
+            seeds=[position_seed(rows[i].seed, rows[i].position) for i in drawn],
+            top_k=[ps[drawn[j]].top_k if 0 < ps[drawn[j]].top_k < vocab else 0 for j in trunc])
+        floats = dict(
+            repetition=[ps[i].repetition_penalty for i in rep],
+            presence=[ps[i].presence_penalty for i in pen], frequency=[ps[i].frequency_penalty for i in pen],
+            temperature=[ps[i].temperature for i in drawn],
+            top_p=[ps[drawn[j]].top_p if ps[drawn[j]].top_p < 1.0 else math.inf for j in trunc])
+        self.t = {**_upload(ints, torch.int64, device), **_upload(floats, torch.float32, device)}
+
+
+def _on_rows(x: torch.Tensor, idx: Optional[torch.Tensor], fn) -> torch.Tensor:
+    """``fn`` of the rows ``idx`` of ``x`` (all rows where None) put back into ``x``;
+    the other rows are left bitwise as they were."""
+    if idx is None:
+        return fn(x)
+    return x.index_copy_(0, idx, fn(x.index_select(0, idx)))
+
+
+def _id_mask(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(rows, vocab) bool: the ids of each row of ``ids`` (padding falls in a scratch column)."""
+    seen = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.bool, device=ids.device)
+    return seen.scatter_(1, ids, True)[:, :vocab]
+
+
+def _repetition(y: torch.Tensor, ids: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    pen = penalty.unsqueeze(1)
+    return torch.where(_id_mask(ids, y.shape[1]), torch.where(y > 0, y / pen, y * pen), y)
+
+
+def _presence_frequency(y: torch.Tensor, ids: torch.Tensor, presence: torch.Tensor,
+                        frequency: torch.Tensor) -> torch.Tensor:
+    counts = torch.zeros(ids.shape[0], y.shape[1] + 1, dtype=y.dtype, device=y.device)
+    counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=y.dtype))[:, :y.shape[1]]
+    return torch.where(counts > 0, y - (frequency.unsqueeze(1) * counts + presence.unsqueeze(1)), y)
+
+
+def _truncate(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, kmax: int, any_p: bool) -> torch.Tensor:
+    """Top-k (values below the k-th largest out; ``top_k`` 0: none) then top-p (a token
+    stays while the probability before it in the sorted order is below ``top_p``)."""
+    if kmax:             # one topk of the largest k asked; ties with the k-th value stay
+        kth = z.topk(kmax, dim=-1).values.gather(1, (top_k - 1).clamp_(min=0).unsqueeze(1))
+        z = z.masked_fill(z < torch.where(top_k.unsqueeze(1) > 0, kth, NEG_INF), NEG_INF)
+    if any_p:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        sorted_p = sorted_z.softmax(-1)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p.unsqueeze(1)
+        z = z.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), NEG_INF)
+    return z
+
+
+def _process(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``x`` (float32, the sampler's own copy, which this may overwrite) processed, and
+    the drawn rows' processed logits (None where no row draws)."""
+    t, vocab = plan.t, plan.vocab
+    if plan.has["rep"]:
+        x = _on_rows(x, t.get("rep"), lambda y: _repetition(y, t["rep_ids"], t["repetition"]))
+    if plan.has["pen"]:
+        x = _on_rows(x, t.get("pen"), lambda y: _presence_frequency(y, t["pen_ids"], t["presence"], t["frequency"]))
+    if plan.has["mask"]:
+        x = _on_rows(x, t.get("mask"), lambda y: y.masked_fill(_id_mask(t["stop_ids"], vocab), NEG_INF))
+    if not plan.has["drawn"]:
+        return x, None
+    drawn = t.get("drawn")
+    y = (x if drawn is None else x.index_select(0, drawn)) / t["temperature"].unsqueeze(1)
+    if plan.has["trunc"]:
+        y = _on_rows(y, t.get("trunc"), lambda z: _truncate(z, t["top_k"], t["top_p"], plan.kmax, plan.any_p))
+    return (y if drawn is None else x.index_copy_(0, drawn, y)), y
+
+
+def _race(y: torch.Tensor, seeds: torch.Tensor, elements: int = RACE_ELEMENTS) -> torch.Tensor:
+    """The seeded draw of each row of ``y`` (processed logits): ``argmax(probs / q)``,
+    ``q ~ Exp(1)`` from the row's seed, in chunks of rows (the race's memory bounded)."""
+    tokens = torch.empty(y.shape[0], dtype=torch.int64, device=y.device)
+    step = max(1, elements // y.shape[1])
+    for a in range(0, y.shape[0], step):
+        probs = torch.softmax(y[a:a + step], -1)
+        tokens[a:a + step] = probs.div_(exponentials(seeds[a:a + step], y.shape[1])).argmax(-1)
+    return tokens
+
+
+@torch.inference_mode()
+def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The float32 logits each row is sampled from: after the penalties and the
+    ``min_tokens`` mask and, for rows that draw, temperature, top-k and top-p (``-inf``
+    where a token is excluded). A greedy row takes their argmax, a drawing row draws from
+    their softmax; plain greedy rows are the raw logits."""
+    return _process(logits.to(torch.float32, copy=True), _Plan(rows, logits.shape[-1], logits.device))[0]
 
 
 @torch.inference_mode()
@@ -113,26 +249,39 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Sampled:
     """The next token of each row of ``logits`` (rows x vocabulary)."""
     if all(plain(r.params) for r in rows):
         return sample_plain(logits)
-    logits = logits.float().cpu()
-    tokens = torch.argmax(logits, dim=-1).tolist()        # plain greedy rows, in one op
-    asked = [r.params.logprobs for r in rows]
-    raw = torch.log_softmax(logits, -1) if any(a is not None for a in asked) else None
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.plain_greedy:
-            continue
-        x = logits[i].clone()
-        _penalize(x, row)
-        if row.position < p.min_tokens and row.stop_ids:
-            masked = [t for t in row.stop_ids if t < x.numel()]
-            x[torch.tensor(masked, dtype=torch.long)] = float("-inf")
-        tokens[i] = int(torch.argmax(x)) if p.greedy else _draw(x, row)
-    logprobs: list[Optional[TokenLogprob]] = [None] * len(rows)
+    plan = _Plan(rows, logits.shape[-1], logits.device)
+    x = logits.to(torch.float32, copy=True)          # the one upcast (_process may overwrite it)
+    ask = plan.t.get("ask")
+    raw = None
+    if plan.has["ask"]:                               # the raw distribution, before any processing
+        raw = torch.log_softmax(x if ask is None else x.index_select(0, ask), -1)
+    x, y = _process(x, plan)
+    tokens = x.argmax(-1) if plan.any_greedy else torch.empty(plan.n, dtype=torch.int64, device=x.device)
+    if y is not None:
+        drawn = _race(y, plan.t["seeds"])
+        tokens = drawn if plan.t.get("drawn") is None else tokens.index_copy_(0, plan.t["drawn"], drawn)
+    parts = [tokens]
+    kmax = min(max(plan.asked, default=0), plan.vocab)
     if raw is not None:
-        for i, k in enumerate(asked):
-            if k is None:
-                continue
-            top = torch.topk(raw[i], k) if k else None
-            logprobs[i] = TokenLogprob(tokens[i], float(raw[i, tokens[i]]),
-                                       [] if top is None else list(zip(top.indices.tolist(), top.values.tolist())))
-    return Sampled(tokens, logprobs)
+        # float32 values travel as their int32 bit patterns, so that ids and values share
+        # one int64 tensor
+        chosen = raw.gather(1, (tokens if ask is None else tokens.index_select(0, ask)).unsqueeze(1))
+        parts.append(chosen.view(torch.int32).to(torch.int64).flatten())
+        if kmax:
+            top = torch.topk(raw, kmax, dim=-1)
+            parts += [top.indices.flatten(), top.values.view(torch.int32).to(torch.int64).flatten()]
+    # The one device-to-host copy of the step (it waits for the device's work): tokens,
+    # then the chosen tokens' log-probabilities and the top ids and values of the rows asking.
+    host = torch.cat(parts).cpu()
+    n, m = plan.n, len(plan.asked)
+    token_list = host[:n].tolist()
+    logprobs: list[Optional[TokenLogprob]] = [None] * n
+    if raw is not None:
+        as_float = lambda v: v.to(torch.int32).view(torch.float32)    # noqa: E731
+        chosen_lp = as_float(host[n:n + m]).tolist()
+        top_ids = host[n + m:n + m + m * kmax].view(m, kmax).tolist()
+        top_lp = as_float(host[n + m + m * kmax:]).view(m, kmax).tolist()
+        rows_asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        for j, (i, k) in enumerate(zip(rows_asking, plan.asked)):
+            logprobs[i] = TokenLogprob(token_list[i], chosen_lp[j], list(zip(top_ids[j][:k], top_lp[j][:k])))
+    return Sampled(token_list, logprobs)

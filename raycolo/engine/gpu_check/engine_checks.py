@@ -30,7 +30,8 @@ def check_torch_engine(device) -> Row:
         decode = [r.seconds for r in engine.stats.iterations if r.kind == "decode"]
         if decode:
             figures["ms_decode_iter"] = 1000 * sorted(decode)[len(decode) // 2]
-        # seeded sampling (the sampler draws on the CPU) must not depend on the device
+        # seeded sampling (on the logits' device, from counter-based random bits that are the
+        # same on every device) must not depend on the device
         seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
         drawn = [o.token_ids for o in engine.generate(ps, seeded)]
         if device.type != "cpu":

@@ -1,0 +1,447 @@
+"""Real-size models at the speed of the GPU: every decode path against the memory roofline.
+
+Builds Llama-3-8B- and Llama-3.2-1B-shaped models with random weights directly on the
+device (seeded; nothing is downloaded or written), measures the card's limits in the same
+run, then times each path with prompts of ``--prompt`` tokens and ``--output`` greedy
+tokens (EOS ignored):
+
+* **limits**: copy bandwidth (a device-to-device copy of 2 GiB, bytes read plus written,
+  as the decode roofline counts them) and the dense matmul rate (8192^3 in the model dtype);
+* ``engine.graphs`` at each ``--batches``, ``engine.eager`` at batch 1: the torch engine
+  (scheduler, executor, sampler: one ``engine.step()`` per decode iteration);
+* ``stage.graphs`` / ``stage.eager``: the online ``StageModel`` on the whole model with an
+  active LoRA (rank 8 on q/k/v/o, lora_B random), one decode step of every row;
+* ``stage.split2``: two ``StageModel`` slices (half the layers each, each from its own copy
+  of the model) chained in one process, per token;
+* ``transformers``: ``generate()`` at batch 1, per output token (its dynamic cache);
+* ``prefill``: the engine's prefill iterations at batch >= 16, against the matmul rate;
+* ``lora.train``: one LoRA training step of ``StageModel`` (forward and backward, AdamW) on
+  8 x ``--prompt`` tokens, against the matmul rate (4 N FLOPs per token: forward, and the
+  backward of the activations; the frozen weights take no gradient);
+* ``agreement``: the engine's bf16 greedy tokens teacher-forced through transformers'
+  forward of the same model: each must be its argmax, or within ``--tie`` of its best logit.
+
+The roofline of a decode step is the bytes it must read (every weight matrix, the final
+norm and the LM head; the embedding's rows of the step's tokens; each sequence's K/V up to
+its context) over the measured copy bandwidth; ``fraction`` is roofline / measured step.
+Targets (issue 46) are printed beside each row.
+
+    make gpu-bench                                     # the machine's own python3, one GPU
+    python3 bench/gpu_realsize.py --json out/gpu_realsize.json
+    python3 bench/gpu_realsize.py --device cpu --shapes tiny --dtype float32 \\
+        --batches 1,4 --prompt 32 --output 8          # a dry run of the script (tests do this)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {      # transformers LlamaConfig fields; Llama-3's published shapes, rope scaling aside
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                      max_position_embeddings=8192, tie_word_embeddings=False),
+    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                        max_position_embeddings=8192, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                 tie_word_embeddings=False),
+}
+TARGETS = {     # issue 46: fraction of the roofline (decode) or of the matmul rate
+    ("engine.graphs", 1): 0.80, ("engine.graphs", 16): 0.70, ("engine.graphs", 64): 0.70,
+    ("engine.graphs", 256): 0.60, ("prefill", None): 0.60, ("lora.train", None): 0.45,
+}
+STAGE_OVER_ENGINE = 1.15     # stage.graphs step at most this times the engine's
+SPLIT_OVER_WHOLE = 1.3       # stage.split2 per token at most this times the whole stage's
+BLOCK = 16
+LORA_RANK = 8
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def limits(device, dtype) -> dict:
+    """The card's copy bandwidth (bytes read + written per second) and matmul rate."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 24)          # bytes per buffer
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy = timed(lambda: dst.copy_(src), device, 10)
+    m = 8192 if device.type == "cuda" else 512
+    a = torch.randn(m, m, device=device, dtype=dtype)
+    b = torch.randn(m, m, device=device, dtype=dtype)
+    mm = timed(lambda: a @ b, device, 10)
+    del src, dst, a, b
+    return {"copy_bytes_per_s": 2 * n / copy, "matmul_flops": 2 * m ** 3 / mm}
+
+
+def build_model(shape: str, device, dtype, seed: int = 0):
+    """A Llama model of ``shape`` with seeded random weights (normal, std 0.02; norms 1)
+    made on ``device`` in ``dtype``, and a byte tokenizer over its vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raycolo.engine.models import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
+
+    cfg = LlamaConfig(**SHAPES[shape], bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(before)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval(), ByteTokenizer(cfg.vocab_size)
+
+
+def prompts_for(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
+    from raycolo.engine.models import BOS_ID, BYTE_OFFSET
+
+    gen = torch.Generator().manual_seed(seed)
+    body = torch.randint(BYTE_OFFSET, vocab, (batch, length - 1), generator=gen)
+    return [[BOS_ID] + row for row in body.tolist()]
+
+
+class Model:
+    """One shape's byte counts: what a decode step must read, what a prefill computes."""
+
+    def __init__(self, model):
+        cfg = model.config
+        self.cfg, self.itemsize = cfg, next(model.parameters()).element_size()
+        embed = model.get_input_embeddings().weight
+        tied = model.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
+        self.params = sum(p.numel() for p in model.parameters())
+        self.layer_params = sum(p.numel() for p in model.model.layers.parameters())
+        self.head_params = embed.numel()                      # the LM head's matrix
+        self.read_params = self.params - (0 if tied else embed.numel())   # all but the embedding
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * self.itemsize
+        self.attn_flops_per_key = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * hd
+
+    def decode_bytes(self, batch: int, context: float) -> float:
+        return (self.read_params + batch * self.cfg.hidden_size) * self.itemsize + batch * context * self.kv_per_token
+
+    def prefill_flops(self, tokens: int, seqs: int, prompt: int) -> float:
+        keys = tokens * (prompt + 1) / 2                        # causal: half the square
+        return 2 * self.layer_params * tokens + 2 * self.head_params * seqs + self.attn_flops_per_key * keys
+
+
+def engine_for(loaded, device, dtype_name: str, batch: int, prompt: int, output: int, graphs: bool):
+    from raycolo.engine.base import EngineConfig
+    from raycolo.engine.torch_engine import TorchEngine
+
+    tokens = batch * (prompt + output + BLOCK)
+    config = EngineConfig.model_validate({
+        "backend": "torch", "model_loading_config": {"model_id": "in-memory", "dtype": dtype_name},
+        "engine_kwargs": {"device": str(device), "max_num_seqs": batch, "block_size": BLOCK,
+                          "max_num_batched_tokens": max(4096, prompt), "kv_cache_tokens": tokens,
+                          "cuda_graphs": graphs}})
+    return TorchEngine(config, loaded=loaded)
+
+
+def engine_run(loaded, device, dtype_name, prompts, output: int, graphs: bool) -> dict:
+    from raycolo.engine.base import SamplingParams
+
+    engine = engine_for(loaded, device, dtype_name, len(prompts), len(prompts[0]), output, graphs)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True))
+    its = engine.stats.iterations
+    decode = [r for r in its if r.kind == "decode"][1:]       # the first may compile or capture
+    prefill = [r for r in its if r.kind == "prefill"]
+    result = {"step_s": statistics.median(r.seconds for r in decode),
+              "context": statistics.mean(statistics.mean(r.context_lens) for r in decode),
+              "prefill": [(r.tokens, r.num_seqs, r.seconds) for r in prefill],
+              "tokens": [o.token_ids for o in outs]}
+    del engine
+    gc.collect()
+    return result
+
+
+def agreement(model, prompts, outputs, tie: float) -> dict:
+    """Teacher-forced: the share of greedy tokens that are transformers' argmax on the same
+    prefix, and the largest gap between its best logit and the chosen token's."""
+    same = total = 0
+    worst = 0.0
+    with torch.no_grad():
+        for p, out in zip(prompts, outputs):
+            ids = torch.tensor([list(p) + list(out)], device=model.device)
+            logits = model(ids).logits[0, len(p) - 1:len(p) - 1 + len(out)].float()
+            chosen = logits.gather(1, torch.tensor(out, device=model.device).view(-1, 1))[:, 0]
+            gap = logits.max(-1).values - chosen
+            same += int((gap == 0).sum())
+            total += len(out)
+            worst = max(worst, float(gap.max()))
+    return {"argmax": same, "tokens": total, "worst_gap": worst, "within_tie": worst <= tie, "tie": tie}
+
+
+def hf_generate_step(model, prompt, output: int, device) -> float:
+    """Seconds per output token of transformers' generate() (greedy, batch 1)."""
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([prompt], device=device)
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
+                               pad_token_id=0)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, generation_config=cfg)
+
+    one = timed(lambda: gen(1), device, 2)
+    full = timed(lambda: gen(output), device, 1)
+    return (full - one) / (output - 1)
+
+
+def add_active_lora(model, seed: int):
+    from raycolo.engine.executor.stage import LoraSettings, add_lora
+
+    model = add_lora(model, LoraSettings(rank=LORA_RANK, alpha=2 * LORA_RANK, seed=seed))
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.01, generator=gen)
+    return model
+
+
+def stage_step(chain, prompts, steps: int, device) -> float:
+    """Median seconds of one decode step of every row through ``chain`` (StageModels)."""
+    rids = list(range(len(prompts)))
+    hidden = None
+    for st in chain:
+        hidden = st.forward(rids, prompts, hidden)
+    toks = hidden.argmax(-1).tolist()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        hidden = None
+        for st in chain:
+            hidden = st.forward(rids, [[t] for t in toks], hidden)
+        toks = hidden.argmax(-1).tolist()
+        times.append(time.perf_counter() - t0)
+    for st in chain:
+        for rid in rids:
+            st.release(rid)
+    return statistics.median(times[1:])
+
+
+def train_step(stage, vocab: int, rows: int, length: int, device) -> float:
+    from raycolo.engine.executor.stage import training_batch
+
+    samples = [(p[:length // 2], p[length // 2:]) for p in prompts_for(vocab, rows, length, seed=9)]
+    ids, labels, lengths = training_batch(samples)
+    ids, labels = ids.to(device), labels.to(device)
+    task = iter(range(1 << 30))
+
+    def step():
+        t = next(task)
+        stage.train_forward(t, ids, lengths, labels)
+        stage.train_backward(t)
+    return timed(step, device, 3)
+
+
+def decode_row(rows, path, batch, step_s, roofline_s, extra=None):
+    target = TARGETS.get((path, batch))
+    row = {"path": path, "batch": batch, "step_ms": 1000 * step_s, "tok_s": batch / step_s,
+           "roofline_ms": 1000 * roofline_s, "fraction": roofline_s / step_s, "target": target}
+    row.update(extra or {})
+    rows.append(row)
+    print(f"  {path:<14} b={batch:<4} {1000 * step_s:8.2f} ms  roofline {1000 * roofline_s:6.2f} ms  "
+          f"{100 * roofline_s / step_s:5.1f} %", flush=True)
+    return row
+
+
+def run_shape(shape: str, args, device, dtype, lim: dict) -> dict:
+    from raycolo.engine.executor.stage import StageModel
+
+    dtype_name = str(dtype).split(".")[-1]
+    t0 = time.perf_counter()
+    model, tok = build_model(shape, device, dtype, seed=0)
+    sync(device)
+    build_s = time.perf_counter() - t0
+    m = Model(model)
+    bw, peak = lim["copy_bytes_per_s"], lim["matmul_flops"]
+    print(f"{shape}: {m.params / 1e9:.2f}B parameters built on {device} in {build_s:.1f} s", flush=True)
+    rows: list[dict] = []
+    engine_steps: dict[int, float] = {}
+    prefills = []
+    vocab, plen, out = m.cfg.vocab_size, args.prompt, args.output
+    agree = None
+    for b in args.batches:
+        ps = prompts_for(vocab, b, plen, seed=b)
+        r = engine_run((model, tok), device, dtype_name, ps, out, graphs=True)
+        engine_steps[b] = r["step_s"]
+        decode_row(rows, "engine.graphs", b, r["step_s"], m.decode_bytes(b, r["context"]) / bw)
+        if b >= 16 or b == max(args.batches):     # (a first run's kernels compile in its prefill)
+            prefills += r["prefill"][0 if b != args.batches[0] else 1:]
+        if agree is None and (b >= 16 or b == max(args.batches)):
+            n = min(4, b)
+            agree = agreement(model, ps[:n], r["tokens"][:n], args.tie)
+    ps = prompts_for(vocab, 1, plen, seed=1)
+    r = engine_run((model, tok), device, dtype_name, ps, min(out, args.eager_output), graphs=False)
+    decode_row(rows, "engine.eager", 1, r["step_s"], m.decode_bytes(1, r["context"]) / bw)
+    hf = hf_generate_step(model, ps[0], min(out, args.eager_output), device)
+    decode_row(rows, "transformers", 1, hf, m.decode_bytes(1, plen + out / 2) / bw)
+    if prefills:
+        tokens, seqs, secs = (sum(x[i] for x in prefills) for i in range(3))
+        flops = m.prefill_flops(tokens, seqs, plen)
+        rows.append({"path": "prefill", "batch": None, "tok_s": tokens / secs, "matmul_fraction": flops / secs / peak,
+                     "target": TARGETS[("prefill", None)]})
+        print(f"  prefill        {tokens / secs:10.0f} tok/s  {100 * flops / secs / peak:5.1f} % of matmul", flush=True)
+    # the online stage path: the whole model with an active LoRA
+    model = add_active_lora(model, seed=3)
+    stage_batches = [b for b in args.batches if b <= 64]
+    for graphs in (True, False):
+        stage = StageModel(model, (0, m.cfg.num_hidden_layers), sum(-(-(plen + args.stage_steps + 2) // BLOCK)
+                                                                    for _ in range(max(stage_batches))) + 1,
+                           BLOCK, cuda_graphs=graphs)
+        for b in (stage_batches if graphs else stage_batches[:1]):
+            ps = prompts_for(vocab, b, plen, seed=b)
+            step = stage_step([stage], ps, args.stage_steps, device)
+            extra = {}
+            if graphs and b in engine_steps:
+                extra = {"over_engine": step / engine_steps[b], "target_over_engine": STAGE_OVER_ENGINE}
+            decode_row(rows, "stage.graphs" if graphs else "stage.eager", b, step,
+                       m.decode_bytes(b, plen + args.stage_steps / 2) / bw, extra)
+        if graphs:
+            whole_stage = stage
+        else:
+            del stage
+    t = train_step(whole_stage, vocab, args.train_rows, plen, device)
+    tokens = args.train_rows * plen
+    flops = 4 * (m.layer_params + m.head_params) * tokens + 3 * m.attn_flops_per_key * tokens * (plen + 1) / 2
+    rows.append({"path": "lora.train", "batch": args.train_rows, "tok_s": tokens / t,
+                 "matmul_fraction": flops / t / peak, "target": TARGETS[("lora.train", None)]})
+    print(f"  lora.train     {tokens / t:10.0f} tok/s  {100 * flops / t / peak:5.1f} % of matmul", flush=True)
+    whole_b1 = next(r["step_ms"] for r in rows if r["path"] == "stage.graphs" and r["batch"] == stage_batches[0])
+    del whole_stage, model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # two slices, each from its own copy of the model (a slice drops the other's layers)
+    half = m.cfg.num_hidden_layers // 2
+    chain = []
+    for layers in ((0, half), (half, m.cfg.num_hidden_layers)):
+        part = add_active_lora(build_model(shape, device, dtype, seed=0)[0], seed=3)
+        chain.append(StageModel(part, layers, -(-(plen + args.stage_steps + 2) // BLOCK) + 1, BLOCK, cuda_graphs=True))
+    b = stage_batches[0]
+    step = timed_split = stage_step(chain, prompts_for(vocab, b, plen, seed=b), args.stage_steps, device)
+    decode_row(rows, "stage.split2", b, step, m.decode_bytes(b, plen + args.stage_steps / 2) / bw,
+               {"over_whole": 1000 * timed_split / whole_b1, "target_over_whole": SPLIT_OVER_WHOLE})
+    del chain
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"shape": shape, "params": m.params, "build_s": build_s, "rows": rows, "agreement": agree}
+
+
+def verdict(r: dict) -> tuple[str, str]:
+    """A row's target and whether it was met ('' where it has none)."""
+    if "over_engine" in r:
+        return (f"<= {r['target_over_engine']}x engine: {r['over_engine']:.2f}x",
+                "yes" if r["over_engine"] <= r["target_over_engine"] else "no")
+    if "over_whole" in r:
+        return (f"<= {r['target_over_whole']}x whole: {r['over_whole']:.2f}x",
+                "yes" if r["over_whole"] <= r["target_over_whole"] else "no")
+    if r.get("target") is None:
+        return "", ""
+    got = r.get("fraction", r.get("matmul_fraction"))
+    return f">= {100 * r['target']:.0f} %", "yes" if got >= r["target"] else "no"
+
+
+def table(results: list[dict], lim: dict) -> str:
+    lines = [f"copy bandwidth {lim['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), "
+             f"matmul {lim['matmul_flops'] / 1e12:.0f} TFLOP/s",
+             "| shape | path | batch | step ms | tok/s | roofline ms | fraction | target | met |",
+             "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    for res in results:
+        for r in res["rows"]:
+            if "matmul_fraction" in r:
+                frac = f"{100 * r['matmul_fraction']:.1f} % of matmul"
+            else:
+                frac = f"{100 * r['fraction']:.1f} %"
+            target, met = verdict(r)
+            step = f"{r['step_ms']:.2f}" if "step_ms" in r else ""
+            roof = f"{r['roofline_ms']:.2f}" if "roofline_ms" in r else ""
+            lines.append(f"| {res['shape']} | {r['path']} | {r['batch'] or ''} | {step} | {r['tok_s']:,.0f} | "
+                         f"{roof} | {frac} | {target} | {met} |")
+        a = res["agreement"]
+        if a:
+            lines.append(f"| {res['shape']} | agreement | | | | | {a['argmax']}/{a['tokens']} argmax, worst gap "
+                         f"{a['worst_gap']:.3g} | gap <= {a['tie']} | {'yes' if a['within_tie'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="llama3-8b,llama3.2-1b", help=f"comma-separated: {', '.join(SHAPES)}")
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--eager-output", type=int, default=32, help="output tokens of the slow eager runs")
+    parser.add_argument("--stage-steps", type=int, default=24, help="decode steps timed per stage batch")
+    parser.add_argument("--train-rows", type=int, default=8)
+    parser.add_argument("--tie", type=float, default=0.05, help="near-tie margin of the agreement check (logits)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    args.batches = sorted(int(b) for b in args.batches.split(","))
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown or not args.batches or min(args.batches) < 1 or args.output < 2 or args.prompt < 2:
+        print(f"error: --shapes {unknown} unknown, or --batches/--output/--prompt out of range", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("skipped: no CUDA device (--device cpu for a dry run)")
+        return 0
+    dtype = getattr(torch, args.dtype)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    started = time.perf_counter()
+    lim = limits(device, dtype)
+    print(f"{card}, {args.dtype}: copy {lim['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"matmul {lim['matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    results = [run_shape(s, args, device, dtype, lim) for s in shapes]
+    text = table(results, lim)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    print(f"\n{card}, {stamp}, torch {torch.__version__}, `{' '.join(['python3', 'bench/gpu_realsize.py'] + (argv if argv is not None else sys.argv[1:]))}`")
+    print(text)
+    print(f"\n{time.perf_counter() - started:.0f} s in all")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"card": card, "date": stamp, "torch": torch.__version__,
+                                               "args": vars(args), "limits": lim, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
