@@ -121,7 +121,7 @@ def test_executor_with_the_triton_kernel_equals_the_torch_path(kernel, model_id,
     model, _ = build_tiny_model(model_id, 0, "float32")
     prompts = random_prompts([3, 70, 9, 64])
     tri = ModelExecutor(model, 256, block_size, attention=AttentionKernel.TRITON)
-    assert tri.kernel is AttentionKernel.TRITON and tri.native
+    assert tri.kernel is AttentionKernel.TRITON and tri.native and tri.fused    # Triton pointwise too
     torch_path = ModelExecutor(model, 256, block_size, native_attention=False)
     for a, b in zip(mixed_steps(tri, prompts, block_size), mixed_steps(torch_path, prompts, block_size)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
@@ -152,3 +152,46 @@ def test_engine_greedy_on_the_triton_kernel_equals_transformers(kernel):
             logits = ex.execute(batch)
     for p, s in zip(prompts, seqs):
         assert s[len(p):] == hf_greedy(model, p, steps)
+
+
+@pytest.fixture(scope="module")
+def pointwise(kernel):
+    return importlib.import_module("raycolo.engine.executor.triton_pointwise")
+
+
+def test_pointwise_kernels_equal_transformers_modules(pointwise):
+    """add + RMSNorm, rotary with the cache write, and SiLU * up against transformers'
+    LlamaRMSNorm, apply_rotary_pos_emb, and torch, on random rows (float32; the GPU's
+    gpu-check row does bfloat16); the cache holds k and v at exactly their slots."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(5)
+    for rows, dim in ((1, 64), (37, 96), (5, 200)):
+        norm = LlamaRMSNorm(dim, eps=1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(dim, generator=gen) * 2)
+        residual, x = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen) * 3
+        total = residual + x
+        with torch.inference_mode():
+            out = pointwise.add_rms_norm(residual, x, norm.weight, norm.variance_epsilon)
+            torch.testing.assert_close(residual, total, rtol=0, atol=0)
+            torch.testing.assert_close(out, norm(total), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(pointwise.add_rms_norm(residual, None, norm.weight, 1e-5), out)
+    block_size, blocks = 4, 6
+    for tokens, heads, kv_heads, d in ((1, 4, 2, 32), (9, 6, 2, 24), (5, 2, 1, 64)):
+        q, k = torch.randn(tokens, heads, d, generator=gen), torch.randn(tokens, kv_heads, d, generator=gen)
+        v = torch.randn(tokens, kv_heads, d, generator=gen)
+        angle = torch.rand(tokens, d // 2, generator=gen) * 100
+        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+        eq, ek = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        cache = PagedKVCache(1, blocks, block_size, kv_heads, d, torch.float32)
+        slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+        pointwise.rope_and_write(q, k, v, cos, sin, slots, cache.keys[0], cache.values[0])
+        torch.testing.assert_close(q, eq, rtol=1e-5, atol=1e-5)
+        expected = PagedKVCache(1, blocks, block_size, kv_heads, d, torch.float32)
+        expected.write(0, slots, ek, v)
+        torch.testing.assert_close(cache.keys[0], expected.keys[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.values[0], expected.values[0], rtol=0, atol=0)
+    gate, up = torch.randn(7, 300, generator=gen) * 4, torch.randn(7, 300, generator=gen)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(pointwise.silu_mul(gate.clone(), up), expected, rtol=1e-5, atol=1e-6)

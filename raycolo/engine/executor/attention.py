@@ -65,3 +65,40 @@ def paged_attention(kernel: AttentionKernel, q: torch.Tensor, key: torch.Tensor,
         from raycolo.engine.executor import triton_attention
         return triton_attention.paged_attention(*args, tiles=batch.tiles)
     return native.paged_attention(*args)
+
+
+class FusedPointwise:
+    """The fused pointwise steps of :meth:`ModelExecutor._forward_fused` on one backend:
+    the native C kernels (float32, CPU) or the Triton ones (the GPU, or the interpreter)."""
+
+    def __init__(self, kernel: AttentionKernel):
+        self.kernel = kernel
+        if kernel is AttentionKernel.TRITON:
+            from raycolo.engine.executor import triton_pointwise as ops
+            self._ops = ops
+            self.add_rms_norm = ops.add_rms_norm
+        else:
+            self._ops = None
+            self.add_rms_norm = native.add_rms_norm
+
+    def rope_and_write(self, cache, layer: int, slots, q, k, v, cos, sin) -> None:
+        """Rotary on ``q`` in place and on ``k``; ``k`` and ``v`` into the layer's cache."""
+        if self._ops is not None:
+            self._ops.rope_and_write(q, k, v.contiguous(), cos, sin, slots, cache.keys[layer], cache.values[layer])
+            return
+        native.rotary_(q, k, cos, sin)
+        cache.write(layer, slots, k, v)
+
+    def silu_mul(self, gate, up):
+        if self._ops is not None:
+            return self._ops.silu_mul(gate, up)
+        return torch.nn.functional.silu(gate, inplace=True).mul_(up)
+
+
+def fused_pointwise(kernel: AttentionKernel, dtype: torch.dtype, device: torch.device) -> Optional[FusedPointwise]:
+    """The fused pointwise steps that go with ``kernel`` here, or None (unfused modules)."""
+    if kernel is AttentionKernel.TRITON:
+        return FusedPointwise(kernel)
+    if kernel is AttentionKernel.NATIVE and native.fused_pointwise_supported(dtype, device):
+        return FusedPointwise(kernel)
+    return None

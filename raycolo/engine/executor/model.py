@@ -26,12 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from raycolo.errors import ConfigError
-from raycolo.engine.executor.attention import AttentionKernel, choose_kernel, paged_attention
+from raycolo.engine.executor.attention import AttentionKernel, choose_kernel, fused_pointwise, paged_attention
 from raycolo.engine.executor.batch import SeqChunk, StepBatch
 from raycolo.engine.executor.graphs import DecodeBatch, DecodeGraphs
 from raycolo.engine.executor.heap import keep_freed_memory
 from raycolo.engine.executor.kv_cache import PagedKVCache
-from raycolo.engine.executor.native import add_rms_norm, fused_pointwise_supported, rotary_
 from raycolo.engine.executor.packed import pack_linears
 
 log = logging.getLogger("raycolo.engine.executor")
@@ -119,9 +118,10 @@ class ModelExecutor:
         self.kernel = choose_kernel(attention if native_attention else AttentionKernel.TORCH,
                                     self.dtype, self.device)
         self.native = self.kernel.in_place
-        # ... and, in float32 inference, the residual adds, RMSNorms, rotary and SiLU fuse.
-        self.fused = (self.kernel is AttentionKernel.NATIVE and fused_pointwise_supported(self.dtype, self.device)
-                      and all(_fusable(layer) for layer in self.layers)
+        # ... and in inference the residual adds, RMSNorms, rotary (with the cache write) and
+        # SiLU fuse: the native kernels in float32 on the CPU, Triton's with the Triton kernel.
+        self.pointwise = fused_pointwise(self.kernel, self.dtype, self.device)
+        self.fused = (self.pointwise is not None and all(_fusable(layer) for layer in self.layers)
                       and (self.norm is None or _is_rms_norm(self.norm)))
 
     def adapter_state(self) -> tuple:
@@ -206,26 +206,27 @@ class ModelExecutor:
         return self.lm_head(self.norm(last))
 
     def _forward_fused(self, batch: StepBatch, x: torch.Tensor) -> torch.Tensor:
-        """The same layers with native fused pointwise steps (float32, CPU, no autograd):
+        """The same layers with fused pointwise steps (``self.pointwise``; no autograd):
         ``x`` is the residual stream, updated in place; each residual add runs in one pass
-        with the RMSNorm after it, rotary runs in place, SiLU and the gate product in place.
-        The projections are still the model's modules (LoRA applies)."""
+        with the RMSNorm after it, rotary runs in place with the cache write, SiLU and the
+        gate product in one. The projections are still the model's modules (LoRA applies)."""
+        ops = self.pointwise
         cos, sin = self.rotary(x, batch.positions.unsqueeze(0))
         rope = (cos[0].contiguous(), sin[0].contiguous())
-        h = add_rms_norm(x, None, *_norm_args(self.layers[0].input_layernorm))
+        h = ops.add_rms_norm(x, None, *_norm_args(self.layers[0].input_layernorm))
         for i, layer in enumerate(self.layers):
             a = self._attention(i, layer.self_attn, h, rope, batch, fused=True)
-            h = add_rms_norm(x, a, *_norm_args(layer.post_attention_layernorm))
+            h = ops.add_rms_norm(x, a, *_norm_args(layer.post_attention_layernorm))
             mlp = layer.mlp
-            m = mlp.down_proj(F.silu(mlp.gate_proj(h), inplace=True).mul_(mlp.up_proj(h)))
+            m = mlp.down_proj(ops.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
             if i + 1 < len(self.layers):
-                h = add_rms_norm(x, m, *_norm_args(self.layers[i + 1].input_layernorm))
+                h = ops.add_rms_norm(x, m, *_norm_args(self.layers[i + 1].input_layernorm))
             else:
                 x += m
         if not self.is_last:
             return x
         last = x.index_select(0, batch.last_index)
-        return self.lm_head(add_rms_norm(last, None, *_norm_args(self.norm)))
+        return self.lm_head(ops.add_rms_norm(last, None, *_norm_args(self.norm)))
 
     def forward_train(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """The slice over whole sequences, with autograd and without the KV cache (a
@@ -278,10 +279,10 @@ class ModelExecutor:
         k = attn.k_proj(h).view(n, self.kv_heads, d)
         v = attn.v_proj(h).view(n, self.kv_heads, d)
         if fused and q.is_contiguous() and k.is_contiguous():
-            rotary_(q, k, *rope)
+            self.pointwise.rope_and_write(self.cache, i, batch.slots, q, k, v, *rope)
         else:
             q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
-        self.cache.write(i, batch.slots, k, v)
+            self.cache.write(i, batch.slots, k, v)
         if batch.tables is not None:  # the native kernel reads K/V in place
             if q.requires_grad:
                 raise ValueError(f"the {self.kernel.value} attention kernel has no backward: run "

@@ -66,6 +66,36 @@ def _kernel_error(device, dtype, window, tiles: bool) -> float:
     return worst
 
 
+def _pointwise_error(device, dtype) -> float:
+    """Largest difference of the Triton pointwise kernels (add + RMSNorm, rotary, SiLU * up)
+    from transformers' LlamaRMSNorm and apply_rotary_pos_emb and torch's silu in ``dtype``,
+    relative to the largest magnitude of each result."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from raycolo.engine.executor import triton_pointwise as ops
+    from raycolo.engine.executor.kv_cache import PagedKVCache
+
+    gen = torch.Generator().manual_seed(2)
+    rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max())  # noqa: E731
+    errors = []
+    with torch.inference_mode():
+        norm = LlamaRMSNorm(4096, eps=1e-5).to(device=device, dtype=dtype)
+        r, x = (torch.randn(7, 4096, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+        total = r + x
+        errors.append(rel(ops.add_rms_norm(r, x, norm.weight, 1e-5), norm(total)))
+        q, k, v = (torch.randn(5, h, 128, generator=gen).to(device=device, dtype=dtype) for h in (32, 8, 8))
+        angle = torch.rand(5, 64, generator=gen) * 100
+        cos, sin = (torch.cat([f(angle)] * 2, -1).to(device=device, dtype=dtype) for f in (torch.cos, torch.sin))
+        eq, ek = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        cache = PagedKVCache(1, 4, 16, 8, 128, dtype, device)
+        ops.rope_and_write(q, k, v, cos, sin, torch.arange(5, device=device) * 3, cache.keys[0], cache.values[0])
+        errors.append(rel(q, eq))
+        gate, up = (torch.randn(5, 14336, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+        errors.append(rel(ops.silu_mul(gate.clone(), up), torch.nn.functional.silu(gate) * up))
+    return max(errors)
+
+
 def check_executor_triton(device) -> Row:
     """The Triton paged attention kernel (executor/triton_attention.py) against dense
     attention (float32, and bfloat16 on a GPU), then a float32 executor on it, with decode
@@ -86,6 +116,10 @@ def check_executor_triton(device) -> Row:
         errors = [_kernel_error(device, dtype, w, t) for w in (None, 37) for t in (False, True)]
         figures[f"kernel_err_{name}"] = max(errors)
         _require(max(errors) < tol, f"{name} kernel differs from dense attention by {max(errors):.3g}")
+    if cuda:
+        figures["pointwise_bf16_err"] = _pointwise_error(device, torch.bfloat16)
+        _require(figures["pointwise_bf16_err"] <= 1e-2, "bf16 pointwise kernels differ from transformers' "
+                                                        f"modules by {figures['pointwise_bf16_err']:.3g}")
     ps = _prompts([9, 23, 14, 40])
     model = _model(MODEL, "float32", device)
     ex = ModelExecutor(model, 64, 16, attention=AttentionKernel.TRITON, cuda_graphs=cuda)
