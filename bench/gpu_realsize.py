@@ -12,8 +12,14 @@ tokens (EOS ignored):
 * ``stage.graphs`` / ``stage.eager``: the online ``StageModel`` on the whole model with an
   active LoRA (rank 8 on q/k/v/o, lora_B random), one decode step of every row;
 * ``stage.split2``: two ``StageModel`` slices (half the layers each, each from its own copy
-  of the model) chained in one process, per token;
+  of the model) chained in one process, per token; ``stage.split2p``: the same split as two
+  spawned ``StageProcess``es over gloo on the one device, as a live node runs them
+  (bench/realsize_split.py);
 * ``transformers``: ``generate()`` at batch 1, per output token (its dynamic cache);
+* ``attention.*``: one layer's decode attention at each batch, every sequence at the mean
+  decode context: the Triton kernel reading the paged cache in place, the torch path
+  (gather the blocks, SDPA under a mask), and compiled FlexAttention over K/V already
+  contiguous (what a paged FlexAttention could at best reach), against the K/V roofline;
 * ``prefill``: the engine's prefill iterations at batch >= 16, against the matmul rate;
 * ``lora.train``: one LoRA training step of ``StageModel`` (forward and backward, AdamW) on
   8 x ``--prompt`` tokens, against the matmul rate (4 N FLOPs per token: forward, and the
@@ -268,6 +274,63 @@ def train_step(stage, vocab: int, rows: int, length: int, device) -> float:
     return timed(step, device, 3)
 
 
+def attention_rows(rows, m: "Model", batches, context: int, device, dtype, bw: float) -> None:
+    """One layer's decode attention at each batch (every sequence at ``context``): the
+    Triton kernel in place, the torch path (gather the blocks, then SDPA under a mask) and
+    FlexAttention (compiled) over K/V already contiguous, against the K/V bytes' roofline."""
+    import torch.nn.functional as F
+
+    from raycolo.engine.executor.kv_cache import PagedKVCache
+
+    cfg = m.cfg
+    kvh, heads = cfg.num_key_value_heads, cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    per_seq = -(-(context + 1) // BLOCK)
+    try:
+        from raycolo.engine.executor import triton_attention
+    except ImportError:
+        triton_attention = None
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception:                                   # noqa: BLE001 - an old torch: no row
+        flex = None
+    for b in batches:
+        cache = PagedKVCache(1, b * per_seq, BLOCK, kvh, d, dtype, device)
+        cache.keys[0].normal_()
+        cache.values[0].normal_()
+        order = torch.randperm(b * per_seq, device=device)
+        tables2d = order.view(b, per_seq)
+        flat, starts = order.contiguous(), torch.arange(b, device=device) * per_seq
+        pos = torch.full((b,), context, device=device)
+        q = torch.randn(b, heads, d, device=device, dtype=dtype)
+        scale = d ** -0.5
+        roof = b * (context + 1) * 2 * kvh * d * m.itemsize / bw
+
+        def gather_sdpa():
+            k, v = cache.read(0, tables2d)                            # (b, kvh, T, d)
+            mask = (torch.arange(k.shape[2], device=device) <= pos.view(b, 1)).view(b, 1, 1, -1)
+            qg = q.view(b, kvh, heads // kvh, d)
+            return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        paths = {"attention.torch": gather_sdpa}
+        if triton_attention is not None and device.type == "cuda":
+            paths["attention.triton"] = lambda: triton_attention.paged_attention(
+                q, cache.keys[0], cache.values[0], flat, starts, pos, None, scale)
+        if flex is not None and device.type == "cuda":
+            k, v = cache.read(0, tables2d)
+            k, v = k[:, :, :context + 1].contiguous(), v[:, :, :context + 1].contiguous()
+            paths["attention.flex"] = lambda: flex(q.view(b, heads, 1, d), k, v, scale=scale, enable_gqa=True)
+        for path, fn in paths.items():
+            try:
+                step = timed(fn, device, 20)
+            except Exception as exc:                    # noqa: BLE001 - a row that says why
+                rows.append({"path": path, "batch": b, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                print(f"  {path:<16} b={b:<4} failed: {type(exc).__name__}", flush=True)
+                continue
+            decode_row(rows, path, b, step, roof)
+        del cache
+
+
 def decode_row(rows, path, batch, step_s, roofline_s, extra=None):
     target = TARGETS.get((path, batch))
     row = {"path": path, "batch": batch, "step_ms": 1000 * step_s, "tok_s": batch / step_s,
@@ -305,6 +368,7 @@ def run_shape(shape: str, args, device, dtype, lim: dict) -> dict:
         if agree is None and (b >= 16 or b == max(args.batches)):
             n = min(4, b)
             agree = agreement(model, ps[:n], r["tokens"][:n], args.tie)
+    attention_rows(rows, m, args.batches, plen + out // 2, device, dtype, bw)
     ps = prompts_for(vocab, 1, plen, seed=1)
     r = engine_run((model, tok), device, dtype_name, ps, min(out, args.eager_output), graphs=False)
     decode_row(rows, "engine.eager", 1, r["step_s"], m.decode_bytes(1, r["context"]) / bw)
@@ -360,6 +424,14 @@ def run_shape(shape: str, args, device, dtype, lim: dict) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    from realsize_split import split_step
+    try:
+        step = split_step(shape, str(device), dtype_name, b, plen, args.stage_steps)
+        decode_row(rows, "stage.split2p", b, step, m.decode_bytes(b, plen + args.stage_steps / 2) / bw,
+                   {"over_whole": 1000 * step / whole_b1, "target_over_whole": SPLIT_OVER_WHOLE})
+    except RuntimeError as exc:
+        rows.append({"path": "stage.split2p", "batch": b, "error": str(exc).splitlines()[0][:200]})
+        print(f"  stage.split2p failed: {exc}", flush=True)
     return {"shape": shape, "params": m.params, "build_s": build_s, "rows": rows, "agreement": agree}
 
 
@@ -384,6 +456,9 @@ def table(results: list[dict], lim: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|---|---|"]
     for res in results:
         for r in res["rows"]:
+            if "error" in r:
+                lines.append(f"| {res['shape']} | {r['path']} | {r['batch']} | {r['error']} | | | | | |")
+                continue
             if "matmul_fraction" in r:
                 frac = f"{100 * r['matmul_fraction']:.1f} % of matmul"
             else:
