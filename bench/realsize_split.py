@@ -21,7 +21,7 @@ def _rank(rank: int, shape: str, device_str: str, dtype_name: str, batch: int, p
         import torch
         import torch.distributed as dist
 
-        from gpu_realsize import BLOCK, add_active_lora, build_model, prompts_for
+        from realsize_models import BLOCK, add_active_lora, build_model, prompts_for
         from raycolo.engine.executor.stage import StageModel
         from raycolo.engine.executor.stage_ops import ForwardStep
         from raycolo.engine.executor.stage_process import StageProcess

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_realsize  # noqa: E402
+import realsize_models  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -42,9 +43,9 @@ def test_the_dry_run_covers_every_path_and_writes_the_table_and_json(tmp_path, c
 def test_roofline_bytes_by_hand():
     """The decode roofline's bytes for a hand-sized model: every parameter but the (untied)
     input embedding, the step's embedding rows, and each sequence's K/V at its context."""
-    model, _ = gpu_realsize.build_model("tiny", torch.device("cpu"), torch.float32)
-    m = gpu_realsize.Model(model)
-    cfg = gpu_realsize.SHAPES["tiny"]
+    model, _ = realsize_models.build_model("tiny", torch.device("cpu"), torch.float32)
+    m = realsize_models.Model(model)
+    cfg = realsize_models.SHAPES["tiny"]
     embed = cfg["vocab_size"] * cfg["hidden_size"]
     assert m.read_params == sum(p.numel() for p in model.parameters()) - embed
     kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 4

@@ -7,7 +7,9 @@
   under a mask (any device and dtype; the path with autograd).
 
 Both kernels take the same flat block tables (:class:`~.batch.StepBatch` built with
-``groups=False``) and read keys and values where they lie.
+``groups=False``) and read keys and values where they lie. Each comes with its fused
+pointwise steps (:class:`FusedPointwise`: add + RMSNorm, rotary with the cache write,
+SiLU times up), native C on the CPU, Triton with the Triton kernel.
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ block the executor's cache holds beyond ``num_blocks``, which no sequence ever o
 padding row writes its key/value there and attends only to it.
 
 The step that is captured is the executor's own :meth:`ModelExecutor.forward` over a
-:class:`StepBatch` built from the static buffers: the model code exists once. The same
+:class:`StepBatch` built from the static buffers (flat tables for the in-place kernels,
+native or Triton; an attention group for the torch path): the model code exists once. The same
 padded batch runs eagerly where graphs cannot be captured (``capture=False``, the CPU),
 which is how the tests check the padding on a machine without a GPU.
 
