@@ -82,14 +82,32 @@ def test_decode_equals_dense_attention(kernel, head_dim, block_size, group, wind
         torch.testing.assert_close(out[row].double(), expected, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("window", [None, 70])
+def test_split_k_decode_equals_dense_attention(kernel, window):
+    """Two decode queries over one KV head: each pair's keys split over 8 programs (some
+    with no key at all: the short sequence, the window) and merged by the second kernel."""
+    gen = torch.Generator().manual_seed(21)
+    lengths, group, head_dim, block_size = [1100, 9], 4, 32, 16
+    cache, keys, values, flat, starts = scattered_cache(gen, lengths, block_size, 1, head_dim)
+    assert kernel.decode_splits(2, 1, flat.numel() // 2, block_size, head_dim, torch.device("cpu")) == 8
+    q = torch.randn(2, group, head_dim, generator=gen)
+    out = kernel.paged_attention(q, cache.keys[0], cache.values[0], flat, torch.tensor(starts),
+                                 torch.tensor([1099, 8]), window, 0.25)
+    for row, (s, p) in enumerate([(0, 1099), (1, 8)]):
+        lo = 0 if window is None else max(0, p - window + 1)
+        expected = dense(q[row], keys[s][lo:p + 1], values[s][lo:p + 1], group, 0.25)
+        torch.testing.assert_close(out[row].double(), expected, rtol=0, atol=2e-5)
+
+
 def test_decode_splits_the_blocks_where_the_batch_is_small(kernel):
     """Few (token, KV head) pairs over long tables take several split-K programs; a wide
     batch or a short table takes one."""
     cpu = torch.device("cpu")
-    assert kernel.decode_splits(1, 2, 64, cpu) > 1
-    assert kernel.decode_splits(64, 8, 64, cpu) == 1
-    assert kernel.decode_splits(1, 2, 2, cpu) == 1
-    assert kernel.decode_splits(1, 1, 10_000, cpu) <= kernel.MAX_SPLITS
+    # (tokens, kv heads, table width in blocks, block size, head dim): the interpreter counts 8 SMs
+    assert kernel.decode_splits(1, 2, 64, 16, 64, cpu) == 8            # 16 programs wanted
+    assert kernel.decode_splits(64, 8, 64, 16, 64, cpu) == 1
+    assert kernel.decode_splits(1, 2, 4, 16, 64, cpu) == 1             # one key tile in all
+    assert kernel.decode_splits(1, 1, 10_000, 16, 64, cpu) == kernel.MAX_SPLITS
 
 
 @pytest.mark.parametrize("window", [None, 9])

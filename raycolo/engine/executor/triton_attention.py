@@ -38,7 +38,6 @@ import triton.language as tl
 from raycolo.engine.executor.batch import TILE_TOKENS
 
 MAX_SPLITS = 16         # split-K programs per (token, KV head) in a decode step
-MIN_SPLIT_BLOCKS = 4    # a split covers at least this many KV blocks
 DOT_MIN = 16            # tl.dot needs every dimension >= 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DISABLE_ENV = "RAYCOLO_TRITON_ATTENTION"
@@ -53,7 +52,7 @@ def _attend_kernel(Q, K, V, Tables, TableStart, Positions, TileTok, TileLen, Out
                    PartO, PartM, PartL, window, scale,
                    HEADS: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
+                   KV_TILE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
                    PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -72,39 +71,40 @@ def _attend_kernel(Q, K, V, Tables, TableStart, Positions, TileTok, TileLen, Out
     pos = tl.load(Positions + tok)                                  # (M,)
     head = kvh * G + tl.minimum(g, G - 1)
     d = tl.arange(0, BLOCK_D)
-    s = tl.arange(0, BLOCK_BS)
+    n = tl.arange(0, KV_TILE)
     q = tl.load(Q + tok[:, None] * (HEADS * D) + head[:, None] * D + d[None, :],
                 mask=valid[:, None] & (d[None, :] < D), other=0.0)
     tstart = tl.load(TableStart + tok0)
     first = tl.load(Positions + tok0)
     last = tl.load(Positions + tok0 + ntok - 1)
     lo = tl.where(window > 0, tl.maximum(first - window + 1, 0), 0)
-    blk_lo = lo // BS
-    nblk = last // BS + 1 - blk_lo
-    per = (nblk + SPLITS - 1) // SPLITS
-    b0 = blk_lo + split * per
-    b1 = tl.minimum(b0 + per, blk_lo + nblk)
+    span = last + 1 - lo                                             # keys the tile may see
+    per = ((span + KV_TILE - 1) // KV_TILE + SPLITS - 1) // SPLITS * KV_TILE
+    k0 = lo + split * per
+    k1 = tl.minimum(k0 + per, last + 1)
     m_i = tl.full((TILE * BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((TILE * BLOCK_G,), tl.float32)
     acc = tl.zeros((TILE * BLOCK_G, BLOCK_D), tl.float32)
     head_off = kvh.to(tl.int64) * (D * BS)
-    for b in range(b0, b1):
-        blk = tl.load(Tables + tstart + b).to(tl.int64)
-        base = blk * (KVH * D * BS) + head_off
-        k = tl.load(K + base + d[:, None] * BS + s[None, :],
-                    mask=(d[:, None] < D) & (s[None, :] < BS), other=0.0)           # (D, BS)
-        scores = tl.dot(q, k, input_precision=PRECISION) * scale                     # (M, BS)
-        kpos = b * BS + s
-        ok = (kpos[None, :] <= pos[:, None]) & (s[None, :] < BS)
-        ok = ok & ((window <= 0) | (kpos[None, :] > pos[:, None] - window))
+    for n0 in range(k0, k1, KV_TILE):
+        t = n0 + n                                                   # key positions
+        inb = t < k1
+        blk = tl.load(Tables + tstart + t // BS, mask=inb, other=0).to(tl.int64)
+        base = blk * (KVH * D * BS) + head_off                       # each key's (block, head)
+        off = t % BS
+        k = tl.load(K + base[None, :] + d[:, None] * BS + off[None, :],
+                    mask=(d[:, None] < D) & inb[None, :], other=0.0)             # (D, KV_TILE)
+        scores = tl.dot(q, k, input_precision=PRECISION) * scale                 # (M, KV_TILE)
+        ok = (t[None, :] <= pos[:, None]) & inb[None, :]
+        ok = ok & ((window <= 0) | (t[None, :] > pos[:, None] - window))
         scores = tl.where(ok, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(scores - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + base + s[:, None] * D + d[None, :],
-                    mask=(s[:, None] < BS) & (d[None, :] < D), other=0.0)           # (BS, D)
+        v = tl.load(V + base[:, None] + off[:, None] * D + d[None, :],
+                    mask=inb[:, None] & (d[None, :] < D), other=0.0)             # (KV_TILE, D)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if SPLITS == 1:
@@ -151,16 +151,23 @@ def _processors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def decode_splits(tokens: int, kv_heads: int, table_width: int, device: torch.device) -> int:
-    """Split-K programs per (token, KV head) of a decode step: enough to give every SM two
-    programs, each covering at least MIN_SPLIT_BLOCKS blocks of the widest table."""
+def decode_splits(tokens: int, kv_heads: int, table_width: int, block_size: int, head_dim: int,
+                  device: torch.device) -> int:
+    """Split-K programs per (token, KV head) of a decode step, a power of two: enough to give
+    every SM two programs, each covering at least one key tile of the widest table."""
     if device.type != "cuda":
         sms = 8                                       # the interpreter: exercise the merge
     else:
         sms = _processors(device.index if device.index is not None else torch.cuda.current_device())
     want = -(-2 * sms // max(1, tokens * kv_heads))
-    most = max(1, table_width // MIN_SPLIT_BLOCKS)
-    return min(MAX_SPLITS, _pow2(min(want, most)) if min(want, most) > 1 else 1)
+    most = max(1, table_width * block_size // kv_tile(head_dim))
+    n = max(1, min(want, most, MAX_SPLITS))
+    return 1 << (n.bit_length() - 1)
+
+
+def kv_tile(head_dim: int) -> int:
+    """Keys per iteration of a program: several blocks' worth, gathered through the table."""
+    return 64 if head_dim <= 128 else 32
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -188,13 +195,13 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tab
     out = torch.empty_like(q)
     if tokens == 0:
         return out
-    block_g, block_d, block_bs = _pow2(group), _pow2(head_dim, DOT_MIN), _pow2(block_size, DOT_MIN)
+    block_g, block_d = _pow2(group), _pow2(head_dim, DOT_MIN)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = dict(HEADS=heads, KVH=kv_heads, G=group, D=head_dim, BS=block_size, BLOCK_D=block_d,
-                  BLOCK_BS=block_bs, PRECISION=precision)
+                  KV_TILE=kv_tile(head_dim), PRECISION=precision)
     if tiles is None:
         block_g = max(block_g, DOT_MIN)                       # one token: the group is all of M
-        splits = decode_splits(tokens, kv_heads, tables.numel() // tokens, q.device)
+        splits = decode_splits(tokens, kv_heads, tables.numel() // tokens, block_size, head_dim, q.device)
         tile_tok = tile_len = positions                       # unused with TILE=1
         grid = (tokens, kv_heads, splits)
         tile = 1
