@@ -43,9 +43,6 @@ class TorchEngine(Engine):
         instead of loading ``model_id`` (bench/gpu_realsize.py's random real-size models)."""
         self.config = config
         kw = config.engine_kwargs
-        if kw.tensor_parallel_size != 1:
-            raise ConfigError("engine_kwargs.tensor_parallel_size: the torch engine runs tp=1; "
-                              "use the vllm backend for tensor parallelism")
         self.threads = apply_thread_policy(kw.cpu_threads)
         started = time.perf_counter()
         load = config.model_loading_config
@@ -57,13 +54,38 @@ class TorchEngine(Engine):
                                       max_num_seqs=kw.max_num_seqs,
                                       max_num_batched_tokens=kw.max_num_batched_tokens,
                                       block_size=kw.block_size, watermark=kw.watermark)
-        self.executor = create_executor(self.model, self.limits.num_blocks, kw.block_size,
-                                        cuda_graphs=kw.cuda_graphs)
+        self.ranks = None
+        if kw.tensor_parallel_size > 1:
+            self.executor = self._tensor_parallel(kw, load, loaded)
+        else:
+            self.executor = create_executor(self.model, self.limits.num_blocks, kw.block_size,
+                                            cuda_graphs=kw.cuda_graphs)
         self.stats = EngineStats(load_seconds=time.perf_counter() - started)
         self.scheduler = FcfsBlockScheduler(self.limits)
         self.requests: dict[int, _Request] = {}
         self._next_handle = 0
         self._seed = load.seed
+
+    def _tensor_parallel(self, kw, load, loaded):
+        """Ranks 1..tp-1 as processes of this machine (raycolo/engine/executor/tp_ranks.py),
+        each with its slice of the model and of every layer's KV heads; this process is rank
+        0 and samples. Refused for a model without the fast path."""
+        from raycolo.engine.executor import fast_path_family
+        from raycolo.engine.executor.tensor_parallel import check_tp
+        from raycolo.engine.executor.tp_ranks import LocalRanks, RankSpec
+
+        tp = kw.tensor_parallel_size
+        if fast_path_family(self.model) is None:
+            raise ConfigError(f"engine_kwargs.tensor_parallel_size: {type(self.model).__name__} has no fast "
+                              "path (Llama, Qwen2, Mistral); tensor parallelism needs one")
+        check_tp(self.model.config, tp, "engine_kwargs.tensor_parallel_size")
+        if loaded is not None:
+            raise ConfigError("engine_kwargs.tensor_parallel_size: the other ranks load model_id themselves; "
+                              "an in-memory model runs tp=1")
+        self.ranks = LocalRanks(tp, kw.device)
+        spec = RankSpec(load.model_id, load.seed, load.dtype, kw.device, self.limits.num_blocks, kw.block_size,
+                        kw.cuda_graphs)
+        return self.ranks.load(spec, self.model)
 
     def _cache_blocks(self, kw) -> int:
         """KV blocks to preallocate: ``kv_cache_tokens``, capped at what ``max_num_seqs``
@@ -210,6 +232,9 @@ class TorchEngine(Engine):
 
     def release(self) -> None:
         self.requests.clear()
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
         del self.executor
         del self.model
         if torch.cuda.is_available():

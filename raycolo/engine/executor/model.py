@@ -32,6 +32,7 @@ from raycolo.engine.executor.graphs import DecodeBatch, DecodeGraphs
 from raycolo.engine.executor.heap import keep_freed_memory
 from raycolo.engine.executor.kv_cache import PagedKVCache
 from raycolo.engine.executor.packed import pack_linears
+from raycolo.engine.executor.tensor_parallel import TensorParallel, local_heads, shard_layers
 
 log = logging.getLogger("raycolo.engine.executor")
 
@@ -74,7 +75,7 @@ class ModelExecutor:
     def __init__(self, model, num_blocks: int, block_size: int,
                  layers: Optional[tuple[int, int]] = None, pack_weights: bool = True,
                  native_attention: bool = True, cuda_graphs: bool = False,
-                 attention: Optional[AttentionKernel] = None):
+                 attention: Optional[AttentionKernel] = None, tp: Optional[TensorParallel] = None):
         base = _unwrap(model)
         family = fast_path_family(base)
         if family is None:
@@ -90,13 +91,17 @@ class ModelExecutor:
         self.lm_head = base.lm_head if self.is_last else None
         self.rotary = inner.rotary_emb
         self.layers = list(inner.layers[self.first:self.last])
+        # Tensor parallelism (tensor_parallel.py): this rank's slice of every projection,
+        # an all-reduce after o_proj and down_proj. Done before the weights are packed.
+        self.tp = tp if tp is not None and tp.world > 1 else None
+        if self.tp is not None:
+            shard_layers(self.layers, cfg, self.tp)
         # On the CPU, frozen projections multiply with oneDNN-packed weights (packed.py).
         self.packed = pack_linears(self.layers, base if self.is_last else None) if pack_weights else 0
         self.lm_head = base.lm_head if self.is_last else None
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
+        self.heads, self.kv_heads = local_heads(attn, self.head_dim)     # this rank's, under tp
         self.group = self.heads // self.kv_heads
         self.scale = attn.scaling
         self.windows = [self._window(layer.self_attn) for layer in self.layers]
@@ -109,7 +114,7 @@ class ModelExecutor:
         # Decode steps as CUDA graphs (graphs.py) on a CUDA device, one set per adapter
         # state of a peft model. The cache then holds one scratch block past num_blocks.
         self.lora = _lora_layer(model)
-        graphs = cuda_graphs and self.device.type == "cuda"
+        graphs = cuda_graphs and self.device.type == "cuda" and (self.tp is None or _nccl(self.tp))
         self.cache = PagedKVCache(len(self.layers), num_blocks + (1 if graphs else 0), block_size, self.kv_heads,
                                   self.head_dim, self.dtype, self.device)
         self.graphs = DecodeGraphs(self, num_blocks, capture=True) if graphs else None
@@ -123,6 +128,12 @@ class ModelExecutor:
         self.pointwise = fused_pointwise(self.kernel, self.dtype, self.device)
         self.fused = (self.pointwise is not None and all(_fusable(layer) for layer in self.layers)
                       and (self.norm is None or _is_rms_norm(self.norm)))
+
+    def _enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp is None else self.tp.enter(x)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp is None else self.tp.reduce(x)
 
     def adapter_state(self) -> tuple:
         """What a captured decode step depends on besides its shape: for a peft model,
@@ -198,7 +209,7 @@ class ModelExecutor:
             h = layer.input_layernorm(x)
             x = residual + self._attention(i, layer.self_attn, h[0], rope, batch).unsqueeze(0)
             residual = x
-            x = residual + layer.mlp(layer.post_attention_layernorm(x))
+            x = residual + self._reduce(layer.mlp(self._enter(layer.post_attention_layernorm(x))))
         x = x[0]
         if not self.is_last:
             return x
@@ -218,7 +229,7 @@ class ModelExecutor:
             a = self._attention(i, layer.self_attn, h, rope, batch, fused=True)
             h = ops.add_rms_norm(x, a, *_norm_args(layer.post_attention_layernorm))
             mlp = layer.mlp
-            m = mlp.down_proj(ops.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            m = self._reduce(mlp.down_proj(ops.silu_mul(mlp.gate_proj(h), mlp.up_proj(h))))
             if i + 1 < len(self.layers):
                 h = ops.add_rms_norm(x, m, *_norm_args(self.layers[i + 1].input_layernorm))
             else:
@@ -255,13 +266,14 @@ class ModelExecutor:
             h = layer.input_layernorm(x)
             x = residual + self._train_attention(layer.self_attn, h, (cos, sin), masks[window])
             residual = x
-            x = residual + layer.mlp(layer.post_attention_layernorm(x))
+            x = residual + self._reduce(layer.mlp(self._enter(layer.post_attention_layernorm(x))))
         if not self.is_last:
             return x
         return self.lm_head(self.norm(x))
 
     def _train_attention(self, attn, h: torch.Tensor, rope, mask: torch.Tensor) -> torch.Tensor:
         b, t, d = h.shape[0], h.shape[1], self.head_dim
+        h = self._enter(h)
         q = attn.q_proj(h).view(b, t, self.heads, d).transpose(1, 2)      # (B, heads, T, d)
         k = attn.k_proj(h).view(b, t, self.kv_heads, d).transpose(1, 2)
         v = attn.v_proj(h).view(b, t, self.kv_heads, d).transpose(1, 2)
@@ -270,11 +282,12 @@ class ModelExecutor:
         mask = mask | torch.eye(t, dtype=torch.bool, device=h.device)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                            enable_gqa=self.group > 1)
-        return attn.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * d))
+        return self._reduce(attn.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * d)))
 
     def _attention(self, i: int, attn, h: torch.Tensor, rope, batch: StepBatch,
                    fused: bool = False) -> torch.Tensor:
         n, d = h.shape[0], self.head_dim
+        h = self._enter(h)
         q = attn.q_proj(h).view(n, self.heads, d)
         k = attn.k_proj(h).view(n, self.kv_heads, d)
         v = attn.v_proj(h).view(n, self.kv_heads, d)
@@ -289,14 +302,14 @@ class ModelExecutor:
                                  "the executor under torch.inference_mode (execute)")
             o = paged_attention(self.kernel, q, self.cache.keys[i], self.cache.values[i], batch,
                                 self.windows[i], self.scale)
-            return attn.o_proj(o.view(n, self.heads * d))
+            return self._reduce(attn.o_proj(o.view(n, self.heads * d)))
         groups = batch.groups
         if len(groups) == 1 and groups[0].out_index is None:  # decode, rows in batch order
-            return attn.o_proj(self._group_attention(i, q, groups[0]))
+            return self._reduce(attn.o_proj(self._group_attention(i, q, groups[0])))
         out = q.new_empty((n, self.heads * d))
         for g in groups:
             out.index_copy_(0, g.out_index, self._group_attention(i, q, g).index_select(0, g.out_src))
-        return attn.o_proj(out)
+        return self._reduce(attn.o_proj(out))
 
     def _group_attention(self, i: int, q: torch.Tensor, g) -> torch.Tensor:
         """Attention of one group: (rows * Lq, heads * head_dim) in padded query order."""
@@ -311,6 +324,13 @@ class ModelExecutor:
                 rows, 1, grp * lq, mask.shape[-1])
         o = _attend(qg, keys, values, mask, self.scale)
         return o.view(rows, kvh, grp, lq, d).permute(0, 3, 1, 2, 4).reshape(rows * lq, kvh * grp * d)
+
+
+def _nccl(tp: TensorParallel) -> bool:
+    """NCCL's collectives can be captured in a CUDA graph; gloo's (host copies) cannot."""
+    import torch.distributed as dist
+
+    return dist.get_backend(tp.group) == "nccl"
 
 
 def _is_rms_norm(norm) -> bool:

@@ -103,14 +103,17 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class StageModel:
     def __init__(self, model, layers: tuple[int, int], num_blocks: int, block_size: int,
-                 lr: float = 1e-3, pinned_cache: int = 4, cuda_graphs: bool = False):
+                 lr: float = 1e-3, pinned_cache: int = 4, cuda_graphs: bool = False, tp=None):
         """``model``: the whole causal LM, already wrapped by :func:`add_lora` where the
         stage trains. Layers outside the slice are dropped from the module tree.
         ``pinned_cache``: saved adapter versions kept loaded (:meth:`forward`'s ``pinned``).
         ``cuda_graphs``: on a CUDA device, decode steps replay as CUDA graphs with the LoRA
-        active (one set of graphs per adapter state; graphs.py)."""
+        active (one set of graphs per adapter state; graphs.py). ``tp``: this process's
+        :class:`~raycolo.engine.executor.tensor_parallel.TensorParallel` rank; the stage then
+        holds its slice of the layers' projections and LoRA (tensor_parallel.py), and every
+        rank must run the same ops."""
         self.model = model
-        self.executor = ModelExecutor(model, num_blocks, block_size, layers, cuda_graphs=cuda_graphs)
+        self.executor = ModelExecutor(model, num_blocks, block_size, layers, cuda_graphs=cuda_graphs, tp=tp)
         self.first, self.last = self.executor.first, self.executor.last
         decoder = _decoder_layers(model)
         for i in range(len(decoder)):
@@ -317,6 +320,8 @@ class StageModel:
     def optimizer_step(self) -> None:
         """Apply the accumulated gradients (one AdamW step) and clear them."""
         if self.optimizer is not None:
+            if self.executor.tp is not None:     # replicated LoRA factors: partial gradients
+                self.executor.tp.sync_grads()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1

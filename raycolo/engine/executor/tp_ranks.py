@@ -1,0 +1,239 @@
+"""The ranks of a tensor-parallel executor: rank 0 leads, the others replay its steps.
+
+Rank 0 holds the scheduler (the engine) and a :class:`TPLeader` in place of its executor:
+every step it runs is first broadcast to the other ranks as a typed :class:`TPMessage`
+(the step's :class:`SeqChunk` list: token ids, positions, block tables), over a small gloo
+side channel, then run on its own shard. Each other rank runs :func:`follow`: receive a
+message, run the same step on its shard (the block tables are the same on every rank;
+each cache holds its rank's heads), repeat. The all-reduces inside the layers keep the
+ranks in lockstep; only rank 0 samples.
+
+:class:`LocalRanks` hosts the other ranks as spawned processes of this machine (one
+per device: ``cuda:r``, or the CPU). Process groups: NCCL between distinct GPUs, gloo
+otherwise (the CPU, or ranks sharing one GPU); the side channel is always gloo. Rendezvous
+on 127.0.0.1.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional, Sequence
+
+import torch
+
+from raycolo.engine.executor.batch import SeqChunk
+from raycolo.engine.executor.tensor_parallel import TensorParallel
+
+START_TIMEOUT_S = 300
+
+
+class TPOp(Enum):
+    LOAD = "load"           # build the executor of a RankSpec (the model loaded, then cut)
+    STEP = "step"
+    SLEEP = "sleep"
+    WAKE_UP = "wake_up"
+    STOP = "stop"
+
+
+@dataclass
+class TPMessage:
+    op: TPOp
+    chunks: list = field(default_factory=list)      # SeqChunk of a STEP
+    spec: Optional["RankSpec"] = None               # of a LOAD
+
+
+@dataclass
+class RankSpec:
+    """What a follower rank builds: the same model and cache as rank 0, on its device."""
+
+    model_id: str
+    seed: int
+    dtype: str
+    device: str                 # "cpu" or "cuda" (rank r takes cuda:r, modulo the GPUs)
+    num_blocks: int
+    block_size: int
+    cuda_graphs: bool = False
+
+    def rank_device(self, rank: int) -> str:
+        if self.device.startswith("cuda"):
+            return f"cuda:{rank % max(1, torch.cuda.device_count())}"
+        return self.device
+
+
+class Channel:
+    """Rank 0's messages to the others, over a gloo group."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def send(self, message: TPMessage) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([message], src=0, group=self.group)
+
+    def recv(self) -> TPMessage:
+        import torch.distributed as dist
+
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+@dataclass
+class _Step:
+    chunks: list
+    batch: object
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch.num_tokens
+
+
+class TPLeader:
+    """Rank 0's executor: the same interface as :class:`ModelExecutor`; each step, sleep and
+    wake-up goes to the other ranks first."""
+
+    paged = True
+
+    def __init__(self, executor, channel: Channel, ranks=None):
+        self.executor, self.channel, self.ranks = executor, channel, ranks
+
+    def __getattr__(self, name):          # cache, config, device, graphs, ...
+        return getattr(self.executor, name)
+
+    def batch(self, chunks: Sequence[SeqChunk]) -> _Step:
+        return _Step([SeqChunk(list(c.tokens), c.start, list(c.table), c.num_tokens) for c in chunks],
+                     self.executor.batch(chunks))
+
+    def execute(self, step: _Step, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self.channel.send(TPMessage(TPOp.STEP, step.chunks))
+        return self.executor.execute(step.batch, hidden)
+
+    def sleep(self) -> None:
+        self.channel.send(TPMessage(TPOp.SLEEP))
+        self.executor.sleep()
+
+    def wake_up(self) -> None:
+        self.channel.send(TPMessage(TPOp.WAKE_UP))
+        self.executor.wake_up()
+
+    def close(self) -> None:
+        """Stop the other ranks (their processes end)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+
+def follow(channel: Channel, tp: TensorParallel, executor=None) -> int:
+    """A follower rank's loop: run what rank 0 sends until it says stop; returns the steps run."""
+    steps = 0
+    while True:
+        message = channel.recv()
+        if message.op is TPOp.STOP:
+            return steps
+        if message.op is TPOp.LOAD:
+            executor = None                              # the old shard goes first
+            executor = build_rank_executor(message.spec, tp)
+        elif message.op is TPOp.SLEEP:                   # as the engine sleeps: cache freed,
+            executor.sleep()                             # weights to host memory
+            if executor.device.type != "cpu":
+                executor.model.to("cpu")
+                torch.cuda.empty_cache()
+        elif message.op is TPOp.WAKE_UP:
+            if executor.device.type != "cpu":
+                executor.model.to(executor.device)
+            executor.wake_up()
+        else:
+            executor.execute(executor.batch(message.chunks))
+            steps += 1
+
+
+def init_rank(rank: int, world: int, address: str, backend: str) -> tuple[TensorParallel, Channel]:
+    """Join the tensor-parallel group (this process's default group) and its side channel."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world)
+    side = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    return TensorParallel(rank, world, dist.group.WORLD), Channel(side)
+
+
+def build_rank_executor(spec: RankSpec, tp: TensorParallel):
+    """This rank's model shard and executor (the model loaded whole, then cut)."""
+    from raycolo.engine.executor.model import ModelExecutor
+    from raycolo.engine.models import load_model
+
+    device = spec.rank_device(tp.rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    model, _ = load_model(spec.model_id, spec.seed, spec.dtype, device)
+    return ModelExecutor(model, spec.num_blocks, spec.block_size, cuda_graphs=spec.cuda_graphs, tp=tp)
+
+
+def _follower_main(rank: int, world: int, address: str, backend: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    tp, channel = init_rank(rank, world, address, backend)
+    try:
+        follow(channel, tp)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRanks:
+    """Ranks 1..world-1 as spawned processes of this machine, rank 0 this process (one
+    device each: ``cuda:r``, or the CPU). :meth:`load` builds an executor on all of them."""
+
+    def __init__(self, world: int, device: str = "cpu"):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise RuntimeError("tensor_parallel_size: this process already belongs to a process group")
+        self.world = world
+        self.backend = "nccl" if device.startswith("cuda") and torch.cuda.device_count() >= world else "gloo"
+        address = f"tcp://127.0.0.1:{free_port()}"
+        ctx = mp.get_context("spawn")
+        self.processes = [ctx.Process(target=_follower_main, args=(r, world, address, self.backend), daemon=True)
+                          for r in range(1, world)]
+        for p in self.processes:
+            p.start()
+        self.tp, self.channel = init_rank(0, world, address, self.backend)
+        self.leader: Optional[TPLeader] = None
+
+    def load(self, spec: RankSpec, model=None) -> "TPLeader":
+        """Every rank builds ``spec``'s executor; rank 0 cuts ``model`` (already loaded on its
+        device) or loads its own. Returns rank 0's :class:`TPLeader`."""
+        from raycolo.engine.executor.model import ModelExecutor
+
+        self.channel.send(TPMessage(TPOp.LOAD, spec=spec))
+        if model is None:
+            executor = build_rank_executor(spec, self.tp)
+        else:
+            executor = ModelExecutor(model, spec.num_blocks, spec.block_size, cuda_graphs=spec.cuda_graphs,
+                                     tp=self.tp)
+        self.leader = TPLeader(executor, self.channel, self)
+        return self.leader
+
+    def close(self) -> None:
+        """Stop the other ranks, wait for their processes, leave the group."""
+        import torch.distributed as dist
+
+        if not self.processes:
+            return
+        try:
+            self.channel.send(TPMessage(TPOp.STOP))
+        finally:
+            for p in self.processes:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.terminate()
+            self.processes = []
+            if dist.is_initialized():
+                dist.destroy_process_group()
