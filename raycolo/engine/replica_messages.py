@@ -80,3 +80,4 @@ class ReplicaInfo:
     parked_keys: list[str]
     device: str
     model_id: str
+    ranks: list = field(default_factory=list)     # tp_ranks.RankInfo per rank, rank 0 first

@@ -38,9 +38,12 @@ class _Request(TrackedRequest):
 
 
 class TorchEngine(Engine):
-    def __init__(self, config: EngineConfig, loaded: Optional[tuple] = None):
+    def __init__(self, config: EngineConfig, loaded: Optional[tuple] = None, ranks=None):
         """``loaded``: a (model, tokenizer) pair already on ``engine_kwargs.device`` to run
-        instead of loading ``model_id`` (bench/gpu_realsize.py's random real-size models)."""
+        instead of loading ``model_id`` (bench/gpu_realsize.py's random real-size models).
+        ``ranks``: with ``tensor_parallel_size`` > 1, ``ranks(world, device)`` starts the
+        other ranks and returns their :class:`~raycolo.engine.executor.tp_ranks.Ranks`
+        (default: processes of this machine; under Ray, actors in the replica's bundles)."""
         self.config = config
         kw = config.engine_kwargs
         self.threads = apply_thread_policy(kw.cpu_threads)
@@ -56,7 +59,7 @@ class TorchEngine(Engine):
                                       block_size=kw.block_size, watermark=kw.watermark)
         self.ranks = None
         if kw.tensor_parallel_size > 1:
-            self.executor = self._tensor_parallel(kw, load, loaded)
+            self.executor = self._tensor_parallel(kw, load, loaded, ranks)
         else:
             self.executor = create_executor(self.model, self.limits.num_blocks, kw.block_size,
                                             cuda_graphs=kw.cuda_graphs)
@@ -66,7 +69,7 @@ class TorchEngine(Engine):
         self._next_handle = 0
         self._seed = load.seed
 
-    def _tensor_parallel(self, kw, load, loaded):
+    def _tensor_parallel(self, kw, load, loaded, ranks):
         """Ranks 1..tp-1 as processes of this machine (raycolo/engine/executor/tp_ranks.py),
         each with its slice of the model and of every layer's KV heads; this process is rank
         0 and samples. Refused for a model without the fast path."""
@@ -82,7 +85,7 @@ class TorchEngine(Engine):
         if loaded is not None:
             raise ConfigError("engine_kwargs.tensor_parallel_size: the other ranks load model_id themselves; "
                               "an in-memory model runs tp=1")
-        self.ranks = LocalRanks(tp, kw.device)
+        self.ranks = (ranks or LocalRanks)(tp, kw.device)
         spec = RankSpec(load.model_id, load.seed, load.dtype, kw.device, self.limits.num_blocks, kw.block_size,
                         kw.cuda_graphs)
         return self.ranks.load(spec, self.model)

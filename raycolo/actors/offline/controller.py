@@ -294,4 +294,6 @@ def _where(info: Optional[ReplicaInfo]) -> dict:
     and model, the Ray actor it ran in (a warm actor keeps its first name) and its node."""
     return {"ray_gpu_ids": getattr(info, "gpu_ids", None), "device": getattr(info, "device", None),
             "model_id": getattr(info, "model_id", None), "actor": getattr(info, "actor_name", None),
-            "ray_node_id": getattr(info, "node_id", None), "ray_node_ip": getattr(info, "node_ip", None)}
+            "ray_node_id": getattr(info, "node_id", None), "ray_node_ip": getattr(info, "node_ip", None),
+            "ranks": [{"rank": r.rank, "pid": r.pid, "ray_node_id": r.node_id, "ray_node_ip": r.node_ip,
+                       "ray_gpu_ids": list(r.gpu_ids)} for r in getattr(info, "ranks", None) or []]}

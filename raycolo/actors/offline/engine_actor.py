@@ -71,6 +71,26 @@ def _resolve(engine_config: dict) -> dict:
     return config
 
 
+def _create_engine(config: dict):
+    """The engine of ``config``; a tensor-parallel torch engine's other ranks are actors in
+    this actor's placement group (tp_rank.py)."""
+    import functools
+
+    from raycolo.actors.offline.tp_rank import RayRanks
+    from raycolo.engine.factory import create_engine
+
+    threads = config.get("engine_kwargs", {}).get("cpu_threads") or 1
+    return create_engine(config, ranks=functools.partial(RayRanks, threads=threads))
+
+
+def _ranks(engine) -> list:
+    """Where each rank of the replica runs, rank 0 (this actor) first."""
+    from raycolo.actors.offline.tp_rank import _here
+
+    ranks = getattr(engine, "ranks", None)
+    return ranks.describe() if ranks is not None else [_here(0)]
+
+
 # Park an engine only while this share of the host's memory stays free after it.
 PARK_MIN_FREE_FRACTION = 0.2
 
@@ -85,11 +105,9 @@ def engine_config_key(config: dict) -> str:
 class EngineActor:
     def __init__(self, engine_config: dict, label: str, max_parked: int):
         started = time.perf_counter()
-        from raycolo.engine.factory import create_engine
-
         self._config = _resolve(engine_config)
         self._config_key = engine_config_key(engine_config)
-        self.engine = create_engine(self._config)
+        self.engine = _create_engine(self._config)
         self.switch = "cold"      # one of raycolo.offline.planner.engines.SWITCH_KINDS
         self.swaps = 0
         self.max_parked = max_parked
@@ -123,8 +141,6 @@ class EngineActor:
         engine of that config (*wake*) or loads a new one (*swap*). Returns :meth:`info`,
         whose ``load_s`` is this switch's time."""
         started = time.perf_counter()
-        from raycolo.engine.factory import create_engine
-
         self._stop_loop()
         config, key = _resolve(engine_config), engine_config_key(engine_config)
         if config == self._config and self.engine is not None and self.engine.reset():
@@ -139,7 +155,7 @@ class EngineActor:
                 parked.wake_up()
                 self.engine, self.switch = parked, "wake"
             else:
-                self.engine, self.switch = create_engine(config), "swap"
+                self.engine, self.switch = _create_engine(config), "swap"
         self.swaps += 1
         self._begin(label)
         self.load_s = time.perf_counter() - started
@@ -230,7 +246,8 @@ class EngineActor:
                            switch=self.switch, swaps=self.swaps, parked=len(self._parked),
                            engine_key=self._config_key, parked_keys=list(self._parked),
                            device=self.engine.config.engine_kwargs.device,
-                           model_id=self.engine.config.model_loading_config.model_id)
+                           model_id=self.engine.config.model_loading_config.model_id,
+                           ranks=_ranks(self.engine))
 
     def run(self, requests: list[EngineRequest], budget_s: float) -> RunReport:
         """Queue ``requests``; return once some have finished, the

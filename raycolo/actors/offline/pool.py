@@ -118,6 +118,10 @@ def _probes(run: PreparedRun, problem: PlanningProblem) -> list[_Probe]:
         if w is None or w.model.name in seen:
             continue
         seen.add(w.model.name)
+        limits = problem.limits(w.model.name, 1)
+        if limits.blocks_for(w.max_sequence) + limits.watermark_blocks > limits.num_blocks:
+            continue    # fits only with tp > 1, which the pool's one-GPU actors lack: the
+            # model's compute scale is then the other models' (ComputeScales.scales)
         k, tokens = min(PROBE_REQUESTS, len(w)), min(w.max_output, PROBE_MAX_TOKENS)
         while problem.replica_seconds(w.model.name, w.input_len[:k], [tokens] * k) > PROBE_BUDGET_S:
             if tokens > 8:

@@ -33,11 +33,12 @@ layer. Sliced weights and an explicit reduce keep every kernel on plain tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from raycolo.errors import ConfigError
+from raycolo.tp_rules import tp_split_error
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -45,21 +46,12 @@ ROW = ("o_proj", "down_proj")
 
 def check_tp(config, world: int, field_name: str = "tensor_parallel_size") -> None:
     """A ``ConfigError`` naming ``field_name`` where ``world`` ranks cannot split a model of
-    this transformers ``config``: query heads, key/value heads (split or replicated) and
-    the MLP's intermediate size must divide evenly."""
-    if world < 1:
-        raise ConfigError(f"{field_name}: must be at least 1, got {world}")
-    if world == 1:
-        return
-    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    inter = config.intermediate_size
-    if heads % world:
-        raise ConfigError(f"{field_name}: {world} does not divide the model's {heads} attention heads")
-    if kv % world and world % kv:
-        raise ConfigError(f"{field_name}: {world} neither divides nor is a multiple of the model's "
-                          f"{kv} key/value heads")
-    if inter % world:
-        raise ConfigError(f"{field_name}: {world} does not divide the model's intermediate size {inter}")
+    this transformers ``config`` (:func:`raycolo.tp_rules.tp_split_error`)."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    error = tp_split_error(world, heads, kv, config.intermediate_size)
+    if error:
+        raise ConfigError(f"{field_name}: {error}")
 
 
 class _Enter(torch.autograd.Function):

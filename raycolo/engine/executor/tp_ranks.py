@@ -27,6 +27,9 @@ from raycolo.engine.executor.batch import SeqChunk
 from raycolo.engine.executor.tensor_parallel import TensorParallel
 
 START_TIMEOUT_S = 300
+# A collective that waits longer than this fails (a dead rank): the replica fails with it
+# and is restarted, instead of hanging on gloo's default of 30 minutes.
+COLLECTIVE_TIMEOUT_S = 120
 
 
 class TPOp(Enum):
@@ -149,11 +152,25 @@ def follow(channel: Channel, tp: TensorParallel, executor=None) -> int:
             steps += 1
 
 
+@dataclass(frozen=True)
+class RankInfo:
+    """Where one rank of a replica runs (a replica's record in report.json lists them)."""
+
+    rank: int
+    pid: int
+    node_id: str = ""
+    node_ip: str = ""
+    gpu_ids: tuple = ()
+
+
 def init_rank(rank: int, world: int, address: str, backend: str) -> tuple[TensorParallel, Channel]:
     """Join the tensor-parallel group (this process's default group) and its side channel."""
+    import datetime
+
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=address, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     side = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     return TensorParallel(rank, world, dist.group.WORLD), Channel(side)
 
@@ -187,25 +204,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class LocalRanks:
-    """Ranks 1..world-1 as spawned processes of this machine, rank 0 this process (one
-    device each: ``cuda:r``, or the CPU). :meth:`load` builds an executor on all of them."""
+class Ranks:
+    """The ranks of one tensor-parallel replica, seen from rank 0 (this process): how the
+    others are started is a subclass's :meth:`_start_others`. :meth:`load` builds an
+    executor on all of them; :meth:`close` stops them."""
 
-    def __init__(self, world: int, device: str = "cpu"):
+    def __init__(self, world: int, backend: str, address: str):
         import torch.distributed as dist
 
         if dist.is_initialized():
             raise RuntimeError("tensor_parallel_size: this process already belongs to a process group")
-        self.world = world
-        self.backend = "nccl" if device.startswith("cuda") and torch.cuda.device_count() >= world else "gloo"
-        address = f"tcp://127.0.0.1:{free_port()}"
-        ctx = mp.get_context("spawn")
-        self.processes = [ctx.Process(target=_follower_main, args=(r, world, address, self.backend), daemon=True)
-                          for r in range(1, world)]
-        for p in self.processes:
-            p.start()
-        self.tp, self.channel = init_rank(0, world, address, self.backend)
+        self.world, self.backend = world, backend
+        self._start_others(address)
+        self.tp, self.channel = init_rank(0, world, address, backend)
         self.leader: Optional[TPLeader] = None
+
+    def _start_others(self, address: str) -> None:
+        raise NotImplementedError
+
+    def _stop_others(self) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> list[RankInfo]:
+        """Every rank's place, rank 0 first."""
+        raise NotImplementedError
 
     def load(self, spec: RankSpec, model=None) -> "TPLeader":
         """Every rank builds ``spec``'s executor; rank 0 cuts ``model`` (already loaded on its
@@ -222,18 +244,45 @@ class LocalRanks:
         return self.leader
 
     def close(self) -> None:
-        """Stop the other ranks, wait for their processes, leave the group."""
+        """Stop the other ranks, wait for them, leave the group."""
         import torch.distributed as dist
 
-        if not self.processes:
+        if self.channel is None:
             return
         try:
             self.channel.send(TPMessage(TPOp.STOP))
+        except Exception:               # noqa: BLE001 - a rank already gone: stop the rest anyway
+            pass
         finally:
-            for p in self.processes:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.terminate()
-            self.processes = []
+            self.channel = None
+            self._stop_others()
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+class LocalRanks(Ranks):
+    """Ranks 1..world-1 as spawned processes of this machine (rank r on ``cuda:r``, or the
+    CPU); NCCL where each rank has a GPU of its own, else gloo."""
+
+    def __init__(self, world: int, device: str = "cpu"):
+        backend = "nccl" if device.startswith("cuda") and torch.cuda.device_count() >= world else "gloo"
+        super().__init__(world, backend, f"tcp://127.0.0.1:{free_port()}")
+
+    def _start_others(self, address: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.processes = [ctx.Process(target=_follower_main, args=(r, self.world, address, self.backend),
+                                      daemon=True) for r in range(1, self.world)]
+        for p in self.processes:
+            p.start()
+
+    def _stop_others(self) -> None:
+        for p in self.processes:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+        self.processes = []
+
+    def describe(self) -> list[RankInfo]:
+        import os
+
+        return [RankInfo(0, os.getpid())] + [RankInfo(r, p.pid) for r, p in enumerate(self.processes, start=1)]

@@ -15,6 +15,7 @@ from raycolo.hardware import ClusterSpec
 from raycolo.offline.planner.engines import EngineKey, LoadCosts
 from raycolo.batching.limits import SchedulerLimits, make_limits
 from raycolo.offline.workload import NodeWorkload, Workload
+from raycolo.tp_rules import tp_split_error
 
 
 @dataclass(frozen=True, order=True)
@@ -136,9 +137,13 @@ class PlanningProblem:
         raise KeyError(name)
 
     def _valid_plans(self, w: NodeWorkload) -> list[ExecPlan]:
-        """Plans whose weights/tp plus one longest sequence's KV fit on each GPU."""
+        """Plans whose weights/tp plus one longest sequence's KV fit on each GPU, with a tp
+        that splits the model's heads and MLP (raycolo.tp_rules)."""
         plans = []
+        m = w.model
         for tp in self.cluster.tp_degrees():
+            if tp_split_error(tp, m.heads, m.kv_heads, m.intermediate):
+                continue
             limits = self.limits(w.model.name, tp)
             if limits.blocks_for(w.max_sequence) + limits.watermark_blocks > limits.num_blocks:
                 continue

@@ -110,8 +110,8 @@ class PreparedRun:
                                   "block_size": config.block_size or limits.block_size,
                                   **kv,
                                   "watermark": limits.watermark,
-                                  # the torch engine computes on one device of its tp bundles
-                                  "tensor_parallel_size": plan.tp if config.backend == "vllm" else 1,
+                                  # every rank in its own bundle of the replica's group
+                                  "tensor_parallel_size": plan.tp,
                                   "device": "auto", "cpu_threads": self.threads(problem.cluster.num_gpus)}}
 
 
