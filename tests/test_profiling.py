@@ -164,7 +164,7 @@ def test_validate_reports_predicted_and_measured_times():
 @pytest.mark.parametrize("argv,field", [
     (["profile", "--model", "nope"], "--model"),
     (["profile", "--model", "vicuna-13b-v1.5"], "--model"),
-    (["profile", "--model", "tiny-llama-s", "--tp", "2"], "--tp"),
+    (["profile", "--model", "tiny-llama-s", "--tp", "3"], "--tp"),     # 3 does not divide its 4 heads
     (["validate", "--profile", "/no/such/dir"], "--profile"),
     (["validate", "--models", "vicuna-13b-v1.5"], "--models"),
     (["validate", "--requests", "0"], "--requests"),

@@ -295,7 +295,11 @@ def cmd_profile(args) -> int:
             raise RaycoloError(f"--model: '{args.model}' has no checkpoint here; give a tiny "
                                "catalog model or a checkpoint directory")
     if args.tp != 1:
-        raise RaycoloError("--tp: the torch engine profiles tp=1; profile larger TP with the vllm backend")
+        from raycolo.tp_rules import tp_split_error
+        spec = get_model(args.model) if not Path(args.model).is_dir() else None
+        error = spec and tp_split_error(args.tp, spec.heads, spec.kv_heads, spec.intermediate)
+        if error:
+            raise RaycoloError(f"--tp: {error}")
     settings = SweepSettings.quick() if args.quick else SweepSettings()
     progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
     profile, stats = profile_model(args.model, args.out, tp=args.tp, device=args.device,

@@ -77,7 +77,7 @@ class ProfileOptions(Strict):
     """``profile``: measure a model on the torch engine and fit the cost model."""
 
     model: PathText = Field(description="tiny catalog model or checkpoint directory")
-    tp: int = Field(default=1, ge=1, le=MAX_TP, description="tensor-parallel degree (torch engine: 1)")
+    tp: int = Field(default=1, ge=1, le=MAX_TP, description="tensor-parallel degree: the other ranks run as processes of this machine")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the model runs")
     out: PathText = Field(default="profiles", description="output directory")
     threads: Threads = Field(default=1, description="CPU threads for torch")

@@ -52,12 +52,12 @@ class SweepSettings:
 
 
 def engine_config(model_id: str, device: str = "cpu", threads: Optional[int] = 1, seed: int = 0,
-                  max_num_seqs: int = 64, kv_cache_tokens: int = 1 << 17) -> EngineConfig:
+                  max_num_seqs: int = 64, kv_cache_tokens: int = 1 << 17, tp: int = 1) -> EngineConfig:
     return EngineConfig.model_validate({
         "backend": "torch",
         "model_loading_config": {"model_id": model_id, "seed": seed},
         "engine_kwargs": {"max_num_seqs": max_num_seqs, "kv_cache_tokens": kv_cache_tokens,
-                          "device": device, "cpu_threads": threads}})
+                          "device": device, "cpu_threads": threads, "tensor_parallel_size": tp}})
 
 
 def random_prompts(rng: np.random.Generator, count: int, lengths, vocab: int) -> list[list[int]]:
@@ -65,16 +65,17 @@ def random_prompts(rng: np.random.Generator, count: int, lengths, vocab: int) ->
     return [rng.integers(3, vocab, int(n)).tolist() for n in lengths]
 
 
-def _measure_load(model_id: str, device: str, threads: Optional[int], seed: int, repeats: int) -> float:
+def _measure_load(model_id: str, device: str, threads: Optional[int], seed: int, repeats: int,
+                  tp: int = 1) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         source = model_id
         if not Path(model_id).is_dir():
             source = str(save_tiny_checkpoint(model_id, Path(tmp) / "ckpt", seed))
-        create_engine(engine_config(source, device, threads, seed)).release()  # warm imports
+        create_engine(engine_config(source, device, threads, seed, tp=tp)).release()  # warm imports
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            create_engine(engine_config(source, device, threads, seed)).release()
+            create_engine(engine_config(source, device, threads, seed, tp=tp)).release()
             times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -88,9 +89,10 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     say(f"{model_id}: timing loads")
-    load_s = _measure_load(model_id, device, threads, seed, settings.load_repeats)
+    load_s = _measure_load(model_id, device, threads, seed, settings.load_repeats, tp)
 
-    engine = create_engine(engine_config(model_id, device, threads, seed))
+    # tp > 1: a tensor-parallel engine, its other ranks as processes of this machine
+    engine = create_engine(engine_config(model_id, device, threads, seed, tp=tp))
     rng = seeded_rng(seed, "profile", model_id)
     vocab = spec.vocab
     greedy = SamplingParams(max_tokens=settings.decode_steps, ignore_eos=True)
