@@ -337,11 +337,15 @@ def cmd_validate(args) -> int:
             raise RaycoloError(f"--models: {exc}") from None
         if spec.hf_architecture is None or spec.num_params > MAX_RANDOM_PARAMS:
             raise RaycoloError(f"--models: '{m}' is not a tiny model the torch engine can build")
-        if not (profile_dir / f"{m}.tp1.json").exists():
-            raise RaycoloError(f"--profile: {profile_dir} has no profile for {m} "
-                               f"(run: raycolo profile --model {m} --out {profile_dir})")
+        from raycolo.tp_rules import tp_split_error
+        error = tp_split_error(args.tp, spec.heads, spec.kv_heads, spec.intermediate)
+        if error:
+            raise RaycoloError(f"--tp: {m}: {error}")
+        if not (profile_dir / f"{m}.tp{args.tp}.json").exists():
+            raise RaycoloError(f"--profile: {profile_dir} has no tp={args.tp} profile for {m} "
+                               f"(run: raycolo profile --model {m} --tp {args.tp} --out {profile_dir})")
     progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
-    report = validate(profile_dir, models, args.requests, args.seed, args.threads, progress)
+    report = validate(profile_dir, models, args.requests, args.seed, args.threads, progress, tp=args.tp)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 

@@ -91,6 +91,9 @@ class ValidateOptions(Strict):
                                                          "tiny-model profiles")
     models: Optional[Line] = Field(default=None, description="comma-separated tiny models (none: all)")
     requests: int = Field(default=48, ge=1, le=100_000, description="requests per case")
+    tp: int = Field(default=1, ge=1, le=MAX_TP, description="tensor-parallel degree of the model cases "
+                                                           "(needs each model's <model>.tp<T>.json profile; "
+                                                           "the 2-model case runs at tp=1 only)")
     threads: Threads = Field(default=1, description="CPU threads for torch")
     seed: Seed = Field(default=4242, description="seed for the sampled workloads")
 

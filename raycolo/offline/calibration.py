@@ -34,9 +34,9 @@ JUDGE_MAX_TOKENS = 64
 JUDGE_INSTRUCTION = [7] * 12  # a fixed 12-token instruction before each answer
 
 
-def cpu_cluster() -> ClusterSpec:
-    """One device whose memory never limits tiny models (the engine's KV budget is large too)."""
-    return ClusterSpec(num_gpus=1, nvlink_group=1, gpu_memory_bytes=8 * 2**30)
+def cpu_cluster(tp: int = 1) -> ClusterSpec:
+    """``tp`` devices whose memory never limits tiny models (the engine's KV budget is large too)."""
+    return ClusterSpec(num_gpus=tp, nvlink_group=tp, gpu_memory_bytes=8 * 2**30)
 
 
 def _write_requests(path: Path, lengths) -> Path:
@@ -44,11 +44,11 @@ def _write_requests(path: Path, lengths) -> Path:
     return path
 
 
-def _problem(app_yaml: str, profile_dir: Path, seed: int) -> PlanningProblem:
+def _problem(app_yaml: str, profile_dir: Path, seed: int, tp: int = 1) -> PlanningProblem:
     import yaml
     app = parse_app(yaml.safe_load(app_yaml))
     workload = build_workload(app, seed=seed, ecdf_dir=profile_dir / "ecdf")
-    return PlanningProblem(workload, cpu_cluster(), profile_dir=profile_dir, max_num_seqs=MAX_NUM_SEQS)
+    return PlanningProblem(workload, cpu_cluster(tp), profile_dir=profile_dir, max_num_seqs=MAX_NUM_SEQS)
 
 
 def _sampling(rng_seed: int, count: int, max_tokens: int) -> list[SamplingParams]:
@@ -56,10 +56,12 @@ def _sampling(rng_seed: int, count: int, max_tokens: int) -> list[SamplingParams
             for i in range(count)]
 
 
-def model_case(model_id: str, profile_dir: Path, requests: int, seed: int, threads: int) -> dict:
+def model_case(model_id: str, profile_dir: Path, requests: int, seed: int, threads: int, tp: int = 1) -> dict:
+    """One model's held-out requests at tensor-parallel degree ``tp`` (its other ranks as
+    processes of this machine), predicted from its ``tp`` profile."""
     rng = seeded_rng(seed, "validate", model_id)
     lengths = rng.integers(8, 128, requests)
-    engine = create_engine(engine_config(model_id, threads=threads, max_num_seqs=MAX_NUM_SEQS))
+    engine = create_engine(engine_config(model_id, threads=threads, max_num_seqs=MAX_NUM_SEQS, tp=tp))
     vocab = get_model(model_id).vocab
     engine.generate(random_prompts(rng, 2, 8, vocab), SamplingParams(max_tokens=4))  # warm-up
     prompts = random_prompts(rng, requests, lengths, vocab)
@@ -73,12 +75,13 @@ def model_case(model_id: str, profile_dir: Path, requests: int, seed: int, threa
 requests: {{file: {source}}}
 nodes: [{{name: m, model: {model_id}, max_output_tokens: {ECDF_MAX_TOKENS}}}]
 edges: [{{from: input, to: m}}]
-""", profile_dir, seed)
+""", profile_dir, seed, tp)
         state = initial_state(problem)
-        run = StageEvaluator(problem).node_run(state, "m", ExecPlan(1, 1), False, {})
+        run = StageEvaluator(problem).node_run(state, "m", ExecPlan(1, tp), False, {})
         problem.node("m").output_len = np.array([o.output_len for o in outputs])
-        known = StageEvaluator(problem).node_run(state, "m", ExecPlan(1, 1), False, {})
-    return _case(f"{model_id} x{requests}", run.end - run.load_s, known.end - known.load_s, measured)
+        known = StageEvaluator(problem).node_run(state, "m", ExecPlan(1, tp), False, {})
+    name = f"{model_id} x{requests}" if tp == 1 else f"{model_id} tp{tp} x{requests}"
+    return _case(name, run.end - run.load_s, known.end - known.load_s, measured)
 
 
 def _case(name: str, predicted: float, predicted_known: float, measured: float) -> dict:
@@ -125,19 +128,20 @@ edges: [{{from: input, to: answer}}, {{from: answer, to: judge}}]
 
 
 def validate(profile_dir: str | Path, models=TINY_MODELS, requests: int = 48, seed: int = 4242,
-             threads: int = 1, progress: Optional[Callable[[str], None]] = None) -> dict:
+             threads: int = 1, progress: Optional[Callable[[str], None]] = None, tp: int = 1) -> dict:
     say = progress or (lambda msg: None)
     profile_dir = Path(profile_dir)
     cases = []
     for model_id in models:
-        say(f"validating {model_id}")
-        cases.append(model_case(model_id, profile_dir, requests, seed, threads))
-    say("validating a 2-model application")
-    cases.append(dag_case(profile_dir, requests, seed, threads))
+        say(f"validating {model_id}" + (f" at tp={tp}" if tp > 1 else ""))
+        cases.append(model_case(model_id, profile_dir, requests, seed, threads, tp))
+    if tp == 1:
+        say("validating a 2-model application")
+        cases.append(dag_case(profile_dir, requests, seed, threads))
     mape = float(np.mean([abs(c["error"]) for c in cases]))
     mape_known = float(np.mean([abs(c["error_known_lengths"]) for c in cases]))
     return {"cases": cases, "mape": mape, "mape_known_lengths": mape_known,
-            "profile": str(profile_dir), "threads": threads}
+            "profile": str(profile_dir), "threads": threads, "tp": tp}
 
 
 def format_report(report: dict) -> str:

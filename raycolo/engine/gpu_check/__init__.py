@@ -34,6 +34,9 @@ step, and for NVML the CUDA driver's own memory figures. Rows:
                          ``TRITON_INTERPRET=1``)
 * ``stage.graphs``       a LoRA stage chain decoding through CUDA graphs against the same chain
                          eagerly: latest-adapter and base rows, before and after a training step
+* ``tp``                 tensor parallelism, rank 1 a spawned process: NCCL with two GPUs, gloo
+                         with one (both ranks on it) or on the CPU; float64 tokens vs tp=1 and
+                         generate()
 
 vLLM's own graphs are exercised by the ``vllm`` row (its default, compiled mode).
 
@@ -48,7 +51,7 @@ The package, by role:
 * ``executor_checks.py`` the ``executor.*`` rows
 * ``engine_checks.py``   ``torch_engine``, ``device_stats`` and ``vllm``
 * ``stage_checks.py``    ``stage.inproc`` and ``stage.p2p``
-* ``kernel_checks.py``   ``executor.triton`` and ``stage.graphs``
+* ``kernel_checks.py``   ``executor.triton``, ``stage.graphs`` and ``tp``
 * ``cli.py``             the rows' registry (``CHECKS``), the table, ``main``
 """
 from raycolo.engine.gpu_check.cli import CHECKS, main, run_checks, table

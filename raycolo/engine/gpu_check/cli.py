@@ -15,7 +15,7 @@ from raycolo.engine.gpu_check.engine_checks import check_device_stats, check_tor
 from raycolo.engine.gpu_check.executor_checks import (check_executor_decode, check_executor_graphs,
                                                       check_executor_slices, check_executor_whole,
                                                       check_executor_windows)
-from raycolo.engine.gpu_check.kernel_checks import check_executor_triton, check_stage_graphs
+from raycolo.engine.gpu_check.kernel_checks import check_executor_triton, check_stage_graphs, check_tp
 from raycolo.engine.gpu_check.stage_checks import check_stage_inproc, check_stage_p2p
 
 CHECKS: dict[str, Callable] = {
@@ -29,6 +29,7 @@ CHECKS: dict[str, Callable] = {
     "stage.inproc": check_stage_inproc,
     "stage.p2p": check_stage_p2p,
     "stage.graphs": check_stage_graphs,
+    "tp": check_tp,
     "device_stats": check_device_stats,
     "vllm": check_vllm,
 }

@@ -196,3 +196,35 @@ def check_stage_graphs(device) -> Row:
     _require(captured > 0 if cuda else captured == 0, f"{captured} graphs captured")
     return Row("stage.graphs", PASS, {"max_abs_diff": worst, "graphs": captured},
                f"{MODEL} float32, LoRA rank 4, latest and base rows, a training step in between")
+
+
+def check_tp(device) -> Row:
+    """Tensor parallelism (executor/tensor_parallel.py, tp_ranks.py): rank 0 here, rank 1 a
+    spawned process, over NCCL where there are two GPUs, else gloo (two ranks sharing one
+    GPU, or the CPU): float64 greedy tokens and logits against the unsplit executor and
+    transformers' generate() on the device."""
+    import torch
+
+    from raycolo.engine.executor import ModelExecutor
+    from raycolo.engine.executor.tp_ranks import LocalRanks, RankSpec
+    from raycolo.engine.gpu_check.references import _hf_greedy
+
+    ps = _prompts([9, 23, 14])
+    whole = ModelExecutor(_model(MODEL, "float64", device), 64, 16)
+    first_ref, ref = _Chain([whole], 64, 16).greedy(ps, 10)
+    ranks = LocalRanks(2, device.type)
+    try:
+        leader = ranks.load(RankSpec(MODEL, 0, "float64", device.type, 64, 16),
+                            _model(MODEL, "float64", device))
+        first, outs = _Chain([leader], 64, 16).greedy(ps, 10)
+        backend = ranks.backend
+    finally:
+        ranks.close()
+    diff = float((first - first_ref).abs().max())
+    _require(diff < 1e-9, f"tp=2 prefill logits differ from tp=1 by {diff:.3g}")
+    _require(outs == ref, "tp=2 greedy tokens differ from tp=1")
+    hf = _reference(MODEL, device)
+    _require(outs == [_hf_greedy(hf, p, 10) for p in ps], "tp=2 greedy tokens differ from generate()")
+    n = 10 * len(ps)
+    return Row("tp", PASS, {"tokens_equal": f"{n}/{n}", "max_abs_diff": diff, "backend": backend},
+               f"{MODEL} float64, tp=2 (rank 1 a spawned process) vs tp=1 and generate()")
