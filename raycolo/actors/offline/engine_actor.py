@@ -169,13 +169,9 @@ class EngineActor:
 
         from raycolo.offline.planner.engines import park
 
-        if getattr(engine, "ranks", None) is not None:
-            # a tensor-parallel engine holds this process's process group, which the next
-            # engine's ranks need: it is released, not parked
-            engine.release()
-            return
 
-        kept, released = park(tuple(self._parked), self._config_key, self.max_parked)   # the plan's rule
+        kept, released = park(tuple(self._parked), self._config_key, self.max_parked,   # the plan's rule
+                              tp=engine.config.engine_kwargs.tensor_parallel_size)
         for key in released:
             if key != self._config_key:
                 self._parked.pop(key).release()

@@ -69,12 +69,14 @@ def switch_kind(actors: Actors, gpus: tuple[int, ...], key: EngineKey) -> str:
     return "cold"
 
 
-def park(parked: tuple, engine, max_parked: int) -> tuple[tuple, tuple]:
+def park(parked: tuple, engine, max_parked: int, tp: int = 1) -> tuple[tuple, tuple]:
     """The one parking rule (the planner's :func:`start` and ``EngineActor.swap``): the
     engines parked, least recently used first, after ``engine`` is parked, and those
     released to make room, so that at most ``max_parked`` stay; with ``max_parked`` 0,
-    ``engine`` itself is released. Any hashable key names an engine."""
-    if max_parked <= 0:
+    ``engine`` itself is released, and so is a tensor-parallel one (``tp`` > 1: its ranks
+    hold the process's process group, which the next engine's ranks need). Any hashable
+    key names an engine."""
+    if max_parked <= 0 or tp > 1:
         return tuple(parked), (engine,)
     drop = max(0, len(parked) + 1 - max_parked)
     return tuple(parked[drop:]) + (engine,), tuple(parked[:drop])
@@ -94,7 +96,7 @@ def start(actors: Actors, gpus: tuple[int, ...], key: EngineKey, max_parked: int
         if a.gpus == gpus:
             parked = tuple(k for k in a.parked if k != key)     # a wake takes it out first
             if a.held is not None:
-                parked = park(parked, a.held, max_parked)[0]
+                parked = park(parked, a.held, max_parked, tp=a.held[1])[0]
             a = HeldEngines(gpus, key, parked)
         out.append(a)
     return tuple(out)
