@@ -127,6 +127,8 @@ def test_the_parking_rule_against_a_brute_force_lru():
                 while len(lru) > limit:
                     gone.append(lru.pop(0))
                 assert list(parked) == lru and sorted(released) == sorted(gone), (limit, seq)
+    # a tensor-parallel engine is released, whatever the limit, and the others stay
+    assert park(("a", "b"), "c", 3, tp=2) == (("a", "b"), ("c",))
 
 
 def test_the_dispatch_rule_against_the_runtimes_old_loop():
