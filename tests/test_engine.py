@@ -390,9 +390,14 @@ def test_cuda_device_without_cuda_is_a_config_error():
             make_engine(device="cuda")
 
 
-def test_tensor_parallel_is_a_config_error_for_torch_backend():
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        make_engine(tensor_parallel_size=2)
+def test_a_tensor_parallel_size_that_cannot_split_the_model_is_a_config_error():
+    """tp > 1 runs (tests/test_tensor_parallel.py); one that does not divide the model's
+    heads is refused before any rank starts, naming the field."""
+    import torch.distributed as dist
+
+    with pytest.raises(ConfigError, match="^engine_kwargs.tensor_parallel_size: 3 does not divide"):
+        make_engine(tensor_parallel_size=3)
+    assert not dist.is_initialized()
 
 
 @pytest.mark.parametrize("kwargs", [{"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -0.1},

@@ -147,11 +147,11 @@ def test_lora_training_with_tp2_equals_peft_whole_model_steps():
     from peft import get_peft_model_state_dict
 
     from raycolo.engine.executor.stage import LoraSettings, add_lora, causal_lm_loss
-    from raycolo.engine.executor.tp_ranks import free_port
+    from raycolo.engine.executor.tp_ranks import local_address
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    address = f"tcp://127.0.0.1:{free_port()}"
+    address = local_address()
     procs = [ctx.Process(target=_train_rank, args=(r, 2, address, results), daemon=True) for r in range(2)]
     for p in procs:
         p.start()

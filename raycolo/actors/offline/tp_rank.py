@@ -7,7 +7,8 @@ bundle, which joins the process group and replays rank 0's steps
 (:func:`raycolo.engine.executor.tp_ranks.follow`). The rank actors are owned by the engine
 actor: when it dies they die with it, and a rank's death fails rank 0's next collective
 within ``COLLECTIVE_TIMEOUT_S``, so a replica is one unit to the controller's restart path.
-Rendezvous on 127.0.0.1 where every bundle is on rank 0's Ray node, else on that node's IP.
+Rendezvous through a file store where every bundle is on rank 0's Ray node (nothing
+listens on a port), else a TCP store on that node's IP.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import os
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raycolo.engine.executor.tp_ranks import RankInfo, Ranks, free_port
+from raycolo.engine.executor.tp_ranks import RankInfo, Ranks, free_port, local_address
 
 START_TIMEOUT_S = 300
 
@@ -68,8 +69,9 @@ class RayRanks(Ranks):
         ).remote(r) for r in range(1, world)]
         self.where = ray.get([a.where.remote() for a in self.actors], timeout=START_TIMEOUT_S)
         node = ray.get_runtime_context().get_node_id()
-        host = "127.0.0.1" if all(w.node_id == node for w in self.where) else ray.util.get_node_ip_address()
-        super().__init__(world, "nccl" if gpus else "gloo", f"tcp://{host}:{free_port()}")
+        address = (local_address() if all(w.node_id == node for w in self.where)
+                   else f"tcp://{ray.util.get_node_ip_address()}:{free_port()}")
+        super().__init__(world, "nccl" if gpus else "gloo", address)
 
     def _start_others(self, address: str) -> None:
         self.loops = [a.run.remote(self.world, address, self.backend, self.threads) for a in self.actors]

@@ -11,11 +11,12 @@ ranks in lockstep; only rank 0 samples.
 :class:`LocalRanks` hosts the other ranks as spawned processes of this machine (one
 per device: ``cuda:r``, or the CPU). Process groups: NCCL between distinct GPUs, gloo
 otherwise (the CPU, or ranks sharing one GPU); the side channel is always gloo. Rendezvous
-on 127.0.0.1.
+on one machine through a file store, the traffic on the loopback interface.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 from dataclasses import dataclass, field
 from enum import Enum
@@ -163,11 +164,25 @@ class RankInfo:
     gpu_ids: tuple = ()
 
 
+def local_address() -> str:
+    """A rendezvous for ranks on one machine: a file store (a TCP store would listen on
+    every address), in a fresh directory of its own."""
+    import os
+    import tempfile
+
+    return "file://" + os.path.join(tempfile.mkdtemp(prefix="raycolo-tp-"), "store")
+
+
 def init_rank(rank: int, world: int, address: str, backend: str) -> tuple[TensorParallel, Channel]:
-    """Join the tensor-parallel group (this process's default group) and its side channel."""
+    """Join the tensor-parallel group (this process's default group) and its side channel.
+    Ranks of one machine (a ``file://`` rendezvous) talk over the loopback interface."""
     import datetime
+    import os
 
     import torch.distributed as dist
+
+    if address.startswith("file://") and "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
     dist.init_process_group(backend, init_method=address, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -214,7 +229,7 @@ class Ranks:
 
         if dist.is_initialized():
             raise RuntimeError("tensor_parallel_size: this process already belongs to a process group")
-        self.world, self.backend = world, backend
+        self.world, self.backend, self.address = world, backend, address
         self._start_others(address)
         self.tp, self.channel = init_rank(0, world, address, backend)
         self.leader: Optional[TPLeader] = None
@@ -258,6 +273,9 @@ class Ranks:
             self._stop_others()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            if self.address.startswith("file://"):
+                import shutil
+                shutil.rmtree(os.path.dirname(self.address[len("file://"):]), ignore_errors=True)
 
 
 class LocalRanks(Ranks):
@@ -266,7 +284,7 @@ class LocalRanks(Ranks):
 
     def __init__(self, world: int, device: str = "cpu"):
         backend = "nccl" if device.startswith("cuda") and torch.cuda.device_count() >= world else "gloo"
-        super().__init__(world, backend, f"tcp://127.0.0.1:{free_port()}")
+        super().__init__(world, backend, local_address())
 
     def _start_others(self, address: str) -> None:
         ctx = mp.get_context("spawn")
