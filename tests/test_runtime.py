@@ -572,7 +572,7 @@ def test_a_tp2_replica_computes_on_both_its_ranks_with_the_tp1_outputs(cluster, 
     """With 32 MiB GPUs the judge fits only with tp=2 (its 2 GPUs' bundles): rank 0 is the
     engine actor, rank 1 an actor in the other bundle, each with its own GPU; every output
     equals the run where the GPUs are large enough for tp=1 plans."""
-    tp2 = _config(tmp_path / "tp2", "tiny.yaml", requests=6, nvlink_group=2, gpu_memory="32MiB")
+    tp2 = _config(tmp_path / "tp2", "tiny.yaml", requests=4, nvlink_group=2, gpu_memory="32MiB")
     report = run_application(tp2, log=lambda m: None)
     table = _check_exactly_once(report, Path(tp2.output))
     judge = [r for r in report["replicas"] if r["node"] == "judge"]
@@ -582,7 +582,7 @@ def test_a_tp2_replica_computes_on_both_its_ranks_with_the_tp1_outputs(cluster, 
         assert [r["rank"] for r in ranks] == [0, 1]
         assert ranks[0]["pid"] != ranks[1]["pid"]
         assert len({g for r in ranks for g in r["ray_gpu_ids"]}) == 2      # a GPU each
-    tp1 = _config(tmp_path / "tp1", "tiny.yaml", requests=6)
+    tp1 = _config(tmp_path / "tp1", "tiny.yaml", requests=4)
     report1 = run_application(tp1, log=lambda m: None)
     assert all(r["tp"] == 1 for r in report1["replicas"])
     table1 = _check_exactly_once(report1, Path(tp1.output))

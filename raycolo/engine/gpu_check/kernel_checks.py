@@ -210,13 +210,14 @@ def check_tp(device) -> Row:
     from raycolo.engine.gpu_check.references import _hf_greedy
 
     ps = _prompts([9, 23, 14])
+    steps = 10 if device.type == "cuda" else 6
     whole = ModelExecutor(_model(MODEL, "float64", device), 64, 16)
-    first_ref, ref = _Chain([whole], 64, 16).greedy(ps, 10)
+    first_ref, ref = _Chain([whole], 64, 16).greedy(ps, steps)
     ranks = LocalRanks(2, device.type)
     try:
         leader = ranks.load(RankSpec(MODEL, 0, "float64", device.type, 64, 16),
                             _model(MODEL, "float64", device))
-        first, outs = _Chain([leader], 64, 16).greedy(ps, 10)
+        first, outs = _Chain([leader], 64, 16).greedy(ps, steps)
         backend = ranks.backend
     finally:
         ranks.close()
@@ -224,7 +225,7 @@ def check_tp(device) -> Row:
     _require(diff < 1e-9, f"tp=2 prefill logits differ from tp=1 by {diff:.3g}")
     _require(outs == ref, "tp=2 greedy tokens differ from tp=1")
     hf = _reference(MODEL, device)
-    _require(outs == [_hf_greedy(hf, p, 10) for p in ps], "tp=2 greedy tokens differ from generate()")
-    n = 10 * len(ps)
+    _require(outs == [_hf_greedy(hf, p, steps) for p in ps], "tp=2 greedy tokens differ from generate()")
+    n = steps * len(ps)
     return Row("tp", PASS, {"tokens_equal": f"{n}/{n}", "max_abs_diff": diff, "backend": backend},
                f"{MODEL} float64, tp=2 (rank 1 a spawned process) vs tp=1 and generate()")
