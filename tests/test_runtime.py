@@ -570,19 +570,38 @@ def test_real_checkpoints_greedy_outputs_equal_transformers(cluster, tmp_path, h
 
 def test_a_tp2_replica_computes_on_both_its_ranks_with_the_tp1_outputs(cluster, tmp_path):
     """With 32 MiB GPUs the judge fits only with tp=2 (its 2 GPUs' bundles): rank 0 is the
-    engine actor, rank 1 an actor in the other bundle, each with its own GPU; every output
-    equals the run where the GPUs are large enough for tp=1 plans."""
-    tp2 = _config(tmp_path / "tp2", "tiny.yaml", requests=4, nvlink_group=2, gpu_memory="32MiB")
-    report = run_application(tp2, log=lambda m: None)
+    engine actor, rank 1 an actor in the other bundle, each with its own GPU. Rank 1 is
+    killed once while the judge has requests in flight: the replica is restarted as one
+    unit, and every output still equals the run where the GPUs are large enough for tp=1
+    plans, each request once."""
+    import signal
+
+    import psutil
+
+    killed = []
+
+    def kill_rank(controller, record):
+        if killed:
+            return
+        judge = [r for r in controller.replicas.get("judge", []) if r.outstanding and r.ready_s is not None]
+        ranks = [p for p in psutil.process_iter(["cmdline"])
+                 if (p.info["cmdline"] or [""])[0].startswith("ray::TPRankActor")]
+        if judge and ranks:
+            os.kill(ranks[0].pid, signal.SIGKILL)
+            killed.append(ranks[0].pid)
+
+    tp2 = _config(tmp_path / "tp2", "tiny.yaml", requests=24, nvlink_group=2, gpu_memory="32MiB")
+    report = run_application(tp2, on_output=kill_rank, log=lambda m: None)
     table = _check_exactly_once(report, Path(tp2.output))
+    assert killed and report["restarts"] == 1
     judge = [r for r in report["replicas"] if r["node"] == "judge"]
-    assert judge and all(r["tp"] == 2 for r in judge)
+    assert judge and all(r["tp"] == 2 for r in judge) and sum(r["restarts"] for r in judge) == 1
     for rep in judge:
         ranks = rep["ranks"]
         assert [r["rank"] for r in ranks] == [0, 1]
-        assert ranks[0]["pid"] != ranks[1]["pid"]
+        assert ranks[0]["pid"] != ranks[1]["pid"] and killed[0] != ranks[1]["pid"]   # a new rank 1
         assert len({g for r in ranks for g in r["ray_gpu_ids"]}) == 2      # a GPU each
-    tp1 = _config(tmp_path / "tp1", "tiny.yaml", requests=4)
+    tp1 = _config(tmp_path / "tp1", "tiny.yaml", requests=24)
     report1 = run_application(tp1, log=lambda m: None)
     assert all(r["tp"] == 1 for r in report1["replicas"])
     table1 = _check_exactly_once(report1, Path(tp1.output))

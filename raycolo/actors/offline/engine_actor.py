@@ -226,6 +226,14 @@ class EngineActor:
                     if finished:
                         self._cond.notify_all()
         except BaseException as exc:  # surfaced to the controller by the next call
+            from raycolo.engine.executor.tp_ranks import RankLost
+
+            if isinstance(exc, RankLost):
+                # a rank of this tensor-parallel replica died: this process goes too (its
+                # rank actors with it), so the controller restarts the replica as after
+                # any crash and reruns its requests
+                print(f"engine {self.label}: {exc}; exiting", flush=True)
+                os._exit(1)
             with self._cond:
                 self._error = exc
                 self._active = False

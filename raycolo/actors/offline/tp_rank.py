@@ -87,3 +87,9 @@ class RayRanks(Ranks):
 
     def describe(self) -> list[RankInfo]:
         return [_here(0)] + list(self.where)
+
+    def alive(self) -> bool:
+        """A rank's loop ends only when told to stop: one that ended (within a moment of
+        the failed collective, as Ray learns of the death) is a rank lost."""
+        ended, _ = ray.wait(self.loops, num_returns=1, timeout=2.0)
+        return not ended

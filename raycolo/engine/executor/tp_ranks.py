@@ -33,6 +33,11 @@ START_TIMEOUT_S = 300
 COLLECTIVE_TIMEOUT_S = 120
 
 
+class RankLost(RuntimeError):
+    """A rank of the tensor-parallel group is gone: the replica is gone with it (its host
+    restarts the whole replica; raycolo/actors/offline/engine_actor.py)."""
+
+
 class TPOp(Enum):
     LOAD = "load"           # build the executor of a RankSpec (the model loaded, then cut)
     STEP = "step"
@@ -112,8 +117,13 @@ class TPLeader:
                      self.executor.batch(chunks))
 
     def execute(self, step: _Step, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
-        self.channel.send(TPMessage(TPOp.STEP, step.chunks))
-        return self.executor.execute(step.batch, hidden)
+        try:
+            self.channel.send(TPMessage(TPOp.STEP, step.chunks))
+            return self.executor.execute(step.batch, hidden)
+        except Exception as exc:
+            if self.ranks is not None and not self.ranks.alive():
+                raise RankLost(f"a tensor-parallel rank of this replica is gone ({exc})") from exc
+            raise
 
     def sleep(self) -> None:
         self.channel.send(TPMessage(TPOp.SLEEP))
@@ -244,6 +254,10 @@ class Ranks:
         """Every rank's place, rank 0 first."""
         raise NotImplementedError
 
+    def alive(self) -> bool:
+        """Whether every other rank is still running (asked after a collective failed)."""
+        raise NotImplementedError
+
     def load(self, spec: RankSpec, model=None) -> "TPLeader":
         """Every rank builds ``spec``'s executor; rank 0 cuts ``model`` (already loaded on its
         device) or loads its own. Returns rank 0's :class:`TPLeader`."""
@@ -301,6 +315,7 @@ class LocalRanks(Ranks):
         self.processes = []
 
     def describe(self) -> list[RankInfo]:
-        import os
-
         return [RankInfo(0, os.getpid())] + [RankInfo(r, p.pid) for r, p in enumerate(self.processes, start=1)]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
