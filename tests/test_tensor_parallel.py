@@ -138,7 +138,7 @@ def _train_rank(rank: int, world: int, address: str, results) -> None:
         results.put((rank, {"losses": losses, "state": state}))
         import torch.distributed as dist
         dist.destroy_process_group()
-    except BaseException as exc:           # noqa: BLE001 - reported to the test
+    except BaseException:                  # noqa: BLE001 - reported to the test
         import traceback
         results.put((rank, {"error": traceback.format_exc()}))
 

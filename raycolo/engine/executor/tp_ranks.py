@@ -16,6 +16,7 @@ on one machine through a file store, the traffic on the loopback interface.
 from __future__ import annotations
 
 import multiprocessing as mp
+from abc import ABC, abstractmethod
 import os
 import socket
 from dataclasses import dataclass, field
@@ -27,7 +28,6 @@ import torch
 from raycolo.engine.executor.batch import SeqChunk
 from raycolo.engine.executor.tensor_parallel import TensorParallel
 
-START_TIMEOUT_S = 300
 # A collective that waits longer than this fails (a dead rank): the replica fails with it
 # and is restarted, instead of hanging on gloo's default of 30 minutes.
 COLLECTIVE_TIMEOUT_S = 120
@@ -229,7 +229,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Ranks:
+class Ranks(ABC):
     """The ranks of one tensor-parallel replica, seen from rank 0 (this process): how the
     others are started is a subclass's :meth:`_start_others`. :meth:`load` builds an
     executor on all of them; :meth:`close` stops them."""
@@ -244,19 +244,21 @@ class Ranks:
         self.tp, self.channel = init_rank(0, world, address, backend)
         self.leader: Optional[TPLeader] = None
 
+    @abstractmethod
     def _start_others(self, address: str) -> None:
-        raise NotImplementedError
+        """Start ranks 1..world-1, each joining the group at ``address``."""
 
+    @abstractmethod
     def _stop_others(self) -> None:
-        raise NotImplementedError
+        """Wait for the other ranks to end (they were told to stop), ending any that hang."""
 
+    @abstractmethod
     def describe(self) -> list[RankInfo]:
         """Every rank's place, rank 0 first."""
-        raise NotImplementedError
 
+    @abstractmethod
     def alive(self) -> bool:
         """Whether every other rank is still running (asked after a collective failed)."""
-        raise NotImplementedError
 
     def load(self, spec: RankSpec, model=None) -> "TPLeader":
         """Every rank builds ``spec``'s executor; rank 0 cuts ``model`` (already loaded on its

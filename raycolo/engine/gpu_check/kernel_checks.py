@@ -203,8 +203,6 @@ def check_tp(device) -> Row:
     spawned process, over NCCL where there are two GPUs, else gloo (two ranks sharing one
     GPU, or the CPU): float64 greedy tokens and logits against the unsplit executor and
     transformers' generate() on the device."""
-    import torch
-
     from raycolo.engine.executor import ModelExecutor
     from raycolo.engine.executor.tp_ranks import LocalRanks, RankSpec
     from raycolo.engine.gpu_check.references import _hf_greedy
