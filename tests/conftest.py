@@ -30,6 +30,24 @@ def hf_checkpoints(tmp_path_factory):
     return {kind: build_checkpoint(kind, root / kind, seed=0) for kind in KINDS}
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test past its timeout (pytest-timeout's ``timeout`` in pyproject.toml) fails by a
+    signal, which a thread blocked in C (a ``ray.get`` with no timeout) never sees. Half
+    as long again, the run ends with every thread's stack on stderr rather than stalling
+    a CI run until it is killed with nothing said."""
+    import faulthandler
+
+    limit = float(item.config.getini("timeout") or 0)
+    if limit > 0:
+        faulthandler.dump_traceback_later(1.5 * limit, exit=True)
+    try:
+        return (yield)
+    finally:
+        if limit > 0:
+            faulthandler.cancel_dump_traceback_later()
+
+
 _EXIT = {}
 
 

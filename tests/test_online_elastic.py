@@ -32,8 +32,10 @@ def deployment(tmp_path_factory):
              namespace="raycolo")
     dep = OnlineDeployment.start(config, timeout_s=240)
     yield dep, config, out
-    dep.stop()
-    ray.shutdown()
+    try:
+        dep.stop()
+    finally:
+        ray.shutdown()
 
 
 def _samples():

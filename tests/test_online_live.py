@@ -43,8 +43,10 @@ def deployment(tmp_path_factory, request):
                 namespace="raycolo")
     dep = OnlineDeployment.start(config, timeout_s=240)
     yield dep, config, out
-    dep.stop()
-    ray.shutdown()
+    try:
+        dep.stop()
+    finally:
+        ray.shutdown()
 
 
 def test_workers_register_by_node_and_stage(deployment):

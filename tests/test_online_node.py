@@ -718,6 +718,99 @@ def test_with_every_node_down_the_rest_fails_and_the_run_ends():
     assert later and later <= {t.task_id for t in failed}      # arrivals after the last node died
 
 
+class SlowLinkLoops:
+    """Node loops (a pickled copy of each mirror, as a stage 0 gets it over Ray) that a
+    :class:`ClusterDriver` reaches through a link: a command reaches its loop ``delay_s``
+    later; the loop runs its ops for their profiled durations and fires its timers, and
+    reports each event back at once. :meth:`lose` kills a node's loop with whatever it has
+    not taken yet, and starts a new one from the reset mirror ``back_s`` later."""
+
+    def __init__(self, cluster, profile, params, delay_s):
+        import pickle
+
+        self.cluster, self.profile, self.params, self.delay_s = cluster, profile, params, delay_s
+        self.copy = lambda n: pickle.loads(pickle.dumps(cluster.nodes[n]))
+        self.loops = [self.copy(n) for n in range(len(cluster.nodes))]
+        self.epochs = [0] * len(cluster.nodes)
+        self.driver = None
+        self.sent = []          # (node, task id) of every Dispatched command
+
+    def command(self, n, event):
+        from raycolo.online.scheduling.node_events import Dispatched
+
+        if type(event) is Dispatched:
+            self.sent.append((n, event.task.task_id))
+        asyncio.get_running_loop().call_later(self.delay_s, self._take, n, self.epochs[n], event)
+
+    def _take(self, n, epoch, event):
+        if epoch == self.epochs[n]:          # a command to a loop that died is gone with it
+            self._event(n, epoch, type(event)(event.task, self.driver.now()))
+
+    def _event(self, n, epoch, event):
+        from raycolo.online.scheduling.node_events import TimerFired, action_key, apply, op_done_event
+
+        if epoch != self.epochs[n]:
+            return
+        loop = asyncio.get_running_loop()
+        step = apply(self.loops[n], event)
+        for action in step.actions:
+            if isinstance(action, Timer):
+                loop.call_at(action.at_s, lambda a=action: self._event(n, epoch, TimerFired(a.number, a.at_s)))
+            else:
+                last = action.stage == self.profile.stages - 1
+                ends = ends_with(action) if last and action.kind in ("prefill", "decode") else ()
+                loop.call_later(op_duration(action, self.profile, self.params), lambda a=action, e=ends:
+                                self._event(n, epoch, op_done_event(a.stage, a.seq, self.driver.now(), e)))
+        self.driver.absorb(n, event, [action_key(a) for a in step.actions])
+
+    def lose(self, n, back_s):
+        self.epochs[n] += 1
+        self.driver.node_lost(n)            # the mirror resets; its work is placed again
+        asyncio.get_running_loop().call_later(back_s, self._back, n)
+
+    def _back(self, n):
+        self.loops[n] = self.copy(n)
+        self.driver.node_back(n)
+
+
+@pytest.mark.parametrize("policy", ["lemix", "mix-rr"])
+def test_a_task_on_its_way_to_a_node_loop_that_dies_is_placed_again(policy):
+    """Mirrored (the live runtime's node loops), a task the cluster sent to a node is
+    the node's once its loop's report says so. A node lost while a training task and a
+    request are on their way to it (its loop never saw them) loses them with its other
+    work: they are placed again and complete once, as every other task does."""
+    profile, params = preset("llama-70b", 2), LemixParams(sync_every=5)
+    tasks = poisson_workload(60, 0.6, 80, seed=2)
+    cluster = Cluster(make_online_policy(policy, params, nodes=2, train_rate=0.6), profile, 2, params)
+    loops = SlowLinkLoops(cluster, profile, params, delay_s=0.05)
+    lost = []
+    loop = looptime.new_event_loop(start=0.0, resolution=1e-9)
+
+    async def main():
+        driver = loops.driver = ClusterDriver(cluster, None, link=loops)
+        driver.start()
+        command = loops.command
+
+        def command_then_lose(n, event):   # the node dies with the command on its way
+            command(n, event)
+            wanted = "train" if not lost else "inference"        # a training task, then a request
+            if len(lost) < 2 and event.task.kind == wanted:
+                lost.append((n, event.task.kind, event.task.task_id))
+                loop.call_later(loops.delay_s / 2, loops.lose, n, 5.0)
+        loops.command = command_then_lose
+        await asyncio.wait_for(driver.replay(tasks), 10_000)
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert sorted(kind for _, kind, _ in lost) == ["inference", "train"]
+    assert cluster.result(tasks).completions == {t.task_id: 1 for t in tasks}
+    assert cluster.resumed >= 2 and not any(cluster.in_transit.values())
+    for n, _, task_id in lost:       # sent to the lost node, then again elsewhere or there
+        assert [m for m, t in loops.sent if t == task_id][0] == n and [t for _, t in loops.sent].count(task_id) == 2
+
+
 def _started(step, kind):
     (op,) = [o for o in step.started if o.kind == kind]
     return op

@@ -189,6 +189,7 @@ class ClusterDriver:
 
     def _dispatch(self, decision: Decision) -> None:
         if self.link is not None:      # the mirror applies it when the node's report says it did
+            self.cluster.sent(decision)
             self.link.command(decision.node, Dispatched(decision.task, self.now()))
             return
         self._step(self.cluster.dispatch, decision, self.now())

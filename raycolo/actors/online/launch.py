@@ -26,6 +26,10 @@ from raycolo.rng import seeded_rng
 from raycolo.online.config import OnlineConfig
 from raycolo.online.tasks import OnlineTask
 
+# the longest OnlineDeployment.stop() waits for the controller to end its runs (each node's
+# Ray Train run gets 60 s of it) before killing it
+STOP_TIMEOUT_S = 180.0
+
 BOS, FIRST_BYTE = 1, 3
 
 
@@ -129,8 +133,14 @@ class OnlineDeployment(DeploymentReports):
     def drain(self) -> None:
         self._call("drain")
 
-    def stop(self) -> dict:
-        out = ray.get(self.controller.stop.remote())
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> dict:
+        """Stop the deployment: the controller ends its runs and closes its store, for at
+        most ``timeout_s``; then it is killed either way (a controller that does not answer
+        in time, or is dead, is reported in ``errors``)."""
+        try:
+            out = ray.get(self.controller.stop.remote(), timeout=timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+            out = {"errors": [f"stop: the controller did not stop cleanly: {type(exc).__name__}: {exc}"]}
         ray.kill(self.controller)
         if self._started_ray:
             ray.shutdown()

@@ -10,6 +10,17 @@ from typing import Any
 import ray
 
 RESTART_WAIT_S = 300.0    # calls wait this long for a controller Ray is restarting
+WAIT_SLICE_S = 1.0        # a call waits in slices this long, so signals (Ctrl-C) reach the caller
+
+
+def wait_for(ref):
+    """``ray.get(ref)``, waiting as long as it takes, in slices of ``WAIT_SLICE_S``: a
+    ``ray.get`` with no timeout blocks in C, where Python's signal handlers never run."""
+    while True:
+        try:
+            return ray.get(ref, timeout=WAIT_SLICE_S)
+        except ray.exceptions.GetTimeoutError:
+            continue
 
 
 class DeploymentReports:
@@ -23,7 +34,7 @@ class DeploymentReports:
         deadline = time.monotonic() + RESTART_WAIT_S
         while True:
             try:
-                return ray.get(getattr(self.controller, method).remote(*args))
+                return wait_for(getattr(self.controller, method).remote(*args))
             except ray.exceptions.ActorUnavailableError:
                 if time.monotonic() > deadline:
                     raise

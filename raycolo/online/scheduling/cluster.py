@@ -71,6 +71,9 @@ class Cluster:
         self._now = 0.0
         self._tasks: dict[int, OnlineTask] = {}
         self.resumed = 0     # tasks placed again after their node lost them
+        # Mirrored: tasks sent to a node's loop (sent()) that its mirror has not taken yet;
+        # a node lost meanwhile loses them with the rest of its work
+        self.in_transit: dict[int, dict[int, OnlineTask]] = {}
         self.op_log: list[tuple] = []   # (start, end, node, stage, kind, task ids or version)
         self.op_log_dropped = 0          # entries forget() dropped from the front of op_log
 
@@ -130,12 +133,21 @@ class Cluster:
         """``op`` ended; ``finished``: requests whose token from it was their last."""
         return self.apply(op.node, op_done_event(op.stage, op.seq, now, finished, loss))
 
+    def sent(self, decision: Decision) -> None:
+        """Mirrored: ``decision``'s task is on its way to its node's loop. Until the loop's
+        report brings the Dispatched event back (:meth:`apply`) the task is in transit: if
+        the node is lost meanwhile (its loop may never have seen it), it is placed again
+        with the node's other work."""
+        self.in_transit.setdefault(decision.node, {})[decision.task.task_id] = decision.task
+
     def apply(self, n: int, event: NodeEvent) -> ClusterStep:
         """Node ``n`` took ``event`` (node_events.py): the node's step, and the cluster's
         side of it. Mirrored, the node loop already carried out the step's ops and timers:
         the executor must not start them again."""
         now = self._now = event.now
         out = ClusterStep()
+        if type(event) is Dispatched:
+            self.in_transit.get(n, {}).pop(event.task.task_id, None)
         done = type(event) is OpDone
         if done:
             record_op(self.op_log, self.learner, self.nodes[n].stages[event.stage].busy, now)
@@ -206,12 +218,14 @@ class Cluster:
         return out
 
     def _reset(self, n: int, now: float, out: ClusterStep) -> list:
-        """Reset node ``n`` (its plans too); returns its unfinished work."""
+        """Reset node ``n`` (its plans too); returns its unfinished work, the tasks in
+        transit to it included."""
         self._now = now
         step = self.nodes[n].reset(now)
-        self.scheduler.node_reset(n, [x.task_id for x in step.lost], now)
+        lost = step.lost + list(self.in_transit.pop(n, {}).values())
+        self.scheduler.node_reset(n, [x.task_id for x in lost], now)
         self._absorb(n, step, out)
-        return step.lost
+        return lost
 
     def _place_again(self, lost: list, now: float, out: ClusterStep) -> None:
         for x in lost:
