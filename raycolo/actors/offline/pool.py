@@ -30,7 +30,7 @@ from typing import Optional
 import ray
 
 from raycolo.engine.replica_messages import EngineRequest, ReplicaInfo
-from raycolo.actors.offline.engine_actor import EngineActor
+from raycolo.actors.offline.engine_actor import EngineActor, placement
 from raycolo.offline.planner.engines import SWITCH_KINDS, HeldEngines, LoadCosts
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
 from raycolo.offline.runtime.setup import PreparedRun
@@ -162,7 +162,6 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
     :class:`ComputeScales`. An actor that dies meanwhile gives no more samples and is not
     pooled; if all die the start runs again ``retries`` times."""
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from raycolo.actors.offline.replicas import Pooled, stop_actor
 
@@ -174,11 +173,10 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
     started = time.perf_counter()
     token = uuid.uuid4().hex[:8]
     groups = [placement_group([{"GPU": 1}]) for _ in range(gpus)]
-    actors = [EngineActor.options(
-        name=f"raycolo-pool-{i}~{token}", num_gpus=1, max_restarts=0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-    ).remote(_cold_config(run), f"raycolo-pool-{i}", run.config.parked_engines)
-        for i, pg in enumerate(groups)]
+    actors = [EngineActor.options(name=f"raycolo-pool-{i}~{token}", max_restarts=0,
+                                  **placement(_cold_config(run), pg)
+                                  ).remote(_cold_config(run), f"raycolo-pool-{i}", run.config.parked_engines)
+              for i, pg in enumerate(groups)]
     costs, scales, alive, died = SwitchCosts(), ComputeScales(), {}, []
     for i, _ in _each(alive, died, {a.info.remote(): (i, a) for i, a in enumerate(actors)}):
         costs.cold.append(time.perf_counter() - started)

@@ -21,11 +21,10 @@ from typing import Callable, Optional
 import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raycolo.engine.replica_messages import ReplicaInfo, RunReport, Unfinished
 from raycolo.actors.offline.dispatch import Dispatcher, Pending
-from raycolo.actors.offline.engine_actor import EngineActor
+from raycolo.actors.offline.engine_actor import EngineActor, placement
 from raycolo.actors.offline.failures import ReplicaFailed, cause
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
 from raycolo.offline.runtime.setup import PreparedRun
@@ -126,10 +125,10 @@ class ReplicaSet:
 
     def spawn(self, rep: Replica, suffix: str = "") -> None:
         label = rep.name + suffix
-        rep.actor = EngineActor.options(
-            name=f"{label}~{self.run_token}", num_gpus=1, max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(rep.pg, placement_group_bundle_index=0),
-        ).remote(self.engine_config(rep.node, rep.plan), label, self.config.parked_engines)
+        config = self.engine_config(rep.node, rep.plan)
+        rep.actor = EngineActor.options(name=f"{label}~{self.run_token}", max_restarts=0,
+                                        **placement(config, rep.pg)
+                                        ).remote(config, label, self.config.parked_engines)
         rep.info_ref = rep.actor.info.remote()
         self.by_ref[rep.info_ref] = (rep, "info")
         rep.ready_s = None

@@ -71,7 +71,7 @@ class Cluster:
         self._now = 0.0
         self._tasks: dict[int, OnlineTask] = {}
         self.resumed = 0     # tasks placed again after their node lost them
-        # Mirrored: tasks sent to a node's loop (sent()) that its mirror has not taken yet;
+        # Mirrored: tasks sent to a node's loop (dispatch()) that its mirror has not taken yet;
         # a node lost meanwhile loses them with the rest of its work
         self.in_transit: dict[int, dict[int, OnlineTask]] = {}
         self.op_log: list[tuple] = []   # (start, end, node, stage, kind, task ids or version)
@@ -122,8 +122,16 @@ class Cluster:
         return node_scheduler(self.policy, self.profile, self.params, n)
 
     def dispatch(self, decision: Decision, now: float) -> ClusterStep:
-        """The decided task reaches its node."""
-        return self.apply(decision.node, Dispatched(decision.task, now))
+        """The decided task reaches its node. Mirrored, it is sent to the node's loop (a
+        command) and is in transit until the loop's report brings the Dispatched event
+        back (:meth:`apply`): a node lost meanwhile, whose loop may never have seen it,
+        loses it with the rest of its work, and it is placed again."""
+        self._now = now
+        out = ClusterStep()
+        if self.mirrored:
+            self.in_transit.setdefault(decision.node, {})[decision.task.task_id] = decision.task
+        self._command(decision.node, Dispatched(decision.task, now), out)
+        return out
 
     def timer(self, timer: Timer, now: float) -> ClusterStep:
         return self.apply(timer.node, TimerFired(timer.number, now))
@@ -132,13 +140,6 @@ class Cluster:
                 loss: Optional[float] = None) -> ClusterStep:
         """``op`` ended; ``finished``: requests whose token from it was their last."""
         return self.apply(op.node, op_done_event(op.stage, op.seq, now, finished, loss))
-
-    def sent(self, decision: Decision) -> None:
-        """Mirrored: ``decision``'s task is on its way to its node's loop. Until the loop's
-        report brings the Dispatched event back (:meth:`apply`) the task is in transit: if
-        the node is lost meanwhile (its loop may never have seen it), it is placed again
-        with the node's other work."""
-        self.in_transit.setdefault(decision.node, {})[decision.task.task_id] = decision.task
 
     def apply(self, n: int, event: NodeEvent) -> ClusterStep:
         """Node ``n`` took ``event`` (node_events.py): the node's step, and the cluster's
