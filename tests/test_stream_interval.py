@@ -1,4 +1,6 @@
 """vLLM's --stream-interval rule for streamed answers (raycolo/online/serving/responses.py), by hand."""
+import pytest
+
 from raycolo.online.serving.responses import StreamInterval
 
 
@@ -31,3 +33,25 @@ def test_tokens_arriving_together_count_as_many():
 def test_nothing_is_held_back_by_the_end():
     events = [(c, i + 1, [], False) for i, c in enumerate("hello world")] + [("", 11, [], True)]
     assert "".join(t for t, _ in _chunks(7, events)) == "hello world"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("model", ["tiny", "a\x00raycolo-text\x00b"])
+def test_a_text_chunk_built_around_its_text_is_the_whole_chunk_encoded(chat, model):
+    """The line a streamed token goes out in is encoded once per answer, its text alone
+    per chunk: the same bytes as encoding the whole line, for any text (quotes, escapes,
+    non-ASCII, NUL) and any model name (one holding the placeholder is built whole)."""
+    import json
+
+    from raycolo.online.serving.responses import SseChunks
+
+    sse = SseChunks(None, "cmpl-7", chat, model, 1700000000)
+    for text in ["hi", ' "quoted" \\ ', "é\n\x00\u2028", "\x00raycolo-text\x00"]:
+        line = sse.chunk(text, None)
+        assert line.startswith("data: ") and line.endswith("\n\n")
+        body = json.loads(line[len("data: "):])
+        choice = {"index": 0, "logprobs": None, "finish_reason": None,
+                  **({"delta": {"content": text}} if chat else {"text": text})}
+        assert body == {"id": "cmpl-7", "object": "chat.completion.chunk" if chat else "text_completion",
+                        "created": 1700000000, "model": model, "choices": [choice]}
+        assert line == "data: " + json.dumps(body) + "\n\n"

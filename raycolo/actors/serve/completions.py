@@ -198,7 +198,7 @@ class Completions:
                 held = None
                 if (kind, value) == CONTROLLER_FAILED:
                     finished = True
-                    self._finish("error", started)
+                    self._finish("error", started, count)
                     yield CONTROLLER_DIED, "error", count, []
                     return
                 if kind in TOKEN_EVENTS:
@@ -209,45 +209,48 @@ class Completions:
                             batch.append(nxt)
                         else:
                             held = nxt
-                    text = []
+                    text, before = [], count
                     for kind, value in batch:
                         if kind == "logprob":
                             lps.append(value)
                             continue
-                        now = time.perf_counter()
                         count += 1
-                        if last is None:
-                            self.metrics.ttft.observe(now - started, tags)
-                        else:
-                            self.metrics.itl.observe(now - last, tags)
-                        last = now
-                        self.metrics.generation_tokens.inc(1, tags)
                         if kind == "stop_token":
                             continue
                         text.append(stream.add(value, check=count > params.min_tokens))
                         if stream.stopped is not None:
-                            finished = True
-                            await self.controller.cancel.remote(rid, "stop")
-                            self._finish("stop", started)
-                            yield "".join(text), "stop", count, lps
-                            return
+                            break
+                    # once per chunk (the tokens that came together), not per token
+                    now = time.perf_counter()
+                    if count > before:
+                        if last is None:
+                            self.metrics.ttft.observe(now - started, tags)
+                        else:
+                            self.metrics.itl.observe((now - last) / (count - before), tags)
+                        last = now
+                    if stream.stopped is not None:
+                        finished = True
+                        await self.controller.cancel.remote(rid, "stop")
+                        self._finish("stop", started, count)
+                        yield "".join(text), "stop", count, lps
+                        return
                     delta = "".join(text)
                     if delta or lps:
                         yield delta, None, count, lps
                         lps = []
                 elif kind == "done":
                     finished = True
-                    self._finish(value, started)
+                    self._finish(value, started, count)
                     yield stream.flush(), value, count, lps
                     return
                 else:
                     finished = True
-                    self._finish("error", started)
+                    self._finish("error", started, count)
                     yield str(value), "error", count, lps
                     return
         except (RayActorError, ActorUnavailableError):   # the controller died: the stream ends with an error
             finished = True
-            self._finish("error", started)
+            self._finish("error", started, count)
             yield CONTROLLER_DIED, "error", count, []
         finally:
             self.channel.close(front)
@@ -256,12 +259,15 @@ class Completions:
                     await self.controller.cancel.remote(rid, "abort")
                 except (RayActorError, ActorUnavailableError):
                     pass          # the controller died: the request died with it
-                self._finish("abort", started)
+                self._finish("abort", started, count)
 
-    def _finish(self, reason: str, started: float) -> None:
+    def _finish(self, reason: str, started: float, tokens: int) -> None:
+        """A request ended: its outcome, latency and generated tokens, once per request."""
         tags = {"model_name": self.model_name}
         self.metrics.success.inc(tags=dict(tags, finished_reason=reason))
         self.metrics.e2e.observe(time.perf_counter() - started, tags)
+        if tokens:
+            self.metrics.generation_tokens.inc(tokens, tags)
 
     async def _sse(self, events, out_id: str, kind: str, prompt_tokens: int, include_usage: bool, model: str):
         sse = SseChunks(self.tokenizer, out_id, kind == "chat.completion", model, int(time.time()))

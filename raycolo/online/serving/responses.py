@@ -81,12 +81,26 @@ class StreamInterval:
         return out
 
 
+_HOLE = "\x00raycolo-text\x00"     # where a chunk's text goes in its pre-built line
+
+
 class SseChunks:
-    """The ``data: ...`` lines of one streamed answer (one choice)."""
+    """The ``data: ...`` lines of one streamed answer (one choice). A text chunk, the
+    line sent per token, is built once per answer: the line around its text is encoded
+    ahead, and each chunk JSON-encodes only its text (the same bytes as encoding the whole
+    line each time)."""
 
     def __init__(self, tokenizer, out_id: str, chat: bool, model: str, created: int):
         self.tokenizer, self.out_id, self.chat, self.model, self.created = tokenizer, out_id, chat, model, created
         self.kind = "chat.completion.chunk" if chat else "text_completion"
+        parts = self._build(_HOLE, None).split(json.dumps(_HOLE))
+        self._around = parts if len(parts) == 2 else None     # (a model name holding the hole: build)
+
+    def text(self, delta: str) -> str:
+        """A chunk of text alone (no log-probabilities, not the last): ``chunk(delta, None)``."""
+        if self._around is None:
+            return self._build(delta, None)
+        return self._around[0] + json.dumps(delta) + self._around[1]
 
     def _line(self, choices: list, extra: Optional[dict] = None) -> str:
         out = {"id": self.out_id, "object": self.kind, "created": self.created, "model": self.model,
@@ -94,6 +108,11 @@ class SseChunks:
         return f"data: {json.dumps(out)}\n\n"
 
     def chunk(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None) -> str:
+        if delta and finish is None and not role and not lps:
+            return self.text(delta)
+        return self._build(delta, finish, role, lps)
+
+    def _build(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None) -> str:
         if self.chat:
             d = {"role": "assistant"} if role else ({} if delta is None else {"content": delta})
             c = {"index": 0, "delta": d, "logprobs": chat_logprobs(self.tokenizer, lps) if lps else None,

@@ -1,0 +1,288 @@
+"""The HTTP front alone, at GPU token rates: how many streamed tokens/s it sustains and
+what each chunk costs in CPU, in every process on the path.
+
+A token source stands where a node's stage 0 stands: it is the deployment's controller
+actor to the ingress (it admits each request and takes cancels), and it writes every
+admitted request's tokens to the admitting replica's token inbox with the real
+:class:`~raycolo.online.serving.token_wire.TokenSender`, one frame per replica per
+decode step, as stage 0 does. Everything after that is the real front: the inbox, the
+replica's detokenizer and server-sent events (raycolo/actors/serve), Ray Serve's proxy
+and uvicorn, to streaming HTTP clients on loopback (aiohttp, in this process).
+
+For each number of concurrent streams, offered rates go up until one is not sustained
+(received < 95 % of offered, or the p99 added latency passes ``--max-p99-s``); the
+table gives the highest sustained rate, the CPU per chunk of each process there
+(replica, proxy, token source, client), and the added latency per token (from the
+source's write to the client's read, p50 and p99).
+
+    .venv/bin/python bench/front.py                               # 64, 256, 1024 streams
+    .venv/bin/python bench/front.py --streams 256 --replicas 2 --json out/bench_front.json
+    .venv/bin/python bench/front.py --serve-mode throughput       # RAY_SERVE_THROUGHPUT_OPTIMIZED=1
+
+Loopback only; a measured benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+SERVE_MODES = {"default": {}, "throughput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
+PROCESS_TITLES = {"replica": "ray::ServeReplica:", "proxy": "ray::ProxyActor", "source": "ray::TokenSource"}
+
+
+def token_source_class():
+    import ray
+
+    from raycolo.online.scheduling.node_loop import TokenOut
+    from raycolo.online.serving.messages import Admission
+    from raycolo.online.serving.token_wire import TokenSender
+
+    @ray.remote(num_cpus=0)
+    class TokenSource:
+        """The controller as the ingress sees it, with a stage 0's token writes."""
+
+        def __init__(self, step_s: float, first_token: int):
+            self.step_s, self.first_token = step_s, first_token
+            self.sender = TokenSender()
+            self.lock = threading.Lock()
+            self.active: dict[int, list] = {}      # rid -> [front, tokens left, position]
+            self.sent: dict[tuple, float] = {}     # (rid, position) -> when it was written
+            self.next_id, self.chunks, self.cancels = 0, 0, 0
+            self.running = True
+            threading.Thread(target=self._loop, daemon=True).start()
+
+        # -- the controller's interface to the ingress (raycolo/actors/online/requests.py) --
+        async def start(self, timeout_s: float = 0.0) -> dict:
+            return {}
+
+        async def attach(self, front: str) -> None:
+            return None
+
+        async def detach(self, front: str) -> None:
+            return None
+
+        async def resolve_adapter(self, name: str):
+            return None
+
+        async def monitor(self) -> dict:
+            return {"running": len(self.active), "waiting": 0, "samples_trained": 0, "samples_pending": 0,
+                    "optimizer_steps": 0, "adapter_version": 0, "adapter_staleness_s": 0.0,
+                    "slo_attainment": 1.0, "decision_us_p50": 0.0, "nodes_alive": 1, "restarting_nodes": [],
+                    "stages": []}
+
+        async def admit(self, prompt, max_tokens=None, temperature=0.0, top_p=1.0, seed=0, ignore_eos=False,
+                        base=False, version=None, params=None, front=None) -> Admission:
+            with self.lock:
+                rid, self.next_id = self.next_id, self.next_id + 1
+                self.sender.watch(rid, front)
+                self.active[rid] = [front, params.max_tokens, 0]
+            return Admission(id=rid)
+
+        async def cancel(self, rid: int, reason: str = "stop") -> None:
+            with self.lock:
+                self.cancels += self.active.pop(rid, None) is not None
+
+        async def front_events(self, front: str):
+            while self.running:        # every token goes through the inbox
+                await asyncio.sleep(3600)
+            yield []
+
+        def stop(self) -> dict:
+            self.running = False
+            return {}
+
+        # -- stage 0's side --------------------------------------------------------------
+        def _loop(self) -> None:
+            next_at = time.perf_counter()
+            while self.running:
+                next_at += self.step_s
+                with self.lock:
+                    out, now = [], time.time()
+                    for rid, state in list(self.active.items()):
+                        state[1] -= 1
+                        last = state[1] == 0
+                        out.append(TokenOut(rid, self.first_token + state[2] % 26, True,
+                                            "length" if last else None, None, state[2]))
+                        self.sent[(rid, state[2])] = now
+                        state[2] += 1
+                        if last:
+                            del self.active[rid]
+                    if out:
+                        self.sender.send(out)
+                        self.chunks += len(out)
+                delay = next_at - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                else:
+                    next_at = time.perf_counter()      # behind: no catching up in a burst
+
+        def take_sent(self) -> dict:
+            with self.lock:
+                sent, self.sent = self.sent, {}
+            return sent
+
+        def set_step(self, step_s: float) -> None:
+            self.step_s = step_s
+
+    return TokenSource
+
+
+async def _stream(session, url: str, model: str, max_tokens: int, got: list, stop_at: float) -> None:
+    """One streamed completion after another until ``stop_at``: each chunk's (rid,
+    position, time read) into ``got``."""
+    body = {"model": model, "prompt": "front", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    while time.perf_counter() < stop_at:
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                await asyncio.sleep(0.05)
+                continue
+            rid, position = None, 0
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.time()
+                if rid is None:
+                    rid = int(json.loads(line[6:])["id"].split("-")[1])
+                if b'"text": ""' in line:      # the closing chunk (its finish_reason)
+                    continue
+                got.append((rid, position, now))
+                position += 1
+
+
+async def _drive(url: str, model: str, streams: int, max_tokens: int, seconds: float) -> list:
+    import aiohttp
+
+    got: list = []
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        stop_at = time.perf_counter() + seconds
+        await asyncio.gather(*[_stream(session, url, model, max_tokens, got, stop_at) for _ in range(streams)])
+    return got
+
+
+def _cpu(pids: dict) -> dict:
+    import psutil
+
+    out = {}
+    for name, group in pids.items():
+        total = 0.0
+        for pid in group:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        out[name] = total
+    return out
+
+
+def measure(url, model, source, pids, streams, rate, seconds, max_tokens) -> dict:
+    import ray
+
+    ray.get(source.set_step.remote(streams / rate))
+    ray.get(source.take_sent.remote())
+    before, mine = _cpu(pids), time.process_time()
+    started = time.perf_counter()
+    got = asyncio.run(_drive(url, model, streams, max_tokens, seconds))
+    wall = time.perf_counter() - started
+    after, mine = _cpu(pids), time.process_time() - mine
+    sent = ray.get(source.take_sent.remote())
+    lat = np.array([t - sent[(rid, pos)] for rid, pos, t in got if (rid, pos) in sent])
+    chunks = max(1, len(got))
+    cpu = {name: (after[name] - before[name]) / chunks * 1e3 for name in pids}
+    cpu["client"] = mine / chunks * 1e3
+    return {"streams": streams, "offered_tokens_per_s": rate, "received_tokens_per_s": len(got) / wall,
+            "chunks": len(got), "cpu_ms_per_chunk": cpu,
+            "front_cpu_ms_per_chunk": cpu["replica"] + cpu["proxy"],
+            "latency_p50_ms": float(np.percentile(lat, 50) * 1e3) if len(lat) else None,
+            "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if len(lat) else None}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--rates", type=float, nargs="+", default=[1000, 2000, 4000, 8000, 16000, 32000],
+                   help="offered streamed tokens/s to try, ascending")
+    p.add_argument("--seconds", type=float, default=6.0, help="each measurement's length")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per streamed completion")
+    p.add_argument("--replicas", type=int, default=1, help="ingress replicas (serve.replicas)")
+    p.add_argument("--serve-mode", choices=sorted(SERVE_MODES), default="default")
+    p.add_argument("--max-p99-s", type=float, default=1.0)
+    p.add_argument("--port", type=int, default=8731)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    os.environ.update(SERVE_MODES[args.serve_mode])     # the cluster's processes inherit it
+
+    import ray
+    from ray import serve
+
+    from common import pids_titled, write_json
+    from raycolo.actors.local_cluster import NAMESPACE, controller_name
+    from raycolo.actors.serve.launch import start
+    from raycolo.online.config import load_online_config
+
+    config = load_online_config(str(ROOT / "examples" / "online.yaml"))
+    config = config.model_copy(update={"serve": config.serve.model_copy(update={
+        "port": args.port, "replicas": args.replicas, "max_ongoing_requests": 4 * max(args.streams),
+        "api_key_env": None})})
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
+             namespace=NAMESPACE)
+    source = token_source_class().options(name=controller_name(config.serve.app_name), namespace=NAMESPACE,
+                                           lifetime="detached").remote(0.01, 97)
+    rows = []
+    try:
+        url = start(config)
+        model = config.served_model_name()
+        pids = {name: pids_titled(title) for name, title in PROCESS_TITLES.items()}
+        print(f"front: {args.replicas} replica(s), Serve mode {args.serve_mode}, pids {pids}", flush=True)
+        measure(url, model, source, pids, 8, 400, 2.0, args.max_tokens)       # warm-up
+        for streams in args.streams:
+            best = None
+            for rate in args.rates:
+                row = measure(url, model, source, pids, streams, rate, args.seconds, args.max_tokens)
+                ok = (row["received_tokens_per_s"] >= 0.95 * rate
+                      and row["latency_p99_ms"] is not None and row["latency_p99_ms"] <= args.max_p99_s * 1e3)
+                print(f"  {streams:5d} streams, offered {rate:8.0f}/s: received {row['received_tokens_per_s']:8.0f}/s, "
+                      f"front {row['front_cpu_ms_per_chunk']:.3f} ms CPU/chunk, "
+                      f"p99 {row['latency_p99_ms'] or float('nan'):.1f} ms {'ok' if ok else 'NOT sustained'}",
+                      flush=True)
+                row["sustained"] = ok
+                rows.append(row)
+                if not ok:
+                    break
+                best = row
+            if best is not None:
+                best["best"] = True
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print()
+    print(f"| streams | sustained tokens/s | replica ms/chunk | proxy ms/chunk | front ms/chunk | "
+          f"source ms/chunk | client ms/chunk | added latency p50 / p99 ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        if row.get("best"):
+            c = row["cpu_ms_per_chunk"]
+            print(f"| {row['streams']} | {row['received_tokens_per_s']:.0f} | {c['replica']:.3f} | {c['proxy']:.3f} | "
+                  f"{row['front_cpu_ms_per_chunk']:.3f} | {c['source']:.3f} | {c['client']:.3f} | "
+                  f"{row['latency_p50_ms']:.1f} / {row['latency_p99_ms']:.1f} |")
+    if args.json:
+        write_json(args.json, {"serve_mode": args.serve_mode, "replicas": args.replicas, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
