@@ -142,35 +142,62 @@ def token_source_class():
 async def _stream(session, url: str, model: str, max_tokens: int, got: list, stop_at: float) -> None:
     """One streamed completion after another until ``stop_at``: each chunk's (rid,
     position, time read) into ``got``."""
+    import aiohttp
+
     body = {"model": model, "prompt": "front", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     while time.perf_counter() < stop_at:
-        async with session.post(f"{url}/v1/completions", json=body) as r:
-            if r.status != 200:
-                await asyncio.sleep(0.05)
+        try:
+            await _one(session, url, body, got, stop_at)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            got.append(("error", repr(exc), time.time()))
+
+
+async def _one(session, url: str, body: dict, got: list, stop_at: float) -> None:
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        if r.status != 200:
+            await asyncio.sleep(0.05)
+            return
+        rid, position = None, 0
+        async for line in r.content:
+            if time.perf_counter() >= stop_at:      # the window ends: the client goes away
+                return
+            if not line.startswith(b"data: {"):
                 continue
-            rid, position = None, 0
-            async for line in r.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                now = time.time()
-                if rid is None:
-                    rid = int(json.loads(line[6:])["id"].split("-")[1])
-                if b'"text": ""' in line:      # the closing chunk (its finish_reason)
-                    continue
-                got.append((rid, position, now))
-                position += 1
+            now = time.time()
+            if rid is None:
+                rid = int(json.loads(line[6:])["id"].split("-")[1])
+            if b'"text": ""' in line:      # the closing chunk (its finish_reason)
+                continue
+            got.append((rid, position, now))
+            position += 1
 
 
-async def _drive(url: str, model: str, streams: int, max_tokens: int, seconds: float) -> list:
+async def _drive(url: str, model: str, streams: int, max_tokens: int, warm_s: float, seconds: float,
+                 pids: dict) -> tuple[list, dict, dict, float]:
+    """``streams`` streams for ``warm_s + seconds``; the chunks read, and every process's
+    CPU seconds (this one's: "client") at the start and the end of the measured window
+    (after ``warm_s``, once every stream has started), and the window's length."""
     import aiohttp
 
     got: list = []
+    marks: list = []
+
+    async def mark(at: float) -> None:
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        marks.append((time.perf_counter(), {**_cpu(pids), "client": time.process_time()}))
+
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        stop_at = time.perf_counter() + seconds
-        await asyncio.gather(*[_stream(session, url, model, max_tokens, got, stop_at) for _ in range(streams)])
-    return got
+        begin = time.perf_counter()
+        stop_at = begin + warm_s + seconds
+        await asyncio.gather(mark(begin + warm_s), mark(stop_at - 0.05),
+                             *[_stream(session, url, model, max_tokens, got, stop_at) for _ in range(streams)])
+    (t0, before), (t1, after) = marks
+    wall0 = time.time() - (time.perf_counter() - t0)
+    wall1 = time.time() - (time.perf_counter() - t1)
+    window = [g for g in got if g[0] == "error" or wall0 <= g[2] < wall1]
+    return window, before, after, t1 - t0
 
 
 def _cpu(pids: dict) -> dict:
@@ -194,18 +221,16 @@ def measure(url, model, source, pids, streams, rate, seconds, max_tokens) -> dic
 
     ray.get(source.set_step.remote(streams / rate))
     ray.get(source.take_sent.remote())
-    before, mine = _cpu(pids), time.process_time()
-    started = time.perf_counter()
-    got = asyncio.run(_drive(url, model, streams, max_tokens, seconds))
-    wall = time.perf_counter() - started
-    after, mine = _cpu(pids), time.process_time() - mine
+    warm_s = max(2.0, streams / 200)      # every stream admitted and streaming before the window
+    got, before, after, wall = asyncio.run(_drive(url, model, streams, max_tokens, warm_s, seconds, pids))
     sent = ray.get(source.take_sent.remote())
+    errors = [g for g in got if g[0] == "error"]
+    got = [g for g in got if g[0] != "error"]
     lat = np.array([t - sent[(rid, pos)] for rid, pos, t in got if (rid, pos) in sent])
     chunks = max(1, len(got))
-    cpu = {name: (after[name] - before[name]) / chunks * 1e3 for name in pids}
-    cpu["client"] = mine / chunks * 1e3
+    cpu = {name: (after[name] - before[name]) / chunks * 1e3 for name in before}
     return {"streams": streams, "offered_tokens_per_s": rate, "received_tokens_per_s": len(got) / wall,
-            "chunks": len(got), "cpu_ms_per_chunk": cpu,
+            "chunks": len(got), "errors": len(errors), "cpu_ms_per_chunk": cpu,
             "front_cpu_ms_per_chunk": cpu["replica"] + cpu["proxy"],
             "latency_p50_ms": float(np.percentile(lat, 50) * 1e3) if len(lat) else None,
             "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if len(lat) else None}
