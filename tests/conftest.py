@@ -37,10 +37,14 @@ def pytest_runtest_protocol(item, nextitem):
     as long again, the run ends with every thread's stack on stderr rather than stalling
     a CI run until it is killed with nothing said."""
     import faulthandler
+    import sys
 
     limit = float(item.config.getini("timeout") or 0)
-    if limit > 0:
-        faulthandler.dump_traceback_later(1.5 * limit, exit=True)
+    if limit > 0:     # to the stderr pytest's own faulthandler keeps (the captured one is lost)
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+        out = item.config.stash.get(fault_handler_stderr_fd_key, None)
+        faulthandler.dump_traceback_later(1.5 * limit, exit=True, file=out if out is not None else sys.__stderr__)
     try:
         return (yield)
     finally:
