@@ -39,7 +39,10 @@ def pytest_runtest_protocol(item, nextitem):
     import faulthandler
     import sys
 
-    limit = float(item.config.getini("timeout") or 0)
+    try:
+        limit = float(item.config.getini("timeout") or 0)
+    except ValueError:       # pytest-timeout is not installed: no limit
+        limit = 0.0
     if limit > 0:     # to the stderr pytest's own faulthandler keeps (the captured one is lost)
         from _pytest.faulthandler import fault_handler_stderr_fd_key
 
