@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import threading
 import time
@@ -38,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-SERVE_MODES = {"default": {}, "throughput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
+SERVE_MODES = {"default": {}, "throughput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
+               "direct": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}}
 PROCESS_TITLES = {"replica": "ray::ServeReplica:", "proxy": "ray::ProxyActor", "source": "ray::TokenSource"}
 
 
@@ -244,18 +244,19 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=6.0, help="each measurement's length")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per streamed completion")
     p.add_argument("--replicas", type=int, default=1, help="ingress replicas (serve.replicas)")
-    p.add_argument("--serve-mode", choices=sorted(SERVE_MODES), default="default")
+    p.add_argument("--serve-mode", choices=sorted(SERVE_MODES), default="default",
+                   help="Ray Serve's environment: its default, RAY_SERVE_THROUGHPUT_OPTIMIZED=1, or "
+                        "RAY_SERVE_ENABLE_DIRECT_INGRESS=1 (the clients still use the proxy's URL)")
     p.add_argument("--max-p99-s", type=float, default=1.0)
     p.add_argument("--port", type=int, default=8731)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    os.environ.update(SERVE_MODES[args.serve_mode])     # the cluster's processes inherit it
 
     import ray
     from ray import serve
 
     from common import pids_titled, write_json
-    from raycolo.actors.local_cluster import NAMESPACE, controller_name
+    from raycolo.actors.local_cluster import NAMESPACE, controller_name, start_local
     from raycolo.actors.serve.launch import start
     from raycolo.online.config import load_online_config
 
@@ -263,8 +264,8 @@ def main(argv=None) -> int:
     config = config.model_copy(update={"serve": config.serve.model_copy(update={
         "port": args.port, "replicas": args.replicas, "max_ongoing_requests": 4 * max(args.streams),
         "api_key_env": None})})
-    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
-             namespace=NAMESPACE)
+    start_local(env={**config.cluster_env(), **SERVE_MODES[args.serve_mode]}, num_cpus=2, num_gpus=0,
+                include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)   # loopback only
     source = token_source_class().options(name=controller_name(config.serve.app_name), namespace=NAMESPACE,
                                            lifetime="detached").remote(0.01, 97)
     rows = []
@@ -295,8 +296,8 @@ def main(argv=None) -> int:
         serve.shutdown()
         ray.shutdown()
     print()
-    print(f"| streams | sustained tokens/s | replica ms/chunk | proxy ms/chunk | front ms/chunk | "
-          f"source ms/chunk | client ms/chunk | added latency p50 / p99 ms |")
+    print("| streams | sustained tokens/s | replica ms/chunk | proxy ms/chunk | front ms/chunk | "
+          "source ms/chunk | client ms/chunk | added latency p50 / p99 ms |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         if row.get("best"):
