@@ -236,6 +236,17 @@ def measure(url, model, source, pids, streams, rate, seconds, max_tokens) -> dic
             "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if len(lat) else None}
 
 
+def _replica_url(pids: list, proxy_url: str) -> str:
+    """Under direct ingress, the replica's own HTTP listener (Serve's 30000-31000 range)."""
+    import psutil
+
+    for pid in pids:
+        for c in psutil.Process(pid).net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and 30000 <= c.laddr.port <= 31000:
+                return proxy_url.replace(proxy_url.split("/")[2], f"{c.laddr.ip}:{c.laddr.port}")
+    raise SystemExit("error: --to-replica: no replica listens on Serve's direct-ingress ports")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, nargs="+", default=[64, 256, 1024])
@@ -247,6 +258,8 @@ def main(argv=None) -> int:
     p.add_argument("--serve-mode", choices=sorted(SERVE_MODES), default="default",
                    help="Ray Serve's environment: its default, RAY_SERVE_THROUGHPUT_OPTIMIZED=1, or "
                         "RAY_SERVE_ENABLE_DIRECT_INGRESS=1 (the clients still use the proxy's URL)")
+    p.add_argument("--to-replica", action="store_true",
+                   help="with --serve-mode direct: stream from the replica's own port, past the proxy")
     p.add_argument("--max-p99-s", type=float, default=1.0)
     p.add_argument("--port", type=int, default=8731)
     p.add_argument("--json", default=None)
@@ -273,7 +286,9 @@ def main(argv=None) -> int:
         url = start(config)
         model = config.served_model_name()
         pids = {name: pids_titled(title) for name, title in PROCESS_TITLES.items()}
-        print(f"front: {args.replicas} replica(s), Serve mode {args.serve_mode}, pids {pids}", flush=True)
+        if args.serve_mode == "direct" and args.to_replica:
+            url = _replica_url(pids["replica"], url)
+        print(f"front: {args.replicas} replica(s), Serve mode {args.serve_mode}, {url}, pids {pids}", flush=True)
         measure(url, model, source, pids, 8, 400, 2.0, args.max_tokens)       # warm-up
         for streams in args.streams:
             best = None
