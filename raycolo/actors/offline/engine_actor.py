@@ -61,7 +61,11 @@ def _left(r) -> Unfinished:
 
 
 def _vllm_tp(config: dict) -> bool:
-    return config.get("backend") == "vllm" and config.get("engine_kwargs", {}).get("tensor_parallel_size", 1) > 1
+    """Whether ``config`` is a tensor-parallel vllm engine's."""
+    from raycolo.engine.base import EngineConfig
+
+    parsed = EngineConfig.model_validate(config)
+    return parsed.backend == "vllm" and parsed.engine_kwargs.tensor_parallel_size > 1
 
 
 def placement(config: dict, pg) -> dict:
@@ -88,8 +92,10 @@ def _resolve(engine_config: dict) -> dict:
         if kwargs.get("device") == "auto":
             del kwargs["device"]
         if _vllm_tp(config) and kwargs.get("distributed_executor_backend") is None:
+            from raycolo.engine.base import ExecutorBackend
             from raycolo.engine.vllm_engine import ray_executor_supported
-            kwargs["distributed_executor_backend"] = "ray" if ray_executor_supported() else "mp"
+            backend = ExecutorBackend.RAY if ray_executor_supported() else ExecutorBackend.MP
+            kwargs["distributed_executor_backend"] = backend.value
     elif kwargs.get("device") == "auto":
         import torch
         kwargs["device"] = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"

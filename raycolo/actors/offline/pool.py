@@ -173,9 +173,9 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
     started = time.perf_counter()
     token = uuid.uuid4().hex[:8]
     groups = [placement_group([{"GPU": 1}]) for _ in range(gpus)]
-    actors = [EngineActor.options(name=f"raycolo-pool-{i}~{token}", max_restarts=0,
-                                  **placement(_cold_config(run), pg)
-                                  ).remote(_cold_config(run), f"raycolo-pool-{i}", run.config.parked_engines)
+    cold = _cold_config(run)
+    actors = [EngineActor.options(name=f"raycolo-pool-{i}~{token}", max_restarts=0, **placement(cold, pg)
+                                  ).remote(cold, f"raycolo-pool-{i}", run.config.parked_engines)
               for i, pg in enumerate(groups)]
     costs, scales, alive, died = SwitchCosts(), ComputeScales(), {}, []
     for i, _ in _each(alive, died, {a.info.remote(): (i, a) for i, a in enumerate(actors)}):
