@@ -36,7 +36,7 @@ def front(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve")
     config = small_online_config(
         out, nodes=2, stages=2, model=MODEL, lora={"checkpoint_every": 2}, stage={"kv_cache_tokens": 512},
-        serve={"port": free_port(), "api_key_env": KEY_ENV, "max_ongoing_requests": 6,
+        serve={"port": free_port(), "api_key_env": KEY_ENV, "max_ongoing_requests": 6, "replicas": 2,
                "max_body_bytes": 65536, "app_name": "raycolo-test"})
     os.environ[KEY_ENV] = KEY            # the local cluster's processes inherit it
     metrics_port = free_port()
@@ -85,6 +85,38 @@ def test_completion_is_the_models_greedy_text_streamed_or_not(front):
     assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
     TOKENS_SENT["n"] += 12
+
+
+def test_both_replicas_stream_on_the_one_port_each_token_once_in_order(front):
+    """serve.ingress replica (the default): the two ingress replicas listen on the one URL
+    (SO_REUSEPORT) and the kernel spreads connections over them. Sixteen streams, each on a
+    new connection of the official client: every one is the model's greedy text (each token
+    once, in order), and both replicas served some (their generated-token counters, tagged
+    by replica, in Prometheus)."""
+    import psutil
+
+    port = int(front["url"].rsplit(":", 1)[1])
+    owners = {p.pid for p in psutil.Process().children(recursive=True)
+              for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert len(owners) == 2, owners          # both replicas, nothing else (no Serve proxy)
+    prompt = "two replicas"
+    want = expected_text(prompt, 5)
+    for _ in range(16):
+        with client(front) as c:             # a new connection each time
+            chunks = list(c.completions.create(model=MODEL + "@base", prompt=prompt, max_tokens=5, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}))
+        assert "".join(ch.choices[0].text for ch in chunks) == want
+        assert chunks[-1].choices[0].finish_reason == "length"
+    TOKENS_SENT["n"] += 16 * 5
+    deadline, served = time.time() + 60, set()
+    while time.time() < deadline and len(served) < 2:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"http://127.0.0.1:{front['metrics_port']}/metrics", timeout=30).text
+        served = {s.labels["replica"] for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.name == "ray_raycolo_generation_tokens_total" and s.value > 0}
+        time.sleep(1)
+    assert len(served) == 2, served
 
 
 def test_chat_uses_the_plain_template_streamed_or_not(front):
@@ -292,7 +324,9 @@ def test_saved_adapter_versions_are_listed_and_served_as_pinned_models(front):
 
 # -- metrics ------------------------------------------------------------------------------------
 def scrape(port) -> dict[str, float]:
-    """Every ray_raycolo sample on the node's Prometheus endpoint, summed over labels."""
+    """Every ray_raycolo sample on the node's Prometheus endpoint: counters and histograms
+    summed over labels (each ingress replica counts what it sent), gauges the largest (each
+    replica reports the deployment's gauges)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
@@ -300,7 +334,10 @@ def scrape(port) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name.startswith("ray_raycolo"):
-                out[s.name] = out.get(s.name, 0.0) + s.value
+                if family.type == "gauge":
+                    out[s.name] = max(out.get(s.name, s.value), s.value)
+                else:
+                    out[s.name] = out.get(s.name, 0.0) + s.value
     return out
 
 
@@ -310,7 +347,8 @@ def test_metrics_reach_prometheus_and_count_what_was_sent(front):
     deadline = time.time() + 60
     while time.time() < deadline:
         got = scrape(front["metrics_port"])
-        if got.get("ray_raycolo_generation_tokens_total", 0) >= want and got.get("ray_raycolo_optimizer_steps", 0) >= 3:
+        if (got.get("ray_raycolo_generation_tokens_total", 0) >= want and got.get("ray_raycolo_optimizer_steps", 0) >= 3
+                and got.get("ray_raycolo_train_samples_received_total", 0) >= SAMPLES_SENT["n"]):
             break
         time.sleep(2)
     assert got.get("ray_raycolo_generation_tokens_total") == want, (got, want)

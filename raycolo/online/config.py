@@ -4,6 +4,7 @@ Every default is declared here once; the CLI and the docs read them from these m
 """
 from __future__ import annotations
 
+import enum
 import math
 from pathlib import Path
 from typing import Literal, Optional
@@ -133,13 +134,26 @@ class StageSpec(Strict):
         "2.1 ms (bench/live_tbt.py, 2 cores)."))
 
 
+class Ingress(str, enum.Enum):
+    """Which process answers HTTP on ``serve.host:serve.port`` (docs/serve.md, "Ingress")."""
+
+    REPLICA = "replica"     # each ingress replica's own listener, the port shared (SO_REUSEPORT)
+    PROXY = "proxy"         # Ray Serve's HTTP proxy, which forwards to the replicas
+
+
 class ServeSpec(Strict):
     """The HTTP front (``raycolo serve``, ``serve run examples/serve.yaml``, docs/serve.md)."""
 
     host: Name = Field(default="127.0.0.1", description=(
-        "Address Serve's HTTP proxy listens on; the default is loopback only."))
+        "Address the HTTP front listens on; the default is loopback only."))
     port: int = Field(default=8000, ge=1, le=65535, description=(
-        "Port of Serve's HTTP proxy (Ray Serve's own default)."))
+        "Port of the HTTP front (Ray Serve's own default)."))
+    ingress: Ingress = Field(default=Ingress.REPLICA, description=(
+        "Who answers HTTP on host:port. \"replica\": every ingress replica listens there itself "
+        "(uvicorn in its event loop, the port shared among a node's replicas with SO_REUSEPORT, the kernel "
+        "spreading connections), and raycolo serve starts no Serve proxy: a streamed chunk costs one "
+        "process's CPU, not two (bench/front.py). \"proxy\": Ray Serve's HTTP proxy listens and forwards each "
+        "request and chunk to a replica over Ray (the only path before 2026-11-28)."))
     route_prefix: Name = Field(default="/", description=(
         "URL path prefix the Serve application is mounted under; must start with '/'."))
     app_name: Name = Field(default="raycolo", description=(

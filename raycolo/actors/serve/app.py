@@ -15,7 +15,6 @@ import os
 import time
 import uuid
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel
@@ -24,9 +23,10 @@ from ray import serve
 from raycolo.actors.serve.completions import Completions
 from raycolo.actors.serve.front_channel import FrontChannel
 from raycolo.actors.serve.guard import BODY_LIMIT_ENV, KEY_NAME_ENV, install
+from raycolo.actors.serve.listener import ReplicaListener
 from raycolo.actors.local_cluster import NAMESPACE, controller_name
 from raycolo.errors import ConfigError
-from raycolo.online.config import OnlineConfig, load_online_config, parse_online_config
+from raycolo.online.config import Ingress, OnlineConfig, load_online_config, parse_online_config
 from raycolo.errors import StoreFull
 from raycolo.online.serving.errors import OpenAIError
 from raycolo.online.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health,
@@ -53,7 +53,7 @@ install(app)     # the API key and body-size middleware, and the OpenAI error bo
 class OpenAIIngress(Completions):
     """The routes; what the generation routes share is :class:`~raycolo.actors.serve.completions.Completions`."""
 
-    def __init__(self, config: dict, controller_name: str):
+    async def __init__(self, config: dict, controller_name: str):
         from raycolo.actors.online.controller import OnlineController
         from raycolo.actors.serve.metrics import DeploymentMetrics, FrontMetrics
         from raycolo.engine.models import load_tokenizer
@@ -75,17 +75,24 @@ class OpenAIIngress(Completions):
         self.controller = OnlineController.options(
             name=controller_name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
             max_restarts=-1).remote(cfg.model_dump(), controller_name, NAMESPACE)
-        ray.get(self.controller.start.remote())
+        await self.controller.start.remote()
         self.front_id = uuid.uuid4().hex[:8]
-        ray.get(self.controller.attach.remote(self.front_id))
+        await self.controller.attach.remote(self.front_id)
         self.channel = FrontChannel(self.controller, self.front_id,     # this replica's requests' events
                                     direct=cfg.serve.token_path == "direct")
         self.created = int(time.time())
-        self.metrics = FrontMetrics()
+        self.metrics = FrontMetrics(self.model_name, self.front_id)
         self.gauges = DeploymentMetrics()
         self.monitor = None
+        self.listener = None
+        if cfg.serve.ingress == Ingress.REPLICA:       # this replica answers HTTP itself (listener.py)
+            self.listener = await ReplicaListener.start(
+                app, cfg.serve.host, cfg.serve.port, cfg.serve.route_prefix,
+                ready=lambda: serve.get_replica_context().servable_object is not None)
 
     def __del__(self):
+        if getattr(self, "listener", None) is not None:
+            self.listener.stop()
         try:
             self.controller.detach.remote(self.front_id)
         except Exception:   # the cluster is going away
@@ -162,7 +169,7 @@ class OpenAIIngress(Completions):
         except StoreFull as exc:        # nothing was stored, so nothing is acknowledged
             raise OpenAIError(507, str(exc).splitlines()[-1].split("StoreFull: ")[-1],
                               code="sample_store_full") from None
-        self.metrics.samples_received.inc(len(pairs), tags={"model_name": self.model_name})
+        self.metrics.samples_received.inc(len(pairs))
         return TrainSamplesResponse(ids=out["ids"], sequence=out["stored"], persisted=True)
 
     @app.post("/v1/eval", response_model=EvalResponse, responses=ERRORS)

@@ -123,7 +123,7 @@ class Completions:
         if admitted.rejected:
             self.channel.close(front)
         if admitted.rejected == "overloaded":
-            self.metrics.rejected.inc(tags={"model_name": self.model_name})
+            self.metrics.rejected.inc()
             retry = admitted.retry_after_s
             raise OpenAIError(429, f"the server is at its limit of {self.config.serve.max_ongoing_requests} "
                               f"ongoing requests; retry after {retry} s", code="overloaded",
@@ -138,7 +138,7 @@ class Completions:
                               headers={"Retry-After": str(admitted.retry_after_s)})
         if admitted.rejected:
             raise OpenAIError(503, f"no stage-worker node is alive: {admitted.why}", code="unavailable")
-        self.metrics.prompt_tokens.inc(len(ids), tags={"model_name": self.model_name})
+        self.metrics.prompt_tokens.inc(len(ids))
         return admitted.id, front, events
 
     async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool,
@@ -189,7 +189,6 @@ class Completions:
         as does a client that went away. Tokens that arrived together (the replica fell
         behind) go out as one delta: one chunk, not one per token."""
         rid, front, events = admitted
-        tags = {"model_name": self.model_name}
         stream = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, prompt_ids)
         count, last, finished, lps, held = 0, None, False, [], None
         try:
@@ -224,9 +223,9 @@ class Completions:
                     now = time.perf_counter()
                     if count > before:
                         if last is None:
-                            self.metrics.ttft.observe(now - started, tags)
+                            self.metrics.ttft.observe(now - started)
                         else:
-                            self.metrics.itl.observe((now - last) / (count - before), tags)
+                            self.metrics.itl.observe((now - last) / (count - before))
                         last = now
                     if stream.stopped is not None:
                         finished = True
@@ -263,11 +262,10 @@ class Completions:
 
     def _finish(self, reason: str, started: float, tokens: int) -> None:
         """A request ended: its outcome, latency and generated tokens, once per request."""
-        tags = {"model_name": self.model_name}
-        self.metrics.success.inc(tags=dict(tags, finished_reason=reason))
-        self.metrics.e2e.observe(time.perf_counter() - started, tags)
+        self.metrics.success.inc(tags={"finished_reason": reason})
+        self.metrics.e2e.observe(time.perf_counter() - started)
         if tokens:
-            self.metrics.generation_tokens.inc(tokens, tags)
+            self.metrics.generation_tokens.inc(tokens)
 
     async def _sse(self, events, out_id: str, kind: str, prompt_tokens: int, include_usage: bool, model: str):
         sse = SseChunks(self.tokenizer, out_id, kind == "chat.completion", model, int(time.time()))

@@ -11,7 +11,7 @@ from typing import Optional
 import ray
 
 from raycolo.actors.local_cluster import NAMESPACE, controller_name, join_or_start
-from raycolo.online.config import OnlineConfig
+from raycolo.online.config import Ingress, OnlineConfig
 
 
 
@@ -33,7 +33,10 @@ def start(config: OnlineConfig, timeout_s: float = 600.0) -> str:
 
     from raycolo.actors.serve.app import build_app
 
-    serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
+    if config.serve.ingress == Ingress.REPLICA:      # the replicas listen on host:port themselves
+        serve.start(proxy_location="Disabled")
+    else:
+        serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
     serve.run(build_app({"config": config}), name=config.serve.app_name,
               route_prefix=config.serve.route_prefix, blocking=False)
     prefix = config.serve.route_prefix.rstrip("/")

@@ -11,26 +11,34 @@ LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
 MODEL = ("model_name",)
 
 
-class FrontMetrics:
-    """Recorded by every ingress replica."""
+REPLICA = MODEL + ("replica",)
 
-    def __init__(self):
+
+class FrontMetrics:
+    """Recorded by every ingress replica, each series tagged with the served model and the
+    replica (two replicas' counters under the same tags would overwrite each other in Ray's
+    export, not add up); the tags are set once, so a record passes none."""
+
+    def __init__(self, model_name: str, replica: str):
         self.ttft = Histogram("raycolo_time_to_first_token_seconds", "Time to first token",
-                              boundaries=LATENCY_BUCKETS, tag_keys=MODEL)
+                              boundaries=LATENCY_BUCKETS, tag_keys=REPLICA)
         self.itl = Histogram("raycolo_inter_token_latency_seconds", "Time between streamed tokens",
-                             boundaries=LATENCY_BUCKETS, tag_keys=MODEL)
+                             boundaries=LATENCY_BUCKETS, tag_keys=REPLICA)
         self.e2e = Histogram("raycolo_e2e_request_latency_seconds", "End-to-end request latency",
-                             boundaries=LATENCY_BUCKETS, tag_keys=MODEL)
+                             boundaries=LATENCY_BUCKETS, tag_keys=REPLICA)
         self.prompt_tokens = Counter("raycolo_prompt_tokens", "Prompt tokens of accepted requests",
-                                     tag_keys=MODEL)
+                                     tag_keys=REPLICA)
         self.generation_tokens = Counter("raycolo_generation_tokens", "Generated tokens sent",
-                                         tag_keys=MODEL)
+                                         tag_keys=REPLICA)
         self.success = Counter("raycolo_request_success", "Finished requests by finish reason",
-                               tag_keys=MODEL + ("finished_reason",))
+                               tag_keys=REPLICA + ("finished_reason",))
         self.rejected = Counter("raycolo_admission_rejections", "Requests refused with 429 (overload)",
-                                tag_keys=MODEL)
+                                tag_keys=REPLICA)
         self.samples_received = Counter("raycolo_train_samples_received",
-                                        "Training samples persisted and acknowledged", tag_keys=MODEL)
+                                        "Training samples persisted and acknowledged", tag_keys=REPLICA)
+        for metric in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens, self.success,
+                       self.rejected, self.samples_received):
+            metric.set_default_tags({"model_name": model_name, "replica": replica})
 
 
 class DeploymentMetrics:
