@@ -148,7 +148,7 @@ class ServeSpec(Strict):
         "Address the HTTP front listens on; the default is loopback only."))
     port: int = Field(default=8000, ge=1, le=65535, description=(
         "Port of the HTTP front (Ray Serve's own default)."))
-    ingress: Ingress = Field(default=Ingress.REPLICA, description=(
+    ingress: Ingress = Field(default=Ingress.REPLICA, strict=False, description=(
         "Who answers HTTP on host:port. \"replica\": every ingress replica listens there itself "
         "(uvicorn in its event loop, the port shared among a node's replicas with SO_REUSEPORT, the kernel "
         "spreading connections), and raycolo serve starts no Serve proxy: a streamed chunk costs one "
