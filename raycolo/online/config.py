@@ -180,8 +180,8 @@ class ServeSpec(Strict):
         "before 2026-11-27)."))
     stream_interval: int = Field(default=1, ge=1, le=1024, description=(
         "Streamed answers: a chunk for the first tokens, then one per this many tokens, and the rest with "
-        "the last (vLLM's --stream-interval, same default). Above 1, fewer chunks cross Serve's proxy, "
-        "where each costs CPU, at the price of smoothness."))
+        "the last (vLLM's --stream-interval, same default). Above 1, fewer chunks are built and written "
+        "(each costs CPU, more so through Serve's proxy), at the price of smoothness."))
     pinned_versions: int = Field(default=4, ge=0, le=64, description=(
         "Adapter checkpoints servable as <model>@v<k>: the newest this many (0: none)."))
     lora_load_dirs: list[PathText] = Field(default_factory=list, max_length=256, description=(

@@ -77,7 +77,7 @@ async def _reply(scope, receive, send, exc: OpenAIError) -> None:
 
 
 class ReplicaListener:
-    """uvicorn on the running event loop, on a shared socket; :meth:`stop` closes it."""
+    """uvicorn on the running event loop, on a shared socket."""
 
     def __init__(self, server: uvicorn.Server, task: asyncio.Task, sock: socket.socket):
         self.server, self.task, self.sock = server, task, sock
@@ -107,6 +107,5 @@ class ReplicaListener:
         return cls(server, task, sock)
 
     def stop(self) -> None:
+        """Stop accepting and end (uvicorn closes the socket on its way out; :attr:`task` ends)."""
         self.server.should_exit = True
-        with contextlib.suppress(OSError):
-            self.sock.close()
