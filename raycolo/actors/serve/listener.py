@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+
 import uvicorn
 from ray.serve.config import HTTPOptions
 
@@ -44,7 +45,6 @@ def shared_socket(host: str, port: int) -> socket.socket:
         raise ConfigError(f"serve.port: cannot listen on {host}:{port} ({exc.strerror}); another program "
                           "holds it (serve.ingress: replica shares the port only among raycolo's ingress "
                           "replicas and Ray Serve's proxy)") from None
-    sock.set_inheritable(True)
     return sock
 
 
