@@ -5,6 +5,7 @@ model's own rules, with the flag's name."""
 from __future__ import annotations
 
 import argparse
+import enum
 import typing
 from typing import Any, Optional
 
@@ -51,6 +52,8 @@ def field_type(model: type[BaseModel], name: str):
 def _choices(annotation) -> tuple:
     if typing.get_origin(annotation) is typing.Literal:
         return typing.get_args(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return tuple(m.value for m in annotation)
     return tuple(c for a in typing.get_args(annotation) for c in _choices(a))
 
 
@@ -130,7 +133,8 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
             continue
         bounds = interval(model, name)
         default = "required" if info.is_required() else (
-            "computed" if info.default_factory is not None else f"`{info.default!r}`")
+            "computed" if info.default_factory is not None else
+            f"`{(info.default.value if isinstance(info.default, enum.Enum) else info.default)!r}`")
         text = " ".join((info.description or "").split()).replace("|", "\\|")
         rows.append(f"| `{key}` | {_type_name(annotation)} | {default} | {bounds} | {text} |")
     return rows
