@@ -93,3 +93,37 @@ def test_a_port_held_by_a_program_that_does_not_share_it_is_a_config_error():
         port = held.getsockname()[1]
         with pytest.raises(ConfigError, match=rf"^serve.port: cannot listen on 127.0.0.1:{port}"):
             shared_socket("127.0.0.1", port)
+
+
+def test_a_stopping_listener_finishes_its_streams_and_takes_no_new_connection():
+    """drain (a replica that Serve stops): the stream in flight ends whole, a new
+    connection is refused, and the drain says the requests finished."""
+    release = asyncio.Event()
+    app = FastAPI()
+
+    @app.get("/v1/slow")
+    async def slow():
+        async def lines():
+            yield "data: 0\n\n"
+            await release.wait()
+            yield "data: 1\n\n"
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    async def main():
+        port = free_port()
+        listener = await ReplicaListener.start(app, "127.0.0.1", port, "/", ready=lambda: True)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+            async with c.stream("GET", "/v1/slow") as r:
+                lines = r.aiter_text()
+                first = await lines.__anext__()
+                drained = asyncio.create_task(listener.drain(10.0))
+                await asyncio.sleep(0.3)             # it stops accepting; the stream stays open
+                with pytest.raises(httpx.ConnectError):
+                    async with httpx.AsyncClient() as other:
+                        await other.get(f"http://127.0.0.1:{port}/v1/slow")
+                release.set()
+                rest = "".join([t async for t in lines])
+        return first + rest, await drained
+
+    text, finished = asyncio.run(main())
+    assert text == "data: 0\n\ndata: 1\n\n" and finished

@@ -37,6 +37,7 @@ from raycolo.online.serving.protocol import LoadLoraAdapterRequest, UnloadLoraAd
 from raycolo.online.serving.text import chat_prompt_ids
 from raycolo.online.serving.train_samples import sample_ids
 
+DRAIN_S = 15.0        # within Serve's graceful_shutdown_timeout_s (20 s by default), which ends it anyway
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
              "description": "JSON, or server-sent events with stream: true"}}
@@ -90,9 +91,12 @@ class OpenAIIngress(Completions):
                 app, cfg.serve.host, cfg.serve.port, cfg.serve.route_prefix,
                 ready=lambda: serve.get_replica_context().servable_object is not None)
 
-    def __del__(self):
+    async def __del__(self):
+        """Serve stops this replica (scale-down, update, delete): with its own listener, stop
+        accepting and let the streams in flight finish first (Serve's drain counts only
+        requests that came through its proxy), within the deployment's graceful shutdown."""
         if getattr(self, "listener", None) is not None:
-            self.listener.stop()
+            await self.listener.drain(DRAIN_S)
         try:
             self.controller.detach.remote(self.front_id)
         except Exception:   # the cluster is going away

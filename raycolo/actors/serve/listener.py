@@ -107,5 +107,18 @@ class ReplicaListener:
         return cls(server, task, sock)
 
     def stop(self) -> None:
-        """Stop accepting and end (uvicorn closes the socket on its way out; :attr:`task` ends)."""
+        """Stop accepting and end once the open requests are answered (uvicorn closes the
+        socket on its way out; :attr:`task` ends)."""
         self.server.should_exit = True
+
+    async def drain(self, timeout_s: float) -> bool:
+        """:meth:`stop`, then wait up to ``timeout_s`` for the requests in flight (streams
+        included) to finish, as Serve's proxy waits for a stopping replica's requests;
+        whether they all did (if not, their connections are closed)."""
+        self.stop()
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            self.server.force_exit = True
+            return False
