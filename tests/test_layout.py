@@ -4,7 +4,8 @@
   (only ``if TYPE_CHECKING:`` blocks are left out: they never run);
 * Ray is imported only under ``raycolo.actors`` (all Ray code) and ``raycolo.cli`` (which
   wires both halves); no other module imports either of them;
-* no file over 500 lines and no class over 20 methods.
+* no file over 500 lines and no class over 20 methods;
+* every file docs/architecture.md and the README name by path exists.
 
 Imports are read with ``ast`` from every file, the way Python resolves them, and the
 cycles are found by networkx (strongly connected components).
@@ -135,3 +136,17 @@ def test_the_online_controllers_roles_use_only_declared_state():
                          if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
                          and n.attr not in declared and n.attr not in members})
     assert not undeclared, undeclared
+
+
+def test_every_path_the_docs_name_exists():
+    """docs/architecture.md and the README name files by their path from the repository's
+    root (the request walks, the drawings, the tables): each exists."""
+    import re
+
+    root = REPO
+    named = set()
+    for doc in (root / "docs" / "architecture.md", root / "README.md"):
+        named |= set(re.findall(r"(?<![\w/.-])((?:raycolo|bench|tests|tools|jobs|examples|docs)/[\w/.-]*\w\.(?:py|md|yaml|json|csv))",
+                                doc.read_text()))
+    assert len(named) > 50
+    assert not [p for p in sorted(named) if not (root / p).exists()]

@@ -113,6 +113,20 @@ class FcfsBlockScheduler:
         self.alloc.release(req)
         self.prompt_len.pop(req, None)
 
+    def is_waiting(self, req: int) -> bool:
+        return req in self.waiting
+
+    def remove(self, req: int) -> None:
+        """Forget ``req`` wherever it is, waiting or running, and free its blocks (a request
+        taken away to run elsewhere)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        self.prompt_len.pop(req, None)
+        self.stored.pop(req, None)
+        self.alloc.release(req)
+
     def table(self, req: int) -> list[int]:
         """The KV blocks of ``req``, in token order."""
         return self.alloc.tables[req]

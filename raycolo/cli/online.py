@@ -89,7 +89,8 @@ def _report_online(result, summary: dict, args, title: str, heading: str) -> int
         print(f"  controller CPU {summary['controller_cpu_ms_per_task']:.1f} ms/task"
               + (f", {share:.2f} of a core since the run started" if share is not None else "")
               + f": one controller would sustain ~{summary['controller_sustains_tasks_per_s']:.0f} tasks/s at this "
-              "cost per task (every op passes through it)")
+              "cost per task (it admits, places and reads the nodes' reports; the ops run in the node loops, "
+              "or pass through it with stage.data_plane: controller)")
     if args.plot:
         print(f"plot: {summary['plot']}")
     return 0

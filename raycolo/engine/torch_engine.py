@@ -196,16 +196,10 @@ class TorchEngine(Engine):
 
     def take(self, n: int) -> list[TrackedRequest]:
         sched = self.scheduler
-        order = sorted(self.requests, key=lambda h: (h not in sched.waiting, len(self.requests[h].generated), -h))
+        order = sorted(self.requests, key=lambda h: (not sched.is_waiting(h), len(self.requests[h].generated), -h))
         taken = order[:max(0, n)]
         for handle in taken:
-            if handle in sched.waiting:
-                sched.waiting.remove(handle)
-            if handle in sched.running:
-                sched.running.remove(handle)
-            sched.prompt_len.pop(handle, None)
-            sched.stored.pop(handle, None)
-            sched.alloc.release(handle)
+            sched.remove(handle)
             self._forget(handle)
         return [self.requests.pop(h) for h in taken]
 

@@ -25,15 +25,14 @@ from raycolo.actors.serve.front_channel import FrontChannel
 from raycolo.actors.serve.guard import BODY_LIMIT_ENV, KEY_NAME_ENV, install
 from raycolo.actors.serve.listener import ReplicaListener
 from raycolo.actors.local_cluster import NAMESPACE, controller_name
-from raycolo.errors import ConfigError
+from raycolo.errors import ConfigError, StoreFull
 from raycolo.online.config import Ingress, OnlineConfig, load_online_config, parse_online_config
-from raycolo.errors import StoreFull
 from raycolo.online.serving.errors import OpenAIError
-from raycolo.online.serving.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, Health,
-                                      ModelCard, ModelList, TrainSamplesBody, TrainSamplesResponse,
-                                      TrainStatus, CompletionResponse, ChatCompletionResponse, EvalResponse,
-                                      BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX)
-from raycolo.online.serving.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from raycolo.online.serving.protocol import (BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, ChatCompletionRequest,
+                                             ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                                             ErrorResponse, EvalResponse, Health, LoadLoraAdapterRequest,
+                                             ModelCard, ModelList, TrainSamplesBody, TrainSamplesResponse,
+                                             TrainStatus, UnloadLoraAdapterRequest)
 from raycolo.online.serving.text import chat_prompt_ids
 from raycolo.online.serving.train_samples import sample_ids
 

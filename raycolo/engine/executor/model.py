@@ -88,7 +88,6 @@ class ModelExecutor:
         inner = base.model
         self.embed = inner.embed_tokens if self.is_first else None
         self.norm = inner.norm if self.is_last else None
-        self.lm_head = base.lm_head if self.is_last else None
         self.rotary = inner.rotary_emb
         self.layers = list(inner.layers[self.first:self.last])
         # Tensor parallelism (tensor_parallel.py): this rank's slice of every projection,

@@ -181,14 +181,6 @@ class NodePipeline:
         except queue.Empty:
             pass
 
-    def run_until(self, done: Callable[[], bool], timeout_s: float) -> None:
-        """Turn until ``done()`` (raises TimeoutError after ``timeout_s``)."""
-        deadline = self.clock() + timeout_s
-        while not done():
-            if self.clock() > deadline:
-                raise TimeoutError(f"node {self.loop.node.index}: not done within {timeout_s:g} s")
-            self.turn()
-
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the other stages and their receivers."""
         for s in range(1, self.loop.stages):

@@ -53,14 +53,6 @@ def _apply(hf, messages: Sequence[tuple[str, str]], add_generation_prompt: bool,
     return list(out) if tokenize else out
 
 
-def render_chat(tokenizer, messages: Sequence[tuple[str, str]]) -> str:
-    """The prompt text of a chat: the tokenizer's template where it has one, else the plain one."""
-    hf = _template_tokenizer(tokenizer)
-    if hf is not None:
-        return _apply(hf, messages, True, tokenize=False)
-    return render_plain(messages)
-
-
 def chat_prompt_ids(tokenizer, messages: Sequence[tuple[str, str]]) -> list[int]:
     """A chat's prompt as token ids, rendered once: one BOS at most."""
     hf = _template_tokenizer(tokenizer)
