@@ -253,15 +253,15 @@ def test_loading_is_off_without_lora_load_dirs_and_confined_to_them(adapters, tm
         return asyncio.run(LoadedAdapters.load_adapter(state, "x", str(path)))
 
     out = load([], adapters["init"])
-    assert out["status"] == 403 and out["code"] == "adapter_loading_disabled"
-    assert "serve.lora_load_dirs" in out["message"]
+    assert out.status == 403 and out.code == "adapter_loading_disabled"
+    assert "serve.lora_load_dirs" in out.message
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     (adapters["root"] / "link").symlink_to(outside)
     for path in (outside, "/etc", adapters["root"] / ".." / "x", adapters["root"] / "link", "x" * 5000):
         out = load([str(adapters["root"])], path)
-        assert out["status"] == 403 and out["code"] == "path_not_allowed", (path, out)
-        assert "exist" not in out["message"]          # nothing said about what is there
+        assert out.status == 403 and out.code == "path_not_allowed", (path, out)
+        assert "exist" not in out.message          # nothing said about what is there
 
 
 def test_load_and_unload_errors_are_openai_errors_naming_the_problem(front, adapters):

@@ -39,7 +39,7 @@ from raycolo.actors.online.sample_pump import SamplePump
 from raycolo.actors.online.workers import WorkerGroups
 from raycolo.online.driver import ClusterDriver
 from raycolo.online.scheduling.cluster import Cluster
-from raycolo.online.serving.messages import StreamEvent
+from raycolo.online.serving.messages import EventKind, StreamEvent
 from raycolo.online.tasks import OnlineTask
 
 
@@ -75,7 +75,7 @@ class OnlineController(WorkerGroups, OpRunner, RequestDesk, SamplePump, AdapterV
         req = self.requests.get(task.task_id)
         if req is not None and req.finish_reason is None:
             req.finish_reason = "error"
-            req.events.put_nowait(StreamEvent("error", why))
+            req.events.put_nowait(StreamEvent(EventKind.ERROR, why))
         elif task.is_train:
             self.errors.append(f"training task {task.task_id} not run: {why}")
 

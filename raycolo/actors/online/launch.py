@@ -24,6 +24,7 @@ from raycolo.actors.online.controller import OnlineController
 from raycolo.actors.online.launch_reports import DeploymentReports
 from raycolo.rng import seeded_rng
 from raycolo.online.config import OnlineConfig
+from raycolo.online.serving.messages import EventKind
 from raycolo.online.tasks import OnlineTask
 
 # the longest OnlineDeployment.stop() waits for the controller to end its runs (each node's
@@ -83,9 +84,9 @@ class OnlineDeployment(DeploymentReports):
     def stream(self, rid: int) -> Iterator[int]:
         for ref in self.controller.stream.options(num_returns="streaming").remote(rid):
             kind, value = ray.get(ref)
-            if kind in ("token", "stop_token"):
+            if kind in (EventKind.TOKEN, EventKind.STOP_TOKEN):
                 yield value
-            elif kind == "error":
+            elif kind == EventKind.ERROR:
                 raise RuntimeError(value)
 
     def result(self, rid: int) -> dict:

@@ -17,6 +17,7 @@ from typing import Optional
 
 from raycolo.actors.online.state import ControllerState
 from raycolo.engine.executor.adapters import AdapterError, check_adapter, convert_adapter
+from raycolo.online.serving.messages import AdapterRefusal
 
 MAX_LOADED_ADAPTERS = 64       # adapters loaded over HTTP at a time (each a copy on storage)
 
@@ -47,18 +48,16 @@ class LoadedAdapters(ControllerState):
         served = self.config.served_model_name()
         return name == served or name.startswith(served + "@")
 
-    async def load_adapter(self, name: str, path: str, load_inplace: bool = False) -> dict:
-        """Serve the peft LoRA adapter at ``path`` as model ``name``: ``{"loaded": name}``, or
-        ``{"status", "message", "param", "code"}`` saying why not (vLLM's errors: a name
+    async def load_adapter(self, name: str, path: str, load_inplace: bool = False) -> Optional[AdapterRefusal]:
+        """Serve the peft LoRA adapter at ``path`` as model ``name``: None once it is, or an
+        :class:`AdapterRefusal` saying why not (vLLM's errors: a name
         loaded already is a 400 unless ``load_inplace``, a path with nothing there a 404).
         It is checked against the model and the deployment's LoRA (rank at most
         ``lora.rank``, only modules it adapts), then written in the deployment's shape to
         ``loaded/lora-<n>``: requests naming it pin that copy, so later changes to ``path``
         do not reach them. ``load_inplace`` replaces an adapter of that name (requests
         running on the old one finish on it)."""
-        def refuse(status: int, message: str, param: str, code: str) -> dict:
-            return {"status": status, "message": message, "param": param, "code": code}
-
+        refuse = AdapterRefusal
         allowed = self.config.serve.lora_load_dirs
         if not allowed:
             return refuse(403, "loading adapters over HTTP is off: the deployment's serve.lora_load_dirs names "
@@ -105,19 +104,19 @@ class LoadedAdapters(ControllerState):
                                  "created": int(time.time())}
             if old is not None:
                 self._drop_loaded(old["handle"])
-        return {"loaded": name}
+        return None
 
-    async def unload_adapter(self, name: str) -> dict:
-        """Stop serving loaded adapter ``name``: ``{"unloaded": name}``, or a 404 (vLLM's)
+    async def unload_adapter(self, name: str) -> Optional[AdapterRefusal]:
+        """Stop serving loaded adapter ``name``: None once stopped, or a 404 (vLLM's)
         for a name not loaded. Requests running on it finish on it; its copy goes after them."""
         async with self._adapter_lock:
             entry = self.loaded.pop(name, None)
         if entry is None:
             loaded = ", ".join(f"'{n}'" for n in self.loaded) or "none"
-            return {"status": 404, "message": f"The lora adapter '{name}' cannot be found (loaded: {loaded}).",
-                    "param": "lora_name", "code": "adapter_not_found"}
+            return AdapterRefusal(404, f"The lora adapter '{name}' cannot be found (loaded: {loaded}).",
+                                  "lora_name", "adapter_not_found")
         self._drop_loaded(entry["handle"])
-        return {"unloaded": name}
+        return None
 
     def _drop_loaded(self, handle: str) -> None:
         """Delete an unloaded adapter's copy once no unfinished request pins it."""

@@ -15,7 +15,7 @@ import ray
 
 from raycolo.engine.executor.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
 from raycolo.online.scheduling.node_commands import OutOfBand
-from raycolo.online.serving.messages import StreamEvent
+from raycolo.online.serving.messages import EventKind, StreamEvent
 from raycolo.online.serving.token_wire import token_events
 from raycolo.online.driver import OpLost
 from raycolo.online.scheduling.node_types import Op
@@ -97,7 +97,7 @@ class OpRunner(ControllerState):
                 req = self.requests.get(r.task_id)
                 if req is not None and req.finish_reason is None:
                     req.finish_reason = "error"
-                    req.events.put_nowait(StreamEvent("error", why))
+                    req.events.put_nowait(StreamEvent(EventKind.ERROR, why))
 
     def _payload(self, op: Op) -> StageWork:
         return stage_message(op, self.config.stages, self.requests, self._samples_of,
@@ -117,7 +117,7 @@ class OpRunner(ControllerState):
         for req in self.requests.values():
             if req.finish_reason is None:
                 req.finish_reason = "error"
-                req.events.put_nowait(StreamEvent("error", why))
+                req.events.put_nowait(StreamEvent(EventKind.ERROR, why))
 
     def _training_aborted(self, aborted: list) -> None:
         """SIRIUS took memory back from training micro-batches: every stage of their node

@@ -10,7 +10,7 @@ from typing import Optional
 
 import ray
 
-from raycolo.online.serving.messages import LAST_EVENTS, Admission, StreamEvent
+from raycolo.online.serving.messages import LAST_EVENTS, Admission, EventKind, Rejection, StreamEvent
 from raycolo.online.serving.token_wire import FrontKey
 from raycolo.generation import SamplingParams, stop_token_set
 from raycolo.online.tasks import OnlineTask
@@ -109,15 +109,15 @@ class RequestDesk(ControllerState):
         error event, never silently."""
         if not self.ready.is_set():
             self._wake()
-            return Admission(rejected="starting", retry_after_s=self.config.serve.retry_after_s,
+            return Admission(rejected=Rejection.STARTING, retry_after_s=self.config.serve.retry_after_s,
                              why="the deployment is starting (or restarting after its controller failed)")
         if version is not None and not self._servable(version):
-            return Admission(rejected="unknown_version", versions=tuple(self.versions))
+            return Admission(rejected=Rejection.UNKNOWN_VERSION, versions=tuple(self.versions))
         if len(self.dead) == self.config.nodes:
-            return Admission(rejected="unavailable", why="; ".join(self.dead.values()))
+            return Admission(rejected=Rejection.UNAVAILABLE, why="; ".join(self.dead.values()))
         if self.unfinished() >= self.config.serve.max_ongoing_requests:
             self.rejections += 1
-            return Admission(rejected="overloaded", retry_after_s=self.config.serve.retry_after_s)
+            return Admission(rejected=Rejection.OVERLOADED, retry_after_s=self.config.serve.retry_after_s)
         return Admission(id=await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos, base,
                                               version, params, front))
 
@@ -193,7 +193,7 @@ class RequestDesk(ControllerState):
         """Events of request ``rid`` as they come (:class:`~raycolo.online.serving.messages.StreamEvent`)."""
         req = self._request(rid)
         if req is None:
-            yield StreamEvent("error", LOST_IN_RESTART.format(rid=rid))
+            yield StreamEvent(EventKind.ERROR, LOST_IN_RESTART.format(rid=rid))
             return
         self._own_queue(req, rid)
         while True:
@@ -212,11 +212,11 @@ class RequestDesk(ControllerState):
         tokens = []
         while True:
             kind, value = await req.events.get()
-            if kind in ("token", "stop_token"):
+            if kind in (EventKind.TOKEN, EventKind.STOP_TOKEN):
                 tokens.append(value)
-            elif kind == "logprob":
+            elif kind == EventKind.LOGPROB:
                 continue
-            elif kind == "done":
+            elif kind == EventKind.DONE:
                 return {"id": rid, "tokens": tokens, "finish_reason": value}
             else:
                 return {"id": rid, "tokens": tokens, "finish_reason": "error", "error": value}

@@ -129,8 +129,8 @@ class OpenAIIngress(Completions):
         modules the deployment's LoRA does not adapt, another base model's shapes), a name
         loaded already (unless ``load_inplace``) or one of the served model's names."""
         out = await self.controller.load_adapter.remote(body.lora_name, body.lora_path, body.load_inplace)
-        if "status" in out:
-            raise OpenAIError(out["status"], out["message"], param=out["param"], code=out["code"])
+        if out is not None:          # an AdapterRefusal
+            raise OpenAIError(out.status, out.message, param=out.param, code=out.code)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", responses={**ERRORS, **PLAIN_TEXT})
@@ -138,8 +138,8 @@ class OpenAIIngress(Completions):
         """vLLM's route: stop serving loaded adapter ``lora_name`` (404 if none is loaded
         under that name). Requests running on it finish on it."""
         out = await self.controller.unload_adapter.remote(body.lora_name)
-        if "status" in out:
-            raise OpenAIError(out["status"], out["message"], param=out["param"], code=out["code"])
+        if out is not None:          # an AdapterRefusal
+            raise OpenAIError(out.status, out.message, param=out.param, code=out.code)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     # -- generation -------------------------------------------------------------------------

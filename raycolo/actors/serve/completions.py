@@ -18,7 +18,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from raycolo.actors.serve.front_channel import CONTROLLER_FAILED, FrontChannel, FrontKey
 from raycolo.online.config import OnlineConfig
 from raycolo.online.serving.errors import OpenAIError
-from raycolo.online.serving.messages import TOKEN_EVENTS
+from raycolo.online.serving.messages import TOKEN_EVENTS, EventKind, Rejection
 from raycolo.online.serving.protocol import BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant
 from raycolo.online.serving.responses import SseChunks, StreamInterval, choice, usage
 from raycolo.online.serving.text import TextStream
@@ -122,18 +122,18 @@ class Completions:
             raise
         if admitted.rejected:
             self.channel.close(front)
-        if admitted.rejected == "overloaded":
+        if admitted.rejected == Rejection.OVERLOADED:
             self.metrics.rejected.inc()
             retry = admitted.retry_after_s
             raise OpenAIError(429, f"the server is at its limit of {self.config.serve.max_ongoing_requests} "
                               f"ongoing requests; retry after {retry} s", code="overloaded",
                               headers={"Retry-After": str(retry)})
-        if admitted.rejected == "unknown_version":
+        if admitted.rejected == Rejection.UNKNOWN_VERSION:
             held = ", ".join(f"'{self.model_name}{VERSION_SUFFIX}{k}'" for k in admitted.versions) or "none yet"
             raise OpenAIError(404, f"model '{body.model}': adapter version {version} is not servable (only the "
                               f"newest {self.config.serve.pinned_versions} saved versions are); servable: {held}",
                               param="model", code="model_not_found")
-        if admitted.rejected == "starting":
+        if admitted.rejected == Rejection.STARTING:
             raise OpenAIError(503, admitted.why, code="unavailable",
                               headers={"Retry-After": str(admitted.retry_after_s)})
         if admitted.rejected:
@@ -210,11 +210,11 @@ class Completions:
                             held = nxt
                     text, before = [], count
                     for kind, value in batch:
-                        if kind == "logprob":
+                        if kind == EventKind.LOGPROB:
                             lps.append(value)
                             continue
                         count += 1
-                        if kind == "stop_token":
+                        if kind == EventKind.STOP_TOKEN:
                             continue
                         text.append(stream.add(value, check=count > params.min_tokens))
                         if stream.stopped is not None:
@@ -237,7 +237,7 @@ class Completions:
                     if delta or lps:
                         yield delta, None, count, lps
                         lps = []
-                elif kind == "done":
+                elif kind == EventKind.DONE:
                     finished = True
                     self._finish(value, started, count)
                     yield stream.flush(), value, count, lps

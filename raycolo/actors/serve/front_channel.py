@@ -21,11 +21,12 @@ from typing import Optional
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from raycolo.online.serving.messages import EventKind, StreamEvent
 from raycolo.online.serving.token_wire import FrontInbox, FrontKey, InboxToken, Positions, serve_inbox, token_events
 
 __all__ = ["CONTROLLER_FAILED", "FrontChannel", "FrontKey"]
 
-CONTROLLER_FAILED = ("controller_failed", None)
+CONTROLLER_FAILED = StreamEvent(EventKind.CONTROLLER_FAILED, None)
 
 
 class FrontChannel:

@@ -3,6 +3,7 @@ typed: the answer to an admission, and the events of a request's stream.
 
 * :class:`Admission`: the controller's answer to ``admit``: the request's id, or why it
   was not accepted (nothing of a rejected request was kept).
+* :class:`AdapterRefusal`: why an adapter was not loaded or unloaded.
 * :class:`StreamEvent`: one event of a request's stream. ``("logprob", TokenLogprob)``
   before a token where log-probabilities were asked for; ``("token", id)`` for each token
   of the text; ``("stop_token", id)`` for the stop token that ended it (counted, never
@@ -11,12 +12,23 @@ typed: the answer to an admission, and the events of a request's stream.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
-EventKind = Literal["logprob", "token", "stop_token", "done", "error"]
-TOKEN_EVENTS = ("logprob", "token", "stop_token")     # a token's events; then ("done", reason)
-LAST_EVENTS = ("done", "error")                       # a stream ends with one of these
+class EventKind(str, enum.Enum):
+    """The kind of a :class:`StreamEvent` (a ``str`` enum: equal to its value)."""
+
+    LOGPROB = "logprob"          # TokenLogprob of the token that follows
+    TOKEN = "token"              # a token of the text
+    STOP_TOKEN = "stop_token"    # the stop token that ended the request (counted, never text)
+    DONE = "done"                # the end: its finish reason
+    ERROR = "error"              # the end: what failed
+    CONTROLLER_FAILED = "controller_failed"   # the replica's channel lost the controller
+
+
+TOKEN_EVENTS = (EventKind.LOGPROB, EventKind.TOKEN, EventKind.STOP_TOKEN)   # a token's; then DONE
+LAST_EVENTS = (EventKind.DONE, EventKind.ERROR)                            # a stream ends with one
 
 
 class StreamEvent(NamedTuple):
@@ -24,7 +36,24 @@ class StreamEvent(NamedTuple):
     value: Any
 
 
-Rejection = Literal["starting", "unknown_version", "unavailable", "overloaded"]
+class Rejection(str, enum.Enum):
+    """Why the controller did not admit a request (the front's answer: 503, 404, 503, 429)."""
+
+    STARTING = "starting"                  # the stage workers (re)start
+    UNKNOWN_VERSION = "unknown_version"    # the pinned adapter version is not servable
+    UNAVAILABLE = "unavailable"            # no stage-worker node is alive
+    OVERLOADED = "overloaded"              # serve.max_ongoing_requests unfinished requests
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRefusal:
+    """Why loading or unloading an adapter (vLLM's LoRA routes) did nothing: the HTTP status
+    and the OpenAI error's message, param and code."""
+
+    status: int
+    message: str
+    param: str
+    code: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from raycolo.generation.sampler import TokenLogprob
-from raycolo.online.serving.messages import StreamEvent
+from raycolo.online.serving.messages import EventKind, StreamEvent
 
 MAX_FRAME_BYTES = 16 << 20        # a frame longer than this closes the connection
 CONNECT_TIMEOUT_S = 2.0
@@ -74,10 +74,10 @@ def token_events(token: int, kept: bool, reason: Optional[str], logprob) -> list
     out = []
     if kept:
         if logprob is not None:
-            out.append(StreamEvent("logprob", logprob))
-        out.append(StreamEvent("stop_token" if reason == "stop" else "token", token))
+            out.append(StreamEvent(EventKind.LOGPROB, logprob))
+        out.append(StreamEvent(EventKind.STOP_TOKEN if reason == "stop" else EventKind.TOKEN, token))
     if reason:
-        out.append(StreamEvent("done", reason))
+        out.append(StreamEvent(EventKind.DONE, reason))
     return out
 
 
