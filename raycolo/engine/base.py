@@ -9,13 +9,13 @@ Serve LLM's shape: ``model_loading_config`` and ``engine_kwargs``.
 from __future__ import annotations
 
 import abc
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from raycolo.text_enum import TextEnum
 from raycolo.bounds import PathText, Strict
 from raycolo.errors import ConfigError
 from raycolo.generation import SamplingParams  # noqa: F401  (engines take the one definition)
@@ -37,7 +37,7 @@ class ModelLoadingConfig(Strict):
         "Data type the stage workers load the model's weights in."))
 
 
-class ExecutorBackend(str, enum.Enum):
+class ExecutorBackend(TextEnum):
     """How the vllm backend runs the ranks of a tensor-parallel engine (vLLM's
     ``distributed_executor_backend``)."""
 

@@ -4,13 +4,13 @@ Every default is declared here once; the CLI and the docs read them from these m
 """
 from __future__ import annotations
 
-import enum
 import math
 from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
+from raycolo.text_enum import TextEnum
 from raycolo.bounds import MAX_TOKENS, Fraction, Name, PathText, Strict, Threads, describe
 from raycolo.errors import ConfigError
 from raycolo.paths import check_input, is_dir
@@ -134,7 +134,7 @@ class StageSpec(Strict):
         "2.1 ms (bench/live_tbt.py, 2 cores)."))
 
 
-class Ingress(str, enum.Enum):
+class Ingress(TextEnum):
     """Which process answers HTTP on ``serve.host:serve.port`` (docs/serve.md, "Ingress")."""
 
     REPLICA = "replica"     # each ingress replica's own listener, the port shared (SO_REUSEPORT)

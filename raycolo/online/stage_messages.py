@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Optional
 from raycolo.engine.executor.stage_ops import ForwardStep, LoadWeights, StageWork, TrainBackward, TrainForward
 from raycolo.generation import SamplingParams, check_stop
 from raycolo.generation.sampler import SamplingRow, plain
-from raycolo.online.scheduling.node_types import Op
+from raycolo.online.scheduling.node_types import Op, OpKind
 from raycolo.online.samples import clip_sample, training_rows
 from raycolo.online.tasks import OnlineTask
 from raycolo.online.serving.token_wire import FrontKey
@@ -97,32 +97,32 @@ def stage_message(op: Op, stages: int, requests: Mapping[int, ServedRequest],
     where SEPARATE's synced weights are; ``received``: the stage's sends since consumed."""
     s, last = op.stage, op.stage == stages - 1
     common = dict(seq=op.seq, after=op.after, received=tuple(received))
-    if op.kind in ("prefill", "decode"):
+    if op.kind in (OpKind.PREFILL, OpKind.DECODE):
         reqs = [requests[r.task_id] for r in op.tasks]
-        if op.kind == "prefill":      # a resumed request re-prefills what it streamed too
+        if op.kind == OpKind.PREFILL:      # a resumed request re-prefills what it streamed too
             tokens = [q.prompt + q.generated for q in reqs]
         else:
             tokens = [[q.generated[-1]] for q in reqs]
         sampling = None     # the last stage samples (raycolo.generation.sampler); None: all plain greedy
         if last and not all(plain(q.params) for q in reqs):
             sampling = [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids) for q in reqs]
-        return ForwardStep(prefill=op.kind == "prefill", requests=[q.task.task_id for q in reqs],
+        return ForwardStep(prefill=op.kind == OpKind.PREFILL, requests=[q.task.task_id for q in reqs],
                            counts=[len(t) for t in tokens], tokens=tokens if s == 0 else None,
                            base=tuple(q.task.task_id for q in reqs if q.base),
                            pinned={q.task.task_id: version_dir(q.version) for q in reqs if q.version is not None},
                            sampling=sampling, **common)
-    if op.kind in ("train_f", "train_b"):
+    if op.kind in (OpKind.TRAIN_F, OpKind.TRAIN_B):
         share = training(op)
         rows, preference = training_rows(share.samples)
         lengths = [len(p) + len(c) for p, c in rows]
         shape = (len(rows), max(lengths))
-        if op.kind == "train_b":
+        if op.kind == OpKind.TRAIN_B:
             return TrainBackward(task=op.tasks[0].task_id, shape=shape, preference=preference, step=op.step,
                                  group=share.root, **common)
         return TrainForward(task=op.tasks[0].task_id, shape=shape, lengths=lengths, preference=preference,
                             beta=dpo_beta, loss_scale=share.share,
                             samples=share.samples if (s == 0 or last) else None, **common)
-    if op.kind == "sync":
+    if op.kind == OpKind.SYNC:
         return LoadWeights(adapter=sync_dir(op.version), **common)
     raise ValueError(f"no stage message for op kind {op.kind!r}")
 

@@ -30,6 +30,7 @@ from raycolo.online.scheduling.node_commands import Adopt, Cancel, NodeSetup, Pa
 from raycolo.online.scheduling.node_events import Dispatched, NodeEvent, OpDone, Synced
 from raycolo.online.scheduling.node_loop import NodeReport
 from raycolo.online.stage_messages import ServedRequest
+from raycolo.online.scheduling.node_types import OpKind
 
 COMMAND_POLL_S = 1.0        # a node's wait for commands returns empty after this long
 
@@ -100,7 +101,7 @@ class NodeLinks(ControllerState):
             for event, keys in report.events:
                 if type(event) is OpDone:     # the controller's share of a training op, as live
                     op = mirror.stages[event.stage].busy
-                    if op is not None and op.seq == event.seq and op.kind in ("train_f", "train_b"):
+                    if op is not None and op.seq == event.seq and op.kind in (OpKind.TRAIN_F, OpKind.TRAIN_B):
                         self._training_done(op, event.loss)
                 self.driver.absorb(node, event, keys)
         except Exception as exc:      # out of step: the node's group starts over from its mirror

@@ -18,7 +18,7 @@ from raycolo.online.scheduling.node_commands import OutOfBand
 from raycolo.online.serving.messages import EventKind, StreamEvent
 from raycolo.online.serving.token_wire import token_events
 from raycolo.online.driver import OpLost
-from raycolo.online.scheduling.node_types import Op
+from raycolo.online.scheduling.node_types import Op, OpKind
 from raycolo.online.scheduling.node_events import OpResult
 from raycolo.online.stage_messages import TrainingShare, stage_message, take_token, training_share
 
@@ -64,7 +64,7 @@ class OpRunner(ControllerState):
             self._node_lost(node, f"node-{node}/stage-{stage} op {seq} failed: {error}")
 
     async def run(self, op: Op):
-        if op.kind == "sync":   # every stage of a serving node waits for the exported adapter
+        if op.kind == OpKind.SYNC:   # every stage of a serving node waits for the exported adapter
             await self._export_for_sync(op.version)
         await self.gates[op.node].wait()
         if op.generation != self.cluster.nodes[op.node].generation:
@@ -86,13 +86,13 @@ class OpRunner(ControllerState):
         if op.generation != self.cluster.nodes[op.node].generation:
             raise OpLost("its node was reset as it finished")
         if op.after is not None:      # this op received what its neighbour sent
-            sender = op.stage + 1 if op.kind == "train_b" else op.stage - 1
+            sender = op.stage + 1 if op.kind == OpKind.TRAIN_B else op.stage - 1
             self.received.setdefault((op.node, sender), []).append(op.after)
         return self._absorb_result(op, result)
 
     def _fail_requests(self, op: Op, why: str) -> None:
         """The requests ``op`` carried get a clear error in their streams."""
-        if op.kind in ("prefill", "decode"):
+        if op.kind in (OpKind.PREFILL, OpKind.DECODE):
             for r in op.tasks:
                 req = self.requests.get(r.task_id)
                 if req is not None and req.finish_reason is None:
@@ -127,7 +127,7 @@ class OpRunner(ControllerState):
                 self.queues[(node, s)].put_nowait(DropActivations(seq=-1, tasks=(task_id,)))
 
     def _absorb_result(self, op: Op, result: StageResult) -> OpResult:
-        if op.kind in ("prefill", "decode") and op.stage == self.config.stages - 1:
+        if op.kind in (OpKind.PREFILL, OpKind.DECODE) and op.stage == self.config.stages - 1:
             finished = set()
             logprobs = result.logprobs or [None] * len(op.tasks)
             for r, token, logprob in zip(op.tasks, result.tokens, logprobs):
@@ -155,10 +155,10 @@ class OpRunner(ControllerState):
     def _training_done(self, op: Op, loss: Optional[float]) -> OpResult:
         """A training op ended (before its node's scheduler takes it in): a last-stage
         forward's loss; a backward reaching stage 0 that takes the optimizer step."""
-        if op.kind == "train_f" and op.stage == self.config.stages - 1:   # the node's stage rule takes the loss
+        if op.kind == OpKind.TRAIN_F and op.stage == self.config.stages - 1:   # the node's stage rule takes the loss
             self.losses.append((time.time(), op.tasks[0].task_id, loss))
             return OpResult(loss=loss)
-        if op.kind == "train_b" and op.stage == 0:
+        if op.kind == OpKind.TRAIN_B and op.stage == 0:
             if not op.step:           # a micro-batch of a task whose last one is still to come
                 return OpResult()
             root = self._samples_of(op).root

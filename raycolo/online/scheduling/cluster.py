@@ -25,7 +25,7 @@ from typing import Collection, Optional
 
 from raycolo.online.metrics import OnlineMetrics, OnlineResult
 from raycolo.online.scheduling.node import NodeScheduler
-from raycolo.online.scheduling.node_types import NodeStep, Op, Timer
+from raycolo.online.scheduling.node_types import NodeStep, Op, OpKind, Timer
 from raycolo.online.scheduling.node_events import Dispatched, NodeEvent, OpDone, Synced, TimerFired, apply, op_done_event
 from raycolo.online.params import LemixParams
 from raycolo.online.scheduling.policy import OnlinePolicy
@@ -300,11 +300,11 @@ def record_op(op_log: list, learner: ProfileLearner, op: Optional[Op], now: floa
     learner takes from it."""
     if op is None:
         return
-    ids = (op.version,) if op.kind == "sync" else tuple(x.task_id for x in op.tasks)
+    ids = (op.version,) if op.kind == OpKind.SYNC else tuple(x.task_id for x in op.tasks)
     op_log.append((op.start_s, now, op.node, op.stage, op.kind, ids))
-    if op.kind == "decode":
+    if op.kind == OpKind.DECODE:
         learner.observe_decode(now - op.start_s)
-    elif op.kind == "prefill" and learner.op_cost:
+    elif op.kind == OpKind.PREFILL and learner.op_cost:
         learner.observe_prefill(op.batch, max(r.task.length for r in op.tasks), now - op.start_s)
 
 

@@ -40,7 +40,7 @@ from raycolo.online.scheduling.batch_rule import BatchRule
 from raycolo.online.scheduling.microbatches import MicroBatches
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import NodeProfile
-from raycolo.online.scheduling.node_types import FORWARD_KINDS, NodeStep, Op, Request, Stage, Timer, forward_holdings
+from raycolo.online.scheduling.node_types import forward_holdings, FORWARD_KINDS, NodeStep, Op, OpKind, Request, Stage, Timer
 from raycolo.online.scheduling.stage_rules import TRAIN_KINDS, StageRule
 from raycolo.online.tasks import OnlineTask
 
@@ -86,7 +86,7 @@ class NodeScheduler:
             if self.batch:
                 self._close_batch(self.batch_token)
             mem = self.profile.train_bytes(task.batch, task.length)
-            self._ready(self._op("train_f", 0, [task], mem))
+            self._ready(self._op(OpKind.TRAIN_F, 0, [task], mem))
         else:
             if not self.batch:
                 self.batch_token += 1
@@ -126,7 +126,7 @@ class NodeScheduler:
         self._begin(now)
         self.syncing = len(self.stages)
         for s in range(len(self.stages)):
-            self._ready(self._op("sync", s, [], version=version))
+            self._ready(self._op(OpKind.SYNC, s, [], version=version))
         return self._end()
 
     def op_done(self, op: Op, now: float, finished: Collection[int] = ()) -> NodeStep:
@@ -144,40 +144,40 @@ class NodeScheduler:
         self.queued_ops -= 1
         self.last_end = now
         last = s == len(self.stages) - 1
-        if op.kind == "prefill":
+        if op.kind == OpKind.PREFILL:
             for r in op.tasks:
                 self._out.observed.append((r.task_id, s, "forward", op.start_s, now))
             if not last:
-                self._ready(self._op("prefill", s + 1, op.tasks, op.mem_bytes, after=op))
+                self._ready(self._op(OpKind.PREFILL, s + 1, op.tasks, op.mem_bytes, after=op))
             else:
                 for r in op.tasks:
                     self._token_out(r, finished)
                 self._decode_next()
-        elif op.kind == "train_f":
+        elif op.kind == OpKind.TRAIN_F:
             task = op.tasks[0]
             self._out.observed.append((self.micro.root_of(task).task_id, s, "forward", op.start_s, now))
-            nxt = self._op("train_f", s + 1, op.tasks, op.mem_bytes, after=op) if not last else \
-                self._op("train_b", s, op.tasks, op.mem_bytes)
+            nxt = self._op(OpKind.TRAIN_F, s + 1, op.tasks, op.mem_bytes, after=op) if not last else \
+                self._op(OpKind.TRAIN_B, s, op.tasks, op.mem_bytes)
             self._ready(nxt)
-        elif op.kind == "train_b":
+        elif op.kind == OpKind.TRAIN_B:
             task = op.tasks[0]
             self._out.observed.append((self.micro.root_of(task).task_id, s, "backward", op.start_s, now))
             stage.release(("train", task.task_id))
             root = self.micro.backward_done(task, s)
             if s > 0:
-                self._ready(self._op("train_b", s - 1, op.tasks, op.mem_bytes, after=op))
+                self._ready(self._op(OpKind.TRAIN_B, s - 1, op.tasks, op.mem_bytes, after=op))
             elif root is not None:
                 self._out.trained.append(root)
-        elif op.kind == "decode":
+        elif op.kind == OpKind.DECODE:
             if not last:
-                self._ready(self._op("decode", s + 1, op.tasks, after=op))
+                self._ready(self._op(OpKind.DECODE, s + 1, op.tasks, after=op))
             else:
                 self.decode_inflight = False
                 for r in op.tasks:
                     r.context += 1
                     self._token_out(r, finished)
                 self._decode_next()
-        elif op.kind == "sync":
+        elif op.kind == OpKind.SYNC:
             self.syncing -= 1
             if self.syncing == 0:
                 self.update_count = op.version
@@ -255,7 +255,7 @@ class NodeScheduler:
         requests = [Request(t, t.length) for t in tasks]
         for r in requests:
             r.kv_bytes = self.profile.inference_bytes(r.task.batch, r.task.length + r.task.token_budget)
-        self._ready(self._op("prefill", 0, requests, sum(r.kv_bytes for r in requests)))
+        self._ready(self._op(OpKind.PREFILL, 0, requests, sum(r.kv_bytes for r in requests)))
 
     def _ready(self, op: Op) -> None:
         heapq.heappush(self.stages[op.stage].ready, (op.ready_s, op.seq, op))
@@ -279,11 +279,11 @@ class NodeScheduler:
             if not self.memory_aware or self.rule.fits(stage, op, limit):
                 chosen = op
                 break
-            if op.kind == "prefill" and self.rule.reclaims and \
+            if op.kind == OpKind.PREFILL and self.rule.reclaims and \
                     self._reclaim(s, stage.used_bytes + op.mem_bytes - limit):
                 chosen = op
                 break
-            if op.kind == "train_f" and s == 0 and self.rule.elastic and self._shrink(stage, op, limit):
+            if op.kind == OpKind.TRAIN_F and s == 0 and self.rule.elastic and self._shrink(stage, op, limit):
                 chosen = op
                 break
             if op.waited_s >= self.params.max_memory_wait * self.profile.forward_latency_s:
@@ -316,9 +316,9 @@ class NodeScheduler:
             for key, size in forward_holdings(chosen):
                 stage.held[key] = size
                 stage.used_bytes += size
-        if chosen.kind == "train_f" and s == 0:
+        if chosen.kind == OpKind.TRAIN_F and s == 0:
             self.micro.forward_started(chosen.tasks[0])
-        if chosen.kind == "train_b":
+        if chosen.kind == OpKind.TRAIN_B:
             chosen.step = self.micro.steps(chosen.tasks[0], s)
             if ("train", chosen.tasks[0].task_id) not in stage.held:
                 chosen.reload = True
@@ -339,7 +339,7 @@ class NodeScheduler:
             return False
         now_piece, rest = self.micro.split(task, samples)
         op.tasks, op.mem_bytes = [now_piece], mem
-        later = self._op("train_f", 0, [rest], self.profile.train_bytes(rest.batch, rest.length))
+        later = self._op(OpKind.TRAIN_F, 0, [rest], self.profile.train_bytes(rest.batch, rest.length))
         heapq.heappush(stage.ready, (later.ready_s, later.seq, later))   # queued: the stage starts op now
         self.queued_ops += 1
         return True
@@ -350,7 +350,7 @@ class NodeScheduler:
         runs or travels between stages), largest first; each runs again from its first
         forward. True when enough was freed (nothing is aborted otherwise)."""
         last = self.stages[-1]
-        waiting = [op for _, _, op in last.ready if op.kind == "train_b"]
+        waiting = [op for _, _, op in last.ready if op.kind == OpKind.TRAIN_B]
         held = self.stages[s].held
         victims, freed = [], 0.0
         for op in sorted(waiting, key=lambda o: -held.get(("train", o.tasks[0].task_id), 0.0)):
@@ -373,7 +373,7 @@ class NodeScheduler:
             self._out.aborted.append(task.task_id)
             # queued, not started: the stage that called this is about to start the prefill
             self.micro.restarted(task)
-            retry = self._op("train_f", 0, [task], op.mem_bytes)
+            retry = self._op(OpKind.TRAIN_F, 0, [task], op.mem_bytes)
             heapq.heappush(self.stages[0].ready, (retry.ready_s, retry.seq, retry))
             self.queued_ops += 1
         heapq.heapify(last.ready)
@@ -384,7 +384,7 @@ class NodeScheduler:
             return
         running, self.joining = self.joining, []
         self.decode_inflight = True
-        self._ready(self._op("decode", 0, running))
+        self._ready(self._op(OpKind.DECODE, 0, running))
 
     def _token_out(self, r: Request, finished: Collection[int]) -> None:
         """A request's token left the last stage: it ends, or joins the next decode."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Collection, Optional, Union
 
 from raycolo.online.scheduling.node import NodeScheduler
-from raycolo.online.scheduling.node_types import NodeStep, Op
+from raycolo.online.scheduling.node_types import NodeStep, Op, OpKind
 from raycolo.online.tasks import OnlineTask
 
 
@@ -93,9 +93,9 @@ def apply(node: NodeScheduler, event: NodeEvent) -> NodeStep:
         if op is None or op.seq != event.seq:
             raise MirrorDiverged(f"node {node.index} stage {event.stage}: op {event.seq} is not "
                                  f"running (running: {None if op is None else op.seq})")
-        if op.kind == "train_f" and event.stage == len(node.stages) - 1 and event.loss is not None:
+        if op.kind == OpKind.TRAIN_F and event.stage == len(node.stages) - 1 and event.loss is not None:
             node.rule.observe_loss(op.tasks[0].task_id, event.loss)
-        elif op.kind == "train_b" and event.stage == 0:
+        elif op.kind == OpKind.TRAIN_B and event.stage == 0:
             node.rule.forget(op.tasks[0].task_id)
         return node.op_done(op, event.now, event.finished)
     if kind is Dispatched:

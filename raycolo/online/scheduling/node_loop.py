@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 from raycolo.engine.executor.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
 from raycolo.online.scheduling.node import NodeScheduler
-from raycolo.online.scheduling.node_types import NodeStep, Op, Timer
+from raycolo.online.scheduling.node_types import NodeStep, Op, OpKind, Timer
 from raycolo.online.scheduling.node_commands import Adopt, Cancel, NodeCommand, Serve, Sync, Train
 from raycolo.online.scheduling.node_events import (Dispatched, NodeEvent, Synced, TimerFired, action_key, apply, check_in_step,
                                         op_done_event)
@@ -160,7 +160,7 @@ class NodeLoop:
         if result.sends is not None:
             self.report.sends[stage] = result.sends
         finished = set()
-        if op.kind in ("prefill", "decode") and stage == self.stages - 1:
+        if op.kind in (OpKind.PREFILL, OpKind.DECODE) and stage == self.stages - 1:
             logprobs = result.logprobs or [None] * len(op.tasks)
             for r, token, logprob in zip(op.tasks, result.tokens, logprobs):
                 req = self.requests[r.task_id]
@@ -171,9 +171,9 @@ class NodeLoop:
                     req.finish_reason = reason
                     finished.add(r.task_id)
         if op.after is not None:      # this op received what its neighbour sent
-            sender = op.stage + 1 if op.kind == "train_b" else op.stage - 1
+            sender = op.stage + 1 if op.kind == OpKind.TRAIN_B else op.stage - 1
             self.received.setdefault(sender, []).append(op.after)
-        loss = result.loss if op.kind == "train_f" and stage == self.stages - 1 else None
+        loss = result.loss if op.kind == OpKind.TRAIN_F and stage == self.stages - 1 else None
         self._apply(op_done_event(stage, op.seq, now, finished, loss))
 
     def take_outbox(self) -> list[Outgoing]:

@@ -13,10 +13,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from raycolo.text_enum import TextEnum
 from raycolo.online.tasks import OnlineTask
 
-FORWARD_KINDS = ("prefill", "train_f")
-OP_KINDS = ("prefill", "decode", "train_f", "train_b", "sync")
+class OpKind(TextEnum):
+    """What an :class:`Op` runs on its stage (a ``str`` enum: equal to, and hashed as, its value)."""
+
+    PREFILL = "prefill"      # an inference batch's prompt
+    DECODE = "decode"        # one decode iteration of the running requests
+    TRAIN_F = "train_f"      # a fine-tune micro-batch's forward
+    TRAIN_B = "train_b"      # its backward
+    SYNC = "sync"            # load a new adapter version
+
+
+FORWARD_KINDS = (OpKind.PREFILL, OpKind.TRAIN_F)
+OP_KINDS = tuple(OpKind)
 
 
 @dataclass(eq=False)
@@ -35,7 +46,7 @@ class Request:
 
 @dataclass(eq=False)
 class Op:
-    kind: str                    # prefill | decode | train_f | train_b | sync
+    kind: OpKind
     node: int
     stage: int
     ready_s: float
@@ -56,9 +67,9 @@ class Op:
     @property
     def batch(self) -> int:
         """Queries in the op (Σ C)."""
-        if self.kind in ("prefill", "decode"):
+        if self.kind in (OpKind.PREFILL, OpKind.DECODE):
             return sum(r.task.batch for r in self.tasks)
-        return self.tasks[0].batch if self.kind in ("train_f", "train_b") else 0
+        return self.tasks[0].batch if self.kind in (OpKind.TRAIN_F, OpKind.TRAIN_B) else 0
 
 
 @dataclass(eq=False)
@@ -120,6 +131,6 @@ class Stage:
 
 def forward_holdings(op: Op) -> list[tuple[tuple, float]]:
     """What a forward keeps on its stage, per task, so release is exact per stage."""
-    if op.kind == "prefill":
+    if op.kind == OpKind.PREFILL:
         return [(("req", r.task_id), r.kv_bytes) for r in op.tasks]
     return [(("train", op.tasks[0].task_id), op.mem_bytes)]

@@ -40,13 +40,14 @@ import math
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from raycolo.online.scheduling.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit
+from raycolo.online.scheduling.node_types import OpKind
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycolo.online.scheduling.node import NodeScheduler
     from raycolo.online.scheduling.node_types import Op, Stage
 
-INFERENCE_KINDS = ("prefill", "decode")
-TRAIN_KINDS = ("train_f", "train_b")
+INFERENCE_KINDS = (OpKind.PREFILL, OpKind.DECODE)
+TRAIN_KINDS = (OpKind.TRAIN_F, OpKind.TRAIN_B)
 
 
 def oldest_first(ops: Sequence["Op"]) -> list["Op"]:
@@ -112,7 +113,7 @@ class HarliRule(StageRule):
         """The node's decoding requests: how many, and their mean context."""
         running = list(node.joining)
         for op in _node_ops(node):
-            if op.kind == "decode":
+            if op.kind == OpKind.DECODE:
                 running.extend(op.tasks)
         if not running:
             return 0, 0.0
@@ -138,7 +139,7 @@ class HarliRule(StageRule):
         if not training:
             return inference
         if inference:
-            if any(op.kind != "decode" for op in inference):
+            if any(op.kind != OpKind.DECODE for op in inference):
                 return inference              # prefills first
             return self.between_iterations(node, stage, inference, training) + inference
         if self.decode_iteration_s(node) == 0.0 and not node.batch:
@@ -167,9 +168,9 @@ class HarliRule(StageRule):
         return []
 
     def started(self, stage, op):
-        if op.kind == "decode":
+        if op.kind == OpKind.DECODE:
             self.spent[stage] = 0.0
-        elif op.kind != "sync":           # fine-tune ops and prefills delay the next iteration
+        elif op.kind != OpKind.SYNC:           # fine-tune ops and prefills delay the next iteration
             self.spent[stage] = self.spent.get(stage, 0.0) + expected_op_s(op, self.profile)
 
 
@@ -236,7 +237,7 @@ class StaticPartitionRule(StaticShareRule):
 
     def fits(self, stage, op, limit):
         train = sum(v for (kind, _), v in stage.held.items() if kind == "train")
-        if op.kind == "train_f":
+        if op.kind == OpKind.TRAIN_F:
             return train + op.mem_bytes <= self.train_memory * limit
         return stage.used_bytes - train + op.mem_bytes <= (1 - self.train_memory) * limit
 
@@ -396,8 +397,8 @@ class MaceRule(StageRule):
         chosen = [op for op in ranked if op.seq in current]
         if not chosen:
             free = max(0.0, node.profile.free_bytes - node.stages[stage].used_bytes)
-            items = [(op, op.mem_bytes if op.kind in ("prefill", "train_f") else 0.0,
-                      expected_op_s(op, self.profile) if op.kind != "sync" else 0.0) for op in ranked]
+            items = [(op, op.mem_bytes if op.kind in (OpKind.PREFILL, OpKind.TRAIN_F) else 0.0,
+                      expected_op_s(op, self.profile) if op.kind != OpKind.SYNC else 0.0) for op in ranked]
             first = pack_bins(items, free, self.tau_mem, self.tau_task, self.lambdas, self.unit_s)[0]
             self.iterations += 1
             chosen = [op for op in ranked if op in first.items]
@@ -436,11 +437,11 @@ def expected_op_s(op: "Op", profile) -> float:
     """An op's duration on its stage by the node profile, before any offload or overrun
     cost (the simulator's ``op_duration`` adds those; what Harli's and MACE's rules
     compare)."""
-    if op.kind == "prefill":
+    if op.kind == OpKind.PREFILL:
         return profile.forward_s(op.batch, max(r.task.length for r in op.tasks))
-    if op.kind == "decode":
+    if op.kind == OpKind.DECODE:
         return profile.decode_step_s(op.batch, int(sum(r.context for r in op.tasks) / len(op.tasks)))
     if op.kind in TRAIN_KINDS:
         task = op.tasks[0]
-        return (profile.forward_s if op.kind == "train_f" else profile.backward_s)(task.batch, task.length)
+        return (profile.forward_s if op.kind == OpKind.TRAIN_F else profile.backward_s)(task.batch, task.length)
     raise ValueError(f"expected_op_s: no profile duration for a {op.kind} op")

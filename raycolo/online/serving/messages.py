@@ -12,11 +12,12 @@ typed: the answer to an admission, and the events of a request's stream.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
-class EventKind(str, enum.Enum):
+from raycolo.text_enum import TextEnum
+
+class EventKind(TextEnum):
     """The kind of a :class:`StreamEvent` (a ``str`` enum: equal to its value)."""
 
     LOGPROB = "logprob"          # TokenLogprob of the token that follows
@@ -36,7 +37,7 @@ class StreamEvent(NamedTuple):
     value: Any
 
 
-class Rejection(str, enum.Enum):
+class Rejection(TextEnum):
     """Why the controller did not admit a request (the front's answer: 503, 404, 503, 429)."""
 
     STARTING = "starting"                  # the stage workers (re)start
