@@ -138,15 +138,16 @@ def test_the_online_controllers_roles_use_only_declared_state():
     assert not undeclared, undeclared
 
 
+PATH_IN_DOCS = r"(?<![\w/.-])((?:raycolo|bench|tests|tools|jobs|examples|docs)/[\w/.-]*\w\.(?:py|md|yaml|json|csv))"
+
+
 def test_every_path_the_docs_name_exists():
     """docs/architecture.md and the README name files by their path from the repository's
     root (the request walks, the drawings, the tables): each exists."""
     import re
 
-    root = REPO
     named = set()
-    for doc in (root / "docs" / "architecture.md", root / "README.md"):
-        named |= set(re.findall(r"(?<![\w/.-])((?:raycolo|bench|tests|tools|jobs|examples|docs)/[\w/.-]*\w\.(?:py|md|yaml|json|csv))",
-                                doc.read_text()))
+    for doc in (REPO / "docs" / "architecture.md", REPO / "README.md"):
+        named |= set(re.findall(PATH_IN_DOCS, doc.read_text()))
     assert len(named) > 50
-    assert not [p for p in sorted(named) if not (root / p).exists()]
+    assert not [p for p in sorted(named) if not (REPO / p).exists()]

@@ -23,6 +23,7 @@ import socket
 import uvicorn
 from ray.serve.config import HTTPOptions
 
+from raycolo.actors.serve.guard import error_response
 from raycolo.errors import ConfigError
 from raycolo.online.serving.errors import OpenAIError
 
@@ -60,20 +61,15 @@ class Mounted:
             return await self.app(scope, receive, send)
         path = scope["path"]
         if self.prefix and not (path == self.prefix or path.startswith(self.prefix + "/")):
-            return await _reply(scope, receive, send, OpenAIError(404, f"no route {path}", code="invalid_request"))
+            exc = OpenAIError(404, f"no route {path}", code="invalid_request")
+            return await error_response(exc)(scope, receive, send)
         if not self.ready():
-            return await _reply(scope, receive, send, OpenAIError(503, "this replica is starting; retry", code="unavailable",
-                                                  headers={"Retry-After": "1"}))
+            exc = OpenAIError(503, "this replica is starting; retry", code="unavailable", headers={"Retry-After": "1"})
+            return await error_response(exc)(scope, receive, send)
         if self.prefix:
             scope = dict(scope, path=path[len(self.prefix):] or "/",
                          root_path=scope.get("root_path", "") + self.prefix)
         return await self.app(scope, receive, send)
-
-
-async def _reply(scope, receive, send, exc: OpenAIError) -> None:
-    from raycolo.actors.serve.guard import error_response
-
-    await error_response(exc)(scope, receive, send)
 
 
 class ReplicaListener:

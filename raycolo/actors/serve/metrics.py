@@ -9,15 +9,13 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0]
 MODEL = ("model_name",)
-
-
 REPLICA = MODEL + ("replica",)
 
 
 class FrontMetrics:
     """Recorded by every ingress replica, each series tagged with the served model and the
-    replica (two replicas' counters under the same tags would overwrite each other in Ray's
-    export, not add up); the tags are set once, so a record passes none."""
+    replica that recorded it (sum over ``replica`` for the deployment); the tags are set
+    once, so a record passes none."""
 
     def __init__(self, model_name: str, replica: str):
         self.ttft = Histogram("raycolo_time_to_first_token_seconds", "Time to first token",

@@ -40,7 +40,8 @@ from raycolo.online.scheduling.batch_rule import BatchRule
 from raycolo.online.scheduling.microbatches import MicroBatches
 from raycolo.online.params import LemixParams
 from raycolo.online.profiles import NodeProfile
-from raycolo.online.scheduling.node_types import forward_holdings, FORWARD_KINDS, NodeStep, Op, OpKind, Request, Stage, Timer
+from raycolo.online.scheduling.node_types import (FORWARD_KINDS, NodeStep, Op, OpKind, Request, Stage, Timer,
+                                                forward_holdings)
 from raycolo.online.scheduling.stage_rules import TRAIN_KINDS, StageRule
 from raycolo.online.tasks import OnlineTask
 

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 from raycolo.text_enum import TextEnum
 
+
 class EventKind(TextEnum):
     """The kind of a :class:`StreamEvent` (a ``str`` enum: equal to its value)."""
 
