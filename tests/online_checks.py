@@ -2,15 +2,30 @@
 from __future__ import annotations
 
 import os
-
+import random
 import socket
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 
+_PORTS = random.Random(os.getpid())     # successive calls try different ports
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a server a test starts)."""
-    with socket.socket() as s:
+    """A TCP port free on 127.0.0.1 now, for a server a test starts: below the kernel's
+    ephemeral range, as a configured port is (8000), so that no connection the cluster opens
+    meanwhile gets it as its own end while the server restarts."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    for port in _PORTS.sample(range(max(1024, low - 12000), low), 2000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:          # none free down there: any
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

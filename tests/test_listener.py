@@ -42,8 +42,8 @@ def free_port() -> int:
 def test_two_listeners_share_one_port_and_the_kernel_spreads_connections():
     async def main():
         port = free_port()
-        a = await ReplicaListener.start(app_named("a"), "127.0.0.1", port, "/", ready=lambda: True)
-        b = await ReplicaListener.start(app_named("b"), "127.0.0.1", port, "/", ready=lambda: True)
+        a = await ReplicaListener.start(app_named("a"), shared_socket("127.0.0.1", port), "/", ready=lambda: True)
+        b = await ReplicaListener.start(app_named("b"), shared_socket("127.0.0.1", port), "/", ready=lambda: True)
         try:
             assert a.address == b.address == ("127.0.0.1", port)
             seen = []
@@ -67,7 +67,7 @@ def test_the_route_prefix_and_the_503_before_the_replica_is_registered():
 
     async def main():
         port = free_port()
-        listener = await ReplicaListener.start(app_named("a"), "127.0.0.1", port, "/api/",
+        listener = await ReplicaListener.start(app_named("a"), shared_socket("127.0.0.1", port), "/api/",
                                                ready=lambda: registered["yes"])
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
@@ -111,7 +111,7 @@ def test_a_stopping_listener_finishes_its_streams_and_takes_no_new_connection():
 
     async def main():
         port = free_port()
-        listener = await ReplicaListener.start(app, "127.0.0.1", port, "/", ready=lambda: True)
+        listener = await ReplicaListener.start(app, shared_socket("127.0.0.1", port), "/", ready=lambda: True)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
             async with c.stream("GET", "/v1/slow") as r:
                 lines = r.aiter_text()

@@ -23,7 +23,7 @@ from ray import serve
 from raycolo.actors.serve.completions import Completions
 from raycolo.actors.serve.front_channel import FrontChannel
 from raycolo.actors.serve.guard import BODY_LIMIT_ENV, KEY_NAME_ENV, install
-from raycolo.actors.serve.listener import ReplicaListener
+from raycolo.actors.serve.listener import ReplicaListener, shared_socket
 from raycolo.actors.local_cluster import NAMESPACE, controller_name
 from raycolo.errors import ConfigError, StoreFull
 from raycolo.online.config import Ingress, OnlineConfig, load_online_config, parse_online_config
@@ -61,6 +61,8 @@ class OpenAIIngress(Completions):
 
         self.config = OnlineConfig.model_validate(config)
         cfg = self.config
+        # this replica answers HTTP itself (listener.py): its port, held from the start
+        sock = shared_socket(cfg.serve.host, cfg.serve.port) if cfg.serve.ingress == Ingress.REPLICA else None
         self.model_name = cfg.served_model_name()
         self.tokenizer = load_tokenizer(cfg.model_loading_config.model_id)
         hf = model_hf_config(cfg.model_loading_config.model_id)
@@ -85,9 +87,9 @@ class OpenAIIngress(Completions):
         self.gauges = DeploymentMetrics()
         self.monitor = None
         self.listener = None
-        if cfg.serve.ingress == Ingress.REPLICA:       # this replica answers HTTP itself (listener.py)
+        if sock is not None:
             self.listener = await ReplicaListener.start(
-                app, cfg.serve.host, cfg.serve.port, cfg.serve.route_prefix,
+                app, sock, cfg.serve.route_prefix,
                 ready=lambda: serve.get_replica_context().servable_object is not None)
 
     async def __del__(self):

@@ -83,8 +83,11 @@ class ReplicaListener:
         return self.sock.getsockname()[:2]
 
     @classmethod
-    async def start(cls, app, host: str, port: int, prefix: str, ready) -> "ReplicaListener":
-        sock = shared_socket(host, port)
+    async def start(cls, app, sock: socket.socket, prefix: str, ready) -> "ReplicaListener":
+        """Serve ``app`` on ``sock`` (:func:`shared_socket`, bound first thing when the replica
+        starts: the port is held before the replica's other work opens connections, one of
+        which the kernel could otherwise give that port as its own end)."""
+        host, port = sock.getsockname()[:2]
         config = uvicorn.Config(Mounted(app, prefix, ready), lifespan="off", access_log=False, log_level="warning",
                                 log_config=None, timeout_keep_alive=KEEP_ALIVE_S)
         server = uvicorn.Server(config)
