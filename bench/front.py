@@ -13,10 +13,12 @@ proxy``), to streaming HTTP clients on loopback (aiohttp, in this process).
 For each number of concurrent streams, offered rates go up until one is not sustained
 (the clients received < 95 % of what the source wrote in the window, which is the
 offered rate less the gaps while a stream's next request is admitted; or the p99 added
-latency passes ``--max-p99-s``); the
-table gives the highest sustained rate, the CPU per chunk of each process there
-(replica, proxy, token source, client), and the added latency per token (from the
-source's write to the client's read, p50 and p99).
+latency passes ``--max-p99-s``; or chunks carry more than ``--max-tokens-per-chunk``
+tokens on average: a replica that falls behind sends the tokens that came together as
+one chunk, and the client counts a chunk's tokens by its text, a character per token).
+The table gives the highest sustained rate, the tokens per chunk and the CPU per chunk of
+each process there (replica, proxy, token source, client), and the added latency per
+token (from the source's write to the client's read, p50 and p99).
 
     .venv/bin/python bench/front.py                               # 64, 256, 1024 streams
     .venv/bin/python bench/front.py --streams 256 --replicas 2 --json out/bench_front.json
@@ -46,6 +48,7 @@ from raycolo.online.config import Ingress, ServeSpec  # noqa: E402
 SERVE_MODES = {"default": {}, "throughput": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
                "direct": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"},
                "direct-loop": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+FIRST_TOKEN, TOKEN_SPAN = 97, 26      # the source's tokens: FIRST_TOKEN + position % TOKEN_SPAN
 PROCESS_TITLES = {"replica": "ray::ServeReplica:", "proxy": "ray::ProxyActor", "source": "ray::TokenSource"}
 
 
@@ -120,7 +123,7 @@ def token_source_class():
                     for rid, state in list(self.active.items()):
                         state[1] -= 1
                         last = state[1] == 0
-                        out.append(TokenOut(rid, self.first_token + state[2] % 26, True,
+                        out.append(TokenOut(rid, self.first_token + state[2] % TOKEN_SPAN, True,
                                             "length" if last else None, None, state[2]))
                         self.sent[(rid, state[2])] = now
                         state[2] += 1
@@ -159,6 +162,9 @@ async def _stream(session, url: str, model: str, max_tokens: int, got: list, sto
             got.append(("error", repr(exc), time.time()))
 
 
+TEXT = b'"text": "'
+
+
 async def _one(session, url: str, body: dict, got: list, stop_at: float) -> None:
     async with session.post(f"{url}/v1/completions", json=body) as r:
         if r.status != 200:
@@ -173,10 +179,12 @@ async def _one(session, url: str, body: dict, got: list, stop_at: float) -> None
             now = time.time()
             if rid is None:
                 rid = int(json.loads(line[6:])["id"].split("-")[1])
-            if b'"text": ""' in line:      # the closing chunk (its finish_reason)
+            start = line.index(TEXT) + len(TEXT)
+            tokens = line.index(b'"', start) - start     # a character per token (main checks)
+            if tokens == 0:                  # the closing chunk (its finish_reason)
                 continue
-            got.append((rid, position, now))
-            position += 1
+            got.append((rid, position, now, tokens))     # tokens that fell behind come as one chunk
+            position += tokens
 
 
 async def _drive(url: str, model: str, streams: int, max_tokens: int, warm_s: float, seconds: float,
@@ -237,15 +245,29 @@ def measure(url, model, source, pids, streams, rate, seconds, max_tokens) -> dic
     written = sum(wall0 <= t < wall1 for t in sent.values())
     errors = [g for g in got if g[0] == "error"]
     got = [g for g in got if g[0] != "error"]
-    lat = np.array([t - sent[(rid, pos)] for rid, pos, t in got if (rid, pos) in sent])
-    chunks = max(1, len(got))
+    lat = np.array([t - sent[(rid, pos + i)] for rid, pos, t, n in got for i in range(n) if (rid, pos + i) in sent])
+    chunks, tokens = max(1, len(got)), sum(g[3] for g in got)
     cpu = {name: (after[name] - before[name]) / chunks * 1e3 for name in before}
     return {"streams": streams, "offered_tokens_per_s": rate, "written_tokens_per_s": written / wall,
-            "received_tokens_per_s": len(got) / wall,
+            "received_tokens_per_s": tokens / wall, "tokens_per_chunk": tokens / chunks,
             "chunks": len(got), "errors": len(errors), "cpu_ms_per_chunk": cpu,
             "front_cpu_ms_per_chunk": cpu["replica"] + cpu["proxy"],
             "latency_p50_ms": float(np.percentile(lat, 50) * 1e3) if len(lat) else None,
             "latency_p99_ms": float(np.percentile(lat, 99) * 1e3) if len(lat) else None}
+
+
+def _check_one_character_tokens(model_id: str) -> None:
+    """The client counts a chunk's tokens by its text's characters (a replica that fell
+    behind sends the tokens that came together as one chunk): each source token must
+    decode to one character that JSON writes as itself."""
+    from raycolo.engine.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model_id)
+    for token in range(FIRST_TOKEN, FIRST_TOKEN + TOKEN_SPAN):
+        text = tokenizer.decode([token])
+        if len(text) != 1 or json.dumps(text) != f'"{text}"':
+            raise SystemExit(f"error: model_id: {model_id}'s token {token} decodes to {text!r}, not one "
+                             "character JSON writes as itself; the client could not count tokens")
 
 
 def _replica_url(pids: list, proxy_url: str) -> str:
@@ -274,7 +296,12 @@ def main(argv=None) -> int:
                         "RAY_SERVE_ENABLE_DIRECT_INGRESS=1 (the clients still use the proxy's URL)")
     p.add_argument("--to-replica", action="store_true",
                    help="with --serve-mode direct: stream from the replica's own port, past the proxy")
+    p.add_argument("--refine", type=int, default=2,
+                   help="bisections between the last sustained offered rate and the first that was not")
     p.add_argument("--max-p99-s", type=float, default=1.0)
+    p.add_argument("--max-tokens-per-chunk", type=float, default=1.1,
+                   help="sustained only while chunks carry at most this many tokens on average (a replica "
+                        "that falls behind sends the tokens that came together as one chunk)")
     p.add_argument("--port", type=int, default=8731)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -291,10 +318,11 @@ def main(argv=None) -> int:
     config = config.model_copy(update={"serve": config.serve.model_copy(update={
         "port": args.port, "replicas": args.replicas, "ingress": Ingress(args.ingress), "max_ongoing_requests": 4 * max(args.streams),
         "api_key_env": None})})
+    _check_one_character_tokens(config.model_loading_config.model_id)
     start_local(env={**config.cluster_env(), **SERVE_MODES[args.serve_mode]}, num_cpus=2, num_gpus=0,
                 include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)   # loopback only
     source = token_source_class().options(name=controller_name(config.serve.app_name), namespace=NAMESPACE,
-                                           lifetime="detached").remote(0.01, 97)
+                                           lifetime="detached").remote(0.01, FIRST_TOKEN)
     rows = []
     try:
         url = start(config)
@@ -306,34 +334,46 @@ def main(argv=None) -> int:
               f"pids {pids}", flush=True)
         measure(url, model, source, pids, 8, 400, 2.0, args.max_tokens)       # warm-up
         for streams in args.streams:
-            best = None
-            for rate in args.rates:
+            best, failed = None, None
+
+            def attempt(rate: float) -> bool:
                 row = measure(url, model, source, pids, streams, rate, args.seconds, args.max_tokens)
-                ok = (row["received_tokens_per_s"] >= 0.95 * row["written_tokens_per_s"]
-                      and row["latency_p99_ms"] is not None and row["latency_p99_ms"] <= args.max_p99_s * 1e3)
+                row["sustained"] = ok = (
+                    row["received_tokens_per_s"] >= 0.95 * row["written_tokens_per_s"]
+                    and row["latency_p99_ms"] is not None and row["latency_p99_ms"] <= args.max_p99_s * 1e3
+                    and row["tokens_per_chunk"] <= args.max_tokens_per_chunk)
                 print(f"  {streams:5d} streams, offered {rate:8.0f}/s, written {row['written_tokens_per_s']:8.0f}/s: "
-                      f"received {row['received_tokens_per_s']:8.0f}/s, "
+                      f"received {row['received_tokens_per_s']:8.0f}/s "
+                      f"({row['tokens_per_chunk']:.2f} tokens/chunk), "
                       f"front {row['front_cpu_ms_per_chunk']:.3f} ms CPU/chunk, "
                       f"p99 {row['latency_p99_ms'] or float('nan'):.1f} ms {'ok' if ok else 'NOT sustained'}",
                       flush=True)
-                row["sustained"] = ok
                 rows.append(row)
-                if not ok:
+                return row if ok else None
+
+            for rate in args.rates:
+                row = attempt(rate)
+                if row is None:
+                    failed = rate
                     break
                 best = row
+            for _ in range(args.refine if best is not None and failed is not None else 0):
+                rate = (best["offered_tokens_per_s"] + failed) / 2        # between the two: bisect
+                row = attempt(rate)
+                best, failed = (row, failed) if row is not None else (best, rate)
             if best is not None:
                 best["best"] = True
     finally:
         serve.shutdown()
         ray.shutdown()
     print()
-    print("| streams | sustained tokens/s | replica ms/chunk | proxy ms/chunk | front ms/chunk | "
+    print("| streams | sustained tokens/s | tokens/chunk | replica ms/chunk | proxy ms/chunk | front ms/chunk | "
           "source ms/chunk | client ms/chunk | added latency p50 / p99 ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         if row.get("best"):
             c = row["cpu_ms_per_chunk"]
-            print(f"| {row['streams']} | {row['received_tokens_per_s']:.0f} | {c['replica']:.3f} | {c['proxy']:.3f} | "
+            print(f"| {row['streams']} | {row['received_tokens_per_s']:.0f} | {row['tokens_per_chunk']:.2f} | {c['replica']:.3f} | {c['proxy']:.3f} | "
                   f"{row['front_cpu_ms_per_chunk']:.3f} | {c['source']:.3f} | {c['client']:.3f} | "
                   f"{row['latency_p50_ms']:.1f} / {row['latency_p99_ms']:.1f} |")
     if args.json:
