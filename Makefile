@@ -92,7 +92,7 @@ bench-vllm-server: venv
 	PYTHON=$(PYTHON) ./tools/run_vllm_tests.sh --install-only
 	$(VPY) bench/vs_vllm_server.py --json out/bench_vs_vllm_server.json $(BENCH_ARGS)
 
-# One GPU, under 10 minutes (raycolo/engine/gpu_check/, docs/executor.md "GPU readiness").
+# One GPU, under 10 minutes (raycolo/gpu_check/, docs/executor.md "GPU readiness").
 # GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--json out/gpu_check.json" or "--device cpu"
 # (a dry run on the CPU); GPU_PYTHON another interpreter (e.g. one with the official vllm wheel).
 GPU_CHECK_ARGS ?=
@@ -100,7 +100,7 @@ GPU_PYTHON ?= $(VPY)
 
 .PHONY: gpu-check
 gpu-check: venv
-	$(GPU_PYTHON) -m raycolo.engine.gpu_check $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m raycolo.gpu_check $(GPU_CHECK_ARGS)
 
 # Under 5 minutes on one H100/H200 with the machine's own python3 (torch, triton,
 # transformers, peft; pydantic from tools/gpu_wheels.sh where it is missing). No venv:

@@ -85,7 +85,7 @@ def handover(trials: int, seed: int) -> dict:
     import torch
 
     from raycolo.engine.models import build_tiny_model
-    from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora, training_batch
+    from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora, training_batch
 
     torch.manual_seed(seed)
     model, _ = build_tiny_model("tiny-llama-l", seed, "float32")

@@ -149,7 +149,7 @@ def stage_step(chain, prompts, steps: int, device) -> float:
 
 
 def train_step(stage, vocab: int, rows: int, length: int, device) -> float:
-    from raycolo.engine.executor.stage import training_batch
+    from raycolo.online.stages.stage_model import training_batch
 
     samples = [(p[:length // 2], p[length // 2:]) for p in prompts_for(vocab, rows, length, seed=9)]
     ids, labels, lengths = training_batch(samples)
@@ -232,7 +232,7 @@ def decode_row(rows, path, batch, step_s, roofline_s, extra=None):
 
 
 def run_shape(shape: str, args, device, dtype, lim: dict) -> dict:
-    from raycolo.engine.executor.stage import StageModel
+    from raycolo.online.stages.stage_model import StageModel
 
     dtype_name = str(dtype).split(".")[-1]
     t0 = time.perf_counter()

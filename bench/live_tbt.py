@@ -41,7 +41,7 @@ def executor_step(config, batch: int, prompt_len: int, steps: int) -> float:
 
     from raycolo.engine.models import load_model
     from raycolo.engine.threads import apply_thread_policy
-    from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora
+    from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora
     from raycolo.generation.sampler import sample_plain
     from raycolo.online.config import layer_bounds
 

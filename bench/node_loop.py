@@ -41,7 +41,7 @@ def executor_step_ms(config: dict, batch: int, prompt: int, steps: int) -> float
     """The whole model's own decode step (median, ms), in this process."""
     import torch
 
-    from raycolo.engine.executor.stage_process import build_stage
+    from raycolo.online.stages.stage_process import build_stage
     from raycolo.online.config import OnlineConfig, model_hf_config, stage_build
 
     cfg = OnlineConfig.model_validate(dict(config, stages=1))
@@ -70,7 +70,7 @@ def executor_step_ms(config: dict, batch: int, prompt: int, steps: int) -> float
 
 def node_tbt_ms(config: dict, batch: int, prompt: int, tokens: int) -> tuple[float, float]:
     """(median TBT in ms over every request, wall seconds) through the node loop."""
-    from raycolo.engine.executor.node_harness import NodeRunSpec, RequestSpec, run_node
+    from node_harness import NodeRunSpec, RequestSpec, run_node
 
     spec = NodeRunSpec(config, requests=[RequestSpec(p, tokens, ignore_eos=True) for p in prompts(batch, prompt)])
     t = time.perf_counter()

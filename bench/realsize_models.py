@@ -112,7 +112,7 @@ class Model:
 
 
 def add_active_lora(model, seed: int):
-    from raycolo.engine.executor.stage import LoraSettings, add_lora
+    from raycolo.online.stages.stage_model import LoraSettings, add_lora
 
     model = add_lora(model, LoraSettings(rank=LORA_RANK, alpha=2 * LORA_RANK, seed=seed))
     gen = torch.Generator(device=model.device).manual_seed(seed)

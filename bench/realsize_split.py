@@ -22,9 +22,9 @@ def _rank(rank: int, shape: str, device_str: str, dtype_name: str, batch: int, p
         import torch.distributed as dist
 
         from realsize_models import BLOCK, add_active_lora, build_model, prompts_for
-        from raycolo.engine.executor.stage import StageModel
-        from raycolo.engine.executor.stage_ops import ForwardStep
-        from raycolo.engine.executor.stage_process import StageProcess
+        from raycolo.online.stages.stage_model import StageModel
+        from raycolo.online.stages.stage_ops import ForwardStep
+        from raycolo.online.stages.stage_process import StageProcess
 
         device, dtype = torch.device(device_str), getattr(torch, dtype_name)
         if device.type == "cuda":

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from raycolo.engine.executor.losses import IGNORE_INDEX, dpo_loss, preference_stats, sequence_logprob
-from raycolo.online.scheduling.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit, mape
+from raycolo.online.stages.losses import IGNORE_INDEX, dpo_loss, preference_stats, sequence_logprob
+from raycolo.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit, mape
 
 
 # -- Harli's two-stage predictor ------------------------------------------------------------------
@@ -83,7 +83,7 @@ def test_sequence_logprob_sums_the_labelled_tokens():
 # -- gradient accumulation and aborted micro-batches on a real stage -------------------------------------
 def _stage():
     from raycolo.engine.models import build_tiny_model
-    from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora
+    from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora
 
     model, _ = build_tiny_model("tiny-llama-s", 0, "float64")
     model = add_lora(model, LoraSettings(rank=4, alpha=8, lr=0.05))
@@ -97,7 +97,7 @@ def _pairs(seed):
 
 
 def test_accumulated_micro_batches_give_the_full_batch_update():
-    from raycolo.engine.executor.stage import training_batch
+    from raycolo.online.stages.stage_model import training_batch
 
     pairs = _pairs(1)
     full, acc = _stage(), _stage()
@@ -141,14 +141,14 @@ def test_a_tasks_micro_batches_accumulate_apart_from_other_tasks_steps():
 
 
 def _batch(pairs):
-    from raycolo.engine.executor.stage import training_batch
+    from raycolo.online.stages.stage_model import training_batch
 
     ids, labels, lengths = training_batch(pairs)
     return ids, lengths, labels
 
 
 def test_an_aborted_micro_batch_leaves_adapter_optimizer_and_gradients_untouched():
-    from raycolo.engine.executor.stage import training_batch
+    from raycolo.online.stages.stage_model import training_batch
 
     stage = _stage()
     ids, labels, lengths = training_batch(_pairs(2))

@@ -1,4 +1,4 @@
-"""`make gpu-check` (raycolo/engine/gpu_check/): the skip without CUDA, and its checks run on the CPU.
+"""`make gpu-check` (raycolo/gpu_check/): the skip without CUDA, and its checks run on the CPU.
 
 `--device cpu` runs the same checks (the same references: transformers' generate()/forward
 and peft's training step on CPU float64, two real stage processes over gloo) on the CPU,
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from raycolo.engine import gpu_check
-from raycolo.engine.gpu_check import executor_checks
+from raycolo import gpu_check
+from raycolo.gpu_check import executor_checks
 
 
 def test_without_cuda_it_prints_skipped_and_exits_zero(tmp_path):
@@ -23,14 +23,15 @@ def test_without_cuda_it_prints_skipped_and_exits_zero(tmp_path):
     import subprocess
     import sys
 
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "raycolo.engine.gpu_check", "--json", str(tmp_path / "gpu.json")],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["skipped: no CUDA device"]
-    assert time.monotonic() - started < 30       # torch's import is most of it
-    assert json.loads((tmp_path / "gpu.json").read_text())["skipped"] == "no CUDA device"
+    for module in ("raycolo.gpu_check", "raycolo.engine.gpu_check"):     # and the old spelling
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", module, "--json", str(tmp_path / f"{module}.json")],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines() == ["skipped: no CUDA device"]
+        assert time.monotonic() - started < 30       # torch's import is most of it
+        assert json.loads((tmp_path / f"{module}.json").read_text())["skipped"] == "no CUDA device"
 
 
 def test_the_checks_pass_on_the_cpu_against_their_references(capsys, tmp_path):

@@ -4,6 +4,8 @@
   (only ``if TYPE_CHECKING:`` blocks are left out: they never run);
 * Ray is imported only under ``raycolo.actors`` (all Ray code) and ``raycolo.cli`` (which
   wires both halves); no other module imports either of them;
+* the engine sits below both products: ``raycolo.engine`` imports neither
+  ``raycolo.offline`` nor ``raycolo.online``, and those two do not import each other;
 * no file over 500 lines and no class over 20 methods;
 * every file docs/architecture.md and the README name by path exists.
 
@@ -96,6 +98,29 @@ def test_ray_lives_only_in_actors_and_the_cli():
     assert not leaks, f"pure modules importing Ray or the Ray package: {leaks}"
     # and the check can fail: the actors do import Ray
     assert any(t == "ray" for m, t in g.edges if m.startswith("raycolo.actors"))
+
+
+PRODUCTS = ("raycolo.offline", "raycolo.online")
+ABOVE_THE_ENGINE = PRODUCTS + OUTER + ("raycolo.gpu_check",)
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_engine_sits_below_both_products():
+    """``raycolo.engine`` imports neither product (nor Ray's packages, nor the GPU check that
+    sits above both), and the two products do not import each other: every arrow between
+    those layers points down."""
+    g = _graph()
+    up = sorted(f"{m} -> {t}" for m, t in g.edges
+                if _within(m, "raycolo.engine") and any(_within(t, p) for p in ABOVE_THE_ENGINE))
+    across = sorted(f"{m} -> {t}" for m, t in g.edges for a, b in (PRODUCTS, PRODUCTS[::-1])
+                    if _within(m, a) and _within(t, b))
+    assert not up, f"the engine imports above itself: {up}"
+    assert not across, f"the products import each other: {across}"
+    # and the check can fail: both products do import the engine
+    assert all(any(_within(m, p) and _within(t, "raycolo.engine") for m, t in g.edges) for p in PRODUCTS)
 
 
 def test_file_and_class_sizes():

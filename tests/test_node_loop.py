@@ -1,5 +1,5 @@
 """A node's data plane without a central actor: the node loop in stage 0's process, its ops
-to stage 1 over the stages' own gloo group (raycolo/engine/executor/node_pipeline.py), on real
+to stage 1 over the stages' own gloo group (raycolo/online/stages/node_pipeline.py), on real
 checkpoints (tests/hf_checkpoints.py), in spawned processes, no Ray.
 
 * The tokens equal transformers' ``generate()`` on the same directory, with requests
@@ -11,11 +11,15 @@ checkpoints (tests/hf_checkpoints.py), in spawned processes, no Ray.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from hf_checkpoints import greedy_cases, load
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))     # node_harness.py
 
 MAX_NEW = 12
 
@@ -37,7 +41,7 @@ def _mirror(config: dict):
 
 @pytest.fixture(scope="module")
 def served(hf_checkpoints):
-    from raycolo.engine.executor.node_harness import NodeRunSpec, RequestSpec, run_node
+    from node_harness import NodeRunSpec, RequestSpec, run_node
 
     path = hf_checkpoints["llama3"]
     cases = greedy_cases(path, MAX_NEW, n=6)
@@ -81,7 +85,7 @@ def _peft_step(path, sample, lora_cfg):
     weights after peft's own AdamW step on it."""
     from peft import get_peft_model_state_dict
 
-    from raycolo.engine.executor.stage import LoraSettings, add_lora
+    from raycolo.online.stages.stage_model import LoraSettings, add_lora
 
     model = load(path)[0]
     whole = add_lora(type(model).from_pretrained(path, dtype=torch.float32).eval(),
@@ -97,7 +101,7 @@ def _peft_step(path, sample, lora_cfg):
 
 
 def test_training_through_the_node_loop_gives_peft_step_beside_base_requests(hf_checkpoints):
-    from raycolo.engine.executor.node_harness import NodeRunSpec, RequestSpec, TrainSpec, run_node
+    from node_harness import NodeRunSpec, RequestSpec, TrainSpec, run_node
     from raycolo.online.scheduling.node_loop import replay
 
     path = hf_checkpoints["qwen2"]

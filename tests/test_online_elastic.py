@@ -14,7 +14,7 @@ import torch
 from online_checks import small_online_config
 from raycolo.actors.online.launch import OnlineDeployment
 from raycolo.engine.models import build_tiny_model
-from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora, training_batch
+from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora, training_batch
 
 MODEL = "tiny-llama-s"
 

@@ -963,7 +963,7 @@ def _run_stages(loop, now: float, tokens: dict, steps: int = 200) -> float:
     """Answer what ``loop`` sends its stages, in order, as stages that take 0.01 s per op
     would (the last stage samples ``tokens[task_id]`` for each of its requests), firing its
     timers as they fall due, until it is idle; returns the time then."""
-    from raycolo.engine.executor.stage_ops import QUIET, StageResult
+    from raycolo.online.stages.stage_ops import QUIET, StageResult
 
     pending = []
     for _ in range(steps):

@@ -14,6 +14,7 @@ from raycolo.offline.costmodel.sampler import OutputLengthSampler, load_ecdf, wr
 from raycolo.errors import ConfigError
 from raycolo.hardware import ClusterSpec
 from raycolo.offline.profiler import SweepSettings, profile_model
+from raycolo.online.stages.colocated_profile import measure_colocated
 
 TRUTH = LatencyProfile(
     model="synthetic", tp=1, source="measured",
@@ -94,7 +95,7 @@ def small_profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
     settings = SweepSettings(batch_sizes=(1, 4, 8), context_lens=(16, 96), decode_steps=4,
                              mixed_requests=8, ecdf_requests=12, load_repeats=1)
-    profile, stats = profile_model("tiny-llama-s", out, settings=settings)
+    profile, stats = profile_model("tiny-llama-s", out, settings=settings, colocated=measure_colocated)
     return out, profile, stats
 
 

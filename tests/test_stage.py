@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raycolo.engine.models import build_tiny_model
-from raycolo.engine.executor.stage import (LoraSettings, StageModel, add_lora, causal_lm_loss, training_batch,
+from raycolo.online.stages.stage_model import (LoraSettings, StageModel, add_lora, causal_lm_loss, training_batch,
                                     training_rows)
 
 from test_executor import random_prompts  # noqa: E402
@@ -199,7 +199,7 @@ def test_a_lora_update_is_visible_to_the_next_forward_and_nothing_else_changes_i
 
 def test_exported_adapter_loads_in_peft_and_matches_the_stages(tmp_path):
     from peft import PeftModel
-    from raycolo.engine.executor.adapters import export_adapter
+    from raycolo.online.stages.peft_format import export_adapter
 
     chain = stages("tiny-llama-m", [0, 2, 4])
     pipelined_step(chain, training_batch([(p, p[1:5]) for p in prompts([6, 9], seed=2)]))
@@ -321,7 +321,7 @@ def test_pinned_rows_run_with_their_saved_adapter_version_in_the_same_step(tmp_p
     (graphs.py, run eagerly here), one set per adapter state: the base rows' steps are
     kept apart from the adapter rows', and a pinned version reuses the latest's shapes
     (its weights are swapped into the same tensors)."""
-    from raycolo.engine.executor.adapters import export_adapter
+    from raycolo.online.stages.peft_format import export_adapter
     from raycolo.engine.executor.graphs import enable_padded_decode
 
     chain = stages("tiny-llama-m", [0, 2, 4])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raycolo.online.scheduling.latency_predictor import DecodeLatencyPredictor
+from raycolo.latency_predictor import DecodeLatencyPredictor
 from raycolo.online.scheduling.node import NodeScheduler
 from raycolo.online.scheduling.node_types import Op, Request
 from raycolo.online.params import LemixParams

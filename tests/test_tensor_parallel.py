@@ -115,7 +115,7 @@ STEPS = 2
 
 
 def _batch():
-    from raycolo.engine.executor.stage import training_batch
+    from raycolo.online.stages.stage_model import training_batch
 
     return training_batch([(p, p[1:7]) for p in random_prompts([9, 14, 6], seed=4)])
 
@@ -123,7 +123,7 @@ def _batch():
 def _train_rank(rank: int, world: int, address: str, results) -> None:
     try:
         torch.set_num_threads(1)
-        from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora
+        from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora
         from raycolo.engine.executor.tp_ranks import init_rank
 
         tp, _ = init_rank(rank, world, address, "gloo")
@@ -146,7 +146,7 @@ def _train_rank(rank: int, world: int, address: str, results) -> None:
 def test_lora_training_with_tp2_equals_peft_whole_model_steps():
     from peft import get_peft_model_state_dict
 
-    from raycolo.engine.executor.stage import LoraSettings, add_lora, causal_lm_loss
+    from raycolo.online.stages.stage_model import LoraSettings, add_lora, causal_lm_loss
     from raycolo.engine.executor.tp_ranks import local_address
 
     ctx = mp.get_context("spawn")

@@ -1,7 +1,7 @@
 """vLLM loads the adapters raycolo exports (opt-in: ``make test-vllm``).
 
 Every adapter version raycolo trains is written in peft's format by
-``raycolo.engine.executor.adapters.export_adapter`` (the stage workers' LoRA weights, joined).
+``raycolo.online.stages.peft_format.export_adapter`` (the stage workers' LoRA weights, joined).
 Here the main venv (which has peft) builds the Llama 3-style checkpoint, gives two stages
 random LoRA weights, exports them and records ``PeftModel``'s greedy tokens; vLLM, from
 .venv-vllm, loads the same directory with a ``LoRARequest`` and must generate the same
@@ -32,8 +32,8 @@ EXPORT = textwrap.dedent('''
     from hf_checkpoints import build_checkpoint, load
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    from raycolo.engine.executor.adapters import export_adapter
-    from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora
+    from raycolo.online.stages.peft_format import export_adapter
+    from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora
 
     out = Path(sys.argv[1])
     ckpt = build_checkpoint("llama3", out / "ckpt", seed=0, hidden_size=128)

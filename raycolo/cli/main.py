@@ -281,6 +281,7 @@ def cmd_compare(args) -> int:
 def cmd_profile(args) -> int:
     from raycolo.catalog import get_model
     from raycolo.offline.profiler import SweepSettings, profile_model
+    from raycolo.online.stages.colocated_profile import measure_colocated
 
     from pathlib import Path
 
@@ -304,7 +305,7 @@ def cmd_profile(args) -> int:
     progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
     profile, stats = profile_model(args.model, args.out, tp=args.tp, device=args.device,
                                    threads=args.threads, seed=args.seed, settings=settings,
-                                   progress=progress)
+                                   progress=progress, colocated=measure_colocated)
     if args.json:
         print(json.dumps(stats, indent=2))
     else:

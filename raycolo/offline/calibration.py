@@ -25,7 +25,8 @@ from raycolo.engine.factory import create_engine
 from raycolo.hardware import ClusterSpec
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
 from raycolo.offline.planner.state import StageEvaluator, initial_state
-from raycolo.offline.profiler import ECDF_MAX_TOKENS, ECDF_TEMPERATURE, engine_config, random_prompts
+from raycolo.offline.profiler import ECDF_MAX_TOKENS, ECDF_TEMPERATURE, engine_config
+from raycolo.rng import random_prompts
 from raycolo.offline.workload import build_workload
 
 TINY_MODELS = ("tiny-llama-s", "tiny-llama-m", "tiny-llama-l")

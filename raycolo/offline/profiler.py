@@ -27,7 +27,7 @@ from raycolo.catalog import get_model
 from raycolo.offline.costmodel.fit import fit_profile, samples_from_records
 from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile
 from raycolo.offline.costmodel.sampler import GREEDY_ECDF_SUFFIX, write_ecdf
-from raycolo.rng import seeded_rng
+from raycolo.rng import random_prompts, seeded_rng
 from raycolo.engine.base import EngineConfig, SamplingParams
 from raycolo.engine.factory import create_engine
 from raycolo.engine.models import save_tiny_checkpoint
@@ -60,11 +60,6 @@ def engine_config(model_id: str, device: str = "cpu", threads: Optional[int] = 1
                           "device": device, "cpu_threads": threads, "tensor_parallel_size": tp}})
 
 
-def random_prompts(rng: np.random.Generator, count: int, lengths, vocab: int) -> list[list[int]]:
-    lengths = np.broadcast_to(np.asarray(lengths), (count,))
-    return [rng.integers(3, vocab, int(n)).tolist() for n in lengths]
-
-
 def _measure_load(model_id: str, device: str, threads: Optional[int], seed: int, repeats: int,
                   tp: int = 1) -> float:
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,9 +75,18 @@ def _measure_load(model_id: str, device: str, threads: Optional[int], seed: int,
     return statistics.median(times)
 
 
+# (model id, seed, device, largest batch) -> solo and co-located DecodeSamples
+ColocatedProbe = Callable[[str, int, str, int], list]
+
+
 def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str = "cpu",
                   threads: Optional[int] = 1, seed: int = 0, settings: Optional[SweepSettings] = None,
-                  progress: Optional[Callable[[str], None]] = None) -> tuple[LatencyProfile, dict]:
+                  progress: Optional[Callable[[str], None]] = None,
+                  colocated: Optional[ColocatedProbe] = None) -> tuple[LatencyProfile, dict]:
+    """Profile ``model_id``: the cost model's coefficients and eCDFs, and Harli's decode
+    predictor (stage 1 from the engine's decode iterations; stage 2 from ``colocated``'s
+    samples when given, :func:`raycolo.online.stages.colocated_profile.measure_colocated`
+    as ``raycolo profile`` passes it, else b1 = k1 = 1: no interference)."""
     settings = settings or SweepSettings()
     say = progress or (lambda msg: None)
     spec = get_model(model_id)
@@ -135,8 +139,9 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
                f"MEASURED output lengths of {model_id} ({len(greedy_lengths)} requests, torch engine, "
                f"greedy, max_tokens {ECDF_MAX_TOKENS}, seed {seed}).\n"
                "Written by raycolo profile.")
-    say(f"{model_id}: co-located iterations (fine-tune ops between decode iterations)")
-    colocated = measure_colocated(model_id, seed, device, settings)
+    if colocated is not None:
+        say(f"{model_id}: co-located iterations (fine-tune ops between decode iterations)")
+    colocated = colocated(model_id, seed, device, max(settings.batch_sizes)) if colocated is not None else []
     stats["decode_predictor"] = fit_decode_predictor(records, colocated)
     stats.update(model=model_id, tp=tp, device=device, threads=threads, seed=seed,
                  load_s=load_s, iterations=len(records),
@@ -149,13 +154,13 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
 
 
 def fit_decode_predictor(records, colocated=(), held_out_every: int = 5) -> dict:
-    """Harli's decode predictor (raycolo.online.scheduling.latency_predictor). Stage 1 is fitted to
+    """Harli's decode predictor (raycolo.latency_predictor). Stage 1 is fitted to
     the engine's decode iterations measured here. Stage 2 is fitted to the iterations of
-    :func:`measure_colocated` (solo and co-located, on a pipeline stage: its interference
+    ``colocated`` (solo and co-located, on a pipeline stage: its interference
     factor is relative to that stage's own solo iterations). Every ``held_out_every``-th
     iteration of each kind is held out for its error (Harli reports 3 % for stage 1 and
     about 5 % for stage 2)."""
-    from raycolo.online.scheduling.latency_predictor import DecodeSample, fit, mape
+    from raycolo.latency_predictor import DecodeSample, fit, mape
 
     samples = [DecodeSample(r.num_seqs, float(np.mean(r.context_lens)), r.seconds)
                for r in records if r.kind == "decode" and r.seconds > 0 and not r.preempted]
@@ -172,70 +177,3 @@ def fit_decode_predictor(records, colocated=(), held_out_every: int = 5) -> dict
                    colocated_held_out_iterations=len(held_colo),
                    colocated_held_out_mape=mape(stage, held_colo))
     return out
-
-
-COLOCATED_BATCHES = (1, 4, 16)
-COLOCATED_CONTEXTS = (16, 128)
-COLOCATED_FINETUNE = ((1, 32), (2, 64), (4, 96))      # fine-tune ops: samples x tokens
-
-
-def measure_colocated(model_id: str, seed: int, device: str, settings: SweepSettings,
-                      repeats: int = 3) -> list:
-    """Co-located decode iterations as a raycolo stage runs them under time shares: a
-    whole-model stage with LoRA runs a fine-tune op (forward and backward of a micro-batch)
-    and then a decode iteration of ``bs`` requests at context ``seqlen``. Each gives a
-    :class:`DecodeSample` whose latency is the period (fine-tune op plus the decode
-    iteration after it) and whose shares are the solo decode's and the fine-tune op's parts
-    of the solo-time period; the solo iteration timed before each is a sample too. Harli's
-    stage 2 then fits the interference (caches and memory traffic the fine-tune op leaves
-    behind)."""
-    import torch
-
-    from raycolo.engine.models import load_model
-    from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora, training_batch
-    from raycolo.online.scheduling.latency_predictor import DecodeSample
-
-    model, _ = load_model(model_id, seed=seed, dtype="float32", device=device)
-    layers = model.config.num_hidden_layers
-    stage = StageModel(add_lora(model, LoraSettings(seed=seed)), (0, layers), 4096, 16)
-    rng = seeded_rng(seed, "profile", model_id, "colocated")
-    vocab = get_model(model_id).vocab
-    out, rid, task = [], 0, 0
-    batches = [b for b in COLOCATED_BATCHES if b <= max(settings.batch_sizes)]
-    for bs in batches:
-        for ctx in COLOCATED_CONTEXTS:
-            requests = list(range(rid, rid + bs))
-            rid += bs
-            with torch.no_grad():
-                stage.forward(requests, random_prompts(rng, bs, ctx, vocab))
-            for samples, tokens in COLOCATED_FINETUNE:
-                pairs = [(p[: tokens // 2], p[tokens // 2:]) for p in random_prompts(rng, samples, tokens, vocab)]
-                ids, labels, lengths = training_batch(pairs)
-                for _ in range(repeats):
-                    solo = _timed(lambda: _decode(stage, requests, rng, vocab))
-                    task += 1
-                    ft = _timed(lambda: (stage.train_forward(task, ids, lengths, labels),
-                                         stage.train_backward(task, step=False)))
-                    after = _timed(lambda: _decode(stage, requests, rng, vocab))
-                    share = solo / (solo + ft)
-                    seqlen = float(np.mean([stage.contexts[r] for r in requests]))
-                    out.append(DecodeSample(bs, seqlen - 1, solo))
-                    out.append(DecodeSample(bs, seqlen, ft + after, share, 1.0 - share))
-            for r in requests:
-                stage.release(r)
-    if stage.optimizer is not None:
-        stage.optimizer.zero_grad(set_to_none=True)   # nothing is applied: the gradients go
-    return out
-
-
-def _decode(stage, requests, rng, vocab) -> None:
-    import torch
-
-    with torch.no_grad():
-        stage.forward(requests, [[int(t)] for t in rng.integers(3, vocab, len(requests))])
-
-
-def _timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started

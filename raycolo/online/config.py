@@ -326,8 +326,8 @@ class OnlineConfig(Strict):
         one error naming the field and what differs."""
         if self.lora.init_from is None:
             return
-        from raycolo.engine.executor.adapters import AdapterError, check_adapter
-        from raycolo.engine.executor.stage import LoraSettings
+        from raycolo.online.stages.peft_format import AdapterError, check_adapter
+        from raycolo.online.stages.stage_model import LoraSettings
 
         lora = LoraSettings(self.lora.rank, self.lora.alpha, tuple(self.lora.target_modules))
         try:
@@ -345,7 +345,7 @@ class OnlineConfig(Strict):
         m, lora = self.model_loading_config, self.lora
         key = f"{m.model_id}|{m.seed}|{m.dtype}|{self.stages}|{lora.rank}|{lora.alpha}|{sorted(lora.target_modules)}"
         if lora.init_from is not None:
-            from raycolo.engine.executor.adapters import adapter_digest
+            from raycolo.online.stages.peft_format import adapter_digest
 
             key += f"|init_from={adapter_digest(lora.init_from)}"
         return hashlib.sha256(key.encode()).hexdigest()[:10]
@@ -413,7 +413,7 @@ def load_online_config(path) -> OnlineConfig:
 
 def stage_build(config: "OnlineConfig") -> dict:
     """What every stage process of a deployment builds its model from
-    (:func:`raycolo.engine.executor.stage_process.build_stage`)."""
+    (:func:`raycolo.online.stages.stage_process.build_stage`)."""
     cfg = config
     return {"model_id": cfg.model_loading_config.model_id, "seed": cfg.model_loading_config.seed,
             "dtype": cfg.model_loading_config.dtype, "device": cfg.stage.device,

@@ -4,7 +4,7 @@ scheduler today) and a node loop (:mod:`raycolo.online.scheduling.node_loop`, wh
 scheduler next to its stages).
 
 * :func:`stage_message` turns a :class:`~raycolo.online.scheduling.node_types.Op` into the typed message of
-  :mod:`raycolo.engine.executor.stage_ops` its stage runs, from the requests' state (prompts,
+  :mod:`raycolo.online.stages.stage_ops` its stage runs, from the requests' state (prompts,
   tokens so far, sampling settings, pinned adapters) and the training tasks' samples.
 * :func:`take_token` appends a sampled token to its request and says whether it ended it
   (raycolo.generation's stop rules: stop tokens after ``min_tokens``, ``max_tokens``; a
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
-from raycolo.engine.executor.stage_ops import ForwardStep, LoadWeights, StageWork, TrainBackward, TrainForward
+from raycolo.online.stages.stage_ops import ForwardStep, LoadWeights, StageWork, TrainBackward, TrainForward
 from raycolo.generation import SamplingParams, check_stop
 from raycolo.generation.sampler import SamplingRow, plain
 from raycolo.online.scheduling.node_types import Op, OpKind

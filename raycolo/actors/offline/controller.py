@@ -33,7 +33,8 @@ from raycolo.engine.replica_messages import ReplicaInfo
 from raycolo.actors.offline.dispatch import Dispatcher
 from raycolo.actors.offline.failures import ReplicaFailed, RunFailed, cause
 from raycolo.actors.offline.rebalance import CAPACITY_CHECK_S, CapacityWatch, Rebalancer
-from raycolo.actors.offline.replicas import Pooled, Replica, ReplicaSet
+from raycolo.actors.offline.replica_records import Pooled, Replica
+from raycolo.actors.offline.replicas import ReplicaSet
 from raycolo.generation import StopChecker
 from raycolo.offline.planner.engines import SWITCH_KINDS
 from raycolo.offline.planner.problem import PlanningProblem

@@ -9,32 +9,13 @@ once it is ready and idle.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable
 
-from raycolo.engine.replica_messages import EngineRequest
 from raycolo.offline.planner.dispatch import RoundRobin
 from raycolo.offline.runtime.communicator import Communicator, ReadyRequest
 from raycolo.offline.runtime.setup import RunConfig
 
-if TYPE_CHECKING:
-    from raycolo.actors.offline.replicas import Replica
-
-
-@dataclass
-class Pending:
-    """A request on its way: queued, sent to a replica, or moved after a preemption."""
-
-    ready: ReadyRequest
-    prompt_ids: Optional[list[int]] = None   # set once a preemption returned it
-    generated: list[int] = field(default_factory=list)
-    preemptions: int = 0
-    attempts: int = 0
-    dispatched_s: float = 0.0
-
-    def payload(self) -> EngineRequest:
-        prompt = self.ready.prompt if self.prompt_ids is None else self.prompt_ids + self.generated
-        return EngineRequest(self.ready.key, prompt, self.ready.sampling(len(self.generated)))
+from raycolo.actors.offline.replica_records import Pending, Replica
 
 
 class Dispatcher:

@@ -163,7 +163,8 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
     pooled; if all die the start runs again ``retries`` times."""
     from ray.util.placement_group import placement_group
 
-    from raycolo.actors.offline.replicas import Pooled, stop_actor
+    from raycolo.actors.offline.replica_records import Pooled
+    from raycolo.actors.offline.replicas import stop_actor
 
     measure_compute = run.config.backend == "torch"
     if measure_compute:

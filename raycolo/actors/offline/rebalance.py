@@ -23,7 +23,8 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
-from raycolo.actors.offline.dispatch import Dispatcher, Pending
+from raycolo.actors.offline.dispatch import Dispatcher
+from raycolo.actors.offline.replica_records import Pending
 from raycolo.actors.offline.failures import CapacityLost
 from raycolo.actors.offline.replicas import ReplicaSet
 from raycolo.offline.planner.placement import place

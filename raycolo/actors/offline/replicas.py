@@ -15,68 +15,19 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from raycolo.engine.replica_messages import ReplicaInfo, RunReport, Unfinished
-from raycolo.actors.offline.dispatch import Dispatcher, Pending
+from raycolo.engine.replica_messages import Unfinished
+from raycolo.actors.offline.dispatch import Dispatcher
+from raycolo.actors.offline.replica_records import Pending, Pooled, Replica
 from raycolo.actors.offline.engine_actor import EngineActor, placement
 from raycolo.actors.offline.failures import ReplicaFailed, cause
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
 from raycolo.offline.runtime.setup import PreparedRun
-
-
-@dataclass
-class Replica:
-    node: str
-    plan: ExecPlan
-    rank: int
-    gpus: tuple[int, ...]
-    name: str
-    pg: object
-    actor: object
-    created_s: float
-    info_ref: Optional[object] = None
-    ready_s: Optional[float] = None
-    stopped_s: Optional[float] = None
-    info: Optional[ReplicaInfo] = None
-    inflight: Optional[object] = None
-    outbox: list[Pending] = field(default_factory=list)
-    outstanding: dict[str, Pending] = field(default_factory=dict)
-    busy_s: float = 0.0
-    tokens: int = 0
-    steps: int = 0
-    restarts: int = 0
-    stopping: bool = False
-    switch: str = "cold"        # how it got its actor: cold (a new one), swap, wake or keep (pooled)
-
-    def segment_rows(self, end_s: float) -> list[tuple[int, float, float, float, str]]:
-        stop = self.stopped_s if self.stopped_s is not None else end_s
-        ready = self.ready_s if self.ready_s is not None else stop
-        return [(g, self.created_s, min(ready, stop), stop, self.node) for g in self.gpus]
-
-    def account(self, result: RunReport) -> None:
-        """Add the work a ``run`` or ``drain`` call reports."""
-        self.busy_s += result.busy_s
-        self.tokens += result.tokens
-        self.steps += result.steps
-
-
-@dataclass
-class Pooled:
-    """A drained engine actor kept warm on its GPUs, with the placement group holding them."""
-
-    gpus: tuple[int, ...]
-    pg: object
-    actor: object
-    # the engine config it serves with and those it parked (EngineActor.info's keys), where
-    # known: the warm pool's start tells the planner (raycolo.offline.planner.engines)
-    engine_key: str = ""
-    parked_keys: tuple[str, ...] = ()
 
 
 def stop_actor(actor, pg) -> None:

@@ -17,9 +17,9 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from raycolo.engine.executor.adapters import export_adapter
-from raycolo.engine.executor.stage import LoraSettings
-from raycolo.engine.executor.stage_ops import EvalBatch, ReadAdapter, SaveCheckpoint
+from raycolo.online.stages.peft_format import export_adapter
+from raycolo.online.stages.stage_model import LoraSettings
+from raycolo.online.stages.stage_ops import EvalBatch, ReadAdapter, SaveCheckpoint
 from raycolo.actors.online.state import ControllerState
 from raycolo.online.driver import OpLost
 from raycolo.online.samples import clip_sample, to_ranges, training_rows
@@ -31,7 +31,7 @@ class AdapterVersions(ControllerState):
 
     async def held_out_preference(self, pairs: list, node: int = 0) -> dict:
         """MACE's alignment metrics on held-out preference pairs (prompt, chosen, rejected),
-        forward only, on ``node``: ``win_rate`` and ``clpd`` (raycolo.engine.executor.losses)."""
+        forward only, on ``node``: ``win_rate`` and ``clpd`` (raycolo.online.stages.losses)."""
         out = await self._evaluate(pairs, node)
         return {"win_rate": out["win_rate"], "clpd": out["clpd"], "pairs": len(pairs)}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from raycolo.actors.online.state import ControllerState
-from raycolo.engine.executor.adapters import AdapterError, check_adapter, convert_adapter
+from raycolo.online.stages.peft_format import AdapterError, check_adapter, convert_adapter
 from raycolo.online.serving.messages import AdapterRefusal
 
 MAX_LOADED_ADAPTERS = 64       # adapters loaded over HTTP at a time (each a copy on storage)
@@ -26,7 +26,7 @@ class LoadedAdapters(ControllerState):
     @functools.cached_property
     def _lora_layout(self) -> tuple[dict, dict]:
         """The deployment's adapter weights (key -> shape) and the model's linear layers."""
-        from raycolo.engine.executor.adapters import lora_shapes, model_linears
+        from raycolo.online.stages.peft_format import lora_shapes, model_linears
 
         return lora_shapes(self.model_config, self._lora_settings()), model_linears(self.model_config)
 

@@ -2,7 +2,7 @@
 
 Stage 0 of a node's worker group runs the node's
 :class:`~raycolo.online.scheduling.node_loop.NodeLoop` in a
-:class:`~raycolo.engine.executor.node_pipeline.NodePipeline`: it runs its own ops, sends the
+:class:`~raycolo.online.stages.node_pipeline.NodePipeline`: it runs its own ops, sends the
 other stages theirs over the group's own process group, and talks to the controller
 off its data path, from two threads:
 
@@ -19,7 +19,7 @@ The tokens of a request an HTTP replica admitted go from the loop's own thread s
 that replica's token inbox (:class:`~raycolo.online.serving.token_wire.TokenSender`, one frame per
 replica per loop turn), not through the controller.
 
-The other stages run :func:`~raycolo.engine.executor.node_pipeline.serve_stage`. Checkpoints
+The other stages run :func:`~raycolo.online.stages.node_pipeline.serve_stage`. Checkpoints
 (``ray.train.report``, a barrier of every stage) run on every stage as in the
 controller's data plane (:mod:`raycolo.actors.online.stage_worker`).
 """
@@ -32,7 +32,7 @@ import time
 
 import ray
 
-from raycolo.engine.executor.node_pipeline import NodePipeline, serve_stage
+from raycolo.online.stages.node_pipeline import NodePipeline, serve_stage
 from raycolo.online.scheduling.node_commands import Serve
 from raycolo.online.scheduling.node_loop import NodeLoop
 from raycolo.online.serving.token_wire import TokenSender

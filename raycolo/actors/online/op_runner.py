@@ -13,7 +13,7 @@ from typing import Optional
 
 import ray
 
-from raycolo.engine.executor.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
+from raycolo.online.stages.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
 from raycolo.online.scheduling.node_commands import OutOfBand
 from raycolo.online.serving.messages import EventKind, StreamEvent
 from raycolo.online.serving.token_wire import token_events

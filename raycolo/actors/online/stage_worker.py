@@ -1,11 +1,11 @@
 """Stage workers: the Ray Train workers of one node, each a pipeline stage that serves and trains.
 
 A node is one ``TorchTrainer`` whose S workers hold consecutive layer slices of the model
-(:class:`~raycolo.engine.executor.stage.StageModel`, LoRA on their layers). Ray Train gives them
+(:class:`~raycolo.online.stages.stage_model.StageModel`, LoRA on their layers). Ray Train gives them
 their process group (gloo on CPU, NCCL on GPU), gang placement, restarts and checkpoints.
 :func:`stage_loop` is the train function: a worker registers as ``node-<n>/stage-<s>``
-with the controller, then runs its ops (typed messages, :mod:`raycolo.engine.executor.stage_ops`)
-with :class:`~raycolo.engine.executor.stage_process.StageProcess`. With ``stage.data_plane:
+with the controller, then runs its ops (typed messages, :mod:`raycolo.online.stages.stage_ops`)
+with :class:`~raycolo.online.stages.stage_process.StageProcess`. With ``stage.data_plane:
 controller`` it pulls each op from the controller (each request for the next op carries
 the result of the last: one actor call per op); with ``node`` the node's own loop runs
 on its stage 0 and sends the other stages their ops (:mod:`raycolo.actors.online.node_worker`).
@@ -19,8 +19,8 @@ import time
 
 from raycolo.online.stage_messages import WorkerInfo
 from raycolo.engine.device_stats import device_reading
-from raycolo.engine.executor.stage_ops import QUIET, ReadAdapter, SaveCheckpoint, StageResult
-from raycolo.engine.executor.stage_process import StageProcess, build_stage
+from raycolo.online.stages.stage_ops import QUIET, ReadAdapter, SaveCheckpoint, StageResult
+from raycolo.online.stages.stage_process import StageProcess, build_stage
 
 DEVICE_READING_EVERY_S = 2.0      # how often a stage reports its device's memory (and GPU use)
 
@@ -61,7 +61,7 @@ def stage_loop(config: dict) -> None:
     if restored is None and config.get("init_from"):   # lora.init_from: a restored checkpoint wins
         from safetensors.torch import load_file
 
-        from raycolo.engine.executor.stage import ADAPTER_WEIGHTS_FILE
+        from raycolo.online.stages.stage_model import ADAPTER_WEIGHTS_FILE
 
         stage_model.load_lora_state(load_file(os.path.join(config["init_from"], ADAPTER_WEIGHTS_FILE)))
     proc = StageProcess(stage_model, stage, stages, model_config.hidden_size,

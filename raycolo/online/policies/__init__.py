@@ -1,7 +1,7 @@
 """Online allocation policies (LeMix and its baselines), registered by name.
 
 They decide where each arriving task runs. Each module registers a factory
-``(params, nodes, train_rate) -> OnlinePolicy`` (:mod:`raycolo.online.scheduling.policy`).
+``(params, nodes, train_rate) -> OnlinePolicy`` (:mod:`raycolo.online.scheduling.scheduler`).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from raycolo.online.scheduling.policy import OnlinePolicy, PolicyCapabilities
+from raycolo.online.scheduling.scheduler import OnlinePolicy, PolicyCapabilities
 from raycolo.online.tasks import OnlineTask
 from raycolo.online.policies.registry import register_online
 

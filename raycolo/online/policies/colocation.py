@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from raycolo.online.scheduling.policy import OnlinePolicy
+from raycolo.online.scheduling.scheduler import OnlinePolicy
 from raycolo.online.scheduling.stage_rules import (harli_rule, mace_rule, periodic_rule, sirius_rule,
                                         static_partition_rule, static_share_rule, training_first_rule)
 from raycolo.online.tasks import OnlineTask

@@ -14,7 +14,7 @@ from typing import Optional
 from raycolo.online.scheduling.allocation import best_node, idleness_profit, length_consistency, priority, violates_slo
 from raycolo.online.scheduling.batch_rule import BatchRule
 from raycolo.online.scheduling.planning import commit_plan, compute_idleness, response_upper_bound, with_path
-from raycolo.online.scheduling.policy import OnlinePolicy, PolicyCapabilities
+from raycolo.online.scheduling.scheduler import OnlinePolicy, PolicyCapabilities
 from raycolo.online.tasks import OnlineTask
 from raycolo.online.policies.registry import register_online
 

@@ -1,6 +1,6 @@
 """What the control plane tells a node's loop, and what the loop starts from: typed
 messages from the online controller to the first stage of a node (``stage.data_plane:
-node``, :mod:`raycolo.engine.executor.node_pipeline`). Each is applied by the loop at its own
+node``, :mod:`raycolo.online.stages.node_pipeline`). Each is applied by the loop at its own
 time; the events it logs bring the effect back to the controller's mirror of the node
 (:mod:`raycolo.online.scheduling.node_events`), so the mirror applies it at the same point.
 

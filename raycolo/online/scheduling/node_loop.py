@@ -5,7 +5,7 @@ The live runtime's data plane. A :class:`NodeLoop` owns one node's
 prompts, tokens and sampling settings; its training tasks' samples). It takes the tasks
 the cluster sends it, the results its stages answer and the time, and produces:
 
-* the typed messages its stages run (:mod:`raycolo.engine.executor.stage_ops`), built by the
+* the typed messages its stages run (:mod:`raycolo.online.stages.stage_ops`), built by the
   same rule as the controller's (:mod:`raycolo.online.stage_messages`);
 * the timers it must wake up for;
 * a :class:`NodeReport`: every event it applied, in order and with its times
@@ -15,7 +15,7 @@ the cluster sends it, the results its stages answer and the time, and produces:
   of record one report behind, with no call per op.
 
 It reads no clock (each entry point takes ``now``) and runs nothing itself: an executor
-(:class:`~raycolo.engine.executor.node_pipeline.NodePipeline` over a node's stage processes)
+(:class:`~raycolo.online.stages.node_pipeline.NodePipeline` over a node's stage processes)
 does. Pure: no torch, no Ray.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from raycolo.engine.executor.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
+from raycolo.online.stages.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
 from raycolo.online.scheduling.node import NodeScheduler
 from raycolo.online.scheduling.node_types import NodeStep, Op, OpKind, Timer
 from raycolo.online.scheduling.node_commands import Adopt, Cancel, NodeCommand, Serve, Sync, Train

@@ -11,7 +11,7 @@ the simulator and in the live controller, because both drive the same ``NodeSche
   still meets the TPOT target, else fine-tuning pauses until the inference load falls.
   Harli partitions SMs inside one iteration; with one op per stage at a time, raycolo
   shares time at op granularity instead, and the predictor is stage 1 of Harli's
-  (:class:`~raycolo.online.scheduling.latency_predictor.DecodeLatencyPredictor`) built from the
+  (:class:`~raycolo.latency_predictor.DecodeLatencyPredictor`) built from the
   node profile.
 * :class:`SiriusRule` (SIRIUS §4): inference first; a prefill that does not fit the
   stage's memory aborts training tasks waiting for their backward (their activations are
@@ -37,14 +37,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 import math
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
-from raycolo.online.scheduling.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit
+from raycolo.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit
 from raycolo.online.scheduling.node_types import OpKind
 
 if TYPE_CHECKING:  # pragma: no cover
-    from raycolo.online.scheduling.node import NodeScheduler
+    from raycolo.online.profiles import NodeProfile
     from raycolo.online.scheduling.node_types import Op, Stage
+
+
+class NodeView(Protocol):
+    """What a stage rule reads of its node: :class:`~raycolo.online.scheduling.node.NodeScheduler`
+    has these (the node imports its rules, not the other way round)."""
+
+    profile: "NodeProfile"
+    stages: "list[Stage]"
+    batch: list                      # the inference tasks of the batch being formed
+    joining: list                    # requests joining the decode batch at its next iteration
+    first_start: Optional[float]     # when the node first started an op
 
 INFERENCE_KINDS = (OpKind.PREFILL, OpKind.DECODE)
 TRAIN_KINDS = (OpKind.TRAIN_F, OpKind.TRAIN_B)
@@ -68,7 +79,7 @@ class StageRule:
     reclaims = False           # True: a prefill short of memory aborts waiting training
     elastic = False            # True: a training task short of memory runs in smaller micro-batches
 
-    def order(self, node: "NodeScheduler", stage: int, ops: Sequence["Op"], now: float) -> list["Op"]:
+    def order(self, node: NodeView, stage: int, ops: Sequence["Op"], now: float) -> list["Op"]:
         """The ready ops of ``stage`` that may start now, most preferred first."""
         return oldest_first(ops)
 
@@ -77,7 +88,7 @@ class StageRule:
         threshold of Algorithm 2, in bytes)."""
         return stage.used_bytes + op.mem_bytes <= limit
 
-    def wake_at(self, node: "NodeScheduler", stage: int, now: float) -> Optional[float]:
+    def wake_at(self, node: NodeView, stage: int, now: float) -> Optional[float]:
         """A rule that held every ready op of ``stage`` back: when to look again even if
         no op ends meanwhile (None: at the next event)."""
         return None
@@ -109,7 +120,7 @@ class HarliRule(StageRule):
     paused: int = 0            # times a fine-tune op was held back (a predicted violation)
     spent: dict = field(default_factory=dict)   # stage -> op seconds since its last decode iteration
 
-    def running(self, node: "NodeScheduler") -> tuple[int, float]:
+    def running(self, node: NodeView) -> tuple[int, float]:
         """The node's decoding requests: how many, and their mean context."""
         running = list(node.joining)
         for op in _node_ops(node):
@@ -119,12 +130,12 @@ class HarliRule(StageRule):
             return 0, 0.0
         return len(running), sum(r.context for r in running) / len(running)
 
-    def decode_iteration_s(self, node: "NodeScheduler") -> float:
+    def decode_iteration_s(self, node: NodeView) -> float:
         """The predicted latency of the node's next decode iteration (every stage), solo."""
         bs, context = self.running(node)
         return self.profile.stages * self.predictor.solo(bs, context) if bs else 0.0
 
-    def with_finetune_s(self, node: "NodeScheduler", op: "Op") -> float:
+    def with_finetune_s(self, node: NodeView, op: "Op") -> float:
         """The next decode iteration's predicted latency with fine-tune ``op`` run on one
         stage before it: that stage's part by stage 2 at the time shares the op leaves
         (with ``b1 = k1 = 1``, its decode plus the op), the other stages' solo."""
@@ -281,11 +292,11 @@ def periodic_rule(profile, params) -> PeriodicRule:
     return PeriodicRule(PERIOD_FORWARDS * profile.forward_latency_s)
 
 
-def _node_has_training(node: "NodeScheduler") -> bool:
+def _node_has_training(node: NodeView) -> bool:
     return any(op.kind in TRAIN_KINDS for op in _node_ops(node))
 
 
-def _node_ops(node: "NodeScheduler"):
+def _node_ops(node: NodeView):
     """Every op running or ready on the node's stages."""
     for st in node.stages:
         if st.busy is not None:

@@ -2,7 +2,7 @@
 generate()/forward in float64 and peft's own training step."""
 from __future__ import annotations
 
-from raycolo.engine.gpu_check.common import MODEL, _model, _require
+from raycolo.gpu_check.common import MODEL, _model, _require
 
 
 def _hf_greedy(model, prompt, n: int) -> list[int]:
@@ -68,7 +68,7 @@ def _reference_training(lora, batch, steps: int, device):
     import torch
     from peft import get_peft_model_state_dict
 
-    from raycolo.engine.executor.stage import add_lora, causal_lm_loss
+    from raycolo.online.stages.stage_model import add_lora, causal_lm_loss
 
     whole = add_lora(_model(MODEL, "float64", device), lora)
     opt = torch.optim.AdamW([p for p in whole.parameters() if p.requires_grad], lr=lora.lr)

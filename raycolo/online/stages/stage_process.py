@@ -1,7 +1,7 @@
 """What one pipeline stage's process does with the ops it is told to run.
 
-:class:`StageProcess` runs the typed messages of :mod:`raycolo.engine.executor.stage_ops` on a
-:class:`~raycolo.engine.executor.stage.StageModel`, moving hidden states and gradients to and
+:class:`StageProcess` runs the typed messages of :mod:`raycolo.online.stages.stage_ops` on a
+:class:`~raycolo.online.stages.stage_model.StageModel`, moving hidden states and gradients to and
 from its neighbours over the node's process group (gloo on CPU, NCCL on GPUs).
 
 Point-to-point traffic stays matched because every message is tagged: an op that feeds
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from raycolo.engine.executor.stage_ops import (DropActivations, EvalBatch, ForwardStep, LoadWeights, ReadAdapter,
+from raycolo.online.stages.stage_ops import (DropActivations, EvalBatch, ForwardStep, LoadWeights, ReadAdapter,
                                         ReleaseKV, StageResult, StageWork, TrainBackward, TrainForward)
 
 TAG_MOD = 1 << 30            # point-to-point tags are an op's seq modulo this
@@ -79,7 +79,7 @@ class StageProcess:
 
     def _batch(self, samples):
         """A training op's token ids, labels (on the stage's device) and lengths."""
-        from raycolo.engine.executor.stage import training_batch, training_rows
+        from raycolo.online.stages.stage_model import training_batch, training_rows
 
         ids, labels, lengths = training_batch(training_rows(samples)[0])
         return ids.to(self.device), labels.to(self.device), lengths
@@ -116,7 +116,7 @@ class StageProcess:
         elif kind is LoadWeights:
             from safetensors.torch import load_file
 
-            from raycolo.engine.executor.stage import ADAPTER_WEIGHTS_FILE
+            from raycolo.online.stages.stage_model import ADAPTER_WEIGHTS_FILE
 
             self.model.load_lora_state(load_file(os.path.join(op.adapter, ADAPTER_WEIGHTS_FILE)))
         elif kind is ReleaseKV:
@@ -153,8 +153,8 @@ class StageProcess:
     def _evaluate(self, op: EvalBatch, result: StageResult) -> None:
         """A forward-only pass of a held-out batch: its loss, or a preference batch's win
         rate and CLPD (MACE's alignment metrics)."""
-        from raycolo.engine.executor.losses import preference_stats, sequence_logprob
-        from raycolo.engine.executor.stage import causal_lm_loss, training_rows
+        from raycolo.online.stages.losses import preference_stats, sequence_logprob
+        from raycolo.online.stages.stage_model import causal_lm_loss, training_rows
 
         b, t = op.shape
         preference = training_rows(op.samples)[1]
@@ -177,7 +177,7 @@ def build_stage(build: dict, bounds, stage: int):
     peft LoRA on them) from a deployment's :func:`raycolo.online.config.stage_build`;
     returns (StageModel, the model's transformers config)."""
     from raycolo.engine.models import load_model
-    from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora
+    from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora
 
     model, _ = load_model(build["model_id"], seed=build["seed"], dtype=build["dtype"], device=build["device"])
     lora = LoraSettings(**build["lora"])

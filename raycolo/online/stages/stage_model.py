@@ -33,7 +33,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from raycolo.engine.executor.batch import SeqChunk
-from raycolo.engine.executor.losses import IGNORE_INDEX
+from raycolo.online.stages.losses import IGNORE_INDEX
 from raycolo.engine.executor.model import ModelExecutor
 from raycolo.online.samples import training_rows  # noqa: F401  (the stage's row layout)
 from raycolo.batching.blocks import BlockAllocator
@@ -87,7 +87,7 @@ def training_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], max_l
 def _dpo_of_rows(policy_logits: torch.Tensor, reference_logits: torch.Tensor, labels: torch.Tensor,
                  beta: float) -> torch.Tensor:
     """DPO loss of a preference micro-batch's rows (chosen rows, then rejected rows)."""
-    from raycolo.engine.executor.losses import dpo_loss, sequence_logprob
+    from raycolo.online.stages.losses import dpo_loss, sequence_logprob
 
     n = labels.shape[0] // 2
     policy, reference = sequence_logprob(policy_logits, labels), sequence_logprob(reference_logits, labels)
@@ -152,7 +152,7 @@ class StageModel:
         Requests run with the latest adapter, except those in ``base``, which run with the
         adapter switched off (peft's ``disable_adapter``), and those in ``pinned``, which
         run with the adapter version saved in the directory it maps them to (peft's format,
-        :func:`raycolo.engine.executor.adapters.export_adapter`). Each such variant is one more
+        :func:`raycolo.online.stages.peft_format.export_adapter`). Each such variant is one more
         pass over its own rows."""
         chunks = self._chunks(requests, tokens)
         base, pinned = set(base), dict(pinned or {})
@@ -339,7 +339,7 @@ class StageModel:
         adapter, with autograd) or, with ``reference``, by the frozen base (the adapter
         switched off, no autograd). A whole-model stage (across pipeline stages, the
         ``eval`` op of a preference batch computes them on the last stage)."""
-        from raycolo.engine.executor.losses import sequence_logprob
+        from raycolo.online.stages.losses import sequence_logprob
 
         if not (self.is_first and self.is_last):
             raise ValueError("preference_logprobs: a whole-model stage only")

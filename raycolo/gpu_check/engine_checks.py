@@ -5,8 +5,8 @@ from __future__ import annotations
 import tempfile
 import time
 
-from raycolo.engine.gpu_check.common import MODEL, PASS, SKIP, Row, _model, _prompts, _require, _sync
-from raycolo.engine.gpu_check.references import _greedy_agreement, _hf_greedy
+from raycolo.gpu_check.common import MODEL, PASS, SKIP, Row, _model, _prompts, _require, _sync
+from raycolo.gpu_check.references import _greedy_agreement, _hf_greedy
 
 
 def check_torch_engine(device) -> Row:

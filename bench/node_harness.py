@@ -1,12 +1,12 @@
 """Run one node's data plane on this machine, without Ray: S stage processes over a gloo
 (or NCCL) group, the node loop in stage 0's.
 
-Tests, ``bench/node_loop.py`` and ``make gpu-check`` use it to check the node loop against
+Tests (tests/test_node_loop.py) and ``bench/node_loop.py`` use it to check the node loop against
 transformers and to time it against the executor's own step. :func:`run_node` spawns one
 process per stage; each loads the checkpoint, keeps its layer slice
-(:class:`~raycolo.engine.executor.stage.StageModel`, LoRA on), and stage 0 builds the node's
+(:class:`~raycolo.online.stages.stage_model.StageModel`, LoRA on), and stage 0 builds the node's
 scheduler exactly as the cluster builds its mirror (:func:`raycolo.online.scheduling.cluster.node_scheduler`)
-and runs it in a :class:`~raycolo.engine.executor.node_pipeline.NodePipeline`. Work arrives at the
+and runs it in a :class:`~raycolo.online.stages.node_pipeline.NodePipeline`. Work arrives at the
 times the spec gives. What comes back: every request's tokens and finish reason, every
 training task's loss, the node's report (its events, for a mirror to replay) and the
 time each token came out.
@@ -73,8 +73,8 @@ def _run_stage(rank: int, spec: NodeRunSpec, store_path: str):
     import torch
     import torch.distributed as dist
 
-    from raycolo.engine.executor.node_pipeline import serve_stage
-    from raycolo.engine.executor.stage_process import StageProcess, build_stage
+    from raycolo.online.stages.node_pipeline import serve_stage
+    from raycolo.online.stages.stage_process import StageProcess, build_stage
     from raycolo.online.config import OnlineConfig, layer_bounds, model_hf_config, stage_build
 
     torch.set_num_threads(spec.threads)
@@ -110,7 +110,7 @@ def _lora(stage_model) -> dict:
 
 def _drive(spec: NodeRunSpec, cfg, proc, dist, group, model_config, stage_model) -> dict:
     from raycolo.engine.models import load_tokenizer
-    from raycolo.engine.executor.node_pipeline import NodePipeline
+    from raycolo.online.stages.node_pipeline import NodePipeline
     from raycolo.generation import SamplingParams, stop_token_set
     from raycolo.online.scheduling.cluster import node_scheduler
     from raycolo.online.config import live_profile

@@ -2,8 +2,8 @@
 decode timing, and decode steps as CUDA graphs."""
 from __future__ import annotations
 
-from raycolo.engine.gpu_check.common import CUTS, MODEL, PASS, Row, _Chain, _logits_tol, _model, _prompts, _require
-from raycolo.engine.gpu_check.references import _greedy_agreement, _hf_greedy, _hf_last_logits, _reference
+from raycolo.gpu_check.common import CUTS, MODEL, PASS, Row, _Chain, _logits_tol, _model, _prompts, _require
+from raycolo.gpu_check.references import _greedy_agreement, _hf_greedy, _hf_last_logits, _reference
 
 
 def check_executor_whole(device) -> Row:

@@ -1,13 +1,13 @@
 """Typed messages between a node's stage processes over their own process group.
 
 A node loop in stage 0's process tells stage s what to run (a
-:mod:`raycolo.engine.executor.stage_ops` message) and hears back its
-:class:`~raycolo.engine.executor.stage_ops.StageResult`, over the same ``torch.distributed``
+:mod:`raycolo.online.stages.stage_ops` message) and hears back its
+:class:`~raycolo.online.stages.stage_ops.StageResult`, over the same ``torch.distributed``
 group the stages send their hidden states on: no actor call per op. A message is pickled
 into a uint8 tensor. It goes as one fixed-size frame (its length, then its first bytes),
 and only a message larger than the frame sends the rest as a second tensor, so a decode
 step's header costs one send. Headers use tags above every op's point-to-point tag
-(those are an op's ``seq`` modulo :data:`~raycolo.engine.executor.stage_process.TAG_MOD`), so
+(those are an op's ``seq`` modulo :data:`~raycolo.online.stages.stage_process.TAG_MOD`), so
 they never match an activation's receive.
 
 Headers are host data: on a NCCL group they travel on a gloo side group
@@ -22,7 +22,7 @@ import struct
 
 import torch
 
-from raycolo.engine.executor.stage_process import TAG_MOD
+from raycolo.online.stages.stage_process import TAG_MOD
 
 FRAME_BYTES = 1024           # one send carries a message up to this, with its length
 DOWN_TAG = TAG_MOD           # stage 0 -> stage s: what to run

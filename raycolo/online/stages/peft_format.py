@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-from raycolo.engine.executor.stage import ADAPTER_WEIGHTS_FILE, LoraSettings
+from raycolo.online.stages.stage_model import ADAPTER_WEIGHTS_FILE, LoraSettings
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = ADAPTER_WEIGHTS_FILE
@@ -187,7 +187,7 @@ def model_linears(model_config) -> dict[str, tuple[int, int]]:
 
 def lora_shapes(model_config, lora: LoraSettings) -> dict[str, tuple]:
     """Every weight of the adapter a deployment's stages hold: peft's saved key -> shape
-    (the same wrapping as :func:`raycolo.engine.executor.stage.add_lora`, on the meta device)."""
+    (the same wrapping as :func:`raycolo.online.stages.stage_model.add_lora`, on the meta device)."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),

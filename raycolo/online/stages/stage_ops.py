@@ -3,7 +3,7 @@
 These cross a process boundary (the online controller to a stage worker over Ray today;
 a node loop to its stages over the stage workers' own process group next), so each is a
 dataclass with its fields and defaults declared here once. A stage runs them with
-:class:`~raycolo.engine.executor.stage_process.StageProcess`.
+:class:`~raycolo.online.stages.stage_process.StageProcess`.
 
 Every message names its op by ``seq`` (the node's number for it; out-of-band work such as
 an evaluation or a checkpoint gets a negative one). ``after`` is the ``seq`` of the op on

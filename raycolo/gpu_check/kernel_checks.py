@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from raycolo.engine.gpu_check.common import CUTS, MODEL, PASS, SKIP, Row, _Chain, _model, _prompts, _require
-from raycolo.engine.gpu_check.references import _greedy_agreement, _reference
+from raycolo.gpu_check.common import CUTS, MODEL, PASS, SKIP, Row, _Chain, _model, _prompts, _require
+from raycolo.gpu_check.references import _greedy_agreement, _reference
 
 
 def _triton_missing(device) -> str:
@@ -143,7 +143,7 @@ def check_stage_graphs(device) -> Row:
     import torch
 
     from raycolo.engine.executor.graphs import enable_padded_decode
-    from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora, training_batch
+    from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora, training_batch
 
     cuda = device.type == "cuda"
     lora = LoraSettings(rank=4, alpha=8, lr=1e-2, seed=3)
@@ -205,7 +205,7 @@ def check_tp(device) -> Row:
     transformers' generate() on the device."""
     from raycolo.engine.executor import ModelExecutor
     from raycolo.engine.executor.tp_ranks import LocalRanks, RankSpec
-    from raycolo.engine.gpu_check.references import _hf_greedy
+    from raycolo.gpu_check.references import _hf_greedy
 
     ps = _prompts([9, 23, 14])
     steps = 10 if device.type == "cuda" else 6

@@ -7,12 +7,12 @@ import tempfile
 import time
 import traceback
 
-from raycolo.engine.gpu_check.common import CUTS, MODEL, PASS, Row, _model, _prompts, _require
-from raycolo.engine.gpu_check.references import _hf_greedy, _reference, _reference_training
+from raycolo.gpu_check.common import CUTS, MODEL, PASS, Row, _model, _prompts, _require
+from raycolo.gpu_check.references import _hf_greedy, _reference, _reference_training
 
 
 def _stage_chain(device, dtype: str = "float64"):
-    from raycolo.engine.executor.stage import LoraSettings, StageModel, add_lora
+    from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora
 
     lora = LoraSettings(rank=4, alpha=8, lr=1e-2, seed=3)
     chain = []
@@ -23,7 +23,7 @@ def _stage_chain(device, dtype: str = "float64"):
 
 
 def _training_batch():
-    from raycolo.engine.executor.stage import training_batch
+    from raycolo.online.stages.stage_model import training_batch
 
     return training_batch([(p, p[1:6]) for p in _prompts([8, 13, 5], seed=4)])
 
@@ -83,8 +83,8 @@ def _p2p_rank(rank: int, backend: str, device_str: str, store_path: str, tokens_
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        from raycolo.engine.executor.stage_ops import ForwardStep, TrainBackward, TrainForward
-        from raycolo.engine.executor.stage_process import StageProcess
+        from raycolo.online.stages.stage_ops import ForwardStep, TrainBackward, TrainForward
+        from raycolo.online.stages.stage_process import StageProcess
         device = torch.device(device_str)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -180,7 +180,7 @@ def check_stage_p2p(device) -> Row:
     refs = [_hf_greedy(ref, p, P2P_STEPS) for p in ps]
     _require(results[0]["tokens"] == refs and results[1]["tokens"] == refs,
              f"pipelined greedy tokens differ from generate() [{how}]")
-    from raycolo.engine.executor.stage import LoraSettings
+    from raycolo.online.stages.stage_model import LoraSettings
     ref_losses, ref_state = _reference_training(LoraSettings(rank=4, alpha=8, lr=1e-2, seed=3),
                                                 _training_batch(), 1, device)
     loss_diff = abs(results[1]["loss"] - ref_losses[0])

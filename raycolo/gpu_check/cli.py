@@ -10,13 +10,13 @@ import traceback
 from dataclasses import asdict
 from typing import Callable
 
-from raycolo.engine.gpu_check.common import FAIL, CheckFailed, Row
-from raycolo.engine.gpu_check.engine_checks import check_device_stats, check_torch_engine, check_vllm
-from raycolo.engine.gpu_check.executor_checks import (check_executor_decode, check_executor_graphs,
+from raycolo.gpu_check.common import FAIL, CheckFailed, Row
+from raycolo.gpu_check.engine_checks import check_device_stats, check_torch_engine, check_vllm
+from raycolo.gpu_check.executor_checks import (check_executor_decode, check_executor_graphs,
                                                       check_executor_slices, check_executor_whole,
                                                       check_executor_windows)
-from raycolo.engine.gpu_check.kernel_checks import check_executor_triton, check_stage_graphs, check_tp
-from raycolo.engine.gpu_check.stage_checks import check_stage_inproc, check_stage_p2p
+from raycolo.gpu_check.kernel_checks import check_executor_triton, check_stage_graphs, check_tp
+from raycolo.gpu_check.stage_checks import check_stage_inproc, check_stage_p2p
 
 CHECKS: dict[str, Callable] = {
     "executor.whole": check_executor_whole,
@@ -64,7 +64,7 @@ def table(rows: list[Row]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m raycolo.engine.gpu_check",
+    parser = argparse.ArgumentParser(prog="python -m raycolo.gpu_check",
                                      description="Run raycolo's CUDA paths against independent references.")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                         help="auto/cuda: the first CUDA device (skipped without one); cpu: a dry run "

@@ -4,11 +4,11 @@ process group, no central actor per op.
 :class:`NodePipeline` runs a :class:`~raycolo.online.scheduling.node_loop.NodeLoop` in the process of
 the node's first stage. Stage 0's own ops run in that process; stage s > 0 gets each of
 its ops as a typed message over the stages' own process group
-(:mod:`raycolo.engine.executor.wire`), runs it in :func:`serve_stage` and answers its
-:class:`~raycolo.engine.executor.stage_ops.StageResult` the same way. A receiver thread per
+(:mod:`raycolo.online.stages.stage_wire`), runs it in :func:`serve_stage` and answers its
+:class:`~raycolo.online.stages.stage_ops.StageResult` the same way. A receiver thread per
 remote stage waits for its answers (gloo's ``recv`` blocks the calling thread), so stage
 0 computes while the other stages do. Activations still go stage to stage, tagged by op
-(:mod:`raycolo.engine.executor.stage_process`).
+(:mod:`raycolo.online.stages.stage_process`).
 
 The control plane's commands (:mod:`raycolo.online.scheduling.node_commands`) arrive through
 :meth:`NodePipeline.post` (from any thread) and are applied between ops. A ``Pause``
@@ -27,9 +27,9 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
-from raycolo.engine.executor.stage_ops import QUIET, StageResult, StageWork, Stop
-from raycolo.engine.executor.stage_process import StageProcess
-from raycolo.engine.executor.wire import DOWN_TAG, UP_TAG, recv_message, send_message
+from raycolo.online.stages.stage_ops import QUIET, StageResult, StageWork, Stop
+from raycolo.online.stages.stage_process import StageProcess
+from raycolo.online.stages.stage_wire import DOWN_TAG, UP_TAG, recv_message, send_message
 from raycolo.online.scheduling.node_commands import Adopt, OutOfBand, Pause
 
 
