@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from raycolo.catalog import get_model  # noqa: E402
-from raycolo.offline.costmodel.sampler import OutputLengthSampler  # noqa: E402
+from raycolo.offline.costmodel.length_sampler import OutputLengthSampler  # noqa: E402
 from raycolo.rng import seeded_rng
 from raycolo.engine import SamplingParams, create_engine  # noqa: E402
 from raycolo.engine.models import BOS_ID, BYTE_OFFSET, PAD_ID, save_tiny_checkpoint  # noqa: E402

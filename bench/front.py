@@ -55,6 +55,7 @@ PROCESS_TITLES = {"replica": "ray::ServeReplica:", "proxy": "ray::ProxyActor", "
 def token_source_class():
     import ray
 
+    from raycolo.generation import FinishReason
     from raycolo.online.scheduling.node_loop import TokenOut
     from raycolo.online.serving.messages import Admission
     from raycolo.online.serving.token_wire import TokenSender
@@ -124,7 +125,7 @@ def token_source_class():
                         state[1] -= 1
                         last = state[1] == 0
                         out.append(TokenOut(rid, self.first_token + state[2] % TOKEN_SPAN, True,
-                                            "length" if last else None, None, state[2]))
+                                            FinishReason.LENGTH if last else None, None, state[2]))
                         self.sent[(rid, state[2])] = now
                         state[2] += 1
                         if last:

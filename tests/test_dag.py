@@ -334,7 +334,7 @@ def test_bad_sampling_settings_name_the_field(field, value):
 def test_a_greedy_node_is_planned_with_the_profiles_greedy_ecdf(tmp_path):
     """Where the profile has <model>.greedy.csv, greedy nodes sample their lengths from
     it and sampled nodes from <model>.csv."""
-    from raycolo.offline.costmodel.sampler import write_ecdf
+    from raycolo.offline.costmodel.length_sampler import write_ecdf
     from raycolo.offline.workload import build_workload
 
     write_ecdf(tmp_path / "tiny-llama-s.csv", [3] * 10, "sampled")

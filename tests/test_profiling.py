@@ -10,7 +10,7 @@ from raycolo.catalog import get_model
 from raycolo.cli.main import resolve_profile_dir
 from raycolo.offline.costmodel.fit import IterationSample, fit_profile
 from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile, default_profile
-from raycolo.offline.costmodel.sampler import OutputLengthSampler, load_ecdf, write_ecdf
+from raycolo.offline.costmodel.length_sampler import OutputLengthSampler, load_ecdf, write_ecdf
 from raycolo.errors import ConfigError
 from raycolo.hardware import ClusterSpec
 from raycolo.offline.profiler import SweepSettings, profile_model

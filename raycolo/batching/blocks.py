@@ -1,6 +1,6 @@
 """KV-cache block allocation: which physical blocks each request's KV occupies.
 
-This is the block accounting that :class:`raycolo.batching.scheduler.FcfsBlockScheduler`
+This is the block accounting that :class:`raycolo.batching.step_scheduler.FcfsBlockScheduler`
 keeps for the reference simulator and for the torch engine alike. The engine's paged KV
 cache (:mod:`raycolo.engine.executor.kv_cache`) stores token ``t`` of a request in block
 ``table[t // block_size]`` at offset ``t % block_size``, so the blocks the scheduler

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from raycolo.text_enum import TextEnum
 from raycolo.bounds import PathText, Strict
 from raycolo.errors import ConfigError
-from raycolo.generation import SamplingParams  # noqa: F401  (engines take the one definition)
+from raycolo.generation import FinishReason, SamplingParams  # noqa: F401  (engines take the one definition)
 from raycolo.generation.params import Seed
 
 
@@ -94,7 +94,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     arrival_s: float
     first_token_s: float
     finish_s: float
@@ -119,7 +119,7 @@ class TrackedRequest:
     preemptions: int = 0
     logprobs: Optional[list] = None
 
-    def output(self, reason: str, text: str, now: float) -> RequestOutput:
+    def output(self, reason: FinishReason, text: str, now: float) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, list(self.generated), text, reason,
                              self.arrival_s, self.first_token_s, now, self.preemptions, self.logprobs)
 

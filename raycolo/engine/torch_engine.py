@@ -1,6 +1,6 @@
 """The embedded engine: transformers models on raycolo's model executor.
 
-Scheduling is :class:`raycolo.batching.scheduler.FcfsBlockScheduler`, the same code the
+Scheduling is :class:`raycolo.batching.step_scheduler.FcfsBlockScheduler`, the same code the
 reference simulator runs: FCFS admission under a KV budget in blocks, prefill-first
 iterations, preemption by recompute. Its block tables are the pages of the executor's
 preallocated KV cache (:mod:`raycolo.engine.executor`), so the blocks the cost model counts are
@@ -23,9 +23,9 @@ from raycolo.engine.models import load_model
 from raycolo.engine.threads import apply_thread_policy
 from raycolo.errors import ConfigError
 from raycolo.engine.executor import SeqChunk, create_executor
-from raycolo.generation import StopChecker
+from raycolo.generation import FinishReason, StopChecker
 from raycolo.generation.sampler import SamplingRow, plain, position_seed, sample, sample_plain
-from raycolo.batching.scheduler import FcfsBlockScheduler
+from raycolo.batching.step_scheduler import FcfsBlockScheduler
 from raycolo.batching.limits import SchedulerLimits, ceil_div
 from raycolo.kv_bytes import AttentionShape
 
@@ -181,7 +181,7 @@ class TorchEngine(Engine):
         if not self.executor.paged:
             self.executor.free(handle)
 
-    def _output(self, req: _Request, reason: str, now: float) -> RequestOutput:
+    def _output(self, req: _Request, reason: FinishReason, now: float) -> RequestOutput:
         return req.output(reason, req.checker.text(self.tokenizer), now)
 
     # -- resources -----------------------------------------------------------------

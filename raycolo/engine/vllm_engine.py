@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 from raycolo.engine.base import (Engine, EngineConfig, EngineStats, ExecutorBackend, IterationRecord, MemoryUsage,
                                   RequestOutput, SamplingParams, TrackedRequest)
 from raycolo.engine.models import load_tokenizer
+from raycolo.generation import FinishReason
 from raycolo.errors import ConfigError
 from raycolo.generation import StopChecker
 from raycolo.generation.sampler import TokenLogprob, position_seed
@@ -230,7 +231,7 @@ class VllmEngine(Engine):
                 req.logprobs.extend(_logprob(t, lp, req.params.logprobs)
                                     for t, lp in zip(tokens[done:end], completion.logprobs[done:end]))
             if reason is None and out.finished:   # vLLM stopped where raycolo's rules do not
-                reason = "length" if completion.finish_reason == "length" else "stop"
+                reason = FinishReason.LENGTH if completion.finish_reason == "length" else FinishReason.STOP   # vLLM's text
             if reason is not None:
                 if not out.finished:              # a stop string: vLLM generates on otherwise
                     self._engine.abort_request([out.request_id])

@@ -9,7 +9,8 @@
   stop token first, then the length limit, so an EOS that is the ``max_tokens``-th token
   is a ``stop`` (as ``transformers`` sees it too); a stop token before ``min_tokens``
   tokens cannot happen (the sampler masks them) and is not a stop. A stop string (:mod:`.detokenize`) ends the output too.
-* **Finish reason**: ``"stop"`` (a stop token or string) or ``"length"``.
+* **Finish reason** (:class:`FinishReason`): ``stop`` (a stop token or string) or
+  ``length``; the online server adds ``abort`` (the client went away) and ``error``.
 * **Accounting**: every generated token counts, the stop token included, also when a
   stop string cut the text short (``usage.completion_tokens`` as vLLM counts it).
 * **Text**: a stop token's text is never in the output; special tokens are left out
@@ -20,12 +21,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Literal, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from raycolo.generation.detokenize import TextStream, finished_text
 from raycolo.generation.params import SamplingParams
+from raycolo.text_enum import TextEnum
 
-FinishReason = Literal["stop", "length"]
+
+class FinishReason(TextEnum):
+    """Why a request ended (vLLM's ``FinishReason``, and the OpenAI ``finish_reason``)."""
+
+    STOP = "stop"          # a stop token or a stop string
+    LENGTH = "length"      # max_tokens, or the context
+    ABORT = "abort"        # cancelled: its client went away
+    ERROR = "error"        # it failed (the online server: its node or controller did)
 
 
 def _ids(value) -> list[int]:
@@ -69,9 +78,9 @@ def check_stop(params: SamplingParams, stop_ids: frozenset[int], output: Sequenc
     :func:`stop_token_set`."""
     n = len(output)
     if n and n > params.min_tokens and output[-1] in stop_ids:
-        return "stop"
+        return FinishReason.STOP
     if n >= params.max_tokens:
-        return "length"
+        return FinishReason.LENGTH
     return None
 
 
@@ -102,12 +111,12 @@ class StopChecker:
             raise RuntimeError("token after the request finished")
         self.output.append(int(token))
         reason = check_stop(self.params, self.stop_ids, self.output)
-        if reason == "stop":
+        if reason == FinishReason.STOP:
             self.stop_token = self.output[-1]    # its text is never output
         elif self.stream is not None:
             self._text.append(self.stream.add(token, check=len(self.output) > self.params.min_tokens))
             if self.stream.stopped is not None:
-                reason = "stop"
+                reason = FinishReason.STOP
         self.finish_reason = reason
         return reason
 

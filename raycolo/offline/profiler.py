@@ -26,7 +26,7 @@ import numpy as np
 from raycolo.catalog import get_model
 from raycolo.offline.costmodel.fit import fit_profile, samples_from_records
 from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile
-from raycolo.offline.costmodel.sampler import GREEDY_ECDF_SUFFIX, write_ecdf
+from raycolo.offline.costmodel.length_sampler import GREEDY_ECDF_SUFFIX, write_ecdf
 from raycolo.rng import random_prompts, seeded_rng
 from raycolo.engine.base import EngineConfig, SamplingParams
 from raycolo.engine.factory import create_engine

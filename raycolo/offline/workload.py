@@ -17,7 +17,7 @@ import numpy as np
 from pydantic import ConfigDict, Field, ValidationError
 
 from raycolo.catalog import ModelSpec, get_model
-from raycolo.offline.costmodel.sampler import OutputLengthSampler
+from raycolo.offline.costmodel.length_sampler import OutputLengthSampler
 from raycolo.rng import seeded_rng
 from raycolo.offline.dag import PLACEHOLDER, AppSpec, NodeSpec, SourceSpec
 from raycolo.errors import ConfigError

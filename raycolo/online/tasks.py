@@ -12,7 +12,7 @@ Two sources of tasks:
   ``train_rate`` and query lengths follow one of :data:`LENGTH_DISTRIBUTIONS`.
 * :func:`load_trace` — a CSV trace (format in docs/online-workloads.md).
 
-Every random draw goes through :func:`raycolo.offline.costmodel.sampler.seeded_rng` with its own
+Every random draw goes through :func:`raycolo.offline.costmodel.length_sampler.seeded_rng` with its own
 label, so the same seed always gives the same workload, and changing one knob (say the
 training rate) leaves the other draws (arrivals, lengths) unchanged.
 """

@@ -30,6 +30,7 @@ import time
 import ray
 
 from raycolo.actors.online.adapters import AdapterVersions
+from raycolo.generation import FinishReason
 from raycolo.actors.online.loaded_adapters import LoadedAdapters
 from raycolo.actors.online.nodes import NodeLinks
 from raycolo.actors.online.op_runner import OpRunner
@@ -74,7 +75,7 @@ class OnlineController(WorkerGroups, OpRunner, RequestDesk, SamplePump, AdapterV
         why = "no stage-worker node is alive: " + "; ".join(self.dead.values())
         req = self.requests.get(task.task_id)
         if req is not None and req.finish_reason is None:
-            req.finish_reason = "error"
+            req.finish_reason = FinishReason.ERROR
             req.events.put_nowait(StreamEvent(EventKind.ERROR, why))
         elif task.is_train:
             self.errors.append(f"training task {task.task_id} not run: {why}")

@@ -25,6 +25,7 @@ from dataclasses import fields
 from typing import Optional
 
 from raycolo.actors.online.state import ControllerState
+from raycolo.generation import FinishReason
 from raycolo.online.driver import OpLost
 from raycolo.online.scheduling.node_commands import Adopt, Cancel, NodeSetup, Pause, Serve, Sync, Train
 from raycolo.online.scheduling.node_events import Dispatched, NodeEvent, OpDone, Synced
@@ -142,7 +143,7 @@ class NodeLinks(ControllerState):
         await self._export_for_sync(version)
         self._send(n, Sync(version))
 
-    def _cancel_on_nodes(self, rid: int, reason: str) -> None:
+    def _cancel_on_nodes(self, rid: int, reason: FinishReason) -> None:
         for n in range(self.config.nodes):
             self._send(n, Cancel(rid, reason))
 

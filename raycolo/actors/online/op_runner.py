@@ -13,6 +13,7 @@ from typing import Optional
 
 import ray
 
+from raycolo.generation import FinishReason
 from raycolo.online.stages.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
 from raycolo.online.scheduling.node_commands import OutOfBand
 from raycolo.online.serving.messages import EventKind, StreamEvent
@@ -96,7 +97,7 @@ class OpRunner(ControllerState):
             for r in op.tasks:
                 req = self.requests.get(r.task_id)
                 if req is not None and req.finish_reason is None:
-                    req.finish_reason = "error"
+                    req.finish_reason = FinishReason.ERROR
                     req.events.put_nowait(StreamEvent(EventKind.ERROR, why))
 
     def _payload(self, op: Op) -> StageWork:
@@ -116,7 +117,7 @@ class OpRunner(ControllerState):
         self.errors.append(why)
         for req in self.requests.values():
             if req.finish_reason is None:
-                req.finish_reason = "error"
+                req.finish_reason = FinishReason.ERROR
                 req.events.put_nowait(StreamEvent(EventKind.ERROR, why))
 
     def _training_aborted(self, aborted: list) -> None:
@@ -141,7 +142,7 @@ class OpRunner(ControllerState):
         return self._training_done(op, result.loss)
 
     @staticmethod
-    def _deliver(req: LiveRequest, token: int, kept: bool, reason: Optional[str], logprob) -> bool:
+    def _deliver(req: LiveRequest, token: int, kept: bool, reason: Optional[FinishReason], logprob) -> bool:
         """A token the request got (``kept``: it is the request's; ``reason``: it ended it)
         goes to its stream, unless its node sent it to the request's HTTP replica itself
         (``req.front``); returns whether the request ended."""

@@ -12,7 +12,7 @@ import ray
 
 from raycolo.online.serving.messages import LAST_EVENTS, Admission, EventKind, Rejection, StreamEvent
 from raycolo.online.serving.token_wire import FrontKey
-from raycolo.generation import SamplingParams, stop_token_set
+from raycolo.generation import FinishReason, SamplingParams, stop_token_set
 from raycolo.online.tasks import OnlineTask
 
 from raycolo.actors.online.state import ControllerState, LiveRequest
@@ -162,7 +162,7 @@ class RequestDesk(ControllerState):
     def unfinished(self) -> int:
         return sum(1 for r in self.requests.values() if r.finish_reason is None)
 
-    async def cancel(self, rid: int, reason: str = "stop") -> None:
+    async def cancel(self, rid: int, reason: FinishReason = FinishReason.STOP) -> None:
         """End request ``rid`` at its next step (a stop string matched, or its client went
         away): no more tokens are sent, and its KV blocks are released like a finished one's."""
         req = self.requests.get(rid)
@@ -207,7 +207,7 @@ class RequestDesk(ControllerState):
         "stop", "length" or "error" (with ``error``, what failed)."""
         req = self._request(rid)
         if req is None:
-            return {"id": rid, "tokens": [], "finish_reason": "error", "error": LOST_IN_RESTART.format(rid=rid)}
+            return {"id": rid, "tokens": [], "finish_reason": FinishReason.ERROR, "error": LOST_IN_RESTART.format(rid=rid)}
         self._own_queue(req, rid)
         tokens = []
         while True:
@@ -219,7 +219,7 @@ class RequestDesk(ControllerState):
             elif kind == EventKind.DONE:
                 return {"id": rid, "tokens": tokens, "finish_reason": value}
             else:
-                return {"id": rid, "tokens": tokens, "finish_reason": "error", "error": value}
+                return {"id": rid, "tokens": tokens, "finish_reason": FinishReason.ERROR, "error": value}
 
     @staticmethod
     def _own_queue(req: LiveRequest, rid: int) -> None:
@@ -230,5 +230,5 @@ class RequestDesk(ControllerState):
         """Tokens request ``rid`` has streamed so far, and how it ended (None: running)."""
         req = self._request(rid)
         if req is None:
-            return {"id": rid, "tokens": 0, "finish_reason": "error"}
+            return {"id": rid, "tokens": 0, "finish_reason": FinishReason.ERROR}
         return {"id": rid, "tokens": len(req.generated), "finish_reason": req.finish_reason}

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raycolo.actors.serve.front_channel import CONTROLLER_FAILED, FrontChannel, FrontKey
+from raycolo.generation import FinishReason
 from raycolo.online.config import OnlineConfig
 from raycolo.online.serving.errors import OpenAIError
 from raycolo.online.serving.messages import TOKEN_EVENTS, EventKind, Rejection
@@ -173,7 +174,7 @@ class Completions:
         async for delta, finish, n, lps in self._events(admitted, params, started, prompt_ids):
             text.append(delta)
             count = n
-            if finish == "error":
+            if finish == FinishReason.ERROR:
                 raise OpenAIError(503, f"generation failed: {delta}", code="generation_failed")
             reason = finish or reason
             if logprobs is not None:
@@ -197,8 +198,8 @@ class Completions:
                 held = None
                 if (kind, value) == CONTROLLER_FAILED:
                     finished = True
-                    self._finish("error", started, count)
-                    yield CONTROLLER_DIED, "error", count, []
+                    self._finish(FinishReason.ERROR, started, count)
+                    yield CONTROLLER_DIED, FinishReason.ERROR, count, []
                     return
                 if kind in TOKEN_EVENTS:
                     batch = [(kind, value)]          # this token and those queued behind it
@@ -229,9 +230,9 @@ class Completions:
                         last = now
                     if stream.stopped is not None:
                         finished = True
-                        await self.controller.cancel.remote(rid, "stop")
-                        self._finish("stop", started, count)
-                        yield "".join(text), "stop", count, lps
+                        await self.controller.cancel.remote(rid, FinishReason.STOP)
+                        self._finish(FinishReason.STOP, started, count)
+                        yield "".join(text), FinishReason.STOP, count, lps
                         return
                     delta = "".join(text)
                     if delta or lps:
@@ -244,23 +245,23 @@ class Completions:
                     return
                 else:
                     finished = True
-                    self._finish("error", started, count)
-                    yield str(value), "error", count, lps
+                    self._finish(FinishReason.ERROR, started, count)
+                    yield str(value), FinishReason.ERROR, count, lps
                     return
         except (RayActorError, ActorUnavailableError):   # the controller died: the stream ends with an error
             finished = True
-            self._finish("error", started, count)
-            yield CONTROLLER_DIED, "error", count, []
+            self._finish(FinishReason.ERROR, started, count)
+            yield CONTROLLER_DIED, FinishReason.ERROR, count, []
         finally:
             self.channel.close(front)
             if not finished:      # the client disconnected: free the request's work
                 try:
-                    await self.controller.cancel.remote(rid, "abort")
+                    await self.controller.cancel.remote(rid, FinishReason.ABORT)
                 except (RayActorError, ActorUnavailableError):
                     pass          # the controller died: the request died with it
-                self._finish("abort", started, count)
+                self._finish(FinishReason.ABORT, started, count)
 
-    def _finish(self, reason: str, started: float, tokens: int) -> None:
+    def _finish(self, reason: FinishReason, started: float, tokens: int) -> None:
         """A request ended: its outcome, latency and generated tokens, once per request."""
         self.metrics.success.inc(tags={"finished_reason": reason})
         self.metrics.e2e.observe(time.perf_counter() - started)
@@ -273,7 +274,7 @@ class Completions:
             yield sse.chunk(None, None, role=True)
         count, held = 0, StreamInterval(self.config.serve.stream_interval)
         async for delta, finish, count, lps in events:
-            if finish == "error":       # after the 200: the failure travels inside the stream
+            if finish == FinishReason.ERROR:       # after the 200: the failure travels inside the stream
                 text, lps = held.add("", count, [], final=True)
                 if text or lps:
                     yield sse.chunk(text, None, lps=lps)

@@ -1,6 +1,6 @@
 """The offline policy registry: name -> ``plan(problem, **options) -> AppPlan``. Policy
 modules register here; the package loads them and looks names up."""
-from raycolo.registry import Registry
+from raycolo.name_registry import Registry
 
 _REGISTRY = Registry()
 register = _REGISTRY.register

@@ -1,6 +1,6 @@
 """Reference simulator: one Python loop iteration per engine iteration.
 
-The decisions come from :class:`raycolo.batching.scheduler.FcfsBlockScheduler`, the very code
+The decisions come from :class:`raycolo.batching.step_scheduler.FcfsBlockScheduler`, the very code
 the torch engine schedules with; this module only adds the clock (the latency model).
 Tests check that :func:`raycolo.offline.sim.fast.simulate` agrees with it on many random
 workloads, so the fast path predicts what the engine's scheduler does.
@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from raycolo.offline.costmodel.latency import IterationLatency
-from raycolo.batching.scheduler import FcfsBlockScheduler
+from raycolo.batching.step_scheduler import FcfsBlockScheduler
 from raycolo.offline.sim.types import ReplicaWorkload, SimResult
 from raycolo.batching.limits import SchedulerLimits, ceil_div
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from raycolo.online.scheduling.node import NodeScheduler
+from raycolo.generation import FinishReason
 from raycolo.online.stage_messages import ServedRequest
 from raycolo.online.tasks import OnlineTask
 
@@ -52,7 +53,7 @@ class Cancel:
     """End request ``task_id`` at its next token, without it (``reason``: its finish reason)."""
 
     task_id: int
-    reason: str
+    reason: FinishReason
 
 
 @dataclass(frozen=True, slots=True)

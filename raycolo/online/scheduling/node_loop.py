@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from raycolo.online.stages.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
+from raycolo.generation import FinishReason
 from raycolo.online.scheduling.node import NodeScheduler
 from raycolo.online.scheduling.node_types import NodeStep, Op, OpKind, Timer
 from raycolo.online.scheduling.node_commands import Adopt, Cancel, NodeCommand, Serve, Sync, Train
@@ -43,7 +44,7 @@ class TokenOut:
     task_id: int
     token: int
     kept: bool = True
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[FinishReason] = None
     logprob: object = None
     position: int = 0
 

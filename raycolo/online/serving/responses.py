@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Optional, Sequence
 
+from raycolo.generation import FinishReason
+
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -49,7 +51,7 @@ def chat_logprobs(tokenizer, entries: Optional[Sequence]) -> Optional[dict]:
                         for e in entries]}
 
 
-def choice(tokenizer, chat: bool, index: int, content: str, reason: Optional[str],
+def choice(tokenizer, chat: bool, index: int, content: str, reason: Optional[FinishReason],
            logprobs: Optional[Sequence]) -> dict:
     """One choice of a non-streamed answer."""
     if chat:

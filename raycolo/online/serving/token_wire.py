@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+from raycolo.generation import FinishReason
 from raycolo.generation.sampler import TokenLogprob
 from raycolo.online.serving.messages import EventKind, StreamEvent
 
@@ -66,7 +67,7 @@ class FrontKey:
     inbox: Optional[FrontInbox] = None
 
 
-def token_events(token: int, kept: bool, reason: Optional[str], logprob) -> list[StreamEvent]:
+def token_events(token: int, kept: bool, reason: Optional[FinishReason], logprob) -> list[StreamEvent]:
     """A stream's events for a token the request got (``kept``: it is the request's;
     ``reason``: it ended the request): ("logprob", TokenLogprob) where asked for, then
     ("token", id), or ("stop_token", id) for the stop token that ended it (counted, never
@@ -75,7 +76,7 @@ def token_events(token: int, kept: bool, reason: Optional[str], logprob) -> list
     if kept:
         if logprob is not None:
             out.append(StreamEvent(EventKind.LOGPROB, logprob))
-        out.append(StreamEvent(EventKind.STOP_TOKEN if reason == "stop" else EventKind.TOKEN, token))
+        out.append(StreamEvent(EventKind.STOP_TOKEN if reason == FinishReason.STOP else EventKind.TOKEN, token))
     if reason:
         out.append(StreamEvent(EventKind.DONE, reason))
     return out
@@ -103,7 +104,7 @@ class InboxToken:
     position: int
     token: int
     kept: bool
-    finish_reason: Optional[str]
+    finish_reason: Optional[FinishReason]
     logprob: Optional[TokenLogprob]
 
 
@@ -120,7 +121,7 @@ def decode_tokens(payload: bytes) -> list[InboxToken]:
             raise ValueError(f"not a token row: {row!r}")
         if lp is not None:
             lp = TokenLogprob(int(lp[0]), float(lp[1]), [(int(t), float(v)) for t, v in lp[2]])
-        out.append(InboxToken(key, position, token, kept, reason, lp))
+        out.append(InboxToken(key, position, token, kept, None if reason is None else FinishReason(reason), lp))
     return out
 
 
