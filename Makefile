@@ -55,7 +55,7 @@ demo: venv
 	$(VPY) examples/serve_demo.py --config examples/online.yaml
 
 fuzz: venv
-	RAYCOLO_FUZZ_EXAMPLES=5000 $(VPY) -m pytest -q -s tests/test_hostile_input.py
+	RAYCOLO_FUZZ_EXAMPLES=5000 $(VPY) -m pytest -q -s tests/cli/test_hostile_input.py tests/cli/test_hostile_schemas.py
 
 faults: venv
 	$(VPY) bench/offline_faults.py

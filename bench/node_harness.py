@@ -1,7 +1,7 @@
 """Run one node's data plane on this machine, without Ray: S stage processes over a gloo
 (or NCCL) group, the node loop in stage 0's.
 
-Tests (tests/test_node_loop.py) and ``bench/node_loop.py`` use it to check the node loop against
+Tests (tests/online/test_node_loop.py) and ``bench/node_loop.py`` use it to check the node loop against
 transformers and to time it against the executor's own step. :func:`run_node` spawns one
 process per stage; each loads the checkpoint, keeps its layer slice
 (:class:`~raycolo.online.stages.stage_model.StageModel`, LoRA on), and stage 0 builds the node's

@@ -8,7 +8,7 @@ starts each server in turn on loopback, and drives each with ``vllm bench serve`
 * ``saturation``: ``--concurrency`` requests at once: output tokens/s at saturation;
 * ``rate``: Poisson arrivals at ``--rate`` requests/s: TPOT under a moderate load.
 
-The checkpoint is a realistic small Llama (tests/hf_checkpoints.py: a byte-level BPE
+The checkpoint is a realistic small Llama (tests/support/hf_checkpoints.py: a byte-level BPE
 tokenizer trained with ``tokenizers``, the Llama 3 specials and chat template, two EOS ids
 in ``generation_config.json``; hidden size 128 for vLLM's CPU attention), unless
 ``--checkpoint`` names another. raycolo serves it as ``--stages`` (each a separate run):
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tools"))
 

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-# Without a GPU, Triton kernels run under Triton's interpreter (tests/test_triton_attention.py).
+# Without a GPU, Triton kernels run under Triton's interpreter (tests/engine/test_triton_attention.py).
 # Triton reads the switch when it is imported and when a kernel is decorated, so it is set
 # before anything can import triton.
 if not torch.cuda.is_available():
@@ -22,9 +22,9 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
-    """The realistic checkpoints of tests/hf_checkpoints.py (llama3, qwen2, gpt2), built once
+    """The realistic checkpoints of tests/support/hf_checkpoints.py (llama3, qwen2, gpt2), built once
     per session: kind -> directory."""
-    from hf_checkpoints import KINDS, build_checkpoint
+    from tests.support.hf_checkpoints import KINDS, build_checkpoint
 
     root = tmp_path_factory.mktemp("hf-checkpoints")
     return {kind: build_checkpoint(kind, root / kind, seed=0) for kind in KINDS}

@@ -160,7 +160,7 @@ def test_the_vllm_adapter_follows_raycolos_stops_on_a_real_checkpoint(tmp_path):
     from pathlib import Path
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
     from hf_checkpoints import build_checkpoint, greedy_cases
 
     path = build_checkpoint("llama3", tmp_path / "llama3", seed=0, hidden_size=128)

@@ -28,7 +28,7 @@ EXPORT = textwrap.dedent('''
     import json, sys
     from pathlib import Path
     import torch
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, "tests/support")
     from hf_checkpoints import build_checkpoint, load
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

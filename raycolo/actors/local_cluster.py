@@ -8,12 +8,12 @@ raycolo sets it for the clusters it starts, unless the variable is already set (
 to 1 to let other machines join a cluster you started with raycolo). Ray reads the
 variable when ``ray._private.ray_constants`` is imported; if Ray was imported before,
 the constant is updated to match (a private constant: checked by the socket test in
-tests/test_serve.py).
+tests/serve/deployment/test_deployment_faults.py).
 
 Joining a cluster (``--address``, ``ray job submit``) goes through :func:`join_cluster`:
 the cluster's addresses are its own, but a cluster bound to loopback needs this process
 in the same single-machine mode, and an address nothing answers at fails at once
-(tests/test_multinode.py).
+(tests/offline/test_multinode.py).
 
 Its GCS keeps the events of the last ``TASK_EVENTS_KEPT`` tasks (the dashboard's task
 list and timeline), not Ray's default 100,000: a service runs a few tasks per request,

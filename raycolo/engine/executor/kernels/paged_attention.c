@@ -2,7 +2,7 @@
  * read in place from the paged KV cache through the sequence's block table. No gather, no
  * padding, no mask tensor: the causal (and sliding-window) range comes from the query's
  * position. Built and loaded by raycolo/executor/native.py; equal to the torch path in
- * raycolo/executor/model.py (tests/test_executor.py).
+ * raycolo/engine/executor/model.py (tests/engine/test_executor.py).
  *
  * Layouts (row-major, contiguous):
  *   q, out        (tokens, heads, head_dim)

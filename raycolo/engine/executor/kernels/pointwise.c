@@ -3,7 +3,7 @@
  * Each replaces several torch ops (and their temporaries) with one pass over the rows.
  * Built and loaded with paged_attention.c by raycolo/executor/native.py; equal to the
  * model's own modules (transformers' LlamaRMSNorm and apply_rotary_pos_emb, the same in
- * Qwen2 and Mistral) in tests/test_executor.py. */
+ * Qwen2 and Mistral) in tests/engine/test_executor.py. */
 #include <stdint.h>
 #include <math.h>
 #include <stddef.h>

@@ -1,0 +1,61 @@
+"""`make gpu-bench` (bench/gpu_realsize.py): its dry run on the CPU, so that the script a
+GPU session runs unattended works end to end (every path, the table, the JSON), and its
+figures are computed from the right quantities. The speeds themselves are GPU figures
+(docs/benchmarks.md); nothing here is timed."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_realsize  # noqa: E402
+import realsize_models  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_the_dry_run_covers_every_path_and_writes_the_table_and_json(tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    rc = gpu_realsize.main(["--device", "cpu", "--shapes", "tiny", "--dtype", "float32", "--batches", "1,4",
+                            "--prompt", "32", "--output", "6", "--eager-output", "4", "--stage-steps", "3",
+                            "--train-rows", "2", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    result = json.loads(out.read_text())["results"][0]
+    paths = {(r["path"], r["batch"]) for r in result["rows"]}
+    assert paths == {("engine.graphs", 1), ("engine.graphs", 4), ("engine.eager", 1), ("transformers", 1),
+                     ("attention.torch", 1), ("attention.torch", 4),
+                     ("prefill", None), ("stage.graphs", 1), ("stage.graphs", 4), ("stage.eager", 1),
+                     ("lora.train", 2), ("stage.split2", 1), ("stage.split2p", 1)}
+    # float32 on the CPU: the engine's greedy tokens are transformers' argmax, every one
+    agree = result["agreement"]
+    assert agree["argmax"] == agree["tokens"] == 4 * 6 and agree["within_tie"]
+    assert "| tiny | engine.graphs | 1 |" in text and "| tiny | agreement |" in text
+
+
+def test_roofline_bytes_by_hand():
+    """The decode roofline's bytes for a hand-sized model: every parameter but the (untied)
+    input embedding, the step's embedding rows, and each sequence's K/V at its context."""
+    model, _ = realsize_models.build_model("tiny", torch.device("cpu"), torch.float32)
+    m = realsize_models.Model(model)
+    cfg = realsize_models.SHAPES["tiny"]
+    embed = cfg["vocab_size"] * cfg["hidden_size"]
+    assert m.read_params == sum(p.numel() for p in model.parameters()) - embed
+    kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
+    assert m.kv_per_token == kv
+    assert m.decode_bytes(3, 100) == (m.read_params + 3 * cfg["hidden_size"]) * 4 + 3 * 100 * kv
+
+
+def test_without_cuda_it_skips():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_realsize.py")], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"},
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "skipped: no CUDA device (--device cpu for a dry run)"

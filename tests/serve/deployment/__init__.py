@@ -1,0 +1,1 @@
+"""The deployment tests: one deployment (conftest.py) for every module here."""

@@ -1,0 +1,189 @@
+"""Serving checkpoints as users have them, over HTTP with the official ``openai`` client and
+through the online controller (the live runtime's API), against transformers'
+``generate()`` on the same directory (tests/support/hf_checkpoints.py): token ids, text, finish
+reasons and ``usage`` as vLLM counts it (every generated token, the EOS included), greedy,
+streamed and not; chats rendered once with the checkpoint's template (one BOS).
+
+One deployment per checkpoint kind (1 node x 2 stages): the Llama 3-style one, whose
+<|eot_id|> is an EOS only through generation_config.json (node loop, tokens through the
+controller, a chunk per 5 tokens), and the Qwen2 ChatML one (every op through the controller).
+"""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import ray
+import torch
+
+from tests.support.hf_checkpoints import greedy_cases, load
+from tests.support.online_checks import data_plane, free_port
+
+MAX_NEW = 24
+KINDS = ["llama3", "qwen2"]
+STREAM_INTERVAL = 5
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def front(request, hf_checkpoints, tmp_path_factory):
+    from raycolo.actors.serve import launch as serve_launch
+    from raycolo.online.config import parse_online_config
+
+    kind = request.param
+    path = hf_checkpoints[kind]
+    out = tmp_path_factory.mktemp(f"serve-{kind}")
+    config = parse_online_config({
+        "model_loading_config": {"model_id": str(path), "dtype": "float32"},
+        "nodes": 1, "stages": 2, "policy": "lemix",
+        "lemix": {"slo_ms": 5000, "max_batch": 8, "profile_warmup": 2},
+        "lora": {"rank": 4, "alpha": 8, "micro_batch": 2},
+        # the Qwen2 one with every op through the controller (the other data plane)
+        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 512,
+                  **({"data_plane": "controller"} if kind == "qwen2" else {}), **data_plane()},
+        "max_tokens": 16,
+        "sample_store": str(out / "samples"), "storage_path": str(out / "checkpoints"),
+        # the Llama 3 one streams a chunk per STREAM_INTERVAL tokens (vLLM's --stream-interval),
+        # its tokens coming through the controller's reports rather than the token inbox
+        # (tests/serve/deployment/ covers the inbox)
+        "serve": {"port": free_port(), "app_name": f"raycolo-{kind}",
+                  **({"stream_interval": STREAM_INTERVAL, "token_path": "controller"} if kind == "llama3" else {})},
+    })
+    started, _ = serve_launch.init_ray(config, metrics_port=free_port())
+    try:
+        url = serve_launch.start(config)
+        yield {"kind": kind, "path": path, "url": url, "config": config,
+               "model": config.served_model_name(), "cases": greedy_cases(path, MAX_NEW, n=6)}
+    finally:
+        serve_launch.stop(config, started)
+
+
+def client(front) -> openai.OpenAI:
+    return openai.OpenAI(base_url=front["url"] + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_completions_equal_transformers_streamed_or_not(front):
+    from raycolo.actors.serve.launch import controller_handle
+
+    c = client(front)
+    cases = [x for x in front["cases"] if isinstance(x["prompt"], str)]
+    assert cases
+    before = ray.get(controller_handle(front["config"]).stats.remote())["front_events"]
+    for case in cases:
+        r = c.completions.create(model=front["model"], prompt=case["prompt"], max_tokens=MAX_NEW, temperature=0)
+        choice = r.choices[0]
+        assert choice.text == case["text"], case["prompt"]
+        assert choice.finish_reason == case["finish_reason"]
+        assert r.usage.prompt_tokens == len(case["prompt_ids"])
+        assert r.usage.completion_tokens == len(case["output_ids"])      # the EOS counts, as in vLLM
+        chunks = list(c.completions.create(model=front["model"], prompt=case["prompt"], max_tokens=MAX_NEW,
+                                           temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == case["text"]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] \
+            == [case["finish_reason"]]
+        assert chunks[-1].usage.completion_tokens == len(case["output_ids"])
+        every = front["config"].serve.stream_interval
+        if every > 1:   # the first tokens, then one chunk per ``every`` tokens, then the rest
+            texts = [ch for ch in chunks if ch.choices and ch.choices[0].text]
+            assert len(texts) <= 2 + (len(case["output_ids"]) - 1) // every, len(texts)
+    events = ray.get(controller_handle(front["config"]).stats.remote())["front_events"] - before
+    # every token through the controller (its data plane, or its token path): an event each
+    direct = front["config"].stage.data_plane == "node" and front["config"].serve.token_path == "direct"
+    assert events == 0 if direct else events >= sum(len(x["output_ids"]) for x in cases), events
+
+
+def test_token_id_prompts_and_the_controller_give_transformers_ids(front):
+    """The online runtime's own API (what raycolo online run drives): the generated ids,
+    the stop token included, and the finish reason."""
+    from raycolo.actors.serve.launch import controller_handle
+
+    controller = controller_handle(front["config"])
+    for case in front["cases"]:
+        got = ray.get(controller.result.remote(ray.get(controller.submit.remote(case["prompt_ids"], MAX_NEW))),
+                      timeout=120)
+        assert got["tokens"] == case["output_ids"] and got["finish_reason"] == case["finish_reason"]
+    case = front["cases"][0]
+    r = client(front).completions.create(model=front["model"], prompt=case["prompt_ids"], max_tokens=MAX_NEW,
+                                         temperature=0)
+    assert r.choices[0].text == case["text"] and r.usage.completion_tokens == len(case["output_ids"])
+
+
+def test_chat_renders_the_template_once_and_equals_transformers(front):
+    c = client(front)
+    cases = [x for x in front["cases"] if isinstance(x["prompt"], list)]
+    assert cases
+    bos = load(front["path"])[1].bos_token_id
+    for case in cases:
+        if bos is not None:
+            assert case["prompt_ids"].count(bos) == 1
+        r = c.chat.completions.create(model=front["model"], messages=case["prompt"], max_tokens=MAX_NEW,
+                                      temperature=0)
+        assert r.usage.prompt_tokens == len(case["prompt_ids"])          # one BOS, not two
+        assert r.choices[0].message.content == case["text"]
+        assert r.choices[0].finish_reason == case["finish_reason"]
+        assert r.usage.completion_tokens == len(case["output_ids"])
+        chunks = list(c.chat.completions.create(model=front["model"], messages=case["prompt"], max_tokens=MAX_NEW,
+                                                temperature=0, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == case["text"]
+
+
+def test_stop_strings_penalties_logprobs_and_n(front):
+    c = client(front)
+    case = next(x for x in front["cases"] if x["finish_reason"] == "length" and isinstance(x["prompt"], str))
+    text = case["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    r = c.completions.create(model=front["model"], prompt=case["prompt"], max_tokens=MAX_NEW, temperature=0,
+                             stop=[stop])
+    assert r.choices[0].text == text[:text.index(stop)] and r.choices[0].finish_reason == "stop"
+    # repetition_penalty, as vLLM's load generator sends it: transformers applies the same rule
+    model, tok = load(front["path"])
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([case["prompt_ids"]]), do_sample=False, max_new_tokens=10,
+                             repetition_penalty=1.4, eos_token_id=None, pad_token_id=0)[0, len(case["prompt_ids"]):]
+    r = c.completions.create(model=front["model"], prompt=case["prompt_ids"], max_tokens=10, temperature=0,
+                             extra_body={"repetition_penalty": 1.4, "ignore_eos": True}, logprobs=2)
+    assert tok.decode(ref.tolist(), skip_special_tokens=True).startswith(r.choices[0].text)
+    assert len(r.usage and r.choices[0].text) >= 0
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 10 and all(len(t) == 2 for t in lp.top_logprobs)
+    with torch.no_grad():
+        logits = model(torch.tensor([case["prompt_ids"]])).logits[0, -1].float()
+    assert lp.token_logprobs[0] == pytest.approx(float(torch.log_softmax(logits, -1)[ref[0]]), abs=1e-3)
+    # n choices, sampled with seed + i; usage sums them
+    r = c.completions.create(model=front["model"], prompt=case["prompt"], max_tokens=6, temperature=1.0, seed=5,
+                             n=3, extra_body={"ignore_eos": True})
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 18
+    again = c.completions.create(model=front["model"], prompt=case["prompt"], max_tokens=6, temperature=1.0, seed=5,
+                                 extra_body={"ignore_eos": True})
+    assert again.choices[0].text == r.choices[0].text          # seeded: the same draw
+
+
+def test_unknown_and_bad_fields_are_400_naming_them(front):
+    with httpx.Client(base_url=front["url"], timeout=60) as h:
+        for body, param in [({"logit_bias": {"5": 1}}, "logit_bias"), ({"min_p": 0.1}, "min_p"),
+                            ({"repetition_penalty": "x"}, "repetition_penalty"),
+                            ({"top_logprobs": 2}, None), ({"n": 2, "stream": True}, None),
+                            ({"min_tokens": 99, "max_tokens": 4}, "min_tokens")]:
+            r = h.post("/v1/chat/completions", json={"model": front["model"], "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": "hi"}], **body})
+            assert r.status_code == 400, body
+            err = r.json()["error"]
+            if param:
+                assert err["param"] == param and param in err["message"]
+
+
+def test_chat_training_samples_end_with_the_end_of_turn_token(front):
+    """A chat sample is stored as the template renders it: the completion ends with the
+    template's end-of-turn token, not the tokenizer's EOS."""
+    from raycolo.actors.serve.launch import controller_handle
+
+    with httpx.Client(base_url=front["url"], timeout=60) as h:
+        r = h.post("/v1/train_samples", json={"samples": [{"messages": [
+            {"role": "user", "content": "Where is the river?"}, {"role": "assistant", "content": "By the stone."}]}]})
+        assert r.status_code == 200, r.text
+        seq = r.json()["ids"][0]
+    controller = controller_handle(front["config"])
+    prompt, completion = ray.get(controller.stored_samples.remote([seq]), timeout=60)[0]
+    tok = load(front["path"])[1]
+    end = "<|eot_id|>" if front["kind"] == "llama3" else "<|im_end|>"
+    assert completion[-1] == tok.convert_tokens_to_ids(end)
+    assert prompt.count(tok.bos_token_id) == (1 if tok.bos_token_id is not None else 0)

@@ -1,0 +1,139 @@
+"""The HTTP front's pure parts (raycolo/serving): request validation, error bodies, chat
+rendering, incremental text with stop strings, and the shipped Grafana dashboard."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import example, given, settings, strategies as st
+from pydantic import ValidationError
+
+from raycolo.engine.models import ByteTokenizer
+from raycolo.online.serving.errors import from_validation
+from raycolo.online.serving.protocol import ChatCompletionRequest, CompletionRequest, TrainSamplesRequest
+from raycolo.online.serving.text import TextStream, encode_completion, render_plain
+
+ROOT = Path(__file__).resolve().parents[2]
+TOK = ByteTokenizer(512)
+
+
+def stream_all(text_ids, stop):
+    s = TextStream(TOK, stop)
+    out = "".join(s.add(t) for t in text_ids)
+    return out + s.flush(), s.stopped
+
+
+def first_stop_cut(text: str, stop: list[str]):
+    """Where generation ends the text: at the first character after which some stop string
+    has appeared, before the earliest one there (str.find on each prefix). A longer stop
+    string that began earlier but would complete later never does: generation has stopped.
+    None when no stop string appears."""
+    for n in range(1, len(text) + 1):
+        hits = [text[:n].find(s) for s in stop if s and s in text[:n]]
+        if hits:
+            return text[:min(hits)]
+    return None
+
+
+@given(st.text(max_size=40), st.lists(st.text(min_size=1, max_size=4), max_size=3))
+@settings(max_examples=300, deadline=None)
+@example("\x80", ["\ufffd"])        # half a character is not a replacement character yet
+@example("a\ufffd", ["\ufffd"])     # a real one, last: held back as if incomplete, never a stop
+@example("0\xdb0", ["\xdb", "0\xdb0"])   # the short stop completes first (a clean-clone run found it)
+def test_streamed_text_equals_the_decoded_text_cut_at_the_first_stop(text, stop):
+    """Whatever the byte boundaries, the deltas add up to the decoded text, cut before the
+    first stop string to appear (the reference: :func:`first_stop_cut`)."""
+    ids = TOK.encode(text)[1:]
+    got, stopped = stream_all(ids, stop)
+    # a trailing U+FFFD is, to an incremental detokenizer, a character still incomplete: never
+    # emitted, so never text and never part of a stop string (vLLM's DecodeStream alike)
+    text = text.rstrip("\ufffd")
+    cut = first_stop_cut(text, stop)
+    if cut is not None:
+        assert stopped is not None and got == cut
+    else:
+        assert stopped is None and got == text
+
+
+def test_no_delta_ever_shows_half_a_character_or_a_stop_prefix():
+    ids = TOK.encode("héllo wörld END more")[1:]
+    s = TextStream(TOK, ["END"])
+    deltas = [s.add(t) for t in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == "héllo wörld " and s.stopped == "END"
+
+
+def test_plain_chat_template_and_training_completions():
+    assert render_plain([("system", "Be brief."), ("user", "Hi")]) == \
+        "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    assert encode_completion(TOK, "ab") == [ord("a") + 3, ord("b") + 3, TOK.eos_token_id]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "max_tokens": 5.5}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "temperature": float("nan")}, "temperature"),
+    ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
+    ({"model": "m", "prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": [1, -2]}, "prompt"),
+    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x"}, "model"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),      # unsupported: never ignored
+    ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "n": 17}, "n"),
+])
+def test_invalid_completion_requests_name_their_parameter(body, param):
+    with pytest.raises(ValidationError) as exc:
+        CompletionRequest.model_validate(body)
+    err = from_validation(exc.value)
+    assert err.status == 400 and err.param == param and err.message.startswith(param)
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_valid_requests_and_whole_floats():
+    r = CompletionRequest.model_validate({"model": "m", "prompt": ["hi"], "max_tokens": 4.0, "stop": "x",
+                                          "user": "ignored"})
+    assert r.prompt == "hi" and r.max_tokens == 4 and r.stop_list() == ["x"]
+    c = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 3})
+    assert c.messages[0].text() == "ab" and c.limit() == 3
+
+
+@pytest.mark.parametrize("sample", [
+    {"prompt": "only"}, {"completion": "only"}, {"prompt": "p", "completion": ""},
+    {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+    {"prompt": "p", "completion": "c", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+])
+def test_invalid_training_samples_are_refused(sample):
+    with pytest.raises(ValidationError):
+        TrainSamplesRequest.model_validate({"samples": [sample]})
+
+
+def test_grafana_dashboard_uses_only_exported_metrics():
+    dash = json.loads((ROOT / "docs" / "grafana-raycolo.json").read_text())
+    exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
+    used = set(re.findall(r"ray_(raycolo_[a-z_]+?)(?:_total|_bucket)?\b", exprs))
+    defined = set(re.findall(r'"(raycolo_[a-z_]+)"', (ROOT / "raycolo" / "actors" / "serve" / "metrics.py").read_text()))
+    assert used and used <= defined, used - defined
+
+
+def test_model_variant_names():
+    """A model name selects a variant by a checked integer, never a path: nothing in a
+    request can name a file (docs/security.md)."""
+    from raycolo.online.serving.protocol import model_variant
+
+    served = "tiny-llama-s"
+    assert model_variant(served, served) == "latest"
+    assert model_variant(served + "@base", served) == "base"
+    assert model_variant(served + "@v0", served) == 0 and model_variant(served + "@v17", served) == 17
+    for name in ("gpt-4", served + "@v", served + "@v01", served + "@v-1", served + "@v1.0",
+                 served + "@vÙ£", served + "@v" + "9" * 10, served + "@Base", served[:-1], served + "x",
+                 served + "@v../../etc/passwd", served + "@v1/../../x", "../" + served, served + "@v1\x00"):
+        assert model_variant(name, served) is None, name
