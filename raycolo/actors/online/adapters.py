@@ -25,6 +25,17 @@ from raycolo.online.driver import OpLost
 from raycolo.online.samples import clip_sample, to_ranges, training_rows
 
 class AdapterVersions(ControllerState):
+    def _resume_version(self, version: int) -> None:
+        """Take up an earlier deployment's adapter version (the nodes restored it)."""
+        self.adapter_version = version
+
+    def _versions_init(self) -> None:
+        """This role's own state (it alone writes these)."""
+        self.adapter_version = 0
+        self.exports: dict[int, asyncio.Task] = {}
+        self.versions: list[int] = []                 # adapter versions servable as @v<k>
+        self.oob_seq = -1_000_000     # seq numbers of out-of-band payloads (checkpoint, lora)
+
     async def held_out_loss(self, pairs: list, node: int = 0) -> float:
         """Loss of the model on ``pairs`` (prompt, completion), forward only, on ``node``."""
         return (await self._evaluate(pairs, node))["loss"]
@@ -114,7 +125,7 @@ class AdapterVersions(ControllerState):
             return           # the group restarted meanwhile (the ledger dropped its reports)
         if committed is None or committed < version:
             self.ledger.reported.pop((node, version), None)
-            self.errors.append(f"node {node}: adapter checkpoint v{version} was not committed by Ray Train "
+            self._note_error(f"node {node}: adapter checkpoint v{version} was not committed by Ray Train "
                                f"(last committed: {committed})")
             return
         self.ledger.commit(node, version)

@@ -12,11 +12,12 @@ completion feeds the cluster scheduler (calibration of LeMix's planned paths, th
 learner, node idleness), so a separate node actor would add an actor hop per op without
 saving one. The node logic stays a separate object (``NodeScheduler``) all the same.
 
-The actor is made of roles, each a class in its own module over one declared state
-(:mod:`.state`): worker groups (:mod:`.workers`), the op runner (:mod:`.op_runner`), the
-request desk (:mod:`.requests`), the sample pump (:mod:`.sample_pump`), adapter versions
-(:mod:`.adapters`), adapters loaded over HTTP (:mod:`.loaded_adapters`), reports
-(:mod:`.reports`) and the links to node loops (:mod:`.nodes`). What is left here ties them
+The actor is made of roles, each a class in its own module that owns its fields
+(:mod:`.state` has what all of them read): worker groups (:mod:`.workers`), the op runner
+(:mod:`.op_runner`), the request desk (:mod:`.requests`), the sample pump
+(:mod:`.sample_pump`), adapter versions (:mod:`.adapters`), adapters loaded over HTTP
+(:mod:`.loaded_adapters`), reports (:mod:`.reports`) and the links to node loops
+(:mod:`.nodes`). What is left here ties them
 together: the driver, the policy swap, stop and drain.
 
 Each node is one ``TorchTrainer`` (S workers, one logical or real GPU each), fitted in a
@@ -51,24 +52,28 @@ class OnlineController(WorkerGroups, OpRunner, RequestDesk, SamplePump, AdapterV
     them together: the state, the driver, the policy swap, stop and drain."""
 
     def __init__(self, config: dict, name: str, namespace: str):
-        super().__init__(config, name, namespace)
+        super().__init__(config, name, namespace)     # what every role reads (state.py)
+        for own in (self._workers_init, self._runner_init, self._desk_init, self._pump_init, self._versions_init,
+                    self._loaded_init, self._reports_init, self._links_init):
+            own()                                     # each role's own state, in its module
         self.mark_cpu()                               # the controller's CPU per task from here
-        self._links_init()
 
-    def _driver(self) -> ClusterDriver:
+    def _start_driver(self) -> None:
+        """A driver for the current cluster, on a wall clock (started now)."""
         tick = self.config.lemix.slo_s(self.cluster.profile.forward_latency_s) / 4
         driver = ClusterDriver(self.cluster, self, retry_every_s=tick, on_failed=self._task_failed,
                                on_aborted=self._training_aborted, on_error=self._run_failed,
                                link=self if self.node_loops else None)
         driver.start()
         self.mark_cpu()
-        return driver
+        self.driver = driver
 
     def mark_cpu(self) -> None:
         """Count this process's CPU time (every thread: the event loop, Ray's own) and the
         arriving tasks from now (stats(): controller_cpu_ms_per_task): a new driver does,
         and a trace replay, so the workers' start-up is not in its figure."""
-        self.cpu_mark, self.wall_mark, self.arrived = time.process_time(), time.monotonic(), 0
+        self.cpu_mark, self.wall_mark = time.process_time(), time.monotonic()
+        self._count_arrivals()
 
     def _task_failed(self, task: OnlineTask) -> None:
         """No node is left to run ``task``."""
@@ -78,7 +83,7 @@ class OnlineController(WorkerGroups, OpRunner, RequestDesk, SamplePump, AdapterV
             req.finish_reason = FinishReason.ERROR
             req.events.put_nowait(StreamEvent(EventKind.ERROR, why))
         elif task.is_train:
-            self.errors.append(f"training task {task.task_id} not run: {why}")
+            self._note_error(f"training task {task.task_id} not run: {why}")
 
     async def stop(self) -> dict:
         for q in self.queues.values():
@@ -126,9 +131,9 @@ class OnlineController(WorkerGroups, OpRunner, RequestDesk, SamplePump, AdapterV
         self.policy = make_online_policy(name, cfg.lemix, nodes=cfg.nodes, train_rate=cfg.train_rate)
         self.cluster = Cluster(self.policy, self.cluster.learner.current, cfg.nodes, cfg.lemix)
         self.cluster.scheduler.down = set(self.dead)  # a node down for good stays down
-        self.busy_s, self.busy_seen = {}, 0          # busy fractions count the new cluster's ops
-        self.driver = self._driver()
-        self.tasks = {}
-        self.hops = 0
+        self._reset_busy()                            # busy fractions count the new cluster's ops
+        self._start_driver()
+        self._forget_tasks()
+        self._reset_hops()
         if self.node_loops:
             self._adopt_on_nodes()

@@ -23,6 +23,10 @@ MAX_LOADED_ADAPTERS = 64       # adapters loaded over HTTP at a time (each a cop
 
 
 class LoadedAdapters(ControllerState):
+    def _loaded_init(self) -> None:
+        """This role's own state (it alone writes these)."""
+        self.loaded: dict[str, dict] = {}             # adapters loaded over HTTP, by name (online_adapters.py)
+
     @functools.cached_property
     def _lora_layout(self) -> tuple[dict, dict]:
         """The deployment's adapter weights (key -> shape) and the model's linear layers."""

@@ -66,7 +66,7 @@ class NodeLinks(ControllerState):
     async def node_commands(self, node: int, epoch: int) -> Optional[list]:
         """Node ``node``'s next commands, once there are some (empty after
         ``COMMAND_POLL_S``); None: stop (the deployment stops, or the group is stale)."""
-        self.hops += 1
+        self._hop()
         ready = self.inbox_ready[node]
         if epoch == self.epochs[node] and not self.stopping and not self.inbox[node]:
             try:
@@ -83,13 +83,11 @@ class NodeLinks(ControllerState):
         """What node ``node``'s loop did since its last report (in order: each node sends
         its next report once this one returned). Returns why the node's group must start
         over (its loop and the mirror parted), else None."""
-        self.hops += 1
+        self._hop()
         if epoch != self.epochs[node] or report.era != self.eras[node]:
             return None               # a group that is gone, or a scheduler replaced since
-        for stage, reading in report.devices.items():
-            self.device[(node, stage)] = reading
-        for stage, sends in report.sends.items():
-            self.sends[(node, stage)] = sends
+        for stage in report.devices.keys() | report.sends.keys():
+            self._note_readings(node, stage, report.devices.get(stage), report.sends.get(stage))
         for out in report.tokens:
             req = self.requests.get(out.task_id)
             if req is None or req.finish_reason is not None:
@@ -107,7 +105,7 @@ class NodeLinks(ControllerState):
                 self.driver.absorb(node, event, keys)
         except Exception as exc:      # out of step: the node's group starts over from its mirror
             why = f"node {node}'s loop and its mirror parted: {exc!r}"
-            self.errors.append(why)
+            self._note_error(why)
             return why
         if report.paused is not None:
             future = self.pauses.pop((node, report.paused), None)
@@ -124,8 +122,7 @@ class NodeLinks(ControllerState):
         """The driver's link (raycolo.online.driver.NodeLink): what the cluster wants of node ``n``."""
         if type(event) is Synced:     # once the training group's weights are exported
             task = asyncio.get_running_loop().create_task(self._sync_node(n, event.version))
-            self.background.add(task)
-            task.add_done_callback(self.background.discard)
+            self._in_background(task)
             return
         if type(event) is not Dispatched:
             raise TypeError(f"no command for {event!r}")

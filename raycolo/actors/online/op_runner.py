@@ -27,13 +27,44 @@ from raycolo.actors.online.state import ControllerState, LiveRequest
 
 
 class OpRunner(ControllerState):
+    def _fail_waiting(self, node: int, reason: str) -> None:
+        """Node ``node`` is lost: every op of it this actor waits for fails with OpLost."""
+        for key in [k for k in self.waiting if k[0] == node]:
+            future = self.waiting.pop(key)
+            if not future.done():
+                future.set_exception(OpLost(reason))
+
+    def _in_background(self, task: asyncio.Task) -> None:
+        """A checkpoint under way: drain() waits for it."""
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def _forget_received(self, node: int) -> None:
+        """Node ``node``'s stages start over: what their receivers consumed is moot."""
+        for s in range(self.config.stages):
+            self.received.pop((node, s), None)
+
+    def _runner_init(self) -> None:
+        """This role's own state (it alone writes these)."""
+        cfg = self.config
+        # (node, stage) -> seqs of its sends that their receivers consumed: told to it with
+        # its next op, so it lets go of them (gloo's isend reports completion only to wait())
+        self.received: dict[tuple[int, int], list[int]] = {}
+        self.background: set[asyncio.Task] = set()   # checkpoints under way
+        self.losses: list[tuple[float, int, float]] = []    # (time, task, loss)
+        self.waiting: dict[tuple[int, int, int], asyncio.Future] = {}
+        self.trained_steps = [0] * cfg.nodes
+        self.inflight = [0] * cfg.nodes
+        self.last_trained_node = 0
+        self.adapter_changed_s = time.time()          # the served adapter last changed
+
     @ray.method(enable_task_events=False)   # per op and stage: kept out of the GCS's task-event store
     async def next_op(self, node: int, stage: int, epoch: int,
                       done: Optional[StageResult] = None) -> Optional[StageWork]:
         """The stage's next op; None tells a worker of an old group to stop. ``done``: the
         result of the op the worker just ran, reported in the same call (one actor call
         per op rather than two)."""
-        self.hops += 1
+        self._hop()
         if done is not None:
             self._op_done(node, stage, epoch, done)
         if epoch != self.epochs[node]:
@@ -42,16 +73,13 @@ class OpRunner(ControllerState):
 
     @ray.method(enable_task_events=False)   # per op and stage: kept out of the GCS's task-event store
     async def op_done(self, node: int, stage: int, epoch: int, result: StageResult) -> None:
-        self.hops += 1
+        self._hop()
         self._op_done(node, stage, epoch, result)
 
     def _op_done(self, node: int, stage: int, epoch: int, result: StageResult) -> None:
         if epoch != self.epochs[node]:
             return           # an op of a worker group that is gone: its node was reset
-        if result.device is not None:
-            self.device[(node, stage)] = result.device
-        if result.sends is not None:
-            self.sends[(node, stage)] = result.sends
+        self._note_readings(node, stage, result.device, result.sends)
         future = self.waiting.pop((node, stage, result.seq), None)
         if future is not None and not future.done():
             future.set_result(result)
@@ -60,7 +88,7 @@ class OpRunner(ControllerState):
         """An op raised on its stage (the worker then exits and Ray Train restarts the
         group, up to ``max_failures``): the node is reset now rather than at the new
         group's registration, and its work is placed again."""
-        self.errors.append(f"node-{node}/stage-{stage} op {seq}: {error}")
+        self._note_error(f"node-{node}/stage-{stage} op {seq}: {error}")
         if epoch == self.epochs[node]:
             self._node_lost(node, f"node-{node}/stage-{stage} op {seq} failed: {error}")
 
@@ -114,7 +142,7 @@ class OpRunner(ControllerState):
         """An op failed and the driver stopped: no request may wait for ever, so every one
         still running ends with the error in its stream."""
         why = f"the run stopped: {exc!r}"
-        self.errors.append(why)
+        self._note_error(why)
         for req in self.requests.values():
             if req.finish_reason is None:
                 req.finish_reason = FinishReason.ERROR
@@ -163,8 +191,7 @@ class OpRunner(ControllerState):
             if not op.step:           # a micro-batch of a task whose last one is still to come
                 return OpResult()
             root = self._samples_of(op).root
-            self.train_tasks.pop(root, None)
-            self.ledger.train(op.node, self.train_seqs.pop(root, []))
+            self.ledger.train(op.node, self._trained(root))
             self.last_trained_node = op.node
             self.trained_steps[op.node] += 1
             self.adapter_changed_s = time.time()
@@ -172,8 +199,7 @@ class OpRunner(ControllerState):
                 self._pump_training()
             if self.trained_steps[op.node] % self.config.lora.checkpoint_every == 0:
                 task = asyncio.get_running_loop().create_task(self._checkpoint(op.node))
-                self.background.add(task)
-                task.add_done_callback(self.background.discard)
+                self._in_background(task)
         return OpResult()
 
     async def _paused(self, node: int, payloads: list) -> list:

@@ -18,6 +18,32 @@ def _pct(values, q) -> float:
 
 
 class Reports(ControllerState):
+    def _reset_busy(self) -> None:
+        """Busy fractions count a new cluster's ops from zero."""
+        self.busy_s, self.busy_seen = {}, 0
+
+    def _hop(self) -> None:
+        """One call from a stage worker or a node loop reached this actor."""
+        self.hops += 1
+
+    def _reset_hops(self) -> None:
+        self.hops = 0
+
+    def _note_readings(self, node: int, stage: int, device, sends) -> None:
+        """A stage's last device reading and its sends' counts (each None: none new)."""
+        if device is not None:
+            self.device[(node, stage)] = device
+        if sends is not None:
+            self.sends[(node, stage)] = sends
+
+    def _reports_init(self) -> None:
+        """This role's own state (it alone writes these)."""
+        self.hops = 0
+        self.device: dict = {}                        # (node, stage) -> its device's last reading
+        self.sends: dict = {}                         # (node, stage) -> (sends held, sends posted)
+        self.busy_s: dict = {}                        # (node, stage) -> seconds of ops run (monitor)
+        self.busy_seen = 0                            # op_log entries counted into busy_s
+
     async def train_status(self) -> dict:
         trained = sum(1 for n in self.ledger.trained.values() if n > 0)
         last = max(((n, v) for n, v in enumerate(self.ledger.version) if v),

@@ -37,6 +37,31 @@ class FrontQueue:
 
 
 class RequestDesk(ControllerState):
+    def _register_task(self, task: OnlineTask) -> None:
+        """A task (inference or training) arrived: it is known by its id, and counted."""
+        self.tasks[task.task_id] = task
+        self.arrived += 1
+
+    def _forget_tasks(self) -> None:
+        """A new policy: the tasks known so far are not its (nothing is in flight)."""
+        self.tasks = {}
+
+    def _count_arrivals(self) -> None:
+        """Count arrivals from now (the controller's CPU per task: Reports.stats)."""
+        self.arrived = 0
+
+    def _desk_init(self) -> None:
+        """This role's own state (it alone writes these)."""
+        self.fronts: set[str] = set()                 # HTTP replicas attached (serve/app.py)
+        self.requests: dict[int, LiveRequest] = {}
+        self.tasks: dict[int, OnlineTask] = {}
+        self.next_id = self.first_id
+        self.arrived = 0                              # tasks arrived since the controller's CPU mark
+        self.rejections = 0                           # admissions refused (429)
+        self.muxes: dict[str, asyncio.Queue] = {}     # HTTP replica -> its requests' events (front_events)
+        self.front_sent = [0, 0]                      # front_events: messages, events in them
+        self.cancelled: dict[str, int] = {}           # requests ended early, by reason: stop, abort (client gone)
+
     async def attach(self, front: str) -> None:
         """An HTTP replica uses this deployment."""
         self.fronts.add(front)
@@ -92,8 +117,7 @@ class RequestDesk(ControllerState):
             if self.node_loops and front.inbox is not None:
                 req.front = front       # its node sends its tokens to the replica itself
         self.requests[tid] = req
-        self.tasks[tid] = task
-        self.arrived += 1
+        self._register_task(task)
         self.driver.submit(task)
         return tid
 

@@ -9,13 +9,33 @@ import asyncio
 from typing import Optional
 
 
-from raycolo.online.samples import (clip_sample, training_rows)
+from raycolo.online.samples import Cursor, SampleStore, clip_sample, training_rows
 from raycolo.online.tasks import OnlineTask
 
 from raycolo.actors.online.state import ControllerState
 
 
 class SamplePump(ControllerState):
+    def _trained(self, root: int) -> list[int]:
+        """Training task ``root`` took its optimizer step: it is done here; its samples' seqs."""
+        self.train_tasks.pop(root, None)
+        return self.train_seqs.pop(root, [])
+
+    def _resume_samples(self, cursor, pending) -> None:
+        """Take up an earlier deployment's samples: the store's ``cursor`` after those its
+        adapters hold, and the ``pending`` ones to train first."""
+        self.cursor, self.backlog = cursor, list(pending)
+
+    def _pump_init(self) -> None:
+        """This role's own state (it alone writes these)."""
+        self.store = SampleStore(self.config.sample_store)
+        self.cursor = Cursor()
+        self.train_tasks: dict[int, list] = {}
+        self.train_seqs: dict[int, list[int]] = {}          # training task -> its samples' seqs
+        self.auto_train = False                       # samples arrive over HTTP: train them as they come
+        self._flush_timer: Optional[asyncio.TimerHandle] = None   # trains a partial micro-batch of HTTP samples
+        self.backlog: list[int] = []                  # resumed samples to train, fed in as training tasks finish
+
     async def stored_samples(self, seqs: list) -> list[tuple]:
         """The stored samples ``seqs`` as token ids: (prompt, completion) or (prompt,
         chosen, rejected), as training takes them."""
@@ -77,8 +97,7 @@ class SamplePump(ControllerState):
             task = OnlineTask(tid, "train", self.driver.now(), max(len(p) + len(c) for p, c in rows), len(rows), 0)
             self.train_tasks[tid] = ids
             self.train_seqs[tid] = [s.seq for s in group]
-            self.tasks[tid] = task
-            self.arrived += 1
+            self._register_task(task)
             self.driver.submit(task)
             tids.append(tid)
         return tids

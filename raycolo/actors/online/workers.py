@@ -17,7 +17,6 @@ import ray
 
 from raycolo.errors import ConfigError
 from raycolo.online.config import stage_build
-from raycolo.online.driver import OpLost
 from raycolo.online.samples import Cursor, from_ranges, plan_resumption
 from raycolo.online.stage_messages import WorkerInfo
 
@@ -27,6 +26,22 @@ START_TIMEOUT_S = 300.0    # stage workers must register within this
 
 
 class WorkerGroups(ControllerState):
+    def _workers_init(self) -> None:
+        """This role's own state (it alone writes these)."""
+        cfg = self.config
+        self.fit_futures = []
+        self.restarts: list[dict] = []                       # node, reason, time, lost, replayed
+        self.queues = {(n, s): asyncio.Queue() for n in range(cfg.nodes) for s in range(cfg.stages)}
+        self.workers: dict[str, dict] = {}
+        self.epochs = [0] * cfg.nodes
+        self.registered = [set() for _ in range(cfg.nodes)]
+        self.dead: dict[int, str] = {}                       # node -> why its worker group is gone
+        self._starting: Optional[asyncio.Task] = None      # the launch of the stage workers
+        self._partial: Optional[asyncio.TimerHandle] = None  # serve with the nodes there are (_serve_partial)
+        self.restored: dict[int, tuple] = {}          # node -> (version, seqs held, cursor) of an earlier run
+        self.resumption: Optional[dict] = None        # what this deployment took up from an earlier one
+        self.train_runs = [0] * cfg.nodes             # Ray Train runs started per node (a new one after its controller died)
+
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> dict:
         """Start the stage workers and wait until they registered. Idempotent: a second
         caller (another HTTP replica, a restarted one) waits for the same start. Requests
@@ -62,11 +77,11 @@ class WorkerGroups(ControllerState):
                               f"per stage worker); the Ray cluster has {gpus:g}. On a CPU machine give the "
                               f"cluster logical GPUs: ray start --head --num-gpus={self.config.gpus_needed()}")
         if gpus < need - 1e-9:
-            self.errors.append(f"restarted with {gpus:g} of the {need:g} GPUs the deployment needs: "
+            self._note_error(f"restarted with {gpus:g} of the {need:g} GPUs the deployment needs: "
                                f"the nodes that fit serve; the others join when GPUs come back")
         loop = self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self.groups.release)   # of an earlier controller of this deployment
-        self.driver = self._driver()
+        self._start_driver()
         for n in range(self.config.nodes):
             trainer = self._trainer(n)
             self.fit_futures.append(loop.run_in_executor(None, self._fit, n, trainer))
@@ -83,7 +98,7 @@ class WorkerGroups(ControllerState):
                     if committed is not None:
                         self.restored[n] = committed
                 self.driver.node_lost(n)
-                self.errors.append(f"node {n}: not registered {self.config.stage.start_grace_s:g} s after "
+                self._note_error(f"node {n}: not registered {self.config.stage.start_grace_s:g} s after "
                                    f"the first node; serving without it until it does")
         self._resume()
         self.ready.set()
@@ -153,7 +168,7 @@ class WorkerGroups(ControllerState):
                 return
             except Exception as exc:
                 why = f"node {n}: {type(exc).__name__}: {exc}"
-                self.errors.append(why)
+                self._note_error(why)
                 lost_controller = isinstance(exc, RayActorError) or isinstance(exc.__cause__, RayActorError)
                 if lost_controller and self.train_runs[n] <= self.config.stage.max_failures and self.config.resume:
                     self._loop.call_soon_threadsafe(self._node_lost, n, f"node {n}: its Ray Train controller died")
@@ -208,11 +223,11 @@ class WorkerGroups(ControllerState):
             plan = plan_resumption(self.restored, len(self.store))
             for node, (version, seqs, _) in self.restored.items():
                 self.ledger.resume(node, version, seqs)
-            self.adapter_version, self.cursor = plan.adapter_version, plan.cursor
+            self._resume_version(plan.adapter_version)
             self.resumption = {"adapter_version": plan.adapter_version, "samples_held": plan.held,
                                "samples_resumed": len(plan.pending),
                                "nodes_restored": sorted(self.restored)}
-            self.backlog = list(plan.pending)
+            self._resume_samples(plan.cursor, plan.pending)
         self._pump_training()
 
     async def group_failed(self, node: int, at: float, why: str) -> None:
@@ -241,17 +256,14 @@ class WorkerGroups(ControllerState):
         for s in range(self.config.stages):    # an old worker still waiting for an op stops
             self.queues[(node, s)].put_nowait(None)
             self.queues[(node, s)] = asyncio.Queue()
-            self.received.pop((node, s), None)
+        self._forget_received(node)
         self._links_lost(node, reason)
         resumed = self.cluster.resumed
         if down:
             self.driver.node_down(node)
         else:
             self.driver.node_lost(node)
-        for key in [k for k in self.waiting if k[0] == node]:
-            future = self.waiting.pop(key)
-            if not future.done():
-                future.set_exception(OpLost(reason))
+        self._fail_waiting(node, reason)
         self.ledger.lose(node)
         self.restarts.append({"node": node, "reason": reason, "time_s": self.driver.now(),
                               "epoch": self.epochs[node], "resumed_tasks": self.cluster.resumed - resumed,
@@ -271,7 +283,7 @@ class WorkerGroups(ControllerState):
                 or not self.ledger.restoring(node):
             return
         seqs = self.ledger.abandon(node)
-        self.errors.append(f"node {node}: not back {self.config.stage.rejoin_s:g} s after its loss; "
+        self._note_error(f"node {node}: not back {self.config.stage.rejoin_s:g} s after its loss; "
                            f"{len(seqs)} samples it trained since its checkpoint go to the other nodes")
         self._retrain(node, seqs)
 
