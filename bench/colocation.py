@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from raycolo.online.params import LemixParams  # noqa: E402
+from raycolo.online.lemix_params import LemixParams  # noqa: E402
 from raycolo.online.profiles import preset  # noqa: E402
 from raycolo.online.simulation.sim import simulate  # noqa: E402
 from raycolo.online.tasks import bursty_workload, load_trace, poisson_workload  # noqa: E402

@@ -12,7 +12,7 @@ runs), on the same task lists:
    indexed run's decisions that pick the node the exhaustive scan picks on the same state
    (a shadow scan at every decision of the indexed run), over a grid of node counts, load
    levels, training shares and seeds. Medians over seeds; ratios indexed / exhaustive.
-3. **Against the paper-literal planner** (``raycolo.online.params.PAPER_LITERAL``), 4 × 2,
+3. **Against the paper-literal planner** (``raycolo.online.lemix_params.PAPER_LITERAL``), 4 × 2,
    α 0.5, one cell below saturation and one past it: µs per decision, decisions per task
    (held training tasks are decided again on every event), µs per task, and what the
    decisions bought (SLO attainment). Medians of ``--repeats`` interleaved passes.
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from common import write_json  # noqa: E402
 from raycolo.online.scheduling.allocation import best_node  # noqa: E402
-from raycolo.online.params import PAPER_LITERAL, LemixParams  # noqa: E402
+from raycolo.online.lemix_params import PAPER_LITERAL, LemixParams  # noqa: E402
 from raycolo.online.scheduling.planning import commit  # noqa: E402
 from raycolo.online.profiles import preset  # noqa: E402
 from raycolo.online.simulation.sim import ClusterSimulator  # noqa: E402

@@ -43,7 +43,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from raycolo.online.params import LemixParams  # noqa: E402
+from raycolo.online.lemix_params import LemixParams  # noqa: E402
 from raycolo.online.profiles import preset  # noqa: E402
 from raycolo.online.scheduling.scheduler import OnlineScheduler  # noqa: E402
 from raycolo.online.simulation.sim import simulate  # noqa: E402

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from raycolo.bounds import describe  # noqa: E402
 from raycolo.online.config import OnlineConfig  # noqa: E402
-from raycolo.online.params import LemixParams  # noqa: E402
+from raycolo.online.lemix_params import LemixParams  # noqa: E402
 from raycolo.online.policies import make_online_policy  # noqa: E402
 from raycolo.online.profiles import preset  # noqa: E402
 from raycolo.online.simulation.sim import simulate  # noqa: E402

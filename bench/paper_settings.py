@@ -61,7 +61,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from raycolo.online.params import LemixParams  # noqa: E402
+from raycolo.online.lemix_params import LemixParams  # noqa: E402
 from raycolo.online.policies import make_online_policy  # noqa: E402
 from raycolo.online.profiles import GIB, RTX_6000_ADA, NodeProfile, preset  # noqa: E402
 from raycolo.online.scheduling.stage_rules import TRAIN_KINDS, harli_rule  # noqa: E402

@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_online_flags(p: argparse.ArgumentParser) -> None:
     from raycolo.cli.options import SimulatedCluster
-    from raycolo.online.params import LemixParams
+    from raycolo.online.lemix_params import LemixParams
     from raycolo.online.tasks import Arrivals
 
     add_model_flags(p, SimulatedCluster)

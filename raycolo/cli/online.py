@@ -12,7 +12,7 @@ from raycolo.cli.flags import field_type
 
 
 def _online_setup(args):
-    from raycolo.online.params import LemixParams
+    from raycolo.online.lemix_params import LemixParams
     from raycolo.online.profiles import preset
 
     values = {}      # the flags' types held them to their bounds

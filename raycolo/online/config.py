@@ -14,7 +14,7 @@ from raycolo.text_enum import TextEnum
 from raycolo.bounds import MAX_TOKENS, Fraction, Name, PathText, Strict, Threads, describe
 from raycolo.errors import ConfigError
 from raycolo.paths import check_input, is_dir
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.profiles import GIB, NodeProfile
 from raycolo.yamlio import load_yaml
 from raycolo.engine.base import ModelLoadingConfig

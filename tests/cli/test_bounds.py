@@ -141,7 +141,7 @@ def test_flags_are_refused_before_any_work(tmp_path, args, named):
 
 def test_token_bound_covers_every_catalog_context_and_field_bounds_read_the_constraints():
     from raycolo.offline.dag import LengthDistribution, NodeSpec
-    from raycolo.online.params import LemixParams
+    from raycolo.online.lemix_params import LemixParams
 
     assert max(m.context_length for m in _builtin_catalog().values()) <= MAX_TOKENS
     assert field_bounds(NodeSpec, "max_output_tokens") == (1, MAX_TOKENS, False, False)

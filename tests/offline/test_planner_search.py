@@ -176,7 +176,7 @@ def test_search_is_deterministic():
 
 
 def test_search_respects_its_budget():
-    from raycolo.offline.policies.search import HARD_LIMIT_FACTOR
+    from raycolo.offline.policies.samullm_search import HARD_LIMIT_FACTOR
     app = {**TINY, "requests": {"count": 400, "input_tokens": {"distribution": "uniform", "min": 5, "max": 200}},
            "nodes": [{"name": f"n{i}", "model": m, "max_output_tokens": 256}
                      for i, m in enumerate(MODELS[:4])],

@@ -10,7 +10,7 @@ from raycolo.online.scheduling.cluster import Cluster
 from raycolo.online.driver import ClusterDriver
 from raycolo.online.scheduling.node_types import Timer
 from raycolo.online.scheduling.node_events import OpResult
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.profiles import preset
 from raycolo.online.simulation.sim import ClusterSimulator, ends_with, op_duration, query_cost_s
 from raycolo.online.tasks import poisson_workload

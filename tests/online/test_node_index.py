@@ -5,7 +5,7 @@ import pytest
 
 from raycolo.online.scheduling.allocation import length_consistency
 from raycolo.online.scheduling.node_index import LazyMin, NodeIndex
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.scheduling.planning import NodeTrace, StagePath, TaskPath
 from raycolo.online.profiles import preset
 from raycolo.online.scheduling.scheduler import OnlineScheduler

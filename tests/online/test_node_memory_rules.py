@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.profiles import preset
 from raycolo.online.scheduling.node import NodeScheduler, rule_wake_timer
 from raycolo.online.scheduling.node_types import Op, Request

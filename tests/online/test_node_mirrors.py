@@ -5,7 +5,7 @@ import pytest
 
 from raycolo.online.scheduling.cluster import Cluster
 from raycolo.online.scheduling.node import NodeScheduler
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.profiles import preset
 from raycolo.online.simulation.sim import ClusterSimulator
 from raycolo.online.tasks import OnlineTask, poisson_workload

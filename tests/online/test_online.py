@@ -7,7 +7,7 @@ import pytest
 
 from raycolo.online.scheduling.allocation import (best_node, idleness_profit, length_consistency, priority,
                                        violates_slo)
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.scheduling.planning import NodeTrace, commit, compute_idleness
 from raycolo.online.profiles import preset
 from raycolo.online.scheduling.scheduler import OnlineScheduler

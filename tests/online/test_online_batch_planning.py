@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from raycolo.online.params import PAPER_LITERAL, LemixParams
+from raycolo.online.lemix_params import PAPER_LITERAL, LemixParams
 from raycolo.online.policies import make_online_policy
 from raycolo.online.policies.lemix import Lemix
 from raycolo.online.scheduling.allocation import best_node

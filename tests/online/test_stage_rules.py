@@ -7,7 +7,7 @@ import pytest
 from raycolo.latency_predictor import DecodeLatencyPredictor
 from raycolo.online.scheduling.node import NodeScheduler
 from raycolo.online.scheduling.node_types import Op, Request
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.profiles import preset
 from raycolo.online.scheduling.stage_rules import (HarliRule, MaceRule, PeriodicRule, StageRule, StaticPartitionRule,
                                         expected_op_s, harli_rule, mace_rule, pack_bins)

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings, strategies as st
 from pydantic import ValidationError
 
 from raycolo.engine.models import ByteTokenizer
-from raycolo.online.serving.errors import from_validation
+from raycolo.online.serving.openai_errors import from_validation
 from raycolo.online.serving.protocol import ChatCompletionRequest, CompletionRequest, TrainSamplesRequest
 from raycolo.online.serving.text import TextStream, encode_completion, render_plain
 

@@ -9,7 +9,7 @@ import itertools
 
 from raycolo.online.scheduling.node import NodeScheduler
 from raycolo.online.scheduling.node_types import Timer
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.simulation.sim import ends_with, op_duration
 from raycolo.online.tasks import OnlineTask

@@ -17,8 +17,8 @@ The actor is made of roles, each a class in its own module that owns its fields
 (:mod:`.op_runner`), the request desk (:mod:`.requests`), the sample pump
 (:mod:`.sample_pump`), adapter versions (:mod:`.adapters`), adapters loaded over HTTP
 (:mod:`.loaded_adapters`), reports (:mod:`.reports`) and the links to node loops
-(:mod:`.nodes`). What is left here ties them
-together: the driver, the policy swap, stop and drain.
+(:mod:`.nodes`). What is left here ties them together: the driver, the policy swap,
+stop and drain.
 
 Each node is one ``TorchTrainer`` (S workers, one logical or real GPU each), fitted in a
 thread of this actor; its workers register as ``node-<n>/stage-<s>``.

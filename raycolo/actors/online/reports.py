@@ -54,7 +54,7 @@ class Reports(ControllerState):
                 "pinned_versions": list(self.versions), "resumed": self.resumption}
 
     async def monitor(self) -> dict:
-        """The figures the HTTP front exports as gauges (raycolo/actors/serve/metrics.py)."""
+        """The figures the HTTP front exports as gauges (raycolo/actors/serve/front_metrics.py)."""
         now = self.driver.now() if self.driver else 0.0
         nodes = self.cluster.nodes
         running = sum(len(node.batch) + len(node.joining) for node in nodes)

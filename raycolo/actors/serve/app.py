@@ -27,7 +27,7 @@ from raycolo.actors.serve.listener import ReplicaListener, shared_socket
 from raycolo.actors.local_cluster import NAMESPACE, controller_name
 from raycolo.errors import ConfigError, StoreFull
 from raycolo.online.config import Ingress, OnlineConfig, load_online_config, parse_online_config
-from raycolo.online.serving.errors import OpenAIError
+from raycolo.online.serving.openai_errors import OpenAIError
 from raycolo.online.serving.protocol import (BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, ChatCompletionRequest,
                                              ChatCompletionResponse, CompletionRequest, CompletionResponse,
                                              ErrorResponse, EvalResponse, Health, LoadLoraAdapterRequest,
@@ -55,7 +55,7 @@ class OpenAIIngress(Completions):
 
     async def __init__(self, config: dict, controller_name: str):
         from raycolo.actors.online.controller import OnlineController
-        from raycolo.actors.serve.metrics import DeploymentMetrics, FrontMetrics
+        from raycolo.actors.serve.front_metrics import DeploymentMetrics, FrontMetrics
         from raycolo.engine.models import load_tokenizer
         from raycolo.online.config import model_hf_config
 

@@ -18,14 +18,14 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from raycolo.actors.serve.front_channel import CONTROLLER_FAILED, FrontChannel, FrontKey
 from raycolo.generation import FinishReason
 from raycolo.online.config import OnlineConfig
-from raycolo.online.serving.errors import OpenAIError
+from raycolo.online.serving.openai_errors import OpenAIError
 from raycolo.online.serving.messages import TOKEN_EVENTS, EventKind, Rejection
 from raycolo.online.serving.protocol import BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant
 from raycolo.online.serving.responses import SseChunks, StreamInterval, choice, usage
 from raycolo.online.serving.text import TextStream
 
 if TYPE_CHECKING:
-    from raycolo.actors.serve.metrics import DeploymentMetrics, FrontMetrics
+    from raycolo.actors.serve.front_metrics import DeploymentMetrics, FrontMetrics
 
 MONITOR_EVERY_S = 2.0
 CONTROLLER_DIED = "the deployment's controller failed mid-request (it restarts); retry"

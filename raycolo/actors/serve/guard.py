@@ -1,6 +1,6 @@
 """The ingress's HTTP guard rails, outside the ingress class: the API key and body-size
 middleware (:class:`Guard`) and the exception handlers that turn every failure into an
-OpenAI error body (raycolo.online.serving.errors). :func:`install` puts both on the
+OpenAI error body (raycolo.online.serving.openai_errors). :func:`install` puts both on the
 FastAPI app of :mod:`raycolo.actors.serve.app`."""
 
 import hmac
@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from ray.exceptions import ActorUnavailableError, RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from raycolo.online.serving.errors import OpenAIError, from_error
+from raycolo.online.serving.openai_errors import OpenAIError, from_error
 
 # This replica's limits, set by the ingress's __init__ in the process environment: Serve
 # ships the FastAPI app to the replica by value, so a module global would be a copy.

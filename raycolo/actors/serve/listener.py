@@ -25,7 +25,7 @@ from ray.serve.config import HTTPOptions
 
 from raycolo.actors.serve.guard import error_response
 from raycolo.errors import ConfigError
-from raycolo.online.serving.errors import OpenAIError
+from raycolo.online.serving.openai_errors import OpenAIError
 
 STARTUP_TIMEOUT_S = 30.0
 KEEP_ALIVE_S = HTTPOptions().keep_alive_timeout_s     # Ray Serve's proxy's idle keep-alive

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
-from raycolo.offline.planner.bounds import area_bound, lower_hull, node_standalone_runs
+from raycolo.offline.planner.lower_bounds import area_bound, lower_hull, node_standalone_runs
 from raycolo.offline.planner.problem import ExecPlan
 from raycolo.offline.planner.search import SearchContext
 from raycolo.offline.planner.state import AppState

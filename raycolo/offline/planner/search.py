@@ -10,7 +10,7 @@ import time
 from typing import Callable, Optional
 
 from raycolo.errors import PlanningError
-from raycolo.offline.planner.bounds import lower_bound
+from raycolo.offline.planner.lower_bounds import lower_bound
 from raycolo.offline.planner.engines import switch_kind
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
 from raycolo.offline.planner.schedule import AppPlan, PlanStage, PlannedModel

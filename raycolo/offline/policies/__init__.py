@@ -18,8 +18,8 @@ DEFAULT_OFFLINE_POLICY = "samullm-search"
 
 def _load_all() -> tuple:
     # every policy module registers itself on import (static imports: the import graph sees them)
-    from raycolo.offline.policies import samullm, heuristics, nopreempt, rollout, search, optimal
-    return samullm, heuristics, nopreempt, rollout, search, optimal     # in registration order
+    from raycolo.offline.policies import samullm, heuristics, nopreempt, rollout, samullm_search, optimal
+    return samullm, heuristics, nopreempt, rollout, samullm_search, optimal     # in registration order
 
 
 def get_policy(name: str) -> Callable:

@@ -36,8 +36,8 @@ def optimal_applies(problem: PlanningProblem) -> bool:
 
 @register("optimal")
 def plan(problem: PlanningProblem, time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> AppPlan:
-    from raycolo.offline.policies.search import NAME, _selections_of, finish_bounds
-    from raycolo.offline.policies.search import plan as search_plan
+    from raycolo.offline.policies.samullm_search import NAME, _selections_of, finish_bounds
+    from raycolo.offline.policies.samullm_search import plan as search_plan
 
     if not optimal_applies(problem):
         raise PlanningError(f"--policy optimal: limited to {MAX_NODES} nodes and {MAX_GPUS} GPUs "

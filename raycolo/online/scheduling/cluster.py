@@ -27,7 +27,7 @@ from raycolo.online.metrics import OnlineMetrics, OnlineResult
 from raycolo.online.scheduling.node import NodeScheduler
 from raycolo.online.scheduling.node_types import NodeStep, Op, OpKind, Timer
 from raycolo.online.scheduling.node_events import Dispatched, NodeEvent, OpDone, Synced, TimerFired, apply, op_done_event
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.scheduling.scheduler import OnlinePolicy
 from raycolo.online.profiles import NodeProfile, ProfileLearner
 from raycolo.online.scheduling.scheduler import Decision, OnlineScheduler

@@ -38,7 +38,7 @@ from typing import Collection, Optional
 
 from raycolo.online.scheduling.batch_rule import BatchRule
 from raycolo.online.scheduling.microbatches import MicroBatches
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.scheduling.node_types import (FORWARD_KINDS, NodeStep, Op, OpKind, Request, Stage, Timer,
                                                 forward_holdings)

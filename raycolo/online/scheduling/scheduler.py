@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from raycolo.online.scheduling.node_index import NodeIndex
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.scheduling.planning import NodeTrace, TaskPath, calibrate
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.tasks import OnlineTask

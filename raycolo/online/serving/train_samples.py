@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from raycolo.online.serving.errors import OpenAIError
+from raycolo.online.serving.openai_errors import OpenAIError
 from raycolo.online.serving.text import chat_sample_ids, encode_completion
 
 if TYPE_CHECKING:

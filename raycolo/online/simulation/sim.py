@@ -28,7 +28,7 @@ from raycolo.online.metrics import OnlineResult
 from raycolo.online.scheduling.node_types import FORWARD_KINDS, Op, Timer
 from raycolo.online.scheduling.node_events import (Dispatched, NodeEvent, TimerFired, action_key, apply, check_in_step,
                                         op_done_event)
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.scheduling.scheduler import OnlinePolicy
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.scheduling.scheduler import Decision

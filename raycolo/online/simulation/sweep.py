@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from raycolo.online.params import LemixParams
+from raycolo.online.lemix_params import LemixParams
 from raycolo.online.profiles import NodeProfile
 from raycolo.online.simulation.sim import simulate
 from raycolo.online.tasks import poisson_workload
