@@ -14,15 +14,24 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Iterable
 
 from raycolo.batching.blocks import BlockAllocator
 from raycolo.batching.limits import SchedulerLimits, ceil_div
+from raycolo.text_enum import TextEnum
+
+
+class StepKind(TextEnum):
+    """What one engine step runs (vLLM's prefill and decode phases), or nothing."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    IDLE = "idle"
 
 
 @dataclass
 class ScheduledStep:
-    kind: Literal["prefill", "decode", "idle"]
+    kind: StepKind
     seqs: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
 
@@ -78,9 +87,9 @@ class FcfsBlockScheduler:
             for req in batch:
                 self.waiting.popleft()
                 self.alloc.allocate(req, ceil_div(self.prompt_len[req], lim.block_size))
-            return ScheduledStep("prefill", batch)
+            return ScheduledStep(StepKind.PREFILL, batch)
         if not self.running:
-            return ScheduledStep("idle")
+            return ScheduledStep(StepKind.IDLE)
         bs = lim.block_size
         need = sum(1 for r in self.running if self.stored[r] % bs == 0)
         preempted = []
@@ -95,7 +104,7 @@ class FcfsBlockScheduler:
         for req in self.running:  # the block this step's new token goes into
             if self.stored[req] % bs == 0:
                 self.alloc.allocate(req, 1)
-        return ScheduledStep("decode", list(self.running), preempted)
+        return ScheduledStep(StepKind.DECODE, list(self.running), preempted)
 
     def prefilled(self, req: int) -> None:
         """``req`` was prefilled and stays running (it did not finish on its first token)."""

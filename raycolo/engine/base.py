@@ -15,6 +15,7 @@ from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from raycolo.batching.step_scheduler import StepKind
 from raycolo.text_enum import TextEnum
 from raycolo.bounds import PathText, Strict
 from raycolo.errors import ConfigError
@@ -76,7 +77,7 @@ class EngineConfig(BaseModel):
 
 @dataclass
 class IterationRecord:
-    kind: Literal["prefill", "decode"]
+    kind: StepKind               # PREFILL or DECODE
     num_seqs: int
     new_tokens: int               # tokens produced this iteration
     context_lens: list[int]       # tokens each sequence attended (prefill: its prompt)

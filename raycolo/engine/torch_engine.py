@@ -25,7 +25,7 @@ from raycolo.errors import ConfigError
 from raycolo.engine.executor import SeqChunk, create_executor
 from raycolo.generation import FinishReason, StopChecker
 from raycolo.generation.sampler import SamplingRow, plain, position_seed, sample, sample_plain
-from raycolo.batching.step_scheduler import FcfsBlockScheduler
+from raycolo.batching.step_scheduler import FcfsBlockScheduler, StepKind
 from raycolo.batching.limits import SchedulerLimits, ceil_div
 from raycolo.kv_bytes import AttentionShape
 
@@ -125,7 +125,7 @@ class TorchEngine(Engine):
         sched = self.scheduler
         started = time.perf_counter()  # an iteration's time includes its scheduling
         decision = sched.schedule()
-        if decision.kind == "idle":
+        if decision.kind == StepKind.IDLE:
             if self.requests:  # add_request's checks make this unreachable; never spin
                 raise RuntimeError(f"scheduler idle with {len(self.requests)} requests queued "
                                    f"({sched.blocks_used}/{self.limits.num_blocks} KV blocks used)")
@@ -133,7 +133,7 @@ class TorchEngine(Engine):
         for handle in decision.preempted:
             self.requests[handle].preemptions += 1
             self._forget(handle)
-        if decision.kind == "prefill":  # from scratch: prompt plus tokens before a preemption
+        if decision.kind == StepKind.PREFILL:  # from scratch: prompt plus tokens before a preemption
             chunks = [SeqChunk(r.prompt + r.generated, 0, sched.table(h))
                       for h, r in ((h, self.requests[h]) for h in decision.seqs)]
         else:
@@ -144,7 +144,7 @@ class TorchEngine(Engine):
         tokens = sampled.tokens if sampled else []
         now = time.perf_counter()
         finished = []
-        if decision.kind == "decode":
+        if decision.kind == StepKind.DECODE:
             sched.decoded(decision.seqs)
         for i, (handle, token) in enumerate(zip(decision.seqs, tokens)):
             req = self.requests[handle]      # req.generated is req.checker.output: append() adds the token
@@ -157,7 +157,7 @@ class TorchEngine(Engine):
                 sched.finished(handle)
                 self._forget(handle)
                 finished.append(self._output(self.requests.pop(handle), reason, now))
-            elif decision.kind == "prefill":
+            elif decision.kind == StepKind.PREFILL:
                 sched.prefilled(handle)
         self.stats.iterations.append(IterationRecord(
             kind=decision.kind, num_seqs=len(decision.seqs), new_tokens=len(tokens),

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 from raycolo.engine.base import (Engine, EngineConfig, EngineStats, ExecutorBackend, IterationRecord, MemoryUsage,
                                   RequestOutput, SamplingParams, TrackedRequest)
+from raycolo.batching.step_scheduler import StepKind
 from raycolo.engine.models import load_tokenizer
 from raycolo.generation import FinishReason
 from raycolo.errors import ConfigError
@@ -243,7 +244,7 @@ class VllmEngine(Engine):
         prompt_work = any(not r.generated for r in self.requests.values())
         if contexts or prompt_work:
             self.stats.iterations.append(IterationRecord(
-                kind="prefill" if first_tokens or not contexts else "decode",
+                kind=StepKind.PREFILL if first_tokens or not contexts else StepKind.DECODE,
                 num_seqs=len(contexts), new_tokens=new_tokens, context_lens=contexts,
                 seconds=now - started))
         return finished

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 import time
 
+from raycolo.batching.step_scheduler import StepKind
 from raycolo.gpu_check.common import MODEL, PASS, SKIP, Row, _model, _prompts, _require, _sync
 from raycolo.gpu_check.references import _greedy_agreement, _hf_greedy
 
@@ -27,7 +28,7 @@ def check_torch_engine(device) -> Row:
         got = [o.token_ids for o in engine.generate(ps, params)]
         _require(got == refs, "engine tokens differ from transformers' generate()")
         figures = {"tokens_equal": f"{16 * len(ps)}/{16 * len(ps)}"}
-        decode = [r.seconds for r in engine.stats.iterations if r.kind == "decode"]
+        decode = [r.seconds for r in engine.stats.iterations if r.kind == StepKind.DECODE]
         if decode:
             figures["ms_decode_iter"] = 1000 * sorted(decode)[len(decode) // 2]
         # seeded sampling (on the logits' device, from counter-based random bits that are the

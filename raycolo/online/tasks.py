@@ -29,12 +29,19 @@ from pydantic import Field
 from raycolo.bounds import (MAX_RATE, MAX_TOKENS, Fraction, Requests, Strict, Tokens, checked,
                             field_annotation, field_bounds)
 from raycolo.rng import seeded_rng
+from raycolo.text_enum import TextEnum
 from raycolo.errors import ConfigError
 from raycolo.lengths import LengthDistribution
 from raycolo.paths import check_input
 
-TaskKind = Literal["inference", "train"]
-TASK_KINDS = ("inference", "train")
+class TaskKind(TextEnum):
+    """An online task's kind (a trace's ``kind`` column)."""
+
+    INFERENCE = "inference"
+    TRAIN = "train"
+
+
+TASK_KINDS = tuple(TaskKind)
 
 
 @dataclass
@@ -57,6 +64,7 @@ class OnlineTask:
         if self.kind not in TASK_KINDS:
             raise ValueError(f"task {self.task_id}: kind must be 'inference' or 'train', "
                              f"got {self.kind!r}")
+        self.kind = TaskKind(self.kind)
         if self.max_tokens is not None and self.decode_tokens > self.max_tokens:
             raise ValueError(f"task {self.task_id}: decode_tokens {self.decode_tokens} exceeds "
                              f"max_tokens {self.max_tokens}")
@@ -68,7 +76,7 @@ class OnlineTask:
 
     @property
     def is_train(self) -> bool:
-        return self.kind == "train"
+        return self.kind == TaskKind.TRAIN
 
 
 # SYNTHETIC stand-ins for the query lengths of the paper's two preference datasets
@@ -179,7 +187,7 @@ def _workload(arrivals: np.ndarray, train_rate: float, lengths: str, seed: int,
     query_lengths = dist.sample(count, seeded_rng(seed, "online", "lengths", lengths))
     is_train = _train_flags(count, train_rate, seed)
     decode = _decode_lengths(count, seed)
-    return [OnlineTask(task_id=i, kind="train" if is_train[i] else "inference",
+    return [OnlineTask(task_id=i, kind=TaskKind.TRAIN if is_train[i] else TaskKind.INFERENCE,
                        arrival_s=float(arrivals[i]), length=int(query_lengths[i]),
                        batch=train_batch if is_train[i] else batch,
                        decode_tokens=0 if is_train[i] else int(decode[i]),
@@ -350,7 +358,7 @@ def load_trace(path, train_rate: Optional[float] = None, seed: int = 0,
     tasks = []
     for task_id, (src, arrival) in enumerate(zip(order, arrivals)):
         train = bool(is_train[src])
-        tasks.append(OnlineTask(task_id=task_id, kind="train" if train else "inference",
+        tasks.append(OnlineTask(task_id=task_id, kind=TaskKind.TRAIN if train else TaskKind.INFERENCE,
                                 arrival_s=float(arrival), length=int(lengths[src]),
                                 batch=int(batches[src]),
                                 decode_tokens=0 if train else int(decode[src]),

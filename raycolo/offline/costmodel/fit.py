@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from raycolo.batching.step_scheduler import StepKind
 from raycolo.offline.costmodel.latency import DEFAULT_BUCKETS, IterationLatency, LatencyProfile
 
 MIN_SAMPLES_PER_BUCKET = 3
@@ -34,7 +35,7 @@ def samples_from_records(records: Iterable, latency: IterationLatency) -> list[I
     out = []
     for r in records:
         tokens = sum(r.context_lens)
-        if r.kind == "prefill":
+        if r.kind == StepKind.PREFILL:
             flops = latency.prefill_flops(tokens, sum(c * c for c in r.context_lens))
         else:
             flops = latency.decode_flops(r.num_seqs, tokens)
@@ -109,8 +110,8 @@ def fit_profile(samples: Sequence[IterationSample], model: str, tp: int, load_s:
     otherwise one set serves both, as in the paper.
     """
     buckets = list(buckets)
-    decode = [s for s in samples if s.kind == "decode"] if separate_prefill else list(samples)
-    prefill = [s for s in samples if s.kind == "prefill"] if separate_prefill else []
+    decode = [s for s in samples if s.kind == StepKind.DECODE] if separate_prefill else list(samples)
+    prefill = [s for s in samples if s.kind == StepKind.PREFILL] if separate_prefill else []
     if len(decode) < 4 or (separate_prefill and len(prefill) < 4):
         raise ValueError("need at least 4 measured iterations of each kind to fit a profile")
     intercept, slope, per_token, per_seq, pred, y, used = _fit_part(decode, buckets)

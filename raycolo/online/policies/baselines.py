@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from raycolo.online.scheduling.scheduler import OnlinePolicy, PolicyCapabilities
-from raycolo.online.tasks import OnlineTask
+from raycolo.online.tasks import OnlineTask, TaskKind
 from raycolo.online.policies.registry import register_online
 
 
@@ -56,7 +56,7 @@ def train_node_count(nodes: int, train_rate: float) -> int:
 class Separate(_Baseline):
     train_nodes: int = 0
     name: str = "separate"
-    counters: dict = field(default_factory=lambda: {"train": 0, "inference": 0})
+    counters: dict = field(default_factory=lambda: dict.fromkeys(TaskKind, 0))
     capabilities = PolicyCapabilities(dedicated_nodes=True)
 
     def groups(self, nodes: int) -> tuple[list[int], list[int]]:
@@ -67,7 +67,7 @@ class Separate(_Baseline):
     def allocate(self, task: OnlineTask, sched, now: float) -> Optional[int]:
         train, serve = self.groups(sched.nodes)
         group = train if task.is_train else serve
-        key = "train" if task.is_train else "inference"
+        key = task.kind
         node = group[self.counters[key] % len(group)]
         self.counters[key] += 1
         return node

@@ -43,7 +43,7 @@ from raycolo.online.profiles import NodeProfile
 from raycolo.online.scheduling.node_types import (FORWARD_KINDS, NodeStep, Op, OpKind, Request, Stage, Timer,
                                                 forward_holdings)
 from raycolo.online.scheduling.stage_rules import TRAIN_KINDS, StageRule
-from raycolo.online.tasks import OnlineTask
+from raycolo.online.tasks import OnlineTask, TaskKind
 
 class NodeScheduler:
     """Algorithms 2 and 3 for one node; see the module docstring."""
@@ -163,7 +163,7 @@ class NodeScheduler:
         elif op.kind == OpKind.TRAIN_B:
             task = op.tasks[0]
             self._out.observed.append((self.micro.root_of(task).task_id, s, "backward", op.start_s, now))
-            stage.release(("train", task.task_id))
+            stage.release((TaskKind.TRAIN, task.task_id))
             root = self.micro.backward_done(task, s)
             if s > 0:
                 self._ready(self._op(OpKind.TRAIN_B, s - 1, op.tasks, op.mem_bytes, after=op))
@@ -321,7 +321,7 @@ class NodeScheduler:
             self.micro.forward_started(chosen.tasks[0])
         if chosen.kind == OpKind.TRAIN_B:
             chosen.step = self.micro.steps(chosen.tasks[0], s)
-            if ("train", chosen.tasks[0].task_id) not in stage.held:
+            if (TaskKind.TRAIN, chosen.tasks[0].task_id) not in stage.held:
                 chosen.reload = True
         stage.busy = chosen
         self.first_start = self._now if self.first_start is None else self.first_start
@@ -354,10 +354,10 @@ class NodeScheduler:
         waiting = [op for _, _, op in last.ready if op.kind == OpKind.TRAIN_B]
         held = self.stages[s].held
         victims, freed = [], 0.0
-        for op in sorted(waiting, key=lambda o: -held.get(("train", o.tasks[0].task_id), 0.0)):
+        for op in sorted(waiting, key=lambda o: -held.get((TaskKind.TRAIN, o.tasks[0].task_id), 0.0)):
             if freed >= need:
                 break
-            size = held.get(("train", op.tasks[0].task_id), 0.0)
+            size = held.get((TaskKind.TRAIN, op.tasks[0].task_id), 0.0)
             if size > 0:
                 victims.append(op)
                 freed += size
@@ -368,8 +368,8 @@ class NodeScheduler:
             last.ready.remove((op.ready_s, op.seq, op))
             self.queued_ops -= 1
             for stage in self.stages:
-                self.aborted_bytes += stage.held.get(("train", task.task_id), 0.0)
-                stage.release(("train", task.task_id))
+                self.aborted_bytes += stage.held.get((TaskKind.TRAIN, task.task_id), 0.0)
+                stage.release((TaskKind.TRAIN, task.task_id))
             self.aborts += 1
             self._out.aborted.append(task.task_id)
             # queued, not started: the stage that called this is about to start the prefill
@@ -393,7 +393,7 @@ class NodeScheduler:
         self._out.tokens.append(r)
         if r.task_id in finished or r.generated >= r.task.token_budget:
             for stage in self.stages:
-                stage.release(("req", r.task_id))
+                stage.release((TaskKind.INFERENCE, r.task_id))
             self._out.finished.append(r)
         else:
             self.joining.append(r)

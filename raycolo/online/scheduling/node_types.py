@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from raycolo.text_enum import TextEnum
-from raycolo.online.tasks import OnlineTask
+from raycolo.online.tasks import OnlineTask, TaskKind
 
 class OpKind(TextEnum):
     """What an :class:`Op` runs on its stage (a ``str`` enum: equal to, and hashed as, its value)."""
@@ -132,5 +132,5 @@ class Stage:
 def forward_holdings(op: Op) -> list[tuple[tuple, float]]:
     """What a forward keeps on its stage, per task, so release is exact per stage."""
     if op.kind == OpKind.PREFILL:
-        return [(("req", r.task_id), r.kv_bytes) for r in op.tasks]
-    return [(("train", op.tasks[0].task_id), op.mem_bytes)]
+        return [((TaskKind.INFERENCE, r.task_id), r.kv_bytes) for r in op.tasks]
+    return [((TaskKind.TRAIN, op.tasks[0].task_id), op.mem_bytes)]

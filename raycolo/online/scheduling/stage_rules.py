@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from raycolo.latency_predictor import DecodeLatencyPredictor, DecodeSample, fit
 from raycolo.online.scheduling.node_types import OpKind
+from raycolo.online.tasks import TaskKind
 
 if TYPE_CHECKING:  # pragma: no cover
     from raycolo.online.profiles import NodeProfile
@@ -247,7 +248,7 @@ class StaticPartitionRule(StaticShareRule):
     name: str = "static-partition"
 
     def fits(self, stage, op, limit):
-        train = sum(v for (kind, _), v in stage.held.items() if kind == "train")
+        train = sum(v for (kind, _), v in stage.held.items() if kind == TaskKind.TRAIN)
         if op.kind == OpKind.TRAIN_F:
             return train + op.mem_bytes <= self.train_memory * limit
         return stage.used_bytes - train + op.mem_bytes <= (1 - self.train_memory) * limit

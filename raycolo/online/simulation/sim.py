@@ -25,7 +25,7 @@ from typing import Callable, Optional
 from raycolo.online.simulation.clock import SimClock
 from raycolo.online.scheduling.cluster import Cluster, ClusterStep
 from raycolo.online.metrics import OnlineResult
-from raycolo.online.scheduling.node_types import FORWARD_KINDS, Op, Timer
+from raycolo.online.scheduling.node_types import FORWARD_KINDS, Op, OpKind, Timer
 from raycolo.online.scheduling.node_events import (Dispatched, NodeEvent, TimerFired, action_key, apply, check_in_step,
                                         op_done_event)
 from raycolo.online.lemix_params import LemixParams
@@ -38,7 +38,7 @@ from raycolo.online.tasks import OnlineTask
 
 def op_duration(op: Op, profile: NodeProfile, params: LemixParams) -> float:
     """Seconds ``op`` takes on its stage according to ``profile``."""
-    if op.kind == "sync":
+    if op.kind == OpKind.SYNC:
         seconds = profile.weight_bytes_per_stage / params.sync_bandwidth
     else:
         seconds = expected_op_s(op, profile)
@@ -113,7 +113,7 @@ class ClusterSimulator:
 
     def _done(self, op: Op) -> None:
         last = op.stage == self.profile.stages - 1
-        finished = ends_with(op) if last and op.kind in ("prefill", "decode") else ()
+        finished = ends_with(op) if last and op.kind in (OpKind.PREFILL, OpKind.DECODE) else ()
         self._event(op.node, op_done_event(op.stage, op.seq, self.now, finished))
 
     def _event(self, n: int, event: NodeEvent) -> None:
