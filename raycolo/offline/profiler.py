@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from raycolo.batching.step_scheduler import StepKind
 from raycolo.catalog import get_model
 from raycolo.offline.costmodel.fit import fit_profile, samples_from_records
 from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile
@@ -163,7 +164,7 @@ def fit_decode_predictor(records, colocated=(), held_out_every: int = 5) -> dict
     from raycolo.latency_predictor import DecodeSample, fit, mape
 
     samples = [DecodeSample(r.num_seqs, float(np.mean(r.context_lens)), r.seconds)
-               for r in records if r.kind == "decode" and r.seconds > 0 and not r.preempted]
+               for r in records if r.kind == StepKind.DECODE and r.seconds > 0 and not r.preempted]
     held = samples[::held_out_every]
     predictor = fit([s for i, s in enumerate(samples) if i % held_out_every])
     out = {"b0": predictor.b0, "c0": predictor.c0, "k0": predictor.k0, "b1": 1.0, "k1": 1.0,

@@ -319,7 +319,7 @@ def load_trace(path, train_rate: Optional[float] = None, seed: int = 0,
         row = _first_bad_row(~np.isin(kinds, TASK_KINDS))
         if row is not None:
             raise ConfigError(f"{path}: row {row}: kind must be 'inference' or 'train'")
-        is_train = kinds == "train"
+        is_train = kinds == TaskKind.TRAIN.value
     if "batch" in frame.columns:
         batches, present = _integer_column(frame, "batch", path, required=False)
         batches = np.where(present, batches, 1)

@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from raycolo.offline.costmodel.latency import IterationLatency
-from raycolo.batching.step_scheduler import FcfsBlockScheduler
+from raycolo.batching.step_scheduler import FcfsBlockScheduler, StepKind
 from raycolo.offline.sim.types import ReplicaWorkload, SimResult
 from raycolo.batching.limits import SchedulerLimits, ceil_div
 
@@ -57,7 +57,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
             sched.add(idx, int(work.prompt_len[idx]))
 
         decision = sched.schedule()
-        if decision.kind == "prefill":
+        if decision.kind == StepKind.PREFILL:
             lens = [sched.prompt_len[i] for i in decision.seqs]
             tokens, sum_sq = sum(lens), sum(p * p for p in lens)
             dt = latency.prefill_seconds(len(lens), tokens, sum_sq)
@@ -82,7 +82,7 @@ def simulate(work: ReplicaWorkload, limits: SchedulerLimits, latency: IterationL
             curve_u.append(useful)
             continue
 
-        if decision.kind == "decode":
+        if decision.kind == StepKind.DECODE:
             preemptions += len(decision.preempted)
             for victim in decision.preempted:
                 fresh[victim] = False
