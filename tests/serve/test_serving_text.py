@@ -120,7 +120,7 @@ def test_grafana_dashboard_uses_only_exported_metrics():
     dash = json.loads((ROOT / "docs" / "grafana-raycolo.json").read_text())
     exprs = " ".join(t["expr"] for p in dash["panels"] for t in p["targets"])
     used = set(re.findall(r"ray_(raycolo_[a-z_]+?)(?:_total|_bucket)?\b", exprs))
-    defined = set(re.findall(r'"(raycolo_[a-z_]+)"', (ROOT / "raycolo" / "actors" / "serve" / "metrics.py").read_text()))
+    defined = set(re.findall(r'"(raycolo_[a-z_]+)"', (ROOT / "raycolo" / "actors" / "serve" / "front_metrics.py").read_text()))
     assert used and used <= defined, used - defined
 
 

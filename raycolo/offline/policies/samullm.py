@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import multiprocessing
 import os
 import time
@@ -113,11 +114,22 @@ def _in_child(fn: Callable, *args):
     is read when asked for: a Pool's result thread takes it in while this process still
     computes, and for a large result (first-stage runs) the two threads trading the GIL
     can double this process's time.
+
+    The child inherits only the forking thread. Garbage the parent left for the cycle
+    collector could be collected in the child, and a finalizer there that takes a lock
+    another thread of the parent held at the fork (a Ray or gRPC client's, torch's
+    allocator's) waits for ever: a planner child once hung so in the test process. So the
+    parent's objects are frozen across the fork (``gc.freeze``): the child never collects
+    them, and collects only what it makes.
     """
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child_main, args=(fn, args, send), daemon=True)
-    child.start()
+    gc.freeze()
+    try:
+        child.start()
+    finally:
+        gc.unfreeze()
     send.close()
 
     def result():
