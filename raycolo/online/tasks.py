@@ -12,7 +12,7 @@ Two sources of tasks:
   ``train_rate`` and query lengths follow one of :data:`LENGTH_DISTRIBUTIONS`.
 * :func:`load_trace` — a CSV trace (format in docs/online-workloads.md).
 
-Every random draw goes through :func:`raycolo.offline.costmodel.length_sampler.seeded_rng` with its own
+Every random draw goes through :func:`raycolo.rng.seeded_rng` with its own
 label, so the same seed always gives the same workload, and changing one knob (say the
 training rate) leaves the other draws (arrivals, lengths) unchanged.
 """
@@ -33,6 +33,7 @@ from raycolo.text_enum import TextEnum
 from raycolo.errors import ConfigError
 from raycolo.lengths import LengthDistribution
 from raycolo.paths import check_input
+
 
 class TaskKind(TextEnum):
     """An online task's kind (a trace's ``kind`` column)."""

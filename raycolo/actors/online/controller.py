@@ -31,7 +31,6 @@ import time
 import ray
 
 from raycolo.actors.online.adapters import AdapterVersions
-from raycolo.generation import FinishReason
 from raycolo.actors.online.loaded_adapters import LoadedAdapters
 from raycolo.actors.online.nodes import NodeLinks
 from raycolo.actors.online.op_runner import OpRunner
@@ -41,7 +40,6 @@ from raycolo.actors.online.sample_pump import SamplePump
 from raycolo.actors.online.workers import WorkerGroups
 from raycolo.online.driver import ClusterDriver
 from raycolo.online.scheduling.cluster import Cluster
-from raycolo.online.serving.messages import EventKind, StreamEvent
 from raycolo.online.tasks import OnlineTask
 
 
@@ -80,8 +78,7 @@ class OnlineController(WorkerGroups, OpRunner, RequestDesk, SamplePump, AdapterV
         why = "no stage-worker node is alive: " + "; ".join(self.dead.values())
         req = self.requests.get(task.task_id)
         if req is not None and req.finish_reason is None:
-            req.finish_reason = FinishReason.ERROR
-            req.events.put_nowait(StreamEvent(EventKind.ERROR, why))
+            req.fail(why)
         elif task.is_train:
             self._note_error(f"training task {task.task_id} not run: {why}")
 

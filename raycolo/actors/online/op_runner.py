@@ -16,7 +16,6 @@ import ray
 from raycolo.generation import FinishReason
 from raycolo.online.stages.stage_ops import DropActivations, ReleaseKV, StageResult, StageWork
 from raycolo.online.scheduling.node_commands import OutOfBand
-from raycolo.online.serving.messages import EventKind, StreamEvent
 from raycolo.online.serving.token_wire import token_events
 from raycolo.online.driver import OpLost
 from raycolo.online.scheduling.node_types import Op, OpKind
@@ -125,8 +124,7 @@ class OpRunner(ControllerState):
             for r in op.tasks:
                 req = self.requests.get(r.task_id)
                 if req is not None and req.finish_reason is None:
-                    req.finish_reason = FinishReason.ERROR
-                    req.events.put_nowait(StreamEvent(EventKind.ERROR, why))
+                    req.fail(why)
 
     def _payload(self, op: Op) -> StageWork:
         return stage_message(op, self.config.stages, self.requests, self._samples_of,
@@ -145,8 +143,7 @@ class OpRunner(ControllerState):
         self._note_error(why)
         for req in self.requests.values():
             if req.finish_reason is None:
-                req.finish_reason = FinishReason.ERROR
-                req.events.put_nowait(StreamEvent(EventKind.ERROR, why))
+                req.fail(why)
 
     def _training_aborted(self, aborted: list) -> None:
         """SIRIUS took memory back from training micro-batches: every stage of their node

@@ -27,6 +27,8 @@ from raycolo.online.config import OnlineConfig, layer_bounds, live_profile, mode
 from raycolo.online.driver import ClusterDriver
 from raycolo.online.samples import TrainingLedger
 from raycolo.online.scheduling.cluster import Cluster
+from raycolo.generation import FinishReason
+from raycolo.online.serving.messages import EventKind, StreamEvent
 from raycolo.online.stage_messages import ServedRequest
 
 
@@ -36,6 +38,11 @@ class LiveRequest(ServedRequest):
 
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     submitted_s: float = 0.0
+
+    def fail(self, why: str) -> None:
+        """End the request with an error: its stream gets ``why``."""
+        self.finish_reason = FinishReason.ERROR
+        self.events.put_nowait(StreamEvent(EventKind.ERROR, why))
 
 
 class ControllerState:
