@@ -213,6 +213,10 @@ class TrainingLedger:
         """Checkpoint ``version`` of ``node`` was taken now (nothing trained meanwhile)."""
         self.reported[(node, version)] = self.base[node] + len(self.since[node])
 
+    def uncommitted(self, node: int, version: int) -> None:
+        """Ray Train did not commit checkpoint ``version`` of ``node``: it holds nothing for good."""
+        self.reported.pop((node, version), None)
+
     def commit(self, node: int, version: int) -> None:
         """Ray Train committed checkpoint ``version``: what it holds is kept for good."""
         end = self.reported.pop((node, version), None)

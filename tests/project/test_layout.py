@@ -143,55 +143,81 @@ MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "
             "setdefault"}
 
 
-def _controller_roles() -> dict[str, ast.ClassDef]:
-    """The online controller's classes: ControllerState (what every role reads, which the
-    controller itself sets), OnlineController and each role over the state."""
-    roles = {}
-    for path in (PKG / "actors" / "online").glob("*.py"):
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ClassDef) and (node.name in ("ControllerState", "OnlineController") or any(
-                    getattr(b, "id", "") == "ControllerState" for b in node.bases)):
-                roles[node.name] = node
-    return roles
+def _controller_classes() -> tuple[dict[str, ast.ClassDef], dict[str, ast.ClassDef]]:
+    """The online controller's own classes (ControllerState, OnlineController) and its
+    roles: each class in actors/online built with the controller (``__init__(self, ctl)``),
+    by the attribute the controller keeps it in (its ``ROLES``)."""
+    classes = {node.name: node for path in (PKG / "actors" / "online").glob("*.py")
+               for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
+    tie = {name: classes[name] for name in ("ControllerState", "OnlineController")}
+    tree = ast.parse((PKG / "actors" / "online" / "controller.py").read_text())
+    table = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "ROLES")
+    roles = {k.value: classes[v.id] for k, v in zip(table.keys, table.values)}
+    return tie, roles
 
 
-def _self_attr(node) -> str | None:
-    return node.attr if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-        and node.value.id == "self" else None
+def _chain(node) -> list[str]:
+    """``self.a.b.c`` -> ["a", "b", "c"]; [] for anything not rooted at ``self``."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return parts[::-1] if isinstance(node, ast.Name) and node.id == "self" else []
 
 
-def test_each_of_the_online_controllers_fields_has_one_owner():
-    """Every field of the online controller is written by one role only: set in that role's
-    own ``_<role>_init`` (or where the role starts), assigned, item-assigned or changed in
-    place (``append``, ``pop``, ...) by it alone; another role asks it through a method.
-    The controller's own fields (ControllerState, set by OnlineController) are what every
-    role reads. Every field a role reads is someone's."""
-    roles = _controller_roles()
-    assert len(roles) >= 10, sorted(roles)
-    tie = {"ControllerState", "OnlineController"}
-    writers: dict[str, set] = {}
-    members = {b.name for role in roles.values() for b in role.body if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    declared = {n.target.id for n in roles["ControllerState"].body if isinstance(n, ast.AnnAssign)}
-    for name, role in roles.items():
+def _writes(cls: ast.ClassDef):
+    """Each attribute chain under ``self`` that ``cls`` assigns, item-assigns, deletes or
+    changes in place (MUTATORS)."""
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            yield _chain(node)
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            yield _chain(node.value)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            yield _chain(node.func.value)
+
+
+def _members(cls: ast.ClassDef) -> set[str]:
+    return {b.name for b in cls.body if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))} | \
+        {c[0] for c in _writes(cls) if len(c) == 1} | \
+        {b.target.id for b in cls.body if isinstance(b, ast.AnnAssign)}
+
+
+def test_the_online_controllers_roles_are_objects_that_own_their_fields():
+    """The online controller is made of role objects: each role is built with the controller
+    (``ctl``), sets its fields and alone writes them; it reads another role's as
+    ``self.ctl.<role>.<field>`` and asks it for a change through a method, and reads the
+    controller's shared fields as ``self.ctl.<field>``. No role writes through ``self.ctl``,
+    and the controller writes no role's fields. Every name read through ``self.ctl`` exists."""
+    tie, roles = _controller_classes()
+    assert len(roles) >= 8, sorted(roles)
+    tie_members = set().union(*(_members(c) for c in tie.values())) | set(roles)
+    wrong = []
+    for attr, role in roles.items():
+        if role.bases:
+            wrong.append(f"{role.name} inherits {[ast.unparse(b) for b in role.bases]}: a role is an object")
+        mine = _members(role)
+        wrong += [f"{role.name} writes self.{'.'.join(c)}" for c in _writes(role) if c[:1] == ["ctl"] and len(c) > 1]
         for node in ast.walk(role):
-            target = None
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                target = _self_attr(node)
-            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
-                target = _self_attr(node.value)
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
-                target = _self_attr(node.func.value)
-            if target is not None and target not in members:
-                writers.setdefault(target, set()).add(name)
-    shared = sorted(f"self.{attr}: {sorted(w)}" for attr, w in writers.items() if len(w - tie) > 1
-                    or (w - tie and w & tie and attr not in declared))
-    assert not shared, f"fields written by more than one role: {shared}"
-    known = set(writers) | declared
-    unknown = sorted({f"{name}: self.{attr}" for name, role in roles.items() for n in ast.walk(role)
-                      if (attr := _self_attr(n)) and attr not in known and attr not in members})
-    assert not unknown, unknown
-    # and the check can fail: each role owns something
-    assert all(any(name in w for w in writers.values()) for name in roles if name not in tie)
+            chain = _chain(node)
+            if not chain:
+                continue
+            if chain[0] != "ctl":
+                if chain[0] not in mine:
+                    wrong.append(f"{role.name} reads self.{chain[0]}, which it never sets")
+            elif len(chain) >= 2 and chain[1] not in tie_members:
+                wrong.append(f"{role.name} reads self.ctl.{chain[1]}: no such field, method or role")
+            elif len(chain) >= 3 and chain[1] in roles and chain[2] not in _members(roles[chain[1]]):
+                wrong.append(f"{role.name} reads self.ctl.{chain[1]}.{chain[2]}: {roles[chain[1]].name} has none")
+    for cls in tie.values():
+        wrong += [f"{cls.name} writes self.{'.'.join(c)} of a role" for c in _writes(cls) if c[:1] and c[0] in roles
+                  and len(c) > 1]
+    assert not wrong, "\n".join(sorted(set(wrong)))
+    # and the check can fail: every role owns something another role or the controller reads
+    reads = {(c[1], c[2]) for cls in [*roles.values(), *tie.values()] for n in ast.walk(cls)
+             if len(c := _chain(n)) >= 3 and c[0] == "ctl"} | \
+        {(c[0], c[1]) for cls in tie.values() for n in ast.walk(cls) if len(c := _chain(n)) >= 2 and c[0] in roles}
+    assert {r for r, _ in reads} >= set(roles), sorted(set(roles) - {r for r, _ in reads})
 
 
 TEST_FOLDERS = ("cli", "engine", "offline", "online", "project", "serve")   # tests/<folder>/, and support/

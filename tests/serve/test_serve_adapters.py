@@ -242,15 +242,16 @@ def test_a_loaded_adapter_is_served_under_its_name_as_peft_generates_it(front, a
 
 def test_loading_is_off_without_lora_load_dirs_and_confined_to_them(adapters, tmp_path):
     """What POST /v1/load_lora_adapter may read is the controller's to decide, before it
-    looks at the path (the controller's own method, on a stand-in for its state)."""
+    looks at the path (the controller's role, built on a stand-in for the controller that
+    holds only its config)."""
     import asyncio
     from types import SimpleNamespace
 
     from raycolo.actors.online.loaded_adapters import LoadedAdapters
 
     def load(dirs, path):
-        state = SimpleNamespace(config=parse_online_config({"serve": {"lora_load_dirs": dirs}}))
-        return asyncio.run(LoadedAdapters.load_adapter(state, "x", str(path)))
+        ctl = SimpleNamespace(config=parse_online_config({"serve": {"lora_load_dirs": dirs}}))
+        return asyncio.run(LoadedAdapters(ctl).load_adapter("x", str(path)))
 
     out = load([], adapters["init"])
     assert out.status == 403 and out.code == "adapter_loading_disabled"

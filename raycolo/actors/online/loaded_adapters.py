@@ -1,6 +1,6 @@
 """Adapters loaded while serving (vLLM's ``POST /v1/load_lora_adapter``).
 
-A role of the online controller over its declared state (:mod:`.state`): the one
+A role of the online controller (``ctl.<role>``, see :mod:`.state`): the one
 registry every HTTP replica asks. Each adapter is checked against the model and the
 deployment's LoRA, copied in the deployment's shape under ``loaded/lora-<n>`` and served
 by the same mechanism as a saved version (a request pins that directory).
@@ -13,18 +13,22 @@ import itertools
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TYPE_CHECKING
 
-from raycolo.actors.online.state import ControllerState
 from raycolo.online.stages.peft_format import AdapterError, check_adapter, convert_adapter
 from raycolo.online.serving.messages import AdapterRefusal
+
+if TYPE_CHECKING:
+    from raycolo.actors.online.controller import OnlineController
+
 
 MAX_LOADED_ADAPTERS = 64       # adapters loaded over HTTP at a time (each a copy on storage)
 
 
-class LoadedAdapters(ControllerState):
-    def _loaded_init(self) -> None:
+class LoadedAdapters:
+    def __init__(self, ctl: OnlineController) -> None:
         """This role's own state (it alone writes these)."""
+        self.ctl = ctl
         self.loaded: dict[str, dict] = {}             # adapters loaded over HTTP, by name (online_adapters.py)
 
     @functools.cached_property
@@ -32,7 +36,7 @@ class LoadedAdapters(ControllerState):
         """The deployment's adapter weights (key -> shape) and the model's linear layers."""
         from raycolo.online.stages.peft_format import lora_shapes, model_linears
 
-        return lora_shapes(self.model_config, self._lora_settings()), model_linears(self.model_config)
+        return lora_shapes(self.ctl.model_config, self.ctl.adapters.lora_settings()), model_linears(self.ctl.model_config)
 
     @functools.cached_property
     def _adapter_lock(self) -> asyncio.Lock:
@@ -49,7 +53,7 @@ class LoadedAdapters(ControllerState):
     def _reserved_name(self, name: str) -> bool:
         """A name the served model's variants use: ``<model>``, ``<model>@base``, ``<model>@v<k>``
         (anything ``<model>@...``)."""
-        served = self.config.served_model_name()
+        served = self.ctl.config.served_model_name()
         return name == served or name.startswith(served + "@")
 
     async def load_adapter(self, name: str, path: str, load_inplace: bool = False) -> Optional[AdapterRefusal]:
@@ -62,7 +66,7 @@ class LoadedAdapters(ControllerState):
         do not reach them. ``load_inplace`` replaces an adapter of that name (requests
         running on the old one finish on it)."""
         refuse = AdapterRefusal
-        allowed = self.config.serve.lora_load_dirs
+        allowed = self.ctl.config.serve.lora_load_dirs
         if not allowed:
             return refuse(403, "loading adapters over HTTP is off: the deployment's serve.lora_load_dirs names "
                           "no directory to load them from", "lora_path", "adapter_loading_disabled")
@@ -75,7 +79,7 @@ class LoadedAdapters(ControllerState):
                           f"({', '.join(allowed)})", "lora_path", "path_not_allowed")
         if self._reserved_name(name):
             return refuse(400, f"The lora adapter name '{name}' conflicts with a served base model "
-                          f"('{self.config.served_model_name()}' and its '@base' and '@v<k>' variants).",
+                          f"('{self.ctl.config.served_model_name()}' and its '@base' and '@v<k>' variants).",
                           "lora_name", "adapter_name_conflict")
         async with self._adapter_lock:
             if name in self.loaded and not load_inplace:
@@ -89,16 +93,16 @@ class LoadedAdapters(ControllerState):
             expected, linears = await asyncio.to_thread(lambda: self._lora_layout)
 
             def convert():
-                info = check_adapter(source, self.model_config, self._lora_settings(), exact=False,
+                info = check_adapter(source, self.ctl.model_config, self.ctl.adapters.lora_settings(), exact=False,
                                      expected=expected, linears=linears)
-                convert_adapter(info, self._lora_settings(), expected, self._version_dir(handle),
-                                self.config.model_loading_config.model_id)
+                convert_adapter(info, self.ctl.adapters.lora_settings(), expected, self.ctl.adapters.version_dir(handle),
+                                self.ctl.config.model_loading_config.model_id)
                 return info
 
             try:
                 info = await asyncio.to_thread(convert)
             except AdapterError as exc:
-                await asyncio.to_thread(shutil.rmtree, self._version_dir(handle), True)
+                await asyncio.to_thread(shutil.rmtree, self.ctl.adapters.version_dir(handle), True)
                 message = f"Loading lora adapter '{name}' failed: {path}: {exc}"
                 if exc.missing:            # vLLM: "No adapter found" is a 404
                     return refuse(404, message, "lora_path", "adapter_not_found")
@@ -125,9 +129,9 @@ class LoadedAdapters(ControllerState):
     def _drop_loaded(self, handle: str) -> None:
         """Delete an unloaded adapter's copy once no unfinished request pins it."""
         async def drop():
-            while any(r.version == handle and r.finish_reason is None for r in self.requests.values()):
+            while any(r.version == handle and r.finish_reason is None for r in self.ctl.desk.requests.values()):
                 await asyncio.sleep(0.5)
-            await asyncio.to_thread(shutil.rmtree, self._version_dir(handle), True)
+            await asyncio.to_thread(shutil.rmtree, self.ctl.adapters.version_dir(handle), True)
 
         task = asyncio.get_running_loop().create_task(drop())
         self._drops.add(task)

@@ -1,4 +1,4 @@
-"""The controller's side of node loops (``stage.data_plane: node``): a mixin of the online
+"""The controller's side of node loops (``stage.data_plane: node``): a role of the online
 controller.
 
 Each node's scheduler runs in its first stage's process
@@ -22,9 +22,8 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import fields
-from typing import Optional
+from typing import Optional, TYPE_CHECKING
 
-from raycolo.actors.online.state import ControllerState
 from raycolo.generation import FinishReason
 from raycolo.online.driver import OpLost
 from raycolo.online.scheduling.node_commands import Adopt, Cancel, NodeSetup, Pause, Serve, Sync, Train
@@ -33,14 +32,19 @@ from raycolo.online.scheduling.node_loop import NodeReport
 from raycolo.online.stage_messages import ServedRequest
 from raycolo.online.scheduling.node_types import OpKind
 
+if TYPE_CHECKING:
+    from raycolo.actors.online.controller import OnlineController
+
+
 COMMAND_POLL_S = 1.0        # a node's wait for commands returns empty after this long
 
 
-class NodeLinks(ControllerState):
-    """Mixin of OnlineController (see the module docstring)."""
+class NodeLinks:
+    """The role ``ctl.links`` of OnlineController (see the module docstring)."""
 
-    def _links_init(self) -> None:
-        nodes = self.config.nodes
+    def __init__(self, ctl: OnlineController) -> None:
+        self.ctl = ctl
+        nodes = self.ctl.config.nodes
         self.inbox: list[list] = [[] for _ in range(nodes)]            # node -> commands not yet taken
         self.inbox_ready = [asyncio.Event() for _ in range(nodes)]
         self.pauses: dict[tuple[int, int], asyncio.Future] = {}        # (node, token) -> paused
@@ -50,30 +54,30 @@ class NodeLinks(ControllerState):
 
     @property
     def node_loops(self) -> bool:
-        return self.config.stage.data_plane == "node"
+        return self.ctl.config.stage.data_plane == "node"
 
     # -- the node's calls --------------------------------------------------------------------
     async def node_setup(self, node: int, epoch: int) -> Optional[NodeSetup]:
         """What node ``node``'s loop starts from (None: its group is stale)."""
-        if epoch != self.epochs[node] or self.stopping:
+        if epoch != self.ctl.workers.epochs[node] or self.stopping:
             return None
         return self._setup(node)
 
     def _setup(self, node: int) -> NodeSetup:
-        return NodeSetup(self.cluster.nodes[node], time.time() - self.driver.now(), self.config.lora.dpo_beta,
-                         self.config.lora.max_len, str(self.adapter_dir), self.eras[node])
+        return NodeSetup(self.ctl.cluster.nodes[node], time.time() - self.ctl.driver.now(), self.ctl.config.lora.dpo_beta,
+                         self.ctl.config.lora.max_len, str(self.ctl.adapter_dir), self.eras[node])
 
     async def node_commands(self, node: int, epoch: int) -> Optional[list]:
         """Node ``node``'s next commands, once there are some (empty after
         ``COMMAND_POLL_S``); None: stop (the deployment stops, or the group is stale)."""
-        self._hop()
+        self.ctl.reports.hop()
         ready = self.inbox_ready[node]
-        if epoch == self.epochs[node] and not self.stopping and not self.inbox[node]:
+        if epoch == self.ctl.workers.epochs[node] and not self.stopping and not self.inbox[node]:
             try:
                 await asyncio.wait_for(ready.wait(), COMMAND_POLL_S)
             except asyncio.TimeoutError:
                 pass
-        if epoch != self.epochs[node] or self.stopping:
+        if epoch != self.ctl.workers.epochs[node] or self.stopping:
             return None
         out, self.inbox[node] = self.inbox[node], []
         ready.clear()
@@ -83,29 +87,29 @@ class NodeLinks(ControllerState):
         """What node ``node``'s loop did since its last report (in order: each node sends
         its next report once this one returned). Returns why the node's group must start
         over (its loop and the mirror parted), else None."""
-        self._hop()
-        if epoch != self.epochs[node] or report.era != self.eras[node]:
+        self.ctl.reports.hop()
+        if epoch != self.ctl.workers.epochs[node] or report.era != self.eras[node]:
             return None               # a group that is gone, or a scheduler replaced since
         for stage in report.devices.keys() | report.sends.keys():
-            self._note_readings(node, stage, report.devices.get(stage), report.sends.get(stage))
+            self.ctl.reports.note_readings(node, stage, report.devices.get(stage), report.sends.get(stage))
         for out in report.tokens:
-            req = self.requests.get(out.task_id)
+            req = self.ctl.desk.requests.get(out.task_id)
             if req is None or req.finish_reason is not None:
                 continue
             if out.kept:
                 req.generated.append(out.token)
-            self._deliver(req, out.token, out.kept, out.finish_reason, out.logprob)
-        mirror = self.cluster.nodes[node]
+            self.ctl.runner.deliver(req, out.token, out.kept, out.finish_reason, out.logprob)
+        mirror = self.ctl.cluster.nodes[node]
         try:
             for event, keys in report.events:
                 if type(event) is OpDone:     # the controller's share of a training op, as live
                     op = mirror.stages[event.stage].busy
                     if op is not None and op.seq == event.seq and op.kind in (OpKind.TRAIN_F, OpKind.TRAIN_B):
-                        self._training_done(op, event.loss)
-                self.driver.absorb(node, event, keys)
+                        self.ctl.runner.training_done(op, event.loss)
+                self.ctl.driver.absorb(node, event, keys)
         except Exception as exc:      # out of step: the node's group starts over from its mirror
             why = f"node {node}'s loop and its mirror parted: {exc!r}"
-            self._note_error(why)
+            self.ctl.note_error(why)
             return why
         if report.paused is not None:
             future = self.pauses.pop((node, report.paused), None)
@@ -114,7 +118,7 @@ class NodeLinks(ControllerState):
         return None
 
     # -- the controller's side ---------------------------------------------------------------
-    def _send(self, node: int, command) -> None:
+    def send(self, node: int, command) -> None:
         self.inbox[node].append(command)
         self.inbox_ready[node].set()
 
@@ -122,35 +126,35 @@ class NodeLinks(ControllerState):
         """The driver's link (raycolo.online.driver.NodeLink): what the cluster wants of node ``n``."""
         if type(event) is Synced:     # once the training group's weights are exported
             task = asyncio.get_running_loop().create_task(self._sync_node(n, event.version))
-            self._in_background(task)
+            self.ctl.runner.in_background(task)
             return
         if type(event) is not Dispatched:
             raise TypeError(f"no command for {event!r}")
         task = event.task
         if task.is_train:
-            self._send(n, Train(task, self.train_tasks[task.task_id]))
+            self.send(n, Train(task, self.ctl.pump.train_tasks[task.task_id]))
             return
-        req = self.requests[task.task_id]
+        req = self.ctl.desk.requests[task.task_id]
         served = ServedRequest(**{f.name: getattr(req, f.name) for f in fields(ServedRequest)})
         served.task, served.generated = task, list(req.generated)
-        pinned = None if req.version is None else str(self._version_dir(req.version))
-        self._send(n, Serve(served, pinned))
+        pinned = None if req.version is None else str(self.ctl.adapters.version_dir(req.version))
+        self.send(n, Serve(served, pinned))
 
     async def _sync_node(self, n: int, version: int) -> None:
-        await self._export_for_sync(version)
-        self._send(n, Sync(version))
+        await self.ctl.adapters.export_for_sync(version)
+        self.send(n, Sync(version))
 
-    def _cancel_on_nodes(self, rid: int, reason: FinishReason) -> None:
-        for n in range(self.config.nodes):
-            self._send(n, Cancel(rid, reason))
+    def cancel_on_nodes(self, rid: int, reason: FinishReason) -> None:
+        for n in range(self.ctl.config.nodes):
+            self.send(n, Cancel(rid, reason))
 
-    def _adopt_on_nodes(self) -> None:
+    def adopt_on_nodes(self) -> None:
         """A new cluster (use_policy): every node's loop schedules with its new mirror."""
-        for n in range(self.config.nodes):
+        for n in range(self.ctl.config.nodes):
             self.eras[n] += 1
-            self._send(n, Adopt(self._setup(n)))
+            self.send(n, Adopt(self._setup(n)))
 
-    def _links_lost(self, node: int, reason: str) -> None:
+    def links_lost(self, node: int, reason: str) -> None:
         """Node ``node``'s group is gone: its commands not yet taken go with it, a pause
         under way fails, and its old stage 0 (waiting for commands) hears it."""
         self.inbox[node] = []
@@ -161,16 +165,16 @@ class NodeLinks(ControllerState):
             if not future.done():
                 future.set_exception(OpLost(reason))
 
-    def _links_stop(self) -> None:
+    def stop(self) -> None:
         self.stopping = True
         for ready in self.inbox_ready:
             ready.set()
 
-    async def _pause_node(self, node: int) -> None:
+    async def pause_node(self, node: int) -> None:
         """Pause node ``node``'s loop; returns once it said nothing is in flight (and its
         report brought the controller up to date). ``OutOfBand`` work then resumes it."""
         self.pause_tokens += 1
         paused = asyncio.get_running_loop().create_future()
         self.pauses[(node, self.pause_tokens)] = paused
-        self._send(node, Pause(self.pause_tokens))
+        self.send(node, Pause(self.pause_tokens))
         await paused

@@ -2,20 +2,24 @@
 events to its stream or its HTTP replica's channel (``front_events``); results and
 progress; a bounded memory of finished requests.
 
-A role of the online controller over its declared state (:mod:`.state`)."""
+A role of the online controller (``ctl.<role>``, see :mod:`.state`)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+from typing import Optional, TYPE_CHECKING
 
 import ray
 
 from raycolo.online.serving.messages import LAST_EVENTS, Admission, EventKind, Rejection, StreamEvent
 from raycolo.online.serving.token_wire import FrontKey
 from raycolo.generation import FinishReason, SamplingParams, stop_token_set
-from raycolo.online.tasks import OnlineTask
+from raycolo.online.tasks import OnlineTask, TaskKind
 
-from raycolo.actors.online.state import ControllerState, LiveRequest
+from raycolo.actors.online.state import LiveRequest
+
+if TYPE_CHECKING:
+    from raycolo.actors.online.controller import OnlineController
+
 
 KEPT_FINISHED = 4096      # finished requests the controller keeps (result(), progress())
 LOST_IN_RESTART = ("request {rid} was accepted before the deployment's controller restarted; "
@@ -36,31 +40,32 @@ class FrontQueue:
         self.mux.put_nowait((self.key, event))
 
 
-class RequestDesk(ControllerState):
-    def _register_task(self, task: OnlineTask) -> None:
-        """A task (inference or training) arrived: it is known by its id, and counted."""
-        self.tasks[task.task_id] = task
-        self.arrived += 1
-
-    def _forget_tasks(self) -> None:
-        """A new policy: the tasks known so far are not its (nothing is in flight)."""
-        self.tasks = {}
-
-    def _count_arrivals(self) -> None:
-        """Count arrivals from now (the controller's CPU per task: Reports.stats)."""
-        self.arrived = 0
-
-    def _desk_init(self) -> None:
+class RequestDesk:
+    def __init__(self, ctl: OnlineController) -> None:
         """This role's own state (it alone writes these)."""
+        self.ctl = ctl
         self.fronts: set[str] = set()                 # HTTP replicas attached (serve/app.py)
         self.requests: dict[int, LiveRequest] = {}
         self.tasks: dict[int, OnlineTask] = {}
-        self.next_id = self.first_id
+        self.next_id = self.ctl.first_id
         self.arrived = 0                              # tasks arrived since the controller's CPU mark
         self.rejections = 0                           # admissions refused (429)
         self.muxes: dict[str, asyncio.Queue] = {}     # HTTP replica -> its requests' events (front_events)
         self.front_sent = [0, 0]                      # front_events: messages, events in them
         self.cancelled: dict[str, int] = {}           # requests ended early, by reason: stop, abort (client gone)
+
+    def register_task(self, task: OnlineTask) -> None:
+        """A task (inference or training) arrived: it is known by its id, and counted."""
+        self.tasks[task.task_id] = task
+        self.arrived += 1
+
+    def forget_tasks(self) -> None:
+        """A new policy: the tasks known so far are not its (nothing is in flight)."""
+        self.tasks = {}
+
+    def count_arrivals(self) -> None:
+        """Count arrivals from now (the controller's CPU per task: Reports.stats)."""
+        self.arrived = 0
 
     async def attach(self, front: str) -> None:
         """An HTTP replica uses this deployment."""
@@ -74,10 +79,10 @@ class RequestDesk(ControllerState):
         if front not in self.fronts and front in self.muxes:
             self.muxes.pop(front).put_nowait(None)      # ends its front_events call
         if not self.fronts:
-            await self.stop()
+            await self.ctl.stop()
             ray.actor.exit_actor()
 
-    def _new_id(self) -> int:
+    def new_id(self) -> int:
         self.next_id += 1
         return self.next_id - 1
 
@@ -86,10 +91,10 @@ class RequestDesk(ControllerState):
         """The request's SamplingParams: ``params`` as given (its max_tokens defaulting to
         the deployment's), or built from the older positional arguments."""
         if params is None:
-            params = SamplingParams(max_tokens=max_tokens or self.config.max_tokens, temperature=temperature,
+            params = SamplingParams(max_tokens=max_tokens or self.ctl.config.max_tokens, temperature=temperature,
                                     top_p=top_p, seed=seed, ignore_eos=ignore_eos)
         elif "max_tokens" not in params.model_fields_set:
-            params = params.model_copy(update={"max_tokens": self.config.max_tokens})
+            params = params.model_copy(update={"max_tokens": self.ctl.config.max_tokens})
         return params
 
     async def submit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
@@ -102,23 +107,23 @@ class RequestDesk(ControllerState):
         ``version``: with that saved adapter version (one of :meth:`adapter_versions`);
         ``front``: (HTTP replica, its key for the request): the events go to that
         replica's :meth:`front_events` instead."""
-        await self.start()
-        if version is not None and not self._servable(version):
-            raise ValueError(f"adapter version {version} is not servable; these are: {self.versions}")
+        await self.ctl.workers.start()
+        if version is not None and not self.ctl.adapters.servable(version):
+            raise ValueError(f"adapter version {version} is not servable; these are: {self.ctl.adapters.versions}")
         params = self._params(max_tokens, temperature, top_p, seed, ignore_eos, params)
-        tid = self._new_id()
-        task = OnlineTask(tid, "inference", self.driver.now(), len(prompt), 1, 0, params.max_tokens)
+        tid = self.new_id()
+        task = OnlineTask(tid, TaskKind.INFERENCE, self.ctl.driver.now(), len(prompt), 1, 0, params.max_tokens)
         self._forget_finished()
         req = LiveRequest(task, list(prompt), params, seed=params.seed if params.seed is not None else seed,
-                          stop_ids=stop_token_set(params, self.tokenizer.eos_token_ids),
-                          submitted_s=self.driver.now(), base=base, version=version)
+                          stop_ids=stop_token_set(params, self.ctl.tokenizer.eos_token_ids),
+                          submitted_s=self.ctl.driver.now(), base=base, version=version)
         if front is not None:
             req.events = FrontQueue(self._mux(front.replica), front.key)
-            if self.node_loops and front.inbox is not None:
+            if self.ctl.links.node_loops and front.inbox is not None:
                 req.front = front       # its node sends its tokens to the replica itself
         self.requests[tid] = req
-        self._register_task(task)
-        self.driver.submit(task)
+        self.register_task(task)
+        self.ctl.driver.submit(task)
         return tid
 
     async def admit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
@@ -131,17 +136,17 @@ class RequestDesk(ControllerState):
         is not (or no longer) servable, "starting" while the stage workers (re)start. A
         rejected request was never accepted; an accepted one ends with its tokens or an
         error event, never silently."""
-        if not self.ready.is_set():
-            self._wake()
-            return Admission(rejected=Rejection.STARTING, retry_after_s=self.config.serve.retry_after_s,
+        if not self.ctl.ready.is_set():
+            self.ctl.workers.wake()
+            return Admission(rejected=Rejection.STARTING, retry_after_s=self.ctl.config.serve.retry_after_s,
                              why="the deployment is starting (or restarting after its controller failed)")
-        if version is not None and not self._servable(version):
-            return Admission(rejected=Rejection.UNKNOWN_VERSION, versions=tuple(self.versions))
-        if len(self.dead) == self.config.nodes:
-            return Admission(rejected=Rejection.UNAVAILABLE, why="; ".join(self.dead.values()))
-        if self.unfinished() >= self.config.serve.max_ongoing_requests:
+        if version is not None and not self.ctl.adapters.servable(version):
+            return Admission(rejected=Rejection.UNKNOWN_VERSION, versions=tuple(self.ctl.adapters.versions))
+        if len(self.ctl.workers.dead) == self.ctl.config.nodes:
+            return Admission(rejected=Rejection.UNAVAILABLE, why="; ".join(self.ctl.workers.dead.values()))
+        if self.unfinished() >= self.ctl.config.serve.max_ongoing_requests:
             self.rejections += 1
-            return Admission(rejected=Rejection.OVERLOADED, retry_after_s=self.config.serve.retry_after_s)
+            return Admission(rejected=Rejection.OVERLOADED, retry_after_s=self.ctl.config.serve.retry_after_s)
         return Admission(id=await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos, base,
                                               version, params, front))
 
@@ -176,12 +181,12 @@ class RequestDesk(ControllerState):
         if finished <= KEPT_FINISHED + KEPT_FINISHED // 4:
             return
         gone = [rid for rid, r in self.requests.items() if r.finish_reason is not None][:finished - KEPT_FINISHED]
-        trained = [tid for tid, t in self.tasks.items() if t.is_train and tid not in self.train_tasks]
+        trained = [tid for tid, t in self.tasks.items() if t.is_train and tid not in self.ctl.pump.train_tasks]
         gone += trained[:max(0, len(trained) - KEPT_FINISHED)]
         for rid in gone:
             self.requests.pop(rid, None)
             self.tasks.pop(rid, None)
-        self.cluster.forget(gone)
+        self.ctl.cluster.forget(gone)
 
     def unfinished(self) -> int:
         return sum(1 for r in self.requests.values() if r.finish_reason is None)
@@ -193,8 +198,8 @@ class RequestDesk(ControllerState):
         if req is not None and req.finish_reason is None and req.cancelled is None:
             req.cancelled = reason
             self.cancelled[reason] = self.cancelled.get(reason, 0) + 1
-            if self.node_loops:
-                self._cancel_on_nodes(rid, reason)
+            if self.ctl.links.node_loops:
+                self.ctl.links.cancel_on_nodes(rid, reason)
 
     def _request(self, rid: int) -> Optional[LiveRequest]:
         """Request ``rid``, or None when it was accepted before this controller restarted
@@ -206,7 +211,7 @@ class RequestDesk(ControllerState):
             return req
         if not isinstance(rid, int) or isinstance(rid, bool):
             raise ValueError(f"request id: expected an int, got {rid!r}")
-        if rid < self.first_id:
+        if rid < self.ctl.first_id:
             return None
         if rid < self.next_id:
             raise ValueError(f"request {rid} finished long ago and was forgotten "

@@ -1,17 +1,18 @@
-"""What every role of the online controller reads: the deployment's config, model and
-cluster, set by the controller itself.
+"""What the online controller's roles share: the deployment's config, model and cluster,
+which the controller itself sets (:class:`ControllerState`), and a live request.
 
-:class:`~raycolo.actors.online.controller.OnlineController` is one Ray actor made of
-roles, each a class in its own module: the worker groups' registry and lifecycle
+:class:`~raycolo.actors.online.controller.OnlineController` is one Ray actor made of role
+objects, each a class in its own module: the worker groups' registry and lifecycle
 (:mod:`.workers`), the op runner (:mod:`.op_runner`), the request desk (:mod:`.requests`),
 the sample pump (:mod:`.sample_pump`), adapter versions and loaded adapters
 (:mod:`.adapters`, :mod:`.loaded_adapters`), reports (:mod:`.reports`) and the node links
-(:mod:`.nodes`). Each role owns its fields: it sets them in its own ``_<role>_init`` and it
-alone writes them (assigns, item-assigns or changes them in place); another role asks it
-through a method (a restarted node's samples: ``SamplePump._resume_samples``; a lost
-node's waiting ops: ``OpRunner._fail_waiting``). ``tests/project/test_layout.py`` checks
-that every field has one writer. The fields here are the controller's: roles read them,
-and report into ``errors`` through :meth:`ControllerState._note_error`.
+(:mod:`.nodes`). Each role is built with the controller (``ctl``), sets its own fields in
+its ``__init__`` and alone writes them; another role reads them as ``ctl.<role>.<field>``
+and asks for a change through a method of the role (a restarted node's samples:
+``ctl.pump.resume_samples``; a lost node's waiting ops: ``ctl.runner.fail_waiting``).
+``tests/project/test_layout.py`` checks that no role writes another's fields or the
+controller's. The fields here are the controller's: roles read them as ``ctl.<field>``,
+and report into ``errors`` through :meth:`ControllerState.note_error`.
 """
 from __future__ import annotations
 
@@ -46,20 +47,10 @@ class LiveRequest(ServedRequest):
 
 
 class ControllerState:
-    """What every role reads (set in ``__init__``), and the fields roles set when they start
-    (declared here, each written by one role):"""
+    """What every role reads (set in ``__init__``, and by the controller's own methods)."""
 
-    _loop: asyncio.AbstractEventLoop        # workers._launch: the actor's event loop
     cpu_mark: float                          # mark_cpu: process CPU time at the mark
     wall_mark: float                         # mark_cpu: monotonic time at the mark
-    arrived: int                             # tasks arrived since the mark
-    # the node links (nodes.NodeLinks._links_init)
-    inbox: list[list]
-    inbox_ready: list[asyncio.Event]
-    pauses: dict[tuple[int, int], asyncio.Future]
-    pause_tokens: int
-    eras: list[int]
-    stopping: bool
 
     def __init__(self, config: dict, name: str, namespace: str):
         from raycolo.engine.models import load_tokenizer
@@ -89,6 +80,6 @@ class ControllerState:
         run = cfg.adapter_fingerprint() if cfg.resume else self.run_token
         self.groups = PlacementGroups(Path(cfg.storage_path) / f"placement-groups-{run}.json", self.errors)
 
-    def _note_error(self, message: str) -> None:
+    def note_error(self, message: str) -> None:
         """Record what went wrong (the deployment's errors: stop() and the reports give them)."""
         self.errors.append(message)

@@ -3,7 +3,7 @@ in a thread of the controller. Their start, registration (``register``), loss an
 restart (a new epoch), checkpoint restore and replay of lost training, and the
 placement of what runs where.
 
-A role of the online controller over its declared state (:mod:`.state`)."""
+A role of the online controller (``ctl.<role>``, see :mod:`.state`)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TYPE_CHECKING
 
 import ray
 
@@ -20,19 +20,22 @@ from raycolo.online.config import stage_build
 from raycolo.online.samples import Cursor, from_ranges, plan_resumption
 from raycolo.online.stage_messages import WorkerInfo
 
-from raycolo.actors.online.state import ControllerState
+if TYPE_CHECKING:
+    from raycolo.actors.online.controller import OnlineController
+
 
 START_TIMEOUT_S = 300.0    # stage workers must register within this
 
 
-class WorkerGroups(ControllerState):
-    def _workers_init(self) -> None:
+class WorkerGroups:
+    def __init__(self, ctl: OnlineController) -> None:
         """This role's own state (it alone writes these)."""
-        cfg = self.config
+        self.ctl = ctl
+        cfg = self.ctl.config
         self.fit_futures = []
         self.restarts: list[dict] = []                       # node, reason, time, lost, replayed
         self.queues = {(n, s): asyncio.Queue() for n in range(cfg.nodes) for s in range(cfg.stages)}
-        self.workers: dict[str, dict] = {}
+        self.by_name: dict[str, dict] = {}
         self.epochs = [0] * cfg.nodes
         self.registered = [set() for _ in range(cfg.nodes)]
         self.dead: dict[int, str] = {}                       # node -> why its worker group is gone
@@ -48,17 +51,17 @@ class WorkerGroups(ControllerState):
         and samples start it too: a controller Ray restarted after a crash starts again on
         its first call, resuming from the checkpoints and the sample store. A launch that
         failed (no GPUs for even one node) is tried again by the next call."""
-        self._wake()
+        self.wake()
         await asyncio.shield(self._starting)
         try:
-            await asyncio.wait_for(asyncio.shield(self.ready.wait()), timeout_s)
+            await asyncio.wait_for(asyncio.shield(self.ctl.ready.wait()), timeout_s)
         except asyncio.TimeoutError:
             raise RuntimeError(f"stage workers did not register within {timeout_s:.0f} s "
                                f"({sum(len(r) for r in self.registered)} of "
-                               f"{self.config.nodes * self.config.stages}): {self.errors}") from None
-        return {"workers": sorted(self.workers), "layer_bounds": self.bounds}
+                               f"{self.ctl.config.nodes * self.ctl.config.stages}): {self.ctl.errors}") from None
+        return {"workers": sorted(self.by_name), "layer_bounds": self.ctl.bounds}
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """Launch the stage workers (in the background) unless that is done or under way."""
         task = self._starting
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
@@ -69,46 +72,46 @@ class WorkerGroups(ControllerState):
         controller Ray restarted (its Ray node died with the GPUs there) starts with one
         node's worth: the nodes that fit register and serve after ``stage.start_grace_s``;
         Ray Train keeps trying to place the others, which join when GPUs come back."""
-        need = self.config.nodes * self.config.gpus_per_node()
+        need = self.ctl.config.nodes * self.ctl.config.gpus_per_node()
         gpus = ray.cluster_resources().get("GPU", 0)
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        if gpus < (self.config.gpus_per_node() if restarted else need) - 1e-9:
-            raise ConfigError(f"nodes x stages: the deployment needs {need:g} GPUs ({self.config.stage.gpus_per_worker:g} "
+        if gpus < (self.ctl.config.gpus_per_node() if restarted else need) - 1e-9:
+            raise ConfigError(f"nodes x stages: the deployment needs {need:g} GPUs ({self.ctl.config.stage.gpus_per_worker:g} "
                               f"per stage worker); the Ray cluster has {gpus:g}. On a CPU machine give the "
-                              f"cluster logical GPUs: ray start --head --num-gpus={self.config.gpus_needed()}")
+                              f"cluster logical GPUs: ray start --head --num-gpus={self.ctl.config.gpus_needed()}")
         if gpus < need - 1e-9:
-            self._note_error(f"restarted with {gpus:g} of the {need:g} GPUs the deployment needs: "
+            self.ctl.note_error(f"restarted with {gpus:g} of the {need:g} GPUs the deployment needs: "
                                f"the nodes that fit serve; the others join when GPUs come back")
         loop = self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self.groups.release)   # of an earlier controller of this deployment
-        self._start_driver()
-        for n in range(self.config.nodes):
+        await asyncio.to_thread(self.ctl.groups.release)   # of an earlier controller of this deployment
+        self.ctl.start_driver()
+        for n in range(self.ctl.config.nodes):
             trainer = self._trainer(n)
             self.fit_futures.append(loop.run_in_executor(None, self._fit, n, trainer))
 
     def _serve_partial(self) -> None:
         """``stage.start_grace_s`` after the first node registered: serve with the nodes
         there are; the others are avoided until their groups register (``register``)."""
-        if self.ready.is_set():
+        if self.ctl.ready.is_set():
             return
-        for n in range(self.config.nodes):
-            if len(self.registered[n]) < self.config.stages:
-                if self.config.resume and n not in self.restored:   # what its group will restore
+        for n in range(self.ctl.config.nodes):
+            if len(self.registered[n]) < self.ctl.config.stages:
+                if self.ctl.config.resume and n not in self.restored:   # what its group will restore
                     committed = self._committed_checkpoint(n)
                     if committed is not None:
                         self.restored[n] = committed
-                self.driver.node_lost(n)
-                self._note_error(f"node {n}: not registered {self.config.stage.start_grace_s:g} s after "
+                self.ctl.driver.node_lost(n)
+                self.ctl.note_error(f"node {n}: not registered {self.ctl.config.stage.start_grace_s:g} s after "
                                    f"the first node; serving without it until it does")
         self._resume()
-        self.ready.set()
+        self.ctl.ready.set()
 
     def _committed_checkpoint(self, n: int) -> Optional[tuple]:
         """(adapter version, seqs held, cursor) of node ``n``'s newest committed checkpoint,
         read from its run directory (Ray Train's ``checkpoint_manager_snapshot.json``):
         what its group restores when it starts. A node not yet back still holds those
         samples, so they are not trained again elsewhere; None without one."""
-        run_dir = Path(self.config.storage_path).resolve() / self.run_name(n)
+        run_dir = Path(self.ctl.config.storage_path).resolve() / self.run_name(n)
         try:
             latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
             found = run_dir / latest["checkpoint_dir_name"]
@@ -122,9 +125,9 @@ class WorkerGroups(ControllerState):
     def run_name(self, n: int) -> str:
         """Node ``n``'s Ray Train run: fixed per storage path and adapter shape when the
         deployment resumes (a new run of the same name restores its newest checkpoint)."""
-        if self.config.resume:
-            return f"raycolo-{self.config.adapter_fingerprint()}-node{n}"
-        return f"raycolo-node{n}-{self.run_token}"
+        if self.ctl.config.resume:
+            return f"raycolo-{self.ctl.config.adapter_fingerprint()}-node{n}"
+        return f"raycolo-node{n}-{self.ctl.run_token}"
 
     def _trainer(self, n: int):
         from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -133,10 +136,10 @@ class WorkerGroups(ControllerState):
         from raycolo.actors.online.group_watch import GroupWatch
         from raycolo.actors.online.stage_worker import stage_loop
 
-        cfg = self.config
+        cfg = self.ctl.config
         loop_config = {
-            "node": n, "controller": self.name, "namespace": self.namespace, **stage_build(cfg),
-            "layer_bounds": self.bounds, "cpu_threads": cfg.stage.cpu_threads,
+            "node": n, "controller": self.ctl.name, "namespace": self.ctl.namespace, **stage_build(cfg),
+            "layer_bounds": self.ctl.bounds, "cpu_threads": cfg.stage.cpu_threads,
             "init_from": cfg.lora.init_from,      # every stage starts from its part (no checkpoint restored)
             "run_dir": str(Path(cfg.storage_path).resolve() / self.run_name(n)),
             "data_plane": cfg.stage.data_plane, "report_every_s": cfg.stage.report_every_s,
@@ -152,7 +155,7 @@ class WorkerGroups(ControllerState):
                                  storage_path=str(Path(cfg.storage_path).resolve()),
                                  failure_config=FailureConfig(max_failures=cfg.stage.max_failures),
                                  checkpoint_config=CheckpointConfig(num_to_keep=2),
-                                 callbacks=[GroupWatch(self.name, self.namespace, n)]))
+                                 callbacks=[GroupWatch(self.ctl.name, self.ctl.namespace, n)]))
 
     def _fit(self, n: int, trainer) -> None:
         """Run node ``n``'s worker group. Past ``max_failures`` restarts of the group the
@@ -168,11 +171,11 @@ class WorkerGroups(ControllerState):
                 return
             except Exception as exc:
                 why = f"node {n}: {type(exc).__name__}: {exc}"
-                self._note_error(why)
+                self.ctl.note_error(why)
                 lost_controller = isinstance(exc, RayActorError) or isinstance(exc.__cause__, RayActorError)
-                if lost_controller and self.train_runs[n] <= self.config.stage.max_failures and self.config.resume:
-                    self._loop.call_soon_threadsafe(self._node_lost, n, f"node {n}: its Ray Train controller died")
-                    self.groups.release([n])
+                if lost_controller and self.train_runs[n] <= self.ctl.config.stage.max_failures and self.ctl.config.resume:
+                    self._loop.call_soon_threadsafe(self.node_lost, n, f"node {n}: its Ray Train controller died")
+                    self.ctl.groups.release([n])
                     trainer = self._trainer(n)
                     continue
                 self._loop.call_soon_threadsafe(self._node_dead, n, why)
@@ -182,36 +185,36 @@ class WorkerGroups(ControllerState):
         """The node's group failed past its restarts: nothing is placed there any more and
         its work moves to the other nodes; with none left, requests get an error event."""
         self.dead[node] = why
-        self._node_lost(node, why, down=True)
+        self.node_lost(node, why, down=True)
 
     async def register(self, node: int, stage: int, info: WorkerInfo) -> int:
         """A stage worker starts; returns its epoch (the node's worker-group generation).
         A stage registering twice means Ray Train restarted the node's group."""
         if stage in self.registered[node]:
-            self._node_lost(node, f"node-{node}/stage-{stage} registered again (worker group restarted)")
+            self.node_lost(node, f"node-{node}/stage-{stage} registered again (worker group restarted)")
         key = f"node-{node}/stage-{stage}"
-        self.workers[key] = dict(asdict(info), node=node, stage=stage, epoch=self.epochs[node],
+        self.by_name[key] = dict(asdict(info), node=node, stage=stage, epoch=self.epochs[node],
                                  registered_s=time.time())
         if stage == 0:
-            self.groups.note(node, info.placement_group)
-        if stage == 0 and not self.ready.is_set() and self.config.resume and info.restored_version:
+            self.ctl.groups.note(node, info.placement_group)
+        if stage == 0 and not self.ctl.ready.is_set() and self.ctl.config.resume and info.restored_version:
             self.restored[node] = (info.restored_version, from_ranges(info.restored_held or []),
                                    Cursor(**info.restored_cursor) if info.restored_cursor else Cursor())
         self.registered[node].add(stage)
-        complete = len(self.registered[node]) == self.config.stages
-        if complete and self.driver is not None:
-            self.driver.node_back(node)    # a restarted node takes work again (no-op otherwise)
-        if complete and self.ledger.restoring(node):
+        complete = len(self.registered[node]) == self.ctl.config.stages
+        if complete and self.ctl.driver is not None:
+            self.ctl.driver.node_back(node)    # a restarted node takes work again (no-op otherwise)
+        if complete and self.ctl.ledger.restoring(node):
             for r in self.restarts:      # the node's new group is complete: it serves again
                 if r["node"] == node and r["epoch"] == self.epochs[node]:
-                    r["back_s"] = self.driver.now()
+                    r["back_s"] = self.ctl.driver.now()
             # train again what the restored checkpoint does not hold
-            self._retrain(node, self.ledger.restore(node, self.workers[f"node-{node}/stage-0"].get("restored_version")))
-        if all(len(r) == self.config.stages for r in self.registered) and not self.ready.is_set():
+            self._retrain(node, self.ctl.ledger.restore(node, self.by_name[f"node-{node}/stage-0"].get("restored_version")))
+        if all(len(r) == self.ctl.config.stages for r in self.registered) and not self.ctl.ready.is_set():
             self._resume()
-            self.ready.set()
-        elif complete and not self.ready.is_set() and self._partial is None:
-            self._partial = self._loop.call_later(self.config.stage.start_grace_s, self._serve_partial)
+            self.ctl.ready.set()
+        elif complete and not self.ctl.ready.is_set() and self._partial is None:
+            self._partial = self._loop.call_later(self.ctl.config.stage.start_grace_s, self._serve_partial)
         return self.epochs[node]
 
     def _resume(self) -> None:
@@ -219,16 +222,16 @@ class WorkerGroups(ControllerState):
         training (its checkpoints, restored by the nodes, and the samples stored since: fed
         in ``lora.queued_tasks`` per node at a time), then the samples that arrived while
         the workers started."""
-        if self.config.resume:
-            plan = plan_resumption(self.restored, len(self.store))
+        if self.ctl.config.resume:
+            plan = plan_resumption(self.restored, len(self.ctl.pump.store))
             for node, (version, seqs, _) in self.restored.items():
-                self.ledger.resume(node, version, seqs)
-            self._resume_version(plan.adapter_version)
+                self.ctl.ledger.resume(node, version, seqs)
+            self.ctl.adapters.resume_version(plan.adapter_version)
             self.resumption = {"adapter_version": plan.adapter_version, "samples_held": plan.held,
                                "samples_resumed": len(plan.pending),
                                "nodes_restored": sorted(self.restored)}
-            self._resume_samples(plan.cursor, plan.pending)
-        self._pump_training()
+            self.ctl.pump.resume_samples(plan.cursor, plan.pending)
+        self.ctl.pump.pump_training()
 
     async def group_failed(self, node: int, at: float, why: str) -> None:
         """Ray Train found node ``node``'s worker group failed at ``at`` (wall clock; told
@@ -236,16 +239,16 @@ class WorkerGroups(ControllerState):
         reset now and avoided until its new group is complete, rather than found out when
         the new group registers. Ignored if the loss is known already (an op that raised
         told us first) or a new group registered since."""
-        if self.driver is None or node in self.dead:
+        if self.ctl.driver is None or node in self.dead:
             return
-        if not self.registered[node] and node in self.cluster.scheduler.restarting:
+        if not self.registered[node] and node in self.ctl.cluster.scheduler.restarting:
             return                          # already reset, the new group not yet here
         if any(w["node"] == node and w["epoch"] == self.epochs[node] and w["registered_s"] > at
-               for w in self.workers.values()):
+               for w in self.by_name.values()):
             return                          # a new group registered after the failure
-        self._node_lost(node, why)
+        self.node_lost(node, why)
 
-    def _node_lost(self, node: int, reason: str, down: bool = False) -> None:
+    def node_lost(self, node: int, reason: str, down: bool = False) -> None:
         """Node ``node``'s worker group is gone (its KV caches, activations, queued ops)
         and its adapter rolls back to its last checkpoint: a new epoch starts, its ops in
         flight are dropped, its requests resume (prompt + streamed tokens, re-prefilled),
@@ -253,37 +256,37 @@ class WorkerGroups(ControllerState):
         are trained again."""
         self.epochs[node] += 1
         self.registered[node] = set()
-        for s in range(self.config.stages):    # an old worker still waiting for an op stops
+        for s in range(self.ctl.config.stages):    # an old worker still waiting for an op stops
             self.queues[(node, s)].put_nowait(None)
             self.queues[(node, s)] = asyncio.Queue()
-        self._forget_received(node)
-        self._links_lost(node, reason)
-        resumed = self.cluster.resumed
+        self.ctl.runner.forget_received(node)
+        self.ctl.links.links_lost(node, reason)
+        resumed = self.ctl.cluster.resumed
         if down:
-            self.driver.node_down(node)
+            self.ctl.driver.node_down(node)
         else:
-            self.driver.node_lost(node)
-        self._fail_waiting(node, reason)
-        self.ledger.lose(node)
-        self.restarts.append({"node": node, "reason": reason, "time_s": self.driver.now(),
-                              "epoch": self.epochs[node], "resumed_tasks": self.cluster.resumed - resumed,
-                              "replayed_samples": None, "adapter_version": self.ledger.version[node],
+            self.ctl.driver.node_lost(node)
+        self.ctl.runner.fail_waiting(node, reason)
+        self.ctl.ledger.lose(node)
+        self.restarts.append({"node": node, "reason": reason, "time_s": self.ctl.driver.now(),
+                              "epoch": self.epochs[node], "resumed_tasks": self.ctl.cluster.resumed - resumed,
+                              "replayed_samples": None, "adapter_version": self.ctl.ledger.version[node],
                               "down": down})
         if down:                   # trained again on the other nodes
-            self._retrain(node, self.ledger.abandon(node))
+            self._retrain(node, self.ctl.ledger.abandon(node))
         else:   # replayed once the new group says which checkpoint it restored (register),
             # or on the other nodes if it is not back in time (its Ray node may be gone)
-            self._loop.call_later(self.config.stage.rejoin_s, self._rejoin_overdue, node, self.epochs[node])
+            self._loop.call_later(self.ctl.config.stage.rejoin_s, self._rejoin_overdue, node, self.epochs[node])
 
     def _rejoin_overdue(self, node: int, epoch: int) -> None:
         """Node ``node``'s group lost at ``epoch`` is not back after ``stage.rejoin_s``: the
         samples it trained since its last checkpoint are trained on the other nodes (its
         adapter, when it comes back, is that checkpoint's)."""
-        if self.epochs[node] != epoch or len(self.registered[node]) == self.config.stages \
-                or not self.ledger.restoring(node):
+        if self.epochs[node] != epoch or len(self.registered[node]) == self.ctl.config.stages \
+                or not self.ctl.ledger.restoring(node):
             return
-        seqs = self.ledger.abandon(node)
-        self._note_error(f"node {node}: not back {self.config.stage.rejoin_s:g} s after its loss; "
+        seqs = self.ctl.ledger.abandon(node)
+        self.ctl.note_error(f"node {node}: not back {self.ctl.config.stage.rejoin_s:g} s after its loss; "
                            f"{len(seqs)} samples it trained since its checkpoint go to the other nodes")
         self._retrain(node, seqs)
 
@@ -292,13 +295,13 @@ class WorkerGroups(ControllerState):
             if r["node"] == node:
                 r["replayed_samples"] = len(seqs)
                 break
-        for i in range(0, len(seqs), self.config.lora.micro_batch):
-            self._submit_samples(self.store.get(seqs[i:i + self.config.lora.micro_batch]))
+        for i in range(0, len(seqs), self.ctl.config.lora.micro_batch):
+            self.ctl.pump.submit_samples(self.ctl.pump.store.get(seqs[i:i + self.ctl.config.lora.micro_batch]))
 
     def registry(self) -> dict:
-        return dict(self.workers)
+        return dict(self.by_name)
 
     def placement(self) -> dict:
         """Which Ray node runs what: this controller, and each stage worker (by Ray node id)."""
         return {"controller": ray.get_runtime_context().get_node_id(),
-                "stage_workers": {key: w["node_id"] for key, w in self.workers.items()}}
+                "stage_workers": {key: w["node_id"] for key, w in self.by_name.items()}}

@@ -18,7 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
-from raycolo.online.tasks import OnlineTask
+from raycolo.online.tasks import OnlineTask, TaskKind
 
 MAX_NODES = 4096            # piece ids encode their node, so nodes never hand out the same id
 
@@ -76,7 +76,7 @@ class MicroBatches:
     def _new(self, root: int, first: int, samples: int, like: OnlineTask) -> OnlineTask:
         pid = -(1 + next(self._ids) * MAX_NODES + self.node)
         self.pieces[pid] = Piece(root, first, samples)
-        return OnlineTask(pid, "train", like.arrival_s, like.length, samples, 0)
+        return OnlineTask(pid, TaskKind.TRAIN, like.arrival_s, like.length, samples, 0)
 
     def forward_started(self, task: OnlineTask) -> None:
         """A first forward (stage 0) starts."""
