@@ -15,7 +15,7 @@ import asyncio
 import json
 import shutil
 from pathlib import Path
-from typing import Optional, TYPE_CHECKING
+from typing import Optional
 
 from raycolo.online.stages.peft_format import export_adapter
 from raycolo.online.stages.stage_model import LoraSettings
@@ -23,13 +23,10 @@ from raycolo.online.stages.stage_ops import EvalBatch, ReadAdapter, SaveCheckpoi
 from raycolo.online.driver import OpLost
 from raycolo.online.samples import clip_sample, to_ranges, training_rows
 
-if TYPE_CHECKING:
-    from raycolo.actors.online.controller import OnlineController
-
 
 class AdapterVersions:
-    def __init__(self, ctl: OnlineController) -> None:
-        """This role's own state (it alone writes these)."""
+    def __init__(self, ctl) -> None:
+        """This role's own state (it alone writes these); ``ctl`` is the OnlineController."""
         self.ctl = ctl
         self.adapter_version = 0
         self.exports: dict[int, asyncio.Task] = {}

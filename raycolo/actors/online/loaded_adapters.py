@@ -13,21 +13,18 @@ import itertools
 import shutil
 import time
 from pathlib import Path
-from typing import Optional, TYPE_CHECKING
+from typing import Optional
 
 from raycolo.online.stages.peft_format import AdapterError, check_adapter, convert_adapter
 from raycolo.online.serving.messages import AdapterRefusal
-
-if TYPE_CHECKING:
-    from raycolo.actors.online.controller import OnlineController
 
 
 MAX_LOADED_ADAPTERS = 64       # adapters loaded over HTTP at a time (each a copy on storage)
 
 
 class LoadedAdapters:
-    def __init__(self, ctl: OnlineController) -> None:
-        """This role's own state (it alone writes these)."""
+    def __init__(self, ctl) -> None:
+        """This role's own state (it alone writes these); ``ctl`` is the OnlineController."""
         self.ctl = ctl
         self.loaded: dict[str, dict] = {}             # adapters loaded over HTTP, by name (online_adapters.py)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import fields
-from typing import Optional, TYPE_CHECKING
+from typing import Optional
 
 from raycolo.generation import FinishReason
 from raycolo.online.driver import OpLost
@@ -32,9 +32,6 @@ from raycolo.online.scheduling.node_loop import NodeReport
 from raycolo.online.stage_messages import ServedRequest
 from raycolo.online.scheduling.node_types import OpKind
 
-if TYPE_CHECKING:
-    from raycolo.actors.online.controller import OnlineController
-
 
 COMMAND_POLL_S = 1.0        # a node's wait for commands returns empty after this long
 
@@ -42,7 +39,8 @@ COMMAND_POLL_S = 1.0        # a node's wait for commands returns empty after thi
 class NodeLinks:
     """The role ``ctl.links`` of OnlineController (see the module docstring)."""
 
-    def __init__(self, ctl: OnlineController) -> None:
+    def __init__(self, ctl) -> None:
+        """This role's own state (it alone writes these); ``ctl`` is the OnlineController."""
         self.ctl = ctl
         nodes = self.ctl.config.nodes
         self.inbox: list[list] = [[] for _ in range(nodes)]            # node -> commands not yet taken

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Optional, TYPE_CHECKING
+from typing import Optional
 
 import ray
 
@@ -24,13 +24,10 @@ from raycolo.online.stage_messages import TrainingShare, stage_message, take_tok
 
 from raycolo.actors.online.state import LiveRequest
 
-if TYPE_CHECKING:
-    from raycolo.actors.online.controller import OnlineController
-
 
 class OpRunner:
-    def __init__(self, ctl: OnlineController) -> None:
-        """This role's own state (it alone writes these)."""
+    def __init__(self, ctl) -> None:
+        """This role's own state (it alone writes these); ``ctl`` is the OnlineController."""
         self.ctl = ctl
         cfg = self.ctl.config
         # (node, stage) -> seqs of its sends that their receivers consumed: told to it with

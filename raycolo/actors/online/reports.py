@@ -8,10 +8,6 @@ changes nothing but its own running sums of stage busy time and hop timings.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from raycolo.actors.online.controller import OnlineController
 
 
 def _pct(values, q) -> float:
@@ -20,8 +16,8 @@ def _pct(values, q) -> float:
 
 
 class Reports:
-    def __init__(self, ctl: OnlineController) -> None:
-        """This role's own state (it alone writes these)."""
+    def __init__(self, ctl) -> None:
+        """This role's own state (it alone writes these); ``ctl`` is the OnlineController."""
         self.ctl = ctl
         self.hops = 0
         self.device: dict = {}                        # (node, stage) -> its device's last reading

@@ -6,7 +6,7 @@ A role of the online controller (``ctl.<role>``, see :mod:`.state`)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Optional, TYPE_CHECKING
+from typing import Optional
 
 import ray
 
@@ -16,9 +16,6 @@ from raycolo.generation import FinishReason, SamplingParams, stop_token_set
 from raycolo.online.tasks import OnlineTask, TaskKind
 
 from raycolo.actors.online.state import LiveRequest
-
-if TYPE_CHECKING:
-    from raycolo.actors.online.controller import OnlineController
 
 
 KEPT_FINISHED = 4096      # finished requests the controller keeps (result(), progress())
@@ -41,8 +38,8 @@ class FrontQueue:
 
 
 class RequestDesk:
-    def __init__(self, ctl: OnlineController) -> None:
-        """This role's own state (it alone writes these)."""
+    def __init__(self, ctl) -> None:
+        """This role's own state (it alone writes these); ``ctl`` is the OnlineController."""
         self.ctl = ctl
         self.fronts: set[str] = set()                 # HTTP replicas attached (serve/app.py)
         self.requests: dict[int, LiveRequest] = {}

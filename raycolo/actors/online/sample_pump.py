@@ -6,19 +6,16 @@ A role of the online controller (``ctl.<role>``, see :mod:`.state`)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Optional, TYPE_CHECKING
+from typing import Optional
 
 
 from raycolo.online.samples import Cursor, SampleStore, clip_sample, training_rows
 from raycolo.online.tasks import OnlineTask, TaskKind
 
-if TYPE_CHECKING:
-    from raycolo.actors.online.controller import OnlineController
-
 
 class SamplePump:
-    def __init__(self, ctl: OnlineController) -> None:
-        """This role's own state (it alone writes these)."""
+    def __init__(self, ctl) -> None:
+        """This role's own state (it alone writes these); ``ctl`` is the OnlineController."""
         self.ctl = ctl
         self.store = SampleStore(self.ctl.config.sample_store)
         self.cursor = Cursor()

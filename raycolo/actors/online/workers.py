@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional, TYPE_CHECKING
+from typing import Optional
 
 import ray
 
@@ -20,16 +20,13 @@ from raycolo.online.config import stage_build
 from raycolo.online.samples import Cursor, from_ranges, plan_resumption
 from raycolo.online.stage_messages import WorkerInfo
 
-if TYPE_CHECKING:
-    from raycolo.actors.online.controller import OnlineController
-
 
 START_TIMEOUT_S = 300.0    # stage workers must register within this
 
 
 class WorkerGroups:
-    def __init__(self, ctl: OnlineController) -> None:
-        """This role's own state (it alone writes these)."""
+    def __init__(self, ctl) -> None:
+        """This role's own state (it alone writes these); ``ctl`` is the OnlineController."""
         self.ctl = ctl
         cfg = self.ctl.config
         self.fit_futures = []
