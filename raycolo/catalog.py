@@ -130,6 +130,44 @@ def load_catalog(path: str | Path) -> dict[str, ModelSpec]:
     return catalog
 
 
+def spec_of_checkpoint(directory: str | Path, name: Optional[str] = None) -> ModelSpec:
+    """The ModelSpec of a Hugging Face checkpoint directory, read from its ``config.json``
+    (named ``name``, else the directory's name): what ``raycolo profile --model DIR`` costs."""
+    import json
+
+    path = Path(directory) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model: {path}: cannot read the checkpoint's config: {exc}") from None
+    text = cfg.get("text_config") or cfg          # multimodal checkpoints nest the decoder's
+    try:
+        dtype = str(text.get("torch_dtype") or text.get("dtype") or "bfloat16")
+        return ModelSpec(
+            name=name or Path(directory).resolve().name, layers=text["num_hidden_layers"],
+            hidden=text["hidden_size"], intermediate=text["intermediate_size"],
+            heads=text["num_attention_heads"],
+            kv_heads=text.get("num_key_value_heads") or text["num_attention_heads"],
+            vocab=text["vocab_size"], context_length=text.get("max_position_embeddings", 4096),
+            dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
+            num_experts=text.get("num_local_experts", 1), experts_per_token=text.get("num_experts_per_tok", 1),
+            tied_embeddings=bool(text.get("tie_word_embeddings", False)),
+            hf_architecture=(cfg.get("architectures") or [None])[0],
+            description=f"read from {path}")
+    except KeyError as exc:
+        raise ConfigError(f"--model: {path}: no {exc.args[0]} (a decoder-only checkpoint's config has it)") from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ConfigError(f"--model: {path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def model_spec(model: str, name: Optional[str] = None) -> ModelSpec:
+    """A catalog model by name, or a checkpoint directory's spec (:func:`spec_of_checkpoint`)."""
+    from raycolo.paths import is_dir
+
+    return spec_of_checkpoint(model, name) if is_dir(Path(model)) else get_model(model)
+
+
 def get_model(name: str) -> ModelSpec:
     catalog = _builtin_catalog()
     if name not in catalog:

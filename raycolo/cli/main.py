@@ -186,6 +186,7 @@ def cmd_plan(args) -> int:
         print(json.dumps(plan.to_dict(), indent=2))
         return 0
     print(_stage_table(plan))
+    print("\n".join(plan.costed_from_lines()))
     gap = plan.makespan_s / plan.lower_bound_s - 1 if plan.lower_bound_s else float("nan")
     print(f"policy {plan.policy}: makespan {plan.makespan_s:.1f}s, search {plan.search_s:.2f}s, "
           f"lower bound {plan.lower_bound_s:.1f}s (gap {gap:+.1%}), "
@@ -285,8 +286,11 @@ def cmd_profile(args) -> int:
 
     from pathlib import Path
 
+    from raycolo.catalog import spec_of_checkpoint
     from raycolo.errors import ConfigError
-    if not Path(args.model).is_dir():
+    if Path(args.model).is_dir():
+        spec = spec_of_checkpoint(args.model, args.name)
+    else:
         try:
             spec = get_model(args.model)
         except ConfigError as exc:
@@ -297,30 +301,29 @@ def cmd_profile(args) -> int:
                                "catalog model or a checkpoint directory")
     if args.tp != 1:
         from raycolo.tp_rules import tp_split_error
-        spec = get_model(args.model) if not Path(args.model).is_dir() else None
-        error = spec and tp_split_error(args.tp, spec.heads, spec.kv_heads, spec.intermediate)
+        error = tp_split_error(args.tp, spec.heads, spec.kv_heads, spec.intermediate)
         if error:
             raise RaycoloError(f"--tp: {error}")
     settings = SweepSettings.quick() if args.quick else SweepSettings()
     progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
     profile, stats = profile_model(args.model, args.out, tp=args.tp, device=args.device,
                                    threads=args.threads, seed=args.seed, settings=settings,
-                                   progress=progress, colocated=measure_colocated)
+                                   progress=progress, colocated=measure_colocated, name=args.name)
     if args.json:
         print(json.dumps(stats, indent=2))
     else:
-        print(f"{args.model}: {stats['iterations']} iterations, fit R2 {stats['r2']:.3f}, "
+        print(f"{stats['model']}: {stats['iterations']} iterations, fit R2 {stats['r2']:.3f}, "
               f"median |error| {stats['median_abs_error']:.1%}, load {stats['load_s']:.2f}s, "
               f"output length mean {stats['ecdf_mean']:.0f} (max {stats['ecdf_max']})")
         dp = stats["decode_predictor"]
-        print(f"{args.model}: Harli decode predictor (bs*b0 + c0 + bs*k0*seqlen) b0 {dp['b0']:.3g} s, "
+        print(f"{stats['model']}: Harli decode predictor (bs*b0 + c0 + bs*k0*seqlen) b0 {dp['b0']:.3g} s, "
               f"c0 {dp['c0']:.3g} s, k0 {dp['k0']:.3g} s; held-out error {dp['held_out_mape']:.1%} "
               f"on {dp['held_out_iterations']} decode iterations")
         if "colocated_held_out_mape" in dp:
-            print(f"{args.model}: stage 2 (co-located, time shares) b1 {dp['b1']:.3f}, k1 {dp['k1']:.3f}; "
+            print(f"{stats['model']}: stage 2 (co-located, time shares) b1 {dp['b1']:.3f}, k1 {dp['k1']:.3f}; "
                   f"held-out error {dp['colocated_held_out_mape']:.1%} on {dp['colocated_held_out_iterations']} "
                   f"co-located iterations (set lemix.harli_b1 / harli_k1 to use them online)")
-        print(f"profile: {Path(args.out) / f'{args.model}.tp{args.tp}.json'}")
+        print(f"profile: {Path(args.out) / (stats['model'] + f'.tp{args.tp}.json')}")
     return 0
 
 
@@ -346,7 +349,8 @@ def cmd_validate(args) -> int:
             raise RaycoloError(f"--profile: {profile_dir} has no tp={args.tp} profile for {m} "
                                f"(run: raycolo profile --model {m} --tp {args.tp} --out {profile_dir})")
     progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
-    report = validate(profile_dir, models, args.requests, args.seed, args.threads, progress, tp=args.tp)
+    report = validate(profile_dir, models, args.requests, args.seed, args.threads, progress, tp=args.tp,
+                      repeats=args.repeats)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 

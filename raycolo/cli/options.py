@@ -82,6 +82,9 @@ class ProfileOptions(Strict):
     out: PathText = Field(default="profiles", description="output directory")
     threads: Threads = Field(default=1, description="CPU threads for torch")
     seed: Seed = Field(default=0, description="seed for the random weights and prompts")
+    name: Optional[Line] = Field(default=None, description=(
+        "the model name the profile files take; for a checkpoint directory, the catalog model it "
+        "costs (plans of that model then use the profile); default: the directory's name"))
 
 
 class ValidateOptions(Strict):
@@ -96,4 +99,7 @@ class ValidateOptions(Strict):
                                                            "the 2-model case runs at tp=1 only)")
     threads: Threads = Field(default=1, description="CPU threads for torch")
     seed: Seed = Field(default=4242, description="seed for the sampled workloads")
+    repeats: int = Field(default=3, ge=1, le=20, description=(
+        "held-out request sets per case (seeds seed, seed+1, ...): a case's error is over their summed "
+        "times, so neither one set's output lengths nor one run's machine noise decides it"))
 

@@ -83,6 +83,9 @@ class IterationRecord:
     context_lens: list[int]       # tokens each sequence attended (prefill: its prompt)
     seconds: float
     preempted: int = 0
+    # every row took the plain argmax (raycolo.generation.sampler.plain); False: the full
+    # sampler ran (temperature, penalties, min_tokens or logprobs), a cost of its own
+    plain_sampling: bool = True
 
     @property
     def tokens(self) -> int:

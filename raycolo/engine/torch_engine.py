@@ -140,6 +140,7 @@ class TorchEngine(Engine):
             chunks = [SeqChunk(self.requests[h].generated[-1:], sched.stored[h], sched.table(h))
                       for h in decision.seqs]
         contexts = [c.start + len(c.tokens) for c in chunks]
+        plain_step = all(self.requests[h].plain for h in decision.seqs)
         sampled = self._run(decision.seqs, chunks) if chunks else None
         tokens = sampled.tokens if sampled else []
         now = time.perf_counter()
@@ -162,7 +163,7 @@ class TorchEngine(Engine):
         self.stats.iterations.append(IterationRecord(
             kind=decision.kind, num_seqs=len(decision.seqs), new_tokens=len(tokens),
             context_lens=contexts, seconds=time.perf_counter() - started,
-            preempted=len(decision.preempted)))
+            preempted=len(decision.preempted), plain_sampling=plain_step))
         return finished
 
     def _run(self, handles: list[int], chunks: list[SeqChunk]):

@@ -116,6 +116,11 @@ class NodeSpec(Strict):
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
+    @property
+    def plain_sampling(self) -> bool:
+        """Its requests take the plain argmax of the logits (no full sampler to cost)."""
+        return self.sampling_params(1, 0).plain_greedy
+
     def sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
         """The SamplingParams of one of this node's requests."""
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,

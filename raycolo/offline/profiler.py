@@ -19,12 +19,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from raycolo.batching.step_scheduler import StepKind
-from raycolo.catalog import get_model
+from raycolo.catalog import model_spec
 from raycolo.offline.costmodel.fit import fit_profile, samples_from_records
 from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile
 from raycolo.offline.costmodel.length_sampler import GREEDY_ECDF_SUFFIX, write_ecdf
@@ -80,20 +80,74 @@ def _measure_load(model_id: str, device: str, threads: Optional[int], seed: int,
 ColocatedProbe = Callable[[str, int, str, int], list]
 
 
+SAMPLER_BATCHES = (1, 8, 32, 64)     # batch sizes the full sampler is timed at
+SAMPLER_STEPS = 12                   # decode steps of each timed run
+SAMPLER_REPEATS = 3                  # greedy/sampled pairs per batch size (the median is kept)
+
+
+def time_full_sampler(engine, rng, vocab: int, batches: Sequence[int] = SAMPLER_BATCHES,
+                      steps: int = SAMPLER_STEPS, repeats: int = SAMPLER_REPEATS) -> tuple[float, float]:
+    """The full sampler's extra seconds per decode iteration over the plain argmax, as
+    ``(f0, f1)`` for ``f0 + f1 * n`` sequences, measured on ``engine`` itself: the same
+    prompts decoded ``steps`` tokens greedily, then drawn at the eCDF temperature (both
+    ignoring EOS, so the iterations match one for one), the two alternating so the
+    machine's drift cancels; a non-negative line through the medians of the differences
+    of their mean decode iterations."""
+    from raycolo.offline.costmodel.fit import nnls
+
+    def decode_mean(prompts, params) -> float:
+        engine.stats.iterations.clear()
+        engine.generate(prompts, params)
+        times = [r.seconds for r in engine.stats.iterations if r.kind == StepKind.DECODE]
+        return statistics.fmean(times)
+
+    medians = []
+    for n in batches:
+        prompts = random_prompts(rng, n, 64, vocab)
+        greedy = SamplingParams(max_tokens=steps, ignore_eos=True)
+        drawn = [SamplingParams(max_tokens=steps, ignore_eos=True, temperature=ECDF_TEMPERATURE, seed=i)
+                 for i in range(n)]
+        medians.append(statistics.median(decode_mean(prompts, drawn) - decode_mean(prompts, greedy)
+                                         for _ in range(repeats)))
+    engine.stats.iterations.clear()
+    a = np.column_stack([np.ones(len(batches)), np.asarray(batches, dtype=float)])
+    f0, f1 = nnls(a, np.asarray(medians))
+    return float(f0), float(f1)
+
+
+def measured_on(device: str, threads: Optional[int], tp: int) -> str:
+    """Where and when a profile is measured: the card (or CPU, cores and torch threads), the date."""
+    import datetime
+    import os
+    import platform
+
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        where = f"{tp} x {torch.cuda.get_device_name()}"
+    else:
+        where = (f"cpu {platform.machine()} ({os.cpu_count()} cores, {threads or 'all'} torch thread(s)"
+                 f"{f', tp={tp} in processes' if tp > 1 else ''})")
+    return f"{where}, {datetime.date.today().isoformat()}"
+
+
 def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str = "cpu",
                   threads: Optional[int] = 1, seed: int = 0, settings: Optional[SweepSettings] = None,
                   progress: Optional[Callable[[str], None]] = None,
-                  colocated: Optional[ColocatedProbe] = None) -> tuple[LatencyProfile, dict]:
+                  colocated: Optional[ColocatedProbe] = None, name: Optional[str] = None,
+                  ) -> tuple[LatencyProfile, dict]:
     """Profile ``model_id``: the cost model's coefficients and eCDFs, and Harli's decode
     predictor (stage 1 from the engine's decode iterations; stage 2 from ``colocated``'s
     samples when given, :func:`raycolo.online.stages.colocated_profile.measure_colocated`
-    as ``raycolo profile`` passes it, else b1 = k1 = 1: no interference)."""
+    as ``raycolo profile`` passes it, else b1 = k1 = 1: no interference). ``model_id`` is a
+    tiny catalog model or a checkpoint directory; the files are named ``name`` (default: the
+    catalog name, or the directory's name)."""
     settings = settings or SweepSettings()
     say = progress or (lambda msg: None)
-    spec = get_model(model_id)
+    spec = model_spec(model_id, name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    say(f"{model_id}: timing loads")
+    say(f"{spec.name}: timing loads")
     load_s = _measure_load(model_id, device, threads, seed, settings.load_repeats, tp)
 
     # tp > 1: a tensor-parallel engine, its other ranks as processes of this machine
@@ -105,9 +159,9 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     engine.stats.iterations.clear()
     for length in settings.context_lens:
         for batch in settings.batch_sizes:
-            say(f"{model_id}: sweep batch {batch} x context {length}")
+            say(f"{spec.name}: sweep batch {batch} x context {length}")
             engine.generate(random_prompts(rng, batch, length, vocab), greedy)
-    say(f"{model_id}: mixed run")
+    say(f"{spec.name}: mixed run")
     mixed_lens = rng.integers(8, 256, settings.mixed_requests)
     mixed_params = [SamplingParams(max_tokens=int(m), ignore_eos=True)
                     for m in rng.integers(1, 128, settings.mixed_requests)]
@@ -117,7 +171,7 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     # together. Its iterations join the fit, so the fit sees batches whose contexts differ
     # (attention pads each group of similar contexts to its longest), not only the sweep's
     # uniform ones.
-    say(f"{model_id}: output lengths of {settings.ecdf_requests} sampled requests")
+    say(f"{spec.name}: output lengths of {settings.ecdf_requests} sampled requests")
     prompts = random_prompts(rng, settings.ecdf_requests, rng.integers(8, 128, settings.ecdf_requests), vocab)
     params = [SamplingParams(max_tokens=ECDF_MAX_TOKENS, temperature=ECDF_TEMPERATURE, seed=seed * 7919 + i)
               for i in range(len(prompts))]
@@ -125,32 +179,36 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     # the same prompts decoded greedily: the lengths a greedy DAG node really produces
     greedy_lengths = [o.output_len for o in engine.generate(prompts, SamplingParams(max_tokens=ECDF_MAX_TOKENS))]
     records = list(engine.stats.iterations)
+    say(f"{spec.name}: the full sampler against the plain argmax, on the engine")
+    sampler = time_full_sampler(engine, rng, vocab)
     engine.release()
 
     from raycolo.offline.costmodel.latency import default_profile
     from raycolo.hardware import ClusterSpec
     flops_model = IterationLatency(spec, default_profile(spec, ClusterSpec(), tp))
-    profile, stats = fit_profile(samples_from_records(records, flops_model), model_id, tp, load_s)
-    profile.save(out / f"{model_id}.tp{tp}.json")
-    write_ecdf(out / "ecdf" / f"{model_id}.csv", lengths,
+    profile, stats = fit_profile(samples_from_records(records, flops_model), spec.name, tp, load_s,
+                                 full_sampler=sampler)
+    profile = profile.model_copy(update={"engine": "torch", "measured_on": measured_on(device, threads, tp)})
+    profile.save(out / f"{spec.name}.tp{tp}.json")
+    write_ecdf(out / "ecdf" / f"{spec.name}.csv", lengths,
                f"MEASURED output lengths of {model_id} ({len(lengths)} requests, torch engine, "
                f"temperature {ECDF_TEMPERATURE}, max_tokens {ECDF_MAX_TOKENS}, seed {seed}).\n"
                "Written by raycolo profile.")
-    write_ecdf(out / "ecdf" / f"{model_id}{GREEDY_ECDF_SUFFIX}.csv", greedy_lengths,
+    write_ecdf(out / "ecdf" / f"{spec.name}{GREEDY_ECDF_SUFFIX}.csv", greedy_lengths,
                f"MEASURED output lengths of {model_id} ({len(greedy_lengths)} requests, torch engine, "
                f"greedy, max_tokens {ECDF_MAX_TOKENS}, seed {seed}).\n"
                "Written by raycolo profile.")
     if colocated is not None:
-        say(f"{model_id}: co-located iterations (fine-tune ops between decode iterations)")
+        say(f"{spec.name}: co-located iterations (fine-tune ops between decode iterations)")
     colocated = colocated(model_id, seed, device, max(settings.batch_sizes)) if colocated is not None else []
     stats["decode_predictor"] = fit_decode_predictor(records, colocated)
-    stats.update(model=model_id, tp=tp, device=device, threads=threads, seed=seed,
+    stats.update(model=spec.name, checkpoint=model_id if model_id != spec.name else None, tp=tp, device=device, threads=threads, seed=seed,
                  load_s=load_s, iterations=len(records),
                  ecdf_mean=float(np.mean(lengths)), ecdf_max=int(np.max(lengths)),
                  sweep={"batch_sizes": list(settings.batch_sizes),
                         "context_lens": list(settings.context_lens),
                         "decode_steps": settings.decode_steps})
-    (out / f"{model_id}.tp{tp}.fit.json").write_text(json.dumps(stats, indent=2))
+    (out / f"{spec.name}.tp{tp}.fit.json").write_text(json.dumps(stats, indent=2))
     return profile, stats
 
 

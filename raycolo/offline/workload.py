@@ -194,6 +194,7 @@ class NodeWorkload:
     chain_head: np.ndarray
     terminal: np.ndarray
     deps: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)
+    plain_sampling: bool = True    # its requests take the plain argmax (DagNode.plain_sampling)
 
     def __len__(self) -> int:
         return len(self.input_len)
@@ -327,7 +328,7 @@ def _build_node(app: AppSpec, node: NodeSpec, sources: dict[str, SourceItems],
     n = len(items)
     return NodeWorkload(node.name, model, node.max_output_tokens, input_len, output_len, items,
                         np.full(n, -1, dtype=np.int64), np.ones(n, dtype=bool),
-                        np.ones(n, dtype=bool), deps)
+                        np.ones(n, dtype=bool), deps, node.plain_sampling)
 
 
 def _build_chain(node, model, sampler, rng, items, tokens, chunks, chunk_tokens, dep_lists,
@@ -355,7 +356,7 @@ def _build_chain(node, model, sampler, rng, items, tokens, chunks, chunk_tokens,
     successor = np.where(last, -1, np.arange(size) + 1).astype(np.int64)
     deps = [(up, starts[req], upi) for up, req, upi in dep_lists]  # inputs gate the first chunk
     return NodeWorkload(node.name, model, node.max_output_tokens, input_len, output_len,
-                        items[owner], successor, position == 0, last, deps)
+                        items[owner], successor, position == 0, last, deps, node.plain_sampling)
 
 
 def build_workload(app: AppSpec, seed: int = 0, requests: Optional[int] = None,

@@ -1,5 +1,6 @@
 """Profiler, latency-model fit and calibration on real tiny models (no mocks)."""
 import json
+import re
 import subprocess
 import sys
 
@@ -56,6 +57,71 @@ def test_fit_reproduces_known_coefficients():
         assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=1e-4), name
 
 
+def test_the_full_sampler_is_taken_off_the_iterations_that_ran_it():
+    """Decode iterations that ran the full sampler cost f0 + f1 * n more: given that cost,
+    the fit recovers the plain coefficients and the profile predicts both kinds; a fit that
+    is not told of it (every iteration called plain) is biased."""
+    rng = np.random.default_rng(7)
+    f0, f1 = 4e-4, 6e-6
+    samples = []
+    for s in synthetic_samples(rng):
+        if s.kind == "decode" and rng.random() < 0.4:
+            s = IterationSample(s.kind, s.num_seqs, s.tokens, s.flops, s.seconds + f0 + f1 * s.num_seqs,
+                                plain_sampling=False)
+        samples.append(s)
+    fitted, _ = fit_profile(samples, "synthetic", 1, load_s=1.5, full_sampler=(f0, f1))
+    np.testing.assert_allclose(fitted.compute_intercept_s, TRUTH.compute_intercept_s, rtol=1e-4)
+    assert (fitted.full_sampler_intercept_s, fitted.full_sampler_s_per_seq) == (f0, f1)
+    model = get_model("tiny-llama-m")
+    plain = IterationLatency(model, fitted)
+    drawn = IterationLatency(model, fitted, plain_sampling=False)
+    for n in (1, 7, 48, 300):
+        assert drawn.decode_seconds(n, 100 * n) - plain.decode_seconds(n, 100 * n) == pytest.approx(f0 + f1 * n)
+        assert drawn.prefill_seconds(n, 50 * n, 2500 * n) == plain.prefill_seconds(n, 50 * n, 2500 * n)
+    unaware, _ = fit_profile([IterationSample(s.kind, s.num_seqs, s.tokens, s.flops, s.seconds) for s in samples],
+                             "synthetic", 1, load_s=1.5)
+    assert not np.allclose(unaware.compute_intercept_s, TRUTH.compute_intercept_s, rtol=1e-2)
+
+
+def test_engine_iterations_say_whether_the_full_sampler_ran():
+    from raycolo.engine.base import SamplingParams
+    from raycolo.engine.factory import create_engine
+    from raycolo.offline.profiler import engine_config
+
+    engine = create_engine(engine_config("tiny-llama-s"))
+    prompts = [[5, 6, 7, 8]] * 3
+    engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert all(r.plain_sampling for r in engine.stats.iterations)
+    engine.stats.iterations.clear()
+    engine.generate(prompts, [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, seed=i) for i in range(3)])
+    assert len(engine.stats.iterations) == 4 and not any(r.plain_sampling for r in engine.stats.iterations)
+    engine.stats.iterations.clear()        # one row that draws puts the whole batch on the full sampler
+    engine.generate(prompts, [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8 * (i == 0), seed=i)
+                              for i in range(3)])
+    assert not any(r.plain_sampling for r in engine.stats.iterations)
+    engine.release()
+
+
+@pytest.mark.parametrize("model", ["tiny-llama-s", "tiny-qwen2-s", "tiny-mistral-s"])
+def test_a_checkpoint_directory_has_the_spec_of_its_config(model, tmp_path):
+    """``raycolo profile --model DIR`` costs the checkpoint's own shape: read from its
+    config.json, it matches the catalog entry the checkpoint was built from."""
+    from raycolo.catalog import model_spec, spec_of_checkpoint
+    from raycolo.engine.models import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(model, tmp_path / "ckpt", 0)
+    spec, want = spec_of_checkpoint(ckpt, name=model), get_model(model)
+    for field in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "context_length",
+                  "tied_embeddings", "hf_architecture"):
+        assert getattr(spec, field) == getattr(want, field), field
+    assert spec.matmul_params_per_token == want.matmul_params_per_token
+    assert model_spec(str(ckpt)).name == "ckpt" and model_spec(model) == want
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"hidden_size": 64}')
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
+        spec_of_checkpoint(tmp_path / "bad")
+
+
 def test_fit_with_noise_stays_close_and_never_negative():
     rng = np.random.default_rng(6)
     samples = synthetic_samples(rng)
@@ -92,10 +158,16 @@ def test_ecdf_file_round_trips(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_profile(tmp_path_factory):
+    """A profile of a checkpoint directory (tiny-llama-s saved with random weights), under
+    the catalog name it costs."""
+    from raycolo.engine.models import save_tiny_checkpoint
+
     out = tmp_path_factory.mktemp("profile")
+    ckpt = save_tiny_checkpoint("tiny-llama-s", tmp_path_factory.mktemp("ckpt") / "llama-s", 0)
     settings = SweepSettings(batch_sizes=(1, 4, 8), context_lens=(16, 96), decode_steps=4,
                              mixed_requests=8, ecdf_requests=12, load_repeats=1)
-    profile, stats = profile_model("tiny-llama-s", out, settings=settings, colocated=measure_colocated)
+    profile, stats = profile_model(str(ckpt), out, settings=settings, colocated=measure_colocated,
+                                   name="tiny-llama-s")
     return out, profile, stats
 
 
@@ -112,7 +184,9 @@ def test_profiler_writes_the_files_the_cost_model_reads(small_profile):
     assert dp["colocated_iterations"] >= 18 and dp["colocated_held_out_iterations"] >= 3
     assert (dp["b1"], dp["k1"]) != (1.0, 1.0) and 0 <= dp["colocated_held_out_mape"] < 1
     fit = json.loads((out / "tiny-llama-s.tp1.fit.json").read_text())
-    assert fit["model"] == "tiny-llama-s"
+    assert fit["model"] == "tiny-llama-s" and fit["checkpoint"].endswith("llama-s")
+    assert profile.engine == "torch" and re.fullmatch(r"cpu .*, \d{4}-\d{2}-\d{2}", profile.measured_on)
+    assert profile.full_sampler_intercept_s + 8 * profile.full_sampler_s_per_seq >= 0
 
 
 def test_plan_uses_a_profile_directory(small_profile, tmp_path):
@@ -141,6 +215,15 @@ edges: [{from: input, to: a}]
     # measured load of a tiny model vs the default 8 s engine start-up of the roofline model
     assert with_profile["stages"][0]["models"][0]["load_s"] == pytest.approx(profile.load_s)
     assert without["stages"][0]["models"][0]["load_s"] > 8
+    # each plan names the engine profile its costs came from, or the roofline defaults
+    [measured] = with_profile["costed_from"]
+    assert measured == {"model": "tiny-llama-s", "tp": 1, "source": "measured", "engine": "raycolo's torch engine",
+                        "measured_on": profile.measured_on, "file": str(out / "tiny-llama-s.tp1.json"),
+                        "note": f"measured on raycolo's torch engine, {profile.measured_on}"}
+    [default] = without["costed_from"]
+    assert default["source"] == "default" and default["engine"] is None and "roofline" in default["note"]
+    table = subprocess.run(args[:-1] + ["--profile", str(out)], capture_output=True, text=True, check=True).stdout
+    assert f"costed from: tiny-llama-s tp1: measured on raycolo's torch engine, {profile.measured_on} ({out})" in table
 
 
 def test_shipped_cpu_profiles_cover_the_tiny_models():
@@ -153,13 +236,18 @@ def test_shipped_cpu_profiles_cover_the_tiny_models():
 
 def test_validate_reports_predicted_and_measured_times():
     result = subprocess.run([sys.executable, "-m", "raycolo.cli", "validate", "--models", "tiny-llama-s",
-                             "--requests", "8", "--json"], capture_output=True, text=True, check=True)
+                             "--requests", "8", "--repeats", "2", "--json"], capture_output=True, text=True, check=True)
     report = json.loads(result.stdout)
     assert {c["name"].split(" ")[0] for c in report["cases"]} >= {"tiny-llama-s", "2-model"}
     for case in report["cases"]:
         assert case["predicted_s"] > 0 and case["measured_s"] > 0
         assert case["error"] == pytest.approx((case["predicted_s"] - case["measured_s"]) / case["measured_s"])
+        assert len(case["runs"]) == 2           # two request sets, their times summed
+        for key in ("predicted_s", "measured_s", "predicted_known_lengths_s"):
+            assert case[key] == pytest.approx(sum(r[key] for r in case["runs"]))
     assert report["mape"] == pytest.approx(np.mean([abs(c["error"]) for c in report["cases"]]))
+    assert report["mean_signed_error"] == pytest.approx(np.mean([c["error"] for c in report["cases"]]))
+    assert report["repeats"] == 2
 
 
 @pytest.mark.parametrize("argv,field", [

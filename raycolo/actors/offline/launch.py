@@ -128,6 +128,8 @@ def _run_once(config: RunConfig, on_output: Optional[Callable], log: Callable[[s
     plan = get_policy(config.policy)(problem)
     log(f"plan ({plan.policy}): {len(plan.stages)} stages, predicted makespan "
         f"{plan.makespan_s:.1f}s on {gpus} GPUs, searched in {plan.search_s:.2f}s")
+    for line in plan.costed_from_lines():
+        log(line)
     # the same plan as the profiles alone predict it (no compute scale): the report's
     # measure of what the pool's compute probe changed
     profile_only = replay(PlanningProblem(**costed), plan).makespan_s if scales.samples else plan.makespan_s

@@ -123,7 +123,8 @@ def _probes(run: PreparedRun, problem: PlanningProblem) -> list[_Probe]:
             continue    # fits only with tp > 1, which the pool's one-GPU actors lack: the
             # model's compute scale is then the other models' (ComputeScales.scales)
         k, tokens = min(PROBE_REQUESTS, len(w)), min(w.max_output, PROBE_MAX_TOKENS)
-        while problem.replica_seconds(w.model.name, w.input_len[:k], [tokens] * k) > PROBE_BUDGET_S:
+        while problem.replica_seconds(w.model.name, w.input_len[:k], [tokens] * k, plain_sampling=False) \
+                > PROBE_BUDGET_S:
             if tokens > 8:
                 tokens //= 2
             elif k > 4:
@@ -194,7 +195,7 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
             for i, out in _each(alive, died, calls):
                 p = picks[i]
                 outputs = [out.output_lens[q.key] for q in p.requests]
-                predicted = problem.replica_seconds(p.model, p.prompt_lens, outputs)
+                predicted = problem.replica_seconds(p.model, p.prompt_lens, outputs, plain_sampling=False)
                 scales.add(p.model, i, len(outputs), out.seconds, predicted)
     if run.config.parked_engines:   # back to the previous round's model: parked, so a wake
         current = {i: previous[i] for i in alive}

@@ -7,10 +7,18 @@ model is SamuLLM's Eq. 5 with the constant parts folded into the per-bucket inte
 
 solved by non-negative least squares (coefficients are times, never negative).
 Buckets without samples borrow the nearest bucket that has some.
+
+The full sampler (temperature, penalties, ``min_tokens``, logprobs) costs more than the
+plain argmax: on a CPU about half a millisecond per decode iteration, a quarter of a small
+model's step. Its extra cost ``f0 + f1 * n`` is timed directly
+(:func:`raycolo.offline.profiler.time_full_sampler`, the two samplers alternating on
+the same logits, so the machine's drift cancels), taken off the decode iterations that
+ran it, and stored in the profile; a regression on the engine's iterations could not
+separate it from that drift.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -23,11 +31,12 @@ MIN_SAMPLES_PER_BUCKET = 3
 
 @dataclass
 class IterationSample:
-    kind: str          # "prefill" or "decode"
+    kind: StepKind
     num_seqs: int
     tokens: int        # prompt tokens (prefill) or attended tokens (decode)
     flops: float       # per-GPU FLOPs of the iteration
     seconds: float
+    plain_sampling: bool = True    # False: the full sampler ran (IterationRecord.plain_sampling)
 
 
 def samples_from_records(records: Iterable, latency: IterationLatency) -> list[IterationSample]:
@@ -39,7 +48,7 @@ def samples_from_records(records: Iterable, latency: IterationLatency) -> list[I
             flops = latency.prefill_flops(tokens, sum(c * c for c in r.context_lens))
         else:
             flops = latency.decode_flops(r.num_seqs, tokens)
-        out.append(IterationSample(r.kind, r.num_seqs, tokens, flops, r.seconds))
+        out.append(IterationSample(r.kind, r.num_seqs, tokens, flops, r.seconds, r.plain_sampling))
     return out
 
 
@@ -102,14 +111,19 @@ def _fit_part(samples: Sequence[IterationSample], buckets: list[int]):
 
 
 def fit_profile(samples: Sequence[IterationSample], model: str, tp: int, load_s: float,
-                buckets: Sequence[int] = DEFAULT_BUCKETS,
-                separate_prefill: bool = True) -> tuple[LatencyProfile, dict]:
+                buckets: Sequence[int] = DEFAULT_BUCKETS, separate_prefill: bool = True,
+                full_sampler: tuple[float, float] = (0.0, 0.0)) -> tuple[LatencyProfile, dict]:
     """Fit a LatencyProfile; returns it with fit statistics (R², median |error|).
 
     With ``separate_prefill`` prefill and decode iterations get their own coefficients;
-    otherwise one set serves both, as in the paper.
+    otherwise one set serves both, as in the paper. ``full_sampler`` is the full sampler's
+    extra (seconds, seconds per sequence) per decode iteration, timed apart: taken off the
+    decode iterations that ran it before the fit, and kept in the profile.
     """
     buckets = list(buckets)
+    f0, f1 = full_sampler
+    samples = [replace(s, seconds=max(s.seconds - f0 - f1 * s.num_seqs, 0.0))
+               if s.kind == StepKind.DECODE and not s.plain_sampling else s for s in samples]
     decode = [s for s in samples if s.kind == StepKind.DECODE] if separate_prefill else list(samples)
     prefill = [s for s in samples if s.kind == StepKind.PREFILL] if separate_prefill else []
     if len(decode) < 4 or (separate_prefill and len(prefill) < 4):
@@ -125,7 +139,8 @@ def fit_profile(samples: Sequence[IterationSample], model: str, tp: int, load_s:
         model=model, tp=tp, source="measured", buckets=buckets,
         compute_intercept_s=intercept, compute_s_per_tflop=slope,
         prepare_intercept_s=0.0, prepare_s_per_token=per_token,
-        sample_intercept_s=0.0, sample_s_per_seq=per_seq, load_s=load_s, **extra)
+        sample_intercept_s=0.0, sample_s_per_seq=per_seq, load_s=load_s,
+        full_sampler_intercept_s=f0, full_sampler_s_per_seq=f1, **extra)
     ss_res = float(((y - pred) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum()) or 1e-30
     stats = {"samples": len(samples), "r2": 1 - ss_res / ss_tot,

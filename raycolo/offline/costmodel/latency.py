@@ -6,7 +6,9 @@ One iteration's latency is the sum of three linear parts:
   of requests in the iteration (the paper fits one line per request count);
 * input preparation: ``p0 + p1 * tokens`` with ``tokens`` the total context length the
   iteration touches (prompt tokens for prefill, attended tokens for decode);
-* sampling: ``s0 + s1 * n`` for ``n`` sequences.
+* sampling: ``s0 + s1 * n`` for ``n`` sequences, plus ``f0 + f1 * n`` in a decode
+  iteration whose rows go through the full sampler (temperature, penalties: a node that
+  is not plain greedy), which costs far more than the plain argmax.
 
 FLOPs are per GPU: ``(2 * W * tokens + attention) / tp`` with ``W`` the weights one token
 multiplies through. Coefficients are stored per (model, tp) in a :class:`LatencyProfile`.
@@ -47,6 +49,10 @@ class LatencyProfile(BaseModel):
     model: str
     tp: int = Field(gt=0)
     source: str = "default"  # "default" (roofline-derived) or "measured"
+    # What a measured profile timed: the engine (ENGINE_NAMES) and where and when
+    # (raycolo profile writes "<device> (<machine>), <date>"). Empty in roofline defaults.
+    engine: str = ""
+    measured_on: str = ""
     buckets: list[int] = Field(default_factory=lambda: list(DEFAULT_BUCKETS))
     compute_intercept_s: list[float]
     compute_s_per_tflop: list[float]
@@ -62,6 +68,11 @@ class LatencyProfile(BaseModel):
     prefill_s_per_tflop: Optional[list[float]] = None
     prefill_s_per_token: Optional[float] = None
     prefill_s_per_seq: Optional[float] = None
+    # The full sampler's extra cost in a decode iteration (fitted by raycolo profile from
+    # iterations of both kinds; 0 in the roofline defaults, where the GPU samples in
+    # microseconds).
+    full_sampler_intercept_s: float = Field(default=0.0, ge=0)
+    full_sampler_s_per_seq: float = Field(default=0.0, ge=0)
 
     @model_validator(mode="after")
     def _check_lengths(self) -> "LatencyProfile":
@@ -89,6 +100,23 @@ class LatencyProfile(BaseModel):
             return cls.model_validate_json(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{path}: invalid latency profile: {str(exc).splitlines()[0]}") from None
+
+
+ENGINE_NAMES = {"torch": "raycolo's torch engine", "vllm": "vLLM"}
+ROOFLINE_NOTE = ("roofline defaults (docs/costmodel.md: weights and K/V at {bw:.0%} of the card's bandwidth, "
+                 "matmuls at {mfu:.0%} of its peak), not checked against a run of this cluster")
+
+
+def cost_source(profile: LatencyProfile, file: Optional[Path] = None) -> dict:
+    """What a plan's costs of one (model, tp) came from, for plan tables, JSON and report.json."""
+    if profile.source != "measured":
+        return {"model": profile.model, "tp": profile.tp, "source": "default", "engine": None,
+                "measured_on": None, "file": None,
+                "note": ROOFLINE_NOTE.format(bw=ACHIEVED_BANDWIDTH, mfu=ACHIEVED_MFU)}
+    engine = ENGINE_NAMES.get(profile.engine or "torch", profile.engine)
+    return {"model": profile.model, "tp": profile.tp, "source": "measured", "engine": engine,
+            "measured_on": profile.measured_on or None, "file": str(file) if file else None,
+            "note": f"measured on {engine}" + (f", {profile.measured_on}" if profile.measured_on else "")}
 
 
 def default_load_seconds(model: ModelSpec, cluster: ClusterSpec, tp: int) -> float:
@@ -126,11 +154,12 @@ class IterationLatency:
     simulators use these closed forms to skip over whole runs of decode iterations.
     ``compute_scale`` multiplies every iteration's seconds: the factor the runtime
     measures between the profile and the cluster it runs on (a slower machine, replicas
-    sharing CPU cores).
+    sharing CPU cores). ``plain_sampling`` False adds the full sampler's cost to each
+    decode iteration (a node that samples rather than takes the argmax).
     """
 
     def __init__(self, model: ModelSpec, profile: LatencyProfile, max_seqs: int = 1024,
-                 compute_scale: float = 1.0):
+                 compute_scale: float = 1.0, plain_sampling: bool = True):
         self.model = model
         self.profile = profile
         self.compute_scale = compute_scale
@@ -143,9 +172,10 @@ class IterationLatency:
         a = np.asarray(profile.compute_intercept_s)[b]
         c = np.asarray(profile.compute_s_per_tflop)[b] / 1e12  # seconds per FLOP
         fixed = profile.prepare_intercept_s + profile.sample_intercept_s
+        sampler = 0.0 if plain_sampling else profile.full_sampler_intercept_s + profile.full_sampler_s_per_seq * n
         # Decode: seconds = alpha[n] + beta[n] * C.
         self.alpha = (a + fixed + c * self.weight_flops_per_token * n
-                      + profile.sample_s_per_seq * n).tolist()
+                      + profile.sample_s_per_seq * n + sampler).tolist()
         self.beta = (c * self.decode_attn_flops_per_token + profile.prepare_s_per_token).tolist()
         self.flops_n = (self.weight_flops_per_token * n).tolist()
         self.flops_c = self.decode_attn_flops_per_token

@@ -85,14 +85,27 @@ class PlanningProblem:
                 return LatencyProfile.load(path)
         return default_profile(model, self.cluster, tp)
 
+    def cost_sources(self, pairs) -> list[dict]:
+        """Where the costs of each (model, tp) in ``pairs`` come from (costmodel.cost_source)."""
+        from raycolo.offline.costmodel.latency import cost_source
+
+        out = []
+        for model_name, tp in sorted(set(pairs)):
+            path = self.profile_dir / f"{model_name}.tp{tp}.json" if self.profile_dir is not None else None
+            out.append(cost_source(self.profile(model_name, tp), path if path and path.exists() else None))
+        return out
+
     @functools.lru_cache(maxsize=None)
-    def latency(self, model_name: str, tp: int) -> IterationLatency:
+    def latency(self, model_name: str, tp: int, plain_sampling: bool = True) -> IterationLatency:
+        """The iteration costs of ``model_name`` at ``tp``; ``plain_sampling`` False for a
+        node whose requests go through the full sampler (``NodeWorkload.plain_sampling``)."""
         return IterationLatency(self._model(model_name), self.profile(model_name, tp),
                                 max_seqs=self.max_num_seqs,
-                                compute_scale=self.compute_scale.get(model_name, 1.0))
+                                compute_scale=self.compute_scale.get(model_name, 1.0),
+                                plain_sampling=plain_sampling)
 
     def replica_seconds(self, model_name: str, prompt_lens: Sequence[int],
-                        output_lens: Sequence[int], tp: int = 1) -> float:
+                        output_lens: Sequence[int], tp: int = 1, plain_sampling: bool = True) -> float:
         """Predicted seconds for one replica to generate ``output_lens`` tokens for prompts
         of ``prompt_lens``, all there at its start (loads not counted): what the runtime's
         compute probe compares its measured time with."""
@@ -101,7 +114,7 @@ class PlanningProblem:
 
         work = ReplicaWorkload(prompt_len=prompt_lens, remaining=output_lens,
                                ready=np.zeros(len(prompt_lens)))
-        return simulate(work, self.limits(model_name, tp), self.latency(model_name, tp)).end_time
+        return simulate(work, self.limits(model_name, tp), self.latency(model_name, tp, plain_sampling)).end_time
 
     @functools.lru_cache(maxsize=None)
     def limits(self, model_name: str, tp: int) -> SchedulerLimits:

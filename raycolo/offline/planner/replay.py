@@ -121,4 +121,5 @@ def replay(problem: PlanningProblem, plan: AppPlan, name: Optional[str] = None) 
     return AppPlan(policy=name or f"{plan.policy} (replayed)", makespan_s=state.time,
                    search_s=0.0, lower_bound_s=plan.lower_bound_s, stages=records,
                    node_finish_s={n: float(s.finish.max()) for n, s in state.nodes.items()},
-                   simulations=evaluator.simulations, gpus=problem.cluster.num_gpus)
+                   simulations=evaluator.simulations, gpus=problem.cluster.num_gpus,
+                   costed_from=problem.cost_sources((m.model, m.tp) for s in records for m in s.models))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Optional
 
 
@@ -46,10 +47,21 @@ class AppPlan:
     proven_optimal: bool = False
     # makespan / lower_bound_s - 1 where a search bounded the optimum (None: not searched)
     optimality_gap: Optional[float] = None
+    # per (model, tp) the plan runs: the engine profile its costs came from, or the
+    # roofline defaults (PlanningProblem.cost_sources)
+    costed_from: list[dict] = field(default_factory=list)
 
     @property
     def end_to_end_s(self) -> float:
         return self.search_s + self.makespan_s
+
+    def costed_from_lines(self) -> list[str]:
+        """One line per source of the plan's costs: the (model, tp)s it costs, then what it is."""
+        by_note: dict[str, list[str]] = {}
+        for c in self.costed_from:
+            where = f" ({Path(c['file']).parent})" if c["file"] else ""
+            by_note.setdefault(c["note"] + where, []).append(f"{c['model']} tp{c['tp']}")
+        return [f"costed from: {', '.join(models)}: {note}" for note, models in by_note.items()]
 
     def to_dict(self) -> dict:
         out = asdict(self)

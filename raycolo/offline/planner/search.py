@@ -140,7 +140,8 @@ def run_policy(problem: PlanningProblem, name: str, choose: Chooser,
     return AppPlan(policy=name, makespan_s=state.time, search_s=search_s,
                    lower_bound_s=lower_bound(problem, ctx.evaluator), stages=stages,
                    node_finish_s=finish, simulations=ctx.evaluator.simulations,
-                   gpus=problem.cluster.num_gpus)
+                   gpus=problem.cluster.num_gpus,
+                   costed_from=problem.cost_sources((m.model, m.tp) for s in stages for m in s.models))
 
 
 def fill_idle_gpus(ctx: SearchContext, state: AppState, ev: Optional[StageEval]) -> Optional[StageEval]:

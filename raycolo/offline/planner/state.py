@@ -190,7 +190,7 @@ def run_node(problem: PlanningProblem, node: str, st: NodeState, plan: ExecPlan,
     else:
         groups = _assign_replicas(problem, node, pending, plan.dp, chained)
     limits = problem.limits(w.model.name, plan.tp)
-    latency = problem.latency(w.model.name, plan.tp)
+    latency = problem.latency(w.model.name, plan.tp, w.plain_sampling)
     local_of = np.full(len(w), -1, dtype=np.int64)
     finish = np.where(st.done, 0.0, math.inf)
     results: list[Optional[SimResult]] = []

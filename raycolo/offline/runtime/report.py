@@ -52,6 +52,7 @@ def build_report(run: PreparedRun, problem: PlanningProblem, plan: AppPlan, summ
         "planned_stages": planned_stages,
         "actual_stages": summary["stages"],
         "planned_node_finish_s": plan.node_finish_s,
+        "costed_from": plan.costed_from,
     }
     report.update({k: v for k, v in summary.items() if k not in ("stages", "actual_makespan_s")})
     if skipped:

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from raycolo.catalog import get_model
+from raycolo.catalog import model_spec
 from raycolo.latency_predictor import DecodeSample
 from raycolo.rng import random_prompts, seeded_rng
 
@@ -39,7 +39,7 @@ def measure_colocated(model_id: str, seed: int, device: str, max_batch: int,
     layers = model.config.num_hidden_layers
     stage = StageModel(add_lora(model, LoraSettings(seed=seed)), (0, layers), 4096, 16)
     rng = seeded_rng(seed, "profile", model_id, "colocated")
-    vocab = get_model(model_id).vocab
+    vocab = model_spec(model_id).vocab
     out, rid, task = [], 0, 0
     for bs in [b for b in COLOCATED_BATCHES if b <= max_batch]:
         for ctx in COLOCATED_CONTEXTS:
