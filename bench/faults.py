@@ -209,7 +209,11 @@ def main() -> int:
             after = status(url)
             print(f"          serving again after {back} s, every worker group back after {full} s",
                   file=sys.stderr, flush=True)
-            rows.append({"fault": fault, "what": what, "at_s": at - t0, "recovery_s": back, "whole_s": full,
+            timeline = None
+            if fault == "controller":        # where the restart's time went
+                timeline = restart_timeline(ray.get(controller.stats.remote())["start_timeline"], at)
+                print("          " + timeline["line"], file=sys.stderr, flush=True)
+            rows.append({"start_timeline": timeline, "fault": fault, "what": what, "at_s": at - t0, "recovery_s": back, "whole_s": full,
                          "version_before": before.get("adapter_version"),
                          "checkpoint_before": (before.get("last_checkpoint") or {}).get("version"),
                          "version_after": after.get("adapter_version"), "resumed": after.get("resumed")})
@@ -240,6 +244,26 @@ def main() -> int:
     write_json(args.json, report)
     print_table(report)
     return 0
+
+
+def restart_timeline(timeline: dict, killed_at: float) -> dict:
+    """A restarted controller's start (stats()["start_timeline"], seconds after Ray
+    constructed it) as seconds after the kill: when the actor was back, when its first call
+    launched the worker groups, and over the new stage workers the last process start,
+    model build, checkpoint restore and registration; then ready."""
+    back = timeline["constructed_at_s"] - killed_at
+    phases = {"actor back": back}
+    for key in ("launch", "groups_released", "trainers_started"):
+        if key in timeline:
+            phases[key.replace("_", " ")] = back + timeline[key]
+    for key in ("process", "train_function", "model_built", "restored", "registered"):
+        values = [w[key] for w in timeline["workers"].values() if key in w]
+        if values:
+            phases[f"last worker {key.replace('_', ' ')}"] = back + max(values)
+    if "ready" in timeline:
+        phases["ready"] = back + timeline["ready"]
+    line = "restart: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
+    return {"phases_s": phases, "line": line, "timeline": timeline}
 
 
 def _outcomes(events: list) -> dict:

@@ -42,6 +42,9 @@ class WorkerInfo:
     restored_held: Optional[list] = None          # sample seq ranges the checkpoint holds
     restored_cursor: Optional[dict] = None        # the samples.Cursor it saved, as fields
     placement_group: Optional[str] = None
+    # its start, wall-clock seconds (time.time()): the process, the train function's entry,
+    # the stage model built, the checkpoint restored (the controller's start_timeline)
+    started: Optional[dict] = None
 
 
 @dataclass

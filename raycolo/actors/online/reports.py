@@ -122,6 +122,7 @@ class Reports:
             "scheduling_us_p99": _pct([x * 1e6 for x in self.ctl.driver.scheduling_s], 99) if self.ctl.driver else 0.0,
             "losses": self.ctl.runner.losses[-20:],
             "restarts": list(self.ctl.workers.restarts), "dead_nodes": dict(self.ctl.workers.dead),
+            "start_timeline": self.ctl.workers.start_timeline(),
             "restarting_nodes": sorted(self.ctl.cluster.scheduler.restarting),
             "checkpoint_versions": list(self.ctl.ledger.version),
             "samples_since_checkpoint": [len(x) for x in self.ctl.ledger.since],

@@ -25,6 +25,16 @@ from raycolo.online.stages.stage_process import StageProcess, build_stage
 DEVICE_READING_EVERY_S = 2.0      # how often a stage reports its device's memory (and GPU use)
 
 
+def _process_start_s() -> float:
+    """When this process started (wall clock), from /proc where there is one."""
+    try:
+        ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
 def stage_loop(config: dict) -> None:
     """``train_loop_per_worker`` of a node's TorchTrainer."""
     import ray
@@ -33,6 +43,7 @@ def stage_loop(config: dict) -> None:
 
     from raycolo.engine.threads import apply_thread_policy
 
+    started = {"process_s": _process_start_s(), "train_function_s": time.time()}
     ctx = ray.train.get_context()
     stage, stages = ctx.get_world_rank(), ctx.get_world_size()
     node = config["node"]
@@ -40,6 +51,7 @@ def stage_loop(config: dict) -> None:
     sys.setswitchinterval(config["switch_interval_s"])   # the GIL back to the compute soon (stage.switch_interval_s)
     controller = ray.get_actor(config["controller"], namespace=config["namespace"])
     stage_model, model_config = build_stage(config, config["layer_bounds"], stage)
+    started["model_built_s"] = time.time()
     checkpoint = ray.train.get_checkpoint()
     restored = None          # the adapter version a restarted group resumes from
     resumed = {}             # stage 0: the samples that version holds, and the cursor saved with it
@@ -66,8 +78,9 @@ def stage_loop(config: dict) -> None:
         stage_model.load_lora_state(load_file(os.path.join(config["init_from"], ADAPTER_WEIGHTS_FILE)))
     proc = StageProcess(stage_model, stage, stages, model_config.hidden_size,
                         next(stage_model.executor.layers[0].parameters()).dtype, dist)
+    started["restored_s"] = time.time()
     me = ray.get_runtime_context()
-    epoch = ray.get(controller.register.remote(node, stage, WorkerInfo(
+    epoch = ray.get(controller.register.remote(node, stage, WorkerInfo(started=started,
         actor_id=me.get_actor_id(), pid=os.getpid(), node_id=me.get_node_id(),
         node_ip=ray.util.get_node_ip_address(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
         restored_version=restored, restored_held=resumed.get("held"),

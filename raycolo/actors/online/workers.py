@@ -41,6 +41,8 @@ class WorkerGroups:
         self.restored: dict[int, tuple] = {}          # node -> (version, seqs held, cursor) of an earlier run
         self.resumption: Optional[dict] = None        # what this deployment took up from an earlier one
         self.train_runs = [0] * cfg.nodes             # Ray Train runs started per node (a new one after its controller died)
+        # when this controller's start got where (time.time()): start_timeline()
+        self.timeline: dict[str, float] = {"constructed_s": time.time()}
 
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> dict:
         """Start the stage workers and wait until they registered. Idempotent: a second
@@ -80,11 +82,14 @@ class WorkerGroups:
             self.ctl.note_error(f"restarted with {gpus:g} of the {need:g} GPUs the deployment needs: "
                                f"the nodes that fit serve; the others join when GPUs come back")
         loop = self._loop = asyncio.get_running_loop()
+        self.timeline["launch_s"] = time.time()
         await asyncio.to_thread(self.ctl.groups.release)   # of an earlier controller of this deployment
+        self.timeline["groups_released_s"] = time.time()
         self.ctl.start_driver()
         for n in range(self.ctl.config.nodes):
             trainer = self._trainer(n)
             self.fit_futures.append(loop.run_in_executor(None, self._fit, n, trainer))
+        self.timeline["trainers_started_s"] = time.time()
 
     def _serve_partial(self) -> None:
         """``stage.start_grace_s`` after the first node registered: serve with the nodes
@@ -210,6 +215,7 @@ class WorkerGroups:
         if all(len(r) == self.ctl.config.stages for r in self.registered) and not self.ctl.ready.is_set():
             self._resume()
             self.ctl.ready.set()
+            self.timeline["ready_s"] = time.time()
         elif complete and not self.ctl.ready.is_set() and self._partial is None:
             self._partial = self._loop.call_later(self.ctl.config.stage.start_grace_s, self._serve_partial)
         return self.epochs[node]
@@ -294,6 +300,19 @@ class WorkerGroups:
                 break
         for i in range(0, len(seqs), self.ctl.config.lora.micro_batch):
             self.ctl.pump.submit_samples(self.ctl.pump.store.get(seqs[i:i + self.ctl.config.lora.micro_batch]))
+
+    def start_timeline(self) -> dict:
+        """Where this controller's start went, in seconds after it was constructed (a
+        restarted one: after Ray restarted it): its first call launching the worker groups,
+        the earlier placement groups released, the trainers started, each stage worker's
+        process start, model build, checkpoint restore and registration, and ready."""
+        t0 = self.timeline["constructed_s"]
+        out = {k[:-2]: round(v - t0, 3) for k, v in self.timeline.items() if k != "constructed_s"}
+        out["constructed_at_s"] = t0            # wall clock (time.time())
+        out["workers"] = {key: {k[:-2]: round(v - t0, 3) for k, v in {**(w.get("started") or {}),
+                                                                      "registered_s": w["registered_s"]}.items()}
+                          for key, w in sorted(self.by_name.items())}
+        return out
 
     def registry(self) -> dict:
         return dict(self.by_name)
