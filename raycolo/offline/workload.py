@@ -310,7 +310,10 @@ def _build_node(app: AppSpec, node: NodeSpec, sources: dict[str, SourceItems],
                 dep_lists.append((s.upstream, np.arange(offset, offset + len(k)), s.upstream_index[k]))
             offset += len(k)
 
-    sampler = OutputLengthSampler(model, ecdf_dir, greedy=node.greedy)
+    try:
+        sampler = OutputLengthSampler(model, ecdf_dir, greedy=node.greedy)
+    except ConfigError as exc:          # the node names the field
+        raise ConfigError(f"nodes[{node.name}].model: {exc}") from None
     rng = seeded_rng(seed, "output", node.name)
     room = model.context_length - 1
     if app.has_self_loop(node.name):

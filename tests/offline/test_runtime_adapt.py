@@ -228,3 +228,24 @@ def test_a_tp2_replica_computes_on_both_its_ranks_with_the_tp1_outputs(cluster, 
     table1 = _check_exactly_once(report1, Path(tp1.output))
     got = table.set_index("key")["text"].to_dict()
     assert got == table1.set_index("key")["text"].to_dict()
+
+
+def test_every_tiny_catalog_model_runs(cluster, tmp_path):
+    """``raycolo run --profile cpu`` of a graph with one node per tiny catalog model (three
+    LLaMAs of four sizes, a Qwen2, a Mistral): every request of every node answered once."""
+    from raycolo.catalog import _builtin_catalog
+    from raycolo.engine.models import MAX_RANDOM_PARAMS
+
+    tiny = sorted(name for name, spec in _builtin_catalog().items()
+                  if spec.hf_architecture and spec.num_params <= MAX_RANDOM_PARAMS)
+    assert len(tiny) >= 6
+    nodes = "".join(f"  - {{name: n{i}, model: {m}, max_output_tokens: 6}}\n" for i, m in enumerate(tiny))
+    edges = "".join(f"  - {{from: input, to: n{i}}}\n" for i in range(len(tiny)))
+    dag = tmp_path / "catalog.yaml"
+    dag.write_text("name: catalog\nrequests: {count: 4, input_tokens: {distribution: uniform, min: 8, max: 24}}\n"
+                   f"nodes:\n{nodes}edges:\n{edges}")
+    config = _config(tmp_path, str(dag))
+    report = run_application(config, log=lambda m: None)
+    table = _check_exactly_once(report, Path(config.output))
+    assert table.groupby("node").size().to_dict() == {f"n{i}": 4 for i in range(len(tiny))}
+    assert {c["model"] for c in report["costed_from"]} == set(tiny)

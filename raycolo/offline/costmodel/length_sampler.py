@@ -47,6 +47,14 @@ def ecdf_path(name: str, ecdf_dir: str | Path | None = None) -> Path:
     return Path(str(resources.files("raycolo").joinpath("data", "ecdf", f"{name}.csv")))
 
 
+def missing_ecdf(model: str, path: Path) -> str:
+    """The error for a model with no output-length eCDF, and how to make one (docs/data.md,
+    "A model without an eCDF")."""
+    return (f"model '{model}': no output-length eCDF at {path}; measure one with `raycolo profile --model "
+            f"{model} --out DIR` (or `--model CHECKPOINT_DIR --name {model}`), which writes DIR/ecdf/{model}.csv, "
+            f"and plan with --profile DIR; or write that file by hand (docs/data.md, eCDF CSV files)")
+
+
 class OutputLengthSampler:
     """Samples output lengths for one model from its eCDF. ``greedy``: the profile's greedy
     eCDF (``<model>.greedy.csv`` in ``ecdf_dir``, written by ``raycolo profile``) where it
@@ -61,7 +69,7 @@ class OutputLengthSampler:
         if not path.exists() and ecdf_dir is not None:
             path = ecdf_path(model.ecdf_name)  # fall back to the shipped file
         if not path.exists():
-            raise ConfigError(f"model '{model.name}': no output-length eCDF at {path}")
+            raise ConfigError(missing_ecdf(model.name, path))
         self.lengths, self.cdf = load_ecdf(str(path))
 
     def sample(self, input_lengths: np.ndarray, max_output: int, rng: np.random.Generator) -> np.ndarray:
