@@ -12,7 +12,7 @@ Each node's scheduler runs in its first stage's process
   most one under way per node: their tokens go to the requests' streams and their events
   to the node's mirror, which checks it does what the node did; and
 * runs out-of-band work (checkpoints, adapter reads, evaluations) by pausing the node
-  (:meth:`NodeLinks._pause_node`, then an ``OutOfBand`` command).
+  (:meth:`NodeLinks.pause_node`, then an ``OutOfBand`` command).
 
 No actor call per op: a decode iteration costs the controller at most one report, and
 under load one report carries several iterations.

@@ -2,7 +2,7 @@
 typed payload on its stage's queue (``run``); the stage worker pulls it (``next_op``) and
 reports (``op_done``); tokens go to their requests by the stop rules of
 :mod:`raycolo.generation`, and a training op's end to the ledger. Out-of-band payloads run
-with the node's scheduled ops held back (``_paused``).
+with the node's scheduled ops held back (``paused``).
 
 A role of the online controller (``ctl.<role>``, see :mod:`.state`)."""
 from __future__ import annotations
