@@ -37,6 +37,11 @@ from raycolo.generation.params import ECDF_TEMPERATURE  # the planner's eCDFs ar
 ECDF_MAX_TOKENS = 256
 
 
+SAMPLER_BATCHES = (1, 8, 32, 64)     # batch sizes the full sampler is timed at
+SAMPLER_STEPS = 12                   # decode steps of each timed run
+SAMPLER_REPEATS = 3                  # greedy/sampled pairs per batch size (the median is kept)
+
+
 @dataclass
 class SweepSettings:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
@@ -45,11 +50,14 @@ class SweepSettings:
     mixed_requests: int = 64
     ecdf_requests: int = 200
     load_repeats: int = 3
+    sampler_batches: tuple[int, ...] = SAMPLER_BATCHES     # the full sampler's timing (time_full_sampler)
+    sampler_repeats: int = SAMPLER_REPEATS
 
     @classmethod
     def quick(cls) -> "SweepSettings":
         return cls(batch_sizes=(1, 4, 16), context_lens=(16, 128), decode_steps=6,
-                   mixed_requests=16, ecdf_requests=40, load_repeats=1)
+                   mixed_requests=16, ecdf_requests=40, load_repeats=1, sampler_batches=(1, 16),
+                   sampler_repeats=1)
 
 
 def engine_config(model_id: str, device: str = "cpu", threads: Optional[int] = 1, seed: int = 0,
@@ -80,9 +88,6 @@ def _measure_load(model_id: str, device: str, threads: Optional[int], seed: int,
 ColocatedProbe = Callable[[str, int, str, int], list]
 
 
-SAMPLER_BATCHES = (1, 8, 32, 64)     # batch sizes the full sampler is timed at
-SAMPLER_STEPS = 12                   # decode steps of each timed run
-SAMPLER_REPEATS = 3                  # greedy/sampled pairs per batch size (the median is kept)
 
 
 def time_full_sampler(engine, rng, vocab: int, batches: Sequence[int] = SAMPLER_BATCHES,
@@ -180,7 +185,7 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     greedy_lengths = [o.output_len for o in engine.generate(prompts, SamplingParams(max_tokens=ECDF_MAX_TOKENS))]
     records = list(engine.stats.iterations)
     say(f"{spec.name}: the full sampler against the plain argmax, on the engine")
-    sampler = time_full_sampler(engine, rng, vocab)
+    sampler = time_full_sampler(engine, rng, vocab, settings.sampler_batches, repeats=settings.sampler_repeats)
     engine.release()
 
     from raycolo.offline.costmodel.latency import default_profile

@@ -165,7 +165,8 @@ def small_profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
     ckpt = save_tiny_checkpoint("tiny-llama-s", tmp_path_factory.mktemp("ckpt") / "llama-s", 0)
     settings = SweepSettings(batch_sizes=(1, 4, 8), context_lens=(16, 96), decode_steps=4,
-                             mixed_requests=8, ecdf_requests=12, load_repeats=1)
+                             mixed_requests=8, ecdf_requests=12, load_repeats=1, sampler_batches=(1, 8),
+                             sampler_repeats=1)
     profile, stats = profile_model(str(ckpt), out, settings=settings, colocated=measure_colocated,
                                    name="tiny-llama-s")
     return out, profile, stats
@@ -236,7 +237,7 @@ def test_shipped_cpu_profiles_cover_the_tiny_models():
 
 def test_validate_reports_predicted_and_measured_times():
     result = subprocess.run([sys.executable, "-m", "raycolo.cli", "validate", "--models", "tiny-llama-s",
-                             "--requests", "8", "--repeats", "2", "--json"], capture_output=True, text=True, check=True)
+                             "--requests", "4", "--repeats", "2", "--json"], capture_output=True, text=True, check=True)
     report = json.loads(result.stdout)
     assert {c["name"].split(" ")[0] for c in report["cases"]} >= {"tiny-llama-s", "2-model"}
     for case in report["cases"]:
