@@ -141,7 +141,7 @@ class TorchEngine(Engine):
                       for h in decision.seqs]
         contexts = [c.start + len(c.tokens) for c in chunks]
         plain_step = all(self.requests[h].plain for h in decision.seqs)
-        sampled = self._run(decision.seqs, chunks) if chunks else None
+        sampled = self._run(decision.seqs, chunks, plain_step) if chunks else None
         tokens = sampled.tokens if sampled else []
         now = time.perf_counter()
         finished = []
@@ -166,15 +166,15 @@ class TorchEngine(Engine):
             preempted=len(decision.preempted), plain_sampling=plain_step))
         return finished
 
-    def _run(self, handles: list[int], chunks: list[SeqChunk]):
+    def _run(self, handles: list[int], chunks: list[SeqChunk], plain_step: bool):
         ex = self.executor
         if ex.paged:
             logits = ex.execute(ex.batch(chunks))
         else:
             logits = ex.execute(ex.batch(chunks), handles=handles)
-        reqs = [self.requests[h] for h in handles]
-        if all(r.plain for r in reqs):
+        if plain_step:
             return sample_plain(logits)
+        reqs = [self.requests[h] for h in handles]
         return sample(logits, [SamplingRow.of(r.params, r.seed, r.generated, r.prompt, r.checker.stop_ids)
                                for r in reqs])
 

@@ -173,5 +173,5 @@ def format_report(report: dict) -> str:
     lines.append(f"MAPE {report['mape']:.1%} with sampled output lengths (the planner's prediction), "
                  f"{report['mape_known_lengths']:.1%} with the lengths the engine produced "
                  f"(profile {report['profile']}, {report['threads']} thread(s), "
-                 f"{report.get('repeats', 1)} request set(s) per case)")
+                 f"{report['repeats']} request set(s) per case)")
     return "\n".join(lines)

@@ -48,7 +48,7 @@ class Reports:
         last = max(((n, v) for n, v in enumerate(self.ctl.ledger.version) if v),
                     key=lambda x: x[1], default=None)
         return {"received": len(self.ctl.pump.store), "trained": trained,
-                "pending": self.ctl.pump.store.pending(self.ctl.pump.cursor) + len(self.ctl.pump.backlog), "adapter_version": self.ctl.adapters.adapter_version,
+                "pending": self.ctl.pump.pending(), "adapter_version": self.ctl.adapters.adapter_version,
                 "last_checkpoint": None if last is None else {"node": last[0], "version": last[1]},
                 "pinned_versions": list(self.ctl.adapters.versions), "resumed": self.ctl.workers.resumption}
 
@@ -103,7 +103,7 @@ class Reports:
             "now_s": self.ctl.driver.now() if self.ctl.driver else 0.0,
             "requests": len(tasks), "completed": self.ctl.cluster.metrics.completed,
             "train_done": self.ctl.cluster.train_done, "samples_stored": len(self.ctl.pump.store),
-            "samples_pending": self.ctl.pump.store.pending(self.ctl.pump.cursor) + len(self.ctl.pump.backlog), "adapter_version": self.ctl.adapters.adapter_version,
+            "samples_pending": self.ctl.pump.pending(), "adapter_version": self.ctl.adapters.adapter_version,
             "queues": [{"node": n, "ready": [len(st.ready) for st in node.stages],
                         "busy": [st.busy is not None for st in node.stages],
                         "batch": len(node.batch), "decoding": len(node.joining)} for n, node in enumerate(nodes)],

@@ -35,6 +35,10 @@ class SamplePump:
         adapters hold, and the ``pending`` ones to train first."""
         self.cursor, self.backlog = cursor, list(pending)
 
+    def pending(self) -> int:
+        """Acknowledged samples not yet handed to training: past the cursor, and resumed ones."""
+        return self.store.pending(self.cursor) + len(self.backlog)
+
     async def stored_samples(self, seqs: list) -> list[tuple]:
         """The stored samples ``seqs`` as token ids: (prompt, completion) or (prompt,
         chosen, rejected), as training takes them."""

@@ -10,11 +10,11 @@ Buckets without samples borrow the nearest bucket that has some.
 
 The full sampler (temperature, penalties, ``min_tokens``, logprobs) costs more than the
 plain argmax: on a CPU about half a millisecond per decode iteration, a quarter of a small
-model's step. Its extra cost ``f0 + f1 * n`` is timed directly
-(:func:`raycolo.offline.profiler.time_full_sampler`, the two samplers alternating on
-the same logits, so the machine's drift cancels), taken off the decode iterations that
-ran it, and stored in the profile; a regression on the engine's iterations could not
-separate it from that drift.
+model's step. Its extra cost ``f0 + f1 * n`` is timed directly on the engine
+(:func:`raycolo.offline.profiler.time_full_sampler`: the same prompts decoded greedily
+and drawn, alternating, so the machine's drift cancels), taken off the decode iterations
+that ran it, and stored in the profile; a regression on the engine's iterations could
+not separate it from that drift.
 """
 from __future__ import annotations
 

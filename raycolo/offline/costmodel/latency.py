@@ -68,9 +68,9 @@ class LatencyProfile(BaseModel):
     prefill_s_per_tflop: Optional[list[float]] = None
     prefill_s_per_token: Optional[float] = None
     prefill_s_per_seq: Optional[float] = None
-    # The full sampler's extra cost in a decode iteration (fitted by raycolo profile from
-    # iterations of both kinds; 0 in the roofline defaults, where the GPU samples in
-    # microseconds).
+    # The full sampler's extra cost in a decode iteration (timed on the engine by raycolo
+    # profile, profiler.time_full_sampler; 0 in the roofline defaults, where the GPU
+    # samples in microseconds).
     full_sampler_intercept_s: float = Field(default=0.0, ge=0)
     full_sampler_s_per_seq: float = Field(default=0.0, ge=0)
 
