@@ -28,6 +28,17 @@ from raycolo.online.serving.token_wire import FrontKey
 
 
 @dataclass(frozen=True)
+class WorkerStart:
+    """When a stage worker got where, wall-clock seconds (time.time()): its process, the
+    train function's entry, the stage model built, the checkpoint restored."""
+
+    process_s: float
+    train_function_s: float
+    model_built_s: float
+    restored_s: float
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     """What a stage worker tells the controller when it registers: where it runs (Ray
     actor, process, Ray node, placement group) and the checkpoint it restored (the adapter
@@ -42,9 +53,7 @@ class WorkerInfo:
     restored_held: Optional[list] = None          # sample seq ranges the checkpoint holds
     restored_cursor: Optional[dict] = None        # the samples.Cursor it saved, as fields
     placement_group: Optional[str] = None
-    # its start, wall-clock seconds (time.time()): the process, the train function's entry,
-    # the stage model built, the checkpoint restored (the controller's start_timeline)
-    started: Optional[dict] = None
+    started: Optional[WorkerStart] = None         # its start (the controller's start_timeline)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from raycolo.online.stage_messages import WorkerInfo
+from raycolo.online.stage_messages import WorkerInfo, WorkerStart
 from raycolo.engine.device_stats import device_reading
 from raycolo.online.stages.stage_ops import QUIET, ReadAdapter, SaveCheckpoint, StageResult
 from raycolo.online.stages.stage_process import StageProcess, build_stage
@@ -43,7 +43,7 @@ def stage_loop(config: dict) -> None:
 
     from raycolo.engine.threads import apply_thread_policy
 
-    started = {"process_s": _process_start_s(), "train_function_s": time.time()}
+    process_s, train_function_s = _process_start_s(), time.time()
     ctx = ray.train.get_context()
     stage, stages = ctx.get_world_rank(), ctx.get_world_size()
     node = config["node"]
@@ -51,7 +51,7 @@ def stage_loop(config: dict) -> None:
     sys.setswitchinterval(config["switch_interval_s"])   # the GIL back to the compute soon (stage.switch_interval_s)
     controller = ray.get_actor(config["controller"], namespace=config["namespace"])
     stage_model, model_config = build_stage(config, config["layer_bounds"], stage)
-    started["model_built_s"] = time.time()
+    model_built_s = time.time()
     checkpoint = ray.train.get_checkpoint()
     restored = None          # the adapter version a restarted group resumes from
     resumed = {}             # stage 0: the samples that version holds, and the cursor saved with it
@@ -78,7 +78,7 @@ def stage_loop(config: dict) -> None:
         stage_model.load_lora_state(load_file(os.path.join(config["init_from"], ADAPTER_WEIGHTS_FILE)))
     proc = StageProcess(stage_model, stage, stages, model_config.hidden_size,
                         next(stage_model.executor.layers[0].parameters()).dtype, dist)
-    started["restored_s"] = time.time()
+    started = WorkerStart(process_s, train_function_s, model_built_s, time.time())
     me = ray.get_runtime_context()
     epoch = ray.get(controller.register.remote(node, stage, WorkerInfo(started=started,
         actor_id=me.get_actor_id(), pid=os.getpid(), node_id=me.get_node_id(),
