@@ -30,12 +30,15 @@ from raycolo.online.serving.token_wire import FrontKey
 @dataclass(frozen=True)
 class WorkerStart:
     """When a stage worker got where, wall-clock seconds (time.time()): its process, the
-    train function's entry, the stage model built, the checkpoint restored."""
+    train function's entry, the stage model built, the checkpoint restored; for a worker
+    that outlived its controller, when it found the restarted one (``rejoin_s``; it rolled
+    back to its checkpoint by ``restored_s``)."""
 
     process_s: float
     train_function_s: float
     model_built_s: float
     restored_s: float
+    rejoin_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class WorkerInfo:
     restored_cursor: Optional[dict] = None        # the samples.Cursor it saved, as fields
     placement_group: Optional[str] = None
     started: Optional[WorkerStart] = None         # its start (the controller's start_timeline)
+    rejoined: bool = False                        # its group outlived an earlier controller
 
 
 @dataclass

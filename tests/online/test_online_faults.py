@@ -83,11 +83,12 @@ def test_a_restarted_deployment_takes_up_its_checkpoint_and_the_samples_stored_s
 
 def test_a_killed_controller_is_restarted_and_resumes_without_losing_work(setup):
     """ray.kill the controller while requests decode and a training task runs: the calls in
-    flight fail (the client sees an error), Ray restarts the controller, its first call
-    starts the stage workers again from the newest checkpoint, and the acknowledged
-    samples are all trained exactly once."""
+    flight fail (the client sees an error), Ray restarts the controller, the stage workers
+    outlive it (the same processes) and register with the new one after rolling back to
+    the newest checkpoint, and the acknowledged samples are all trained exactly once."""
     dep, rng = setup["dep"], setup["rng"]
     dep.drain()
+    pids = {key: w["pid"] for key, w in dep.registry().items()}
     committed = (dep.train_status()["last_checkpoint"] or {}).get("version", 0)   # the ledger's last commit
     dep.add_samples([learnable_pair(rng, 12, VOCAB) for _ in range(2)])
     rids = [dep.submit([1] + [40 + (i * 7 + j) % 50 for j in range(15)], max_tokens=60, ignore_eos=True)
@@ -110,6 +111,11 @@ def test_a_killed_controller_is_restarted_and_resumes_without_losing_work(setup)
     assert len(list(dep.stream(rid))) == 4
     recovery_s = time.monotonic() - killed
     assert recovery_s < 120
+    workers = dep.registry()
+    assert {key: w["pid"] for key, w in workers.items()} == pids        # the groups outlived it
+    assert all(w["rejoined"] for w in workers.values())
+    timeline = dep.stats()["start_timeline"]
+    assert "groups_found" in timeline and "groups_released" not in timeline, timeline
     # the restarted controller answers for the requests of the one before: they ended
     # with an error (ids are never reused), and an id it never issued is refused
     lost = dep.result(rids[0])

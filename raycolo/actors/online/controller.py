@@ -49,10 +49,12 @@ from raycolo.online.scheduling.cluster import Cluster
 from raycolo.online.tasks import OnlineTask
 
 
+STOP_RUNS_S = 60.0        # stop(): how long the runs get to end before their host is killed
+
 # What the actor offers over Ray, by role: each name is a method of that role, called as
 # ``controller.<name>.remote(...)`` (the role objects themselves do not cross the actor).
 API = {
-    "workers": ("start", "run_name", "register", "group_failed", "registry", "placement"),
+    "workers": ("start", "run_name", "run_ended", "incarnation", "register", "group_failed", "registry", "placement"),
     "runner": ("next_op", "op_done", "op_failed"),
     "desk": ("attach", "detach", "submit", "admit", "front_events", "unfinished", "cancel", "stream", "result",
              "progress"),
@@ -135,14 +137,18 @@ class OnlineController(ControllerState):
             self.note_error(f"training task {task.task_id} not run: {why}")
 
     async def stop(self) -> dict:
+        """End the runs (each node's loop is told to stop; its train function returns),
+        close the sample store, and end the worker groups' host."""
         for q in self.workers.queues.values():
             q.put_nowait(None)
         self.links.stop()
-        for f in self.workers.fit_futures:
+        host = self.workers.host
+        if host is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(f), 60)
-            except asyncio.TimeoutError:
+                await asyncio.wait_for(host.wait.remote(STOP_RUNS_S), STOP_RUNS_S + 5)
+            except (asyncio.TimeoutError, ray.exceptions.RayError):
                 pass
+            ray.kill(host)
         self.pump.store.close()
         return {"errors": self.errors}
 

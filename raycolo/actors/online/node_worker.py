@@ -31,6 +31,7 @@ import threading
 import time
 
 import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from raycolo.online.stages.node_pipeline import NodePipeline, serve_stage
 from raycolo.online.scheduling.node_commands import Serve
@@ -38,19 +39,22 @@ from raycolo.online.scheduling.node_loop import NodeLoop
 from raycolo.online.serving.token_wire import TokenSender
 
 REPORT_WAIT_S = 60.0      # a report the controller does not take within this long: the node stops
+REJOIN_WAIT_S = 300.0     # how long a node whose controller died waits for Ray to restart it
 
 
 def run_node_stage(controller, node: int, stage: int, epoch: int, proc, dist, special, annotate,
-                   report_every_s: float) -> None:
+                   report_every_s: float, incarnation: int) -> bool:
     """The node-loop data plane of one stage worker (see the module docstring).
     ``special``: runs a checkpoint; ``annotate``: adds the device's figures to a result;
-    ``report_every_s``: the least time between two reports (stage.report_every_s)."""
+    ``report_every_s``: the least time between two reports (stage.report_every_s);
+    ``incarnation``: the controller's, as it answered when the worker registered. Returns
+    whether the controller restarted meanwhile (the worker then registers with the new
+    one), rather than stopped the node."""
     if stage > 0:
-        serve_stage(proc, dist, special=special, annotate=annotate)
-        return
+        return serve_stage(proc, dist, special=special, annotate=annotate).rejoin
     setup = ray.get(controller.node_setup.remote(node, epoch))
     if setup is None:          # a stale group
-        return
+        return False
     loop = NodeLoop(setup.node, setup.dpo_beta, setup.max_len,
                     sync_dir=lambda v: os.path.join(setup.sync_root, f"v{v}"), era=setup.era)
     pipeline = NodePipeline(loop, proc, dist, clock=time.time, started=setup.t0_wall, special=special,
@@ -58,8 +62,8 @@ def run_node_stage(controller, node: int, stage: int, epoch: int, proc, dist, sp
                             annotate=annotate)
     reports: queue.Queue = queue.Queue()
     sender = TokenSender()
-    threading.Thread(target=_take_commands, args=(controller, node, epoch, pipeline, sender), daemon=True,
-                     name="node-commands").start()
+    threading.Thread(target=_take_commands, args=(controller, node, epoch, pipeline, sender, incarnation),
+                     daemon=True, name="node-commands").start()
     reporter = threading.Thread(target=_send_reports, args=(controller, node, epoch, reports, pipeline,
                                                             report_every_s), daemon=True, name="node-reports")
     reporter.start()
@@ -71,27 +75,54 @@ def run_node_stage(controller, node: int, stage: int, epoch: int, proc, dist, sp
                 sender.send(report.tokens)
                 reports.put(report)
     except Exception as exc:     # an op failed here or on another stage: the group restarts
-        ray.get(controller.op_failed.remote(node, 0, epoch, -1, repr(exc)), timeout=REPORT_WAIT_S)
+        try:
+            ray.get(controller.op_failed.remote(node, 0, epoch, -1, repr(exc)), timeout=REPORT_WAIT_S)
+        except (RayActorError, ActorUnavailableError):
+            pass                 # the controller is gone too: the new one hears of the group from Ray Train
         raise
     finally:
         reports.put(None)
     reporter.join(REPORT_WAIT_S)
     sender.close()
     pipeline.close()
+    return pipeline.rejoining
 
 
-def _take_commands(controller, node: int, epoch: int, pipeline: NodePipeline, sender: TokenSender) -> None:
+def _take_commands(controller, node: int, epoch: int, pipeline: NodePipeline, sender: TokenSender,
+                   incarnation: int) -> None:
+    """Post the controller's commands to the pipeline. The node stops when the controller
+    says so; if it died instead, the loop serves on what it has until Ray restarted it,
+    then ends to register with the new one (``pipeline.rejoin``)."""
     while True:
         try:
             commands = ray.get(controller.node_commands.remote(node, epoch))
+        except (RayActorError, ActorUnavailableError):     # it died: Ray restarts it
+            commands = None
         except Exception:        # the controller is gone: so is this deployment's run
             commands = None
+            incarnation = None
+        if commands is None and incarnation is not None and restarted(controller, incarnation):
+            pipeline.rejoin()
+            return
         for command in commands or ():
             if type(command) is Serve:     # before the loop sees it: its tokens know their way
                 sender.watch(command.request.task.task_id, command.request.front)
         pipeline.post(commands)
         if commands is None:
             return
+
+
+def restarted(controller, incarnation: int, wait_s: float = REJOIN_WAIT_S) -> bool:
+    """Whether ``controller`` answers as another incarnation than ``incarnation`` (Ray
+    restarted it), waiting up to ``wait_s`` for it to answer at all; False if it is the
+    same one, or does not come back."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            return ray.get(controller.incarnation.remote(), timeout=10) != incarnation
+        except (RayActorError, ActorUnavailableError, GetTimeoutError):
+            time.sleep(0.1)
+    return False
 
 
 def _send_reports(controller, node: int, epoch: int, reports: queue.Queue, pipeline: NodePipeline,
@@ -121,6 +152,9 @@ def _send_reports(controller, node: int, epoch: int, reports: queue.Queue, pipel
 
 
 def _report(controller, node: int, epoch: int, report, pipeline: NodePipeline) -> None:
-    why = ray.get(controller.node_report.remote(node, epoch, report), timeout=REPORT_WAIT_S)
+    try:
+        why = ray.get(controller.node_report.remote(node, epoch, report), timeout=REPORT_WAIT_S)
+    except (RayActorError, ActorUnavailableError):
+        return        # the controller died with its mirror: the node registers with the new one
     if why is not None:       # the controller's mirror parted from the loop: the group starts over
         pipeline.fail(why)

@@ -16,8 +16,10 @@ import os
 import sys
 import threading
 import time
+from typing import Optional
 
 from raycolo.online.stage_messages import WorkerInfo, WorkerStart
+from raycolo.online.stages.checkpoints import newest_committed
 from raycolo.engine.device_stats import device_reading
 from raycolo.online.stages.stage_ops import QUIET, ReadAdapter, SaveCheckpoint, StageResult
 from raycolo.online.stages.stage_process import StageProcess, build_stage
@@ -36,7 +38,11 @@ def _process_start_s() -> float:
 
 
 def stage_loop(config: dict) -> None:
-    """``train_loop_per_worker`` of a node's TorchTrainer."""
+    """``train_loop_per_worker`` of a node's TorchTrainer: build the stage, restore the
+    run's checkpoint, register and serve. With the node-loop data plane a worker outlives
+    a crash of the deployment's controller (its group's host is detached,
+    :mod:`raycolo.actors.online.group_host`): it rolls back to the node's newest committed
+    checkpoint and registers with the restarted controller."""
     import ray
     import ray.train
     import torch.distributed as dist
@@ -52,40 +58,48 @@ def stage_loop(config: dict) -> None:
     controller = ray.get_actor(config["controller"], namespace=config["namespace"])
     stage_model, model_config = build_stage(config, config["layer_bounds"], stage)
     model_built_s = time.time()
-    checkpoint = ray.train.get_checkpoint()
-    restored = None          # the adapter version a restarted group resumes from
-    resumed = {}             # stage 0: the samples that version holds, and the cursor saved with it
-    if checkpoint is not None:
-        import json
-
-        from safetensors.torch import load_file
-        with checkpoint.as_directory() as d:
-            path = os.path.join(d, f"stage-{stage}.safetensors")
-            if os.path.exists(path):
-                stage_model.load_lora_state(load_file(path))
-                with open(os.path.join(d, f"stage-{stage}.json")) as f:
-                    restored = json.load(f)["adapter_version"]
-                if stage == 0:       # what the checkpoint's adapter was trained on
-                    for key, name in (("held", "held.json"), ("cursor", "cursor.json")):
-                        if os.path.exists(os.path.join(d, name)):
-                            with open(os.path.join(d, name)) as f:
-                                resumed[key] = json.load(f)
-    if restored is None and config.get("init_from"):   # lora.init_from: a restored checkpoint wins
+    if config.get("init_from"):   # lora.init_from: every stage starts from its part (a checkpoint wins)
         from safetensors.torch import load_file
 
         from raycolo.online.stages.stage_model import ADAPTER_WEIGHTS_FILE
 
         stage_model.load_lora_state(load_file(os.path.join(config["init_from"], ADAPTER_WEIGHTS_FILE)))
-    proc = StageProcess(stage_model, stage, stages, model_config.hidden_size,
-                        next(stage_model.executor.layers[0].parameters()).dtype, dist)
+    initial = stage_model.lora_state()      # what a rejoin without a checkpoint rolls back to
+    checkpoint = ray.train.get_checkpoint()
+    restored, resumed = None, {}
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            restored, resumed = _restore(stage_model, stage, d)
     started = WorkerStart(process_s, train_function_s, model_built_s, time.time())
-    me = ray.get_runtime_context()
-    epoch = ray.get(controller.register.remote(node, stage, WorkerInfo(started=started,
-        actor_id=me.get_actor_id(), pid=os.getpid(), node_id=me.get_node_id(),
-        node_ip=ray.util.get_node_ip_address(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
-        restored_version=restored, restored_held=resumed.get("held"),
-        restored_cursor=resumed.get("cursor"), placement_group=me.get_placement_group_id())))
+    dtype = next(stage_model.executor.layers[0].parameters()).dtype
     readings = DeviceReadings(next(stage_model.executor.layers[0].parameters()).device)
+    rejoined = False
+    while True:
+        proc = StageProcess(stage_model, stage, stages, model_config.hidden_size, dtype, dist)
+        me = ray.get_runtime_context()
+        epoch = ray.get(controller.register.remote(node, stage, WorkerInfo(started=started,
+            actor_id=me.get_actor_id(), pid=os.getpid(), node_id=me.get_node_id(),
+            node_ip=ray.util.get_node_ip_address(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+            restored_version=restored, restored_held=resumed.get("held"),
+            restored_cursor=resumed.get("cursor"), placement_group=me.get_placement_group_id(),
+            rejoined=rejoined)))
+        incarnation = ray.get(controller.incarnation.remote())
+        if not _serve(config, controller, node, stage, epoch, incarnation, proc, dist, readings, stage_model):
+            return
+        # the controller restarted: what the adapter learnt since the node's newest committed
+        # checkpoint is trained again by the new one (it plans from the checkpoints), so
+        # every stage goes back to that checkpoint (or to its start without one)
+        rejoin_s = time.time()
+        restored, resumed = _roll_back(stage_model, stage, config, initial)
+        started = WorkerStart(process_s, train_function_s, model_built_s, time.time(), rejoin_s)
+        rejoined = True
+
+
+def _serve(config: dict, controller, node: int, stage: int, epoch: int, incarnation: int, proc, dist,
+           readings, stage_model) -> bool:
+    """Run the stage's ops until the node stops (False) or the controller restarted (True:
+    only with the node-loop data plane)."""
+    import ray
 
     def checkpoint(op) -> StageResult | None:
         """SaveCheckpoint: every stage reports its part to Ray Train; None for other ops."""
@@ -104,15 +118,14 @@ def stage_loop(config: dict) -> None:
     if config.get("data_plane") == "node":
         from raycolo.actors.online.node_worker import run_node_stage
 
-        run_node_stage(controller, node, stage, epoch, proc, dist, checkpoint, readings.annotate,
-                       config["report_every_s"])
-        return
+        return run_node_stage(controller, node, stage, epoch, proc, dist, checkpoint, readings.annotate,
+                              config["report_every_s"], incarnation)
     done = None              # the StageResult of the last op, reported with the next request
     while True:
         op = ray.get(controller.next_op.remote(node, stage, epoch, done))
         done = None
         if op is None:          # the deployment stops
-            return
+            return False
         if isinstance(op, SaveCheckpoint):
             ray.get(controller.op_done.remote(node, stage, epoch, checkpoint(op)))
             continue
@@ -129,6 +142,40 @@ def stage_loop(config: dict) -> None:
             raise
         readings.annotate(result)
         done = result
+
+
+def _restore(stage_model, stage: int, directory: str) -> tuple[Optional[int], dict]:
+    """Load stage ``stage``'s part of the checkpoint in ``directory``: the adapter version
+    restored, and for stage 0 the samples it holds and the cursor saved with it (None and
+    {} if the checkpoint has no part of this stage)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    path = os.path.join(directory, f"stage-{stage}.safetensors")
+    if not os.path.exists(path):
+        return None, {}
+    stage_model.load_lora_state(load_file(path))
+    with open(os.path.join(directory, f"stage-{stage}.json")) as f:
+        version = json.load(f)["adapter_version"]
+    resumed = {}
+    if stage == 0:       # what the checkpoint's adapter was trained on
+        for key, name in (("held", "held.json"), ("cursor", "cursor.json")):
+            if os.path.exists(os.path.join(directory, name)):
+                with open(os.path.join(directory, name)) as f:
+                    resumed[key] = json.load(f)
+    return version, resumed
+
+
+def _roll_back(stage_model, stage: int, config: dict, initial: dict) -> tuple[Optional[int], dict]:
+    """Forget everything since the node's newest committed checkpoint (a resuming
+    deployment's; else the adapter's start): caches, stashed activations, gradients,
+    optimizer moments, and the adapter's weights."""
+    found = newest_committed(config["run_dir"]) if config.get("resume") else None
+    stage_model.start_over(initial)
+    if found is None:
+        return None, {}
+    return _restore(stage_model, stage, found.directory)
 
 
 class DeviceReadings:

@@ -16,8 +16,8 @@ from typing import Optional
 import ray
 
 from raycolo.errors import ConfigError
-from raycolo.online.config import stage_build
 from raycolo.online.samples import Cursor, from_ranges, plan_resumption
+from raycolo.online.stages.checkpoints import newest_committed
 from raycolo.online.stage_messages import WorkerInfo
 
 
@@ -29,18 +29,20 @@ class WorkerGroups:
         """This role's own state (it alone writes these); ``ctl`` is the OnlineController."""
         self.ctl = ctl
         cfg = self.ctl.config
-        self.fit_futures = []
+        self.host = None                                     # the GroupHost fitting the trainers
+        self.host_runs: Optional[list[str]] = None           # its run names, when it outlived a controller
         self.restarts: list[dict] = []                       # node, reason, time, lost, replayed
         self.queues = {(n, s): asyncio.Queue() for n in range(cfg.nodes) for s in range(cfg.stages)}
         self.by_name: dict[str, dict] = {}
-        self.epochs = [0] * cfg.nodes
+        # the nodes' worker-group generations; they count from this controller's first id, so a
+        # message from a group of the controller before a crash never matches a current one
+        self.epochs = [ctl.first_id] * cfg.nodes
         self.registered = [set() for _ in range(cfg.nodes)]
         self.dead: dict[int, str] = {}                       # node -> why its worker group is gone
         self._starting: Optional[asyncio.Task] = None      # the launch of the stage workers
         self._partial: Optional[asyncio.TimerHandle] = None  # serve with the nodes there are (_serve_partial)
         self.restored: dict[int, tuple] = {}          # node -> (version, seqs held, cursor) of an earlier run
         self.resumption: Optional[dict] = None        # what this deployment took up from an earlier one
-        self.train_runs = [0] * cfg.nodes             # Ray Train runs started per node (a new one after its controller died)
         # when this controller's start got where (time.time()): start_timeline()
         self.timeline: dict[str, float] = {"constructed_s": time.time()}
 
@@ -83,12 +85,20 @@ class WorkerGroups:
                                f"the nodes that fit serve; the others join when GPUs come back")
         loop = self._loop = asyncio.get_running_loop()
         self.timeline["launch_s"] = time.time()
-        await asyncio.to_thread(self.ctl.groups.release)   # of an earlier controller of this deployment
-        self.timeline["groups_released_s"] = time.time()
+        self.host = self._host()
+        running = await self.host.fitting.remote()
+        if running:       # the groups outlived the controller before this one: they register again
+            self.host_runs = await self.host.run_names.remote()
+            self.timeline["groups_found_s"] = time.time()
+            self.ctl.note_error(f"restarted: the worker groups of nodes {running} outlived the controller "
+                                f"and register again")
+        else:
+            await asyncio.to_thread(self.ctl.groups.release)   # of an earlier controller of this deployment
+            self.timeline["groups_released_s"] = time.time()
         self.ctl.start_driver()
         for n in range(self.ctl.config.nodes):
-            trainer = self._trainer(n)
-            self.fit_futures.append(loop.run_in_executor(None, self._fit, n, trainer))
+            if n not in running:
+                await self.host.fit.remote(n)
         self.timeline["trainers_started_s"] = time.time()
 
     def _serve_partial(self) -> None:
@@ -109,79 +119,52 @@ class WorkerGroups:
         self.ctl.ready.set()
 
     def _committed_checkpoint(self, n: int) -> Optional[tuple]:
-        """(adapter version, seqs held, cursor) of node ``n``'s newest committed checkpoint,
-        read from its run directory (Ray Train's ``checkpoint_manager_snapshot.json``):
-        what its group restores when it starts. A node not yet back still holds those
-        samples, so they are not trained again elsewhere; None without one."""
-        run_dir = Path(self.ctl.config.storage_path).resolve() / self.run_name(n)
-        try:
-            latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
-            found = run_dir / latest["checkpoint_dir_name"]
-            version = int(latest["metrics"]["adapter_version"])
-            held = json.loads((found / "held.json").read_text()) if (found / "held.json").exists() else []
-            cursor = json.loads((found / "cursor.json").read_text()) if (found / "cursor.json").exists() else None
-        except (OSError, ValueError, KeyError, TypeError):
+        """(adapter version, seqs held, cursor) of node ``n``'s newest committed checkpoint
+        (:func:`~raycolo.online.stages.checkpoints.newest_committed`): what its group
+        restores when it starts. A node not yet back still holds those samples, so they are
+        not trained again elsewhere; None without one."""
+        found = newest_committed(str(Path(self.ctl.config.storage_path).resolve() / self.run_name(n)))
+        if found is None:
             return None
-        return version, from_ranges(held), Cursor(**cursor) if cursor else Cursor()
+        return found.version, from_ranges(found.held), Cursor(**found.cursor) if found.cursor else Cursor()
 
     def run_name(self, n: int) -> str:
         """Node ``n``'s Ray Train run: fixed per storage path and adapter shape when the
-        deployment resumes (a new run of the same name restores its newest checkpoint)."""
+        deployment resumes (a new run of the same name restores its newest checkpoint);
+        the host's, when the groups outlived an earlier controller."""
+        if self.host_runs is not None:
+            return self.host_runs[n]
         if self.ctl.config.resume:
             return f"raycolo-{self.ctl.config.adapter_fingerprint()}-node{n}"
         return f"raycolo-node{n}-{self.ctl.run_token}"
 
-    def _trainer(self, n: int):
-        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchConfig, TorchTrainer
-
-        from raycolo.actors.online.group_watch import GroupWatch
-        from raycolo.actors.online.stage_worker import stage_loop
+    def _host(self):
+        """The host of this deployment's worker groups (:mod:`.group_host`): the one an
+        earlier controller left (its groups still run), or a new one."""
+        from raycolo.actors.online.group_host import GroupHost, host_name
 
         cfg = self.ctl.config
-        loop_config = {
-            "node": n, "controller": self.ctl.name, "namespace": self.ctl.namespace, **stage_build(cfg),
-            "layer_bounds": self.ctl.bounds, "cpu_threads": cfg.stage.cpu_threads,
-            "init_from": cfg.lora.init_from,      # every stage starts from its part (no checkpoint restored)
-            "run_dir": str(Path(cfg.storage_path).resolve() / self.run_name(n)),
-            "data_plane": cfg.stage.data_plane, "report_every_s": cfg.stage.report_every_s,
-            "switch_interval_s": cfg.stage.switch_interval_s,
-        }
-        return TorchTrainer(
-            stage_loop, train_loop_config=loop_config,
-            scaling_config=ScalingConfig(num_workers=cfg.stages, use_gpu=True,
-                                         resources_per_worker={"CPU": cfg.stage.cpus_per_worker,
-                                                               "GPU": cfg.stage.gpus_per_worker}),
-            torch_config=TorchConfig(backend=cfg.stage.backend),
-            run_config=RunConfig(name=self.run_name(n),
-                                 storage_path=str(Path(cfg.storage_path).resolve()),
-                                 failure_config=FailureConfig(max_failures=cfg.stage.max_failures),
-                                 checkpoint_config=CheckpointConfig(num_to_keep=2),
-                                 callbacks=[GroupWatch(self.ctl.name, self.ctl.namespace, n)]))
-
-    def _fit(self, n: int, trainer) -> None:
-        """Run node ``n``'s worker group. Past ``max_failures`` restarts of the group the
-        node is gone for good; if instead the run's own Ray Train controller died (its
-        workers die with it), a new run of the same name restores the newest checkpoint,
-        at most ``max_failures`` times too."""
-        from ray.exceptions import RayActorError
-
-        while True:
-            self.train_runs[n] += 1
+        detached = self.ctl.links.node_loops     # stage.data_plane: node
+        if detached:
             try:
-                trainer.fit()
-                return
-            except Exception as exc:
-                why = f"node {n}: {type(exc).__name__}: {exc}"
-                self.ctl.note_error(why)
-                lost_controller = isinstance(exc, RayActorError) or isinstance(exc.__cause__, RayActorError)
-                if lost_controller and self.train_runs[n] <= self.ctl.config.stage.max_failures and self.ctl.config.resume:
-                    self._loop.call_soon_threadsafe(self.node_lost, n, f"node {n}: its Ray Train controller died")
-                    self.ctl.groups.release([n])
-                    trainer = self._trainer(n)
-                    continue
-                self._loop.call_soon_threadsafe(self._node_dead, n, why)
-                return
+                return ray.get_actor(host_name(self.ctl.name), namespace=self.ctl.namespace)
+            except ValueError:
+                pass
+        options = {"name": host_name(self.ctl.name), "namespace": self.ctl.namespace,
+                   "lifetime": "detached"} if detached else {}
+        return GroupHost.options(**options).remote(
+            cfg.model_dump(), self.ctl.name, self.ctl.namespace, self.ctl.bounds,
+            [self.run_name(n) for n in range(cfg.nodes)], str(self.ctl.groups.path), detached)
+
+    def run_ended(self, node: int, why: str, again: bool) -> None:
+        """The host says node ``node``'s run ended with ``why``: its own Ray Train
+        controller died and a new run of the same name starts (``again``), or the group
+        failed past its restarts."""
+        self.ctl.note_error(why)
+        if again:
+            self.node_lost(node, f"node {node}: its Ray Train controller died")
+        else:
+            self._node_dead(node, why)
 
     def _node_dead(self, node: int, why: str) -> None:
         """The node's group failed past its restarts: nothing is placed there any more and
@@ -189,9 +172,17 @@ class WorkerGroups:
         self.dead[node] = why
         self.node_lost(node, why, down=True)
 
+    def incarnation(self) -> int:
+        """This controller's incarnation: another after Ray restarted it (a stage worker that
+        outlived the one before registers again when it sees a new one)."""
+        return self.ctl.first_id
+
     async def register(self, node: int, stage: int, info: WorkerInfo) -> int:
-        """A stage worker starts; returns its epoch (the node's worker-group generation).
-        A stage registering twice means Ray Train restarted the node's group."""
+        """A stage worker starts, or its group outlived the controller before this one
+        (``info.rejoined``); returns its epoch (the node's worker-group generation). A
+        stage registering twice means Ray Train restarted the node's group."""
+        self.wake()                    # a rejoining worker's call may be this controller's first
+        await asyncio.shield(self._starting)
         if stage in self.registered[node]:
             self.node_lost(node, f"node-{node}/stage-{stage} registered again (worker group restarted)")
         key = f"node-{node}/stage-{stage}"
@@ -310,7 +301,8 @@ class WorkerGroups:
         out = {k[:-2]: round(v - t0, 3) for k, v in self.timeline.items() if k != "constructed_s"}
         out["constructed_at_s"] = t0            # wall clock (time.time())
         out["workers"] = {key: {k[:-2]: round(v - t0, 3) for k, v in {**(w.get("started") or {}),
-                                                                      "registered_s": w["registered_s"]}.items()}
+                                                                      "registered_s": w["registered_s"]}.items()
+                                if v is not None}
                           for key, w in sorted(self.by_name.items())}
         return out
 

@@ -40,6 +40,7 @@ class StageFailed(RuntimeError):
 Special = Callable[[StageWork], Optional[StageResult]]   # runs what StageProcess does not (None: not mine)
 COMMANDS = -1          # the inbox key of a list of commands (stages answer under their index)
 FAILED = -2            # the inbox key of why the node must start over
+REJOIN = -3            # the inbox key of: the control plane restarted, end once nothing is in flight
 
 
 class NodePipeline:
@@ -61,6 +62,7 @@ class NodePipeline:
         self.pause_told = False
         self.out_of_band: dict[int, int] = {}      # stage -> seq of its out-of-band message unanswered
         self.stopped = False           # the control plane said stop (a None command list)
+        self.rejoining = False         # the control plane restarted: stop once nothing is in flight
         self.receivers = [threading.Thread(target=self._receive, args=(s,), daemon=True,
                                            name=f"stage-{s}-answers") for s in range(1, loop.stages)]
         for t in self.receivers:
@@ -73,6 +75,11 @@ class NodePipeline:
     def post(self, commands: Optional[list]) -> None:
         """Commands for the loop (None: stop), from any thread; applied at the next turn."""
         self.inbox.put((COMMANDS, commands))
+
+    def rejoin(self) -> None:
+        """The control plane restarted (from any thread): start nothing more, finish what is
+        in flight, then stop (:attr:`rejoining`; the stages are told so by :meth:`close`)."""
+        self.inbox.put((REJOIN, None))
 
     def fail(self, why: str) -> None:
         """The node must start over (its mirror parted from it): the next turn raises."""
@@ -102,6 +109,10 @@ class NodePipeline:
             return
         if stage == FAILED:
             raise StageFailed(answer)
+        if stage == REJOIN:
+            self.rejoining = True
+            self.pause = -1 if self.pause is None else self.pause    # nothing new goes out
+            return
         if answer is not None and not isinstance(answer, StageResult):     # the op raised there
             raise StageFailed(f"stage {stage}: {answer!r}")
         if answer is None:
@@ -172,6 +183,9 @@ class NodePipeline:
         if self.local:
             self._run_local()
             return
+        if self.rejoining and not self.inflight and not self.out_of_band:
+            self.stopped = True
+            return
         if self.pause is not None and not self.pause_told and not self.inflight:
             self.loop.report.paused, self.pause_told = self.pause, True     # nothing in flight now
         due = self.loop.next_timer()
@@ -184,23 +198,22 @@ class NodePipeline:
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the other stages and their receivers."""
         for s in range(1, self.loop.stages):
-            send_message(Stop(seq=-1), s, DOWN_TAG, self.dist, self.group)
+            send_message(Stop(seq=-1, rejoin=self.rejoining), s, DOWN_TAG, self.dist, self.group)
         for t in self.receivers:
             t.join(timeout_s)
 
 
 def serve_stage(proc: StageProcess, dist, group=None, special: Optional[Special] = None,
-                annotate: Optional[Callable[[StageResult], None]] = None) -> int:
+                annotate: Optional[Callable[[StageResult], None]] = None) -> Stop:
     """Stage s > 0 of a node: run what stage 0 sends until it says stop; answer each op's
     result (an op that raises answers the exception, then raises). ``special``: runs the
     messages StageProcess does not (a checkpoint); ``annotate``: adds to a result before
-    it is answered (the device's figures). Returns the ops run."""
-    ran = 0
+    it is answered (the device's figures). Returns the Stop it ended with."""
     while True:
         message = recv_message(0, DOWN_TAG, dist, group)
         if isinstance(message, Stop):
             send_message(None, 0, UP_TAG, dist, group)
-            return ran
+            return message
         try:
             result = special(message) if special is not None else None
             if result is None:
@@ -209,7 +222,6 @@ def serve_stage(proc: StageProcess, dist, group=None, special: Optional[Special]
             send_message(RuntimeError(repr(exc)), 0, UP_TAG, dist, group)
             raise
         if not isinstance(message, QUIET):
-            ran += 1
             if annotate is not None:
                 annotate(result)
             send_message(result, 0, UP_TAG, dist, group)

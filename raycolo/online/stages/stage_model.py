@@ -332,6 +332,21 @@ class StageModel:
         by earlier micro-batches stay exactly as they were; its activations are freed."""
         self._train.pop(task, None)
 
+    def start_over(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Forget all work under way and go back to the adapter ``state`` (its weights in
+        :meth:`lora_state`'s format): every request's cache blocks, stashed training
+        activations, accumulated gradients and the optimizer's moments, as a new process
+        restoring ``state`` would have them."""
+        for request in list(self.contexts):
+            self.release(request)
+        self._train.clear()
+        self._groups.clear()
+        for p in self.trainable:
+            p.grad = None
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+        self.load_lora_state(dict(state))
+
     # -- preference pairs (DPO) ------------------------------------------------------------
     def preference_logprobs(self, pairs: Sequence[tuple], reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence log-probabilities of the chosen and the rejected completion of each

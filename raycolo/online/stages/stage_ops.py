@@ -126,7 +126,10 @@ class ReadAdapter(StageWork):
 
 @dataclass(kw_only=True, slots=True)
 class Stop(StageWork):
-    """The node's loop ends (a stage's receiver returns)."""
+    """The node's loop ends (a stage's receiver returns). ``rejoin``: the deployment's
+    controller restarted; the stages roll back to their checkpoint and register again."""
+
+    rejoin: bool = False
 
 
 StageMessage = Union[ForwardStep, TrainForward, TrainBackward, EvalBatch, LoadWeights,
