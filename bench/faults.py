@@ -133,8 +133,8 @@ def whole(controller_name: str, since: float, limit_s: float, before: dict, faul
             return sorted(before)[-1] in new
         if fault == "train_controller":
             return any(all(k in new for k in before if k.startswith(n + "/")) for n in nodes)
-        if fault == "controller":
-            return new == set(before)
+        if fault == "controller":    # the groups outlived it (registered again) or were made anew
+            return all(k in new or reg[k].get("rejoined") for k in before if k in reg)
         return True
 
     while time.time() - since < limit_s:
@@ -233,12 +233,12 @@ def main() -> int:
         starts = [t0 + r["at_s"] for r in rows] + [float("inf")]
         for i, row in enumerate(rows):
             window = [e for e in events if starts[i] <= e["start"] < starts[i + 1]]
-            row["requests"] = _outcomes(window)
-        baseline = _outcomes([e for e in events if e["start"] < starts[0]])
+            row["requests"] = _outcomes(window, args.max_tokens)
+        baseline = _outcomes([e for e in events if e["start"] < starts[0]], args.max_tokens)
         report = {"config": vars(args), "faults": rows, "baseline": baseline, "load": totals,
                   "samples_acked": len(samples.acked), "sample_posts_refused": samples.refused,
                   "samples_never_trained": len(never), "samples_trained_twice": len(twice),
-                  "requests": _outcomes(events)}
+                  "requests": _outcomes(events, args.max_tokens)}
     finally:
         serve_launch.stop(config, started_ray)
     write_json(args.json, report)
@@ -253,11 +253,11 @@ def restart_timeline(timeline: dict, killed_at: float) -> dict:
     model build, checkpoint restore and registration; then ready."""
     back = timeline["constructed_at_s"] - killed_at
     phases = {"actor back": back}
-    for key in ("launch", "groups_released", "trainers_started"):
+    for key in ("launch", "groups_found", "groups_released", "trainers_started"):
         if key in timeline:
             phases[key.replace("_", " ")] = back + timeline[key]
-    for key in ("process", "train_function", "model_built", "restored", "registered"):
-        values = [w[key] for w in timeline["workers"].values() if key in w]
+    for key in ("process", "train_function", "model_built", "rejoin", "restored", "registered"):
+        values = [w[key] for w in timeline["workers"].values() if key in w and w[key] >= 0]
         if values:
             phases[f"last worker {key.replace('_', ' ')}"] = back + max(values)
     if "ready" in timeline:
@@ -266,31 +266,43 @@ def restart_timeline(timeline: dict, killed_at: float) -> dict:
     return {"phases_s": phases, "line": line, "timeline": timeline}
 
 
-def _outcomes(events: list) -> dict:
+def _outcomes(events: list, max_tokens: int) -> dict:
+    """Requests by outcome; TTFT p50/p99 (ms) of those done; and the done streams whose
+    usage does not count exactly ``max_tokens`` tokens (a token lost or sent twice)."""
+    import numpy as np
+
     out = {"total": len(events)}
     for e in events:
         key = e["outcome"].split()[0]
         out[key] = out.get(key, 0) + 1
+    ttft = [e["ttft_s"] * 1e3 for e in events if e["outcome"] == "done" and e.get("ttft_s") is not None]
+    if ttft:
+        out["ttft_ms_p50"], out["ttft_ms_p99"] = (round(float(np.percentile(ttft, q)), 1) for q in (50, 99))
+    out["wrong_count"] = sum(1 for e in events if e["outcome"] == "done" and e.get("completion_tokens") != max_tokens)
     return out
 
 
 def print_table(report: dict) -> None:
-    print("| fault | at s | serving again s | all workers back s | requests started in its window: done / shed / error / cut / hung | "
+    print("| fault | at s | serving again s | all workers back s | requests started in its window: "
+          "done / shed / error / cut / hung | TTFT p50 / p99 ms | done with a wrong token count | "
           "adapter version before (checkpoint) -> after |")
-    print("|---|---:|---:|---:|---|---|")
-    b = report["baseline"]
-    print(f"| none (before the first) | 0 | - | - | {b.get('done', 0)} / {b.get('shed', 0)} / {b.get('error', 0)} / "
-          f"{b.get('cut', 0)} / {b.get('timeout', 0)} | - |")
+    print("|---|---:|---:|---:|---|---|---:|---|")
+
+    def counts(q: dict) -> str:
+        return (f"{q.get('done', 0)} / {q.get('shed', 0)} / {q.get('error', 0)} / {q.get('cut', 0)} / "
+                f"{q.get('timeout', 0)} | {q.get('ttft_ms_p50', '-')} / {q.get('ttft_ms_p99', '-')} | "
+                f"{q.get('wrong_count', 0)}")
+
+    print(f"| none (before the first) | 0 | - | - | {counts(report['baseline'])} | - |")
     for r in report["faults"]:
-        q = r["requests"]
         rec = f"{r['recovery_s']:.1f}" if r["recovery_s"] is not None else "not recovered"
         full = f"{r['whole_s']:.1f}" if r["whole_s"] is not None else "not recovered"
-        print(f"| {r['fault']} | {r['at_s']:.0f} | {rec} | {full} | {q.get('done', 0)} / {q.get('shed', 0)} / "
-              f"{q.get('error', 0)} / {q.get('cut', 0)} / {q.get('timeout', 0)} | "
+        print(f"| {r['fault']} | {r['at_s']:.0f} | {rec} | {full} | {counts(r['requests'])} | "
               f"{r['version_before']} ({r['checkpoint_before']}) -> {r['version_after']} |")
     q = report["requests"]
     print(f"\nrequests: {q['total']} sent, {q.get('done', 0)} done, {q.get('error', 0)} errors, "
-          f"{q.get('cut', 0)} cut, {q.get('timeout', 0)} hung; training samples: {report['samples_acked']} "
+          f"{q.get('cut', 0)} cut, {q.get('timeout', 0)} hung, {q.get('wrong_count', 0)} with a wrong token count; "
+          f"training samples: {report['samples_acked']} "
           f"acknowledged, {report['samples_never_trained']} never trained, {report['samples_trained_twice']} "
           f"kept twice ({report['sample_posts_refused']} posts refused, not acknowledged)")
 

@@ -20,10 +20,11 @@ async def one(client, model, i, max_tokens, out, events=None):
     wall = time.time()
     times = []
     outcome = "cut"
+    completion = None         # completion_tokens of the stream's usage chunk
     try:
         async with client.stream("POST", "/v1/completions", json={
                 "model": model, "prompt": f"load {i}", "max_tokens": max_tokens, "stream": True,
-                "ignore_eos": True, "temperature": 0}) as r:
+                "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}) as r:
             if r.status_code == 429:
                 out["shed"] += 1
                 out["retry_after_ok"] += "retry-after" in r.headers
@@ -33,7 +34,9 @@ async def one(client, model, i, max_tokens, out, events=None):
                 outcome = f"error {r.status_code}"
             else:
                 async for line in r.aiter_lines():
-                    if line.startswith("data: {") and '"error"' not in line:
+                    if line.startswith("data: {") and '"choices":[]' in line.replace(" ", ""):
+                        completion = json.loads(line[6:])["usage"]["completion_tokens"]   # the usage chunk
+                    elif line.startswith("data: {") and '"error"' not in line:
                         times.append(time.perf_counter())
                     elif '"error"' in line:
                         out["errors"] += 1
@@ -55,7 +58,8 @@ async def one(client, model, i, max_tokens, out, events=None):
         out["tbt"].extend(np.diff(times).tolist())
         out["done"] += 1
     if events is not None:
-        events.append({"i": i, "start": wall, "end": time.time(), "outcome": outcome, "tokens": len(times)})
+        events.append({"i": i, "start": wall, "end": time.time(), "outcome": outcome, "tokens": len(times),
+                       "completion_tokens": completion, "ttft_s": times[0] - started if times else None})
 
 
 def drift(at, ttft, started, seconds, pct) -> dict:

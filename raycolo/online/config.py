@@ -168,6 +168,11 @@ class ServeSpec(Strict):
     retry_after_s: int = Field(default=1, ge=1, le=3600, description=(
         "Seconds sent in the Retry-After header of a refused request (429 when overloaded, 503 while the "
         "stage workers (re)start)."))
+    restart_wait_s: float = Field(default=60.0, ge=0, le=3600, description=(
+        "While the deployment's controller restarts (Ray restarts it after a crash), how long a replica that "
+        "was serving holds requests rather than failing them: new ones wait to be admitted, and those it "
+        "was streaming are admitted again with the tokens they already streamed, to continue from there. "
+        "Past it they get a 503 (an error event mid-stream). 0: fail them at once."))
     max_body_bytes: int = Field(default=1 << 20, gt=0, le=1 << 40, description=(
         "Largest request body in bytes; a larger one gets a 413."))
     replicas: int = Field(default=1, gt=0, le=64, description=(

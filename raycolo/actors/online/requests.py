@@ -13,6 +13,7 @@ import ray
 from raycolo.online.serving.messages import LAST_EVENTS, Admission, EventKind, Rejection, StreamEvent
 from raycolo.online.serving.token_wire import FrontKey
 from raycolo.generation import FinishReason, SamplingParams, stop_token_set
+from raycolo.online.scheduling.cluster import resumed_task
 from raycolo.online.tasks import OnlineTask, TaskKind
 
 from raycolo.actors.online.state import LiveRequest
@@ -97,23 +98,29 @@ class RequestDesk:
     async def submit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
                      version: Optional[int] = None, params: Optional[SamplingParams] = None,
-                     front: Optional[FrontKey] = None) -> int:
+                     front: Optional[FrontKey] = None, streamed: Optional[list] = None) -> int:
         """Accept a completion request; returns its id (stream it with :meth:`stream`).
         ``params``: its SamplingParams (else built from max_tokens ... ignore_eos);
         ``base``: serve it with the base model (the adapter switched off for its rows);
         ``version``: with that saved adapter version (one of :meth:`adapter_versions`);
         ``front``: (HTTP replica, its key for the request): the events go to that
-        replica's :meth:`front_events` instead."""
+        replica's :meth:`front_events` instead; ``streamed``: the tokens it already
+        streamed (a request the replica admits again after the controller restarted): it
+        continues after them, as a request resumed on another node does."""
         await self.ctl.workers.start()
         if version is not None and not self.ctl.adapters.servable(version):
             raise ValueError(f"adapter version {version} is not servable; these are: {self.ctl.adapters.versions}")
         params = self._params(max_tokens, temperature, top_p, seed, ignore_eos, params)
         tid = self.new_id()
         task = OnlineTask(tid, TaskKind.INFERENCE, self.ctl.driver.now(), len(prompt), 1, 0, params.max_tokens)
+        streamed = [int(t) for t in streamed or ()]
+        if len(streamed) >= params.max_tokens:
+            raise ValueError(f"streamed: {len(streamed)} tokens already reach max_tokens {params.max_tokens}")
+        task = resumed_task(task, len(streamed))
         self._forget_finished()
         req = LiveRequest(task, list(prompt), params, seed=params.seed if params.seed is not None else seed,
                           stop_ids=stop_token_set(params, self.ctl.tokenizer.eos_token_ids),
-                          submitted_s=self.ctl.driver.now(), base=base, version=version)
+                          submitted_s=self.ctl.driver.now(), base=base, version=version, generated=streamed)
         if front is not None:
             req.events = FrontQueue(self._mux(front.replica), front.key)
             if self.ctl.links.node_loops and front.inbox is not None:
@@ -126,7 +133,7 @@ class RequestDesk:
     async def admit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
                     version: Optional[int] = None, params: Optional[SamplingParams] = None,
-                    front: Optional[FrontKey] = None) -> Admission:
+                    front: Optional[FrontKey] = None, streamed: Optional[list] = None) -> Admission:
         """The HTTP front's submit: the request's id, or rejected "overloaded" beyond
         ``serve.max_ongoing_requests`` unfinished requests, "unavailable" when no node is
         alive, "unknown_version" (with the servable versions) for an adapter version that
@@ -145,7 +152,7 @@ class RequestDesk:
             self.rejections += 1
             return Admission(rejected=Rejection.OVERLOADED, retry_after_s=self.ctl.config.serve.retry_after_s)
         return Admission(id=await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos, base,
-                                              version, params, front))
+                                              version, params, front, streamed))
 
     def _mux(self, front: str) -> asyncio.Queue:
         if front not in self.muxes:

@@ -10,6 +10,7 @@ import asyncio
 import secrets
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -19,7 +20,7 @@ from raycolo.actors.serve.front_channel import CONTROLLER_FAILED, FrontChannel, 
 from raycolo.generation import FinishReason
 from raycolo.online.config import OnlineConfig
 from raycolo.online.serving.openai_errors import OpenAIError
-from raycolo.online.serving.messages import TOKEN_EVENTS, EventKind, Rejection
+from raycolo.online.serving.messages import TOKEN_EVENTS, Admission, EventKind, Rejection, StreamEvent
 from raycolo.online.serving.protocol import BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant
 from raycolo.online.serving.responses import SseChunks, StreamInterval, choice, usage
 from raycolo.online.serving.text import TextStream
@@ -28,7 +29,24 @@ if TYPE_CHECKING:
     from raycolo.actors.serve.front_metrics import DeploymentMetrics, FrontMetrics
 
 MONITOR_EVERY_S = 2.0
+RESTART_POLL_S = 0.1       # how often a held admission asks a restarting controller again
 CONTROLLER_DIED = "the deployment's controller failed mid-request (it restarts); retry"
+
+
+@dataclass
+class Admitted:
+    """A request this replica admitted: its id (another once admitted again after a
+    controller restart), its key and events' queue on the channel, what it was admitted
+    with, and the tokens it streamed so far."""
+
+    rid: int
+    front: FrontKey
+    events: asyncio.Queue
+    prompt: list[int]
+    base: bool
+    version: Union[int, str, None]
+    params: Any
+    streamed: list[int] = field(default_factory=list)
 
 
 class AdapterName:
@@ -111,13 +129,13 @@ class Completions:
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         return body.sampling_params(limit, seed)
 
-    async def _admit(self, body, ids: list[int], params, variant) -> tuple[int, FrontKey, asyncio.Queue]:
+    async def _admit(self, body, ids: list[int], params, variant) -> "Admitted":
         """Admit one request: its id, its key on this replica's channel and its events' queue."""
         version = await self._pinned_version(variant)
         front, events = await self.channel.open()
+        request = Admitted(0, front, events, ids, variant == BASE, version, params)
         try:
-            admitted = await self.controller.admit.remote(ids, base=variant == BASE, version=version,
-                                                          params=params, front=front)
+            admitted = await self._admission(request)
         except BaseException:
             self.channel.close(front)
             raise
@@ -140,7 +158,62 @@ class Completions:
         if admitted.rejected:
             raise OpenAIError(503, f"no stage-worker node is alive: {admitted.why}", code="unavailable")
         self.metrics.prompt_tokens.inc(len(ids))
-        return admitted.id, front, events
+        request.rid = admitted.id
+        return request
+
+    async def _admission(self, request: "Admitted") -> Admission:
+        """The controller's admission of ``request`` (with the tokens it already streamed,
+        if any). While the controller restarts, for up to ``serve.restart_wait_s``: a call
+        that finds it dead, or a restarted one still starting (its stage workers register
+        again), is made again."""
+        deadline = time.monotonic() + self.config.serve.restart_wait_s
+        while True:
+            try:
+                admitted = await self.controller.admit.remote(
+                    request.prompt, base=request.base, version=request.version, params=request.params,
+                    front=request.front, streamed=list(request.streamed) or None)
+                if admitted.rejected != Rejection.STARTING or time.monotonic() >= deadline:
+                    self.channel.resume()       # its events come from this controller (a new one)
+                    return admitted
+            except (RayActorError, ActorUnavailableError):
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(RESTART_POLL_S)
+
+    async def _readmit(self, request: "Admitted") -> None:
+        """The controller died while ``request`` streamed: admit it again to the restarted
+        controller with the tokens it streamed, so its node continues from there (each
+        token keeps its position: one streamed already is dropped). Its node went on
+        streaming while the controller was down, and is done with it by the time the new
+        controller admits (it admits once every node registered again). Past
+        ``serve.restart_wait_s`` the request ends with an error event. A request the
+        controller answering now runs (it admitted it: the failure reached the request's
+        queue before its admission) is left as it is."""
+        try:
+            if await self._running(request.rid):
+                return
+            admitted = await self._admission(request)
+        except (RayActorError, ActorUnavailableError):
+            admitted = None
+        if admitted is None or admitted.rejected:
+            why = CONTROLLER_DIED if admitted is None else f"{CONTROLLER_DIED}: {admitted.why or admitted.rejected}"
+            request.events.put_nowait(StreamEvent(EventKind.ERROR, why))
+            return
+        request.rid = admitted.id
+        self.metrics.readmitted.inc()
+
+    async def _running(self, rid: int) -> bool:
+        """Whether the controller runs request ``rid`` (waits, within ``serve.restart_wait_s``,
+        for it to answer: a restarted controller answers that a request of the one before
+        ended with an error)."""
+        deadline = time.monotonic() + self.config.serve.restart_wait_s
+        while True:
+            try:
+                return (await self.controller.progress.remote(rid))["finish_reason"] is None
+            except (RayActorError, ActorUnavailableError):
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(RESTART_POLL_S)
 
     async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool,
                         variant: Union[str, int] = LATEST):
@@ -150,7 +223,7 @@ class Completions:
         kind = "chat.completion" if chat else "text_completion"
         if body.stream:
             admitted = await self._admit(body, ids, params, variant)
-            out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted[0]}-{uuid.uuid4().hex[:8]}"
+            out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted.rid}-{uuid.uuid4().hex[:8]}"
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._events(admitted, params, started, ids)
             return StreamingResponse(self._sse(events, out_id, kind, len(ids), include_usage, body.model),
@@ -160,7 +233,7 @@ class Completions:
         for i in range(body.n):
             choice_params = params if i == 0 else params.model_copy(update={"seed": params.seed + i})
             admitted.append(await self._admit(body, ids, choice_params, variant))
-        out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted[0][0]}-{uuid.uuid4().hex[:8]}"
+        out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted[0].rid}-{uuid.uuid4().hex[:8]}"
         results = await asyncio.gather(*[self._collect(a, params, started, ids) for a in admitted])
         count = sum(r[2] for r in results)
         choices = [choice(self.tokenizer, chat, i, content, reason, logprobs)
@@ -168,7 +241,7 @@ class Completions:
         return JSONResponse({"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
                              "choices": choices, "usage": usage(len(ids), count)})
 
-    async def _collect(self, admitted: tuple, params, started: float, prompt_ids: list[int]):
+    async def _collect(self, admitted: "Admitted", params, started: float, prompt_ids: list[int]):
         """A whole (non-streamed) choice: text, finish_reason, tokens, log-probabilities."""
         text, reason, count, logprobs = [], None, 0, None if params.logprobs is None else []
         async for delta, finish, n, lps in self._events(admitted, params, started, prompt_ids):
@@ -181,22 +254,29 @@ class Completions:
                 logprobs.extend(lps)
         return "".join(text), reason, count, logprobs
 
-    async def _events(self, admitted: tuple, params, started: float, prompt_ids: list[int]):
+    async def _events(self, admitted: "Admitted", params, started: float, prompt_ids: list[int]):
         """(text delta, finish_reason or None, tokens so far, log-probabilities of the tokens
         since the last event) as tokens arrive (``admitted``: what :meth:`_admit` returned;
         the events come over this replica's channel); an "error" finish carries the
         error's text. Text follows raycolo.generation: a stop token is counted, never
         shown; a stop string ends the text before it (the request is cancelled upstream),
         as does a client that went away. Tokens that arrived together (the replica fell
-        behind) go out as one delta: one chunk, not one per token."""
-        rid, front, events = admitted
+        behind) go out as one delta: one chunk, not one per token. If the controller dies,
+        a request whose tokens come straight from its node is admitted again
+        (:meth:`_readmit`) while its stream goes on."""
+        front, events = admitted.front, admitted.events
         stream = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, prompt_ids)
         count, last, finished, lps, held = 0, None, False, [], None
+        readmit: Optional[asyncio.Task] = None
         try:
             while True:
                 kind, value = held if held is not None else await events.get()
                 held = None
                 if (kind, value) == CONTROLLER_FAILED:
+                    if self.channel.direct and front.inbox is not None and self.config.serve.restart_wait_s > 0:
+                        if readmit is None or readmit.done():
+                            readmit = asyncio.get_running_loop().create_task(self._readmit(admitted))
+                        continue
                     finished = True
                     self._finish(FinishReason.ERROR, started, count)
                     yield CONTROLLER_DIED, FinishReason.ERROR, count, []
@@ -215,6 +295,8 @@ class Completions:
                             lps.append(value)
                             continue
                         count += 1
+                        if kind == EventKind.TOKEN:
+                            admitted.streamed.append(value)
                         if kind == EventKind.STOP_TOKEN:
                             continue
                         text.append(stream.add(value, check=count > params.min_tokens))
@@ -230,7 +312,7 @@ class Completions:
                         last = now
                     if stream.stopped is not None:
                         finished = True
-                        await self.controller.cancel.remote(rid, FinishReason.STOP)
+                        await self.controller.cancel.remote(admitted.rid, FinishReason.STOP)
                         self._finish(FinishReason.STOP, started, count)
                         yield "".join(text), FinishReason.STOP, count, lps
                         return
@@ -254,9 +336,11 @@ class Completions:
             yield CONTROLLER_DIED, FinishReason.ERROR, count, []
         finally:
             self.channel.close(front)
+            if readmit is not None and not readmit.done():
+                readmit.cancel()
             if not finished:      # the client disconnected: free the request's work
                 try:
-                    await self.controller.cancel.remote(rid, FinishReason.ABORT)
+                    await self.controller.cancel.remote(admitted.rid, FinishReason.ABORT)
                 except (RayActorError, ActorUnavailableError):
                     pass          # the controller died: the request died with it
                 self._finish(FinishReason.ABORT, started, count)

@@ -9,8 +9,10 @@ before). The replica hands each event to the request it belongs to.
 
 A request is keyed by the replica before it is admitted (:meth:`FrontChannel.open`), so
 an event that overtakes the admission's reply still finds its request. If the
-controller dies, every open request gets :data:`CONTROLLER_FAILED` (its outcome went with
-the controller) and the channel opens again on the next request.
+controller dies, every open request gets :data:`CONTROLLER_FAILED` (what the controller
+knew of it went with it: the replica admits one whose tokens come straight from its node
+again, raycolo/actors/serve/completions.py) and the channel opens again on the next
+admission.
 """
 from __future__ import annotations
 
@@ -41,11 +43,15 @@ class FrontChannel:
         self.server: Optional[asyncio.Server] = None
         self.opening = asyncio.Lock()
 
+    def resume(self) -> None:
+        """Take the controller's events again (after it failed, from the restarted one)."""
+        if self.pump is None or self.pump.done():
+            self.pump = asyncio.get_running_loop().create_task(self._pump())
+
     async def open(self) -> tuple[FrontKey, asyncio.Queue]:
         """For a request about to be admitted: the ``front`` to admit it with, and the
         queue its events will come to. :meth:`close` it when the request is done."""
-        if self.pump is None or self.pump.done():
-            self.pump = asyncio.get_running_loop().create_task(self._pump())
+        self.resume()
         async with self.opening:      # the first requests, at once: one inbox
             if self.direct and self.server is None:
                 self.inbox, self.server = await serve_inbox(ray.util.get_node_ip_address(), self._take)
@@ -70,6 +76,10 @@ class FrontChannel:
 
     async def _pump(self) -> None:
         """Hand out the controller's batches of events until the controller fails."""
+        try:
+            await self.controller.attach.remote(self.front_id)   # again, to a restarted controller
+        except (RayActorError, ActorUnavailableError):
+            return     # not back yet: the next admission tries again (those waiting were told)
         try:
             gen = self.controller.front_events.options(num_returns="streaming").remote(self.front_id)
             async for ref in gen:

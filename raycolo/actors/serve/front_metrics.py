@@ -32,10 +32,13 @@ class FrontMetrics:
                                tag_keys=REPLICA + ("finished_reason",))
         self.rejected = Counter("raycolo_admission_rejections", "Requests refused with 429 (overload)",
                                 tag_keys=REPLICA)
+        self.readmitted = Counter("raycolo_requests_readmitted",
+                                  "Streaming requests admitted again after the controller restarted",
+                                  tag_keys=REPLICA)
         self.samples_received = Counter("raycolo_train_samples_received",
                                         "Training samples persisted and acknowledged", tag_keys=REPLICA)
         for metric in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens, self.success,
-                       self.rejected, self.samples_received):
+                       self.rejected, self.readmitted, self.samples_received):
             metric.set_default_tags({"model_name": model_name, "replica": replica})
 
 

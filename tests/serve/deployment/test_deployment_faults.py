@@ -265,30 +265,53 @@ def test_streams_whose_node_dies_resume_elsewhere_with_each_token_once(front):
     TOKENS_SENT["n"] += len(prompts) * n
 
 
-def test_a_dead_controller_ends_open_streams_with_an_error_and_comes_back(front):
-    """The controller dies while a completion streams: the stream ends with an error event
-    (not a cut connection), new requests get 503 with Retry-After while it restarts, and
-    then it serves again."""
-    import ray
-
+def test_a_dead_controller_costs_no_stream_and_no_request(front):
+    """The controller dies while three completions stream. Its worker groups outlive it
+    (the same processes) and register with the restarted controller; the replicas admit
+    the open streams again with the tokens they streamed, so each still gets exactly the
+    model's greedy text, each token once; a request sent while it restarts is held, not
+    refused."""
     controller = ray.get_actor(controller_name(front["config"].serve.app_name), namespace=NAMESPACE)
-    body = {"model": MODEL, "prompt": "a long one", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with http(front) as h, h.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data: {"))      # it streams
-        ray.kill(controller, no_restart=False)
-        rest = list(lines)
-    events = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
-    assert "error" in events[-1] and "controller" in events[-1]["error"]["message"]
-    assert rest[-1] == "data: [DONE]" or rest[-2] == "data: [DONE]" or "error" in events[-1]
+    pids = {key: w["pid"] for key, w in ray.get(controller.registry.remote()).items()}
+    prompts = [f"restart {i} " + "z" * (2 * i) for i in range(3)]
+    n = 60
+    seen = [0] * len(prompts)
+
+    async def one(c, prompt, i=None):
+        stream = await c.completions.create(model=MODEL + "@base", prompt=prompt, max_tokens=n, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+        text, usage, finish = [], None, None
+        async for ch in stream:
+            if ch.choices:
+                text.append(ch.choices[0].text)
+                finish = ch.choices[0].finish_reason or finish
+                if i is not None:
+                    seen[i] += 1
+            usage = ch.usage or usage
+        return "".join(text), finish, usage.completion_tokens if usage else None
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=front["url"] + "/v1", api_key=KEY, max_retries=0, timeout=180) as c:
+            streams = [asyncio.ensure_future(one(c, p, i)) for i, p in enumerate(prompts)]
+            deadline = time.monotonic() + 60
+            while min(seen) < 2:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            ray.kill(controller, no_restart=False)
+            await asyncio.sleep(0.5)                   # Ray is restarting it now
+            late = await one(c, "while it restarts")
+            return await asyncio.gather(*streams), late
+
+    results, late = asyncio.run(all_of_them())
+    for prompt, (text, finish, tokens) in zip(prompts + ["while it restarts"], results + [late]):
+        assert (finish, tokens) == ("length", n)
+        assert text == expected_text(prompt, n)
+    workers = ray.get(controller.registry.remote())
+    assert {key: w["pid"] for key, w in workers.items()} == pids and all(w["rejoined"] for w in workers.values())
     with http(front) as h:
-        r = h.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
-        if r.status_code != 200:       # not back yet: a clear, retryable refusal
-            assert r.status_code == 503 and r.headers["retry-after"] and error_of(r)["code"] == "unavailable"
         _wait_health(h, 200)
-        r = h.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    TOKENS_SENT["n"] += (len(prompts) + 1) * n
 
 
 def test_acknowledged_samples_are_trained_after_the_deployment_restarts(front):
