@@ -24,7 +24,7 @@ from raycolo.generation.sampler import SamplingRow, plain
 from raycolo.online.scheduling.node_types import Op, OpKind
 from raycolo.online.samples import clip_sample, training_rows
 from raycolo.online.tasks import OnlineTask
-from raycolo.online.serving.token_wire import FrontKey
+from raycolo.online.serving.token_wire import FrontKey, NodeAddress
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class WorkerInfo:
     placement_group: Optional[str] = None
     started: Optional[WorkerStart] = None         # its start (the controller's start_timeline)
     rejoined: bool = False                        # its group outlived an earlier controller
+    node_inbox: Optional[NodeAddress] = None      # stage 0: replicas place requests there while the controller is down
 
 
 @dataclass

@@ -29,6 +29,7 @@ import os
 import queue
 import threading
 import time
+from typing import Optional
 
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
@@ -36,6 +37,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from raycolo.online.stages.node_pipeline import NodePipeline, serve_stage
 from raycolo.online.scheduling.node_commands import Serve
 from raycolo.online.scheduling.node_loop import NodeLoop
+from raycolo.online.serving.node_inbox import NodeInbox, decode_request
 from raycolo.online.serving.token_wire import TokenSender
 
 REPORT_WAIT_S = 60.0      # a report the controller does not take within this long: the node stops
@@ -43,13 +45,14 @@ REJOIN_WAIT_S = 300.0     # how long a node whose controller died waits for Ray 
 
 
 def run_node_stage(controller, node: int, stage: int, epoch: int, proc, dist, special, annotate,
-                   report_every_s: float, incarnation: int) -> bool:
+                   report_every_s: float, incarnation: int, inbox: Optional[NodeInbox] = None) -> bool:
     """The node-loop data plane of one stage worker (see the module docstring).
     ``special``: runs a checkpoint; ``annotate``: adds the device's figures to a result;
     ``report_every_s``: the least time between two reports (stage.report_every_s);
-    ``incarnation``: the controller's, as it answered when the worker registered. Returns
-    whether the controller restarted meanwhile (the worker then registers with the new
-    one), rather than stopped the node."""
+    ``incarnation``: the controller's, as it answered when the worker registered;
+    ``inbox``: stage 0's node inbox, where replicas place requests while the controller
+    is down. Returns whether the controller restarted meanwhile (the worker then
+    registers with the new one), rather than stopped the node."""
     if stage > 0:
         return serve_stage(proc, dist, special=special, annotate=annotate).rejoin
     setup = ray.get(controller.node_setup.remote(node, epoch))
@@ -62,8 +65,17 @@ def run_node_stage(controller, node: int, stage: int, epoch: int, proc, dist, sp
                             annotate=annotate)
     reports: queue.Queue = queue.Queue()
     sender = TokenSender()
-    threading.Thread(target=_take_commands, args=(controller, node, epoch, pipeline, sender, incarnation),
-                     daemon=True, name="node-commands").start()
+    orphaned, ending = threading.Event(), threading.Event()    # the controller died; the loop ends for it
+    if inbox is not None:
+        def deliver(payload: bytes) -> bool:
+            request = decode_request(payload, pipeline.now())
+            sender.watch(request.task.task_id, request.front)
+            pipeline.post([Serve(request)])
+            return True
+
+        inbox.attach(lambda: orphaned.is_set() and not ending.is_set(), deliver)
+    threading.Thread(target=_take_commands, args=(controller, node, epoch, pipeline, sender, incarnation,
+                                                  orphaned, ending), daemon=True, name="node-commands").start()
     reporter = threading.Thread(target=_send_reports, args=(controller, node, epoch, reports, pipeline,
                                                             report_every_s), daemon=True, name="node-reports")
     reporter.start()
@@ -89,19 +101,22 @@ def run_node_stage(controller, node: int, stage: int, epoch: int, proc, dist, sp
 
 
 def _take_commands(controller, node: int, epoch: int, pipeline: NodePipeline, sender: TokenSender,
-                   incarnation: int) -> None:
+                   incarnation: int, orphaned: threading.Event, ending: threading.Event) -> None:
     """Post the controller's commands to the pipeline. The node stops when the controller
-    says so; if it died instead, the loop serves on what it has until Ray restarted it,
-    then ends to register with the new one (``pipeline.rejoin``)."""
+    says so; if it died instead (``orphaned``), the loop serves on what it has, and what
+    replicas place in its inbox, until Ray restarted it, then ends (``ending``) to
+    register with the new one (``pipeline.rejoin``)."""
     while True:
         try:
             commands = ray.get(controller.node_commands.remote(node, epoch))
         except (RayActorError, ActorUnavailableError):     # it died: Ray restarts it
             commands = None
+            orphaned.set()
         except Exception:        # the controller is gone: so is this deployment's run
             commands = None
             incarnation = None
         if commands is None and incarnation is not None and restarted(controller, incarnation):
+            ending.set()
             pipeline.rejoin()
             return
         for command in commands or ():

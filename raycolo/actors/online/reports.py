@@ -72,6 +72,10 @@ class Reports:
             "slo_attainment": result.slo_attainment,
             "decision_us_p50": _pct(self.ctl.cluster.scheduler.decision_us, 50),
             "nodes_alive": self.ctl.config.nodes - len(self.ctl.workers.dead),
+            # where replicas place requests while this controller is down (serving/node_inbox.py)
+            "node_inboxes": [w["node_inbox"] for key, w in sorted(self.ctl.workers.by_name.items())
+                             if w["stage"] == 0 and w.get("node_inbox") and w["node"] not in self.ctl.workers.dead],
+            "node_load": {n: len(node.batch) + len(node.joining) for n, node in enumerate(nodes)},
             "restarting_nodes": sorted(self.ctl.cluster.scheduler.restarting),
             "stages": [{"node": n, "stage": st, "busy_fraction": min(1.0, busy.get((n, st), 0.0) / now) if now else 0.0,
                         "memory_bytes": nodes[n].stages[st].used_bytes,

@@ -74,6 +74,11 @@ def stage_loop(config: dict) -> None:
     dtype = next(stage_model.executor.layers[0].parameters()).dtype
     readings = DeviceReadings(next(stage_model.executor.layers[0].parameters()).device)
     rejoined = False
+    inbox = None             # stage 0's node inbox: replicas place requests there while the controller is down
+    if stage == 0 and config.get("data_plane") == "node":
+        from raycolo.online.serving.node_inbox import NodeInbox
+
+        inbox = NodeInbox(node, ray.util.get_node_ip_address())
     while True:
         proc = StageProcess(stage_model, stage, stages, model_config.hidden_size, dtype, dist)
         me = ray.get_runtime_context()
@@ -82,9 +87,12 @@ def stage_loop(config: dict) -> None:
             node_ip=ray.util.get_node_ip_address(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
             restored_version=restored, restored_held=resumed.get("held"),
             restored_cursor=resumed.get("cursor"), placement_group=me.get_placement_group_id(),
-            rejoined=rejoined)))
+            rejoined=rejoined, node_inbox=inbox and inbox.address)))
         incarnation = ray.get(controller.incarnation.remote())
-        if not _serve(config, controller, node, stage, epoch, incarnation, proc, dist, readings, stage_model):
+        if not _serve(config, controller, node, stage, epoch, incarnation, proc, dist, readings, stage_model,
+                      inbox):
+            if inbox is not None:
+                inbox.close()
             return
         # the controller restarted: what the adapter learnt since the node's newest committed
         # checkpoint is trained again by the new one (it plans from the checkpoints), so
@@ -96,7 +104,7 @@ def stage_loop(config: dict) -> None:
 
 
 def _serve(config: dict, controller, node: int, stage: int, epoch: int, incarnation: int, proc, dist,
-           readings, stage_model) -> bool:
+           readings, stage_model, inbox=None) -> bool:
     """Run the stage's ops until the node stops (False) or the controller restarted (True:
     only with the node-loop data plane)."""
     import ray
@@ -119,7 +127,7 @@ def _serve(config: dict, controller, node: int, stage: int, epoch: int, incarnat
         from raycolo.actors.online.node_worker import run_node_stage
 
         return run_node_stage(controller, node, stage, epoch, proc, dist, checkpoint, readings.annotate,
-                              config["report_every_s"], incarnation)
+                              config["report_every_s"], incarnation, inbox)
     done = None              # the StageResult of the last op, reported with the next request
     while True:
         op = ray.get(controller.next_op.remote(node, stage, epoch, done))

@@ -7,7 +7,6 @@ A role of the online controller (``ctl.<role>``, see :mod:`.state`)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -83,7 +82,7 @@ class WorkerGroups:
         if gpus < need - 1e-9:
             self.ctl.note_error(f"restarted with {gpus:g} of the {need:g} GPUs the deployment needs: "
                                f"the nodes that fit serve; the others join when GPUs come back")
-        loop = self._loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         self.timeline["launch_s"] = time.time()
         self.host = self._host()
         running = await self.host.fitting.remote()

@@ -86,6 +86,7 @@ class OpenAIIngress(Completions):
         self.metrics = FrontMetrics(self.model_name, self.front_id)
         self.gauges = DeploymentMetrics()
         self.monitor = None
+        self.nodes, self.node_load, self.placed = [], {}, {}     # direct placement (controller down)
         self.listener = None
         if sock is not None:
             self.listener = await ReplicaListener.start(

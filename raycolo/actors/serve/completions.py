@@ -17,10 +17,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from raycolo.actors.serve.front_channel import CONTROLLER_FAILED, FrontChannel, FrontKey
-from raycolo.generation import FinishReason
+from raycolo.generation import FinishReason, stop_token_set
 from raycolo.online.config import OnlineConfig
 from raycolo.online.serving.openai_errors import OpenAIError
 from raycolo.online.serving.messages import TOKEN_EVENTS, Admission, EventKind, Rejection, StreamEvent
+from raycolo.online.serving.node_inbox import least_loaded, place
+from raycolo.online.serving.token_wire import NodeAddress
+from raycolo.online.stage_messages import ServedRequest
+from raycolo.online.tasks import OnlineTask, TaskKind
 from raycolo.online.serving.protocol import BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant
 from raycolo.online.serving.responses import SseChunks, StreamInterval, choice, usage
 from raycolo.online.serving.text import TextStream
@@ -47,6 +51,7 @@ class Admitted:
     version: Union[int, str, None]
     params: Any
     streamed: list[int] = field(default_factory=list)
+    direct: bool = False          # placed on a node by the replica while the controller was down
 
 
 class AdapterName:
@@ -68,6 +73,9 @@ class Completions:
     tokenizer: Any
     context: int                 # the model's context (max_position_embeddings)
     controller: Any              # the OnlineController's actor handle
+    nodes: list                  # the node inboxes (NodeAddress) as the controller last told them
+    node_load: dict              # node -> requests in its batch, as the controller last told them
+    placed: dict                 # node -> requests this replica placed there since (controller down)
     channel: FrontChannel        # this replica's requests' events
     metrics: FrontMetrics
     gauges: DeploymentMetrics
@@ -76,7 +84,10 @@ class Completions:
     async def _monitor(self) -> None:
         while True:
             try:
-                self.gauges.update(self.model_name, await self.controller.monitor.remote())
+                figures = await self.controller.monitor.remote()
+                self.gauges.update(self.model_name, figures)
+                self.nodes = [NodeAddress(**a) for a in figures["node_inboxes"]]
+                self.node_load, self.placed = {int(n): v for n, v in figures["node_load"].items()}, {}
             except Exception:    # the controller restarts or stops: try again
                 pass
             await asyncio.sleep(MONITOR_EVERY_S)
@@ -135,7 +146,7 @@ class Completions:
         front, events = await self.channel.open()
         request = Admitted(0, front, events, ids, variant == BASE, version, params)
         try:
-            admitted = await self._admission(request)
+            admitted = await self._admission(request, direct=True)
         except BaseException:
             self.channel.close(front)
             raise
@@ -159,13 +170,16 @@ class Completions:
             raise OpenAIError(503, f"no stage-worker node is alive: {admitted.why}", code="unavailable")
         self.metrics.prompt_tokens.inc(len(ids))
         request.rid = admitted.id
+        if request.direct:        # to be admitted by the restarted controller once it is ready
+            events.put_nowait(CONTROLLER_FAILED)
         return request
 
-    async def _admission(self, request: "Admitted") -> Admission:
+    async def _admission(self, request: "Admitted", direct: bool = False) -> Admission:
         """The controller's admission of ``request`` (with the tokens it already streamed,
         if any). While the controller restarts, for up to ``serve.restart_wait_s``: a call
         that finds it dead, or a restarted one still starting (its stage workers register
-        again), is made again."""
+        again), is made again; with ``direct`` (a new request) the replica meanwhile places
+        it on a node itself (:meth:`_place_directly`)."""
         deadline = time.monotonic() + self.config.serve.restart_wait_s
         while True:
             try:
@@ -178,7 +192,37 @@ class Completions:
             except (RayActorError, ActorUnavailableError):
                 if time.monotonic() >= deadline:
                     raise
+            if direct and await self._place_directly(request):
+                return Admission(id=request.rid)
             await asyncio.sleep(RESTART_POLL_S)
+
+    async def _place_directly(self, request: "Admitted") -> bool:
+        """Place a new request on a node while the controller is down: the least-loaded node
+        (:func:`~raycolo.online.serving.node_inbox.least_loaded`: the controller's last
+        figures plus what this replica placed since) that takes it. Its tokens come to this
+        replica's inbox; it gets a negative id, which no controller issues, and once the
+        restarted controller is ready it is admitted there with the tokens it streamed
+        (:meth:`_readmit`). Only a request of the latest adapter or the base whose tokens
+        come straight from the nodes."""
+        if not self.nodes or request.front.inbox is None or request.version is not None:
+            return False
+        rid = -1 - secrets.randbits(62)
+        served = ServedRequest(OnlineTask(rid, TaskKind.INFERENCE, 0.0, len(request.prompt), 1, 0,
+                                          request.params.max_tokens),
+                               list(request.prompt), request.params, seed=request.params.seed if request.params.seed is not None else 0,
+                               stop_ids=stop_token_set(request.params, self.tokenizer.eos_token_ids),
+                               base=request.base, front=request.front)
+        load = self.node_load or {a.node: 0 for a in self.nodes}
+        by_node = {a.node: a for a in self.nodes}
+        tried: set[int] = set(load) - set(by_node)
+        while (n := least_loaded(load, self.placed, tried)) is not None:
+            tried.add(n)
+            if await place(by_node[n], served):
+                self.placed[n] = self.placed.get(n, 0) + 1
+                request.rid, request.direct = rid, True
+                self.metrics.placed_directly.inc()
+                return True
+        return False
 
     async def _readmit(self, request: "Admitted") -> None:
         """The controller died while ``request`` streamed: admit it again to the restarted

@@ -35,10 +35,13 @@ class FrontMetrics:
         self.readmitted = Counter("raycolo_requests_readmitted",
                                   "Streaming requests admitted again after the controller restarted",
                                   tag_keys=REPLICA)
+        self.placed_directly = Counter("raycolo_requests_placed_directly",
+                                       "Requests the replica placed on a node while the controller was down",
+                                       tag_keys=REPLICA)
         self.samples_received = Counter("raycolo_train_samples_received",
                                         "Training samples persisted and acknowledged", tag_keys=REPLICA)
         for metric in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens, self.success,
-                       self.rejected, self.readmitted, self.samples_received):
+                       self.rejected, self.readmitted, self.placed_directly, self.samples_received):
             metric.set_default_tags({"model_name": model_name, "replica": replica})
 
 

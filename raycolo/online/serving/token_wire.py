@@ -57,6 +57,17 @@ class FrontInbox:
 
 
 @dataclass(frozen=True)
+class NodeAddress:
+    """Where node ``node``'s stage 0 takes requests from replicas while the controller is
+    down (:mod:`raycolo.online.serving.node_inbox`)."""
+
+    node: int
+    host: str
+    port: int
+    secret: str
+
+
+@dataclass(frozen=True)
 class FrontKey:
     """Which HTTP replica admitted a request, and its key for it there (``admit(front=)``);
     ``inbox``: where that replica takes tokens straight from the nodes (None: they come

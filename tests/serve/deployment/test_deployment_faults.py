@@ -18,7 +18,7 @@ import ray
 
 from raycolo.actors.local_cluster import NAMESPACE, controller_name
 
-from tests.support.serve_checks import (_stats, _wait_health, error_of, expected_text, http, KEY, LOOPBACK,
+from tests.support.serve_checks import (_stats, _wait_health, expected_text, http, KEY, LOOPBACK,
                                         MODEL, TOKENS_SENT)
 
 
