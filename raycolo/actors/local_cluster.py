@@ -19,6 +19,14 @@ Its GCS keeps the events of the last ``TASK_EVENTS_KEPT`` tasks (the dashboard's
 list and timeline), not Ray's default 100,000: a service runs a few tasks per request,
 and under the default the GCS grew by 162 MB in a 30-minute soak (docs/benchmarks.md, Reliability). A cluster you start yourself takes the same bound from
 ``RAY_task_events_max_num_task_in_gcs`` (an environment variable of ``ray start``).
+
+A call to an actor whose process died fails once the GCS says why, or after
+``DEATH_INFO_WAIT_MS``: Ray's default is 1,000 ms, and a call made while Ray restarts the
+actor waits as long before it is refused. The online deployment's replicas and nodes
+carry on without their controller while Ray restarts it (docs/online-live.md), so they
+must learn of its death soon: at Ray's default the first of them knew 1.15-1.34 s after
+``ray.kill``, at 100 ms 0.13-0.35 s (this 2-core VM, 2026-11-29). A cluster you start
+yourself takes it from ``RAY_timeout_ms_task_wait_for_death_info``.
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ from raycolo.errors import ConfigError
 NAMESPACE = "raycolo"          # the Ray namespace of every named actor raycolo starts
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 TASK_EVENTS_KEPT = 10_000      # tasks whose events the GCS keeps (Ray's default: 100,000)
+DEATH_INFO_WAIT_MS = 100       # a call to a dead actor fails after at most this (Ray's default: 1,000)
 
 
 def start_local(env: Optional[dict] = None, **kwargs):
@@ -45,6 +54,7 @@ def start_local(env: Optional[dict] = None, **kwargs):
 
     ray_constants.ENABLE_RAY_CLUSTER = os.environ[LOOPBACK_ENV].lower() in ("1", "true")
     kwargs["_system_config"] = {"task_events_max_num_task_in_gcs": TASK_EVENTS_KEPT,
+                                "timeout_ms_task_wait_for_death_info": DEATH_INFO_WAIT_MS,
                                 **(kwargs.get("_system_config") or {})}
     added = [k for k in (env or {}) if k not in os.environ]
     os.environ.update({k: env[k] for k in added})

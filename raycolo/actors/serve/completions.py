@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 MONITOR_EVERY_S = 2.0
 RESTART_POLL_S = 0.1       # how often a held admission asks a restarting controller again
+ADMIT_PATIENCE_S = 0.2     # an admission not answered within this: try the nodes (if they lost their controller)
 CONTROLLER_DIED = "the deployment's controller failed mid-request (it restarts); retry"
 
 
@@ -178,23 +179,47 @@ class Completions:
         """The controller's admission of ``request`` (with the tokens it already streamed,
         if any). While the controller restarts, for up to ``serve.restart_wait_s``: a call
         that finds it dead, or a restarted one still starting (its stage workers register
-        again), is made again; with ``direct`` (a new request) the replica meanwhile places
-        it on a node itself (:meth:`_place_directly`)."""
+        again), is made again. With ``direct`` (a new request), when the controller has
+        not answered within ``ADMIT_PATIENCE_S`` or is known down, the replica meanwhile
+        places the request on a node itself (:meth:`_place_directly`; the nodes take it
+        only once they lost their controller)."""
         deadline = time.monotonic() + self.config.serve.restart_wait_s
         while True:
-            try:
-                admitted = await self.controller.admit.remote(
-                    request.prompt, base=request.base, version=request.version, params=request.params,
-                    front=request.front, streamed=list(request.streamed) or None)
-                if admitted.rejected != Rejection.STARTING or time.monotonic() >= deadline:
-                    self.channel.resume()       # its events come from this controller (a new one)
-                    return admitted
-            except (RayActorError, ActorUnavailableError):
-                if time.monotonic() >= deadline:
-                    raise
-            if direct and await self._place_directly(request):
+            if direct and self.channel.down and await self._place_directly(request):
                 return Admission(id=request.rid)
-            await asyncio.sleep(RESTART_POLL_S)
+            if await self.channel.back(RESTART_POLL_S):     # not a call Ray holds until it is back
+                call = asyncio.ensure_future(self.controller.admit.remote(
+                    request.prompt, base=request.base, version=request.version, params=request.params,
+                    front=request.front, streamed=list(request.streamed) or None))
+                patience = ADMIT_PATIENCE_S if direct else None
+                while not (await asyncio.wait({call}, timeout=patience))[0]:
+                    if await self._place_directly(request):
+                        call.add_done_callback(self._cancel_admitted)   # placed already: not twice
+                        return Admission(id=request.rid)
+                    patience = RESTART_POLL_S
+                try:
+                    admitted = call.result()
+                    if admitted.rejected != Rejection.STARTING or time.monotonic() >= deadline:
+                        self.channel.resume()       # its events come from this controller (a new one)
+                        return admitted
+                    if direct and await self._place_directly(request):    # its nodes register again
+                        return Admission(id=request.rid)
+                except (RayActorError, ActorUnavailableError):
+                    self.channel.controller_down()
+                await asyncio.sleep(RESTART_POLL_S)
+            if time.monotonic() >= deadline:
+                return Admission(rejected=Rejection.STARTING, retry_after_s=self.config.serve.retry_after_s,
+                                 why="the deployment's controller failed and is restarting")
+
+    def _cancel_admitted(self, call: asyncio.Future) -> None:
+        """An admission answered after the replica placed the request on a node itself:
+        the controller's copy is cancelled."""
+        try:
+            admitted = call.result()
+        except Exception:
+            return
+        if admitted.id is not None:
+            self.controller.cancel.remote(admitted.id, FinishReason.ABORT)
 
     async def _place_directly(self, request: "Admitted") -> bool:
         """Place a new request on a node while the controller is down: the least-loaded node
@@ -237,7 +262,7 @@ class Completions:
             if await self._running(request.rid):
                 return
             admitted = await self._admission(request)
-        except (RayActorError, ActorUnavailableError):
+        except Exception:     # the controller did not come back in time, or refused the request
             admitted = None
         if admitted is None or admitted.rejected:
             why = CONTROLLER_DIED if admitted is None else f"{CONTROLLER_DIED}: {admitted.why or admitted.rejected}"

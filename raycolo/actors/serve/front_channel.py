@@ -29,6 +29,7 @@ from raycolo.online.serving.token_wire import FrontInbox, FrontKey, InboxToken, 
 __all__ = ["CONTROLLER_FAILED", "FrontChannel", "FrontKey"]
 
 CONTROLLER_FAILED = StreamEvent(EventKind.CONTROLLER_FAILED, None)
+PROBE_EVERY_S = 0.05        # how often a replica asks a failed controller whether it is back
 
 
 class FrontChannel:
@@ -42,6 +43,31 @@ class FrontChannel:
         self.inbox: Optional[FrontInbox] = None
         self.server: Optional[asyncio.Server] = None
         self.opening = asyncio.Lock()
+        self.down = False              # the controller failed and has not answered since
+        self.probe: Optional[asyncio.Task] = None
+
+    def controller_down(self) -> None:
+        """A call found the controller dead: until it answers again (:meth:`back`), the
+        replica places new requests on the nodes itself rather than wait on a call that
+        Ray holds until the controller is back."""
+        self.down = True
+
+    async def back(self, wait_s: float) -> bool:
+        """Whether the controller answers (again), waiting up to ``wait_s`` for it."""
+        if self.down and self.probe is None:
+            self.probe = asyncio.get_running_loop().create_task(self._probe())
+        if self.down:
+            await asyncio.wait({self.probe}, timeout=wait_s)
+        return not self.down
+
+    async def _probe(self) -> None:
+        while True:
+            try:
+                await self.controller.incarnation.remote()
+                break
+            except (RayActorError, ActorUnavailableError):
+                await asyncio.sleep(PROBE_EVERY_S)
+        self.down, self.probe = False, None
 
     def resume(self) -> None:
         """Take the controller's events again (after it failed, from the restarted one)."""
@@ -88,6 +114,6 @@ class FrontChannel:
                     if queue is not None:
                         queue.put_nowait(event)
         except (RayActorError, ActorUnavailableError):
-            pass
+            self.down = True
         for queue in self.waiting.values():     # their outcome went with the controller
             queue.put_nowait(CONTROLLER_FAILED)

@@ -40,7 +40,8 @@ class StageFailed(RuntimeError):
 Special = Callable[[StageWork], Optional[StageResult]]   # runs what StageProcess does not (None: not mine)
 COMMANDS = -1          # the inbox key of a list of commands (stages answer under their index)
 FAILED = -2            # the inbox key of why the node must start over
-REJOIN = -3            # the inbox key of: the control plane restarted, end once nothing is in flight
+REJOIN = -3            # the inbox key of: the control plane restarted, end once the node ran dry
+REJOIN_DRAIN_S = 60.0  # how long a node whose control plane restarted may take to run dry
 
 
 class NodePipeline:
@@ -62,7 +63,8 @@ class NodePipeline:
         self.pause_told = False
         self.out_of_band: dict[int, int] = {}      # stage -> seq of its out-of-band message unanswered
         self.stopped = False           # the control plane said stop (a None command list)
-        self.rejoining = False         # the control plane restarted: stop once nothing is in flight
+        self.rejoining = False         # the control plane restarted: stop once the node ran dry
+        self.rejoin_by = 0.0
         self.receivers = [threading.Thread(target=self._receive, args=(s,), daemon=True,
                                            name=f"stage-{s}-answers") for s in range(1, loop.stages)]
         for t in self.receivers:
@@ -77,8 +79,12 @@ class NodePipeline:
         self.inbox.put((COMMANDS, commands))
 
     def rejoin(self) -> None:
-        """The control plane restarted (from any thread): start nothing more, finish what is
-        in flight, then stop (:attr:`rejoining`; the stages are told so by :meth:`close`)."""
+        """The control plane restarted (from any thread): run what the node has to its end
+        (its requests, its training tasks; a node that takes no new work runs dry), then
+        stop (:attr:`rejoining`; the stages are told so by :meth:`close`). Stopping midway
+        would leave activations on the wire that a later op of the same number would take;
+        a node that does not run dry within ``REJOIN_DRAIN_S`` fails instead (its group
+        starts over)."""
         self.inbox.put((REJOIN, None))
 
     def fail(self, why: str) -> None:
@@ -110,8 +116,9 @@ class NodePipeline:
         if stage == FAILED:
             raise StageFailed(answer)
         if stage == REJOIN:
-            self.rejoining = True
-            self.pause = -1 if self.pause is None else self.pause    # nothing new goes out
+            self.rejoining, self.rejoin_by = True, time.monotonic() + REJOIN_DRAIN_S
+            if not self.out_of_band:      # a Pause whose out-of-band work will not come now
+                self.pause = None
             return
         if answer is not None and not isinstance(answer, StageResult):     # the op raised there
             raise StageFailed(f"stage {stage}: {answer!r}")
@@ -183,9 +190,11 @@ class NodePipeline:
         if self.local:
             self._run_local()
             return
-        if self.rejoining and not self.inflight and not self.out_of_band:
-            self.stopped = True
+        if self.rejoining and self.loop.idle and not self.inflight and not self.out_of_band:
+            self.stopped = True       # every op chain ended: no activation is left on the wire
             return
+        if self.rejoining and time.monotonic() > self.rejoin_by:
+            raise StageFailed(f"the node's work did not end within {REJOIN_DRAIN_S:g} s of its controller's restart")
         if self.pause is not None and not self.pause_told and not self.inflight:
             self.loop.report.paused, self.pause_told = self.pause, True     # nothing in flight now
         due = self.loop.next_timer()
