@@ -1,6 +1,6 @@
 """Online faults under load: kill one part of a live deployment at a time, then count.
 
-    .venv/bin/python bench/faults.py [--config examples/online.yaml] [--rate 3] [--gap 40]
+    .venv/bin/python bench/faults.py [--config examples/online.yaml] [--rate 3] [--gap 40] [--replicas 2]
                                       [--faults stage_worker,train_controller,controller,serve_replica]
                                       [--json out/bench_faults.json]
 
@@ -159,6 +159,8 @@ def main() -> int:
     ap.add_argument("--gap", type=float, default=40.0, help="seconds between faults")
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--replicas", type=int, default=2,
+                    help="HTTP ingress replicas (serve.replicas): a replica's death costs no request with two")
     ap.add_argument("--json", default="out/bench_faults.json")
     args = ap.parse_args()
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
@@ -178,7 +180,7 @@ def main() -> int:
     app = "bench-faults"
     config = base.model_copy(update={
         "resume": True, "sample_store": f"{OUT}/samples", "storage_path": f"{OUT}/checkpoints",
-        "serve": base.serve.model_copy(update={"port": free_port(), "app_name": app})})
+        "serve": base.serve.model_copy(update={"port": free_port(), "app_name": app, "replicas": args.replicas})})
     started_ray, _ = serve_launch.init_ray(config)
     model = config.served_model_name()
     events_file = Path(OUT) / "requests.jsonl"

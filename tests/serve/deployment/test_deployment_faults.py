@@ -18,7 +18,7 @@ import ray
 
 from raycolo.actors.local_cluster import NAMESPACE, controller_name
 
-from tests.support.serve_checks import (_stats, _wait_health, expected_text, http, KEY, LOOPBACK,
+from tests.support.serve_checks import (_stats, _wait_health, expected_text, scrape, http, KEY, LOOPBACK,
                                         MODEL, TOKENS_SENT)
 
 
@@ -312,6 +312,10 @@ def test_a_dead_controller_costs_no_stream_and_no_request(front):
     with http(front) as h:
         _wait_health(h, 200)
     TOKENS_SENT["n"] += (len(prompts) + 1) * n
+    deadline = time.monotonic() + 30       # the late request went to a node without the controller
+    while scrape(front["metrics_port"]).get("ray_raycolo_requests_placed_directly_total", 0) < 1:
+        assert time.monotonic() < deadline, "no request was placed on a node while the controller was down"
+        time.sleep(1)
 
 
 def test_acknowledged_samples_are_trained_after_the_deployment_restarts(front):
