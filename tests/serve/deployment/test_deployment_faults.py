@@ -307,10 +307,10 @@ def test_a_dead_controller_costs_no_stream_and_no_request(front):
     for prompt, (text, finish, tokens) in zip(prompts + ["while it restarts"], results + [late]):
         assert (finish, tokens) == ("length", n)
         assert text == expected_text(prompt, n)
+    with http(front) as h:
+        _wait_health(h, 200)          # the restarted controller, its nodes registered again
     workers = ray.get(controller.registry.remote())
     assert {key: w["pid"] for key, w in workers.items()} == pids and all(w["rejoined"] for w in workers.values())
-    with http(front) as h:
-        _wait_health(h, 200)
     TOKENS_SENT["n"] += (len(prompts) + 1) * n
     deadline = time.monotonic() + 30       # the late request went to a node without the controller
     while scrape(front["metrics_port"]).get("ray_raycolo_requests_placed_directly_total", 0) < 1:
