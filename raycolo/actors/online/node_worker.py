@@ -19,6 +19,13 @@ The tokens of a request an HTTP replica admitted go from the loop's own thread s
 that replica's token inbox (:class:`~raycolo.online.serving.token_wire.TokenSender`, one frame per
 replica per loop turn), not through the controller.
 
+If the controller dies (its long-poll fails), the loop serves on: what it holds, and the
+requests replicas place in stage 0's node inbox meanwhile
+(:mod:`raycolo.online.serving.node_inbox`). Once Ray restarted the controller (it answers
+with another ``incarnation()``), the loop takes nothing new, runs dry and stops, and
+every stage registers again with the new controller (:func:`run_node_stage` returns
+True; :mod:`raycolo.actors.online.stage_worker` rolls back to the checkpoint first).
+
 The other stages run :func:`~raycolo.online.stages.node_pipeline.serve_stage`. Checkpoints
 (``ray.train.report``, a barrier of every stage) run on every stage as in the
 controller's data plane (:mod:`raycolo.actors.online.stage_worker`).
