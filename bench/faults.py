@@ -148,7 +148,7 @@ def whole(controller_name: str, since: float, limit_s: float, before: dict, faul
                 return time.time() - since
         except Exception:      # the controller is restarting
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     return None
 
 
