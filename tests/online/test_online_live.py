@@ -164,12 +164,12 @@ def test_online_run_and_simulate_online_print_the_same_keys(deployment):
 
 
 def test_stage_workers_let_go_of_the_tensors_they_sent(deployment):
-    """After the traces above, each sending stage posted hundreds of point-to-point sends;
+    """After the traces above, the sending stages posted a hundred point-to-point sends or more;
     it holds on only to those whose receivers have not run yet. (gloo's isend reports
     completion only to wait(): the stage worker held every hidden state it ever sent.)"""
     dep, _, _ = deployment
     stages = ray.get(dep.controller.monitor.remote())["stages"]
-    assert sum(st["sends_posted"] for st in stages) >= 200
+    assert sum(st["sends_posted"] for st in stages) >= 100
     for st in stages:
         assert st["sends_held"] <= 8, st
 
