@@ -257,8 +257,17 @@ class Completions:
         controller admits (it admits once every node registered again). Past
         ``serve.restart_wait_s`` the request ends with an error event. A request the
         controller answering now runs (it admitted it: the failure reached the request's
-        queue before its admission) is left as it is."""
+        queue before its admission) is left as it is. One that streamed nothing yet (the
+        dead controller may have held it, not sent it to a node) is offered to a node at
+        once while the controller is down; if a node had it already, both copies stream
+        the same tokens, and each position is taken once."""
         try:
+            deadline = time.monotonic() + self.config.serve.restart_wait_s
+            while not request.streamed and not request.direct and self.channel.down \
+                    and time.monotonic() < deadline:        # the nodes take it once they know
+                if await self._place_directly(request):
+                    return     # it streamed nothing: a node runs it now, rather than after the restart
+                await self.channel.back(RESTART_POLL_S)
             if await self._running(request.rid):
                 return
             admitted = await self._admission(request)
