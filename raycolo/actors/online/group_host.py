@@ -79,10 +79,6 @@ class GroupHost:
     def run_names(self) -> list[str]:
         return list(self.names)
 
-    def runs(self) -> list[int]:
-        """Ray Train runs started per node (a new one after its Ray Train controller died)."""
-        return list(self.train_runs)
-
     def wait(self, timeout_s: float) -> list[int]:
         """Wait up to ``timeout_s`` for every run to end (the deployment stops); the nodes
         still running."""

@@ -208,6 +208,23 @@ def test_openapi_schema_holds_under_schemathesis(front):
 # -- faults: the controller dies, the whole deployment restarts ---------------------------------
 
 
+async def _greedy_stream(c, prompt: str, n: int, seen: list, i=None):
+    """Stream ``n`` greedy tokens of the base model for ``prompt`` (EOS ignored), counting
+    chunks in ``seen[i]``; returns (text, finish_reason, completion_tokens)."""
+    stream = await c.completions.create(model=MODEL + "@base", prompt=prompt, max_tokens=n, temperature=0,
+                                        stream=True, stream_options={"include_usage": True},
+                                        extra_body={"ignore_eos": True})
+    text, usage, finish = [], None, None
+    async for ch in stream:
+        if ch.choices:
+            text.append(ch.choices[0].text)
+            finish = ch.choices[0].finish_reason or finish
+            if i is not None:
+                seen[i] += 1
+        usage = ch.usage or usage
+    return "".join(text), finish, usage.completion_tokens if usage else None
+
+
 def test_streams_whose_node_dies_resume_elsewhere_with_each_token_once(front):
     """SIGKILL stage 0 (the node loop) of the node serving most of four streamed
     completions: its requests resume (re-prefilled from prompt and the tokens the
@@ -223,17 +240,7 @@ def test_streams_whose_node_dies_resume_elsewhere_with_each_token_once(front):
     seen = [0] * len(prompts)
 
     async def one(c, i):
-        stream = await c.completions.create(model=MODEL + "@base", prompt=prompts[i], max_tokens=n, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
-        text, usage, finish = [], None, None
-        async for ch in stream:
-            if ch.choices:
-                text.append(ch.choices[0].text)
-                finish = ch.choices[0].finish_reason or finish
-                seen[i] += 1
-            usage = ch.usage or usage
-        return "".join(text), finish, usage.completion_tokens if usage else None
+        return await _greedy_stream(c, prompts[i], n, seen, i)
 
     async def kill_when_decoding():
         deadline = time.monotonic() + 60
@@ -278,18 +285,7 @@ def test_a_dead_controller_costs_no_stream_and_no_request(front):
     seen = [0] * len(prompts)
 
     async def one(c, prompt, i=None):
-        stream = await c.completions.create(model=MODEL + "@base", prompt=prompt, max_tokens=n, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
-        text, usage, finish = [], None, None
-        async for ch in stream:
-            if ch.choices:
-                text.append(ch.choices[0].text)
-                finish = ch.choices[0].finish_reason or finish
-                if i is not None:
-                    seen[i] += 1
-            usage = ch.usage or usage
-        return "".join(text), finish, usage.completion_tokens if usage else None
+        return await _greedy_stream(c, prompt, n, seen, i)
 
     async def all_of_them():
         async with openai.AsyncOpenAI(base_url=front["url"] + "/v1", api_key=KEY, max_retries=0, timeout=180) as c:
