@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 from raycolo.errors import ConfigError, StoreFull
 
@@ -26,8 +27,12 @@ class Journal:
             raise ConfigError(f"{field}: cannot write {self.path}: {exc.strerror}") from None
         self.acknowledged = self.path.stat().st_size   # bytes of acknowledged batches on disk
 
-    def append(self, text: str) -> None:
-        """Persist ``text`` (whole lines) and fsync, or raise StoreFull with nothing of it kept."""
+    def append(self, text: str, acknowledged: Optional[int] = None) -> None:
+        """Persist ``text`` (whole lines) and fsync, or raise StoreFull with nothing of it kept.
+        ``acknowledged``: the file's acknowledged bytes now, where other processes append
+        to it too (under the caller's lock)."""
+        if acknowledged is not None:
+            self.acknowledged = acknowledged
         try:
             self._file.write(text)
             self._file.flush()

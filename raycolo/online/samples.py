@@ -11,13 +11,24 @@ What has been trained is a *cursor* (epoch, next sequence number), saved with ev
 adapter checkpoint, not per sample: after a restart from a checkpoint the samples since
 that checkpoint are trained again, and none is lost (the store keeps them all).
 
-Pure Python (json, os): no Ray, no torch.
+Several processes may write one store: the controller, and an HTTP replica while the
+controller restarts (docs/online-live.md). Each append holds an exclusive ``flock`` on
+``samples.lock`` in the store's directory, reads what others appended since (so sequence
+numbers stay dense and in file order), then writes and fsyncs; readers take what others
+wrote when they next look (:meth:`SampleStore.pending`, :meth:`SampleStore.take`). A
+batch may carry a *post key*: appending a key the store holds already returns the
+sequence numbers stored under it and stores nothing, so a writer that does not know
+whether its batch was stored (its call to the controller failed) can send it again.
+
+Pure Python (json, os, fcntl): no Ray, no torch.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -26,6 +37,7 @@ from raycolo.errors import ConfigError, StoreFull  # noqa: F401  (StoreFull: rai
 from raycolo.journal import Journal
 
 SAMPLES_FILE = "samples.jsonl"
+LOCK_FILE = "samples.lock"
 MAX_SAMPLE_TOKENS = 1 << 16
 
 
@@ -75,10 +87,12 @@ def _check_sample(sample, index: int) -> tuple:
     return ids
 
 
-def _row(sample: Sample) -> dict:
+def _row(sample: Sample, post: Optional[str]) -> dict:
     row = {"seq": sample.seq, "prompt": list(sample.prompt), "completion": list(sample.completion)}
     if sample.rejected:
         row["rejected"] = list(sample.rejected)
+    if post is not None:
+        row["post"] = post
     return row
 
 
@@ -106,49 +120,87 @@ class SampleStore:
         self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._lock_file = open(self.directory / LOCK_FILE, "a")
         except OSError as exc:
             raise ConfigError(f"sample_store: cannot create {self.directory}: {exc.strerror}") from None
         self.path = self.directory / SAMPLES_FILE
         self._lock = threading.Lock()
         self._samples: list[Sample] = []
-        if self.path.exists():
-            self._load()
+        self._posts: dict[str, list[int]] = {}     # post key -> the seqs stored under it
+        self._read = 0                             # bytes of the file in _samples
+        self.path.touch()
+        with self._lock, self._locked(fcntl.LOCK_EX):
+            self._catch_up(repair=True)
         self._journal = Journal(self.path, "sample_store")
 
-    def _load(self) -> None:
-        good = 0
+    @contextmanager
+    def _locked(self, kind: int):
+        fcntl.flock(self._lock_file.fileno(), kind)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_UN)
+
+    def _catch_up(self, repair: bool) -> None:
+        """Read the rows appended since this instance last looked (under the file lock). A
+        last line without its newline was never acknowledged (its writer died mid-write):
+        with ``repair`` (the exclusive lock) it is cut, so the next append starts a line of
+        its own."""
         with open(self.path, "rb") as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break  # a torn last line was never acknowledged: drop it
-                row = json.loads(line)
-                self._samples.append(Sample(row["seq"], tuple(row["prompt"]), tuple(row["completion"]),
-                                            tuple(row.get("rejected", ()))))
-                good += len(line)
-        if self.path.stat().st_size > good:
-            try:                 # cut the torn line, so the next append starts a line of its own
-                os.truncate(self.path, good)
+            f.seek(self._read)
+            text = f.read()
+        whole = text[:text.rfind(b"\n") + 1]
+        for line in whole.splitlines():
+            row = json.loads(line)
+            sample = Sample(len(self._samples), tuple(row["prompt"]), tuple(row["completion"]),
+                            tuple(row.get("rejected", ())))
+            self._samples.append(sample)
+            if "post" in row:
+                self._posts.setdefault(row["post"], []).append(sample.seq)
+        self._read += len(whole)
+        if repair and len(text) > len(whole):
+            try:
+                os.truncate(self.path, self._read)
             except OSError as exc:
                 raise ConfigError(f"sample_store: cannot repair {self.path}: {exc.strerror}") from None
 
-    def __len__(self) -> int:
-        return len(self._samples)
+    def _refresh(self) -> None:
+        """Take what other writers appended (a stat when there is nothing new)."""
+        if self.path.stat().st_size > self._read:
+            with self._locked(fcntl.LOCK_SH):
+                self._catch_up(repair=False)
 
-    def append(self, samples: Iterable[Sequence[Sequence[int]]]) -> list[int]:
-        """Validate, persist (fsync) and return the sequence numbers of ``samples``: each
-        ``(prompt, completion)`` or a preference pair ``(prompt, chosen, rejected)``."""
-        checked = [_check_sample(sample, i) for i, sample in enumerate(samples)]
+    def __len__(self) -> int:
         with self._lock:
+            self._refresh()
+            return len(self._samples)
+
+    def append(self, samples: Iterable[Sequence[Sequence[int]]], post: Optional[str] = None) -> list[int]:
+        """Validate, persist (fsync) and return the sequence numbers of ``samples``: each
+        ``(prompt, completion)`` or a preference pair ``(prompt, chosen, rejected)``. With a
+        ``post`` key stored already, the sequence numbers it got then (nothing is stored)."""
+        checked = [_check_sample(sample, i) for i, sample in enumerate(samples)]
+        with self._lock, self._locked(fcntl.LOCK_EX):
+            self._catch_up(repair=True)
+            if post is not None and post in self._posts:
+                return list(self._posts[post])
+            if not checked:
+                return []
             first = len(self._samples)
             rows = [Sample(first + i, *ids) for i, ids in enumerate(checked)]
-            self._journal.append("".join(json.dumps(_row(s)) + "\n" for s in rows))   # or StoreFull
+            text = "".join(json.dumps(_row(s, post)) + "\n" for s in rows)
+            self._journal.append(text, self._read)     # or StoreFull, with nothing of it kept
             self._samples.extend(rows)
+            self._read += len(text.encode())
+            if post is not None:
+                self._posts[post] = [s.seq for s in rows]
             return [s.seq for s in rows]
 
     def take(self, cursor: Cursor, count: int) -> tuple[list[Sample], Cursor]:
         """Up to ``count`` samples from ``cursor`` on, and the cursor after them. An epoch
         ends at the last stored sample; the next call starts the next epoch."""
         with self._lock:
+            self._refresh()
             total = len(self._samples)
             if total == 0:
                 return [], cursor
@@ -164,10 +216,11 @@ class SampleStore:
 
     def pending(self, cursor: Cursor) -> int:
         """Samples of the current epoch not yet handed to training."""
-        return max(0, len(self._samples) - cursor.next_seq)
+        return max(0, len(self) - cursor.next_seq)
 
     def close(self) -> None:
         self._journal.close()
+        self._lock_file.close()
 
 
 def save_cursor(path, cursor: Cursor) -> None:

@@ -48,6 +48,56 @@ def test_a_torn_last_line_was_never_acknowledged_and_is_dropped(tmp_path):
     assert [s.completion for s in SampleStore(tmp_path).get([0, 1])] == [(3,), (6,)]
 
 
+def _append_many(directory: str, tag: int, batches: int, at: float) -> list:
+    import time
+
+    store = SampleStore(directory)
+    time.sleep(max(0.0, at - time.time()))      # both processes start appending at once
+    out = [store.append([([tag], [i]), ([tag], [i, i])], post=f"{tag}-{i}") for i in range(batches)]
+    store.close()
+    return out
+
+
+def test_two_processes_appending_at_once_get_dense_distinct_seqs_in_file_order(tmp_path):
+    """The controller and a replica (here: two processes) append to one store at once: no
+    seq is given twice, the file's rows are in seq order with none lost, and each batch's
+    two samples got consecutive seqs."""
+    import multiprocessing
+    import time
+
+    at = time.time() + 3.0
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        a, b = pool.starmap(_append_many, [(str(tmp_path), 1, 150, at), (str(tmp_path), 2, 150, at)])
+    seqs = [seq for batch in a + b for seq in batch]
+    assert sorted(seqs) == list(range(600))
+    assert all(batch[1] == batch[0] + 1 for batch in a + b)
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["seq"] for r in rows] == list(range(600))
+    again = SampleStore(tmp_path)
+    assert [again.get([x[0]])[0].completion for x in a[:2]] == [(0,), (1,)]
+    assert [again.get([x[1]])[0].prompt for x in b[-2:]] == [(2,), (2,)]
+
+
+def test_a_store_takes_what_another_writer_appended_and_a_post_key_stores_once(tmp_path):
+    """The controller's store sees the samples a replica stored while it was down (pending,
+    take); a batch sent again under the same post key (its first sender did not learn
+    whether it was stored) gets the same seqs and stores nothing."""
+    controller, replica = SampleStore(tmp_path), SampleStore(tmp_path)
+    assert controller.append([([1], [2])], post="p0") == [0]
+    assert replica.append([([3], [4]), ([5], [6])], post="p1") == [1, 2]
+    assert controller.pending(Cursor()) == 3
+    batch, cursor = controller.take(Cursor(0, 1), 5)
+    assert [s.prompt for s in batch] == [(3,), (5,)] and cursor == Cursor(0, 3)
+    assert controller.append([([3], [4]), ([5], [6])], post="p1") == [1, 2]    # the retry: stored once
+    assert replica.append([([1], [2])], post="p0") == [0]
+    assert controller.append([([7], [8])]) == [3] and len(replica) == 4
+    controller.close()
+    replica.close()
+    assert len(SampleStore(tmp_path)) == 4
+    with pytest.raises(ConfigError, match=r"samples\[0\]\.completion"):
+        SampleStore(tmp_path).append([([1], [])], post="p9")
+
+
 def test_take_trains_each_sample_once_per_epoch_in_order(tmp_path):
     store = SampleStore(tmp_path)
     store.append([([1], [i]) for i in range(5)])

@@ -44,11 +44,13 @@ class SamplePump:
         chosen, rejected), as training takes them."""
         return [tuple(list(part) for part in s.ids()) for s in self.store.get(seqs)]
 
-    async def add_samples(self, samples: list, train: bool = False) -> dict:
+    async def add_samples(self, samples: list, train: bool = False, post: Optional[str] = None) -> dict:
         """Persist training samples (fsynced) before acknowledging them: (prompt,
         completion) token ids, or preference pairs (prompt, chosen, rejected). With ``train``
-        (the HTTP front), every full micro-batch of pending samples becomes a training task."""
-        seqs = self.store.append([tuple(x) for x in samples])   # (prompt, completion) or pairs
+        (the HTTP front), every full micro-batch of pending samples becomes a training task.
+        ``post``: the batch's key; a batch stored under it already (by a replica while this
+        controller was down, or before a reply that was lost) is not stored again."""
+        seqs = self.store.append([tuple(x) for x in samples], post=post)   # (prompt, completion) or pairs
         if train:
             self.auto_train = True
             if self.ctl.ready.is_set():

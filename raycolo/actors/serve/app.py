@@ -24,6 +24,7 @@ from raycolo.actors.serve.completions import Completions
 from raycolo.actors.serve.front_channel import FrontChannel
 from raycolo.actors.serve.guard import BODY_LIMIT_ENV, KEY_NAME_ENV, install
 from raycolo.actors.serve.listener import ReplicaListener, shared_socket
+from raycolo.actors.serve.sample_intake import SampleIntake
 from raycolo.actors.local_cluster import NAMESPACE, controller_name
 from raycolo.errors import ConfigError, StoreFull
 from raycolo.online.config import Ingress, OnlineConfig, load_online_config, parse_online_config
@@ -84,6 +85,7 @@ class OpenAIIngress(Completions):
                                     direct=cfg.serve.token_path == "direct")
         self.created = int(time.time())
         self.metrics = FrontMetrics(self.model_name, self.front_id)
+        self.samples = SampleIntake(self.controller, self.channel, cfg, self.metrics.samples_stored_here)
         self.gauges = DeploymentMetrics()
         self.monitor = None
         self.nodes, self.node_load, self.placed = [], {}, {}     # direct placement (controller down)
@@ -171,7 +173,7 @@ class OpenAIIngress(Completions):
         they are trained as they come."""
         pairs = sample_ids(self.tokenizer, body, self.config.lora.max_len)
         try:
-            out = await self.controller.add_samples.remote(pairs, True)
+            out = await self.samples.add(pairs)       # the controller, or this replica while it is down
         except StoreFull as exc:        # nothing was stored, so nothing is acknowledged
             raise OpenAIError(507, str(exc).splitlines()[-1].split("StoreFull: ")[-1],
                               code="sample_store_full") from None

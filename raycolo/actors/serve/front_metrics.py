@@ -40,8 +40,12 @@ class FrontMetrics:
                                        tag_keys=REPLICA)
         self.samples_received = Counter("raycolo_train_samples_received",
                                         "Training samples persisted and acknowledged", tag_keys=REPLICA)
+        self.samples_stored_here = Counter("raycolo_train_samples_stored_by_replica",
+                                           "Training samples the replica stored itself while the controller was down",
+                                           tag_keys=REPLICA)
         for metric in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens, self.success,
-                       self.rejected, self.readmitted, self.placed_directly, self.samples_received):
+                       self.rejected, self.readmitted, self.placed_directly, self.samples_received,
+                       self.samples_stored_here):
             metric.set_default_tags({"model_name": model_name, "replica": replica})
 
 
