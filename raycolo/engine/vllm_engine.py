@@ -27,7 +27,7 @@ from raycolo.engine.models import load_tokenizer
 from raycolo.generation import FinishReason
 from raycolo.errors import ConfigError
 from raycolo.generation import StopChecker
-from raycolo.generation.sampler import TokenLogprob, position_seed
+from raycolo.generation.rows import TokenLogprob, position_seed
 from raycolo.kv_bytes import AttentionShape
 
 MISSING_VLLM = ("backend: vllm is not installed; pip install 'raycolo[vllm]' on a GPU machine, "

@@ -4,6 +4,7 @@ Every default is declared here once; the CLI and the docs read them from these m
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Literal, Optional
@@ -312,7 +313,6 @@ class OnlineConfig(Strict):
         path = Path(self.model_loading_config.model_id)
         if not path.is_dir():
             return
-        import json
 
         from raycolo.engine.executor.model import FAST_PATH_FAMILIES
 
@@ -385,6 +385,32 @@ def model_hf_config(model_id: str):
     return hf_config_for(spec)
 
 
+def model_fields(model_id: str) -> dict:
+    """The model's shape as its ``config.json`` states it (a checkpoint directory) or as the
+    catalog gives it (a tiny model), read without transformers (whose import takes a
+    second): what the layer bounds and the prior profile need, and all the controller
+    needs when it (re)starts. :func:`model_hf_config` is the full transformers config."""
+    path = Path(model_id)
+    if is_dir(path):
+        try:
+            return json.loads((path / "config.json").read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"model_loading_config.model_id: {path} has no config.json") from None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model_loading_config.model_id: {path / 'config.json'}: {exc}") from None
+    from raycolo.catalog import get_model
+    try:
+        spec = get_model(model_id)
+    except ConfigError as exc:
+        raise ConfigError(f"model_loading_config.model_id: {exc}") from None
+    if spec.hf_architecture is None:
+        raise ConfigError(f"model_loading_config.model_id: '{model_id}' is not a tiny catalog model; "
+                          "give a checkpoint directory")
+    return {"vocab_size": spec.vocab, "hidden_size": spec.hidden, "intermediate_size": spec.intermediate,
+            "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
+            "num_key_value_heads": spec.kv_heads, "max_position_embeddings": spec.context_length}
+
+
 def layer_bounds(layers: int, stages: int) -> list[int]:
     """Cut points of ``layers`` decoder layers into ``stages`` contiguous slices, as equal as
     possible (earlier stages take the remainder)."""
@@ -449,9 +475,10 @@ def prior_profile(model_config, stages: int, spec: StageSpec, lemix: LemixParams
 
     shape = AttentionShape.of(model_config)
     layers, hidden, heads, kv_heads, head_dim = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
-    inter = getattr(model_config, "intermediate_size", 4 * hidden)
+    fields = model_config if isinstance(model_config, dict) else vars(model_config)   # model_fields, or transformers'
+    inter = fields.get("intermediate_size") or 4 * hidden
     per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
-    vocab = model_config.vocab_size
+    vocab = fields["vocab_size"]
     stage_params = per_layer * layers / stages + vocab * hidden / stages
     rate = gflops * 1e9
     forward_ref = 2 * stage_params * REFERENCE_LENGTH / rate

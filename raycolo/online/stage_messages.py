@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Optional
 
 from raycolo.online.stages.stage_ops import ForwardStep, LoadWeights, StageWork, TrainBackward, TrainForward
 from raycolo.generation import SamplingParams, check_stop
-from raycolo.generation.sampler import SamplingRow, plain
+from raycolo.generation.rows import SamplingRow, plain
 from raycolo.online.scheduling.node_types import Op, OpKind
 from raycolo.online.samples import clip_sample, training_rows
 from raycolo.online.tasks import OnlineTask

@@ -276,3 +276,31 @@ def test_a_failed_write_is_cut_back_so_the_file_holds_only_acknowledged_samples(
     assert store.append([([5], [6])]) == [1]   # the store reopened its file and goes on
     store.close()
     assert len(SampleStore(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("model", ["tiny-llama-s", "tiny-qwen2-s", "tiny-mistral-s", "llama3", "qwen2"])
+def test_the_controller_reads_the_model_shape_without_transformers(model, hf_checkpoints, tmp_path):
+    """What a (re)starting controller derives from the model's config.json or catalog
+    shape (layer bounds, the prior profile) is what transformers' config gives."""
+    from raycolo.online.config import live_profile, model_fields, model_hf_config
+
+    model_id = str(hf_checkpoints[model]) if model in hf_checkpoints else model
+    cfg = parse_online_config({"model_loading_config": {"model_id": model_id}, "stages": 2}, "config")
+    fields, hf = model_fields(model_id), model_hf_config(model_id)
+    assert int(fields["num_hidden_layers"]) == hf.num_hidden_layers
+    assert live_profile(cfg, fields) == live_profile(cfg, hf)
+    with pytest.raises(ConfigError, match=r"model_loading_config\.model_id: .* has no config\.json"):
+        model_fields(str(tmp_path))
+
+
+def test_the_controller_module_imports_neither_torch_nor_transformers():
+    """A restarted controller serves sooner for not importing torch (1.3 s here) or
+    transformers (1.2 s) before it takes requests (docs/online-live.md)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import raycolo.actors.online.controller; "
+            "from raycolo.online.config import model_fields; model_fields('tiny-llama-s'); "
+            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -17,8 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from raycolo.online.stages.peft_format import export_adapter
-from raycolo.online.stages.stage_model import LoraSettings
+from raycolo.online.stages.lora_settings import LoraSettings
 from raycolo.online.stages.stage_ops import EvalBatch, ReadAdapter, SaveCheckpoint
 from raycolo.online.driver import OpLost
 from raycolo.online.samples import clip_sample, to_ranges, training_rows
@@ -106,8 +105,7 @@ class AdapterVersions:
         keep = self.ctl.config.serve.pinned_versions
         if keep == 0:
             return
-        await asyncio.to_thread(export_adapter, states, self.lora_settings(), self.version_dir(version),
-                                self.ctl.config.model_loading_config.model_id)
+        await asyncio.to_thread(self._export, states, self.version_dir(version))
         held = sorted(self.versions + [version])
         self.versions = held[-keep:]
         pinned = {r.version for r in self.ctl.desk.requests.values() if r.finish_reason is None}
@@ -143,9 +141,12 @@ class AdapterVersions:
         """Join the adapter of ``node``'s stages (default: the node that trained last) into
         one directory in peft's format (adapter_config.json, adapter_model.safetensors)."""
         node = self.ctl.runner.last_trained_node if node is None else node
-        states = await self._stage_states(node)
-        return str(export_adapter(states, self.lora_settings(), directory,
-                                  self.ctl.config.model_loading_config.model_id))
+        return str(self._export(await self._stage_states(node), directory))
+
+    def _export(self, states: list[dict], directory) -> Path:
+        from raycolo.online.stages.peft_format import export_adapter    # torch: not at the controller's start
+
+        return export_adapter(states, self.lora_settings(), directory, self.ctl.config.model_loading_config.model_id)
 
     def lora_settings(self) -> LoraSettings:
         cfg = self.ctl.config

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from raycolo.online.stages.peft_format import AdapterError, check_adapter, convert_adapter
 from raycolo.online.serving.messages import AdapterRefusal
 
 
@@ -88,6 +87,7 @@ class LoadedAdapters:
                               "unload one first (POST /v1/unload_lora_adapter)", "lora_name", "too_many_adapters")
             handle = f"lora-{next(self._handles)}"
             expected, linears = await asyncio.to_thread(lambda: self._lora_layout)
+            from raycolo.online.stages.peft_format import AdapterError, check_adapter, convert_adapter  # torch
 
             def convert():
                 info = check_adapter(source, self.ctl.model_config, self.ctl.adapters.lora_settings(), exact=False,

@@ -119,7 +119,7 @@ class RequestDesk:
         task = resumed_task(task, len(streamed))
         self._forget_finished()
         req = LiveRequest(task, list(prompt), params, seed=params.seed if params.seed is not None else seed,
-                          stop_ids=stop_token_set(params, self.ctl.tokenizer.eos_token_ids),
+                          stop_ids=stop_token_set(params, self.ctl.eos_token_ids),
                           submitted_s=self.ctl.driver.now(), base=base, version=version, generated=streamed)
         if front is not None:
             req.events = FrontQueue(self._mux(front.replica), front.key)

@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
 from raycolo.actors.online.placement_groups import PlacementGroups
-from raycolo.online.config import OnlineConfig, layer_bounds, live_profile, model_hf_config
+from raycolo.online.config import OnlineConfig, layer_bounds, live_profile, model_fields, model_hf_config
 from raycolo.online.driver import ClusterDriver
 from raycolo.online.samples import TrainingLedger
 from raycolo.online.scheduling.cluster import Cluster
@@ -53,16 +55,16 @@ class ControllerState:
     wall_mark: float                         # mark_cpu: monotonic time at the mark
 
     def __init__(self, config: dict, name: str, namespace: str):
-        from raycolo.engine.models import load_tokenizer
         from raycolo.online.policies import make_online_policy
 
         self.config = OnlineConfig.model_validate(config)
         self.name, self.namespace = name, namespace
         cfg = self.config
-        self.tokenizer = load_tokenizer(cfg.model_loading_config.model_id)
-        self.model_config = model_hf_config(cfg.model_loading_config.model_id)
-        self.bounds = layer_bounds(self.model_config.num_hidden_layers, cfg.stages)
-        profile = live_profile(cfg, self.model_config)
+        # the tokenizer (torch, transformers: seconds) loads meanwhile: a restart serves sooner
+        self._tokenizer: Future = ThreadPoolExecutor(1, "tokenizer").submit(_load_tokenizer, cfg.model_loading_config.model_id)
+        fields = model_fields(cfg.model_loading_config.model_id)
+        self.bounds = layer_bounds(int(fields["num_hidden_layers"]), cfg.stages)
+        profile = live_profile(cfg, fields)
         self.policy = make_online_policy(cfg.policy, cfg.lemix, nodes=cfg.nodes, train_rate=cfg.train_rate)
         self.cluster = Cluster(self.policy, profile, cfg.nodes, cfg.lemix)
         self.driver: Optional[ClusterDriver] = None
@@ -80,6 +82,22 @@ class ControllerState:
         run = cfg.adapter_fingerprint() if cfg.resume else self.run_token
         self.groups = PlacementGroups(Path(cfg.storage_path) / f"placement-groups-{run}.json", self.errors)
 
+    @property
+    def eos_token_ids(self) -> frozenset:
+        """The checkpoint's EOS set (waits for the tokenizer, which loads in a thread from the start)."""
+        return self._tokenizer.result().eos_token_ids
+
+    @cached_property
+    def model_config(self):
+        """The model's transformers config (a loaded adapter's checks need it; built at first use)."""
+        return model_hf_config(self.config.model_loading_config.model_id)
+
     def note_error(self, message: str) -> None:
         """Record what went wrong (the deployment's errors: stop() and the reports give them)."""
         self.errors.append(message)
+
+
+def _load_tokenizer(model_id: str):
+    from raycolo.engine.models import load_tokenizer
+
+    return load_tokenizer(model_id)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from raycolo.generation import FinishReason
-from raycolo.generation.sampler import TokenLogprob
+from raycolo.generation.rows import TokenLogprob
 from raycolo.online.serving.messages import EventKind, StreamEvent
 
 MAX_FRAME_BYTES = 16 << 20        # a frame longer than this closes the connection

@@ -27,31 +27,19 @@ import itertools
 import math
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import torch
 
 from raycolo.engine.executor.batch import SeqChunk
 from raycolo.online.stages.losses import IGNORE_INDEX
+from raycolo.online.stages.lora_settings import ADAPTER_WEIGHTS_FILE, LoraSettings  # noqa: F401  (re-exported)
 from raycolo.engine.executor.model import ModelExecutor
 from raycolo.online.samples import training_rows  # noqa: F401  (the stage's row layout)
 from raycolo.batching.blocks import BlockAllocator
 
 _DPO_STEP = -1               # the training-task key of a dpo_step (live tasks have ids >= 0)
 LATEST = "latest"            # a request's adapter variant: the weights as they train
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"   # peft's file name (adapters.py)
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """peft LoRA on the decoder layers' projections, and the optimizer of its weights."""
-
-    rank: int = 8
-    alpha: int = 16
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    lr: float = 1e-3
-    seed: int = 0
 
 
 def add_lora(model, lora: LoraSettings):

@@ -1,0 +1,61 @@
+"""What the sampler is given and gives back, row by row: plain data that crosses process
+boundaries (the online pipeline's messages carry it), so importing it needs no torch
+(:mod:`.sampler` draws the tokens)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from raycolo.generation.params import SamplingParams
+
+SEED_STRIDE = 1_000_003
+SEED_MASK = (1 << 63) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of the draw for output token ``position`` of a request."""
+    return (int(seed) * SEED_STRIDE + int(position)) & SEED_MASK
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs for one row: the params, the request's seed and how many
+    tokens it generated so far (the position of this draw); where a penalty asks for
+    them, the prompt and the output so far; where ``min_tokens`` does, the stop tokens."""
+
+    params: SamplingParams
+    seed: int
+    position: int = 0
+    output: Sequence[int] = ()
+    prompt: Sequence[int] = ()
+    stop_ids: frozenset = field(default_factory=frozenset)
+
+    @classmethod
+    def of(cls, params: SamplingParams, seed: int, output: Sequence[int], prompt: Sequence[int] = (),
+           stop_ids: frozenset = frozenset()) -> "SamplingRow":
+        """A row carrying only what its params need (it crosses process boundaries)."""
+        history = params.penalized
+        return cls(params, seed, len(output), list(output) if history else (),
+                   list(prompt) if params.repetition_penalty != 1.0 else (),
+                   stop_ids if params.min_tokens > len(output) else frozenset())
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's log-probability under the raw model distribution and the
+    ``logprobs`` most likely tokens' (id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[Optional[TokenLogprob]]
+
+
+def plain(params: SamplingParams) -> bool:
+    """Rows of these params need nothing but the argmax of the raw logits."""
+    return params.plain_greedy and params.logprobs is None
