@@ -44,6 +44,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from raycolo.online.stages.node_pipeline import NodePipeline, serve_stage
 from raycolo.online.scheduling.node_commands import Serve
 from raycolo.online.scheduling.node_loop import NodeLoop
+from raycolo.online.serving.beacon import watch
 from raycolo.online.serving.node_inbox import NodeInbox, decode_request
 from raycolo.online.serving.token_wire import TokenSender
 
@@ -81,6 +82,7 @@ def run_node_stage(controller, node: int, stage: int, epoch: int, proc, dist, sp
             return True
 
         inbox.attach(lambda: orphaned.is_set() and not ending.is_set(), deliver)
+        watch(ray.get(controller.beacon.remote()), orphaned.set, name="controller-beacon")  # its end, at once
     threading.Thread(target=_take_commands, args=(controller, node, epoch, pipeline, sender, incarnation,
                                                   orphaned, ending), daemon=True, name="node-commands").start()
     reporter = threading.Thread(target=_send_reports, args=(controller, node, epoch, reports, pipeline,
@@ -124,6 +126,7 @@ def _take_commands(controller, node: int, epoch: int, pipeline: NodePipeline, se
             incarnation = None
         if commands is None and incarnation is not None and restarted(controller, incarnation):
             ending.set()
+            sender.mute()        # the replicas admit its requests again, with what they streamed
             pipeline.rejoin()
             return
         for command in commands or ():

@@ -98,7 +98,8 @@ class RequestDesk:
     async def submit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
                      version: Optional[int] = None, params: Optional[SamplingParams] = None,
-                     front: Optional[FrontKey] = None, streamed: Optional[list] = None) -> int:
+                     front: Optional[FrontKey] = None, streamed: Optional[list] = None,
+                     stop_ids: Optional[frozenset] = None) -> int:
         """Accept a completion request; returns its id (stream it with :meth:`stream`).
         ``params``: its SamplingParams (else built from max_tokens ... ignore_eos);
         ``base``: serve it with the base model (the adapter switched off for its rows);
@@ -106,11 +107,14 @@ class RequestDesk:
         ``front``: (HTTP replica, its key for the request): the events go to that
         replica's :meth:`front_events` instead; ``streamed``: the tokens it already
         streamed (a request the replica admits again after the controller restarted): it
-        continues after them, as a request resumed on another node does."""
+        continues after them, as a request resumed on another node does; ``stop_ids``: the
+        token ids that end it (the HTTP replica's tokenizer gives them; else this
+        controller's, which it loads at its first need)."""
         await self.ctl.workers.start()
         if version is not None and not self.ctl.adapters.servable(version):
             raise ValueError(f"adapter version {version} is not servable; these are: {self.ctl.adapters.versions}")
         params = self._params(max_tokens, temperature, top_p, seed, ignore_eos, params)
+        stops = frozenset(stop_ids) if stop_ids is not None else stop_token_set(params, await self.ctl.eos_token_ids())
         tid = self.new_id()
         task = OnlineTask(tid, TaskKind.INFERENCE, self.ctl.driver.now(), len(prompt), 1, 0, params.max_tokens)
         streamed = [int(t) for t in streamed or ()]
@@ -119,7 +123,7 @@ class RequestDesk:
         task = resumed_task(task, len(streamed))
         self._forget_finished()
         req = LiveRequest(task, list(prompt), params, seed=params.seed if params.seed is not None else seed,
-                          stop_ids=stop_token_set(params, self.ctl.eos_token_ids),
+                          stop_ids=stops,
                           submitted_s=self.ctl.driver.now(), base=base, version=version, generated=streamed)
         if front is not None:
             req.events = FrontQueue(self._mux(front.replica), front.key)
@@ -133,7 +137,8 @@ class RequestDesk:
     async def admit(self, prompt: list, max_tokens: Optional[int] = None, temperature: float = 0.0,
                     top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False, base: bool = False,
                     version: Optional[int] = None, params: Optional[SamplingParams] = None,
-                    front: Optional[FrontKey] = None, streamed: Optional[list] = None) -> Admission:
+                    front: Optional[FrontKey] = None, streamed: Optional[list] = None,
+                    stop_ids: Optional[frozenset] = None) -> Admission:
         """The HTTP front's submit: the request's id, or rejected "overloaded" beyond
         ``serve.max_ongoing_requests`` unfinished requests, "unavailable" when no node is
         alive, "unknown_version" (with the servable versions) for an adapter version that
@@ -152,7 +157,7 @@ class RequestDesk:
             self.rejections += 1
             return Admission(rejected=Rejection.OVERLOADED, retry_after_s=self.ctl.config.serve.retry_after_s)
         return Admission(id=await self.submit(prompt, max_tokens, temperature, top_p, seed, ignore_eos, base,
-                                              version, params, front, streamed))
+                                              version, params, front, streamed, stop_ids))
 
     def _mux(self, front: str) -> asyncio.Queue:
         if front not in self.muxes:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -60,8 +59,7 @@ class ControllerState:
         self.config = OnlineConfig.model_validate(config)
         self.name, self.namespace = name, namespace
         cfg = self.config
-        # the tokenizer (torch, transformers: seconds) loads meanwhile: a restart serves sooner
-        self._tokenizer: Future = ThreadPoolExecutor(1, "tokenizer").submit(_load_tokenizer, cfg.model_loading_config.model_id)
+        self._tokenizer: Optional[asyncio.Future] = None    # loaded at its first need (eos_token_ids)
         fields = model_fields(cfg.model_loading_config.model_id)
         self.bounds = layer_bounds(int(fields["num_hidden_layers"]), cfg.stages)
         profile = live_profile(cfg, fields)
@@ -82,10 +80,14 @@ class ControllerState:
         run = cfg.adapter_fingerprint() if cfg.resume else self.run_token
         self.groups = PlacementGroups(Path(cfg.storage_path) / f"placement-groups-{run}.json", self.errors)
 
-    @property
-    def eos_token_ids(self) -> frozenset:
-        """The checkpoint's EOS set (waits for the tokenizer, which loads in a thread from the start)."""
-        return self._tokenizer.result().eos_token_ids
+    async def eos_token_ids(self) -> frozenset:
+        """The checkpoint's EOS set, from its tokenizer (torch and transformers: seconds to
+        load), loaded in a thread at the first need: the HTTP replicas send each request's
+        stop ids, so a (re)starting controller serves them without it."""
+        if self._tokenizer is None:
+            self._tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer,
+                                                                      self.config.model_loading_config.model_id))
+        return (await self._tokenizer).eos_token_ids
 
     @cached_property
     def model_config(self):

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 MONITOR_EVERY_S = 2.0
 RESTART_POLL_S = 0.1       # how often a held admission asks a restarting controller again
 ADMIT_PATIENCE_S = 0.2     # an admission not answered within this: try the nodes (if they lost their controller)
+WATCH_S = 0.02             # how often an unanswered admission looks whether the controller's process ended
 CONTROLLER_DIED = "the deployment's controller failed mid-request (it restarts); retry"
 
 
@@ -190,13 +191,16 @@ class Completions:
             if await self.channel.back(RESTART_POLL_S):     # not a call Ray holds until it is back
                 call = asyncio.ensure_future(self.controller.admit.remote(
                     request.prompt, base=request.base, version=request.version, params=request.params,
-                    front=request.front, streamed=list(request.streamed) or None))
-                patience = ADMIT_PATIENCE_S if direct else None
-                while not (await asyncio.wait({call}, timeout=patience))[0]:
-                    if await self._place_directly(request):
-                        call.add_done_callback(self._cancel_admitted)   # placed already: not twice
-                        return Admission(id=request.rid)
-                    patience = RESTART_POLL_S
+                    front=request.front, streamed=list(request.streamed) or None,
+                    stop_ids=stop_token_set(request.params, self.tokenizer.eos_token_ids)))
+                asked, tried = time.monotonic(), 0.0
+                while not (await asyncio.wait({call}, timeout=WATCH_S if direct else None))[0]:
+                    now = time.monotonic()      # the controller's process ended (its beacon), or it is slow
+                    if (self.channel.down or now - asked >= ADMIT_PATIENCE_S) and now - tried >= RESTART_POLL_S:
+                        if await self._place_directly(request):
+                            call.add_done_callback(self._cancel_admitted)   # placed already: not twice
+                            return Admission(id=request.rid)
+                        tried = time.monotonic()
                 try:
                     admitted = call.result()
                     if admitted.rejected != Rejection.STARTING or time.monotonic() >= deadline:

@@ -23,6 +23,7 @@ from typing import Optional
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from raycolo.online.serving.beacon import BeaconAddress, watch
 from raycolo.online.serving.messages import EventKind, StreamEvent
 from raycolo.online.serving.token_wire import FrontInbox, FrontKey, InboxToken, Positions, serve_inbox, token_events
 
@@ -45,12 +46,17 @@ class FrontChannel:
         self.opening = asyncio.Lock()
         self.down = False              # the controller failed and has not answered since
         self.probe: Optional[asyncio.Task] = None
+        self.watched: Optional[BeaconAddress] = None    # the controller's beacon this replica watches
 
     def controller_down(self) -> None:
         """A call found the controller dead: until it answers again (:meth:`back`), the
         replica places new requests on the nodes itself rather than wait on a call that
         Ray holds until the controller is back."""
         self.down = True
+
+    def _gone(self, address: BeaconAddress) -> None:
+        if address == self.watched:
+            self.controller_down()
 
     async def back(self, wait_s: float) -> bool:
         """Whether the controller answers (again), waiting up to ``wait_s`` for it."""
@@ -104,8 +110,12 @@ class FrontChannel:
         """Hand out the controller's batches of events until the controller fails."""
         try:
             await self.controller.attach.remote(self.front_id)   # again, to a restarted controller
+            address = await self.controller.beacon.remote()
         except (RayActorError, ActorUnavailableError):
             return     # not back yet: the next admission tries again (those waiting were told)
+        if address != self.watched:      # its process's end, at once (Ray says so later)
+            self.watched, loop = address, asyncio.get_running_loop()
+            watch(address, lambda: loop.call_soon_threadsafe(self._gone, address), name="controller-beacon")
         try:
             gen = self.controller.front_events.options(num_returns="streaming").remote(self.front_id)
             async for ref in gen:

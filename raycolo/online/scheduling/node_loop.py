@@ -141,6 +141,13 @@ class NodeLoop:
         else:
             raise TypeError(f"not a node command: {command!r}")
 
+    def end_requests(self, reason) -> None:
+        """End every request at its next token, as :class:`Cancel` ends one (the node's
+        control plane restarted: the replicas admit them again)."""
+        for req in self.requests.values():
+            if req.cancelled is None:
+                req.cancelled = reason
+
     def next_timer(self) -> Optional[float]:
         """When the earliest armed timer is due (None: none armed)."""
         while self.timers and self.timers[0][1] not in self.node.armed:

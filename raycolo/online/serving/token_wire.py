@@ -166,23 +166,32 @@ class TokenSender:
         self.socks: dict[FrontInbox, socket.socket] = {}
         self.failed: dict[FrontInbox, float] = {}     # inbox -> when it last failed
         self.frames = 0
+        self.muted = False
 
     def watch(self, task_id: int, front: Optional[FrontKey]) -> None:
         """Request ``task_id`` (placed on this node) streams to ``front``'s inbox."""
-        if front is not None and front.inbox is not None:
+        if front is not None and front.inbox is not None and not self.muted:
             self.fronts[task_id] = front
+
+    def mute(self) -> None:
+        """Send nothing more (from any thread): the node's controller restarted, the node
+        ends its requests, and the replicas admit them again with what they streamed."""
+        self.muted = True
+        self.fronts.clear()
 
     def send(self, tokens: Iterable) -> None:
         """Send the tokens (TokenOut) of watched requests; a request that ended is
         forgotten. An unreachable replica loses its tokens (its requests' clients are gone
         with it; the controller keeps them)."""
+        if self.muted:
+            return
         batches: dict[FrontInbox, list] = {}
         for out in tokens:
             front = self.fronts.get(out.task_id)
             if front is None:
                 continue
             if out.finish_reason is not None:
-                del self.fronts[out.task_id]
+                self.fronts.pop(out.task_id, None)
             batches.setdefault(front.inbox, []).append((front.key, out))
         for inbox, items in batches.items():
             self._write(inbox, encode_tokens(items))

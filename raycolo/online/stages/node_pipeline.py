@@ -27,6 +27,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
+from raycolo.generation import FinishReason
 from raycolo.online.stages.stage_ops import QUIET, StageResult, StageWork, Stop
 from raycolo.online.stages.stage_process import StageProcess
 from raycolo.online.stages.stage_wire import DOWN_TAG, UP_TAG, recv_message, send_message
@@ -79,8 +80,10 @@ class NodePipeline:
         self.inbox.put((COMMANDS, commands))
 
     def rejoin(self) -> None:
-        """The control plane restarted (from any thread): run what the node has to its end
-        (its requests, its training tasks; a node that takes no new work runs dry), then
+        """The control plane restarted (from any thread): end the node's requests at their
+        next token (their replicas admit them again to the restarted controller, with the
+        tokens they streamed; the node's token sender is muted first), run its training
+        tasks' ops to their end (a node that takes no new work runs dry), then
         stop (:attr:`rejoining`; the stages are told so by :meth:`close`). Stopping midway
         would leave activations on the wire that a later op of the same number would take;
         a node that does not run dry within ``REJOIN_DRAIN_S`` fails instead (its group
@@ -117,6 +120,7 @@ class NodePipeline:
             raise StageFailed(answer)
         if stage == REJOIN:
             self.rejoining, self.rejoin_by = True, time.monotonic() + REJOIN_DRAIN_S
+            self.loop.end_requests(FinishReason.ABORT)
             if not self.out_of_band:      # a Pause whose out-of-band work will not come now
                 self.pause = None
             return
