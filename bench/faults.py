@@ -76,7 +76,7 @@ class Samples(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.halt = url, threading.Event()
         self.acked: list[int] = []
-        self.refused = 0
+        self.refused: list[tuple[float, str]] = []      # (when, the status or the client's error)
 
     def run(self) -> None:
         i = 0
@@ -88,9 +88,9 @@ class Samples(threading.Thread):
                     if r.status_code == 200:
                         self.acked += r.json()["ids"]
                     else:
-                        self.refused += 1
-                except httpx.HTTPError:
-                    self.refused += 1
+                        self.refused.append((time.time(), str(r.status_code)))
+                except httpx.HTTPError as exc:
+                    self.refused.append((time.time(), type(exc).__name__))
                 i += 1
                 self.halt.wait(1.0)
 
@@ -234,11 +234,12 @@ def main() -> int:
         events = [json.loads(line) for line in events_file.read_text().splitlines()]
         starts = [t0 + r["at_s"] for r in rows] + [float("inf")]
         for i, row in enumerate(rows):
-            window = [e for e in events if starts[i] <= e["start"] < starts[i + 1]]
+            window = [e for e in events if starts[i] <= _window_time(e) < starts[i + 1]]
             row["requests"] = _outcomes(window, args.max_tokens)
-        baseline = _outcomes([e for e in events if e["start"] < starts[0]], args.max_tokens)
-        report = {"config": vars(args), "faults": rows, "baseline": baseline, "load": totals,
-                  "samples_acked": len(samples.acked), "sample_posts_refused": samples.refused,
+        baseline = _outcomes([e for e in events if _window_time(e) < starts[0]], args.max_tokens)
+        report = {"config": vars(args), "t0": t0, "faults": rows, "baseline": baseline, "load": totals,
+                  "samples_acked": len(samples.acked), "sample_posts_refused": len(samples.refused),
+                  "sample_posts_refused_at": [{"at_s": round(at - t0, 2), "why": why} for at, why in samples.refused],
                   "samples_never_trained": len(never), "samples_trained_twice": len(twice),
                   "requests": _outcomes(events, args.max_tokens)}
     finally:
@@ -268,6 +269,13 @@ def restart_timeline(timeline: dict, killed_at: float) -> dict:
     return {"phases_s": phases, "line": line, "timeline": timeline}
 
 
+def _window_time(event: dict) -> float:
+    """When a request counts for a fault's window: its start, or for one that failed, its
+    end (the fault that ended it: a stream started just before a replica's kill and cut by
+    it is that kill's)."""
+    return event["end"] if event["outcome"] != "done" else event["start"]
+
+
 def _outcomes(events: list, max_tokens: int) -> dict:
     """Requests by outcome; TTFT p50/p99 (ms) of those done; and the done streams whose
     usage does not count exactly ``max_tokens`` tokens (a token lost or sent twice)."""
@@ -280,18 +288,21 @@ def _outcomes(events: list, max_tokens: int) -> dict:
     ttft = [e["ttft_s"] * 1e3 for e in events if e["outcome"] == "done" and e.get("ttft_s") is not None]
     if ttft:
         out["ttft_ms_p50"], out["ttft_ms_p99"] = (round(float(np.percentile(ttft, q)), 1) for q in (50, 99))
+    out["error_streaming"] = sum(1 for e in events if e["outcome"].startswith("error") and e.get("tokens", 0) > 0)
     out["wrong_count"] = sum(1 for e in events if e["outcome"] == "done" and e.get("completion_tokens") != max_tokens)
     return out
 
 
 def print_table(report: dict) -> None:
-    print("| fault | at s | serving again s | all workers back s | requests started in its window: "
-          "done / shed / error / cut / hung | TTFT p50 / p99 ms | done with a wrong token count | "
+    print("| fault | at s | serving again s | all workers back s | requests started in its window (a failed one: "
+          "failed in it): done / shed / error (of them after their first token) / cut / hung | TTFT p50 / p99 ms | "
+          "done with a wrong token count | "
           "adapter version before (checkpoint) -> after |")
     print("|---|---:|---:|---:|---|---|---:|---|")
 
     def counts(q: dict) -> str:
-        return (f"{q.get('done', 0)} / {q.get('shed', 0)} / {q.get('error', 0)} / {q.get('cut', 0)} / "
+        return (f"{q.get('done', 0)} / {q.get('shed', 0)} / {q.get('error', 0)} ({q.get('error_streaming', 0)}) / "
+                f"{q.get('cut', 0)} / "
                 f"{q.get('timeout', 0)} | {q.get('ttft_ms_p50', '-')} / {q.get('ttft_ms_p99', '-')} | "
                 f"{q.get('wrong_count', 0)}")
 
@@ -306,7 +317,8 @@ def print_table(report: dict) -> None:
           f"{q.get('cut', 0)} cut, {q.get('timeout', 0)} hung, {q.get('wrong_count', 0)} with a wrong token count; "
           f"training samples: {report['samples_acked']} "
           f"acknowledged, {report['samples_never_trained']} never trained, {report['samples_trained_twice']} "
-          f"kept twice ({report['sample_posts_refused']} posts refused, not acknowledged)")
+          f"kept twice ({report['sample_posts_refused']} posts refused, not acknowledged"
+          + "".join(f"; at {r['at_s']} s: {r['why']}" for r in report["sample_posts_refused_at"]) + ")")
 
 
 if __name__ == "__main__":

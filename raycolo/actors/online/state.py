@@ -17,6 +17,7 @@ and report into ``errors`` through :meth:`ControllerState.note_error`.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class ControllerState:
         self.name, self.namespace = name, namespace
         cfg = self.config
         self._tokenizer: Optional[asyncio.Future] = None    # loaded at its first need (eos_token_ids)
+        self._warming: Optional[threading.Thread] = None
         fields = model_fields(cfg.model_loading_config.model_id)
         self.bounds = layer_bounds(int(fields["num_hidden_layers"]), cfg.stages)
         profile = live_profile(cfg, fields)
@@ -89,6 +91,15 @@ class ControllerState:
                                                                       self.config.model_loading_config.model_id))
         return (await self._tokenizer).eos_token_ids
 
+    def warm_up(self) -> None:
+        """Import, in a thread, what the first adapter export needs (torch: a stage's
+        adapter state arrives as tensors; peft: the adapter's config), once the controller
+        serves. Imported by the event loop at that export instead, they stalled every
+        admission for up to 1.6 s (bench/faults.py, 2-core VM)."""
+        if self._warming is None:
+            self._warming = threading.Thread(target=_warm_imports, daemon=True, name="warm-imports")
+            self._warming.start()
+
     @cached_property
     def model_config(self):
         """The model's transformers config (a loaded adapter's checks need it; built at first use)."""
@@ -103,3 +114,9 @@ def _load_tokenizer(model_id: str):
     from raycolo.engine.models import load_tokenizer
 
     return load_tokenizer(model_id)
+
+
+def _warm_imports() -> None:
+    import peft  # noqa: F401
+
+    import raycolo.online.stages.peft_format  # noqa: F401  (torch)

@@ -118,6 +118,7 @@ class WorkerGroups:
                                    f"the first node; serving without it until it does")
         self._resume()
         self.ctl.ready.set()
+        self.ctl.warm_up()
 
     def _committed_checkpoint(self, n: int) -> Optional[tuple]:
         """(adapter version, seqs held, cursor) of node ``n``'s newest committed checkpoint
@@ -214,6 +215,7 @@ class WorkerGroups:
         if all(len(r) == self.ctl.config.stages for r in self.registered) and not self.ctl.ready.is_set():
             self._resume()
             self.ctl.ready.set()
+            self.ctl.warm_up()
             self.timeline["ready_s"] = time.time()
         elif complete and not self.ctl.ready.is_set() and self._partial is None:
             self._partial = self._loop.call_later(self.ctl.config.stage.start_grace_s, self._serve_partial)

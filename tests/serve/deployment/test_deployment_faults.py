@@ -296,10 +296,15 @@ def test_a_dead_controller_costs_no_stream_and_no_request(front):
                 await asyncio.sleep(0.01)
             ray.kill(controller, no_restart=False)
             await asyncio.sleep(0.5)                   # Ray is restarting it now
+            async with httpx.AsyncClient(base_url=front["url"], headers={"Authorization": f"Bearer {KEY}"},
+                                         timeout=60) as h:     # samples are acknowledged meanwhile
+                posted = await h.post("/v1/train_samples", json={"samples": [
+                    {"prompt": "while it restarts: copy xy", "completion": "xy xy"}]})
             late = await one(c, "while it restarts")
-            return await asyncio.gather(*streams), late
+            return await asyncio.gather(*streams), late, posted
 
-    results, late = asyncio.run(all_of_them())
+    results, late, posted = asyncio.run(all_of_them())
+    assert posted.status_code == 200, posted.text
     for prompt, (text, finish, tokens) in zip(prompts + ["while it restarts"], results + [late]):
         assert (finish, tokens) == ("length", n)
         assert text == expected_text(prompt, n)
@@ -307,6 +312,12 @@ def test_a_dead_controller_costs_no_stream_and_no_request(front):
         _wait_health(h, 200)          # the restarted controller, its nodes registered again
     workers = ray.get(controller.registry.remote())
     assert {key: w["pid"] for key, w in workers.items()} == pids and all(w["rejoined"] for w in workers.values())
+    (seq,) = posted.json()["ids"]
+    deadline = time.monotonic() + 120       # trained by the restarted controller, once
+    while ray.get(controller.sample_ledger.remote())["trained"].get(seq, 0) < 1:
+        assert time.monotonic() < deadline, "the sample acknowledged during the restart was never trained"
+        time.sleep(0.5)
+    assert ray.get(controller.sample_ledger.remote())["trained"][seq] == 1
     TOKENS_SENT["n"] += (len(prompts) + 1) * n
     deadline = time.monotonic() + 30       # the late request went to a node without the controller
     while scrape(front["metrics_port"]).get("ray_raycolo_requests_placed_directly_total", 0) < 1:
