@@ -54,7 +54,7 @@ STOP_RUNS_S = 60.0        # stop(): how long the runs get to end before their ho
 # What the actor offers over Ray, by role: each name is a method of that role, called as
 # ``controller.<name>.remote(...)`` (the role objects themselves do not cross the actor).
 API = {
-    "workers": ("start", "run_name", "run_ended", "incarnation", "beacon", "register", "group_failed", "registry", "placement"),
+    "workers": ("start", "run_name", "run_ended", "incarnation", "register", "group_failed", "registry", "placement"),
     "runner": ("next_op", "op_done", "op_failed"),
     "desk": ("attach", "detach", "submit", "admit", "front_events", "unfinished", "cancel", "stream", "result",
              "progress"),
@@ -62,7 +62,7 @@ API = {
     "adapters": ("held_out_loss", "held_out_preference", "adapter_versions", "checkpoint_committed",
                  "export_adapter"),
     "loras": ("load_adapter", "unload_adapter", "resolve_adapter", "loaded_adapters"),
-    "reports": ("train_status", "monitor", "last_node", "health", "stats", "sample_ledger", "metrics",
+    "reports": ("beacon", "train_status", "monitor", "last_node", "health", "stats", "sample_ledger", "metrics",
                 "profile_json", "op_log"),
     "links": ("node_setup", "node_commands", "node_report"),
 }

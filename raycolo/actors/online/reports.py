@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import time
 
+import ray
+
+from raycolo.online.serving.beacon import Beacon, BeaconAddress
+
 
 def _pct(values, q) -> float:
     import numpy as np
@@ -19,11 +23,16 @@ class Reports:
     def __init__(self, ctl) -> None:
         """This role's own state (it alone writes these); ``ctl`` is the OnlineController."""
         self.ctl = ctl
+        self.liveness = Beacon(ray.util.get_node_ip_address())   # its end tells nodes and replicas at once
         self.hops = 0
         self.device: dict = {}                        # (node, stage) -> its device's last reading
         self.sends: dict = {}                         # (node, stage) -> (sends held, sends posted)
         self.busy_s: dict = {}                        # (node, stage) -> seconds of ops run (monitor)
         self.busy_seen = 0                            # op_log entries counted into busy_s
+
+    def beacon(self) -> BeaconAddress:
+        """Where to watch this controller's process end (:mod:`raycolo.online.serving.beacon`)."""
+        return self.liveness.address
 
     def reset_busy(self) -> None:
         """Busy fractions count a new cluster's ops from zero."""

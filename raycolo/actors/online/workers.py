@@ -16,7 +16,6 @@ import ray
 
 from raycolo.errors import ConfigError
 from raycolo.online.samples import Cursor, from_ranges, plan_resumption
-from raycolo.online.serving.beacon import Beacon, BeaconAddress
 from raycolo.online.stages.checkpoints import newest_committed
 from raycolo.online.stage_messages import WorkerInfo
 
@@ -30,7 +29,6 @@ class WorkerGroups:
         self.ctl = ctl
         cfg = self.ctl.config
         self.host = None                                     # the GroupHost fitting the trainers
-        self.liveness = Beacon(ray.util.get_node_ip_address())   # its end tells nodes and replicas at once
         self.host_runs: Optional[list[str]] = None           # its run names, when it outlived a controller
         self.restarts: list[dict] = []                       # node, reason, time, lost, replayed
         self.queues = {(n, s): asyncio.Queue() for n in range(cfg.nodes) for s in range(cfg.stages)}
@@ -173,10 +171,6 @@ class WorkerGroups:
         its work moves to the other nodes; with none left, requests get an error event."""
         self.dead[node] = why
         self.node_lost(node, why, down=True)
-
-    def beacon(self) -> BeaconAddress:
-        """Where to watch this controller's process end (:mod:`raycolo.online.serving.beacon`)."""
-        return self.liveness.address
 
     async def incarnation(self) -> int:
         """This controller's incarnation: another after Ray restarted it (a stage worker that
