@@ -373,8 +373,15 @@ def model_hf_config(model_id: str):
             raise ConfigError(f"model_loading_config.model_id: {path} has no config.json")
         from transformers import AutoConfig
         return AutoConfig.from_pretrained(path)
-    from raycolo.catalog import get_model
     from raycolo.engine.models import hf_config_for
+
+    return hf_config_for(_tiny_spec(model_id))
+
+
+def _tiny_spec(model_id: str):
+    """The catalog's spec of tiny model ``model_id`` (one error naming the field otherwise)."""
+    from raycolo.catalog import get_model
+
     try:
         spec = get_model(model_id)
     except ConfigError as exc:
@@ -382,7 +389,7 @@ def model_hf_config(model_id: str):
     if spec.hf_architecture is None:
         raise ConfigError(f"model_loading_config.model_id: '{model_id}' is not a tiny catalog model; "
                           "give a checkpoint directory")
-    return hf_config_for(spec)
+    return spec
 
 
 def model_fields(model_id: str) -> dict:
@@ -398,14 +405,7 @@ def model_fields(model_id: str) -> dict:
             raise ConfigError(f"model_loading_config.model_id: {path} has no config.json") from None
         except (OSError, ValueError) as exc:
             raise ConfigError(f"model_loading_config.model_id: {path / 'config.json'}: {exc}") from None
-    from raycolo.catalog import get_model
-    try:
-        spec = get_model(model_id)
-    except ConfigError as exc:
-        raise ConfigError(f"model_loading_config.model_id: {exc}") from None
-    if spec.hf_architecture is None:
-        raise ConfigError(f"model_loading_config.model_id: '{model_id}' is not a tiny catalog model; "
-                          "give a checkpoint directory")
+    spec = _tiny_spec(model_id)
     return {"vocab_size": spec.vocab, "hidden_size": spec.hidden, "intermediate_size": spec.intermediate,
             "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
             "num_key_value_heads": spec.kv_heads, "max_position_embeddings": spec.context_length}

@@ -52,6 +52,7 @@ class Admitted:
     base: bool
     version: Union[int, str, None]
     params: Any
+    stop_ids: frozenset           # the token ids that end it (its params and the checkpoint's EOS set)
     streamed: list[int] = field(default_factory=list)
     direct: bool = False          # placed on a node by the replica while the controller was down
 
@@ -146,7 +147,8 @@ class Completions:
         """Admit one request: its id, its key on this replica's channel and its events' queue."""
         version = await self._pinned_version(variant)
         front, events = await self.channel.open()
-        request = Admitted(0, front, events, ids, variant == BASE, version, params)
+        request = Admitted(0, front, events, ids, variant == BASE, version, params,
+                           stop_token_set(params, self.tokenizer.eos_token_ids))
         try:
             admitted = await self._admission(request, direct=True)
         except BaseException:
@@ -192,7 +194,7 @@ class Completions:
                 call = asyncio.ensure_future(self.controller.admit.remote(
                     request.prompt, base=request.base, version=request.version, params=request.params,
                     front=request.front, streamed=list(request.streamed) or None,
-                    stop_ids=stop_token_set(request.params, self.tokenizer.eos_token_ids)))
+                    stop_ids=request.stop_ids))
                 asked, tried = time.monotonic(), 0.0
                 while not (await asyncio.wait({call}, timeout=WATCH_S if direct else None))[0]:
                     now = time.monotonic()      # the controller's process ended (its beacon), or it is slow
@@ -239,7 +241,7 @@ class Completions:
         served = ServedRequest(OnlineTask(rid, TaskKind.INFERENCE, 0.0, len(request.prompt), 1, 0,
                                           request.params.max_tokens),
                                list(request.prompt), request.params, seed=request.params.seed if request.params.seed is not None else 0,
-                               stop_ids=stop_token_set(request.params, self.tokenizer.eos_token_ids),
+                               stop_ids=request.stop_ids,
                                base=request.base, front=request.front)
         load = self.node_load or {a.node: 0 for a in self.nodes}
         by_node = {a.node: a for a in self.nodes}

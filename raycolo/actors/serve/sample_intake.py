@@ -62,7 +62,7 @@ class SampleIntake:
             raise OpenAIError(503, f"the deployment's controller is restarting and this replica cannot "
                               f"store samples itself ({exc}); retry", code="unavailable",
                               headers={"Retry-After": str(self.config.serve.retry_after_s)}) from None
-        ids = self.store.append([tuple(tuple(part) for part in s) for s in pairs], post=post)
+        ids = self.store.append(pairs, post=post)
         return {"ids": ids, "stored": len(self.store)}
 
     async def _tell(self, pairs: list, post: str) -> None:
