@@ -32,7 +32,8 @@ from tests.support.online_checks import free_port, small_online_config, trained_
 
 VOCAB = 259
 RECOVERY_S = 240.0     # controller restart + one node's group start on 2 cores, with margin
-SLOT = "controller_slot"   # one per raylet: where the test lets the controller go
+SLOT = "controller_slot"
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}   # one per raylet: where the test lets the controller go
 
 
 @ray.remote(num_cpus=0, resources={SLOT: 1})
@@ -50,9 +51,11 @@ def cluster(tmp_path_factory):
     # Ray Train retries placing a group that does not fit every this many seconds (60 by
     # default): the lost node's group is placed again soon after a GPU comes back
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "10"
+    # The GCS declares a raylet dead after this many failed health checks this far apart
+    # (Ray's defaults, 5 x 3 s, would add about 12 s of waiting to each raylet killed here)
     c = Cluster(initialize_head=True, head_node_args=dict(
         node_ip_address="127.0.0.1", num_gpus=1, num_cpus=3, include_dashboard=False, temp_dir=temp,
-        resources={SLOT: 1}))
+        resources={SLOT: 1}, _system_config=HEALTH_CHECKS))
     c.worker = c.add_node(node_ip_address="127.0.0.1", num_gpus=1, num_cpus=2, resources={SLOT: 1})
     current = Path("/tmp/ray/ray_current_cluster")
     if current.exists() and current.read_text().strip() == c.address:

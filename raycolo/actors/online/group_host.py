@@ -36,6 +36,11 @@ from raycolo.online.config import OnlineConfig, stage_build
 
 WATCH_EVERY_S = 1.0          # how often the host looks for its controller's name
 GONE_AFTER = 3               # lookups in a row without it: the deployment is gone
+# How often each node's Ray Train controller polls its stage workers: a worker that died,
+# or whose train function returned (the deployment stops), is seen within this long.
+# Ray's default is 2 s; a user's RAY_TRAIN_HEALTH_CHECK_INTERVAL_S wins.
+TRAIN_POLL_S = 0.5
+TRAIN_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"   # Ray Train passes it on to the controllers it starts
 
 
 def host_name(controller: str) -> str:
@@ -58,6 +63,7 @@ class GroupHost:
         self.groups = PlacementGroups(Path(placement_file), self.errors)
         self.threads: dict[int, threading.Thread] = {}
         self.train_runs = [0] * self.config.nodes
+        os.environ.setdefault(TRAIN_POLL_ENV, str(TRAIN_POLL_S))     # this actor's own process
         if detached:
             threading.Thread(target=self._watch, daemon=True, name="controller-watch").start()
 

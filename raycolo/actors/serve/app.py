@@ -38,6 +38,7 @@ from raycolo.online.serving.text import chat_prompt_ids
 from raycolo.online.serving.train_samples import sample_ids
 
 DRAIN_S = 15.0        # within Serve's graceful_shutdown_timeout_s (20 s by default), which ends it anyway
+SHUTDOWN_CHECK_S = 0.2   # a stopping replica looks this often for requests still in flight (Serve: 2 s)
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
              "description": "JSON, or server-sent events with stream: true"}}
@@ -49,13 +50,24 @@ app = FastAPI(title="raycolo", version="0.1.0",
 install(app)     # the API key and body-size middleware, and the OpenAI error bodies (guard.py)
 
 
-@serve.deployment(name="raycolo-openai", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+def deployment_controller(cfg: OnlineConfig, name: str):
+    """The deployment's controller (detached, named ``name``, restarted by Ray whenever it
+    dies): the first caller creates it, the launcher or an HTTP replica; the others get
+    the same actor. (Above the ingress class: Serve pickles that class when it is
+    decorated, with the globals its methods name that exist by then.)"""
+    from raycolo.actors.online.controller import OnlineController
+
+    return OnlineController.options(name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                                    max_restarts=-1).remote(cfg.model_dump(), name, NAMESPACE)
+
+
+@serve.deployment(name="raycolo-openai", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000,
+                  graceful_shutdown_wait_loop_s=SHUTDOWN_CHECK_S)
 @serve.ingress(app)
 class OpenAIIngress(Completions):
     """The routes; what the generation routes share is :class:`~raycolo.actors.serve.completions.Completions`."""
 
     async def __init__(self, config: dict, controller_name: str):
-        from raycolo.actors.online.controller import OnlineController
         from raycolo.actors.serve.front_metrics import DeploymentMetrics, FrontMetrics
         from raycolo.engine.models import load_tokenizer
         from raycolo.online.config import model_hf_config
@@ -65,20 +77,19 @@ class OpenAIIngress(Completions):
         # this replica answers HTTP itself (listener.py): its port, held from the start
         sock = shared_socket(cfg.serve.host, cfg.serve.port) if cfg.serve.ingress == Ingress.REPLICA else None
         self.model_name = cfg.served_model_name()
-        self.tokenizer = load_tokenizer(cfg.model_loading_config.model_id)
-        hf = model_hf_config(cfg.model_loading_config.model_id)
-        self.context = int(getattr(hf, "max_position_embeddings", 1 << 30))
-        self.vocab = int(hf.vocab_size)
         key = os.environ.get(cfg.serve.api_key_env) if cfg.serve.api_key_env else None
         if cfg.serve.api_key_env and not key:
             raise ConfigError(f"serve.api_key_env: the environment variable {cfg.serve.api_key_env} "
                               "is not set in the Ray cluster's environment")
         os.environ[BODY_LIMIT_ENV] = str(cfg.serve.max_body_bytes)
         os.environ[KEY_NAME_ENV] = cfg.serve.api_key_env or ""
-        self.controller = OnlineController.options(
-            name=controller_name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-            max_restarts=-1).remote(cfg.model_dump(), controller_name, NAMESPACE)
-        await self.controller.start.remote()
+        self.controller = deployment_controller(cfg, controller_name)
+        started = self.controller.start.remote()      # the stage workers start while this replica loads
+        self.tokenizer = load_tokenizer(cfg.model_loading_config.model_id)
+        hf = model_hf_config(cfg.model_loading_config.model_id)
+        self.context = int(getattr(hf, "max_position_embeddings", 1 << 30))
+        self.vocab = int(hf.vocab_size)
+        await started
         self.front_id = uuid.uuid4().hex[:8]
         await self.controller.attach.remote(self.front_id)
         self.channel = FrontChannel(self.controller, self.front_id,     # this replica's requests' events
