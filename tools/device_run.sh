@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (its own python3: torch, triton, transformers,
-# peft; no network): install the carried wheels (.whl/, from tools/gpu_wheels.sh), then
-# `make gpu-check` and `make gpu-bench`, each under a time limit, writing their JSON and
-# logs into ${OUT:-out}. Called from the repository root, e.g. through the device tool:
+# peft; no network): install the carried wheels (.whl/, from tools/gpu_wheels.sh), then the
+# phases in $PHASES (default "check bench"), each under a time limit, writing their JSON
+# and logs into ${OUT:-out}:
+#   check    make gpu-check (every CUDA path against its reference)
+#   bench    make gpu-bench (real-size decode, prefill and LoRA against the card's limits)
+#   profile  a random Llama-3-8B-shaped checkpoint on local disk, `raycolo profile` of it
+#            as llama-3-8b-instruct (profiles into $OUT/profiles), then `raycolo validate
+#            --batches 1,16,64,256` of it against that profile (the cost model's GPU check)
+# Called from the repository root, e.g. through the device tool (one call fits 600 s):
 #   run(command="tools/device_run.sh", carry=[".whl"], timeout_s=600)
+#   run(command="PHASES=profile tools/device_run.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
 OUT="${OUT:-out}"
 mkdir -p "$OUT"
@@ -14,5 +21,25 @@ fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/card.txt"
 date -u | tee -a "$OUT/card.txt"
-timeout "${GPU_CHECK_S:-200}" python3 -m raycolo.engine.gpu_check --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
-timeout "${GPU_BENCH_S:-330}" python3 bench/gpu_realsize.py --json "$OUT/gpu_realsize.json" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_realsize.log"
+PHASES=" ${PHASES:-check bench} "
+if [[ "$PHASES" == *" check "* ]]; then
+  timeout "${GPU_CHECK_S:-200}" python3 -m raycolo.engine.gpu_check --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+fi
+if [[ "$PHASES" == *" bench "* ]]; then
+  timeout "${GPU_BENCH_S:-330}" python3 bench/gpu_realsize.py --json "$OUT/gpu_realsize.json" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_realsize.log"
+fi
+if [[ "$PHASES" == *" profile "* ]]; then
+  # a dry run on a CPU: CKPT=<a tiny-llama-s checkpoint> PROFILE_NAME=tiny-llama-s DEVICE=cpu
+  #   PROFILE_ARGS=--quick BATCHES=1,8 VALIDATE_ARGS="--prompt-len 64 --output-len 16"
+  CKPT="${CKPT:-/tmp/raycolo-llama3-8b}"
+  NAME="${PROFILE_NAME:-llama-3-8b-instruct}"
+  DEVICE="${DEVICE:-cuda}"
+  [ -f "$CKPT/config.json" ] || timeout "${CKPT_S:-150}" python3 bench/realsize_checkpoint.py --shape llama3-8b --out "$CKPT" 2>&1 | tee "$OUT/checkpoint.log"
+  timeout "${PROFILE_S:-240}" python3 -m raycolo.cli profile --model "$CKPT" --name "$NAME" --device "$DEVICE" \
+    --out "$OUT/profiles" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log"
+  timeout "${VALIDATE_S:-180}" python3 -m raycolo.cli validate --profile "$OUT/profiles" --models "$CKPT" --name "$NAME" \
+    --device "$DEVICE" --batches "${BATCHES:-1,16,64,256}" --repeats 1 ${VALIDATE_ARGS:-} --json \
+    > "$OUT/validate.json" 2> "$OUT/validate.log"
+  python3 -c "import json,sys; from raycolo.offline.calibration import format_report; print(format_report(json.load(open(sys.argv[1]))))" \
+    "$OUT/validate.json" 2>&1 | tee -a "$OUT/validate.log"
+fi

@@ -81,6 +81,7 @@ PROFILES: dict[str, Profile] = {
     # Chat models, No-Robots-like
     "llama-2-13b-chat-hf": Profile("chat", 255, 0.85),
     "llama-2-7b-chat-hf": Profile("chat", 245, 0.85),
+    "llama-3-8b-instruct": Profile("chat", 250, 0.85),
 }
 
 ENSEMBLE_MAX = 490                 # SamuLLM §5.1: MixInstruct outputs max 490, mean 180

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from raycolo.offline.costmodel.latency import resolve_profile_dir  # noqa: F401  (also imported from here)
 from raycolo.cli.online import cmd_online, cmd_serve, cmd_simulate_online, cmd_sweep_online
+from raycolo.cli.measure import cmd_profile, cmd_validate
 from raycolo.errors import RaycoloError, one_line
 from raycolo.cli.flags import add_field_flag, add_model_flags
 
@@ -276,82 +277,6 @@ def cmd_compare(args) -> int:
         names = comparable_policies(problem)
     report = run_comparison(problem, names, progress=not args.json)
     print(json.dumps(report, indent=2) if args.json else format_comparison(report))
-    return 0
-
-
-def cmd_profile(args) -> int:
-    from raycolo.catalog import get_model
-    from raycolo.offline.profiler import SweepSettings, profile_model
-    from raycolo.online.stages.colocated_profile import measure_colocated
-
-    from pathlib import Path
-
-    from raycolo.catalog import spec_of_checkpoint
-    from raycolo.errors import ConfigError
-    if Path(args.model).is_dir():
-        spec = spec_of_checkpoint(args.model, args.name)
-    else:
-        try:
-            spec = get_model(args.model)
-        except ConfigError as exc:
-            raise RaycoloError(f"--model: {exc}") from None
-        from raycolo.engine.models import MAX_RANDOM_PARAMS
-        if spec.hf_architecture is None or spec.num_params > MAX_RANDOM_PARAMS:
-            raise RaycoloError(f"--model: '{args.model}' has no checkpoint here; give a tiny "
-                               "catalog model or a checkpoint directory")
-    if args.tp != 1:
-        from raycolo.tp_rules import tp_split_error
-        error = tp_split_error(args.tp, spec.heads, spec.kv_heads, spec.intermediate)
-        if error:
-            raise RaycoloError(f"--tp: {error}")
-    settings = SweepSettings.quick() if args.quick else SweepSettings()
-    progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
-    profile, stats = profile_model(args.model, args.out, tp=args.tp, device=args.device,
-                                   threads=args.threads, seed=args.seed, settings=settings,
-                                   progress=progress, colocated=measure_colocated, name=args.name)
-    if args.json:
-        print(json.dumps(stats, indent=2))
-    else:
-        print(f"{stats['model']}: {stats['iterations']} iterations, fit R2 {stats['r2']:.3f}, "
-              f"median |error| {stats['median_abs_error']:.1%}, load {stats['load_s']:.2f}s, "
-              f"output length mean {stats['ecdf_mean']:.0f} (max {stats['ecdf_max']})")
-        dp = stats["decode_predictor"]
-        print(f"{stats['model']}: Harli decode predictor (bs*b0 + c0 + bs*k0*seqlen) b0 {dp['b0']:.3g} s, "
-              f"c0 {dp['c0']:.3g} s, k0 {dp['k0']:.3g} s; held-out error {dp['held_out_mape']:.1%} "
-              f"on {dp['held_out_iterations']} decode iterations")
-        if "colocated_held_out_mape" in dp:
-            print(f"{stats['model']}: stage 2 (co-located, time shares) b1 {dp['b1']:.3f}, k1 {dp['k1']:.3f}; "
-                  f"held-out error {dp['colocated_held_out_mape']:.1%} on {dp['colocated_held_out_iterations']} "
-                  f"co-located iterations (set lemix.harli_b1 / harli_k1 to use them online)")
-        print(f"profile: {Path(args.out) / (stats['model'] + f'.tp{args.tp}.json')}")
-    return 0
-
-
-def cmd_validate(args) -> int:
-    from raycolo.offline.calibration import TINY_MODELS, format_report, validate
-
-    profile_dir = resolve_profile_dir(args.profile)
-    models = [m.strip() for m in args.models.split(",")] if args.models else list(TINY_MODELS)
-    from raycolo.catalog import get_model
-    from raycolo.engine.models import MAX_RANDOM_PARAMS
-    for m in models:
-        try:
-            spec = get_model(m)
-        except Exception as exc:
-            raise RaycoloError(f"--models: {exc}") from None
-        if spec.hf_architecture is None or spec.num_params > MAX_RANDOM_PARAMS:
-            raise RaycoloError(f"--models: '{m}' is not a tiny model the torch engine can build")
-        from raycolo.tp_rules import tp_split_error
-        error = tp_split_error(args.tp, spec.heads, spec.kv_heads, spec.intermediate)
-        if error:
-            raise RaycoloError(f"--tp: {m}: {error}")
-        if not (profile_dir / f"{m}.tp{args.tp}.json").exists():
-            raise RaycoloError(f"--profile: {profile_dir} has no tp={args.tp} profile for {m} "
-                               f"(run: raycolo profile --model {m} --tp {args.tp} --out {profile_dir})")
-    progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
-    report = validate(profile_dir, models, args.requests, args.seed, args.threads, progress, tp=args.tp,
-                      repeats=args.repeats)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 

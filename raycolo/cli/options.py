@@ -21,6 +21,11 @@ from raycolo.offline.policies import DEFAULT_OFFLINE_POLICY
 OnlineModel = Literal[tuple(PRESETS)]                       # type: ignore[valid-type]
 LengthsName = Literal[tuple(LENGTH_DISTRIBUTIONS)]          # type: ignore[valid-type]
 MAX_TP = 64
+WeightsDtype = Literal["auto", "float32", "bfloat16", "float16"]    # profile/validate --dtype (resolve_dtype)
+DTYPE_HELP = ("the weights' data type; auto: float32 on the CPU, on CUDA the checkpoint's own 16-bit type "
+              "(bfloat16 if it names none)")
+MAX_CASE_TOKENS = 1 << 17          # validate --prompt-len/--output-len
+MAX_BATCH = 4096                   # validate --batches: each size
 
 
 class PlanOptions(Strict):
@@ -79,6 +84,7 @@ class ProfileOptions(Strict):
     model: PathText = Field(description="tiny catalog model or checkpoint directory")
     tp: int = Field(default=1, ge=1, le=MAX_TP, description="tensor-parallel degree: the other ranks run as processes of this machine")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the model runs")
+    dtype: WeightsDtype = Field(default="auto", description=DTYPE_HELP)
     out: PathText = Field(default="profiles", description="output directory")
     threads: Threads = Field(default=1, description="CPU threads for torch")
     seed: Seed = Field(default=0, description="seed for the random weights and prompts")
@@ -92,7 +98,19 @@ class ValidateOptions(Strict):
 
     profile: PathText = Field(default="cpu", description="profile directory, or 'cpu' for the shipped "
                                                          "tiny-model profiles")
-    models: Optional[Line] = Field(default=None, description="comma-separated tiny models (none: all)")
+    models: Optional[Line] = Field(default=None, description=(
+        "comma-separated tiny models, or with --batches checkpoint directories too (none: the tiny models)"))
+    name: Optional[Line] = Field(default=None, description=(
+        "for a checkpoint directory in --models: the catalog model its profile is named after "
+        "(raycolo profile --name); default: the directory's name"))
+    batches: Optional[Line] = Field(default=None, description=(
+        "comma-separated batch sizes: instead of the sampled request sets, engine runs of that many "
+        "requests of --prompt-len tokens and --output-len greedy tokens each (EOS ignored), "
+        "e.g. 1,16,64,256"))
+    prompt_len: int = Field(default=512, ge=1, le=MAX_CASE_TOKENS, description="prompt tokens of each --batches request")
+    output_len: int = Field(default=128, ge=1, le=MAX_CASE_TOKENS, description="output tokens of each --batches request")
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description="where the engine runs")
+    dtype: WeightsDtype = Field(default="auto", description=DTYPE_HELP)
     requests: int = Field(default=48, ge=1, le=100_000, description="requests per case")
     tp: int = Field(default=1, ge=1, le=MAX_TP, description="tensor-parallel degree of the model cases "
                                                            "(needs each model's <model>.tp<T>.json profile; "

@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
-from raycolo.catalog import get_model
+from raycolo.catalog import get_model, model_spec
 from raycolo.rng import seeded_rng
 from raycolo.offline.dag import parse_app
 from raycolo.engine.base import SamplingParams
@@ -43,16 +44,27 @@ def cpu_cluster(tp: int = 1) -> ClusterSpec:
     return ClusterSpec(num_gpus=tp, nvlink_group=tp, gpu_memory_bytes=8 * 2**30)
 
 
+def device_cluster(device: str, tp: int = 1) -> ClusterSpec:
+    """The cluster a validation plans for: on a GPU, ``tp`` of this card with its memory;
+    on the CPU, :func:`cpu_cluster`."""
+    if not device.startswith("cuda"):
+        return cpu_cluster(tp)
+    import torch
+
+    return ClusterSpec(num_gpus=tp, nvlink_group=tp, gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory)
+
+
 def _write_requests(path: Path, lengths) -> Path:
     path.write_text("".join(json.dumps({"input_tokens": int(n)}) + "\n" for n in lengths))
     return path
 
 
-def _problem(app_yaml: str, profile_dir: Path, seed: int, tp: int = 1) -> PlanningProblem:
+def _problem(app_yaml: str, profile_dir: Path, seed: int, tp: int = 1, cluster: Optional[ClusterSpec] = None,
+             max_num_seqs: int = MAX_NUM_SEQS) -> PlanningProblem:
     import yaml
     app = parse_app(yaml.safe_load(app_yaml))
     workload = build_workload(app, seed=seed, ecdf_dir=profile_dir / "ecdf")
-    return PlanningProblem(workload, cpu_cluster(tp), profile_dir=profile_dir, max_num_seqs=MAX_NUM_SEQS)
+    return PlanningProblem(workload, cluster or cpu_cluster(tp), profile_dir=profile_dir, max_num_seqs=max_num_seqs)
 
 
 def _sampling(rng_seed: int, count: int, max_tokens: int) -> list[SamplingParams]:
@@ -86,6 +98,76 @@ edges: [{{from: input, to: m}}]
         known = StageEvaluator(problem).node_run(state, "m", ExecPlan(1, tp), False, {})
     name = f"{model_id} x{requests}" if tp == 1 else f"{model_id} tp{tp} x{requests}"
     return _case(name, run.end - run.load_s, known.end - known.load_s, measured)
+
+
+@dataclass(frozen=True)
+class BatchRuns:
+    """``raycolo validate --batches``: engine runs of ``batch`` requests each, every prompt
+    ``prompt_len`` tokens and every output ``output_len`` greedy tokens (EOS ignored), so
+    the lengths are known and only the latency model and the simulator are judged: the
+    shape of a real-size model's check on a GPU (random weights have no meaningful
+    output lengths)."""
+
+    batches: tuple[int, ...]
+    prompt_len: int = 512
+    output_len: int = 128
+
+    def kv_tokens(self) -> int:
+        """The engine's KV budget: the largest batch's whole sequences, one block spare each."""
+        return max(self.batches) * (self.prompt_len + self.output_len + 16)
+
+
+def batch_cases(model_id: str, name: str, profile_dir: Path, runs: BatchRuns, seed: int, threads: int,
+                device: str = "cpu", dtype: str = "float32", tp: int = 1, repeats: int = 1,
+                say: Callable[[str], None] = lambda msg: None) -> list[dict]:
+    """One engine (``model_id`` in ``dtype`` on ``device``) runs each batch of ``runs``
+    ``repeats`` times (their median is the measured time, after one warm-up run of the
+    batch); the prediction is the planner's simulation of the same requests with the
+    profile ``name`` in ``profile_dir``, loads excluded."""
+    import statistics
+
+    vocab = model_spec(model_id, name).vocab
+    engine = create_engine(engine_config(model_id, device, threads, seed, max_num_seqs=max(runs.batches),
+                                         kv_cache_tokens=runs.kv_tokens(), tp=tp, dtype=dtype))
+    params = SamplingParams(max_tokens=runs.output_len, ignore_eos=True)
+    cluster = device_cluster(device, tp)
+    cases = []
+    try:
+        for batch in runs.batches:
+            say(f"validating {name} at batch {batch} ({runs.prompt_len} + {runs.output_len} tokens)")
+            rng = seeded_rng(seed, "validate-batch", name, str(batch))
+            prompts = random_prompts(rng, batch, runs.prompt_len, vocab)
+            engine.generate(prompts, params)           # warm-up: kernels, graphs, allocator
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                outputs = engine.generate(prompts, params)
+                times.append(time.perf_counter() - started)
+            short = [o.output_len for o in outputs if o.output_len != runs.output_len]
+            if short:       # the prediction is for exactly output_len tokens each
+                raise RuntimeError(f"batch {batch}: {len(short)} request(s) ended after {short[:4]} tokens, "
+                                   f"not {runs.output_len}")
+            predicted = _predicted_batch(name, profile_dir, runs, batch, seed, tp, cluster)
+            case = _case(f"{name} b={batch} ({runs.prompt_len}+{runs.output_len})", predicted, predicted,
+                         statistics.median(times))
+            cases.append(dict(case, batch=batch, runs_s=times))
+    finally:
+        engine.release()
+    return cases
+
+
+def _predicted_batch(name: str, profile_dir: Path, runs: BatchRuns, batch: int, seed: int, tp: int,
+                     cluster: ClusterSpec) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        source = _write_requests(Path(tmp) / "requests.jsonl", [runs.prompt_len] * batch)
+        problem = _problem(f"""
+requests: {{file: {source}}}
+nodes: [{{name: m, model: {name}, max_output_tokens: {runs.output_len}, temperature: 0}}]
+edges: [{{from: input, to: m}}]
+""", profile_dir, seed, tp, cluster=cluster, max_num_seqs=max(runs.batches))
+        problem.node("m").output_len = np.full(batch, runs.output_len)
+        run = StageEvaluator(problem).node_run(initial_state(problem), "m", ExecPlan(1, tp), False, {})
+    return run.end - run.load_s
 
 
 def _case(name: str, predicted: float, predicted_known: float, measured: float) -> dict:
@@ -142,16 +224,23 @@ def _summed(runs: list[dict]) -> dict:
 
 def validate(profile_dir: str | Path, models=TINY_MODELS, requests: int = 48, seed: int = 4242,
              threads: int = 1, progress: Optional[Callable[[str], None]] = None, tp: int = 1,
-             repeats: int = 1) -> dict:
+             repeats: int = 1, batches: Optional[BatchRuns] = None, device: str = "cpu",
+             dtype: str = "float32", names: Optional[dict[str, str]] = None) -> dict:
+    """The held-out sampled request sets of the tiny models (and a 2-model application),
+    or, with ``batches``, fixed-length batches of any model (a checkpoint directory's
+    profile is the one named ``names[directory]``, else the directory's name)."""
     say = progress or (lambda msg: None)
     profile_dir = Path(profile_dir)
     cases = []
     sets = f" ({repeats} request sets)" if repeats > 1 else ""
-    for model_id in models:
+    for model_id in models if batches is None else ():
         say(f"validating {model_id}" + (f" at tp={tp}" if tp > 1 else "") + sets)
         cases.append(_summed([model_case(model_id, profile_dir, requests, seed + r, threads, tp)
                               for r in range(repeats)]))
-    if tp == 1:
+    for model_id in models if batches is not None else ():
+        name = (names or {}).get(model_id) or model_spec(model_id).name
+        cases += batch_cases(model_id, name, profile_dir, batches, seed, threads, device, dtype, tp, repeats, say)
+    if tp == 1 and batches is None:
         say("validating a 2-model application" + sets)
         cases.append(_summed([dag_case(profile_dir, requests, seed + r, threads) for r in range(repeats)]))
     mape = float(np.mean([abs(c["error"]) for c in cases]))
@@ -159,7 +248,10 @@ def validate(profile_dir: str | Path, models=TINY_MODELS, requests: int = 48, se
     return {"cases": cases, "mape": mape, "mape_known_lengths": mape_known,
             "mean_signed_error": float(np.mean([c["error"] for c in cases])),
             "mean_signed_error_known_lengths": float(np.mean([c["error_known_lengths"] for c in cases])),
-            "profile": str(profile_dir), "threads": threads, "tp": tp, "repeats": repeats}
+            "profile": str(profile_dir), "threads": threads, "tp": tp, "repeats": repeats,
+            "device": device, "dtype": dtype,
+            "batches": None if batches is None else {"sizes": list(batches.batches), "prompt_len": batches.prompt_len,
+                                                     "output_len": batches.output_len}}
 
 
 def format_report(report: dict) -> str:
@@ -170,8 +262,12 @@ def format_report(report: dict) -> str:
                      f"{c['error']:>+8.1%} {c['error_known_lengths']:>+19.1%}")
     lines.append(f"{'mean signed error (+: predicted slower)':<44} {'':>11} {'':>10} "
                  f"{report['mean_signed_error']:>+8.1%} {report['mean_signed_error_known_lengths']:>+19.1%}")
-    lines.append(f"MAPE {report['mape']:.1%} with sampled output lengths (the planner's prediction), "
-                 f"{report['mape_known_lengths']:.1%} with the lengths the engine produced "
-                 f"(profile {report['profile']}, {report['threads']} thread(s), "
-                 f"{report['repeats']} request set(s) per case)")
+    where = f"profile {report['profile']}, {report.get('dtype', 'float32')} on {report.get('device', 'cpu')}"
+    if report.get("batches"):
+        lines.append(f"MAPE {report['mape']:.1%} over fixed-length batches ({where}, median of "
+                     f"{report['repeats']} timed run(s) per batch)")
+    else:
+        lines.append(f"MAPE {report['mape']:.1%} with sampled output lengths (the planner's prediction), "
+                     f"{report['mape_known_lengths']:.1%} with the lengths the engine produced "
+                     f"({where}, {report['threads']} thread(s), {report['repeats']} request set(s) per case)")
     return "\n".join(lines)

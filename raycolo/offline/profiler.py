@@ -52,6 +52,8 @@ class SweepSettings:
     load_repeats: int = 3
     sampler_batches: tuple[int, ...] = SAMPLER_BATCHES     # the full sampler's timing (time_full_sampler)
     sampler_repeats: int = SAMPLER_REPEATS
+    max_num_seqs: int = 64                 # the profiled engine's batch limit
+    kv_cache_tokens: int = 1 << 17         # and its KV budget (every run of the sweep fits it)
 
     @classmethod
     def quick(cls) -> "SweepSettings":
@@ -59,33 +61,73 @@ class SweepSettings:
                    mixed_requests=16, ecdf_requests=40, load_repeats=1, sampler_batches=(1, 16),
                    sampler_repeats=1)
 
+    @classmethod
+    def gpu(cls) -> "SweepSettings":
+        """A real-size model on one GPU, within a device lease (about 3 minutes for the
+        Llama-3-8B shape): batches up to 256 at prompts up to 1,024 tokens, one timed
+        load (a load reads the whole checkpoint), a KV budget that holds the largest batch
+        (256 x 1,032 tokens: 36 GiB for that shape, which leaves room on an 80 GB card)."""
+        return cls(batch_sizes=(1, 4, 16, 64, 128, 256), context_lens=(128, 512, 1024), decode_steps=8,
+                   mixed_requests=128, ecdf_requests=64, load_repeats=1, sampler_batches=(1, 64, 256),
+                   sampler_repeats=2, max_num_seqs=256, kv_cache_tokens=9 << 15)
+
+    @classmethod
+    def for_run(cls, device: str, quick: bool) -> "SweepSettings":
+        """``raycolo profile``'s sweep: quick, sized for a GPU, or the CPU's."""
+        if quick:
+            return cls.quick()
+        return cls.gpu() if device.startswith("cuda") else cls()
+
+
+def resolve_dtype(model_id: str, device: str, dtype: str = "auto") -> str:
+    """The data type a profile or validation loads the model in. ``auto``: float32 on the
+    CPU (its kernels' native type); on a GPU the checkpoint's own ``torch_dtype`` when it
+    is a 16-bit one, else bfloat16 (what a real-size model is served in)."""
+    if dtype != "auto":
+        return dtype
+    if not device.startswith("cuda"):
+        return "float32"
+    path = Path(model_id) / "config.json"
+    if path.is_file():
+        try:
+            cfg = json.loads(path.read_text())
+        except ValueError:
+            cfg = {}
+        text = cfg.get("text_config") or cfg          # transformers 5 writes "dtype", 4 "torch_dtype"
+        named = str(text.get("torch_dtype") or text.get("dtype") or "")
+        if named in ("bfloat16", "float16"):
+            return named
+    return "bfloat16"
+
 
 def engine_config(model_id: str, device: str = "cpu", threads: Optional[int] = 1, seed: int = 0,
-                  max_num_seqs: int = 64, kv_cache_tokens: int = 1 << 17, tp: int = 1) -> EngineConfig:
+                  max_num_seqs: int = 64, kv_cache_tokens: int = 1 << 17, tp: int = 1,
+                  dtype: str = "float32") -> EngineConfig:
     return EngineConfig.model_validate({
         "backend": "torch",
-        "model_loading_config": {"model_id": model_id, "seed": seed},
+        "model_loading_config": {"model_id": model_id, "seed": seed, "dtype": dtype},
         "engine_kwargs": {"max_num_seqs": max_num_seqs, "kv_cache_tokens": kv_cache_tokens,
                           "device": device, "cpu_threads": threads, "tensor_parallel_size": tp}})
 
 
 def _measure_load(model_id: str, device: str, threads: Optional[int], seed: int, repeats: int,
-                  tp: int = 1) -> float:
+                  tp: int = 1, dtype: str = "float32") -> float:
     with tempfile.TemporaryDirectory() as tmp:
         source = model_id
         if not Path(model_id).is_dir():
             source = str(save_tiny_checkpoint(model_id, Path(tmp) / "ckpt", seed))
-        create_engine(engine_config(source, device, threads, seed, tp=tp)).release()  # warm imports
+        config = engine_config(source, device, threads, seed, tp=tp, dtype=dtype)
+        create_engine(config).release()  # warm imports
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            create_engine(engine_config(source, device, threads, seed, tp=tp)).release()
+            create_engine(config).release()
             times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
-# (model id, seed, device, largest batch) -> solo and co-located DecodeSamples
-ColocatedProbe = Callable[[str, int, str, int], list]
+# (model id, seed, device, largest batch, dtype) -> solo and co-located DecodeSamples
+ColocatedProbe = Callable[[str, int, str, int, str], list]
 
 
 
@@ -120,8 +162,9 @@ def time_full_sampler(engine, rng, vocab: int, batches: Sequence[int] = SAMPLER_
     return float(f0), float(f1)
 
 
-def measured_on(device: str, threads: Optional[int], tp: int) -> str:
-    """Where and when a profile is measured: the card (or CPU, cores and torch threads), the date."""
+def measured_on(device: str, threads: Optional[int], tp: int, dtype: str = "float32") -> str:
+    """Where and when a profile is measured: the card (or CPU, cores and torch threads), the
+    weights' data type, the date."""
     import datetime
     import os
     import platform
@@ -133,30 +176,32 @@ def measured_on(device: str, threads: Optional[int], tp: int) -> str:
     else:
         where = (f"cpu {platform.machine()} ({os.cpu_count()} cores, {threads or 'all'} torch thread(s)"
                  f"{f', tp={tp} in processes' if tp > 1 else ''})")
-    return f"{where}, {datetime.date.today().isoformat()}"
+    return f"{where}, {dtype}, {datetime.date.today().isoformat()}"
 
 
 def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str = "cpu",
                   threads: Optional[int] = 1, seed: int = 0, settings: Optional[SweepSettings] = None,
                   progress: Optional[Callable[[str], None]] = None,
                   colocated: Optional[ColocatedProbe] = None, name: Optional[str] = None,
-                  ) -> tuple[LatencyProfile, dict]:
+                  dtype: str = "auto") -> tuple[LatencyProfile, dict]:
     """Profile ``model_id``: the cost model's coefficients and eCDFs, and Harli's decode
     predictor (stage 1 from the engine's decode iterations; stage 2 from ``colocated``'s
     samples when given, :func:`raycolo.online.stages.colocated_profile.measure_colocated`
     as ``raycolo profile`` passes it, else b1 = k1 = 1: no interference). ``model_id`` is a
     tiny catalog model or a checkpoint directory; the files are named ``name`` (default: the
     catalog name, or the directory's name)."""
-    settings = settings or SweepSettings()
+    settings = settings or SweepSettings.for_run(device, quick=False)
     say = progress or (lambda msg: None)
     spec = model_spec(model_id, name)
+    dtype = resolve_dtype(model_id, device, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    say(f"{spec.name}: timing loads")
-    load_s = _measure_load(model_id, device, threads, seed, settings.load_repeats, tp)
+    say(f"{spec.name}: timing loads ({dtype} on {device})")
+    load_s = _measure_load(model_id, device, threads, seed, settings.load_repeats, tp, dtype)
 
     # tp > 1: a tensor-parallel engine, its other ranks as processes of this machine
-    engine = create_engine(engine_config(model_id, device, threads, seed, tp=tp))
+    engine = create_engine(engine_config(model_id, device, threads, seed, settings.max_num_seqs,
+                                         settings.kv_cache_tokens, tp, dtype))
     rng = seeded_rng(seed, "profile", model_id)
     vocab = spec.vocab
     greedy = SamplingParams(max_tokens=settings.decode_steps, ignore_eos=True)
@@ -193,7 +238,7 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     flops_model = IterationLatency(spec, default_profile(spec, ClusterSpec(), tp))
     profile, stats = fit_profile(samples_from_records(records, flops_model), spec.name, tp, load_s,
                                  full_sampler=sampler)
-    profile = profile.model_copy(update={"engine": "torch", "measured_on": measured_on(device, threads, tp)})
+    profile = profile.model_copy(update={"engine": "torch", "measured_on": measured_on(device, threads, tp, dtype)})
     profile.save(out / f"{spec.name}.tp{tp}.json")
     write_ecdf(out / "ecdf" / f"{spec.name}.csv", lengths,
                f"MEASURED output lengths of {model_id} ({len(lengths)} requests, torch engine, "
@@ -205,9 +250,10 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
                "Written by raycolo profile.")
     if colocated is not None:
         say(f"{spec.name}: co-located iterations (fine-tune ops between decode iterations)")
-    colocated = colocated(model_id, seed, device, max(settings.batch_sizes)) if colocated is not None else []
+    colocated = colocated(model_id, seed, device, max(settings.batch_sizes), dtype) if colocated is not None else []
     stats["decode_predictor"] = fit_decode_predictor(records, colocated)
-    stats.update(model=spec.name, checkpoint=model_id if model_id != spec.name else None, tp=tp, device=device, threads=threads, seed=seed,
+    stats.update(model=spec.name, checkpoint=model_id if model_id != spec.name else None, tp=tp, device=device,
+                 dtype=dtype, threads=threads, seed=seed,
                  load_s=load_s, iterations=len(records),
                  ecdf_mean=float(np.mean(lengths)), ecdf_max=int(np.max(lengths)),
                  sweep={"batch_sizes": list(settings.batch_sizes),

@@ -3,9 +3,11 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from raycolo.catalog import get_model
 from raycolo.cli.main import resolve_profile_dir
@@ -16,6 +18,8 @@ from raycolo.errors import ConfigError
 from raycolo.hardware import ClusterSpec
 from raycolo.offline.profiler import SweepSettings, profile_model
 from raycolo.online.stages.colocated_profile import measure_colocated
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TRUTH = LatencyProfile(
     model="synthetic", tp=1, source="measured",
@@ -251,8 +255,73 @@ def test_validate_reports_predicted_and_measured_times():
     assert report["repeats"] == 2
 
 
+def test_validate_batches_times_a_checkpoint_directory_against_its_profile(small_profile, capsys):
+    """``validate --batches`` (the real-size check on a GPU, here a tiny checkpoint on the
+    CPU): one case per batch, its fixed lengths run for real and predicted from the
+    checkpoint's profile under the catalog name it took."""
+    from raycolo.cli.main import main
+
+    out, _, stats = small_profile
+    rc = main(["validate", "--profile", str(out), "--models", stats["checkpoint"], "--name", "tiny-llama-s",
+               "--batches", "1,8", "--prompt-len", "40", "--output-len", "12", "--repeats", "2", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [c["batch"] for c in report["cases"]] == [1, 8]
+    assert [c["name"] for c in report["cases"]] == ["tiny-llama-s b=1 (40+12)", "tiny-llama-s b=8 (40+12)"]
+    assert report["batches"] == {"sizes": [1, 8], "prompt_len": 40, "output_len": 12}
+    assert report["device"] == "cpu" and report["dtype"] == "float32"
+    for case in report["cases"]:
+        assert len(case["runs_s"]) == 2 and case["measured_s"] == pytest.approx(float(np.median(case["runs_s"])))
+        assert case["error"] == pytest.approx((case["predicted_s"] - case["measured_s"]) / case["measured_s"])
+        # the profile was measured on this engine a moment ago: far from exact on a shared
+        # CPU, but a profile of another dtype or a KV budget that preempts is off by more
+        assert abs(case["error"]) < 0.6, case
+    small, large = report["cases"]
+    assert large["predicted_s"] > small["predicted_s"]      # 8 sequences cost more than one
+
+
+def test_profile_dtype_and_the_gpu_sweep():
+    from raycolo.offline.profiler import resolve_dtype
+
+    assert resolve_dtype("tiny-llama-s", "cpu") == "float32"
+    assert resolve_dtype("tiny-llama-s", "cuda") == "bfloat16"
+    assert resolve_dtype("tiny-llama-s", "cuda", "float32") == "float32"     # asked for: kept
+    gpu = SweepSettings.gpu()
+    assert SweepSettings.for_run("cuda", quick=False) == gpu and SweepSettings.for_run("cpu", False) == SweepSettings()
+    assert SweepSettings.for_run("cuda", quick=True) == SweepSettings.quick()
+    # the engine takes the largest batch whole, and its KV holds it at the longest prompt
+    assert gpu.max_num_seqs >= max(gpu.batch_sizes + gpu.sampler_batches)
+    assert gpu.kv_cache_tokens >= max(gpu.batch_sizes) * (max(gpu.context_lens) + gpu.decode_steps)
+    for settings in (SweepSettings(), SweepSettings.quick()):
+        assert settings.max_num_seqs >= max(settings.batch_sizes)
+
+
+def test_a_random_real_size_checkpoint_is_written_in_its_dtype(tmp_path):
+    """bench/realsize_checkpoint.py (run on a lent GPU for the Llama-3-8B shape) on the tiny
+    shape: a checkpoint transformers loads, in bfloat16, which a profile on CUDA takes as is."""
+    from transformers import AutoModelForCausalLM
+
+    from raycolo.offline.profiler import resolve_dtype
+
+    out = tmp_path / "rs"
+    subprocess.run([sys.executable, "bench/realsize_checkpoint.py", "--shape", "tiny", "--out", str(out),
+                    "--device", "cpu", "--seed", "3"], check=True, capture_output=True, cwd=ROOT)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16 and model.config.num_hidden_layers == 2
+    assert resolve_dtype(str(out), "cuda") == "bfloat16" and resolve_dtype(str(out), "cpu") == "float32"
+    assert not (out / "tokenizer.json").exists()       # raycolo's byte tokenizer serves it
+
+
 @pytest.mark.parametrize("argv,field", [
     (["profile", "--model", "nope"], "--model"),
+    (["profile", "--model", "tiny-llama-s", "--device", "cuda"], "--device"),
+    (["profile", "--model", "tiny-llama-s", "--dtype", "int8"], "--dtype"),
+    (["validate", "--batches", "1,x"], "--batches"),
+    (["validate", "--batches", "0"], "--batches"),
+    (["validate", "--batches", "4", "--prompt-len", "0"], "--prompt-len"),
+    (["validate", "--models", "llama-3-8b-instruct", "--batches", "1"], "--models"),
+    (["validate", "--models", ".", "--batches", "1"], "--models"),        # a directory with no config.json
+    (["validate", "--models", "tests"], "--models"),                      # a directory needs --batches
     (["profile", "--model", "vicuna-13b-v1.5"], "--model"),
     (["profile", "--model", "tiny-llama-s", "--tp", "3"], "--tp"),     # 3 does not divide its 4 heads
     (["validate", "--profile", "/no/such/dir"], "--profile"),

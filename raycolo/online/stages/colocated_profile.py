@@ -20,7 +20,7 @@ COLOCATED_CONTEXTS = (16, 128)
 COLOCATED_FINETUNE = ((1, 32), (2, 64), (4, 96))      # fine-tune ops: samples x tokens
 
 
-def measure_colocated(model_id: str, seed: int, device: str, max_batch: int,
+def measure_colocated(model_id: str, seed: int, device: str, max_batch: int, dtype: str = "float32",
                       repeats: int = 3) -> list[DecodeSample]:
     """A whole-model stage with LoRA runs a fine-tune op (forward and backward of a
     micro-batch) and then a decode iteration of ``bs`` requests (``bs`` of
@@ -29,13 +29,23 @@ def measure_colocated(model_id: str, seed: int, device: str, max_batch: int,
     iteration after it) and whose shares are the solo decode's and the fine-tune op's parts
     of the solo-time period; the solo iteration timed before each is a sample too. Harli's
     stage 2 then fits the interference (caches and memory traffic the fine-tune op leaves
-    behind)."""
+    behind). The model is loaded in ``dtype``; on a GPU every timing waits for the
+    device."""
     import torch
 
     from raycolo.engine.models import load_model
     from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora, training_batch
 
-    model, _ = load_model(model_id, seed=seed, dtype="float32", device=device)
+    model, _ = load_model(model_id, seed=seed, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def _timed(fn) -> float:
+        sync()
+        started = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - started
+
     layers = model.config.num_hidden_layers
     stage = StageModel(add_lora(model, LoraSettings(seed=seed)), (0, layers), 4096, 16)
     rng = seeded_rng(seed, "profile", model_id, "colocated")
@@ -73,8 +83,3 @@ def _decode(stage, requests, rng, vocab) -> None:
     with torch.no_grad():
         stage.forward(requests, [[int(t)] for t in rng.integers(3, vocab, len(requests))])
 
-
-def _timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
