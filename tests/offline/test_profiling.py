@@ -314,14 +314,6 @@ def test_a_random_real_size_checkpoint_is_written_in_its_dtype(tmp_path):
 
 @pytest.mark.parametrize("argv,field", [
     (["profile", "--model", "nope"], "--model"),
-    (["profile", "--model", "tiny-llama-s", "--device", "cuda"], "--device"),
-    (["profile", "--model", "tiny-llama-s", "--dtype", "int8"], "--dtype"),
-    (["validate", "--batches", "1,x"], "--batches"),
-    (["validate", "--batches", "0"], "--batches"),
-    (["validate", "--batches", "4", "--prompt-len", "0"], "--prompt-len"),
-    (["validate", "--models", "llama-3-8b-instruct", "--batches", "1"], "--models"),
-    (["validate", "--models", ".", "--batches", "1"], "--models"),        # a directory with no config.json
-    (["validate", "--models", "tests"], "--models"),                      # a directory needs --batches
     (["profile", "--model", "vicuna-13b-v1.5"], "--model"),
     (["profile", "--model", "tiny-llama-s", "--tp", "3"], "--tp"),     # 3 does not divide its 4 heads
     (["validate", "--profile", "/no/such/dir"], "--profile"),
@@ -334,3 +326,25 @@ def test_profiling_cli_errors_name_the_field(argv, field):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["profile", "--model", "tiny-llama-s", "--device", "cuda"], "--device"),    # this machine has none
+    (["profile", "--model", "tiny-llama-s", "--dtype", "int8"], "--dtype"),
+    (["validate", "--batches", "1,x"], "--batches"),
+    (["validate", "--batches", "0"], "--batches"),
+    (["validate", "--batches", "4", "--prompt-len", "0"], "--prompt-len"),
+    (["validate", "--models", "llama-3-8b-instruct", "--batches", "1"], "--models"),
+    (["validate", "--models", ".", "--batches", "1"], "--models"),        # a directory with no config.json
+    (["validate", "--models", "tests"], "--models"),                      # a directory needs --batches
+])
+def test_profile_and_validate_refuse_bad_gpu_options_naming_the_flag(argv, field, capsys):
+    """As the command line runs them (exit 2, one ``error:`` line), in this process."""
+    from raycolo.cli.main import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as exc:      # the parser's own refusals
+        rc = exc.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0], lines
