@@ -72,21 +72,22 @@ def cmd_profile(args) -> int:
 
 def cmd_validate(args) -> int:
     from raycolo.offline.calibration import TINY_MODELS, BatchRuns, format_report, validate
-    from raycolo.offline.profiler import resolve_dtype
-
     profile_dir = resolve_profile_dir(args.profile)
     models = [m.strip() for m in args.models.split(",")] if args.models else list(TINY_MODELS)
     runs = None
     if args.batches is not None:
         runs = BatchRuns(_batch_sizes(args.batches), args.prompt_len, args.output_len)
     _require_device(args.device)
+    if runs is None and (args.device != "cpu" or args.dtype != "auto"):
+        flag = "--device" if args.device != "cpu" else "--dtype"
+        raise RaycoloError(f"{flag}: the sampled request sets run the tiny models on the CPU in float32; "
+                           "give --batches to validate elsewhere or in another dtype")
     names = {}
     for m in models:
         names[m] = _validated_model(m, args, profile_dir, runs is not None)
     progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
-    dtype = resolve_dtype(models[0], args.device, args.dtype)
     report = validate(profile_dir, models, args.requests, args.seed, args.threads, progress, tp=args.tp,
-                      repeats=args.repeats, batches=runs, device=args.device, dtype=dtype, names=names)
+                      repeats=args.repeats, batches=runs, device=args.device, dtype=args.dtype, names=names)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 

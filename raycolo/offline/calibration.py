@@ -225,31 +225,41 @@ def _summed(runs: list[dict]) -> dict:
 def validate(profile_dir: str | Path, models=TINY_MODELS, requests: int = 48, seed: int = 4242,
              threads: int = 1, progress: Optional[Callable[[str], None]] = None, tp: int = 1,
              repeats: int = 1, batches: Optional[BatchRuns] = None, device: str = "cpu",
-             dtype: str = "float32", names: Optional[dict[str, str]] = None) -> dict:
+             dtype: str = "auto", names: Optional[dict[str, str]] = None) -> dict:
     """The held-out sampled request sets of the tiny models (and a 2-model application),
-    or, with ``batches``, fixed-length batches of any model (a checkpoint directory's
-    profile is the one named ``names[directory]``, else the directory's name)."""
+    on the CPU; or, with ``batches``, fixed-length batches of any model on ``device``, each
+    in ``dtype`` (:func:`~raycolo.offline.profiler.resolve_dtype`; a checkpoint
+    directory's profile is the one named ``names[directory]``, else the directory's name)."""
+    from raycolo.offline.profiler import resolve_dtype
+
     say = progress or (lambda msg: None)
     profile_dir = Path(profile_dir)
-    cases = []
+    cases, dtypes = [], []
     sets = f" ({repeats} request sets)" if repeats > 1 else ""
-    for model_id in models if batches is None else ():
-        say(f"validating {model_id}" + (f" at tp={tp}" if tp > 1 else "") + sets)
-        cases.append(_summed([model_case(model_id, profile_dir, requests, seed + r, threads, tp)
-                              for r in range(repeats)]))
-    for model_id in models if batches is not None else ():
-        name = (names or {}).get(model_id) or model_spec(model_id).name
-        cases += batch_cases(model_id, name, profile_dir, batches, seed, threads, device, dtype, tp, repeats, say)
-    if tp == 1 and batches is None:
-        say("validating a 2-model application" + sets)
-        cases.append(_summed([dag_case(profile_dir, requests, seed + r, threads) for r in range(repeats)]))
+    if batches is None:
+        if device != "cpu":
+            raise ValueError("the sampled request sets run on the CPU; fixed-length batches run anywhere")
+        for model_id in models:
+            say(f"validating {model_id}" + (f" at tp={tp}" if tp > 1 else "") + sets)
+            cases.append(_summed([model_case(model_id, profile_dir, requests, seed + r, threads, tp)
+                                  for r in range(repeats)]))
+        dtypes.append("float32")
+        if tp == 1:
+            say("validating a 2-model application" + sets)
+            cases.append(_summed([dag_case(profile_dir, requests, seed + r, threads) for r in range(repeats)]))
+    else:
+        for model_id in models:
+            name = (names or {}).get(model_id) or model_spec(model_id).name
+            dtypes.append(resolve_dtype(model_id, device, dtype))
+            cases += batch_cases(model_id, name, profile_dir, batches, seed, threads, device, dtypes[-1], tp,
+                                 repeats, say)
     mape = float(np.mean([abs(c["error"]) for c in cases]))
     mape_known = float(np.mean([abs(c["error_known_lengths"]) for c in cases]))
     return {"cases": cases, "mape": mape, "mape_known_lengths": mape_known,
             "mean_signed_error": float(np.mean([c["error"] for c in cases])),
             "mean_signed_error_known_lengths": float(np.mean([c["error_known_lengths"] for c in cases])),
             "profile": str(profile_dir), "threads": threads, "tp": tp, "repeats": repeats,
-            "device": device, "dtype": dtype,
+            "device": device, "dtype": ",".join(sorted(set(dtypes))),
             "batches": None if batches is None else {"sizes": list(batches.batches), "prompt_len": batches.prompt_len,
                                                      "output_len": batches.output_len}}
 

@@ -337,6 +337,7 @@ def test_profiling_cli_errors_name_the_field(argv, field):
     (["validate", "--models", "llama-3-8b-instruct", "--batches", "1"], "--models"),
     (["validate", "--models", ".", "--batches", "1"], "--models"),        # a directory with no config.json
     (["validate", "--models", "tests"], "--models"),                      # a directory needs --batches
+    (["validate", "--dtype", "bfloat16"], "--dtype"),                     # the sampled sets: float32 only
 ])
 def test_profile_and_validate_refuse_bad_gpu_options_naming_the_flag(argv, field, capsys):
     """As the command line runs them (exit 2, one ``error:`` line), in this process."""
