@@ -52,9 +52,9 @@ install(app)     # the API key and body-size middleware, and the OpenAI error bo
 
 def deployment_controller(cfg: OnlineConfig, name: str):
     """The deployment's controller (detached, named ``name``, restarted by Ray whenever it
-    dies): the first caller creates it, the launcher or an HTTP replica; the others get
-    the same actor. (Above the ingress class: Serve pickles that class when it is
-    decorated, with the globals its methods name that exist by then.)"""
+    dies): the first HTTP replica creates it, the others get the same actor. (Above the
+    ingress class: Serve pickles that class when it is decorated, with the globals its
+    methods name that exist by then.)"""
     from raycolo.actors.online.controller import OnlineController
 
     return OnlineController.options(name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
@@ -77,6 +77,10 @@ class OpenAIIngress(Completions):
         # this replica answers HTTP itself (listener.py): its port, held from the start
         sock = shared_socket(cfg.serve.host, cfg.serve.port) if cfg.serve.ingress == Ingress.REPLICA else None
         self.model_name = cfg.served_model_name()
+        self.tokenizer = load_tokenizer(cfg.model_loading_config.model_id)
+        hf = model_hf_config(cfg.model_loading_config.model_id)
+        self.context = int(getattr(hf, "max_position_embeddings", 1 << 30))
+        self.vocab = int(hf.vocab_size)
         key = os.environ.get(cfg.serve.api_key_env) if cfg.serve.api_key_env else None
         if cfg.serve.api_key_env and not key:
             raise ConfigError(f"serve.api_key_env: the environment variable {cfg.serve.api_key_env} "
@@ -84,12 +88,7 @@ class OpenAIIngress(Completions):
         os.environ[BODY_LIMIT_ENV] = str(cfg.serve.max_body_bytes)
         os.environ[KEY_NAME_ENV] = cfg.serve.api_key_env or ""
         self.controller = deployment_controller(cfg, controller_name)
-        started = self.controller.start.remote()      # the stage workers start while this replica loads
-        self.tokenizer = load_tokenizer(cfg.model_loading_config.model_id)
-        hf = model_hf_config(cfg.model_loading_config.model_id)
-        self.context = int(getattr(hf, "max_position_embeddings", 1 << 30))
-        self.vocab = int(hf.vocab_size)
-        await started
+        await self.controller.start.remote()
         self.front_id = uuid.uuid4().hex[:8]
         await self.controller.attach.remote(self.front_id)
         self.channel = FrontChannel(self.controller, self.front_id,     # this replica's requests' events
