@@ -8,6 +8,7 @@ dtype, and no tokenizer files (raycolo then uses its byte tokenizer).
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -34,7 +35,11 @@ def main(argv=None) -> int:
     model, _ = build_model(args.shape, torch.device(args.device), DTYPES[args.dtype], args.seed)
     built = time.perf_counter() - started
     out = Path(args.out)
-    model.save_pretrained(out, safe_serialization=True, max_shard_size="5GB")
+    partial = out.with_name(out.name + ".partial")      # renamed once whole: a cut-off write is never taken
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, safe_serialization=True, max_shard_size="5GB")
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"{args.shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters in {args.dtype} "
           f"on {args.device}, built in {built:.1f} s, {size / 2**30:.1f} GiB written to {out} "

@@ -37,11 +37,18 @@ def kv_block_capacity(model: ModelSpec, cluster: ClusterSpec, tp: int, block_siz
     return max(0, int(free // per_block))
 
 
+def batched_token_budget(model: ModelSpec) -> int:
+    """Tokens one iteration may prefill: a whole prompt of the model's context, at least
+    2,048. The planner simulates with it, and the runtime, ``raycolo profile`` and
+    ``raycolo validate`` give it to the engines they measure."""
+    return max(2048, model.context_length)
+
+
 def make_limits(model: ModelSpec, cluster: ClusterSpec, tp: int, max_num_seqs: int = 256) -> SchedulerLimits:
     return SchedulerLimits(
         num_blocks=kv_block_capacity(model, cluster, tp),
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(2048, model.context_length),
+        max_num_batched_tokens=batched_token_budget(model),
     )
 
 

@@ -86,6 +86,9 @@ class IterationRecord:
     # every row took the plain argmax (raycolo.generation.sampler.plain); False: the full
     # sampler ran (temperature, penalties, min_tokens or logprobs), a cost of its own
     plain_sampling: bool = True
+    # the step captured a CUDA graph (executor/graphs.py): its seconds include the capture's
+    # warm-up runs, so the profiler leaves it out of the fit
+    graph_capture: bool = False
 
     @property
     def tokens(self) -> int:

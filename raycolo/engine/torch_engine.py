@@ -10,6 +10,7 @@ request's keys/values through its block table.
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass
@@ -124,6 +125,7 @@ class TorchEngine(Engine):
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler
         started = time.perf_counter()  # an iteration's time includes its scheduling
+        captures = self.executor.graph_captures
         decision = sched.schedule()
         if decision.kind == StepKind.IDLE:
             if self.requests:  # add_request's checks make this unreachable; never spin
@@ -163,7 +165,8 @@ class TorchEngine(Engine):
         self.stats.iterations.append(IterationRecord(
             kind=decision.kind, num_seqs=len(decision.seqs), new_tokens=len(tokens),
             context_lens=contexts, seconds=time.perf_counter() - started,
-            preempted=len(decision.preempted), plain_sampling=plain_step))
+            preempted=len(decision.preempted), plain_sampling=plain_step,
+            graph_capture=self.executor.graph_captures != captures))
         return finished
 
     def _run(self, handles: list[int], chunks: list[SeqChunk], plain_step: bool):
@@ -235,5 +238,6 @@ class TorchEngine(Engine):
             self.ranks = None
         del self.executor
         del self.model
+        gc.collect()       # an executor and its decode graphs refer to each other: a cycle
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

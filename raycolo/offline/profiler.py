@@ -103,10 +103,16 @@ def resolve_dtype(model_id: str, device: str, dtype: str = "auto") -> str:
 def engine_config(model_id: str, device: str = "cpu", threads: Optional[int] = 1, seed: int = 0,
                   max_num_seqs: int = 64, kv_cache_tokens: int = 1 << 17, tp: int = 1,
                   dtype: str = "float32") -> EngineConfig:
+    """The torch engine a profile or a validation measures: its prefill budget per
+    iteration is the one the planner simulates for the model (its context, from the
+    catalog or the checkpoint's config)."""
+    from raycolo.batching.limits import batched_token_budget
+
     return EngineConfig.model_validate({
         "backend": "torch",
         "model_loading_config": {"model_id": model_id, "seed": seed, "dtype": dtype},
         "engine_kwargs": {"max_num_seqs": max_num_seqs, "kv_cache_tokens": kv_cache_tokens,
+                          "max_num_batched_tokens": batched_token_budget(model_spec(model_id)),
                           "device": device, "cpu_threads": threads, "tensor_parallel_size": tp}})
 
 
@@ -145,7 +151,7 @@ def time_full_sampler(engine, rng, vocab: int, batches: Sequence[int] = SAMPLER_
     def decode_mean(prompts, params) -> float:
         engine.stats.iterations.clear()
         engine.generate(prompts, params)
-        times = [r.seconds for r in engine.stats.iterations if r.kind == StepKind.DECODE]
+        times = [r.seconds for r in engine.stats.iterations if r.kind == StepKind.DECODE and not r.graph_capture]
         return statistics.fmean(times)
 
     medians = []
@@ -228,7 +234,9 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     lengths = [o.output_len for o in engine.generate(prompts, params)]
     # the same prompts decoded greedily: the lengths a greedy DAG node really produces
     greedy_lengths = [o.output_len for o in engine.generate(prompts, SamplingParams(max_tokens=ECDF_MAX_TOKENS))]
-    records = list(engine.stats.iterations)
+    # a step that captured a CUDA graph also ran the capture's warm-ups: not a cost the planner sees
+    records = [r for r in engine.stats.iterations if not r.graph_capture]
+    captured = len(engine.stats.iterations) - len(records)
     say(f"{spec.name}: the full sampler against the plain argmax, on the engine")
     sampler = time_full_sampler(engine, rng, vocab, settings.sampler_batches, repeats=settings.sampler_repeats)
     engine.release()
@@ -254,7 +262,7 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     stats["decode_predictor"] = fit_decode_predictor(records, colocated)
     stats.update(model=spec.name, checkpoint=model_id if model_id != spec.name else None, tp=tp, device=device,
                  dtype=dtype, threads=threads, seed=seed,
-                 load_s=load_s, iterations=len(records),
+                 load_s=load_s, iterations=len(records), graph_capture_iterations=captured,
                  ecdf_mean=float(np.mean(lengths)), ecdf_max=int(np.max(lengths)),
                  sweep={"batch_sizes": list(settings.batch_sizes),
                         "context_lens": list(settings.context_lens),

@@ -80,3 +80,28 @@ def test_graphs_are_captured_only_on_cuda():
     assert create_executor(model, 64, 4, cuda_graphs=True).graphs is None    # the CPU: eager
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         enable_padded_decode(ModelExecutor(model, 64, 4), capture=True)
+
+
+def test_a_released_engine_frees_its_executor_and_graphs_at_once():
+    """An executor and its decode graphs refer to each other; ``release()`` collects the
+    cycle, so the weights, cache and captured graphs of a GPU engine go before the next
+    engine loads (``raycolo profile`` loads a real-size model several times in a row)."""
+    import gc
+    import weakref
+
+    from raycolo.engine.base import SamplingParams
+    from raycolo.engine.factory import create_engine
+
+    engine = create_engine({"backend": "torch", "model_loading_config": {"model_id": "tiny-llama-s"},
+                            "engine_kwargs": {"max_num_seqs": 4, "kv_cache_tokens": 1024, "cpu_threads": 1}})
+    enable_padded_decode(engine.executor, capture=False)
+    engine.generate([[1, 5, 9, 12]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert not any(r.graph_capture for r in engine.stats.iterations)     # nothing captured on the CPU
+    executor, graphs = weakref.ref(engine.executor), weakref.ref(engine.executor.graphs)
+    gc.disable()           # only release() may collect it
+    try:
+        engine.release()
+        assert executor() is None and graphs() is None
+    finally:
+        gc.enable()
+

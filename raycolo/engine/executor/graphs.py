@@ -116,6 +116,7 @@ class DecodeGraphs:
         self.capture = capture
         self.graphs: dict[tuple, _Graph] = {}     # (adapter state, rows, blocks) -> graph
         self.pool = None
+        self.captures = 0        # graphs captured so far (a step that captured took that long too)
 
     def clear(self) -> None:
         """Forget every graph (the weights or the cache moved)."""
@@ -197,3 +198,4 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             g.output = ex.forward(g.batch(ex.native), hidden)
         g.graph = graph
+        self.captures += 1

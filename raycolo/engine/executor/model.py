@@ -142,6 +142,11 @@ class ModelExecutor:
             return ()
         return (bool(lora.disable_adapters), tuple(lora.active_adapters), tuple(lora.merged_adapters))
 
+    @property
+    def graph_captures(self) -> int:
+        """How many decode graphs this executor has captured (0 without graphs)."""
+        return 0 if self.graphs is None else self.graphs.captures
+
     def sleep(self) -> None:
         """Free the KV cache (an engine put to sleep); :meth:`wake_up` makes a fresh one.
         Captured graphs go too: they hold the cache's and the weights' addresses."""
