@@ -369,6 +369,7 @@ class FallbackExecutor:
     transformers cache, no paging. Whole models only (no layer slices)."""
 
     paged = False
+    graph_captures = 0      # it captures no CUDA graphs (ModelExecutor.graph_captures)
     _warned: set = set()
 
     def __init__(self, model, num_blocks: int, block_size: int,
