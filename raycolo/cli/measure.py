@@ -20,26 +20,31 @@ def _require_device(device: str) -> None:
             raise RaycoloError("--device: 'cuda' asked for, but torch sees no CUDA device here")
 
 
+def _spec(model: str, flag: str, name, not_tiny: str):
+    """The ModelSpec of ``model``: a checkpoint directory's (named ``name``), or a tiny
+    catalog model's (the torch engine builds it with random weights); refused naming
+    ``flag`` otherwise (``not_tiny`` says what to give instead of a large catalog model)."""
+    from raycolo.catalog import get_model, spec_of_checkpoint
+    from raycolo.engine.models import MAX_RANDOM_PARAMS
+    from raycolo.errors import ConfigError
+
+    try:
+        if Path(model).is_dir():
+            return spec_of_checkpoint(model, name)
+        spec = get_model(model)
+    except ConfigError as exc:
+        raise RaycoloError(f"{flag}: {str(exc).removeprefix('--model: ')}") from None
+    if spec.hf_architecture is None or spec.num_params > MAX_RANDOM_PARAMS:
+        raise RaycoloError(f"{flag}: '{model}' {not_tiny}")
+    return spec
+
+
 def cmd_profile(args) -> int:
-    from raycolo.catalog import get_model
     from raycolo.offline.profiler import SweepSettings, profile_model
     from raycolo.online.stages.colocated_profile import measure_colocated
 
-    from pathlib import Path
-
-    from raycolo.catalog import spec_of_checkpoint
-    from raycolo.errors import ConfigError
-    if Path(args.model).is_dir():
-        spec = spec_of_checkpoint(args.model, args.name)
-    else:
-        try:
-            spec = get_model(args.model)
-        except ConfigError as exc:
-            raise RaycoloError(f"--model: {exc}") from None
-        from raycolo.engine.models import MAX_RANDOM_PARAMS
-        if spec.hf_architecture is None or spec.num_params > MAX_RANDOM_PARAMS:
-            raise RaycoloError(f"--model: '{args.model}' has no checkpoint here; give a tiny "
-                               "catalog model or a checkpoint directory")
+    spec = _spec(args.model, "--model", args.name,
+                 "has no checkpoint here; give a tiny catalog model or a checkpoint directory")
     if args.tp != 1:
         from raycolo.tp_rules import tp_split_error
         error = tp_split_error(args.tp, spec.heads, spec.kv_heads, spec.intermediate)
@@ -107,32 +112,20 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
 def _validated_model(model: str, args, profile_dir: Path, batches: bool) -> str:
     """The name of ``model``'s profile, once ``validate`` can run it: a tiny catalog model,
     or with ``--batches`` a checkpoint directory whose profile names a catalog model."""
-    from raycolo.catalog import get_model, spec_of_checkpoint
-    from raycolo.engine.models import MAX_RANDOM_PARAMS
-    from raycolo.errors import ConfigError
+    from raycolo.catalog import get_model
     from raycolo.tp_rules import tp_split_error
 
+    if Path(model).is_dir() and not batches:
+        raise RaycoloError(f"--models: {model} is a checkpoint directory: validate it with --batches "
+                           "(fixed lengths; a sampled set needs the model's own output lengths)")
+    spec = _spec(model, "--models", args.name,
+                 "is not a tiny model the torch engine can build (give its checkpoint directory with --batches)")
     if Path(model).is_dir():
-        if not batches:
-            raise RaycoloError(f"--models: {model} is a checkpoint directory: validate it with --batches "
-                               "(fixed lengths; a sampled set needs the model's own output lengths)")
-        try:
-            spec = spec_of_checkpoint(model, args.name)
-        except ConfigError as exc:
-            raise RaycoloError(f"--models: {str(exc).removeprefix('--model: ')}") from None
         try:
             get_model(spec.name)
         except Exception as exc:
             raise RaycoloError(f"--name: the planner costs catalog models; {exc} (give --name of the catalog "
                                "model this checkpoint has the shape of, as raycolo profile --name did)") from None
-    else:
-        try:
-            spec = get_model(model)
-        except Exception as exc:
-            raise RaycoloError(f"--models: {exc}") from None
-        if spec.hf_architecture is None or spec.num_params > MAX_RANDOM_PARAMS:
-            raise RaycoloError(f"--models: '{model}' is not a tiny model the torch engine can build "
-                               "(give its checkpoint directory with --batches)")
     error = tp_split_error(args.tp, spec.heads, spec.kv_heads, spec.intermediate)
     if error:
         raise RaycoloError(f"--tp: {spec.name}: {error}")

@@ -67,6 +67,19 @@ def _problem(app_yaml: str, profile_dir: Path, seed: int, tp: int = 1, cluster: 
     return PlanningProblem(workload, cluster or cpu_cluster(tp), profile_dir=profile_dir, max_num_seqs=max_num_seqs)
 
 
+def _node_problem(model: str, input_lens, max_tokens: int, profile_dir: Path, seed: int, tp: int = 1,
+                  cluster: Optional[ClusterSpec] = None, max_num_seqs: int = MAX_NUM_SEQS,
+                  greedy: bool = False) -> PlanningProblem:
+    """The planner's problem of one node ``m`` of ``model``: a request per input length."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source = _write_requests(Path(tmp) / "requests.jsonl", input_lens)
+        return _problem(f"""
+requests: {{file: {source}}}
+nodes: [{{name: m, model: {model}, max_output_tokens: {max_tokens}{', temperature: 0' if greedy else ''}}}]
+edges: [{{from: input, to: m}}]
+""", profile_dir, seed, tp, cluster=cluster, max_num_seqs=max_num_seqs)
+
+
 def _sampling(rng_seed: int, count: int, max_tokens: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=max_tokens, temperature=ECDF_TEMPERATURE, seed=rng_seed + i)
             for i in range(count)]
@@ -85,17 +98,11 @@ def model_case(model_id: str, profile_dir: Path, requests: int, seed: int, threa
     outputs = engine.generate(prompts, _sampling(seed * 100_003, requests, ECDF_MAX_TOKENS))
     measured = time.perf_counter() - started
     engine.release()
-    with tempfile.TemporaryDirectory() as tmp:
-        source = _write_requests(Path(tmp) / "requests.jsonl", [len(p) for p in prompts])
-        problem = _problem(f"""
-requests: {{file: {source}}}
-nodes: [{{name: m, model: {model_id}, max_output_tokens: {ECDF_MAX_TOKENS}}}]
-edges: [{{from: input, to: m}}]
-""", profile_dir, seed, tp)
-        state = initial_state(problem)
-        run = StageEvaluator(problem).node_run(state, "m", ExecPlan(1, tp), False, {})
-        problem.node("m").output_len = np.array([o.output_len for o in outputs])
-        known = StageEvaluator(problem).node_run(state, "m", ExecPlan(1, tp), False, {})
+    problem = _node_problem(model_id, [len(p) for p in prompts], ECDF_MAX_TOKENS, profile_dir, seed, tp)
+    state = initial_state(problem)
+    run = StageEvaluator(problem).node_run(state, "m", ExecPlan(1, tp), False, {})
+    problem.node("m").output_len = np.array([o.output_len for o in outputs])
+    known = StageEvaluator(problem).node_run(state, "m", ExecPlan(1, tp), False, {})
     name = f"{model_id} x{requests}" if tp == 1 else f"{model_id} tp{tp} x{requests}"
     return _case(name, run.end - run.load_s, known.end - known.load_s, measured)
 
@@ -158,15 +165,10 @@ def batch_cases(model_id: str, name: str, profile_dir: Path, runs: BatchRuns, se
 
 def _predicted_batch(name: str, profile_dir: Path, runs: BatchRuns, batch: int, seed: int, tp: int,
                      cluster: ClusterSpec) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        source = _write_requests(Path(tmp) / "requests.jsonl", [runs.prompt_len] * batch)
-        problem = _problem(f"""
-requests: {{file: {source}}}
-nodes: [{{name: m, model: {name}, max_output_tokens: {runs.output_len}, temperature: 0}}]
-edges: [{{from: input, to: m}}]
-""", profile_dir, seed, tp, cluster=cluster, max_num_seqs=max(runs.batches))
-        problem.node("m").output_len = np.full(batch, runs.output_len)
-        run = StageEvaluator(problem).node_run(initial_state(problem), "m", ExecPlan(1, tp), False, {})
+    problem = _node_problem(name, [runs.prompt_len] * batch, runs.output_len, profile_dir, seed, tp, cluster,
+                            max(runs.batches), greedy=True)
+    problem.node("m").output_len = np.full(batch, runs.output_len)
+    run = StageEvaluator(problem).node_run(initial_state(problem), "m", ExecPlan(1, tp), False, {})
     return run.end - run.load_s
 
 

@@ -87,17 +87,8 @@ def resolve_dtype(model_id: str, device: str, dtype: str = "auto") -> str:
         return dtype
     if not device.startswith("cuda"):
         return "float32"
-    path = Path(model_id) / "config.json"
-    if path.is_file():
-        try:
-            cfg = json.loads(path.read_text())
-        except ValueError:
-            cfg = {}
-        text = cfg.get("text_config") or cfg          # transformers 5 writes "dtype", 4 "torch_dtype"
-        named = str(text.get("torch_dtype") or text.get("dtype") or "")
-        if named in ("bfloat16", "float16"):
-            return named
-    return "bfloat16"
+    named = model_spec(model_id).dtype       # a checkpoint's config.json, as the catalog reads it
+    return named if named in ("bfloat16", "float16") else "bfloat16"
 
 
 def engine_config(model_id: str, device: str = "cpu", threads: Optional[int] = 1, seed: int = 0,
