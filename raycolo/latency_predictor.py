@@ -14,8 +14,11 @@ Harli measures ``solo_at_share`` per SM ratio on the GPU. Where the share is tim
 iteration granularity (the CPU, or a GPU without SM partitioning), an iteration at share
 ``s_inf`` gets the whole device for ``s_inf`` of the time, so ``solo_at_share = solo /
 s_inf``; the factor ``(s_inf * b1 + s_ft * k1)`` then captures the interference left over
-(caches, memory bandwidth, the switch). Both stages are linear in their coefficients and
-are fitted with ``numpy.linalg.lstsq`` from measured iterations (``raycolo profile``
+(caches, memory bandwidth, the switch). Both stages are linear in their coefficients.
+Stage 1's are costs: it is fitted by non-negative least squares on relative errors (each
+iteration weighs by one over its latency, as the held-out MAPE does; a plain ``lstsq`` let
+the large batches pull the fixed cost ``c0`` below zero on a noisy CPU). Stage 2 is fitted
+with ``numpy.linalg.lstsq``. Both come from measured iterations (``raycolo profile``
 records them); :func:`mape` reports the error on held-out iterations (Harli reports 3 %
 for stage 1 and about 5 % for stage 2).
 
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
+
+from raycolo.lsq import scaled_nnls
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ def fit(samples: Iterable[DecodeSample]) -> DecodeLatencyPredictor:
     y = np.array([s.latency_s for s in solo])
     if np.linalg.matrix_rank(x) < 3:
         raise ValueError("fit: the solo iterations need at least two batch sizes and two context lengths")
-    b0, c0, k0 = np.linalg.lstsq(x, y, rcond=None)[0]
+    b0, c0, k0 = scaled_nnls(x, y, weights=1.0 / np.maximum(y, 1e-12))
     stage1 = DecodeLatencyPredictor(float(b0), float(c0), float(k0))
     if len(colo) < 2:
         return stage1

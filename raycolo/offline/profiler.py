@@ -137,7 +137,7 @@ def time_full_sampler(engine, rng, vocab: int, batches: Sequence[int] = SAMPLER_
     ignoring EOS, so the iterations match one for one), the two alternating so the
     machine's drift cancels; a non-negative line through the medians of the differences
     of their mean decode iterations."""
-    from raycolo.offline.costmodel.fit import nnls
+    from raycolo.lsq import nnls
 
     def decode_mean(prompts, params) -> float:
         engine.stats.iterations.clear()

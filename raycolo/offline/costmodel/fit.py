@@ -24,6 +24,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from raycolo.batching.step_scheduler import StepKind
+from raycolo.lsq import scaled_nnls
 from raycolo.offline.costmodel.latency import DEFAULT_BUCKETS, IterationLatency, LatencyProfile
 
 MIN_SAMPLES_PER_BUCKET = 3
@@ -52,32 +53,6 @@ def samples_from_records(records: Iterable, latency: IterationLatency) -> list[I
     return out
 
 
-def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 500) -> np.ndarray:
-    """Lawson-Hanson non-negative least squares (numpy only)."""
-    m, n = a.shape
-    x = np.zeros(n)
-    passive = np.zeros(n, dtype=bool)
-    w = a.T @ (b - a @ x)
-    tol = 1e-10 * max(1.0, np.abs(w).max(initial=0.0))
-    for _ in range(max_iter):
-        if passive.all() or (w[~passive] <= tol).all():
-            break
-        j = np.argmax(np.where(passive, -np.inf, w))
-        passive[j] = True
-        while True:
-            z = np.zeros(n)
-            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if (z[passive] > 0).all():
-                x = z
-                break
-            neg = passive & (z <= 0)
-            alpha = np.min(x[neg] / (x[neg] - z[neg]))
-            x = x + alpha * (z - x)
-            passive &= x > tol
-        w = a.T @ (b - a @ x)
-    return x
-
-
 def _fit_part(samples: Sequence[IterationSample], buckets: list[int]):
     """NNLS of one iteration kind; returns per-bucket (intercept, slope), per-token, per-seq."""
     n = np.array([s.num_seqs for s in samples])
@@ -98,8 +73,7 @@ def _fit_part(samples: Sequence[IterationSample], buckets: list[int]):
     x[rows, [k + col[v] for v in b]] = tflops
     x[:, 2 * k] = tokens
     x[:, 2 * k + 1] = n
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-30)  # comparable magnitudes for the solver
-    coef = nnls(x / scale, y) / scale
+    coef = scaled_nnls(x, y)
     intercept = np.empty(len(buckets))
     slope = np.empty(len(buckets))
     for i in range(len(buckets)):
