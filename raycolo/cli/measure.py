@@ -60,7 +60,8 @@ def cmd_profile(args) -> int:
     if args.json:
         print(json.dumps(stats, indent=2))
     else:
-        print(f"{stats['model']}: {stats['iterations']} iterations, fit R2 {stats['r2']:.3f}, "
+        dropped = f" ({stats['outlier_iterations']} one-off iteration(s) dropped)" if stats["outlier_iterations"] else ""
+        print(f"{stats['model']}: {stats['iterations']} iterations{dropped}, fit R2 {stats['r2']:.3f}, "
               f"median |error| {stats['median_abs_error']:.1%}, load {stats['load_s']:.2f}s, "
               f"output length mean {stats['ecdf_mean']:.0f} (max {stats['ecdf_max']})")
         dp = stats["decode_predictor"]

@@ -202,7 +202,12 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     rng = seeded_rng(seed, "profile", model_id)
     vocab = spec.vocab
     greedy = SamplingParams(max_tokens=settings.decode_steps, ignore_eos=True)
-    engine.generate(random_prompts(rng, 2, 8, vocab), greedy)  # warm-up, not recorded
+    # Warm-up, not recorded: every batch size of the sweep once, so no timed iteration is
+    # the first of its shape (the first runs a shape's kernel set-up on the CPU, and captures
+    # its CUDA graph on a GPU).
+    say(f"{spec.name}: warm-up over the sweep's batch sizes")
+    for batch in settings.batch_sizes:
+        engine.generate(random_prompts(rng, batch, min(settings.context_lens), vocab), greedy)
     engine.stats.iterations.clear()
     for length in settings.context_lens:
         for batch in settings.batch_sizes:

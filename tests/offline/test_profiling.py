@@ -137,6 +137,30 @@ def test_fit_with_noise_stays_close_and_never_negative():
     assert 0.9 < stats["r2"] <= 1
 
 
+def test_one_off_iterations_are_dropped_from_the_fit(monkeypatch):
+    """A few iterations 30 times their cost (a kernel compiled on first use, a burst on a
+    shared machine) are dropped: the fit is TRUTH's again and says how many it dropped;
+    kept, they pull the coefficients of their buckets off."""
+    import raycolo.offline.costmodel.fit as fit_module
+
+    samples = synthetic_samples(np.random.default_rng(8))
+    hit = [i for i, s in enumerate(samples) if s.kind == "decode" and 16 < s.num_seqs <= 32][:3]
+    hit += [i for i, s in enumerate(samples) if s.kind == "prefill"][:2]
+    for i in hit:
+        samples[i].seconds *= 30
+    fitted, stats = fit_profile(samples, "synthetic", 1, load_s=0.0)
+    assert stats["outlier_iterations"] == 5 and stats["r2"] > 0.999999
+    np.testing.assert_allclose(fitted.compute_intercept_s, TRUTH.compute_intercept_s, rtol=1e-4)
+    np.testing.assert_allclose(fitted.compute_s_per_tflop, TRUTH.compute_s_per_tflop, rtol=1e-4)
+    np.testing.assert_allclose(fitted.prefill_s_per_tflop, TRUTH.prefill_s_per_tflop, rtol=1e-4)
+    monkeypatch.setattr(fit_module, "OUTLIER_RATIO", float("inf"))
+    kept, stats = fit_profile(samples, "synthetic", 1, load_s=0.0)
+    assert stats["outlier_iterations"] == 0
+    bucket = TRUTH.bucket_of(np.array([32]))[0]
+    assert not np.isclose(kept.compute_s_per_tflop[bucket], TRUTH.compute_s_per_tflop[bucket], rtol=0.05) or \
+        not np.isclose(kept.compute_intercept_s[bucket], TRUTH.compute_intercept_s[bucket], rtol=0.05)
+
+
 def test_profile_file_round_trips(tmp_path):
     path = tmp_path / "m.tp1.json"
     TRUTH.save(path)

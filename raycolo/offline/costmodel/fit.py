@@ -28,6 +28,10 @@ from raycolo.lsq import scaled_nnls
 from raycolo.offline.costmodel.latency import DEFAULT_BUCKETS, IterationLatency, LatencyProfile
 
 MIN_SAMPLES_PER_BUCKET = 3
+# An iteration that took this many times the fit's prediction is not the engine's steady
+# cost but a one-off (a Triton kernel compiled on first use of a shape, a page-in, another
+# tenant's burst on a shared VM): it is dropped and the fit repeated without it.
+OUTLIER_RATIO = 4.0
 
 
 @dataclass
@@ -84,10 +88,22 @@ def _fit_part(samples: Sequence[IterationSample], buckets: list[int]):
             x @ coef, y, [buckets[u] for u in used])
 
 
+def _robust_fit_part(samples: Sequence[IterationSample], buckets: list[int]):
+    """:func:`_fit_part`, then again without the iterations that took more than
+    ``OUTLIER_RATIO`` times its prediction; the count dropped comes last."""
+    fitted = _fit_part(samples, buckets)
+    pred, y = fitted[4], fitted[5]
+    keep = y <= OUTLIER_RATIO * pred
+    if keep.all() or keep.sum() < 4:
+        return fitted + (0,)
+    return _fit_part([s for s, k in zip(samples, keep) if k], buckets) + (int((~keep).sum()),)
+
+
 def fit_profile(samples: Sequence[IterationSample], model: str, tp: int, load_s: float,
                 buckets: Sequence[int] = DEFAULT_BUCKETS, separate_prefill: bool = True,
                 full_sampler: tuple[float, float] = (0.0, 0.0)) -> tuple[LatencyProfile, dict]:
-    """Fit a LatencyProfile; returns it with fit statistics (R², median |error|).
+    """Fit a LatencyProfile; returns it with fit statistics (R², median |error|, the
+    iterations dropped as outliers: more than ``OUTLIER_RATIO`` times the first fit).
 
     With ``separate_prefill`` prefill and decode iterations get their own coefficients;
     otherwise one set serves both, as in the paper. ``full_sampler`` is the full sampler's
@@ -102,10 +118,11 @@ def fit_profile(samples: Sequence[IterationSample], model: str, tp: int, load_s:
     prefill = [s for s in samples if s.kind == StepKind.PREFILL] if separate_prefill else []
     if len(decode) < 4 or (separate_prefill and len(prefill) < 4):
         raise ValueError("need at least 4 measured iterations of each kind to fit a profile")
-    intercept, slope, per_token, per_seq, pred, y, used = _fit_part(decode, buckets)
+    intercept, slope, per_token, per_seq, pred, y, used, dropped = _robust_fit_part(decode, buckets)
     extra = {}
     if separate_prefill:
-        p_int, p_slope, p_tok, p_seq, p_pred, p_y, _ = _fit_part(prefill, buckets)
+        p_int, p_slope, p_tok, p_seq, p_pred, p_y, _, p_dropped = _robust_fit_part(prefill, buckets)
+        dropped += p_dropped
         extra = dict(prefill_intercept_s=p_int, prefill_s_per_tflop=p_slope,
                      prefill_s_per_token=p_tok, prefill_s_per_seq=p_seq)
         pred, y = np.concatenate([pred, p_pred]), np.concatenate([y, p_y])
@@ -119,5 +136,5 @@ def fit_profile(samples: Sequence[IterationSample], model: str, tp: int, load_s:
     ss_tot = float(((y - y.mean()) ** 2).sum()) or 1e-30
     stats = {"samples": len(samples), "r2": 1 - ss_res / ss_tot,
              "median_abs_error": float(np.median(np.abs(pred - y) / np.maximum(y, 1e-12))),
-             "buckets_measured": used}
+             "buckets_measured": used, "outlier_iterations": dropped}
     return profile, stats
