@@ -316,6 +316,16 @@ def test_resume_skips_finished_requests(cluster, tmp_path):
     assert f"cover the {report['requests_run']} that were left" in report["notes"][0]
     kept = table.set_index("key").loc[list(first)]
     assert list(kept["text"]) == [first[k]["text"] for k in first]  # finished work untouched
+    # the same job once more: everything is done, nothing is planned or run, the report stays
+    said = []
+    again = run_application(config, log=said.append)
+    assert again["already_done"] and {k: again[k] for k in report if k != "report_path"} == \
+        {k: v for k, v in json.loads(Path(report["report_path"]).read_text()).items()}
+    assert "nothing ran again" in said[-1] and _check_exactly_once(again, Path(config.output)).equals(table)
+    Path(report["report_path"]).unlink()          # stopped after its last output, before its report
+    short = run_application(config, log=lambda m: None)
+    assert (short["requests_run"], short["requests_skipped"]) == (0, report["requests_total"])
+    assert "already done" in short["notes"][0] and Path(short["report_path"]).is_file()
 
 
 def test_a_disk_that_fills_up_mid_run_loses_nothing_acknowledged(cluster, tmp_path):

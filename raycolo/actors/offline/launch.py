@@ -91,6 +91,8 @@ def _run_once(config: RunConfig, on_output: Optional[Callable], log: Callable[[s
     total, skipped = run.communicator.total, run.communicator.done
     log(f"{run.app.name}: {total} requests over {len(run.workload.nodes)} nodes"
         + (f", {skipped} already done in {config.output} (resuming)" if skipped else ""))
+    if total and skipped >= total:
+        return _already_done(run, log)
     connect(config)
     gpus = config.gpus or cluster_gpus()
     cluster = run.cluster(gpus)
@@ -154,6 +156,32 @@ def _run_once(config: RunConfig, on_output: Optional[Callable], log: Callable[[s
         f"{report['actual_makespan_s']:.1f}s vs predicted {report['predicted_makespan_s']:.1f}s "
         f"({report['prediction_error']:+.1%})")
     report["report_path"] = str(path)
+    return report
+
+
+def _already_done(run, log: Callable[[str], None]) -> dict:
+    """The journal in ``--output`` holds every request: nothing is planned or started. The
+    outputs table is written again from the journal (a run stopped after its last output
+    but before its table loses nothing); the finished run's report is returned as it is,
+    or, where it never got written, a short one that says so."""
+    from raycolo.offline.runtime.report import REPORT
+
+    try:
+        outputs = run.store.write_table().resolve()
+    finally:
+        run.store.close()
+    path = run.store.dir / REPORT
+    total = run.communicator.total
+    note = f"all {total} requests were already done in {run.config.output}: nothing ran again"
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        report = {"app": run.app.name, "requests_total": total, "requests_done": total,
+                  "requests_skipped": total, "requests_run": 0, "outputs": str(outputs), "notes": [note]}
+        path.write_text(json.dumps(report, indent=2))
+    log(f"{run.app.name}: {note} (outputs {outputs})")
+    report["report_path"] = str(path.resolve())
+    report["already_done"] = True
     return report
 
 
