@@ -37,8 +37,8 @@ from raycolo.offline.runtime.setup import PreparedRun
 
 PROBE_MODEL = "tiny-llama-s"
 PROBE_REQUESTS = 32       # requests of a compute probe (fewer if the node has fewer)
-PROBE_MAX_TOKENS = 32     # tokens each probe request may generate at most; both halved
-PROBE_BUDGET_S = 0.2      # (tokens down to 8 first) until the profile predicts the probe within this
+PROBE_MAX_TOKENS = 64     # tokens each probe request may generate at most; both halved
+PROBE_BUDGET_S = 0.4      # (tokens down to 8 first) until the profile predicts the probe within this
 
 
 @dataclass
