@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 date -u | tee -a "$OUT/card.txt"
 PHASES=" ${PHASES:-check bench} "
 if [[ "$PHASES" == *" check "* ]]; then
-  timeout "${GPU_CHECK_S:-200}" python3 -m raycolo.engine.gpu_check --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+  timeout "${GPU_CHECK_S:-200}" python3 -m raycolo.gpu_check --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
 fi
 if [[ "$PHASES" == *" bench "* ]]; then
   timeout "${GPU_BENCH_S:-330}" python3 bench/gpu_realsize.py --json "$OUT/gpu_realsize.json" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_realsize.log"
