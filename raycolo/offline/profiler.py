@@ -66,7 +66,7 @@ class SweepSettings:
         """A real-size model on one GPU, within a device lease (about 3 minutes for the
         Llama-3-8B shape): batches up to 256 at prompts up to 1,024 tokens, one timed
         load (a load reads the whole checkpoint), a KV budget that holds the largest batch
-        (256 x 1,032 tokens: 36 GiB for that shape, which leaves room on an 80 GB card)."""
+        (256 x 1,040 tokens: 36 GiB for that shape, which leaves room on an 80 GB card)."""
         return cls(batch_sizes=(1, 4, 16, 64, 128, 256), context_lens=(128, 512, 1024), decode_steps=16,
                    mixed_requests=128, ecdf_requests=64, load_repeats=1, sampler_batches=(1, 64, 256),
                    sampler_repeats=2, max_num_seqs=256, kv_cache_tokens=9 << 15)
