@@ -29,13 +29,15 @@ from raycolo.engine.factory import create_engine
 from raycolo.hardware import ClusterSpec
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
 from raycolo.offline.planner.state import StageEvaluator, initial_state
-from raycolo.offline.profiler import ECDF_MAX_TOKENS, ECDF_TEMPERATURE, engine_config
+from raycolo.offline.profiler import (ECDF_MAX_TOKENS, ECDF_TEMPERATURE, engine_config, profile_reference,
+                                     time_reference)
 from raycolo.rng import random_prompts
 from raycolo.offline.workload import build_workload
 
 TINY_MODELS = ("tiny-llama-s", "tiny-llama-m", "tiny-llama-l")
 MAX_NUM_SEQS = 64
 JUDGE_MAX_TOKENS = 64
+DAG_MODELS = ("tiny-llama-s", "tiny-llama-m")   # the 2-model application: answer, then judge
 JUDGE_INSTRUCTION = [7] * 12  # a fixed 12-token instruction before each answer
 
 
@@ -97,6 +99,7 @@ def model_case(model_id: str, profile_dir: Path, requests: int, seed: int, threa
     started = time.perf_counter()
     outputs = engine.generate(prompts, _sampling(seed * 100_003, requests, ECDF_MAX_TOKENS))
     measured = time.perf_counter() - started
+    machine = _machine(engine, vocab, profile_dir, model_id, tp)
     engine.release()
     problem = _node_problem(model_id, [len(p) for p in prompts], ECDF_MAX_TOKENS, profile_dir, seed, tp)
     state = initial_state(problem)
@@ -104,7 +107,16 @@ def model_case(model_id: str, profile_dir: Path, requests: int, seed: int, threa
     problem.node("m").output_len = np.array([o.output_len for o in outputs])
     known = StageEvaluator(problem).node_run(state, "m", ExecPlan(1, tp), False, {})
     name = f"{model_id} x{requests}" if tp == 1 else f"{model_id} tp{tp} x{requests}"
-    return _case(name, run.end - run.load_s, known.end - known.load_s, measured)
+    return dict(_case(name, run.end - run.load_s, known.end - known.load_s, measured), **machine)
+
+
+def _machine(engine, vocab: int, profile_dir: Path, name: str, tp: int) -> dict:
+    """The reference batch timed now on ``engine`` (``reference_s``) and over the time
+    recorded with the profile (``machine_vs_profile``: above 1, the machine is slower now
+    than when it was profiled; None where the profile recorded none)."""
+    now = time_reference(engine, vocab)
+    then = profile_reference(profile_dir, name, tp)
+    return {"reference_s": now, "machine_vs_profile": None if then is None else now / then}
 
 
 @dataclass(frozen=True)
@@ -158,9 +170,10 @@ def batch_cases(model_id: str, name: str, profile_dir: Path, runs: BatchRuns, se
             case = _case(f"{name} b={batch} ({runs.prompt_len}+{runs.output_len})", predicted, predicted,
                          statistics.median(times))
             cases.append(dict(case, batch=batch, runs_s=times))
+        machine = _machine(engine, vocab, profile_dir, name, tp)
     finally:
         engine.release()
-    return cases
+    return [dict(case, **machine) for case in cases]
 
 
 def _predicted_batch(name: str, profile_dir: Path, runs: BatchRuns, batch: int, seed: int, tp: int,
@@ -182,7 +195,7 @@ def _case(name: str, predicted: float, predicted_known: float, measured: float) 
 
 
 def dag_case(profile_dir: Path, requests: int, seed: int, threads: int,
-             answer: str = "tiny-llama-s", judge: str = "tiny-llama-m") -> dict:
+             answer: str = DAG_MODELS[0], judge: str = DAG_MODELS[1]) -> dict:
     rng = seeded_rng(seed, "validate-dag")
     lengths = rng.integers(8, 128, requests)
     prompts = random_prompts(rng, requests, lengths, get_model(answer).vocab)
@@ -221,6 +234,9 @@ def _summed(runs: list[dict]) -> dict:
         return runs[0]
     total = {k: sum(r[k] for r in runs) for k in ("predicted_s", "predicted_known_lengths_s", "measured_s")}
     case = _case(runs[0]["name"], total["predicted_s"], total["predicted_known_lengths_s"], total["measured_s"])
+    machine = [r.get("machine_vs_profile") for r in runs]
+    if all(m is not None for m in machine):
+        case["machine_vs_profile"] = float(np.median(machine))
     return dict(case, runs=runs)
 
 
@@ -246,7 +262,10 @@ def validate(profile_dir: str | Path, models=TINY_MODELS, requests: int = 48, se
             cases.append(_summed([model_case(model_id, profile_dir, requests, seed + r, threads, tp)
                                   for r in range(repeats)]))
         dtypes.append("float32")
-        if tp == 1:
+        missing = [m for m in DAG_MODELS if not (profile_dir / f"{m}.tp1.json").exists()]
+        if tp == 1 and missing:   # its plan would cost them by roofline defaults, not this machine
+            say(f"not validating the 2-model application: {profile_dir} has no profile of {', '.join(missing)}")
+        elif tp == 1:
             say("validating a 2-model application" + sets)
             cases.append(_summed([dag_case(profile_dir, requests, seed + r, threads) for r in range(repeats)]))
     else:
@@ -255,6 +274,7 @@ def validate(profile_dir: str | Path, models=TINY_MODELS, requests: int = 48, se
             dtypes.append(resolve_dtype(model_id, device, dtype))
             cases += batch_cases(model_id, name, profile_dir, batches, seed, threads, device, dtypes[-1], tp,
                                  repeats, say)
+    machine = [c["machine_vs_profile"] for c in cases if c.get("machine_vs_profile") is not None]
     mape = float(np.mean([abs(c["error"]) for c in cases]))
     mape_known = float(np.mean([abs(c["error_known_lengths"]) for c in cases]))
     return {"cases": cases, "mape": mape, "mape_known_lengths": mape_known,
@@ -262,16 +282,19 @@ def validate(profile_dir: str | Path, models=TINY_MODELS, requests: int = 48, se
             "mean_signed_error_known_lengths": float(np.mean([c["error_known_lengths"] for c in cases])),
             "profile": str(profile_dir), "threads": threads, "tp": tp, "repeats": repeats,
             "device": device, "dtype": ",".join(sorted(set(dtypes))),
+            "machine_vs_profile": float(np.median(machine)) if machine else None,
             "batches": None if batches is None else {"sizes": list(batches.batches), "prompt_len": batches.prompt_len,
                                                      "output_len": batches.output_len}}
 
 
 def format_report(report: dict) -> str:
     lines = [f"{'case':<44} {'predicted_s':>11} {'measured_s':>10} {'error':>8} "
-             f"{'known-lengths error':>19}"]
+             f"{'known-lengths error':>19} {'machine':>8}"]
     for c in report["cases"]:
+        machine = c.get("machine_vs_profile")
         lines.append(f"{c['name']:<44} {c['predicted_s']:>11.2f} {c['measured_s']:>10.2f} "
-                     f"{c['error']:>+8.1%} {c['error_known_lengths']:>+19.1%}")
+                     f"{c['error']:>+8.1%} {c['error_known_lengths']:>+19.1%} "
+                     f"{'-' if machine is None else f'x{machine:.2f}':>8}")
     lines.append(f"{'mean signed error (+: predicted slower)':<44} {'':>11} {'':>10} "
                  f"{report['mean_signed_error']:>+8.1%} {report['mean_signed_error_known_lengths']:>+19.1%}")
     where = f"profile {report['profile']}, {report.get('dtype', 'float32')} on {report.get('device', 'cpu')}"
@@ -282,4 +305,6 @@ def format_report(report: dict) -> str:
         lines.append(f"MAPE {report['mape']:.1%} with sampled output lengths (the planner's prediction), "
                      f"{report['mape_known_lengths']:.1%} with the lengths the engine produced "
                      f"({where}, {report['threads']} thread(s), {report['repeats']} request set(s) per case)")
+    lines.append("machine: a fixed reference batch timed beside each case over its time when the profile was "
+                 "measured (x1.10: 10 % slower now; '-': the profile recorded none)")
     return "\n".join(lines)

@@ -37,6 +37,8 @@ from raycolo.generation.params import ECDF_TEMPERATURE  # the planner's eCDFs ar
 ECDF_MAX_TOKENS = 256
 
 
+# The reference batch (time_reference): requests, prompt tokens, greedy tokens, timed runs.
+REFERENCE_REQUESTS, REFERENCE_PROMPT, REFERENCE_TOKENS, REFERENCE_REPEATS = 16, 64, 16, 3
 SAMPLER_BATCHES = (1, 8, 32, 64)     # batch sizes the full sampler is timed at
 SAMPLER_STEPS = 12                   # decode steps of each timed run
 SAMPLER_REPEATS = 3                  # greedy/sampled pairs per batch size (the median is kept)
@@ -159,6 +161,34 @@ def time_full_sampler(engine, rng, vocab: int, batches: Sequence[int] = SAMPLER_
     return float(f0), float(f1)
 
 
+def time_reference(engine, vocab: int) -> float:
+    """This machine's speed on this model now: the median wall time of a fixed batch
+    (``REFERENCE_REQUESTS`` prompts of ``REFERENCE_PROMPT`` seeded random tokens, each
+    decoding ``REFERENCE_TOKENS`` greedy tokens, EOS ignored) over ``REFERENCE_REPEATS``
+    runs after an untimed one. ``raycolo profile`` records it (``.fit.json``'s
+    ``reference_s``); ``raycolo validate`` times it again on each case's engine, so a
+    case's error can be read against how much the machine moved since the profile."""
+    prompts = random_prompts(seeded_rng(0, "reference"), REFERENCE_REQUESTS, REFERENCE_PROMPT, vocab)
+    params = SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True)
+    engine.generate(prompts, params)
+    times = []
+    for _ in range(REFERENCE_REPEATS):
+        started = time.perf_counter()
+        engine.generate(prompts, params)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def profile_reference(profile_dir: Path, name: str, tp: int) -> Optional[float]:
+    """The reference time recorded beside ``name``'s tp profile, or None (a profile written
+    before it was recorded, or without its ``.fit.json``)."""
+    try:
+        value = json.loads((Path(profile_dir) / f"{name}.tp{tp}.fit.json").read_text()).get("reference_s")
+    except (OSError, ValueError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
 def measured_on(device: str, threads: Optional[int], tp: int, dtype: str = "float32") -> str:
     """Where and when a profile is measured: the card (or CPU, cores and torch threads), the
     weights' data type, the date."""
@@ -235,6 +265,7 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     captured = len(engine.stats.iterations) - len(records)
     say(f"{spec.name}: the full sampler against the plain argmax, on the engine")
     sampler = time_full_sampler(engine, rng, vocab, settings.sampler_batches, repeats=settings.sampler_repeats)
+    reference_s = time_reference(engine, vocab)
     engine.release()
 
     from raycolo.offline.costmodel.latency import default_profile
@@ -259,6 +290,7 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     stats.update(model=spec.name, checkpoint=model_id if model_id != spec.name else None, tp=tp, device=device,
                  dtype=dtype, threads=threads, seed=seed,
                  load_s=load_s, iterations=len(records), graph_capture_iterations=captured,
+                 reference_s=reference_s,
                  ecdf_mean=float(np.mean(lengths)), ecdf_max=int(np.max(lengths)),
                  sweep={"batch_sizes": list(settings.batch_sizes),
                         "context_lens": list(settings.context_lens),

@@ -216,6 +216,7 @@ def test_profiler_writes_the_files_the_cost_model_reads(small_profile):
     assert fit["model"] == "tiny-llama-s" and fit["checkpoint"].endswith("llama-s")
     assert profile.engine == "torch" and re.fullmatch(r"cpu .*, \d{4}-\d{2}-\d{2}", profile.measured_on)
     assert profile.full_sampler_intercept_s + 8 * profile.full_sampler_s_per_seq >= 0
+    assert 0 < fit["reference_s"] < 5      # the machine's reference batch, timed at the profile
 
 
 def test_plan_uses_a_profile_directory(small_profile, tmp_path):
@@ -277,6 +278,8 @@ def test_validate_reports_predicted_and_measured_times():
     assert report["mape"] == pytest.approx(np.mean([abs(c["error"]) for c in report["cases"]]))
     assert report["mean_signed_error"] == pytest.approx(np.mean([c["error"] for c in report["cases"]]))
     assert report["repeats"] == 2
+    model = next(c for c in report["cases"] if c["name"].startswith("tiny-llama-s"))
+    assert all(r["reference_s"] > 0 and "machine_vs_profile" in r for r in model["runs"])
 
 
 def test_validate_batches_times_a_checkpoint_directory_against_its_profile(small_profile, capsys):
@@ -300,6 +303,26 @@ def test_validate_batches_times_a_checkpoint_directory_against_its_profile(small
         assert case["predicted_s"] > 0 and case["predicted_known_lengths_s"] == case["predicted_s"]
     small, large = report["cases"]
     assert large["predicted_s"] > small["predicted_s"]      # 8 sequences cost more than one
+    # the reference batch timed again on the validating engine, over the profile's time
+    then = json.loads((out / "tiny-llama-s.tp1.fit.json").read_text())["reference_s"]
+    for case in report["cases"]:
+        assert case["reference_s"] > 0 and case["machine_vs_profile"] == pytest.approx(case["reference_s"] / then)
+    assert report["machine_vs_profile"] == pytest.approx(small["machine_vs_profile"])
+
+
+def test_validate_leaves_out_the_application_whose_models_have_no_profile(small_profile, capsys):
+    """A directory with tiny-llama-s's profile only: the 2-model application (s answers,
+    m judges) is not validated, since its plan would cost tiny-llama-m by roofline
+    defaults; the progress line says so."""
+    from raycolo.cli.main import main
+
+    out, _, _ = small_profile
+    assert main(["validate", "--profile", str(out), "--models", "tiny-llama-s", "--requests", "4",
+                 "--repeats", "1"]) == 0
+    captured = capsys.readouterr()
+    assert f"not validating the 2-model application: {out} has no profile of tiny-llama-m" in captured.err
+    rows = [line.split()[0] for line in captured.out.splitlines()[1:] if line.startswith("tiny") or "DAG" in line]
+    assert rows == ["tiny-llama-s"]
 
 
 def test_profile_dtype_and_the_gpu_sweep():
