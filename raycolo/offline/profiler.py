@@ -39,6 +39,7 @@ ECDF_MAX_TOKENS = 256
 
 # The reference batch (time_reference): requests, prompt tokens, greedy tokens, timed runs.
 REFERENCE_REQUESTS, REFERENCE_PROMPT, REFERENCE_TOKENS, REFERENCE_REPEATS = 16, 64, 16, 3
+DRIFT_WARNING = 0.10   # raycolo profile warns when the reference moved more than this
 SAMPLER_BATCHES = (1, 8, 32, 64)     # batch sizes the full sampler is timed at
 SAMPLER_STEPS = 12                   # decode steps of each timed run
 SAMPLER_REPEATS = 3                  # greedy/sampled pairs per batch size (the median is kept)
@@ -165,9 +166,11 @@ def time_reference(engine, vocab: int) -> float:
     """This machine's speed on this model now: the median wall time of a fixed batch
     (``REFERENCE_REQUESTS`` prompts of ``REFERENCE_PROMPT`` seeded random tokens, each
     decoding ``REFERENCE_TOKENS`` greedy tokens, EOS ignored) over ``REFERENCE_REPEATS``
-    runs after an untimed one. ``raycolo profile`` records it (``.fit.json``'s
-    ``reference_s``); ``raycolo validate`` times it again on each case's engine, so a
-    case's error can be read against how much the machine moved since the profile."""
+    runs after an untimed one. ``raycolo profile`` times it before its sweep and at its
+    end (``.fit.json``'s ``reference_start_s``, ``reference_s`` and their ratio
+    ``machine_drift``: a machine that moved during the profile gave it mixed speeds);
+    ``raycolo validate`` times it again on each case's engine, so a case's error can be
+    read against how much the machine moved since the profile."""
     prompts = random_prompts(seeded_rng(0, "reference"), REFERENCE_REQUESTS, REFERENCE_PROMPT, vocab)
     params = SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True)
     engine.generate(prompts, params)
@@ -177,6 +180,16 @@ def time_reference(engine, vocab: int) -> float:
         engine.generate(prompts, params)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def drift_warning(model: str, drift: float) -> Optional[str]:
+    """The line ``raycolo profile`` prints when the reference batch's end/start ratio
+    ``drift`` moved more than ``DRIFT_WARNING`` during the profile, else None."""
+    if abs(drift - 1) <= DRIFT_WARNING:
+        return None
+    return (f"{model}: warning: this machine ran a fixed reference batch {abs(drift - 1):.0%} "
+            f"{'slower' if drift > 1 else 'faster'} at the end of the profile than at its start; the fit "
+            "mixes both speeds: profile again when the machine is quiet")
 
 
 def profile_reference(profile_dir: Path, name: str, tp: int) -> Optional[float]:
@@ -238,6 +251,7 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     say(f"{spec.name}: warm-up over the sweep's batch sizes")
     for batch in settings.batch_sizes:
         engine.generate(random_prompts(rng, batch, min(settings.context_lens), vocab), greedy)
+    reference_start_s = time_reference(engine, vocab)   # and again at the end: did the machine move?
     engine.stats.iterations.clear()
     for length in settings.context_lens:
         for batch in settings.batch_sizes:
@@ -290,7 +304,8 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     stats.update(model=spec.name, checkpoint=model_id if model_id != spec.name else None, tp=tp, device=device,
                  dtype=dtype, threads=threads, seed=seed,
                  load_s=load_s, iterations=len(records), graph_capture_iterations=captured,
-                 reference_s=reference_s,
+                 reference_s=reference_s, reference_start_s=reference_start_s,
+                 machine_drift=reference_s / reference_start_s,
                  ecdf_mean=float(np.mean(lengths)), ecdf_max=int(np.max(lengths)),
                  sweep={"batch_sizes": list(settings.batch_sizes),
                         "context_lens": list(settings.context_lens),

@@ -217,6 +217,7 @@ def test_profiler_writes_the_files_the_cost_model_reads(small_profile):
     assert profile.engine == "torch" and re.fullmatch(r"cpu .*, \d{4}-\d{2}-\d{2}", profile.measured_on)
     assert profile.full_sampler_intercept_s + 8 * profile.full_sampler_s_per_seq >= 0
     assert 0 < fit["reference_s"] < 5      # the machine's reference batch, timed at the profile
+    assert fit["machine_drift"] == pytest.approx(fit["reference_s"] / fit["reference_start_s"])  # end / start
 
 
 def test_plan_uses_a_profile_directory(small_profile, tmp_path):
@@ -323,6 +324,14 @@ def test_validate_leaves_out_the_application_whose_models_have_no_profile(small_
     assert f"not validating the 2-model application: {out} has no profile of tiny-llama-m" in captured.err
     rows = [line.split()[0] for line in captured.out.splitlines()[1:] if line.startswith("tiny") or "DAG" in line]
     assert rows == ["tiny-llama-s"]
+
+
+def test_a_profile_whose_machine_moved_says_so():
+    from raycolo.offline.profiler import drift_warning
+
+    assert drift_warning("m", 1.0) is None and drift_warning("m", 1.09) is None and drift_warning("m", 0.91) is None
+    assert "15% slower at the end" in drift_warning("m", 1.15)
+    assert drift_warning("m", 0.8).startswith("m: warning:") and "20% faster" in drift_warning("m", 0.8)
 
 
 def test_profile_dtype_and_the_gpu_sweep():
