@@ -29,8 +29,8 @@ from raycolo.engine.factory import create_engine
 from raycolo.hardware import ClusterSpec
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
 from raycolo.offline.planner.state import StageEvaluator, initial_state
-from raycolo.offline.profiler import (ECDF_MAX_TOKENS, ECDF_TEMPERATURE, engine_config, profile_reference,
-                                     time_reference)
+from raycolo.offline.profiler import (ECDF_MAX_TOKENS, ECDF_TEMPERATURE, REFERENCE_PROMPT, REFERENCE_REQUESTS,
+                                     REFERENCE_TOKENS, engine_config, profile_reference, time_reference)
 from raycolo.rng import random_prompts
 from raycolo.offline.workload import build_workload
 
@@ -132,8 +132,11 @@ class BatchRuns:
     output_len: int = 128
 
     def kv_tokens(self) -> int:
-        """The engine's KV budget: the largest batch's whole sequences, one block spare each."""
-        return max(self.batches) * (self.prompt_len + self.output_len + 16)
+        """The engine's KV budget: the whole sequences, one block spare each, of the largest
+        batch or of the reference batch timed after it (:func:`time_reference`), whichever
+        needs more."""
+        return max(max(self.batches) * (self.prompt_len + self.output_len + 16),
+                   REFERENCE_REQUESTS * (REFERENCE_PROMPT + REFERENCE_TOKENS + 16))
 
 
 def batch_cases(model_id: str, name: str, profile_dir: Path, runs: BatchRuns, seed: int, threads: int,

@@ -311,6 +311,18 @@ def test_validate_batches_times_a_checkpoint_directory_against_its_profile(small
     assert report["machine_vs_profile"] == pytest.approx(small["machine_vs_profile"])
 
 
+def test_validate_batches_smaller_than_the_reference_batch(small_profile, capsys):
+    """One short request: the engine's KV budget still holds the reference batch timed
+    after the cases (it once stopped there: 'needs 5 KV blocks, the engine has 1')."""
+    from raycolo.cli.main import main
+
+    out, _, stats = small_profile
+    assert main(["validate", "--profile", str(out), "--models", stats["checkpoint"], "--name", "tiny-llama-s",
+                 "--batches", "1", "--prompt-len", "8", "--output-len", "4", "--repeats", "1", "--json"]) == 0
+    (case,) = json.loads(capsys.readouterr().out)["cases"]
+    assert case["batch"] == 1 and case["reference_s"] > 0
+
+
 def test_validate_leaves_out_the_application_whose_models_have_no_profile(small_profile, capsys):
     """A directory with tiny-llama-s's profile only: the 2-model application (s answers,
     m judges) is not validated, since its plan would cost tiny-llama-m by roofline
