@@ -9,6 +9,8 @@ tokens (EOS ignored):
   as the decode roofline counts them) and the dense matmul rate (8192^3 in the model dtype);
 * ``engine.graphs`` at each ``--batches``, ``engine.eager`` at batch 1: the torch engine
   (scheduler, executor, sampler: one ``engine.step()`` per decode iteration);
+  ``engine.unfused``: graphs at batch 1 with q/k/v and gate/up as separate matmuls
+  (``fuse_projections: false``), what fusing them (executor/fused.py) gains;
 * ``stage.graphs`` / ``stage.eager``: the online ``StageModel`` on the whole model with an
   active LoRA (rank 8 on q/k/v/o, lora_B random), one decode step of every row;
 * ``stage.split2``: two ``StageModel`` slices (half the layers each, each from its own copy
@@ -61,7 +63,8 @@ STAGE_OVER_ENGINE = 1.15     # stage.graphs step at most this times the engine's
 SPLIT_OVER_WHOLE = 1.3       # stage.split2 per token at most this times the whole stage's
 
 
-def engine_for(loaded, device, dtype_name: str, batch: int, prompt: int, output: int, graphs: bool):
+def engine_for(loaded, device, dtype_name: str, batch: int, prompt: int, output: int, graphs: bool,
+               fuse: bool = True):
     from raycolo.engine.base import EngineConfig
     from raycolo.engine.torch_engine import TorchEngine
 
@@ -70,14 +73,14 @@ def engine_for(loaded, device, dtype_name: str, batch: int, prompt: int, output:
         "backend": "torch", "model_loading_config": {"model_id": "in-memory", "dtype": dtype_name},
         "engine_kwargs": {"device": str(device), "max_num_seqs": batch, "block_size": BLOCK,
                           "max_num_batched_tokens": max(4096, prompt), "kv_cache_tokens": tokens,
-                          "cuda_graphs": graphs}})
+                          "cuda_graphs": graphs, "fuse_projections": fuse}})
     return TorchEngine(config, loaded=loaded)
 
 
-def engine_run(loaded, device, dtype_name, prompts, output: int, graphs: bool) -> dict:
+def engine_run(loaded, device, dtype_name, prompts, output: int, graphs: bool, fuse: bool = True) -> dict:
     from raycolo.engine.base import SamplingParams
 
-    engine = engine_for(loaded, device, dtype_name, len(prompts), len(prompts[0]), output, graphs)
+    engine = engine_for(loaded, device, dtype_name, len(prompts), len(prompts[0]), output, graphs, fuse)
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True))
     its = engine.stats.iterations
     decode = [r for r in its if r.kind == "decode"][1:]       # the first may compile or capture
@@ -261,6 +264,8 @@ def run_shape(shape: str, args, device, dtype, lim: dict) -> dict:
     ps = prompts_for(vocab, 1, plen, seed=1)
     r = engine_run((model, tok), device, dtype_name, ps, min(out, args.eager_output), graphs=False)
     decode_row(rows, "engine.eager", 1, r["step_s"], m.decode_bytes(1, r["context"]) / bw)
+    r = engine_run((model, tok), device, dtype_name, ps, out, graphs=True, fuse=False)
+    decode_row(rows, "engine.unfused", 1, r["step_s"], m.decode_bytes(1, r["context"]) / bw)
     hf = hf_generate_step(model, ps[0], min(out, args.eager_output), device)
     decode_row(rows, "transformers", 1, hf, m.decode_bytes(1, plen + out / 2) / bw)
     if prefills:

@@ -60,6 +60,8 @@ class EngineKwargs(BaseModel):
     cpu_threads: Optional[int] = Field(default=None, gt=0)
     # torch backend on a CUDA device: replay decode steps as CUDA graphs (executor/graphs.py)
     cuda_graphs: bool = True
+    # torch backend: in inference, q/k/v as one matmul and gate/up as one (executor/fused.py)
+    fuse_projections: bool = True
     # vllm backend with tensor_parallel_size > 1: where its ranks run (None: vLLM's choice;
     # an engine actor in a replica's placement group sets it: raycolo/actors/offline/engine_actor.py)
     distributed_executor_backend: Optional[ExecutorBackend] = None

@@ -63,7 +63,7 @@ class TorchEngine(Engine):
             self.executor = self._tensor_parallel(kw, load, loaded, ranks)
         else:
             self.executor = create_executor(self.model, self.limits.num_blocks, kw.block_size,
-                                            cuda_graphs=kw.cuda_graphs)
+                                            cuda_graphs=kw.cuda_graphs, fuse_projections=kw.fuse_projections)
         self.stats = EngineStats(load_seconds=time.perf_counter() - started)
         self.scheduler = FcfsBlockScheduler(self.limits)
         self.requests: dict[int, _Request] = {}
@@ -88,7 +88,7 @@ class TorchEngine(Engine):
                               "an in-memory model runs tp=1")
         self.ranks = (ranks or LocalRanks)(tp, kw.device)
         spec = RankSpec(load.model_id, load.seed, load.dtype, kw.device, self.limits.num_blocks, kw.block_size,
-                        kw.cuda_graphs)
+                        kw.cuda_graphs, kw.fuse_projections)
         return self.ranks.load(spec, self.model)
 
     def _cache_blocks(self, kw) -> int:

@@ -213,3 +213,34 @@ def test_pointwise_kernels_equal_transformers_modules(pointwise):
     gate, up = torch.randn(7, 300, generator=gen) * 4, torch.randn(7, 300, generator=gen)
     expected = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(pointwise.silu_mul(gate.clone(), up), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_read_column_slices_of_a_fused_product(kernel, pointwise):
+    """q/k/v as column slices of one (tokens, q+k+v) product and gate/up as the halves of
+    one (rows, 2 x inter) product, as the executor's fused projections give them: the
+    attention, rotary-with-cache-write and SiLU kernels equal themselves on contiguous copies."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, heads, kv_heads, d, bs = 5, 6, 2, 32, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
+    q, k, v = (t.view(tokens, -1, d) for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    assert not q.is_contiguous()
+    qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+    angle = torch.rand(tokens, d // 2, generator=gen) * 100
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    slots = torch.randperm(6 * bs, generator=gen)[:tokens]
+    strided, dense_ = (PagedKVCache(1, 6, bs, kv_heads, d, torch.float32) for _ in range(2))
+    pointwise.rope_and_write(q, k, v, cos, sin, slots, strided.keys[0], strided.values[0])
+    pointwise.rope_and_write(qc, kc, vc, cos, sin, slots, dense_.keys[0], dense_.values[0])
+    torch.testing.assert_close(q, qc, rtol=0, atol=0)
+    torch.testing.assert_close(strided.keys[0], dense_.keys[0], rtol=0, atol=0)
+    torch.testing.assert_close(strided.values[0], dense_.values[0], rtol=0, atol=0)
+    cache, _, _, flat, starts = scattered_cache(gen, [9, 1, 30, 4, 17], 16, kv_heads, d)
+    args = (cache.keys[0], cache.values[0], flat, torch.tensor(starts), torch.tensor([8, 0, 29, 3, 16]),
+            None, d ** -0.5)
+    torch.testing.assert_close(kernel.paged_attention(q, *args), kernel.paged_attention(qc, *args),
+                               rtol=0, atol=0)
+    gate_up = torch.randn(3, 2 * 1100, generator=gen) * 4
+    gate, up = gate_up.split(1100, dim=-1)
+    out = pointwise.silu_mul(gate, up)
+    assert out.is_contiguous() and out.shape == (3, 1100)
+    torch.testing.assert_close(out, pointwise.silu_mul(gate.contiguous(), up.contiguous()), rtol=0, atol=0)

@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from raycolo.errors import ConfigError
 from raycolo.engine.executor.attention import AttentionKernel, choose_kernel, fused_pointwise, paged_attention
 from raycolo.engine.executor.batch import SeqChunk, StepBatch
+from raycolo.engine.executor.fused import fuse_layers, project
 from raycolo.engine.executor.graphs import DecodeBatch, DecodeGraphs
 from raycolo.engine.executor.heap import keep_freed_memory
 from raycolo.engine.executor.kv_cache import PagedKVCache
+from raycolo.engine.executor.native import heads_contiguous
 from raycolo.engine.executor.packed import pack_linears
 from raycolo.engine.executor.tensor_parallel import TensorParallel, local_heads, shard_layers
 
@@ -75,7 +77,8 @@ class ModelExecutor:
     def __init__(self, model, num_blocks: int, block_size: int,
                  layers: Optional[tuple[int, int]] = None, pack_weights: bool = True,
                  native_attention: bool = True, cuda_graphs: bool = False,
-                 attention: Optional[AttentionKernel] = None, tp: Optional[TensorParallel] = None):
+                 attention: Optional[AttentionKernel] = None, tp: Optional[TensorParallel] = None,
+                 fuse_projections: bool = True):
         base = _unwrap(model)
         family = fast_path_family(base)
         if family is None:
@@ -95,9 +98,6 @@ class ModelExecutor:
         self.tp = tp if tp is not None and tp.world > 1 else None
         if self.tp is not None:
             shard_layers(self.layers, cfg, self.tp)
-        # On the CPU, frozen projections multiply with oneDNN-packed weights (packed.py).
-        self.packed = pack_linears(self.layers, base if self.is_last else None) if pack_weights else 0
-        self.lm_head = base.lm_head if self.is_last else None
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.heads, self.kv_heads = local_heads(attn, self.head_dim)     # this rank's, under tp
@@ -110,13 +110,6 @@ class ModelExecutor:
         if self.device.type == "cpu":
             keep_freed_memory()    # reuse step temporaries instead of faulting in new pages
         self.block_size = block_size
-        # Decode steps as CUDA graphs (graphs.py) on a CUDA device, one set per adapter
-        # state of a peft model. The cache then holds one scratch block past num_blocks.
-        self.lora = _lora_layer(model)
-        graphs = cuda_graphs and self.device.type == "cuda" and (self.tp is None or _nccl(self.tp))
-        self.cache = PagedKVCache(len(self.layers), num_blocks + (1 if graphs else 0), block_size, self.kv_heads,
-                                  self.head_dim, self.dtype, self.device)
-        self.graphs = DecodeGraphs(self, num_blocks, capture=True) if graphs else None
         # Attention reads the cache in place (attention.py): the native kernel on the CPU,
         # Triton on CUDA; ``native_attention=False`` asks for the torch path (gather + SDPA).
         self.kernel = choose_kernel(attention if native_attention else AttentionKernel.TORCH,
@@ -127,6 +120,23 @@ class ModelExecutor:
         self.pointwise = fused_pointwise(self.kernel, self.dtype, self.device)
         self.fused = (self.pointwise is not None and all(_fusable(layer) for layer in self.layers)
                       and (self.norm is None or _is_rms_norm(self.norm)))
+        # In inference q/k/v run as one product, and gate/up as one (fused.py), where they
+        # are plain linears; on the CPU, frozen projections multiply with oneDNN-packed
+        # weights (packed.py). Both after tensor-parallel sharding: this rank's rows. Gate/up
+        # fuse only where the fused forward runs the MLP itself (self.fused).
+        self.fusion = fuse_layers(self.layers, pack_weights, [self.fused] * len(self.layers)) \
+            if fuse_projections else [None] * len(self.layers)
+        self.packed = pack_linears(self.layers, base if self.is_last else None,
+                                   [f.fused_names() if f else set() for f in self.fusion]) if pack_weights else 0
+        self.packed += sum(p.packed for p in self._fused_projections())
+        self.lm_head = base.lm_head if self.is_last else None      # (packed, where packing applies)
+        # Decode steps as CUDA graphs (graphs.py) on a CUDA device, one set per adapter
+        # state of a peft model. The cache then holds one scratch block past num_blocks.
+        self.lora = _lora_layer(model)
+        graphs = cuda_graphs and self.device.type == "cuda" and (self.tp is None or _nccl(self.tp))
+        self.cache = PagedKVCache(len(self.layers), num_blocks + (1 if graphs else 0), block_size, self.kv_heads,
+                                  self.head_dim, self.dtype, self.device)
+        self.graphs = DecodeGraphs(self, num_blocks, capture=True) if graphs else None
 
     def _enter(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp is None else self.tp.enter(x)
@@ -153,9 +163,16 @@ class ModelExecutor:
         self.cache.drop()
         if self.graphs is not None:
             self.graphs.clear()
+        for f in self._fused_projections():     # their weights may move off the device next
+            f.release()
 
     def wake_up(self) -> None:
         self.cache.allocate()
+        for f in self._fused_projections():     # rows of one weight again, before any capture
+            f.ensure_fused()
+
+    def _fused_projections(self) -> list:
+        return [p for f in self.fusion if f is not None for p in f.projections()]
 
     def _window(self, attn) -> Optional[int]:
         if hasattr(attn, "sliding_window"):      # Qwen2: per layer type
@@ -232,8 +249,9 @@ class ModelExecutor:
         for i, layer in enumerate(self.layers):
             a = self._attention(i, layer.self_attn, h, rope, batch, fused=True)
             h = ops.add_rms_norm(x, a, *_norm_args(layer.post_attention_layernorm))
-            mlp = layer.mlp
-            m = self._reduce(mlp.down_proj(ops.silu_mul(mlp.gate_proj(h), mlp.up_proj(h))))
+            mlp, fusion = layer.mlp, self.fusion[i]
+            gate, up = project(fusion and fusion.gate_up, (mlp.gate_proj, mlp.up_proj), h)
+            m = self._reduce(mlp.down_proj(ops.silu_mul(gate, up)))
             if i + 1 < len(self.layers):
                 h = ops.add_rms_norm(x, m, *_norm_args(self.layers[i + 1].input_layernorm))
             else:
@@ -291,11 +309,10 @@ class ModelExecutor:
     def _attention(self, i: int, attn, h: torch.Tensor, rope, batch: StepBatch,
                    fused: bool = False) -> torch.Tensor:
         n, d = h.shape[0], self.head_dim
-        h = self._enter(h)
-        q = attn.q_proj(h).view(n, self.heads, d)
-        k = attn.k_proj(h).view(n, self.kv_heads, d)
-        v = attn.v_proj(h).view(n, self.kv_heads, d)
-        if fused and q.is_contiguous() and k.is_contiguous():
+        fusion = self.fusion[i]
+        q, k, v = project(fusion and fusion.qkv, (attn.q_proj, attn.k_proj, attn.v_proj), self._enter(h))
+        q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
+        if fused and heads_contiguous(q) and heads_contiguous(k):
             self.pointwise.rope_and_write(self.cache, i, batch.slots, q, k, v, *rope)
         else:
             q, k = self.apply_rope(q, k, *rope, unsqueeze_dim=1)
@@ -425,9 +442,12 @@ class FallbackExecutor:
 
 
 def create_executor(model, num_blocks: int, block_size: int,
-                    layers: Optional[tuple[int, int]] = None, cuda_graphs: bool = False):
+                    layers: Optional[tuple[int, int]] = None, cuda_graphs: bool = False,
+                    fuse_projections: bool = True):
     """The fast executor where the model's family has one, the fallback otherwise.
-    ``cuda_graphs``: replay decode steps as CUDA graphs on a CUDA device (graphs.py)."""
+    ``cuda_graphs``: replay decode steps as CUDA graphs on a CUDA device (graphs.py);
+    ``fuse_projections``: q/k/v and gate/up each as one product in inference (fused.py)."""
     if fast_path_family(model):
-        return ModelExecutor(model, num_blocks, block_size, layers, cuda_graphs=cuda_graphs)
+        return ModelExecutor(model, num_blocks, block_size, layers, cuda_graphs=cuda_graphs,
+                             fuse_projections=fuse_projections)
     return FallbackExecutor(model, num_blocks, block_size, layers)

@@ -48,13 +48,13 @@ FLAGS = COMPILE_FLAGS + LINK_FLAGS
 DISABLE_ENV = "RAYCOLO_NATIVE_KERNELS"
 CACHE_ENV = "RAYCOLO_KERNEL_CACHE"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_ATTENTION_ARGS = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_double, _P, ctypes.c_int]
+_ATTENTION_ARGS = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_double, _P, ctypes.c_int]
 _FUNCTIONS = {torch.float32: "paged_attention_f32", torch.float64: "paged_attention_f64"}
 _SIGNATURES = {
     "paged_attention_f32": (_ATTENTION_ARGS, ctypes.c_int),
     "paged_attention_f64": (_ATTENTION_ARGS, ctypes.c_int),
     "add_rms_norm_f32": ([_P, _P, _P, _I, _I, ctypes.c_double, _P, ctypes.c_int], None),
-    "rotary_f32": ([_P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int], None),
+    "rotary_f32": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int], None),
 }
 
 _state: dict = {}   # "lib": the loaded library or None, once tried
@@ -141,7 +141,7 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tab
     ``[max(0, p - window + 1), p]`` of the sequence whose block table starts at
     ``tables[table_start[i]]``, where ``p = positions[i]``. Returns (tokens, heads, head_dim)."""
     lib = native_library()
-    q = q.contiguous()
+    q = rows_of_heads(q)
     tokens, heads, head_dim = q.shape
     blocks, kv_heads, block_size, _ = value.shape
     if key.shape != (blocks, kv_heads, head_dim, block_size):
@@ -150,11 +150,11 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tab
     for t in (key, value, tables, table_start, positions):
         if not t.is_contiguous():
             raise ValueError("paged_attention: inputs must be contiguous")
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
     failed = getattr(lib, _FUNCTIONS[q.dtype])(
         q.data_ptr(), key.data_ptr(), value.data_ptr(), tables.data_ptr(), table_start.data_ptr(),
-        positions.data_ptr(), window or 0, tokens, heads, kv_heads, head_dim, block_size, scale,
-        out.data_ptr(), torch.get_num_threads())
+        positions.data_ptr(), window or 0, tokens, heads, kv_heads, head_dim, block_size,
+        q.stride(0), scale, out.data_ptr(), torch.get_num_threads())
     if failed:
         raise MemoryError("paged_attention: could not allocate the kernel's scratch memory")
     return out
@@ -185,11 +185,26 @@ def add_rms_norm(residual: torch.Tensor, x: Optional[torch.Tensor], weight: torc
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """The rotary embedding, in place on ``q`` (tokens, heads, d) and ``k`` (tokens,
     kv_heads, d) with ``cos``/``sin`` (tokens, d): ``x * cos + rotate_half(x) * sin``, as
-    transformers' ``apply_rotary_pos_emb``. Float32, contiguous."""
+    transformers' ``apply_rotary_pos_emb``. Float32; ``cos``/``sin`` contiguous, ``q`` and
+    ``k`` with each token's heads contiguous (:func:`heads_contiguous`; tokens may lie
+    apart, as column slices of a fused q/k/v product do)."""
     tokens, heads, d = q.shape
-    if not all(t.is_contiguous() for t in (q, k, cos, sin)) or cos.shape != (tokens, d) \
-            or sin.shape != (tokens, d) or k.shape[0] != tokens or k.shape[2] != d or d % 2:
+    if not (heads_contiguous(q) and heads_contiguous(k) and cos.is_contiguous() and sin.is_contiguous()) \
+            or cos.shape != (tokens, d) or sin.shape != (tokens, d) or k.shape[0] != tokens \
+            or k.shape[2] != d or d % 2:
         raise ValueError("rotary_: q (tokens, heads, d), k (tokens, kv_heads, d), cos and sin "
-                         "(tokens, d), contiguous, d even")
+                         "(tokens, d) contiguous, each token's heads contiguous, d even")
     native_library().rotary_f32(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                tokens, heads, k.shape[1], d, torch.get_num_threads())
+                                tokens, heads, k.shape[1], d, q.stride(0), k.stride(0),
+                                torch.get_num_threads())
+
+
+def heads_contiguous(x: torch.Tensor) -> bool:
+    """``x`` (tokens, heads, d) holds each token's heads contiguously (its tokens may lie
+    any whole number of elements apart): what the kernels index by a row stride."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
+
+
+def rows_of_heads(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself where :func:`heads_contiguous`, else a contiguous copy."""
+    return x if heads_contiguous(x) else x.contiguous()

@@ -26,7 +26,7 @@ base weights, change).
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -78,33 +78,49 @@ class PackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.inner.bias, "none", [], "")
 
 
+def packed_or_plain(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` as a :class:`PackedLinear` where packing applies (a plain float32/bfloat16
+    CPU ``nn.Linear`` of at least :data:`MIN_PACKED_WEIGHTS` whose packed product agrees
+    with the plain one), else ``module`` itself."""
+    if type(module) is not torch.nn.Linear or not packing_available(module.weight) \
+            or module.weight.numel() < MIN_PACKED_WEIGHTS:
+        return module
+    packed = PackedLinear(module)
+    # self-check: the packed product must agree with the plain one
+    probe = torch.randn(3, module.in_features, dtype=module.weight.dtype)
+    with torch.inference_mode():
+        if not torch.allclose(packed(probe), F.linear(probe, module.weight, module.bias), rtol=1e-3, atol=1e-3):
+            return module
+    return packed
+
+
 def _pack_one(parent: torch.nn.Module, name: str) -> bool:
     module = getattr(parent, name, None)
     if module is None:
         return False
     if hasattr(module, "base_layer"):            # a peft LoRA layer: pack its frozen base
         parent, name, module = module, "base_layer", module.base_layer
-    if type(module) is not torch.nn.Linear or not packing_available(module.weight) \
-            or module.weight.numel() < MIN_PACKED_WEIGHTS:
+    packed = packed_or_plain(module)
+    if packed is module:
         return False
-    packed = PackedLinear(module)
-    # self-check: the packed product must agree with the plain one
-    probe = torch.randn(3, module.in_features, dtype=module.weight.dtype)
-    with torch.inference_mode():
-        if not torch.allclose(packed(probe), F.linear(probe, module.weight, module.bias), rtol=1e-3, atol=1e-3):
-            return False
     setattr(parent, name, packed)
     return True
 
 
-def pack_linears(layers: Iterable[torch.nn.Module], lm_head_parent=None) -> int:
+def pack_linears(layers: Iterable[torch.nn.Module], lm_head_parent=None,
+                 skip: Sequence[set] = ()) -> int:
     """Pack the attention and MLP projections of ``layers`` and, given the module that
-    holds it, the LM head. Returns how many linears were packed."""
+    holds it, the LM head. ``skip[i]``: (owner, name) pairs of layer i left as they are
+    (parts of a fused projection, fused.py, which packs its own product). Returns how
+    many linears were packed."""
     count = 0
-    for layer in layers:
-        for owner in (layer.self_attn, layer.mlp):
+    for i, layer in enumerate(layers):
+        left = skip[i] if i < len(skip) else set()
+        for owner_name in ("self_attn", "mlp"):
+            owner = getattr(layer, owner_name)
             for name in PROJECTIONS:
-                count += _pack_one(owner, name)
+                if (owner_name, name) not in left:
+                    count += _pack_one(owner, name)
     if lm_head_parent is not None:
         count += _pack_one(lm_head_parent, "lm_head")
     return count

@@ -64,6 +64,7 @@ class RankSpec:
     num_blocks: int
     block_size: int
     cuda_graphs: bool = False
+    fuse_projections: bool = True
 
     def rank_device(self, rank: int) -> str:
         if self.device.startswith("cuda"):
@@ -209,7 +210,8 @@ def build_rank_executor(spec: RankSpec, tp: TensorParallel):
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     model, _ = load_model(spec.model_id, spec.seed, spec.dtype, device)
-    return ModelExecutor(model, spec.num_blocks, spec.block_size, cuda_graphs=spec.cuda_graphs, tp=tp)
+    return ModelExecutor(model, spec.num_blocks, spec.block_size, cuda_graphs=spec.cuda_graphs, tp=tp,
+                         fuse_projections=spec.fuse_projections)
 
 
 def _follower_main(rank: int, world: int, address: str, backend: str) -> None:
@@ -270,7 +272,7 @@ class Ranks(ABC):
             executor = build_rank_executor(spec, self.tp)
         else:
             executor = ModelExecutor(model, spec.num_blocks, spec.block_size, cuda_graphs=spec.cuda_graphs,
-                                     tp=self.tp)
+                                     tp=self.tp, fuse_projections=spec.fuse_projections)
         self.leader = TPLeader(executor, self.channel, self)
         return self.leader
 

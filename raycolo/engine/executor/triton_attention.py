@@ -49,7 +49,7 @@ def _pow2(n: int, floor: int = 1) -> int:
 
 @triton.jit
 def _attend_kernel(Q, K, V, Tables, TableStart, Positions, TileTok, TileLen, Out,
-                   PartO, PartM, PartL, window, scale,
+                   PartO, PartM, PartL, window, scale, q_row,
                    HEADS: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    KV_TILE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
@@ -72,7 +72,7 @@ def _attend_kernel(Q, K, V, Tables, TableStart, Positions, TileTok, TileLen, Out
     head = kvh * G + tl.minimum(g, G - 1)
     d = tl.arange(0, BLOCK_D)
     n = tl.arange(0, KV_TILE)
-    q = tl.load(Q + tok[:, None] * (HEADS * D) + head[:, None] * D + d[None, :],
+    q = tl.load(Q + tok[:, None] * q_row + head[:, None] * D + d[None, :],
                 mask=valid[:, None] & (d[None, :] < D), other=0.0)
     tstart = tl.load(TableStart + tok0)
     first = tl.load(Positions + tok0)
@@ -185,14 +185,16 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tab
     arguments and layouts of :func:`raycolo.engine.executor.native.paged_attention`.
     ``tiles``: :func:`~.batch.query_tiles` of the step; None for a decode step (one token per
     sequence), which may then split each sequence's blocks (see the module docstring)."""
-    q = q.contiguous()
+    from raycolo.engine.executor.native import rows_of_heads
+
+    q = rows_of_heads(q)              # a column slice of a fused q/k/v product stays in place
     tokens, heads, head_dim = q.shape
     blocks, kv_heads, block_size, _ = value.shape
     if key.shape != (blocks, kv_heads, head_dim, block_size) or heads % kv_heads:
         raise ValueError(f"paged_attention: key {tuple(key.shape)}, value {tuple(value.shape)} and "
                          f"{heads} query heads do not fit together")
     group = heads // kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
     block_g, block_d = _pow2(group), _pow2(head_dim, DOT_MIN)
@@ -217,7 +219,7 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tab
     else:
         part_o = part_m = part_l = out
     _attend_kernel[grid](q, key, value, tables, table_start, positions, tile_tok, tile_len, out,
-                         part_o, part_m, part_l, int(window or 0), float(scale),
+                         part_o, part_m, part_l, int(window or 0), float(scale), q.stride(0),
                          BLOCK_G=block_g, TILE=tile, SPLITS=splits, **common)
     if splits > 1:
         _merge_kernel[(tokens, kv_heads)](part_o, part_m, part_l, out, HEADS=heads, KVH=kv_heads,

@@ -69,8 +69,8 @@ def _rotate(x1, x2, c1, c2, s1, s2, DT: tl.constexpr):
 
 
 @triton.jit
-def _rope_write_kernel(Q, K, V, Cos, Sin, Slots, KC, VC, HEADS: tl.constexpr, KVH: tl.constexpr,
-                       D: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr):
+def _rope_write_kernel(Q, K, V, Cos, Sin, Slots, KC, VC, q_row, k_row, v_row, HEADS: tl.constexpr,
+                       KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     j = tl.arange(0, HALF)
@@ -80,7 +80,7 @@ def _rope_write_kernel(Q, K, V, Cos, Sin, Slots, KC, VC, HEADS: tl.constexpr, KV
     s1 = tl.load(Sin + tok * D + j, mask=ok, other=0.0).to(tl.float32)
     s2 = tl.load(Sin + tok * D + D // 2 + j, mask=ok, other=0.0).to(tl.float32)
     if head < HEADS:
-        base = Q + tok * (HEADS * D) + head * D
+        base = Q + tok * q_row + head * D
         x1 = tl.load(base + j, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(base + D // 2 + j, mask=ok, other=0.0).to(tl.float32)
         o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, Q.dtype.element_ty)
@@ -88,7 +88,7 @@ def _rope_write_kernel(Q, K, V, Cos, Sin, Slots, KC, VC, HEADS: tl.constexpr, KV
         tl.store(base + D // 2 + j, o2, mask=ok)
     else:
         h = head - HEADS
-        base = K + tok * (KVH * D) + h * D
+        base = K + tok * k_row + h * D
         x1 = tl.load(base + j, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(base + D // 2 + j, mask=ok, other=0.0).to(tl.float32)
         o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, K.dtype.element_ty)
@@ -98,7 +98,7 @@ def _rope_write_kernel(Q, K, V, Cos, Sin, Slots, KC, VC, HEADS: tl.constexpr, KV
         tl.store(kbase + j * BS, o1.to(KC.dtype.element_ty), mask=ok)
         tl.store(kbase + (D // 2 + j) * BS, o2.to(KC.dtype.element_ty), mask=ok)
         vbase = VC + ((blk * KVH + h) * BS + off) * D             # values: (blocks, kvh, BS, D)
-        vrow = V + tok * (KVH * D) + h * D
+        vrow = V + tok * v_row + h * D
         tl.store(vbase + j, tl.load(vrow + j, mask=ok, other=0.0), mask=ok)
         tl.store(vbase + D // 2 + j, tl.load(vrow + D // 2 + j, mask=ok, other=0.0), mask=ok)
 
@@ -106,36 +106,49 @@ def _rope_write_kernel(Q, K, V, Cos, Sin, Slots, KC, VC, HEADS: tl.constexpr, KV
 def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     """Rotate ``q`` (tokens, heads, d) in place; rotate ``k`` (tokens, kv_heads, d) and store
-    it and ``v`` at ``slots`` of one layer's paged cache. ``cos``/``sin``: (tokens, d)."""
+    it and ``v`` at ``slots`` of one layer's paged cache. ``cos``/``sin``: (tokens, d),
+    contiguous; ``q``, ``k`` and ``v`` hold each token's heads contiguously, their tokens
+    any row stride apart (column slices of a fused q/k/v product)."""
+    from raycolo.engine.executor.native import heads_contiguous
+
     tokens, heads, d = q.shape
     kv_heads = k.shape[1]
     block_size = value_cache.shape[2]
-    if d % 2 or not all(t.is_contiguous() for t in (q, k, v, cos, sin)) or cos.shape != (tokens, d):
-        raise ValueError("rope_and_write: contiguous q, k, v; cos and sin (tokens, d); d even")
+    if d % 2 or not all(heads_contiguous(t) for t in (q, k, v)) or not cos.is_contiguous() \
+            or not sin.is_contiguous() or cos.shape != (tokens, d):
+        raise ValueError("rope_and_write: q, k, v with each token's heads contiguous; cos and sin "
+                         "(tokens, d) contiguous; d even")
     if tokens:
         _rope_write_kernel[(tokens, heads + kv_heads)](q, k, v, cos, sin, slots, key_cache, value_cache,
+                                                       q.stride(0), k.stride(0), v.stride(0),
                                                        HEADS=heads, KVH=kv_heads, D=d, HALF=_pow2(d // 2),
                                                        BS=block_size)
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, Out, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n
-    g = tl.load(G + i, mask=ok, other=0.0).to(tl.float32)
+def _silu_mul_kernel(G, U, Out, cols, g_row, u_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < cols
+    g = tl.load(G + row * g_row + i, mask=ok, other=0.0).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(G.dtype.element_ty).to(tl.float32)
-    u = tl.load(U + i, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Out + i, (s * u).to(Out.dtype.element_ty), mask=ok)
+    u = tl.load(U + row * u_row + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Out + row * cols + i, (s * u).to(Out.dtype.element_ty), mask=ok)
 
 
 SILU_BLOCK = 1024
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` in one pass (``gate`` is overwritten with the result)."""
-    if gate.shape != up.shape or not gate.is_contiguous() or not up.is_contiguous():
-        raise ValueError("silu_mul: gate and up must be contiguous and of one shape")
-    n = gate.numel()
-    if n:
-        _silu_mul_kernel[(triton.cdiv(n, SILU_BLOCK),)](gate, up, gate, n, BLOCK=SILU_BLOCK)
-    return gate
+    """``silu(gate) * up`` in one pass, for (rows, cols) ``gate`` and ``up`` whose rows are
+    contiguous (any row stride: the two column halves of a fused gate/up product). The
+    result is contiguous: ``gate`` itself, overwritten, where ``gate`` is contiguous, else a
+    new tensor."""
+    if gate.shape != up.shape or gate.dim() != 2 or gate.stride(1) != 1 or up.stride(1) != 1:
+        raise ValueError("silu_mul: gate and up must be (rows, cols) of one shape, rows contiguous")
+    rows, cols = gate.shape
+    out = gate if gate.is_contiguous() else torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if rows and cols:
+        _silu_mul_kernel[(rows, triton.cdiv(cols, SILU_BLOCK))](gate, up, out, cols, gate.stride(0), up.stride(0),
+                                                                BLOCK=SILU_BLOCK)
+    return out

@@ -5,7 +5,8 @@
  * raycolo/engine/executor/model.py (tests/engine/test_executor.py).
  *
  * Layouts (row-major, contiguous):
- *   q, out        (tokens, heads, head_dim)
+ *   q, out        (tokens, heads, head_dim); q's tokens q_row elements apart (a column
+ *                 slice of a fused q/k/v product), out contiguous
  *   key           (num_blocks, kv_heads, head_dim, block_size)   one layer of the cache:
  *                 a block holds each head's keys transposed, so the scores of a block's
  *                 keys are one vector per head_dim element (no horizontal sums)
@@ -174,7 +175,7 @@ static inline void item_f32(const float *q, const float *key, const float *value
 int NAME(const T *q, const T *key, const T *value, const int64_t *tables,                    \
          const int64_t *table_start, const int64_t *pos, int64_t window, int64_t tokens,      \
          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,              \
-         double scale, T *out, int threads) {                                                \
+         int64_t q_row, double scale, T *out, int threads) {                                 \
     const int64_t group = heads / kv_heads;                                                  \
     int failed = 0;                                                                          \
     _Pragma("omp parallel num_threads(threads)")                                             \
@@ -193,7 +194,7 @@ int NAME(const T *q, const T *key, const T *value, const int64_t *tables,       
                 buf = (T *)malloc(sizeof(T) * cap);                                          \
                 if (buf == NULL) { cap = 0; _Pragma("omp atomic write") failed = 1; continue; } \
             }                                                                                \
-            ITEM(q + i * heads * head_dim, key, value, tables + table_start[i], p, window, h, \
+            ITEM(q + i * q_row, key, value, tables + table_start[i], p, window, h, \
                  kv_heads, group, head_dim, block_size, (T)scale, buf,                        \
                  buf + need - group * head_dim, out + i * heads * head_dim);                 \
         }                                                                                    \

@@ -35,16 +35,19 @@ void add_rms_norm_f32(float *residual, const float *x, const float *weight, int6
 }
 
 /* In place on q (tokens, heads, d) and k (tokens, kv_heads, d), with cos and sin (tokens, d):
- * x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x[d/2:], x[:d/2]). */
+ * x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x[d/2:], x[:d/2]). A token's
+ * heads are contiguous; tokens lie q_row and k_row floats apart (column slices of one
+ * fused q/k/v product). */
 void rotary_f32(float *q, float *k, const float *cos, const float *sin, int64_t tokens,
-                int64_t heads, int64_t kv_heads, int64_t d, int threads) {
+                int64_t heads, int64_t kv_heads, int64_t d, int64_t q_row, int64_t k_row,
+                int threads) {
     const int64_t half = d / 2;
     const int n = tokens >= (int64_t)MIN_ROWS_PER_THREAD * threads ? threads : 1;
     _Pragma("omp parallel for num_threads(n) schedule(static)")
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * d, *s = sin + t * d;
         for (int64_t h = 0; h < heads + kv_heads; h++) {
-            float *x = h < heads ? q + (t * heads + h) * d : k + (t * kv_heads + h - heads) * d;
+            float *x = h < heads ? q + t * q_row + h * d : k + t * k_row + (h - heads) * d;
             _Pragma("omp simd")
             for (int64_t j = 0; j < half; j++) {
                 const float x1 = x[j], x2 = x[j + half];

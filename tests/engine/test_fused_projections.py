@@ -1,0 +1,155 @@
+"""Fused projections (raycolo.engine.executor.fused): q/k/v as one matmul and gate/up as
+one, in inference. Against the same executor with every projection its own module, and
+against peft's and transformers' forwards; the kernels that read column slices of a fused
+product, against the same kernels on contiguous copies."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raycolo.engine.executor import ModelExecutor
+from raycolo.engine.executor import native
+from raycolo.engine.executor.fused import FusedProjection
+from raycolo.engine.models import build_tiny_model
+from tests.engine.test_executor import mixed_steps, random_prompts, run_steps
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = [5, 70, 33, 12]           # beyond the tiny sliding window, chunked prefill, decode
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])     # float32: fused pointwise, packed
+@pytest.mark.parametrize("model_id", ["tiny-llama-l", "tiny-qwen2-s", "tiny-mistral-s"])
+def test_fused_projections_equal_separate_ones(model_id, dtype):
+    """GQA (Llama-3 style), q/k/v biases (Qwen2) and sliding windows (Mistral): the fused
+    executor's logits equal the unfused one's; the parts' weights became rows of one tensor
+    without changing a value, so the model holds no second copy."""
+    model, _ = build_tiny_model(model_id, 0, dtype)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prompts = random_prompts(PROMPTS)
+    fused = ModelExecutor(model, 256, 16)
+    # gate/up fuse where the fused forward runs the MLP itself (float32 on the CPU here)
+    assert fused.fused == (dtype == "float32")
+    assert all(f.qkv is not None and (f.gate_up is not None) == fused.fused for f in fused.fusion)
+    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    assert _storage(attn.q_proj.weight) == _storage(attn.k_proj.weight) == _storage(attn.v_proj.weight)
+    assert (_storage(mlp.gate_proj.weight) == _storage(mlp.up_proj.weight)) == fused.fused
+    if attn.q_proj.bias is not None:
+        assert _storage(attn.q_proj.bias) == _storage(attn.v_proj.bias)
+    after = {k.replace(".inner.", "."): v for k, v in model.state_dict().items()}  # packed.py's wrapper
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        torch.testing.assert_close(after[k], v, rtol=0, atol=0)
+    plain = ModelExecutor(model, 256, 16, fuse_projections=False)
+    assert plain.fusion == [None] * len(plain.layers)
+    tol = 1e-10 if dtype == "float64" else 1e-4
+    for a, b in zip(mixed_steps(fused, prompts, 16), mixed_steps(plain, prompts, 16)):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol)
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+
+
+def test_an_adapter_injected_after_the_executor_was_built_applies():
+    """peft wraps q_proj, v_proj and up_proj of a model whose executor already fused them:
+    those layers' products go back to the modules (the LoRA applies), and the executor's
+    logits equal peft's own forward."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = build_tiny_model("tiny-llama-m", 0, "float32")
+    prompts = random_prompts([9, 4])
+    ex = ModelExecutor(model, 256, 4)
+    assert ex.fused
+    base_logits, _ = run_steps([ex], prompts, 2)
+    torch.manual_seed(0)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                            target_modules=["q_proj", "v_proj", "up_proj"]))
+    lora.eval()
+    assert not any(f.qkv.current() or f.gate_up.current() for f in ex.fusion)
+    got, seqs = run_steps([ex], prompts, 2)
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            ref = lora(input_ids=torch.tensor([s[:-1]])).logits[0, len(prompts[i]) - 1:]
+            torch.testing.assert_close(torch.stack([step[i] for step in got]), ref, rtol=0, atol=1e-4)
+    assert (got[0] - base_logits[0]).abs().max() > 1e-2       # the adapter changed the output
+    # An executor built on the peft model fuses only what peft left plain: gate/up stay
+    # apart where up_proj is wrapped, and so do q/k/v.
+    assert all(f.qkv is None and f.gate_up is None for f in ModelExecutor(lora, 256, 4).fusion)
+
+
+def test_moved_weights_are_laid_out_again():
+    """``model.to(device)`` gives every parameter its own storage (as an engine's sleep and
+    wake move the weights): wake_up lays the parts out as one weight again, and a step that
+    finds them moved without a wake-up does so itself; the logits do not change."""
+    model, _ = build_tiny_model("tiny-qwen2-s", 0, "float32")
+    prompts = random_prompts(PROMPTS)
+    ex = ModelExecutor(model, 256, 16)
+    assert ex.fused and ex.fusion[0].gate_up is not None
+    reference = mixed_steps(ex, prompts, 16)
+
+    def move():                         # what Module._apply does to each parameter
+        for p in model.parameters():
+            p.data = p.data.clone()
+
+    attn = ex.layers[0].self_attn
+    ex.sleep()
+    assert all(p.linear is None for f in ex.fusion for p in f.projections())
+    move()
+    assert _storage(attn.q_proj.weight) != _storage(attn.k_proj.weight)
+    ex.wake_up()
+    assert _storage(attn.q_proj.weight) == _storage(attn.k_proj.weight) == _storage(attn.v_proj.weight)
+    assert _storage(attn.q_proj.bias) == _storage(attn.v_proj.bias)
+    assert all(p.current() for f in ex.fusion for p in f.projections())
+    for a, b in zip(mixed_steps(ex, prompts, 16), reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    move()
+    assert not ex.fusion[0].qkv.current()
+    for a, b in zip(mixed_steps(ex, prompts, 16), reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(p.current() for f in ex.fusion for p in f.projections())
+
+
+def test_only_plain_linears_of_one_input_fuse():
+    layer = torch.nn.Module()
+    layer.a, layer.b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 6, bias=False)
+    assert FusedProjection.fusable(layer, ("a", "b"))
+    fused = FusedProjection(layer, ("a", "b"))
+    x = torch.randn(3, 8, dtype=torch.float32)
+    with torch.inference_mode():
+        ya, yb = fused(x)
+        torch.testing.assert_close(ya, layer.a(x), rtol=0, atol=1e-6)
+        torch.testing.assert_close(yb, layer.b(x), rtol=0, atol=1e-6)   # a zero bias for b
+    layer.c = torch.nn.Linear(9, 4)
+    assert not FusedProjection.fusable(layer, ("a", "c"))                 # another input size
+    layer.d = torch.nn.Linear(8, 4).double()
+    assert not FusedProjection.fusable(layer, ("a", "d"))                 # another dtype
+
+
+@pytest.mark.skipif(not native.fused_pointwise_supported(torch.float32, torch.device("cpu")),
+                    reason="no C compiler: the native kernels are off")
+def test_native_kernels_read_column_slices_of_a_fused_product():
+    """rotary and paged attention on q/k that are column slices of one (tokens, q+k+v)
+    tensor equal the same kernels on contiguous copies."""
+    from tests.engine.test_triton_attention import scattered_cache
+
+    gen = torch.Generator().manual_seed(7)
+    tokens, heads, kv_heads, d, bs = 6, 8, 2, 32, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(tokens, heads, d), k.view(tokens, kv_heads, d)
+    assert not q.is_contiguous() and native.heads_contiguous(q)
+    qc, kc = q.contiguous(), k.contiguous()
+    angle = torch.rand(tokens, d // 2, generator=gen) * 100
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    native.rotary_(q, k, cos, sin)
+    native.rotary_(qc, kc, cos, sin)
+    torch.testing.assert_close(q, qc, rtol=0, atol=0)
+    torch.testing.assert_close(k, kc, rtol=0, atol=0)
+    lengths = [40, 3, 17, 25, 1, 33]
+    cache, _, _, flat, starts = scattered_cache(gen, lengths, bs, kv_heads, d)
+    positions = torch.tensor([n - 1 for n in lengths])
+    args = (cache.keys[0], cache.values[0], flat, torch.tensor(starts), positions, None, d ** -0.5)
+    torch.testing.assert_close(native.paged_attention(q, *args), native.paged_attention(qc, *args),
+                               rtol=0, atol=0)
