@@ -74,9 +74,13 @@ def test_an_adapter_injected_after_the_executor_was_built_applies():
             ref = lora(input_ids=torch.tensor([s[:-1]])).logits[0, len(prompts[i]) - 1:]
             torch.testing.assert_close(torch.stack([step[i] for step in got]), ref, rtol=0, atol=1e-4)
     assert (got[0] - base_logits[0]).abs().max() > 1e-2       # the adapter changed the output
-    # An executor built on the peft model fuses only what peft left plain: gate/up stay
-    # apart where up_proj is wrapped, and so do q/k/v.
-    assert all(f.qkv is None and f.gate_up is None for f in ModelExecutor(lora, 256, 4).fusion)
+    # An executor built on the peft model fuses the LoRA layers' bases, and adds their
+    # adapters itself: the same logits.
+    rebuilt = ModelExecutor(lora, 256, 4)
+    assert all(f.qkv.current() and f.qkv.wrapped == [True, False, True] for f in rebuilt.fusion)
+    again, _ = run_steps([rebuilt], prompts, 2)
+    for a, b in zip(again, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
 
 
 def test_moved_weights_are_laid_out_again():
@@ -153,3 +157,74 @@ def test_native_kernels_read_column_slices_of_a_fused_product():
     args = (cache.keys[0], cache.values[0], flat, torch.tensor(starts), positions, None, d ** -0.5)
     torch.testing.assert_close(native.paged_attention(q, *args), native.paged_attention(qc, *args),
                                rtol=0, atol=0)
+
+
+def _peft_logits(lora, prompts, seqs):
+    with torch.no_grad():
+        return [lora(input_ids=torch.tensor([s[:-1]])).logits[0, len(p) - 1:] for p, s in zip(prompts, seqs)]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])     # float32: the fused forward, gate/up
+def test_lora_layers_equal_peft_in_every_adapter_state(dtype):
+    """LoRA on every projection: the executor computes base + scaling * B(A(x)) itself with
+    one adapter active, with two, and with adapters disabled (peft's forward is not called:
+    a hook on the LoRA layers counts), and hands merged adapters and DoRA to peft's
+    forward; every state's logits equal peft's own."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = build_tiny_model("tiny-llama-m", 0, dtype)
+    prompts = random_prompts([9, 4, 17])
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(0)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=targets))
+    lora.add_adapter("b", LoraConfig(r=2, lora_alpha=6, init_lora_weights=False, target_modules=targets))
+    lora.eval()
+    # unpacked: peft's merge rewrites base weights in place, which a oneDNN-packed copy
+    # (packed.py) would not follow; raycolo never merges
+    ex = ModelExecutor(lora, 256, 4, pack_weights=False)
+    assert all(f.qkv is not None and (f.gate_up is not None) == ex.fused for f in ex.fusion)
+    calls = []
+    for layer in ex.layers:      # (the MLP is the model's module where the forward is not fused)
+        for m in (layer.self_attn.q_proj, layer.self_attn.o_proj) + ((layer.mlp.down_proj,) if ex.fused else ()):
+            m.register_forward_hook(lambda *a: calls.append(1))
+    tol = 1e-10 if dtype == "float64" else 2e-4
+    seen = []
+
+    def check(fast: bool):
+        calls.clear()
+        got, seqs = run_steps([ex], prompts, 2)
+        assert (not calls) == fast
+        for i, ref in enumerate(_peft_logits(lora, prompts, seqs)):
+            torch.testing.assert_close(torch.stack([step[i] for step in got]), ref, rtol=0, atol=tol)
+        seen.append(got[0])
+
+    check(fast=True)                                   # "default"
+    lora.base_model.set_adapter(["default", "b"])      # two adapters, summed
+    check(fast=True)
+    lora.base_model.set_adapter("b")
+    check(fast=True)
+    with lora.disable_adapter():
+        check(fast=True)
+    lora.base_model.set_adapter("default")
+    lora.merge_adapter()
+    check(fast=False)                                  # merged: peft's forward (base only)
+    lora.unmerge_adapter()
+    check(fast=True)
+    # the states really differ: one adapter, two, the other, none
+    for a, b in ((0, 1), (1, 2), (2, 3), (0, 3)):
+        assert (seen[a] - seen[b]).abs().max() > 1e-3
+    torch.testing.assert_close(seen[4], seen[0], rtol=0, atol=tol)      # merged = unmerged
+
+
+def test_dora_goes_through_peft():
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = build_tiny_model("tiny-llama-m", 0, "float64")
+    prompts = random_prompts([9, 4])
+    torch.manual_seed(0)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, use_dora=True,
+                                            target_modules=["q_proj", "v_proj", "o_proj"])).eval()
+    ex = ModelExecutor(lora, 256, 4)
+    got, seqs = run_steps([ex], prompts, 2)
+    for i, ref in enumerate(_peft_logits(lora, prompts, seqs)):
+        torch.testing.assert_close(torch.stack([step[i] for step in got]), ref, rtol=0, atol=1e-10)

@@ -241,14 +241,14 @@ def test_packed_projections_match_plain_ones_and_leave_training_to_the_plain_wei
                         lr=LORA.lr)
     plain = ModelExecutor(add_lora(build_tiny_model("tiny-llama-m", 0, "float32")[0], LORA), 64, 4,
                           pack_weights=False)
-    # hidden 256: the MLP's 256 x 688 projections (gate/up fused into one product, and down;
-    # 4 layers) and the 512 x 256 head reach 2^17 weights; the attention projections (256 x
-    # 256 and less, LoRA-wrapped: not fused) stay plain
-    assert packed.executor.packed == 2 * 4 + 1 and plain.packed == 0
+    # hidden 256: per layer (4) the fused q/k/v bases (the LoRA layers' frozen 256 x 256
+    # and less, 768 x 256 together), the fused gate/up (2 x 688 x 256) and down, and the
+    # 512 x 256 head reach 2^17 weights; o_proj's base (256 x 256) stays plain
+    assert packed.executor.packed == 3 * 4 + 1 and plain.packed == 0
     layer = packed.model.base_model.model.model.layers[0]
-    assert isinstance(layer.mlp.down_proj, PackedLinear) and packed.executor.fusion[0].gate_up.packed
-    assert packed.executor.fusion[0].qkv is None
-    assert not isinstance(layer.self_attn.q_proj.base_layer, PackedLinear)
+    fusion = packed.executor.fusion[0]
+    assert isinstance(layer.mlp.down_proj, PackedLinear) and fusion.gate_up.packed and fusion.qkv.packed
+    assert not isinstance(layer.self_attn.o_proj.base_layer, PackedLinear)
     assert type(layer.self_attn.q_proj.lora_A["default"]) is torch.nn.Linear  # the adapter stays trainable
     ps = prompts([9, 13])
     got = packed.forward([0, 1], ps)

@@ -14,9 +14,13 @@ one weight for each group; so do these, without changing the model:
 * in inference the executor calls :meth:`FusedProjection.__call__` (one ``F.linear``, or on
   the CPU one oneDNN-packed product, packed.py) and takes the parts' outputs as column
   slices of the result: strided rows, which the executor's kernels accept;
-* only plain ``nn.Linear`` parts fuse (a peft LoRA layer keeps its own forward); if a
-  part's module is replaced later (an adapter injected), :meth:`current` says so and the
-  executor calls the modules;
+* parts are plain ``nn.Linear``s or peft LoRA layers around them: the LoRA layers' frozen
+  ``base_layer``s fuse, and each active adapter adds ``scaling * B(A(x))`` to its part's
+  columns in place (:func:`lora_terms`, :func:`apply_linear`: what peft's forward computes,
+  without its per-call Python, and one base product for the three of q/k/v). Any adapter
+  state beyond plain LoRA (merged, DoRA or another variant, dropout while training, a
+  bias on B) goes through peft's own forward. If a part's module is replaced later (an
+  adapter injected), :meth:`current` says so and the executor calls the modules;
 * moving the model (``model.to``, as an engine's sleep and wake do) gives each part its own
   storage again; :meth:`ensure_fused` lays them out again (once, at wake-up), and
   :meth:`release` lets the old storage go at sleep.
@@ -26,6 +30,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from raycolo.engine.executor.packed import PackedLinear, packed_or_plain
 
@@ -39,7 +44,9 @@ class FusedProjection:
     def __init__(self, owner: torch.nn.Module, names: Sequence[str], pack: bool = True):
         self.owner, self.names, self.pack = owner, tuple(names), pack
         self.parts = [getattr(owner, n) for n in self.names]
-        self.sizes = [p.out_features for p in self.parts]
+        self.bases = [_base(p) for p in self.parts]       # the plain linears whose weights fuse
+        self.wrapped = [p is not b for p, b in zip(self.parts, self.bases)]
+        self.sizes = [b.out_features for b in self.bases]
         self.linear: Optional[torch.nn.Module] = None
         self._ptr = 0
         self.ensure_fused()
@@ -47,18 +54,26 @@ class FusedProjection:
     @staticmethod
     def fusable(owner: torch.nn.Module, names: Sequence[str]) -> bool:
         parts = [getattr(owner, n, None) for n in names]
-        if not all(type(p) is torch.nn.Linear for p in parts):
+        if not all(type(p) is torch.nn.Linear or (is_lora(p) and type(p.base_layer) is torch.nn.Linear)
+                   for p in parts):
             return False
-        w = parts[0].weight
-        return all(p.in_features == parts[0].in_features and p.weight.dtype == w.dtype
-                   and p.weight.device == w.device for p in parts)
+        bases = [_base(p) for p in parts]
+        w = bases[0].weight
+        return all(b.in_features == bases[0].in_features and b.weight.dtype == w.dtype
+                   and b.weight.device == w.device for b in bases)
 
     def current(self) -> bool:
         """The owner still holds these parts, and they still live in the fused weight."""
-        for name, part in zip(self.names, self.parts):
-            if getattr(self.owner, name) is not part:
+        if not self.same_modules():
+            return False
+        return self.linear is not None and self.bases[0].weight.data_ptr() == self._ptr
+
+    def same_modules(self) -> bool:
+        """The owner still holds these parts (and the LoRA layers these bases)."""
+        for name, part, base, wrapped in zip(self.names, self.parts, self.bases, self.wrapped):
+            if getattr(self.owner, name) is not part or (wrapped and part.base_layer is not base):
                 return False
-        return self.linear is not None and self.parts[0].weight.data_ptr() == self._ptr
+        return True
 
     @property
     def packed(self) -> bool:
@@ -72,7 +87,7 @@ class FusedProjection:
     def _laid_out(self) -> bool:
         """The parts' weights (and biases) are consecutive rows of one storage."""
         for attr in ("weight", "bias"):
-            tensors = [getattr(p, attr) for p in self.parts]
+            tensors = [getattr(b, attr) for b in self.bases]
             if all(t is None for t in tensors):
                 continue
             if any(t is None or not t.is_contiguous() for t in tensors):
@@ -91,10 +106,10 @@ class FusedProjection:
         with torch.no_grad():
             if not self._laid_out():
                 self._lay_out()
-            w0 = self.parts[0].weight
+            w0 = self.bases[0].weight
             total, cols = sum(self.sizes), w0.shape[1]
             weight = w0.detach().as_strided((total, cols), (cols, 1), w0.storage_offset())
-            b0 = self.parts[0].bias
+            b0 = self.bases[0].bias
             bias = None if b0 is None else b0.detach().as_strided((total,), (1,), b0.storage_offset())
             linear = torch.nn.Linear(cols, total, bias=bias is not None, device="meta")
             linear.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -103,7 +118,7 @@ class FusedProjection:
         self._ptr = w0.data_ptr()
 
     def _lay_out(self) -> None:
-        parts = self.parts
+        parts = self.bases
         weight = torch.cat([p.weight.detach() for p in parts])
         has_bias = any(p.bias is not None for p in parts)
         bias = torch.cat([p.bias.detach() if p.bias is not None
@@ -119,9 +134,67 @@ class FusedProjection:
                     p.bias.data = bias[start:start + size]
             start += size
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The parts' outputs, as column slices of one (rows, sum of sizes) product."""
-        return self.linear(x).split(self.sizes, dim=-1)
+    def __call__(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
+        """The parts' outputs, as column slices of one (rows, sum of sizes) product with each
+        LoRA part's adapters added; None where an adapter needs peft's own forward."""
+        terms = [lora_terms(p, x) if w else () for p, w in zip(self.parts, self.wrapped)]
+        if any(t is None for t in terms):
+            return None
+        outs = self.linear(x).split(self.sizes, dim=-1)
+        for out, part_terms in zip(outs, terms):
+            _add_lora(out, x, part_terms)
+        return outs
+
+
+def is_lora(module) -> bool:
+    """A peft LoRA ``Linear`` (``base_layer`` plus ``lora_A``/``lora_B`` per adapter)."""
+    return type(module).__module__.startswith("peft.tuners.lora") and hasattr(module, "lora_A") \
+        and hasattr(module, "base_layer")
+
+
+def _base(module):
+    return module.base_layer if is_lora(module) else module
+
+
+def lora_terms(module, x: torch.Tensor) -> Optional[list[tuple[torch.Tensor, torch.Tensor, float]]]:
+    """``(A, B, scaling)`` of each adapter a peft LoRA ``Linear`` would add to its base
+    output for ``x`` (peft's ``Linear.forward``: ``base(x) + B(A(dropout(x))) * scaling``
+    per active adapter; none while adapters are disabled), or None where that forward does
+    more: merged adapters, DoRA or another variant, dropout while training, a bias on B,
+    an input of another dtype than A (peft casts it), a 3-D input."""
+    if module.merged or x.dim() != 2:
+        return None
+    if module.disable_adapters:
+        return []
+    terms = []
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        a, b, drop = module.lora_A[name], module.lora_B[name], module.lora_dropout[name]
+        if name in getattr(module, "lora_variant", {}) or type(a) is not torch.nn.Linear \
+                or type(b) is not torch.nn.Linear or b.bias is not None or a.bias is not None \
+                or a.weight.dtype != x.dtype or (drop.training and getattr(drop, "p", 0.0) > 0):
+            return None
+        terms.append((a.weight, b.weight, float(module.scaling[name])))
+    return terms
+
+
+def _add_lora(out: torch.Tensor, x: torch.Tensor, terms) -> None:
+    for a, b, scaling in terms:
+        out.addmm_(F.linear(x, a), b.t(), alpha=scaling)
+
+
+def apply_linear(module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; in inference, a plain-LoRA peft layer as its base product plus
+    ``scaling * B(A(x))`` added in place (what its forward computes, without its per-call
+    Python)."""
+    if not torch.is_grad_enabled() and is_lora(module):
+        terms = lora_terms(module, x)
+        if terms is not None:
+            out = module.base_layer(x)
+            _add_lora(out, x, terms)
+            return out
+    return module(x)
 
 
 class LayerFusion:
@@ -157,9 +230,10 @@ def project(fused: Optional[FusedProjection], modules: Sequence[torch.nn.Module]
     """The outputs of ``modules`` on ``x``: one fused product in inference where ``fused``
     still stands for them, else each module on its own (autograd, LoRA)."""
     if fused is not None and not torch.is_grad_enabled():
-        if fused.current():
-            return fused(x)
-        if all(getattr(fused.owner, n) is p for n, p in zip(fused.names, fused.parts)):
+        if not fused.current() and fused.same_modules():
             fused.ensure_fused()          # the same modules, moved (model.to): lay out again
-            return fused(x)
-    return tuple(m(x) for m in modules)
+        if fused.current():
+            outs = fused(x)
+            if outs is not None:
+                return outs
+    return tuple(apply_linear(m, x) for m in modules)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from raycolo.errors import ConfigError
 from raycolo.engine.executor.attention import AttentionKernel, choose_kernel, fused_pointwise, paged_attention
 from raycolo.engine.executor.batch import SeqChunk, StepBatch
-from raycolo.engine.executor.fused import fuse_layers, project
+from raycolo.engine.executor.fused import apply_linear, fuse_layers, project
 from raycolo.engine.executor.graphs import DecodeBatch, DecodeGraphs
 from raycolo.engine.executor.heap import keep_freed_memory
 from raycolo.engine.executor.kv_cache import PagedKVCache
@@ -251,7 +251,7 @@ class ModelExecutor:
             h = ops.add_rms_norm(x, a, *_norm_args(layer.post_attention_layernorm))
             mlp, fusion = layer.mlp, self.fusion[i]
             gate, up = project(fusion and fusion.gate_up, (mlp.gate_proj, mlp.up_proj), h)
-            m = self._reduce(mlp.down_proj(ops.silu_mul(gate, up)))
+            m = self._reduce(apply_linear(mlp.down_proj, ops.silu_mul(gate, up)))
             if i + 1 < len(self.layers):
                 h = ops.add_rms_norm(x, m, *_norm_args(self.layers[i + 1].input_layernorm))
             else:
@@ -323,14 +323,14 @@ class ModelExecutor:
                                  "the executor under torch.inference_mode (execute)")
             o = paged_attention(self.kernel, q, self.cache.keys[i], self.cache.values[i], batch,
                                 self.windows[i], self.scale)
-            return self._reduce(attn.o_proj(o.view(n, self.heads * d)))
+            return self._reduce(apply_linear(attn.o_proj, o.view(n, self.heads * d)))
         groups = batch.groups
         if len(groups) == 1 and groups[0].out_index is None:  # decode, rows in batch order
-            return self._reduce(attn.o_proj(self._group_attention(i, q, groups[0])))
+            return self._reduce(apply_linear(attn.o_proj, self._group_attention(i, q, groups[0])))
         out = q.new_empty((n, self.heads * d))
         for g in groups:
             out.index_copy_(0, g.out_index, self._group_attention(i, q, g).index_select(0, g.out_src))
-        return self._reduce(attn.o_proj(out))
+        return self._reduce(apply_linear(attn.o_proj, out))
 
     def _group_attention(self, i: int, q: torch.Tensor, g) -> torch.Tensor:
         """Attention of one group: (rows * Lq, heads * head_dim) in padded query order."""
