@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from raycolo.engine.executor.packed import PackedLinear, packed_or_plain
+from raycolo.engine.executor.row_lora import RowLoRA
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
@@ -134,9 +135,16 @@ class FusedProjection:
                     p.bias.data = bias[start:start + size]
             start += size
 
-    def __call__(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
+    def __call__(self, x: torch.Tensor, rows: Optional[RowLoRA] = None) -> Optional[tuple[torch.Tensor, ...]]:
         """The parts' outputs, as column slices of one (rows, sum of sizes) product with each
-        LoRA part's adapters added; None where an adapter needs peft's own forward."""
+        LoRA part's adapters added (each row its own, given ``rows``); None where an adapter
+        needs peft's own forward."""
+        if rows is not None:
+            outs = self.linear(x).split(self.sizes, dim=-1)
+            for out, part, wrapped in zip(outs, self.parts, self.wrapped):
+                if wrapped:
+                    rows.add(out, x, part)
+            return outs
         terms = [lora_terms(p, x) if w else () for p, w in zip(self.parts, self.wrapped)]
         if any(t is None for t in terms):
             return None
@@ -184,10 +192,14 @@ def _add_lora(out: torch.Tensor, x: torch.Tensor, terms) -> None:
         out.addmm_(F.linear(x, a), b.t(), alpha=scaling)
 
 
-def apply_linear(module, x: torch.Tensor) -> torch.Tensor:
+def apply_linear(module, x: torch.Tensor, rows: Optional[RowLoRA] = None) -> torch.Tensor:
     """``module(x)``; in inference, a plain-LoRA peft layer as its base product plus
     ``scaling * B(A(x))`` added in place (what its forward computes, without its per-call
-    Python)."""
+    Python); given ``rows``, each row's own adapter (:class:`RowLoRA`)."""
+    if rows is not None and is_lora(module):
+        out = module.base_layer(x)
+        rows.add(out, x, module)
+        return out
     if not torch.is_grad_enabled() and is_lora(module):
         terms = lora_terms(module, x)
         if terms is not None:
@@ -226,14 +238,15 @@ def fuse_layers(layers: Sequence[torch.nn.Module], pack: bool = True,
 
 
 def project(fused: Optional[FusedProjection], modules: Sequence[torch.nn.Module],
-            x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            x: torch.Tensor, rows: Optional[RowLoRA] = None) -> tuple[torch.Tensor, ...]:
     """The outputs of ``modules`` on ``x``: one fused product in inference where ``fused``
-    still stands for them, else each module on its own (autograd, LoRA)."""
+    still stands for them, else each module on its own (autograd, LoRA). ``rows``: each
+    row's own adapter (:class:`RowLoRA`; inference only)."""
     if fused is not None and not torch.is_grad_enabled():
         if not fused.current() and fused.same_modules():
             fused.ensure_fused()          # the same modules, moved (model.to): lay out again
         if fused.current():
-            outs = fused(x)
+            outs = fused(x, rows)
             if outs is not None:
                 return outs
-    return tuple(apply_linear(m, x) for m in modules)
+    return tuple(apply_linear(m, x, rows) for m in modules)

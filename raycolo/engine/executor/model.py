@@ -33,6 +33,7 @@ from raycolo.engine.executor.graphs import DecodeBatch, DecodeGraphs
 from raycolo.engine.executor.heap import keep_freed_memory
 from raycolo.engine.executor.kv_cache import PagedKVCache
 from raycolo.engine.executor.native import heads_contiguous
+from raycolo.engine.executor.row_lora import RowLoRA
 from raycolo.engine.executor.packed import pack_linears
 from raycolo.engine.executor.tensor_parallel import TensorParallel, local_heads, shard_layers
 
@@ -137,6 +138,9 @@ class ModelExecutor:
         self.cache = PagedKVCache(len(self.layers), num_blocks + (1 if graphs else 0), block_size, self.kv_heads,
                                   self.head_dim, self.dtype, self.device)
         self.graphs = DecodeGraphs(self, num_blocks, capture=True) if graphs else None
+        # Each row's own LoRA version for one step (row_lora.py; set by an online stage
+        # around a step that mixes versions, None otherwise).
+        self.row_lora: Optional[RowLoRA] = None
 
     def _enter(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp is None else self.tp.enter(x)
@@ -230,12 +234,21 @@ class ModelExecutor:
             h = layer.input_layernorm(x)
             x = residual + self._attention(i, layer.self_attn, h[0], rope, batch).unsqueeze(0)
             residual = x
-            x = residual + self._reduce(layer.mlp(self._enter(layer.post_attention_layernorm(x))))
+            x = residual + self._mlp(layer, layer.post_attention_layernorm(x))
         x = x[0]
         if not self.is_last:
             return x
         last = x.index_select(0, batch.last_index)
         return self.lm_head(self.norm(last))
+
+    def _mlp(self, layer, h: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP on (1, tokens, hidden): its module, or with per-row adapters
+        (``row_lora``) its gated SiLU product spelled out, so each LoRA layer adds each row's own."""
+        if self.row_lora is None:
+            return self._reduce(layer.mlp(self._enter(h)))
+        mlp = layer.mlp
+        gate, up = project(None, (mlp.gate_proj, mlp.up_proj), h[0], self.row_lora)
+        return apply_linear(mlp.down_proj, mlp.act_fn(gate) * up, self.row_lora).unsqueeze(0)
 
     def _forward_fused(self, batch: StepBatch, x: torch.Tensor) -> torch.Tensor:
         """The same layers with fused pointwise steps (``self.pointwise``; no autograd):
@@ -250,8 +263,8 @@ class ModelExecutor:
             a = self._attention(i, layer.self_attn, h, rope, batch, fused=True)
             h = ops.add_rms_norm(x, a, *_norm_args(layer.post_attention_layernorm))
             mlp, fusion = layer.mlp, self.fusion[i]
-            gate, up = project(fusion and fusion.gate_up, (mlp.gate_proj, mlp.up_proj), h)
-            m = self._reduce(apply_linear(mlp.down_proj, ops.silu_mul(gate, up)))
+            gate, up = project(fusion and fusion.gate_up, (mlp.gate_proj, mlp.up_proj), h, self.row_lora)
+            m = self._reduce(apply_linear(mlp.down_proj, ops.silu_mul(gate, up), self.row_lora))
             if i + 1 < len(self.layers):
                 h = ops.add_rms_norm(x, m, *_norm_args(self.layers[i + 1].input_layernorm))
             else:
@@ -310,7 +323,8 @@ class ModelExecutor:
                    fused: bool = False) -> torch.Tensor:
         n, d = h.shape[0], self.head_dim
         fusion = self.fusion[i]
-        q, k, v = project(fusion and fusion.qkv, (attn.q_proj, attn.k_proj, attn.v_proj), self._enter(h))
+        q, k, v = project(fusion and fusion.qkv, (attn.q_proj, attn.k_proj, attn.v_proj), self._enter(h),
+                          self.row_lora)
         q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
         if fused and heads_contiguous(q) and heads_contiguous(k):
             self.pointwise.rope_and_write(self.cache, i, batch.slots, q, k, v, *rope)
@@ -323,14 +337,14 @@ class ModelExecutor:
                                  "the executor under torch.inference_mode (execute)")
             o = paged_attention(self.kernel, q, self.cache.keys[i], self.cache.values[i], batch,
                                 self.windows[i], self.scale)
-            return self._reduce(apply_linear(attn.o_proj, o.view(n, self.heads * d)))
+            return self._reduce(apply_linear(attn.o_proj, o.view(n, self.heads * d), self.row_lora))
         groups = batch.groups
         if len(groups) == 1 and groups[0].out_index is None:  # decode, rows in batch order
-            return self._reduce(apply_linear(attn.o_proj, self._group_attention(i, q, groups[0])))
+            return self._reduce(apply_linear(attn.o_proj, self._group_attention(i, q, groups[0]), self.row_lora))
         out = q.new_empty((n, self.heads * d))
         for g in groups:
             out.index_copy_(0, g.out_index, self._group_attention(i, q, g).index_select(0, g.out_src))
-        return self._reduce(apply_linear(attn.o_proj, out))
+        return self._reduce(apply_linear(attn.o_proj, out, self.row_lora))
 
     def _group_attention(self, i: int, q: torch.Tensor, g) -> torch.Tensor:
         """Attention of one group: (rows * Lq, heads * head_dim) in padded query order."""

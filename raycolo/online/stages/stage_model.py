@@ -36,6 +36,7 @@ from raycolo.online.stages.losses import IGNORE_INDEX
 from raycolo.online.stages.lora_settings import ADAPTER_WEIGHTS_FILE, LoraSettings  # noqa: F401  (re-exported)
 from raycolo.engine.executor.model import ModelExecutor
 from raycolo.online.samples import training_rows  # noqa: F401  (the stage's row layout)
+from raycolo.online.stages.row_versions import BASE, row_lora
 from raycolo.batching.blocks import BlockAllocator
 
 _DPO_STEP = -1               # the training-task key of a dpo_step (live tasks have ids >= 0)
@@ -91,7 +92,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class StageModel:
     def __init__(self, model, layers: tuple[int, int], num_blocks: int, block_size: int,
-                 lr: float = 1e-3, pinned_cache: int = 4, cuda_graphs: bool = False, tp=None):
+                 lr: float = 1e-3, pinned_cache: int = 4, cuda_graphs: bool = False, tp=None,
+                 batched_versions: bool = True):
         """``model``: the whole causal LM, already wrapped by :func:`add_lora` where the
         stage trains. Layers outside the slice are dropped from the module tree.
         ``pinned_cache``: saved adapter versions kept loaded (:meth:`forward`'s ``pinned``).
@@ -99,7 +101,8 @@ class StageModel:
         active (one set of graphs per adapter state; graphs.py). ``tp``: this process's
         :class:`~raycolo.engine.executor.tensor_parallel.TensorParallel` rank; the stage then
         holds its slice of the layers' projections and LoRA (tensor_parallel.py), and every
-        rank must run the same ops."""
+        rank must run the same ops. ``batched_versions``: a step whose requests run on
+        different adapter versions runs as one pass where it can (row_versions.py)."""
         self.model = model
         self.executor = ModelExecutor(model, num_blocks, block_size, layers, cuda_graphs=cuda_graphs, tp=tp)
         self.first, self.last = self.executor.first, self.executor.last
@@ -120,6 +123,9 @@ class StageModel:
         self._train: dict[int, tuple] = {}           # task id -> (input, output or loss)
         self._groups: dict[int, list] = {}           # task id -> its micro-batches' gradients so far
         self.steps = 0
+        # A step mixing adapter versions: one pass with each row's own LoRA where the executor
+        # runs it eagerly, else one pass per version (row_versions.py).
+        self.batched_versions = batched_versions
 
     @property
     def is_first(self) -> bool:
@@ -144,11 +150,20 @@ class StageModel:
         pass over its own rows."""
         chunks = self._chunks(requests, tokens)
         base, pinned = set(base), dict(pinned or {})
-        variants = ["base" if r in base else pinned.get(r, LATEST) for r in requests]
+        variants = [BASE if r in base else pinned.get(r, LATEST) for r in requests]
         kinds = list(dict.fromkeys(variants))
         if kinds == [LATEST] or not hasattr(self.model, "disable_adapter"):
             return self.executor.execute(self.executor.batch(chunks), hidden)
         counts = [c.length for c in chunks]
+        if self.batched_versions:      # one pass, each row its own version (row_versions.py)
+            rows = row_lora(self.model, self.executor, counts, variants, LATEST, self._adapter_name(),
+                            self._pinned_state)
+            if rows is not None:
+                self.executor.row_lora = rows
+                try:
+                    return self.executor.execute(self.executor.batch(chunks), hidden)
+                finally:
+                    self.executor.row_lora = None
         starts = [0, *itertools.accumulate(counts)]
         pieces: list = [None] * len(chunks)
         for variant in kinds:
@@ -170,7 +185,7 @@ class StageModel:
         if variant == LATEST:
             yield
             return
-        if variant == "base":
+        if variant == BASE:
             with self.model.disable_adapter():
                 yield
             return
