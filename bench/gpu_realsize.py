@@ -13,6 +13,10 @@ tokens (EOS ignored):
   (``fuse_projections: false``), what fusing them (executor/fused.py) gains;
 * ``stage.graphs`` / ``stage.eager``: the online ``StageModel`` on the whole model with an
   active LoRA (rank 8 on q/k/v/o, lora_B random), one decode step of every row;
+* ``stage.versions`` / ``stage.versions1p``: a stage step whose rows are a third on the
+  latest adapter, a third ``@base``, a third pinned to a saved version, at batch 16 (or the
+  largest stage batch below it): one pass per version (graph replays) against one eager
+  pass with each row's own LoRA (batched LoRA): which serves mixed versions faster;
 * ``stage.split2``: two ``StageModel`` slices (half the layers each, each from its own copy
   of the model) chained in one process, per token; ``stage.split2p``: the same split as two
   spawned ``StageProcess``es over gloo on the one device, as a live node runs them
@@ -52,8 +56,8 @@ from pathlib import Path
 
 import torch
 
-from realsize_models import (BLOCK, SHAPES, Model, add_active_lora, build_model, limits, prompts_for,
-                            sync, timed)
+from realsize_models import (BLOCK, LORA_RANK, SHAPES, Model, add_active_lora, build_model, limits,
+                             prompts_for, sync, timed)
 
 TARGETS = {     # issue 46: fraction of the roofline (decode) or of the matmul rate
     ("engine.graphs", 1): 0.80, ("engine.graphs", 16): 0.70, ("engine.graphs", 64): 0.70,
@@ -129,12 +133,13 @@ def hf_generate_step(model, prompt, output: int, device) -> float:
     return (full - one) / (output - 1)
 
 
-def stage_step(chain, prompts, steps: int, device) -> float:
-    """Median seconds of one decode step of every row through ``chain`` (StageModels)."""
+def stage_step(chain, prompts, steps: int, device, **versions) -> float:
+    """Median seconds of one decode step of every row through ``chain`` (StageModels);
+    ``versions``: :meth:`StageModel.forward`'s ``base`` and ``pinned``."""
     rids = list(range(len(prompts)))
     hidden = None
     for st in chain:
-        hidden = st.forward(rids, prompts, hidden)
+        hidden = st.forward(rids, prompts, hidden, **versions)
     toks = hidden.argmax(-1).tolist()
     times = []
     for _ in range(steps):
@@ -142,13 +147,39 @@ def stage_step(chain, prompts, steps: int, device) -> float:
         t0 = time.perf_counter()
         hidden = None
         for st in chain:
-            hidden = st.forward(rids, [[t] for t in toks], hidden)
+            hidden = st.forward(rids, [[t] for t in toks], hidden, **versions)
         toks = hidden.argmax(-1).tolist()
         times.append(time.perf_counter() - t0)
     for st in chain:
         for rid in rids:
             st.release(rid)
     return statistics.median(times[1:])
+
+
+def versions_rows(rows, model, graphed, m, args, device, bw, batch: int) -> None:
+    """A stage step mixing adapter versions (a third of the rows on the latest adapter, a
+    third ``@base``, a third pinned to a saved version): one pass per version through
+    ``graphed`` (each a graph replay on a GPU) against one eager pass with each row's own
+    LoRA (batched LoRA, raycolo/online/stages/row_versions.py)."""
+    import tempfile
+
+    from raycolo.online.stages.peft_format import export_adapter
+    from raycolo.online.stages.stage_model import LoraSettings, StageModel
+
+    lora = LoraSettings(rank=LORA_RANK, alpha=2 * LORA_RANK)
+    saved = export_adapter([graphed.lora_state()], lora, Path(tempfile.mkdtemp(prefix="raycolo-bench-")) / "v1")
+    rids = list(range(batch))
+    versions = {"base": rids[1::3], "pinned": {r: str(saved) for r in rids[2::3]}}
+    ps = prompts_for(m.cfg.vocab_size, batch, args.prompt, seed=batch)
+    roof = m.decode_bytes(batch, args.prompt + args.stage_steps / 2) / bw
+    graphed.batched_versions = False
+    per = stage_step([graphed], ps, args.stage_steps, device, **versions)
+    decode_row(rows, "stage.versions", batch, per, roof)
+    blocks = batch * -(-(args.prompt + args.stage_steps + 2) // BLOCK) + 1
+    one = StageModel(model, (0, m.cfg.num_hidden_layers), blocks, BLOCK, cuda_graphs=False)
+    step = stage_step([one], ps, args.stage_steps, device, **versions)
+    decode_row(rows, "stage.versions1p", batch, step, roof, {"over_per_version": step / per})
+    del one
 
 
 def train_step(stage, vocab: int, rows: int, length: int, device) -> float:
@@ -293,6 +324,7 @@ def run_shape(shape: str, args, device, dtype, lim: dict) -> dict:
             whole_stage = stage
         else:
             del stage
+    versions_rows(rows, model, whole_stage, m, args, device, bw, max(b for b in stage_batches if b <= 16))
     t = train_step(whole_stage, vocab, args.train_rows, plen, device)
     tokens = args.train_rows * plen
     flops = 4 * (m.layer_params + m.head_params) * tokens + 3 * m.attn_flops_per_key * tokens * (plen + 1) / 2

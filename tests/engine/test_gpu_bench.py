@@ -30,7 +30,8 @@ def test_the_dry_run_covers_every_path_and_writes_the_table_and_json(tmp_path, c
     assert rc == 0
     result = json.loads(out.read_text())["results"][0]
     paths = {(r["path"], r["batch"]) for r in result["rows"]}
-    assert paths == {("engine.graphs", 1), ("engine.graphs", 4), ("engine.eager", 1), ("engine.unfused", 1), ("transformers", 1),
+    assert paths == {("engine.graphs", 1), ("engine.graphs", 4), ("engine.eager", 1), ("engine.unfused", 1),
+                     ("stage.versions", 4), ("stage.versions1p", 4), ("transformers", 1),
                      ("attention.torch", 1), ("attention.torch", 4),
                      ("prefill", None), ("stage.graphs", 1), ("stage.graphs", 4), ("stage.eager", 1),
                      ("lora.train", 2), ("stage.split2", 1), ("stage.split2p", 1)}
