@@ -117,14 +117,16 @@ def test_moved_weights_are_laid_out_again():
 
 def test_only_plain_linears_of_one_input_fuse():
     layer = torch.nn.Module()
-    layer.a, layer.b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 6, bias=False)
+    layer.a, layer.b = torch.nn.Linear(8, 4), torch.nn.Linear(8, 6)
     assert FusedProjection.fusable(layer, ("a", "b"))
     fused = FusedProjection(layer, ("a", "b"))
     x = torch.randn(3, 8, dtype=torch.float32)
     with torch.inference_mode():
         ya, yb = fused(x)
         torch.testing.assert_close(ya, layer.a(x), rtol=0, atol=1e-6)
-        torch.testing.assert_close(yb, layer.b(x), rtol=0, atol=1e-6)   # a zero bias for b
+        torch.testing.assert_close(yb, layer.b(x), rtol=0, atol=1e-6)
+    layer.e = torch.nn.Linear(8, 6, bias=False)
+    assert not FusedProjection.fusable(layer, ("a", "e"))                 # a bias on one part only
     layer.c = torch.nn.Linear(9, 4)
     assert not FusedProjection.fusable(layer, ("a", "c"))                 # another input size
     layer.d = torch.nn.Linear(8, 4).double()
@@ -228,3 +230,27 @@ def test_dora_goes_through_peft():
     got, seqs = run_steps([ex], prompts, 2)
     for i, ref in enumerate(_peft_logits(lora, prompts, seqs)):
         torch.testing.assert_close(torch.stack([step[i] for step in got]), ref, rtol=0, atol=1e-10)
+
+
+def test_biased_llama_projections_fuse_and_equal_transformers():
+    """A Llama checkpoint with biases on attention and MLP projections (``attention_bias``,
+    ``mlp_bias``): q/k/v and gate/up fuse with their biases, and the executor's last-token
+    logits equal transformers' forward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True)
+    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    ex = ModelExecutor(model, 64, 4)
+    assert ex.fused and all(f.qkv is not None and f.gate_up is not None for f in ex.fusion)
+    prompts = random_prompts([6, 11])
+    got, seqs = run_steps([ex], prompts, 2)
+    with torch.no_grad():
+        for i, (p, s) in enumerate(zip(prompts, seqs)):
+            ref = model(input_ids=torch.tensor([s[:-1]])).logits[0, len(p) - 1:]
+            torch.testing.assert_close(torch.stack([step[i] for step in got]), ref, rtol=0, atol=1e-4)

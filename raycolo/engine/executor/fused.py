@@ -59,9 +59,9 @@ class FusedProjection:
                    for p in parts):
             return False
         bases = [_base(p) for p in parts]
-        w = bases[0].weight
+        w, biased = bases[0].weight, bases[0].bias is not None
         return all(b.in_features == bases[0].in_features and b.weight.dtype == w.dtype
-                   and b.weight.device == w.device for b in bases)
+                   and b.weight.device == w.device and (b.bias is not None) == biased for b in bases)
 
     def current(self) -> bool:
         """The owner still holds these parts, and they still live in the fused weight."""
@@ -92,7 +92,7 @@ class FusedProjection:
             if all(t is None for t in tensors):
                 continue
             if any(t is None or not t.is_contiguous() for t in tensors):
-                return False
+                return False        # (fusable: all parts have a bias, or none)
             storage = tensors[0].untyped_storage().data_ptr()
             offset = tensors[0].storage_offset()
             for t in tensors:
@@ -121,18 +121,12 @@ class FusedProjection:
     def _lay_out(self) -> None:
         parts = self.bases
         weight = torch.cat([p.weight.detach() for p in parts])
-        has_bias = any(p.bias is not None for p in parts)
-        bias = torch.cat([p.bias.detach() if p.bias is not None
-                          else torch.zeros(p.out_features, dtype=weight.dtype, device=weight.device)
-                          for p in parts]) if has_bias else None
+        bias = torch.cat([p.bias.detach() for p in parts]) if parts[0].bias is not None else None
         start = 0
         for p, size in zip(parts, self.sizes):
             p.weight.data = weight[start:start + size]
             if bias is not None:
-                if p.bias is None:   # a zero bias where the fused product adds one
-                    p.bias = torch.nn.Parameter(bias[start:start + size], requires_grad=False)
-                else:
-                    p.bias.data = bias[start:start + size]
+                p.bias.data = bias[start:start + size]
             start += size
 
     def __call__(self, x: torch.Tensor, rows: Optional[RowLoRA] = None) -> Optional[tuple[torch.Tensor, ...]]:
