@@ -35,6 +35,8 @@ step, and for NVML the CUDA driver's own memory figures. Rows:
                          ``TRITON_INTERPRET=1``)
 * ``stage.graphs``       a LoRA stage chain decoding through CUDA graphs against the same chain
                          eagerly: latest-adapter and base rows, before and after a training step
+* ``stage.versions``     a step mixing adapter versions (saved, latest, base) as one batched-LoRA
+                         pass against one pass per version, float64
 * ``tp``                 tensor parallelism, rank 1 a spawned process: NCCL with two GPUs, gloo
                          with one (both ranks on it) or on the CPU; float64 tokens vs tp=1 and
                          generate()
@@ -51,7 +53,7 @@ The package, by role:
 * ``references.py``      the references: transformers' generate()/forward, peft's training step
 * ``executor_checks.py`` the ``executor.*`` rows
 * ``engine_checks.py``   ``torch_engine``, ``device_stats`` and ``vllm``
-* ``stage_checks.py``    ``stage.inproc`` and ``stage.p2p``
+* ``stage_checks.py``    ``stage.inproc``, ``stage.p2p`` and ``stage.versions``
 * ``kernel_checks.py``   ``executor.triton``, ``stage.graphs`` and ``tp``
 * ``cli.py``             the rows' registry (``CHECKS``), the table, ``main``
 """

@@ -16,7 +16,7 @@ from raycolo.gpu_check.executor_checks import (check_executor_decode, check_exec
                                                       check_executor_slices, check_executor_whole,
                                                       check_executor_windows)
 from raycolo.gpu_check.kernel_checks import check_executor_triton, check_stage_graphs, check_tp
-from raycolo.gpu_check.stage_checks import check_stage_inproc, check_stage_p2p
+from raycolo.gpu_check.stage_checks import check_stage_inproc, check_stage_p2p, check_stage_versions
 
 CHECKS: dict[str, Callable] = {
     "executor.whole": check_executor_whole,
@@ -29,6 +29,7 @@ CHECKS: dict[str, Callable] = {
     "stage.inproc": check_stage_inproc,
     "stage.p2p": check_stage_p2p,
     "stage.graphs": check_stage_graphs,
+    "stage.versions": check_stage_versions,
     "tp": check_tp,
     "device_stats": check_device_stats,
     "vllm": check_vllm,

@@ -1,5 +1,6 @@
 """gpu-check's stage rows: ``stage.inproc`` (StageModel slices with LoRA in one process) and
-``stage.p2p`` (two stage processes over a real process group), both against peft."""
+``stage.p2p`` (two stage processes over a real process group), both against peft, and
+``stage.versions`` (a step mixing adapter versions as one batched-LoRA pass)."""
 from __future__ import annotations
 
 import os
@@ -70,6 +71,62 @@ def check_stage_inproc(device) -> Row:
     return Row("stage.inproc", PASS, {"tokens_equal": f"{12 * len(ps)}/{12 * len(ps)}",
                                       "loss_diff": loss_diff, "lora_diff": wdiff},
                f"{len(chain)} StageModels, serve + 2 LoRA steps vs peft")
+
+
+def check_stage_versions(device) -> Row:
+    """A step mixing adapter versions (a saved version, the latest adapter after a training
+    step, the base model) as one batched-LoRA pass (row_versions.py) against the same
+    stages running one pass per version, float64, every projection under LoRA."""
+    import torch
+
+    from raycolo.online.stages.peft_format import export_adapter
+    from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora
+
+    lora = LoraSettings(rank=4, alpha=8, lr=1e-2, seed=3,
+                        target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+
+    def chain(batched: bool):
+        out = []
+        for a, b in zip(CUTS[:-1], CUTS[1:]):
+            st = StageModel(add_lora(_model(MODEL, "float64", device), lora), (a, b), 64, 16, lr=lora.lr,
+                            batched_versions=batched)
+            with torch.no_grad():
+                for name, p in st.model.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+            out.append(st)
+        return out
+
+    one, per = chain(True), chain(False)
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = export_adapter([st.lora_state() for st in one], lora, os.path.join(tmp, "v1"))
+        ids, labels, lengths = _training_batch()
+        for stages in (one, per):         # the latest adapter moves away from the saved one
+            x = ids.to(device)
+            for st in stages[:-1]:
+                x = st.train_forward(0, x, lengths)
+            stages[-1].train_forward(0, x, lengths, labels.to(device))
+            grad = None
+            for st in reversed(stages):
+                grad = st.train_backward(0, grad)
+        rids = [0, 1, 2, 3]
+        versions = {"base": [2], "pinned": {0: str(saved), 3: str(saved)}}
+        toks, worst, passes = _prompts([9, 23, 14, 6]), 0.0, []
+        run = one[0].executor.execute
+        one[0].executor.execute = lambda *a, **k: passes.append(1) or run(*a, **k)
+        for _ in range(4):
+            outs = []
+            for stages in (one, per):
+                hidden = None
+                for st in stages:
+                    hidden = st.forward(rids, toks, hidden, **versions)
+                outs.append(hidden)
+            worst = max(worst, float((outs[0] - outs[1]).abs().max()))
+            toks = [[int(t)] for t in outs[1].argmax(-1).tolist()]
+    _require(worst < 1e-10, f"one batched-LoRA pass differs from a pass per version by {worst:.3g}")
+    _require(len(passes) == 4, f"the first stage ran {len(passes)} passes for 4 mixed steps")
+    return Row("stage.versions", PASS, {"max_abs_diff": worst, "passes": f"{len(passes)} (not 12)"},
+               f"{MODEL} float64, LoRA on every projection, saved + latest + base rows in one pass")
 
 
 # stage.p2p: each rank is a spawned process that runs the real StageProcess over a process group.
