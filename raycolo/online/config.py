@@ -89,6 +89,9 @@ class StageSpec(Strict):
     cuda_graphs: bool = Field(default=True, description=(
         "With device cuda: stage workers replay decode steps as CUDA graphs, LoRA active (one set of graphs "
         "per adapter state); false runs every step eagerly."))
+    batched_versions: bool = Field(default=True, description=(
+        "A step whose requests run on different adapter versions (latest, @base, @v<k>) runs as one pass with "
+        "each row's own LoRA where the stage runs it eagerly (no CUDA graphs); false runs one pass per version."))
     block_size: int = Field(default=16, gt=0, le=1 << 16, description=(
         "Tokens per block of a stage's paged KV cache."))
     kv_cache_tokens: int = Field(default=16384, gt=0, le=1 << 30, description=(
@@ -453,7 +456,7 @@ def stage_build(config: "OnlineConfig") -> dict:
                      "seed": cfg.model_loading_config.seed},
             "num_blocks": -(-cfg.stage.kv_cache_tokens // cfg.stage.block_size),
             "block_size": cfg.stage.block_size, "pinned_versions": cfg.serve.pinned_versions,
-            "cuda_graphs": cfg.stage.cuda_graphs}
+            "cuda_graphs": cfg.stage.cuda_graphs, "batched_versions": cfg.stage.batched_versions}
 
 
 def live_profile(config: "OnlineConfig", model_config) -> NodeProfile:

@@ -184,5 +184,6 @@ def build_stage(build: dict, bounds, stage: int):
     model = add_lora(model, lora)
     stage_model = StageModel(model, (bounds[stage], bounds[stage + 1]), build["num_blocks"], build["block_size"],
                              lr=lora.lr, pinned_cache=build["pinned_versions"],
-                             cuda_graphs=build.get("cuda_graphs", False))
+                             cuda_graphs=build.get("cuda_graphs", False),
+                             batched_versions=build.get("batched_versions", True))
     return stage_model, model.config
