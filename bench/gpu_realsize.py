@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from realsize_models import (BLOCK, LORA_RANK, SHAPES, Model, add_active_lora, build_model, limits,
+from realsize_models import (BLOCK, SHAPES, Model, active_lora, add_active_lora, build_model, limits,
                              prompts_for, sync, timed)
 
 TARGETS = {     # issue 46: fraction of the roofline (decode) or of the matmul rate
@@ -164,10 +164,9 @@ def versions_rows(rows, model, graphed, m, args, device, bw, batch: int) -> None
     import tempfile
 
     from raycolo.online.stages.peft_format import export_adapter
-    from raycolo.online.stages.stage_model import LoraSettings, StageModel
+    from raycolo.online.stages.stage_model import StageModel
 
-    lora = LoraSettings(rank=LORA_RANK, alpha=2 * LORA_RANK)
-    saved = export_adapter([graphed.lora_state()], lora, Path(tempfile.mkdtemp(prefix="raycolo-bench-")) / "v1")
+    saved = export_adapter([graphed.lora_state()], active_lora(), Path(tempfile.mkdtemp(prefix="raycolo-bench-")) / "v1")
     rids = list(range(batch))
     versions = {"base": rids[1::3], "pinned": {r: str(saved) for r in rids[2::3]}}
     ps = prompts_for(m.cfg.vocab_size, batch, args.prompt, seed=batch)

@@ -111,10 +111,18 @@ class Model:
         return 2 * self.layer_params * tokens + 2 * self.head_params * seqs + self.attn_flops_per_key * keys
 
 
-def add_active_lora(model, seed: int):
-    from raycolo.online.stages.stage_model import LoraSettings, add_lora
+def active_lora(seed: int = 0):
+    """The LoRA the stage rows serve with: rank ``LORA_RANK`` on q/k/v/o."""
+    from raycolo.online.stages.stage_model import LoraSettings
 
-    model = add_lora(model, LoraSettings(rank=LORA_RANK, alpha=2 * LORA_RANK, seed=seed))
+    return LoraSettings(rank=LORA_RANK, alpha=2 * LORA_RANK, seed=seed)
+
+
+def add_active_lora(model, seed: int):
+    """``model`` with :func:`active_lora`, every ``lora_B`` random (seeded), so it acts."""
+    from raycolo.online.stages.stage_model import add_lora
+
+    model = add_lora(model, active_lora(seed))
     gen = torch.Generator(device=model.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -31,23 +31,16 @@ from raycolo.batching.blocks import BlockAllocator
 from raycolo.engine.executor import ModelExecutor, SeqChunk
 from raycolo.engine.models import build_tiny_model
 from raycolo.online.stages.peft_format import export_adapter
-from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora
+from raycolo.online.stages.stage_model import StageModel
+from realsize_models import active_lora, add_active_lora   # bench/: the LoRA the GPU bench serves with
 
 PROMPT = 128
 WARMUP = 5
-LORA = LoraSettings(rank=8, alpha=16, lr=1e-3, seed=3)
 
 
 def prompts(batch: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(batch)
     return [torch.randint(3, vocab, (PROMPT,), generator=g).tolist() for _ in range(batch)]
-
-
-def randomize_lora_b(model) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.01)
 
 
 def executor_step(model, batch: int, steps: int, **kw) -> float:
@@ -73,9 +66,8 @@ def stage_step(model_id: str, batch: int, steps: int, batched: bool, tmp: Path) 
     """Median seconds of a mixed-version decode step of a whole-model stage."""
     model, _ = build_tiny_model(model_id, 0, "float32")
     layers = model.config.num_hidden_layers
-    stage = StageModel(add_lora(model, LORA), (0, layers), batch * 16 + 8, 16, batched_versions=batched)
-    randomize_lora_b(stage.model)
-    version = export_adapter([stage.lora_state()], LORA, tmp / f"v-{batch}-{batched}")
+    stage = StageModel(add_active_lora(model, seed=3), (0, layers), batch * 16 + 8, 16, batched_versions=batched)
+    version = export_adapter([stage.lora_state()], active_lora(), tmp / f"v-{batch}-{batched}")
     rids = list(range(batch))
     base, pinned = rids[1::3], {r: str(version) for r in rids[2::3]}
     out = stage.forward(rids, prompts(batch, model.config.vocab_size), base=base, pinned=pinned)
@@ -105,9 +97,7 @@ def main(argv=None) -> int:
         fused = executor_step(plain, b, args.steps)
         unfused = executor_step(build_tiny_model(args.model, 0, "float32")[0], b, args.steps, fuse_projections=False)
         rows.append({"comparison": "fused", "batch": b, "a_ms": 1e3 * fused, "b_ms": 1e3 * unfused})
-        torch.manual_seed(0)
-        lora = add_lora(build_tiny_model(args.model, 0, "float32")[0], LORA)
-        randomize_lora_b(lora)
+        lora = add_active_lora(build_tiny_model(args.model, 0, "float32")[0], seed=3)
         with_lora = executor_step(lora.eval(), b, args.steps)
         rows.append({"comparison": "lora", "batch": b, "a_ms": 1e3 * with_lora, "b_ms": 1e3 * fused})
         if b >= 3:

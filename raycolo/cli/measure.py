@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from raycolo.errors import RaycoloError
-from raycolo.offline.costmodel.latency import resolve_profile_dir
+from raycolo.offline.costmodel.latency import profile_file, resolve_profile_dir
 
 
 def _require_device(device: str) -> None:
@@ -75,7 +75,7 @@ def cmd_profile(args) -> int:
             print(f"{stats['model']}: stage 2 (co-located, time shares) b1 {dp['b1']:.3f}, k1 {dp['k1']:.3f}; "
                   f"held-out error {dp['colocated_held_out_mape']:.1%} on {dp['colocated_held_out_iterations']} "
                   f"co-located iterations (set lemix.harli_b1 / harli_k1 to use them online)")
-        print(f"profile: {Path(args.out) / (stats['model'] + f'.tp{args.tp}.json')}")
+        print(f"profile: {profile_file(args.out, stats['model'], args.tp)}")
     return 0
 
 
@@ -133,7 +133,7 @@ def _validated_model(model: str, args, profile_dir: Path, batches: bool) -> str:
     error = tp_split_error(args.tp, spec.heads, spec.kv_heads, spec.intermediate)
     if error:
         raise RaycoloError(f"--tp: {spec.name}: {error}")
-    if not (profile_dir / f"{spec.name}.tp{args.tp}.json").exists():
+    if not profile_file(profile_dir, spec.name, args.tp).exists():
         raise RaycoloError(f"--profile: {profile_dir} has no tp={args.tp} profile for {spec.name} "
                            f"(run: raycolo profile --model {model} --tp {args.tp} --out {profile_dir})")
     return spec.name

@@ -117,3 +117,26 @@ class _Chain:
             for o, t in zip(outs, nxt):
                 o.append(int(t))
         return first, outs
+
+
+def _random_lora_b(stage) -> None:
+    """Seeded random ``lora_B`` matrices in a stage's model (peft starts them at zero, so
+    the adapter would change nothing)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in stage.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+
+
+def _train_chain(stages, batch, device, task: int) -> None:
+    """One pipelined training step of ``batch`` (ids, labels, lengths) through ``stages``."""
+    ids, labels, lengths = batch
+    x = ids.to(device)
+    for st in stages[:-1]:
+        x = st.train_forward(task, x, lengths)
+    stages[-1].train_forward(task, x, lengths, labels.to(device))
+    grad = None
+    for st in reversed(stages):
+        grad = st.train_backward(task, grad)

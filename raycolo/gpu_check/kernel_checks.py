@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from raycolo.gpu_check.common import CUTS, MODEL, PASS, SKIP, Row, _Chain, _model, _prompts, _require
+from raycolo.gpu_check.common import (CUTS, MODEL, PASS, SKIP, Row, _Chain, _model, _prompts, _random_lora_b,
+                                      _require, _train_chain)
 from raycolo.gpu_check.references import _greedy_agreement, _reference
 
 
@@ -140,8 +141,6 @@ def check_stage_graphs(device) -> Row:
     """A LoRA stage chain decoding through CUDA graphs (padded steps run eagerly on the
     CPU) against the same chain run eagerly: rows on the latest adapter and rows on the
     base model in one step, before and after a training step changes the adapter."""
-    import torch
-
     from raycolo.engine.executor.graphs import enable_padded_decode
     from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora, training_batch
 
@@ -155,10 +154,7 @@ def check_stage_graphs(device) -> Row:
                             lr=lora.lr, cuda_graphs=graphs and cuda)
             if graphs and not cuda:
                 enable_padded_decode(st.executor, capture=False)
-            with torch.no_grad():
-                for name, p in st.model.named_parameters():
-                    if "lora_B" in name:
-                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+            _random_lora_b(st)
             out.append(st)
         return out
 
@@ -180,15 +176,9 @@ def check_stage_graphs(device) -> Row:
             toks = [[int(t)] for t in b.argmax(-1).tolist()]
             a, b = step(fast, toks), step(slow, toks)
         if rnd == 0:     # one training step on both chains: the graphs must see the new weights
-            ids, labels, lengths = training_batch([(p, p[1:6]) for p in _prompts([8, 13], seed=4)])
+            batch = training_batch([(p, p[1:6]) for p in _prompts([8, 13], seed=4)])
             for stages in (fast, slow):
-                x = ids.to(device)
-                for st in stages[:-1]:
-                    x = st.train_forward(7, x, lengths)
-                stages[-1].train_forward(7, x, lengths, labels.to(device))
-                grad = None
-                for st in reversed(stages):
-                    grad = st.train_backward(7, grad)
+                _train_chain(stages, batch, device, 7)
     _require(worst < 1e-4, f"graphed stage logits differ from eager ones by {worst:.3g}")
     keys = {k[0][0] for st in fast for k in st.executor.graphs.graphs}
     _require(keys == {False, True}, f"adapter states with graphs: {sorted(keys)}")

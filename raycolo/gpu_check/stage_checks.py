@@ -8,7 +8,7 @@ import tempfile
 import time
 import traceback
 
-from raycolo.gpu_check.common import CUTS, MODEL, PASS, Row, _model, _prompts, _require
+from raycolo.gpu_check.common import CUTS, MODEL, PASS, Row, _model, _prompts, _random_lora_b, _require, _train_chain
 from raycolo.gpu_check.references import _hf_greedy, _reference, _reference_training
 
 
@@ -77,8 +77,6 @@ def check_stage_versions(device) -> Row:
     """A step mixing adapter versions (a saved version, the latest adapter after a training
     step, the base model) as one batched-LoRA pass (row_versions.py) against the same
     stages running one pass per version, float64, every projection under LoRA."""
-    import torch
-
     from raycolo.online.stages.peft_format import export_adapter
     from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora
 
@@ -90,25 +88,15 @@ def check_stage_versions(device) -> Row:
         for a, b in zip(CUTS[:-1], CUTS[1:]):
             st = StageModel(add_lora(_model(MODEL, "float64", device), lora), (a, b), 64, 16, lr=lora.lr,
                             batched_versions=batched)
-            with torch.no_grad():
-                for name, p in st.model.named_parameters():
-                    if "lora_B" in name:
-                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+            _random_lora_b(st)
             out.append(st)
         return out
 
     one, per = chain(True), chain(False)
     with tempfile.TemporaryDirectory() as tmp:
         saved = export_adapter([st.lora_state() for st in one], lora, os.path.join(tmp, "v1"))
-        ids, labels, lengths = _training_batch()
         for stages in (one, per):         # the latest adapter moves away from the saved one
-            x = ids.to(device)
-            for st in stages[:-1]:
-                x = st.train_forward(0, x, lengths)
-            stages[-1].train_forward(0, x, lengths, labels.to(device))
-            grad = None
-            for st in reversed(stages):
-                grad = st.train_backward(0, grad)
+            _train_chain(stages, _training_batch(), device, 0)
         rids = [0, 1, 2, 3]
         versions = {"base": [2], "pinned": {0: str(saved), 3: str(saved)}}
         toks, worst, passes = _prompts([9, 23, 14, 6]), 0.0, []

@@ -27,6 +27,7 @@ from raycolo.offline.dag import parse_app
 from raycolo.engine.base import SamplingParams
 from raycolo.engine.factory import create_engine
 from raycolo.hardware import ClusterSpec
+from raycolo.offline.costmodel.latency import profile_file
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
 from raycolo.offline.planner.state import StageEvaluator, initial_state
 from raycolo.offline.profiler import (ECDF_MAX_TOKENS, ECDF_TEMPERATURE, REFERENCE_PROMPT, REFERENCE_REQUESTS,
@@ -265,7 +266,7 @@ def validate(profile_dir: str | Path, models=TINY_MODELS, requests: int = 48, se
             cases.append(_summed([model_case(model_id, profile_dir, requests, seed + r, threads, tp)
                                   for r in range(repeats)]))
         dtypes.append("float32")
-        missing = [m for m in DAG_MODELS if not (profile_dir / f"{m}.tp1.json").exists()]
+        missing = [m for m in DAG_MODELS if not profile_file(profile_dir, m, 1).exists()]
         if tp == 1 and missing:   # its plan would cost them by roofline defaults, not this machine
             say(f"not validating the 2-model application: {profile_dir} has no profile of {', '.join(missing)}")
         elif tp == 1:

@@ -26,7 +26,7 @@ import numpy as np
 from raycolo.batching.step_scheduler import StepKind
 from raycolo.catalog import model_spec
 from raycolo.offline.costmodel.fit import fit_profile, samples_from_records
-from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile
+from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile, fit_file, profile_file
 from raycolo.offline.costmodel.length_sampler import GREEDY_ECDF_SUFFIX, write_ecdf
 from raycolo.rng import random_prompts, seeded_rng
 from raycolo.engine.base import EngineConfig, SamplingParams
@@ -196,7 +196,7 @@ def profile_reference(profile_dir: Path, name: str, tp: int) -> Optional[float]:
     """The reference time recorded beside ``name``'s tp profile, or None (a profile written
     before it was recorded, or without its ``.fit.json``)."""
     try:
-        value = json.loads((Path(profile_dir) / f"{name}.tp{tp}.fit.json").read_text()).get("reference_s")
+        value = json.loads(fit_file(profile_dir, name, tp).read_text()).get("reference_s")
     except (OSError, ValueError):
         return None
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
@@ -288,7 +288,7 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     profile, stats = fit_profile(samples_from_records(records, flops_model), spec.name, tp, load_s,
                                  full_sampler=sampler)
     profile = profile.model_copy(update={"engine": "torch", "measured_on": measured_on(device, threads, tp, dtype)})
-    profile.save(out / f"{spec.name}.tp{tp}.json")
+    profile.save(profile_file(out, spec.name, tp))
     write_ecdf(out / "ecdf" / f"{spec.name}.csv", lengths,
                f"MEASURED output lengths of {model_id} ({len(lengths)} requests, torch engine, "
                f"temperature {ECDF_TEMPERATURE}, max_tokens {ECDF_MAX_TOKENS}, seed {seed}).\n"
@@ -310,7 +310,7 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
                  sweep={"batch_sizes": list(settings.batch_sizes),
                         "context_lens": list(settings.context_lens),
                         "decode_steps": settings.decode_steps})
-    (out / f"{spec.name}.tp{tp}.fit.json").write_text(json.dumps(stats, indent=2))
+    fit_file(out, spec.name, tp).write_text(json.dumps(stats, indent=2))
     return profile, stats
 
 

@@ -17,6 +17,7 @@ from raycolo.errors import ConfigError
 from raycolo.paths import check_input, is_dir
 from raycolo.online.lemix_params import LemixParams
 from raycolo.online.profiles import GIB, NodeProfile
+from raycolo.online.stages.lora_settings import BATCHED_VERSIONS
 from raycolo.yamlio import load_yaml
 from raycolo.engine.base import ModelLoadingConfig
 from raycolo.kv_bytes import AttentionShape
@@ -89,7 +90,7 @@ class StageSpec(Strict):
     cuda_graphs: bool = Field(default=True, description=(
         "With device cuda: stage workers replay decode steps as CUDA graphs, LoRA active (one set of graphs "
         "per adapter state); false runs every step eagerly."))
-    batched_versions: bool = Field(default=True, description=(
+    batched_versions: bool = Field(default=BATCHED_VERSIONS, description=(
         "A step whose requests run on different adapter versions (latest, @base, @v<k>) runs as one pass with "
         "each row's own LoRA where the stage runs it eagerly (no CUDA graphs); false runs one pass per version."))
     block_size: int = Field(default=16, gt=0, le=1 << 16, description=(

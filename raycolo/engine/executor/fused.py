@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from raycolo.engine.executor.packed import PackedLinear, packed_or_plain
 from raycolo.engine.executor.row_lora import RowLoRA
 
+FUSE_PROJECTIONS = True      # the executor's default (engine_kwargs.fuse_projections is the engine's)
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
@@ -133,18 +134,16 @@ class FusedProjection:
         """The parts' outputs, as column slices of one (rows, sum of sizes) product with each
         LoRA part's adapters added (each row its own, given ``rows``); None where an adapter
         needs peft's own forward."""
-        if rows is not None:
-            outs = self.linear(x).split(self.sizes, dim=-1)
-            for out, part, wrapped in zip(outs, self.parts, self.wrapped):
-                if wrapped:
-                    rows.add(out, x, part)
-            return outs
-        terms = [lora_terms(p, x) if w else () for p, w in zip(self.parts, self.wrapped)]
-        if any(t is None for t in terms):
-            return None
+        if rows is None:
+            terms = [lora_terms(p, x) if w else () for p, w in zip(self.parts, self.wrapped)]
+            if any(t is None for t in terms):
+                return None
         outs = self.linear(x).split(self.sizes, dim=-1)
-        for out, part_terms in zip(outs, terms):
-            _add_lora(out, x, part_terms)
+        for i, (out, part) in enumerate(zip(outs, self.parts)):
+            if rows is None:
+                _add_lora(out, x, terms[i])
+            elif self.wrapped[i]:
+                rows.add(out, x, part)
         return outs
 
 

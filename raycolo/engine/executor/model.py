@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from raycolo.errors import ConfigError
 from raycolo.engine.executor.attention import AttentionKernel, choose_kernel, fused_pointwise, paged_attention
 from raycolo.engine.executor.batch import SeqChunk, StepBatch
-from raycolo.engine.executor.fused import apply_linear, fuse_layers, project
+from raycolo.engine.executor.fused import FUSE_PROJECTIONS, apply_linear, fuse_layers, project
 from raycolo.engine.executor.graphs import DecodeBatch, DecodeGraphs
 from raycolo.engine.executor.heap import keep_freed_memory
 from raycolo.engine.executor.kv_cache import PagedKVCache
@@ -79,7 +79,7 @@ class ModelExecutor:
                  layers: Optional[tuple[int, int]] = None, pack_weights: bool = True,
                  native_attention: bool = True, cuda_graphs: bool = False,
                  attention: Optional[AttentionKernel] = None, tp: Optional[TensorParallel] = None,
-                 fuse_projections: bool = True):
+                 fuse_projections: bool = FUSE_PROJECTIONS):
         base = _unwrap(model)
         family = fast_path_family(base)
         if family is None:
@@ -457,7 +457,7 @@ class FallbackExecutor:
 
 def create_executor(model, num_blocks: int, block_size: int,
                     layers: Optional[tuple[int, int]] = None, cuda_graphs: bool = False,
-                    fuse_projections: bool = True):
+                    fuse_projections: bool = FUSE_PROJECTIONS):
     """The fast executor where the model's family has one, the fallback otherwise.
     ``cuda_graphs``: replay decode steps as CUDA graphs on a CUDA device (graphs.py);
     ``fuse_projections``: q/k/v and gate/up each as one product in inference (fused.py)."""

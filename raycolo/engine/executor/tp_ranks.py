@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from raycolo.engine.executor.batch import SeqChunk
+from raycolo.engine.executor.fused import FUSE_PROJECTIONS
 from raycolo.engine.executor.tensor_parallel import TensorParallel
 
 # A collective that waits longer than this fails (a dead rank): the replica fails with it
@@ -64,7 +65,7 @@ class RankSpec:
     num_blocks: int
     block_size: int
     cuda_graphs: bool = False
-    fuse_projections: bool = True
+    fuse_projections: bool = FUSE_PROJECTIONS
 
     def rank_device(self, rank: int) -> str:
         if self.device.startswith("cuda"):

@@ -41,6 +41,16 @@ SAMPLE_OVERHEAD_S = 3e-4
 SAMPLE_PER_SEQ_S = 5e-6
 
 
+def profile_file(directory, model: str, tp: int) -> Path:
+    """Where ``raycolo profile`` writes ``model``'s profile at ``tp`` in ``directory``."""
+    return Path(directory) / f"{model}.tp{tp}.json"
+
+
+def fit_file(directory, model: str, tp: int) -> Path:
+    """The fit statistics written beside :func:`profile_file`."""
+    return Path(directory) / f"{model}.tp{tp}.fit.json"
+
+
 class LatencyProfile(BaseModel):
     """Fitted or derived coefficients for one (model, tp)."""
 

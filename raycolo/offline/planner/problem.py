@@ -9,7 +9,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from raycolo.catalog import ModelSpec
-from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile, default_profile
+from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile, default_profile, profile_file
 from raycolo.errors import PlanningError
 from raycolo.hardware import ClusterSpec
 from raycolo.offline.planner.engines import EngineKey, LoadCosts
@@ -80,7 +80,7 @@ class PlanningProblem:
     def profile(self, model_name: str, tp: int) -> LatencyProfile:
         model = self._model(model_name)
         if self.profile_dir is not None:
-            path = self.profile_dir / f"{model_name}.tp{tp}.json"
+            path = profile_file(self.profile_dir, model_name, tp)
             if path.exists():
                 return LatencyProfile.load(path)
         return default_profile(model, self.cluster, tp)
@@ -91,7 +91,7 @@ class PlanningProblem:
 
         out = []
         for model_name, tp in sorted(set(pairs)):
-            path = self.profile_dir / f"{model_name}.tp{tp}.json" if self.profile_dir is not None else None
+            path = profile_file(self.profile_dir, model_name, tp) if self.profile_dir is not None else None
             out.append(cost_source(self.profile(model_name, tp), path if path and path.exists() else None))
         return out
 

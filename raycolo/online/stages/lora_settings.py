@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"   # peft's file name (adapters.py)
+# A stage step mixing adapter versions runs as one pass where it can (row_versions.py):
+# the default of StageModel and of the online config's stage.batched_versions.
+BATCHED_VERSIONS = True
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ import torch
 
 from raycolo.engine.executor.batch import SeqChunk
 from raycolo.online.stages.losses import IGNORE_INDEX
-from raycolo.online.stages.lora_settings import ADAPTER_WEIGHTS_FILE, LoraSettings  # noqa: F401  (re-exported)
+from raycolo.online.stages.lora_settings import (ADAPTER_WEIGHTS_FILE, BATCHED_VERSIONS,  # noqa: F401  (re-exported)
+                                                 LoraSettings)
 from raycolo.engine.executor.model import ModelExecutor
 from raycolo.online.samples import training_rows  # noqa: F401  (the stage's row layout)
 from raycolo.online.stages.row_versions import BASE, row_lora
@@ -93,7 +94,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class StageModel:
     def __init__(self, model, layers: tuple[int, int], num_blocks: int, block_size: int,
                  lr: float = 1e-3, pinned_cache: int = 4, cuda_graphs: bool = False, tp=None,
-                 batched_versions: bool = True):
+                 batched_versions: bool = BATCHED_VERSIONS):
         """``model``: the whole causal LM, already wrapped by :func:`add_lora` where the
         stage trains. Layers outside the slice are dropped from the module tree.
         ``pinned_cache``: saved adapter versions kept loaded (:meth:`forward`'s ``pinned``).

@@ -177,7 +177,7 @@ def build_stage(build: dict, bounds, stage: int):
     peft LoRA on them) from a deployment's :func:`raycolo.online.config.stage_build`;
     returns (StageModel, the model's transformers config)."""
     from raycolo.engine.models import load_model
-    from raycolo.online.stages.stage_model import LoraSettings, StageModel, add_lora
+    from raycolo.online.stages.stage_model import BATCHED_VERSIONS, LoraSettings, StageModel, add_lora
 
     model, _ = load_model(build["model_id"], seed=build["seed"], dtype=build["dtype"], device=build["device"])
     lora = LoraSettings(**build["lora"])
@@ -185,5 +185,5 @@ def build_stage(build: dict, bounds, stage: int):
     stage_model = StageModel(model, (bounds[stage], bounds[stage + 1]), build["num_blocks"], build["block_size"],
                              lr=lora.lr, pinned_cache=build["pinned_versions"],
                              cuda_graphs=build.get("cuda_graphs", False),
-                             batched_versions=build.get("batched_versions", True))
+                             batched_versions=build.get("batched_versions", BATCHED_VERSIONS))
     return stage_model, model.config
