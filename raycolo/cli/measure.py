@@ -40,7 +40,7 @@ def _spec(model: str, flag: str, name, not_tiny: str):
 
 
 def cmd_profile(args) -> int:
-    from raycolo.offline.profiler import SweepSettings, drift_warning, profile_model
+    from raycolo.offline.profiler import SweepSettings, drift_warning, profile_model, spread_warning
     from raycolo.online.stages.colocated_profile import measure_colocated
 
     spec = _spec(args.model, "--model", args.name,
@@ -64,9 +64,10 @@ def cmd_profile(args) -> int:
         print(f"{stats['model']}: {stats['iterations']} iterations{dropped}, fit R2 {stats['r2']:.3f}, "
               f"median |error| {stats['median_abs_error']:.1%}, load {stats['load_s']:.2f}s, "
               f"output length mean {stats['ecdf_mean']:.0f} (max {stats['ecdf_max']})")
-        warning = drift_warning(stats["model"], stats["machine_drift"])
-        if warning:
-            print(warning)
+        for warning in (drift_warning(stats["model"], stats["machine_drift"]),
+                        spread_warning(stats["model"], stats["reference_spread"])):
+            if warning:
+                print(warning)
         dp = stats["decode_predictor"]
         print(f"{stats['model']}: Harli decode predictor (bs*b0 + c0 + bs*k0*seqlen) b0 {dp['b0']:.3g} s, "
               f"c0 {dp['c0']:.3g} s, k0 {dp['k0']:.3g} s; held-out error {dp['held_out_mape']:.1%} "

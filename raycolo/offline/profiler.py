@@ -1,8 +1,10 @@
 """``raycolo profile``: measure a model on an engine and write the cost model's files.
 
 1. Load time: median of timed engine loads from a checkpoint directory.
-2. Sweep: batches of 1..64 requests at several context lengths, plus a mixed run of
-   random lengths, recording every iteration (kind, sequences, tokens, seconds).
+2. Sweep: batches of 1..64 requests at several context lengths, in rounds, plus a mixed
+   run of random lengths, recording every iteration (kind, sequences, tokens, seconds),
+   a reference batch timed between runs, and every iteration rescaled to the machine's
+   median speed over the profile (:mod:`raycolo.offline.speed_trace`).
 3. Output lengths: run a request set with sampling and write the measured eCDF.
 4. Fit SamuLLM's per-iteration coefficients (:mod:`raycolo.offline.costmodel.fit`) to the
    iterations of steps 2 and 3.
@@ -28,6 +30,7 @@ from raycolo.catalog import model_spec
 from raycolo.offline.costmodel.fit import fit_profile, samples_from_records
 from raycolo.offline.costmodel.latency import IterationLatency, LatencyProfile, fit_file, profile_file
 from raycolo.offline.costmodel.length_sampler import GREEDY_ECDF_SUFFIX, write_ecdf
+from raycolo.offline.speed_trace import SpeedTrace, TracedRun, at_median_speed, round_orders, traced
 from raycolo.rng import random_prompts, seeded_rng
 from raycolo.engine.base import EngineConfig, SamplingParams
 from raycolo.engine.factory import create_engine
@@ -40,6 +43,7 @@ ECDF_MAX_TOKENS = 256
 # The reference batch (time_reference): requests, prompt tokens, greedy tokens, timed runs.
 REFERENCE_REQUESTS, REFERENCE_PROMPT, REFERENCE_TOKENS, REFERENCE_REPEATS = 16, 64, 16, 3
 DRIFT_WARNING = 0.10   # raycolo profile warns when the reference moved more than this
+SPREAD_WARNING = 0.15  # or when its 90th percentile run took this much longer than its 10th
 SAMPLER_BATCHES = (1, 8, 32, 64)     # batch sizes the full sampler is timed at
 SAMPLER_STEPS = 12                   # decode steps of each timed run
 SAMPLER_REPEATS = 3                  # greedy/sampled pairs per batch size (the median is kept)
@@ -49,7 +53,8 @@ SAMPLER_REPEATS = 3                  # greedy/sampled pairs per batch size (the 
 class SweepSettings:
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     context_lens: tuple[int, ...] = (16, 128, 384)
-    decode_steps: int = 32              # decode iterations of each sweep point (after its prefill)
+    decode_steps: int = 12              # decode iterations of each sweep point (after its prefill)
+    rounds: int = 3                     # passes over the sweep's points, each in its own seeded order
     mixed_requests: int = 64
     ecdf_requests: int = 200
     load_repeats: int = 3
@@ -60,7 +65,7 @@ class SweepSettings:
 
     @classmethod
     def quick(cls) -> "SweepSettings":
-        return cls(batch_sizes=(1, 4, 16), context_lens=(16, 128), decode_steps=6,
+        return cls(batch_sizes=(1, 4, 16), context_lens=(16, 128), decode_steps=6, rounds=1,
                    mixed_requests=16, ecdf_requests=40, load_repeats=1, sampler_batches=(1, 16),
                    sampler_repeats=1)
 
@@ -70,7 +75,7 @@ class SweepSettings:
         Llama-3-8B shape): batches up to 256 at prompts up to 1,024 tokens, one timed
         load (a load reads the whole checkpoint), a KV budget that holds the largest batch
         (256 x 1,040 tokens: 36 GiB for that shape, which leaves room on an 80 GB card)."""
-        return cls(batch_sizes=(1, 4, 16, 64, 128, 256), context_lens=(128, 512, 1024), decode_steps=16,
+        return cls(batch_sizes=(1, 4, 16, 64, 128, 256), context_lens=(128, 512, 1024), decode_steps=16, rounds=1,
                    mixed_requests=128, ecdf_requests=64, load_repeats=1, sampler_batches=(1, 64, 256),
                    sampler_repeats=2, max_num_seqs=256, kv_cache_tokens=9 << 15)
 
@@ -162,24 +167,30 @@ def time_full_sampler(engine, rng, vocab: int, batches: Sequence[int] = SAMPLER_
     return float(f0), float(f1)
 
 
-def time_reference(engine, vocab: int) -> float:
-    """This machine's speed on this model now: the median wall time of a fixed batch
-    (``REFERENCE_REQUESTS`` prompts of ``REFERENCE_PROMPT`` seeded random tokens, each
-    decoding ``REFERENCE_TOKENS`` greedy tokens, EOS ignored) over ``REFERENCE_REPEATS``
-    runs after an untimed one. ``raycolo profile`` times it before its sweep and at its
-    end (``.fit.json``'s ``reference_start_s``, ``reference_s`` and their ratio
-    ``machine_drift``: a machine that moved during the profile gave it mixed speeds);
-    ``raycolo validate`` times it again on each case's engine, so a case's error can be
-    read against how much the machine moved since the profile."""
+def reference_runner(engine, vocab: int) -> Callable[[], float]:
+    """One timed run of the reference batch on ``engine``: ``REFERENCE_REQUESTS`` prompts of
+    ``REFERENCE_PROMPT`` seeded random tokens, each decoding ``REFERENCE_TOKENS`` greedy
+    tokens, EOS ignored; returns its wall seconds."""
     prompts = random_prompts(seeded_rng(0, "reference"), REFERENCE_REQUESTS, REFERENCE_PROMPT, vocab)
     params = SamplingParams(max_tokens=REFERENCE_TOKENS, ignore_eos=True)
-    engine.generate(prompts, params)
-    times = []
-    for _ in range(REFERENCE_REPEATS):
+
+    def once() -> float:
         started = time.perf_counter()
         engine.generate(prompts, params)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        return time.perf_counter() - started
+    return once
+
+
+def time_reference(engine, vocab: int) -> float:
+    """This machine's speed on this model now: the median wall time of the reference batch
+    (:func:`reference_runner`) over ``REFERENCE_REPEATS`` runs after an untimed one.
+    ``raycolo profile`` times it between its runs (:mod:`raycolo.offline.speed_trace`;
+    ``.fit.json``'s ``reference_s`` is the median over the profile); ``raycolo validate``
+    times it again on each case's engine, so a case's error can be read against how much
+    the machine moved since the profile."""
+    once = reference_runner(engine, vocab)
+    once()
+    return statistics.median(once() for _ in range(REFERENCE_REPEATS))
 
 
 def drift_warning(model: str, drift: float) -> Optional[str]:
@@ -188,8 +199,19 @@ def drift_warning(model: str, drift: float) -> Optional[str]:
     if abs(drift - 1) <= DRIFT_WARNING:
         return None
     return (f"{model}: warning: this machine ran a fixed reference batch {abs(drift - 1):.0%} "
-            f"{'slower' if drift > 1 else 'faster'} at the end of the profile than at its start; the fit "
-            "mixes both speeds: profile again when the machine is quiet")
+            f"{'slower' if drift > 1 else 'faster'} at the end of the profile than at its start; its "
+            "iterations are rescaled to the median speed, which is itself uncertain: profile again when "
+            "the machine is quiet")
+
+
+def spread_warning(model: str, spread: float) -> Optional[str]:
+    """The line ``raycolo profile`` prints when the reference batch's 90th over 10th
+    percentile run time (``reference_spread``) exceeds ``1 + SPREAD_WARNING``, else None."""
+    if spread <= 1 + SPREAD_WARNING:
+        return None
+    return (f"{model}: warning: this machine's speed varied while it was profiled (a fixed reference batch "
+            f"took {spread - 1:.0%} longer at its 90th percentile than at its 10th); predictions on it are "
+            "no better than that: profile and plan when the machine is quiet")
 
 
 def profile_reference(profile_dir: Path, name: str, tp: int) -> Optional[float]:
@@ -251,17 +273,30 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     say(f"{spec.name}: warm-up over the sweep's batch sizes")
     for batch in settings.batch_sizes:
         engine.generate(random_prompts(rng, batch, min(settings.context_lens), vocab), greedy)
-    reference_start_s = time_reference(engine, vocab)   # and again at the end: did the machine move?
-    engine.stats.iterations.clear()
-    for length in settings.context_lens:
-        for batch in settings.batch_sizes:
-            say(f"{spec.name}: sweep batch {batch} x context {length}")
-            engine.generate(random_prompts(rng, batch, length, vocab), greedy)
+    trace = SpeedTrace(reference_runner(engine, vocab))   # the machine's speed between runs
+    trace.time_once()                                     # its first run, untimed
+    trace.mark()
+    runs: list[TracedRun] = []
+
+    def run(prompts, params):
+        """One traced engine run: its outputs; its iterations (less any graph capture's) go to runs."""
+        def go():
+            engine.stats.iterations.clear()
+            outputs = engine.generate(prompts, params)
+            return outputs, list(engine.stats.iterations)
+        return traced(trace, go, runs)
+
+    points = [(length, batch) for length in settings.context_lens for batch in settings.batch_sizes]
+    sweep = round_orders(points, settings.rounds, rng.shuffle)
+    for i, (length, batch) in enumerate(sweep):
+        say(f"{spec.name}: sweep batch {batch} x context {length}"
+            + (f" (round {i // len(points) + 1} of {settings.rounds})" if settings.rounds > 1 else ""))
+        run(random_prompts(rng, batch, length, vocab), greedy)
     say(f"{spec.name}: mixed run")
     mixed_lens = rng.integers(8, 256, settings.mixed_requests)
     mixed_params = [SamplingParams(max_tokens=int(m), ignore_eos=True)
                     for m in rng.integers(1, 128, settings.mixed_requests)]
-    engine.generate(random_prompts(rng, settings.mixed_requests, mixed_lens, vocab), mixed_params)
+    run(random_prompts(rng, settings.mixed_requests, mixed_lens, vocab), mixed_params)
 
     # The output-length run is real traffic: many requests of mixed contexts batched
     # together. Its iterations join the fit, so the fit sees batches whose contexts differ
@@ -271,15 +306,16 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     prompts = random_prompts(rng, settings.ecdf_requests, rng.integers(8, 128, settings.ecdf_requests), vocab)
     params = [SamplingParams(max_tokens=ECDF_MAX_TOKENS, temperature=ECDF_TEMPERATURE, seed=seed * 7919 + i)
               for i in range(len(prompts))]
-    lengths = [o.output_len for o in engine.generate(prompts, params)]
+    lengths = [o.output_len for o in run(prompts, params)]
     # the same prompts decoded greedily: the lengths a greedy DAG node really produces
-    greedy_lengths = [o.output_len for o in engine.generate(prompts, SamplingParams(max_tokens=ECDF_MAX_TOKENS))]
-    # a step that captured a CUDA graph also ran the capture's warm-ups: not a cost the planner sees
-    records = [r for r in engine.stats.iterations if not r.graph_capture]
-    captured = len(engine.stats.iterations) - len(records)
+    greedy_lengths = [o.output_len for o in run(prompts, SamplingParams(max_tokens=ECDF_MAX_TOKENS))]
+    # every iteration at the profile's median speed; a step that captured a CUDA graph also
+    # ran the capture's warm-ups: not a cost the planner sees
+    timed = at_median_speed(runs, trace)
+    records = [r for r in timed if not r.graph_capture]
+    captured = len(timed) - len(records)
     say(f"{spec.name}: the full sampler against the plain argmax, on the engine")
     sampler = time_full_sampler(engine, rng, vocab, settings.sampler_batches, repeats=settings.sampler_repeats)
-    reference_s = time_reference(engine, vocab)
     engine.release()
 
     from raycolo.offline.costmodel.latency import default_profile
@@ -304,12 +340,11 @@ def profile_model(model_id: str, out_dir: str | Path, tp: int = 1, device: str =
     stats.update(model=spec.name, checkpoint=model_id if model_id != spec.name else None, tp=tp, device=device,
                  dtype=dtype, threads=threads, seed=seed,
                  load_s=load_s, iterations=len(records), graph_capture_iterations=captured,
-                 reference_s=reference_s, reference_start_s=reference_start_s,
-                 machine_drift=reference_s / reference_start_s,
+                 **trace.summary(),
                  ecdf_mean=float(np.mean(lengths)), ecdf_max=int(np.max(lengths)),
                  sweep={"batch_sizes": list(settings.batch_sizes),
                         "context_lens": list(settings.context_lens),
-                        "decode_steps": settings.decode_steps})
+                        "decode_steps": settings.decode_steps, "rounds": settings.rounds})
     fit_file(out, spec.name, tp).write_text(json.dumps(stats, indent=2))
     return profile, stats
 

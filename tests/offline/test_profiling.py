@@ -192,7 +192,7 @@ def small_profile(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("profile")
     ckpt = save_tiny_checkpoint("tiny-llama-s", tmp_path_factory.mktemp("ckpt") / "llama-s", 0)
-    settings = SweepSettings(batch_sizes=(1, 4, 8), context_lens=(16, 96), decode_steps=4,
+    settings = SweepSettings(batch_sizes=(1, 4, 8), context_lens=(16, 96), decode_steps=4, rounds=2,
                              mixed_requests=8, ecdf_requests=12, load_repeats=1, sampler_batches=(1, 8),
                              sampler_repeats=1)
     profile, stats = profile_model(str(ckpt), out, settings=settings, colocated=measure_colocated,
@@ -216,8 +216,11 @@ def test_profiler_writes_the_files_the_cost_model_reads(small_profile):
     assert fit["model"] == "tiny-llama-s" and fit["checkpoint"].endswith("llama-s")
     assert profile.engine == "torch" and re.fullmatch(r"cpu .*, \d{4}-\d{2}-\d{2}", profile.measured_on)
     assert profile.full_sampler_intercept_s + 8 * profile.full_sampler_s_per_seq >= 0
-    assert 0 < fit["reference_s"] < 5      # the machine's reference batch, timed at the profile
-    assert fit["machine_drift"] == pytest.approx(fit["reference_s"] / fit["reference_start_s"])  # end / start
+    # the machine's reference batch, timed once before the sweep and after each of its runs
+    # (2 rounds of 6 points, the mixed run, the sampled and the greedy output-length runs)
+    assert fit["reference_marks"] == 1 + 2 * 6 + 3 and fit["sweep"]["rounds"] == 2
+    assert 0 < fit["reference_s"] < 5 and fit["reference_spread"] >= 1
+    assert fit["machine_drift"] == pytest.approx(fit["reference_end_s"] / fit["reference_start_s"])
 
 
 def test_plan_uses_a_profile_directory(small_profile, tmp_path):
@@ -276,6 +279,7 @@ def test_validate_reports_predicted_and_measured_times():
         assert len(case["runs"]) == 2           # two request sets, their times summed
         for key in ("predicted_s", "measured_s", "predicted_known_lengths_s"):
             assert case[key] == pytest.approx(sum(r[key] for r in case["runs"]))
+        assert case["set_errors"] == [r["error"] for r in case["runs"]]
     assert report["mape"] == pytest.approx(np.mean([abs(c["error"]) for c in report["cases"]]))
     assert report["mean_signed_error"] == pytest.approx(np.mean([c["error"] for c in report["cases"]]))
     assert report["repeats"] == 2
@@ -338,8 +342,27 @@ def test_validate_leaves_out_the_application_whose_models_have_no_profile(small_
     assert rows == ["tiny-llama-s"]
 
 
+def test_validate_runs_the_request_sets_in_turn_across_the_cases(small_profile, capsys):
+    """Set 1 of every case, then set 2 of every case: a slow minute of a shared machine
+    falls on one set of several cases, not on both sets of one; the table gives each
+    case's lowest and highest single-set error."""
+    from raycolo.cli.main import main
+
+    out, _, _ = small_profile
+    assert main(["validate", "--profile", str(out), "--models", "tiny-llama-s", "--requests", "3",
+                 "--repeats", "2"]) == 0
+    captured = capsys.readouterr()
+    progress = [line for line in captured.err.splitlines() if line.startswith("validating")]
+    assert progress == ["validating tiny-llama-s (request set 1 of 2)", "validating tiny-llama-s (request set 2 of 2)"]
+    row = next(line for line in captured.out.splitlines() if line.startswith("tiny-llama-s"))
+    assert re.search(r"[+-]\d+%\.\.[+-]\d+%$", row) and "one set:" in captured.out
+
+
 def test_a_profile_whose_machine_moved_says_so():
-    from raycolo.offline.profiler import drift_warning
+    from raycolo.offline.profiler import drift_warning, spread_warning
+
+    assert spread_warning("m", 1.0) is None and spread_warning("m", 1.15) is None
+    assert spread_warning("m", 1.3).startswith("m: warning:") and "30% longer" in spread_warning("m", 1.3)
 
     assert drift_warning("m", 1.0) is None and drift_warning("m", 1.09) is None and drift_warning("m", 0.91) is None
     assert "15% slower at the end" in drift_warning("m", 1.15)
