@@ -132,6 +132,11 @@ class BatchRuns:
     prompt_len: int = 512
     output_len: int = 128
 
+    def max_num_seqs(self) -> int:
+        """The engine's batch limit: the largest batch, or the reference batch whole (run in
+        two halves it would not time what the profile timed)."""
+        return max(max(self.batches), REFERENCE_REQUESTS)
+
     def kv_tokens(self) -> int:
         """The engine's KV budget: the whole sequences, one block spare each, of the largest
         batch or of the reference batch timed after it (:func:`time_reference`), whichever
@@ -150,7 +155,7 @@ def batch_cases(model_id: str, name: str, profile_dir: Path, runs: BatchRuns, se
     import statistics
 
     vocab = model_spec(model_id, name).vocab
-    engine = create_engine(engine_config(model_id, device, threads, seed, max_num_seqs=max(runs.batches),
+    engine = create_engine(engine_config(model_id, device, threads, seed, max_num_seqs=runs.max_num_seqs(),
                                          kv_cache_tokens=runs.kv_tokens(), tp=tp, dtype=dtype))
     params = SamplingParams(max_tokens=runs.output_len, ignore_eos=True)
     cluster = device_cluster(device, tp)

@@ -325,6 +325,11 @@ def test_validate_batches_smaller_than_the_reference_batch(small_profile, capsys
                  "--batches", "1", "--prompt-len", "8", "--output-len", "4", "--repeats", "1", "--json"]) == 0
     (case,) = json.loads(capsys.readouterr().out)["cases"]
     assert case["batch"] == 1 and case["reference_s"] > 0
+    # and its batch limit takes the reference batch whole, as the profile's engine did
+    from raycolo.offline.calibration import BatchRuns
+    from raycolo.offline.profiler import REFERENCE_REQUESTS
+
+    assert BatchRuns((1,), 8, 4).max_num_seqs() == REFERENCE_REQUESTS and BatchRuns((1, 64)).max_num_seqs() == 64
 
 
 def test_validate_leaves_out_the_application_whose_models_have_no_profile(small_profile, capsys):
