@@ -254,3 +254,106 @@ def test_biased_llama_projections_fuse_and_equal_transformers():
         for i, (p, s) in enumerate(zip(prompts, seqs)):
             ref = model(input_ids=torch.tensor([s[:-1]])).logits[0, len(p) - 1:]
             torch.testing.assert_close(torch.stack([step[i] for step in got]), ref, rtol=0, atol=1e-4)
+
+
+class _Products(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products torch runs (aten mm/addmm, in place or not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_lora_on_q_k_v_shrinks_in_one_product():
+    """Every adapter's q/k/v ``lora_A`` weights become consecutive rows of one tensor, so
+    ``x @ A^T`` runs once for the three: 1 base product + 1 shrink + 3 expands = 5 matrix
+    products per adapter (7 when the A's are apart, as peft leaves them); the outputs equal
+    peft's layers' either way."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = build_tiny_model("tiny-llama-m", 0, "float64")
+    torch.manual_seed(0)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                            target_modules=["q_proj", "k_proj", "v_proj"])).eval()
+    attn = ModelExecutor(lora, 64, 4, pack_weights=False).layers[0].self_attn
+    fused = FusedProjection(attn, ("q_proj", "k_proj", "v_proj"), pack=False)
+    a = [getattr(attn, n).lora_A["default"].weight for n in ("q_proj", "k_proj", "v_proj")]
+    assert _storage(a[0]) == _storage(a[1]) == _storage(a[2])
+    x = torch.randn(5, attn.q_proj.in_features, dtype=torch.float64)
+    with torch.no_grad():
+        want = [getattr(attn, n)(x) for n in ("q_proj", "k_proj", "v_proj")]   # peft's forward
+        for expected_products in (5, 7):
+            with _Products() as products:
+                got = fused(x)
+            assert products.count == expected_products
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+            a[1].data = a[1].data.clone()        # k's A apart: each part shrinks on its own
+
+
+def test_trained_adapters_laid_out_in_rows_train_as_peft():
+    """After the executor lays q/k/v's A weights out as rows of one tensor, AdamW steps on
+    the model give the same weights and losses as on a copy whose A's peft left apart."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = build_tiny_model("tiny-llama-s", 0, "float64")
+    torch.manual_seed(0)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    reference = copy.deepcopy(lora)
+    ModelExecutor(lora, 64, 4, pack_weights=False)          # lays the A's out
+    q = lora.base_model.model.model.layers[0].self_attn
+    assert _storage(q.q_proj.lora_A["default"].weight) == _storage(q.v_proj.lora_A["default"].weight)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for m in (lora, reference):
+        m.train()
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        run = []
+        for _ in range(3):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses.append(run)
+    assert losses[0] == pytest.approx(losses[1], abs=1e-12)
+    want = dict(reference.named_parameters())
+    for name, p in lora.named_parameters():
+        torch.testing.assert_close(p, want[name], rtol=0, atol=1e-12)
+    assert _storage(q.q_proj.lora_A["default"].weight) == _storage(q.v_proj.lora_A["default"].weight)
+
+
+def test_bf16_model_with_float32_adapters_skips_peft_forward():
+    """peft keeps a bf16 model's adapters in float32: the executor still adds them itself
+    (the input cast to float32 once for q/k/v, the LoRA sum added back in bf16), peft's
+    forward is not called, and the logits match peft's own to bf16 rounding."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = build_tiny_model("tiny-llama-m", 0, "bfloat16")
+    torch.manual_seed(0)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])).eval()
+    layer = lora.base_model.model.model.layers[0]
+    assert layer.self_attn.q_proj.lora_A["default"].weight.dtype == torch.float32
+    assert layer.self_attn.q_proj.base_layer.weight.dtype == torch.bfloat16
+    ex = ModelExecutor(lora, 256, 4, pack_weights=False)
+    calls = []
+    for layer in ex.layers:
+        for m in (layer.self_attn.q_proj, layer.self_attn.o_proj):
+            m.register_forward_hook(lambda *a: calls.append(1))
+    prompts = random_prompts([9, 4])
+    got, seqs = run_steps([ex], prompts, 2)
+    assert not calls
+    for i, ref in enumerate(_peft_logits(lora, prompts, seqs)):
+        mine = torch.stack([step[i] for step in got]).float()
+        ref = ref.float()
+        # within 2-3 bf16 steps of the largest logit (one step at 1.0 is 2**-7; seen: one)
+        assert (mine - ref).abs().max() <= 0.02 * ref.abs().max()
