@@ -39,7 +39,8 @@ def counted(chain: list[StageModel]) -> list[int]:
     return passes
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])    # float32: the fused forward, gate/up fused
+# float32: the fused forward, gate/up fused; bfloat16: peft keeps the adapters in float32
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 def test_mixed_versions_in_one_pass_equal_one_pass_per_version(tmp_path, dtype):
     """Rows pinned to a saved version (two of them), on the latest adapter, and on the base
     model, in one prefill and three decode steps through two stages: one pass per stage
@@ -65,11 +66,14 @@ def test_mixed_versions_in_one_pass_equal_one_pass_per_version(tmp_path, dtype):
         return hidden
 
     toks = random_prompts([7, 12, 5, 9], seed=4)
-    tol = 1e-10 if dtype == "float64" else 1e-4
+    tol = {"float64": 1e-10, "float32": 1e-4}.get(dtype)
     for step in range(4):
         got, ref = run(one, toks, **variants), run(per, toks, **variants)
-        torch.testing.assert_close(got, ref, rtol=0, atol=tol)
-        assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()
+        if tol is None:    # bf16: rows batched otherwise round otherwise; within 2-3 bf16 steps
+            assert (got.float() - ref.float()).abs().max() <= 0.02 * ref.float().abs().max()
+        else:
+            torch.testing.assert_close(got, ref, rtol=0, atol=tol)
+            assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()
         toks = [[int(t)] for t in ref.argmax(-1)]
     assert len(passes_one) == 2 * 4 and len(passes_per) == 2 * 4 * 3
     for st, before in zip(one, latest):

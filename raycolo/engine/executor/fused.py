@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from raycolo.engine.executor.packed import PackedLinear, packed_or_plain
-from raycolo.engine.executor.row_lora import RowLoRA
+from raycolo.engine.executor.row_lora import RowLoRA, expand
 
 FUSE_PROJECTIONS = True      # the executor's default (engine_kwargs.fuse_projections is the engine's)
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -199,16 +199,7 @@ def _casts_input(module, a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _add_lora(out: torch.Tensor, x: torch.Tensor, terms) -> None:
     for a, b, scaling in terms:
-        _expand(out, F.linear(x.to(a.dtype), a), b, scaling)
-
-
-def _expand(out: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-    """``out += scaling * shrunk @ B^T``: one ``addmm_`` where the dtypes agree; else the
-    product in B's dtype, added in place in the output's (as peft's sum is cast back)."""
-    if b.dtype == out.dtype:
-        out.addmm_(shrunk, b.t(), alpha=scaling)
-    else:
-        out.add_(torch.mm(shrunk, b.t()), alpha=scaling)
+        expand(out, F.linear(x.to(a.dtype), a), b, scaling)
 
 
 def _shrink_together(outs: Sequence[torch.Tensor], x: torch.Tensor, terms) -> bool:
@@ -226,7 +217,7 @@ def _shrink_together(outs: Sequence[torch.Tensor], x: torch.Tensor, terms) -> bo
         ranks = [w.shape[0] for w in a]
         shrunk = F.linear(x.to(a[0].dtype), rows_view(a[0], sum(ranks)))
         for out, t, piece in zip(outs, terms, shrunk.split(ranks, dim=-1)):
-            _expand(out, piece, t[j][1], t[j][2])
+            expand(out, piece, t[j][1], t[j][2])
     return True
 
 

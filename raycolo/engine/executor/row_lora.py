@@ -45,18 +45,20 @@ class RowLoRA:
     def handles(self, module) -> bool:
         return id(module) in self.terms
 
-    def _coefficients(self, terms: Terms) -> torch.Tensor:
-        """(rows, sum of ranks): each row's scaling in its own version's rank columns."""
-        key = tuple((a.shape[0], s) for a, _, s in terms)
+    def _coefficients(self, terms: Terms, dtype: torch.dtype) -> torch.Tensor:
+        """(rows, sum of ranks), in the adapters' ``dtype``: each row's scaling in its own
+        version's rank columns."""
+        key = (tuple((a.shape[0], s) for a, _, s in terms), dtype)
         coef = self._coef.get(key)
         if coef is None:
-            scale = torch.tensor([s for _, _, s in terms], dtype=self.mask.dtype, device=self.mask.device)
+            scale = torch.tensor([s for _, _, s in terms], dtype=dtype, device=self.mask.device)
             ranks = torch.tensor([a.shape[0] for a, _, _ in terms], device=self.mask.device)
-            coef = self._coef[key] = (self.mask * scale).repeat_interleave(ranks, dim=1)
+            coef = self._coef[key] = (self.mask.to(dtype) * scale).repeat_interleave(ranks, dim=1)
         return coef
 
     def add(self, out: torch.Tensor, x: torch.Tensor, module) -> None:
-        """``out[t] += scaling_v * B_v A_v x[t]`` for each row ``t`` of version ``v``."""
+        """``out[t] += scaling_v * B_v A_v x[t]`` for each row ``t`` of version ``v`` (in the
+        adapters' dtype, as peft computes float32 adapters on a bf16 model)."""
         terms = self.terms.get(id(module))
         if terms is None:
             raise RuntimeError(f"RowLoRA: no per-row adapter weights for {type(module).__name__}")
@@ -64,4 +66,15 @@ class RowLoRA:
             raise RuntimeError(f"RowLoRA: {len(terms)} versions for a layer of a {self.count}-version step")
         a = terms[0][0] if len(terms) == 1 else torch.cat([t[0] for t in terms])
         b = terms[0][1] if len(terms) == 1 else torch.cat([t[1] for t in terms], dim=1)
-        out.addmm_(F.linear(x, a).mul_(self._coefficients(terms)), b.t())
+        shrunk = F.linear(x.to(a.dtype), a).mul_(self._coefficients(terms, a.dtype))
+        expand(out, shrunk, b, 1.0)
+
+
+def expand(out: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+    """``out += scaling * shrunk @ B^T``: one ``addmm_`` where the dtypes agree; else the
+    product in B's dtype (peft keeps a bf16 model's adapters in float32), added in place
+    in the output's dtype (as peft casts its sum back)."""
+    if b.dtype == out.dtype:
+        out.addmm_(shrunk, b.t(), alpha=scaling)
+    else:
+        out.add_(torch.mm(shrunk, b.t()), alpha=scaling)
