@@ -269,11 +269,12 @@ class _Products(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_lora_on_q_k_v_shrinks_in_one_product():
-    """Every adapter's q/k/v ``lora_A`` weights become consecutive rows of one tensor, so
-    ``x @ A^T`` runs once for the three: 1 base product + 1 shrink + 3 expands = 5 matrix
-    products per adapter (7 when the A's are apart, as peft leaves them); the outputs equal
-    peft's layers' either way."""
+def test_lora_on_q_k_v_shrinks_and_expands_in_one_product_each():
+    """Every adapter's q/k/v ``lora_A`` weights become consecutive rows of one tensor and
+    their ``lora_B`` weights the diagonal blocks of one zero matrix (lora_layout.py), so
+    the LoRA of the three costs one shrink and one expand: 1 base product + 2 = 3 matrix
+    products; 5 with the B's apart (an expand per part), 7 with the A's apart too (as peft
+    leaves them); the outputs equal peft's layers' every time."""
     from peft import LoraConfig, get_peft_model
 
     model, _ = build_tiny_model("tiny-llama-m", 0, "float64")
@@ -282,23 +283,30 @@ def test_lora_on_q_k_v_shrinks_in_one_product():
                                             target_modules=["q_proj", "k_proj", "v_proj"])).eval()
     attn = ModelExecutor(lora, 64, 4, pack_weights=False).layers[0].self_attn
     fused = FusedProjection(attn, ("q_proj", "k_proj", "v_proj"), pack=False)
-    a = [getattr(attn, n).lora_A["default"].weight for n in ("q_proj", "k_proj", "v_proj")]
+    parts = [getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")]
+    a = [p.lora_A["default"].weight for p in parts]
+    b = [p.lora_B["default"].weight for p in parts]
     assert _storage(a[0]) == _storage(a[1]) == _storage(a[2])
+    assert _storage(b[0]) == _storage(b[1]) == _storage(b[2]) and b[1].stride() == (12, 1)
+    whole = b[0].as_strided((sum(x.shape[0] for x in b), 12), (12, 1), b[0].storage_offset())
+    assert whole[:b[0].shape[0], 4:].abs().max() == 0 and whole[b[0].shape[0]:, :4].abs().max() == 0
     x = torch.randn(5, attn.q_proj.in_features, dtype=torch.float64)
     with torch.no_grad():
-        want = [getattr(attn, n)(x) for n in ("q_proj", "k_proj", "v_proj")]   # peft's forward
-        for expected_products in (5, 7):
+        want = [p(x) for p in parts]                                       # peft's forward
+        for expected_products, take_apart in ((3, b[1]), (5, a[1]), (7, None)):
             with _Products() as products:
                 got = fused(x)
             assert products.count == expected_products
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
-            a[1].data = a[1].data.clone()        # k's A apart: each part shrinks on its own
+            if take_apart is not None:             # k's B (then its A) on its own storage
+                take_apart.data = take_apart.data.clone()
 
 
-def test_trained_adapters_laid_out_in_rows_train_as_peft():
-    """After the executor lays q/k/v's A weights out as rows of one tensor, AdamW steps on
-    the model give the same weights and losses as on a copy whose A's peft left apart."""
+def test_trained_adapters_laid_out_in_rows_train_as_peft(tmp_path):
+    """After the executor lays q/k/v's A weights out as rows of one tensor and their B's
+    as blocks of one, AdamW steps on the model give the same weights and losses as on a
+    copy whose adapters peft left apart; peft saves and loads the result."""
     import copy
 
     from peft import LoraConfig, get_peft_model
@@ -311,6 +319,7 @@ def test_trained_adapters_laid_out_in_rows_train_as_peft():
     ModelExecutor(lora, 64, 4, pack_weights=False)          # lays the A's out
     q = lora.base_model.model.model.layers[0].self_attn
     assert _storage(q.q_proj.lora_A["default"].weight) == _storage(q.v_proj.lora_A["default"].weight)
+    assert _storage(q.q_proj.lora_B["default"].weight) == _storage(q.v_proj.lora_B["default"].weight)
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
     losses = []
     for m in (lora, reference):
@@ -329,6 +338,19 @@ def test_trained_adapters_laid_out_in_rows_train_as_peft():
     for name, p in lora.named_parameters():
         torch.testing.assert_close(p, want[name], rtol=0, atol=1e-12)
     assert _storage(q.q_proj.lora_A["default"].weight) == _storage(q.v_proj.lora_A["default"].weight)
+    # the blocks off the diagonal are no parameter's: still zero after training
+    bq, bk = q.q_proj.lora_B["default"].weight, q.k_proj.lora_B["default"].weight
+    whole = bq.as_strided((bq.shape[0] + 2 * bk.shape[0], 12), (12, 1), bq.storage_offset())
+    assert whole[:bq.shape[0], 4:].abs().max() == 0 and whole[bq.shape[0]:, :4].abs().max() == 0
+    assert bq.abs().max() > 0
+    # peft saves and loads the laid-out adapter (its views copied out)
+    lora.save_pretrained(tmp_path / "adapter")
+    from peft import PeftModel
+    again = PeftModel.from_pretrained(build_tiny_model("tiny-llama-s", 0, "float64")[0], tmp_path / "adapter")
+    saved = dict(again.named_parameters())
+    for name, p in lora.named_parameters():
+        if "lora_" in name:
+            torch.testing.assert_close(saved[name], p, rtol=0, atol=0)
 
 
 def test_bf16_model_with_float32_adapters_skips_peft_forward():

@@ -17,7 +17,9 @@ one weight for each group; so do these, without changing the model:
 * parts are plain ``nn.Linear``s or peft LoRA layers around them: the LoRA layers' frozen
   ``base_layer``s fuse, and each active adapter adds ``scaling * B(A(x))`` to its part's
   columns in place (:func:`lora_terms`, :func:`apply_linear`: what peft's forward computes,
-  without its per-call Python, and one base product for the three of q/k/v). Any adapter
+  without its per-call Python, and one base product for the three of q/k/v); the parts'
+  adapters are laid out so that each adapter costs one shrink and one expand for the
+  whole group (lora_layout.py). Any adapter
   state beyond plain LoRA (merged, DoRA or another variant, dropout while training, a
   bias on B) goes through peft's own forward. If a part's module is replaced later (an
   adapter injected), :meth:`current` says so and the executor calls the modules;
@@ -33,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from raycolo.engine.executor.packed import PackedLinear, packed_or_plain
+from raycolo.engine.executor.lora_layout import (add_group_lora, block_diagonal, consecutive, rows_view,
+                                                  share_block_diagonal, share_rows)
 from raycolo.engine.executor.row_lora import RowLoRA, expand
 
 FUSE_PROJECTIONS = True      # the executor's default (engine_kwargs.fuse_projections is the engine's)
@@ -102,9 +106,11 @@ class FusedProjection:
         with torch.no_grad():
             if not self._laid_out():
                 self._lay_out()
-            for a_weights in self._adapter_weights():    # each adapter's A's: one shrink product
+            for a_weights, b_weights in self._adapter_weights():   # per adapter: one shrink, one expand
                 if not consecutive(a_weights):
                     share_rows(a_weights)
+                if not block_diagonal(b_weights):
+                    share_block_diagonal(b_weights)
             w0 = self.bases[0].weight
             total, cols = sum(self.sizes), w0.shape[1]
             weight = rows_view(w0, total)
@@ -121,19 +127,22 @@ class FusedProjection:
         if self.bases[0].bias is not None:
             share_rows([b.bias for b in self.bases])
 
-    def _adapter_weights(self) -> list[list[torch.nn.Parameter]]:
+    def _adapter_weights(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """Per adapter that every part has (all parts LoRA layers), the parts' ``lora_A``
-        weights, where they can share one product: plain linears of the same input, dtype
-        and device."""
+        and ``lora_B`` weights, where they can share one product each (lora_layout.py):
+        plain linears without bias, of one input, dtype and device."""
         if not all(self.wrapped):
             return []
         groups = []
         for name in self.parts[0].lora_A:
-            mods = [p.lora_A[name] if name in p.lora_A else None for p in self.parts]
-            if all(type(m) is torch.nn.Linear and m.bias is None for m in mods):
-                w = [m.weight for m in mods]
-                if all(t.shape[1] == w[0].shape[1] and t.dtype == w[0].dtype and t.device == w[0].device for t in w):
-                    groups.append(w)
+            mods = [(p.lora_A[name] if name in p.lora_A else None, p.lora_B[name] if name in p.lora_B else None)
+                    for p in self.parts]
+            if all(type(m) is torch.nn.Linear and m.bias is None for pair in mods for m in pair):
+                a, b = [m.weight for m, _ in mods], [m.weight for _, m in mods]
+                w = a[0]
+                if all(t.dtype == w.dtype and t.device == w.device for t in a + b) \
+                        and all(t.shape[1] == w.shape[1] for t in a):
+                    groups.append((a, b))
         return groups
 
     def __call__(self, x: torch.Tensor, rows: Optional[RowLoRA] = None) -> Optional[tuple[torch.Tensor, ...]]:
@@ -144,8 +153,9 @@ class FusedProjection:
             terms = [lora_terms(p, x) if w else () for p, w in zip(self.parts, self.wrapped)]
             if any(t is None for t in terms):
                 return None
-        outs = self.linear(x).split(self.sizes, dim=-1)
-        if rows is None and _shrink_together(outs, x, terms):
+        full = self.linear(x)
+        outs = full.split(self.sizes, dim=-1)
+        if rows is None and add_group_lora(full, outs, x, terms):
             return outs
         for i, (out, part) in enumerate(zip(outs, self.parts)):
             if rows is None:
@@ -200,54 +210,6 @@ def _casts_input(module, a: torch.Tensor, b: torch.Tensor) -> bool:
 def _add_lora(out: torch.Tensor, x: torch.Tensor, terms) -> None:
     for a, b, scaling in terms:
         expand(out, F.linear(x.to(a.dtype), a), b, scaling)
-
-
-def _shrink_together(outs: Sequence[torch.Tensor], x: torch.Tensor, terms) -> bool:
-    """Add every part's adapters to its output with one ``x @ A^T`` per adapter for all
-    the parts (their ``A``s laid out as consecutive rows by :meth:`FusedProjection.ensure_fused`),
-    then one ``addmm_`` of each part's slice of it with its ``B``: for LoRA on q/k/v, 4
-    products instead of 6 (vLLM's LoRA kernels likewise shrink all slices at once). False,
-    having added nothing, where the parts' adapters are not laid out so."""
-    if not terms or not terms[0] or len({len(t) for t in terms}) != 1:
-        return False
-    a_groups = [[t[j][0] for t in terms] for j in range(len(terms[0]))]
-    if not all(consecutive(a) for a in a_groups):
-        return False
-    for j, a in enumerate(a_groups):
-        ranks = [w.shape[0] for w in a]
-        shrunk = F.linear(x.to(a[0].dtype), rows_view(a[0], sum(ranks)))
-        for out, t, piece in zip(outs, terms, shrunk.split(ranks, dim=-1)):
-            expand(out, piece, t[j][1], t[j][2])
-    return True
-
-
-def consecutive(tensors: Sequence[torch.Tensor]) -> bool:
-    """Contiguous tensors that are consecutive pieces of one storage, in order."""
-    storage, offset = tensors[0].untyped_storage().data_ptr(), tensors[0].storage_offset()
-    for t in tensors:
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
-            return False
-        offset += t.numel()
-    return True
-
-
-def share_rows(params: Sequence[torch.Tensor]) -> None:
-    """Copy ``params`` (same trailing shape) into one tensor by rows, and make each a view
-    of its rows (``.data``: the parameters, their modules and any optimizer holding them
-    stay the same objects)."""
-    whole = torch.cat([p.detach() for p in params])
-    start = 0
-    for p in params:
-        p.data = whole[start:start + p.shape[0]]
-        start += p.shape[0]
-
-
-def rows_view(first: torch.Tensor, rows: int) -> torch.Tensor:
-    """``rows`` rows from ``first``'s start, in its storage: the whole of tensors laid out
-    by :func:`share_rows` (or one fused weight), without a copy."""
-    tail = tuple(first.shape[1:])
-    stride = tuple(first.stride())
-    return first.detach().as_strided((rows, *tail), stride, first.storage_offset())
 
 
 def apply_linear(module, x: torch.Tensor, rows: Optional[RowLoRA] = None) -> torch.Tensor:
