@@ -18,7 +18,6 @@ comparison run one after the other in this process:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from raycolo.engine.executor import ModelExecutor, SeqChunk
 from raycolo.engine.models import build_tiny_model
 from raycolo.online.stages.peft_format import export_adapter
 from raycolo.online.stages.stage_model import StageModel
+from common import write_json
 from realsize_models import active_lora, add_active_lora   # bench/: the LoRA the GPU bench serves with
 
 PROMPT = 128
@@ -118,8 +118,7 @@ def main(argv=None) -> int:
         print(f"| {r['comparison']} | {r['batch']} | {a} | {r['a_ms']:.2f} | {b} | {r['b_ms']:.2f} | "
               f"{r['a_ms'] / r['b_ms']:.2f} |")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        write_json(args.json, {"args": vars(args), "rows": rows})
     return 0
 
 

@@ -14,10 +14,8 @@ so compare the *difference* LoRA makes, which runs the same aten products on bot
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from raycolo.batching.blocks import BlockAllocator
 from raycolo.engine.executor import ModelExecutor, SeqChunk
 from raycolo.engine.models import build_tiny_model
+from common import write_json
 from realsize_models import add_active_lora   # bench/: the LoRA the GPU bench serves with
 
 PRODUCTS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "linear", "matmul", "_linear_pointwise"}  # last: oneDNN packed
@@ -90,8 +89,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"  {r['dtype']:<9} {r['model']:<13} most: {', '.join(f'{k} {v}' for k, v in r['top'])}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        write_json(args.json, {"args": vars(args), "rows": rows})
     return 0
 
 

@@ -149,19 +149,18 @@ class FusedProjection:
         """The parts' outputs, as column slices of one (rows, sum of sizes) product with each
         LoRA part's adapters added (each row its own, given ``rows``); None where an adapter
         needs peft's own forward."""
-        if rows is None:
-            terms = [lora_terms(p, x) if w else () for p, w in zip(self.parts, self.wrapped)]
-            if any(t is None for t in terms):
-                return None
+        terms = None if rows is not None else [lora_terms(p, x) if w else () for p, w in zip(self.parts, self.wrapped)]
+        if terms is not None and any(t is None for t in terms):
+            return None
         full = self.linear(x)
         outs = full.split(self.sizes, dim=-1)
-        if rows is None and add_group_lora(full, outs, x, terms):
-            return outs
-        for i, (out, part) in enumerate(zip(outs, self.parts)):
-            if rows is None:
-                _add_lora(out, x, terms[i])
-            elif self.wrapped[i]:
-                rows.add(out, x, part)
+        if rows is not None:
+            for out, part, wrapped in zip(outs, self.parts, self.wrapped):
+                if wrapped:
+                    rows.add(out, x, part)
+        elif not add_group_lora(full, outs, x, terms):
+            for out, part_terms in zip(outs, terms):
+                _add_lora(out, x, part_terms)
         return outs
 
 
