@@ -292,11 +292,13 @@ def test_native_attention_equals_the_torch_path(model_id, dtype, block_size):
 
 
 def test_fused_pointwise_kernels_equal_the_model_modules():
-    """The native add + RMSNorm and in-place rotary against transformers' own LlamaRMSNorm
-    and apply_rotary_pos_emb, on random rows (float32)."""
+    """The native add + RMSNorm, in-place rotary and SiLU-times-up against transformers'
+    own LlamaRMSNorm, apply_rotary_pos_emb and the MLP's activation (``ACT2FN["silu"]``),
+    on random rows (float32); SiLU on the strided halves of one gate/up product too."""
+    from transformers.activations import ACT2FN
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-    from raycolo.engine.executor.native import add_rms_norm, rotary_
+    from raycolo.engine.executor.native import add_rms_norm, rotary_, silu_mul
 
     gen = torch.Generator().manual_seed(3)
     for rows, dim in ((1, 64), (37, 384), (300, 768)):
@@ -318,6 +320,20 @@ def test_fused_pointwise_kernels_equal_the_model_modules():
         rotary_(q, k, cos, sin)
         torch.testing.assert_close(q, eq, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(k, ek, rtol=1e-5, atol=1e-5)
+    act = ACT2FN["silu"]
+    for rows, cols in ((1, 1024), (7, 33), (300, 512)):
+        gate_up = torch.randn(rows, 2 * cols, generator=gen) * 6        # saturates both tails
+        gate, up = gate_up.split([cols, cols], dim=-1)
+        expected, own = act(gate) * up, gate.clone()
+        out = silu_mul(gate, up)          # strided halves (rows > 1): a new contiguous tensor
+        assert out.is_contiguous() and (out.data_ptr() != gate.data_ptr()) == (rows > 1)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert silu_mul(own, up).data_ptr() == own.data_ptr()     # contiguous gate: in place
+        torch.testing.assert_close(own, expected, rtol=1e-5, atol=1e-5)
+    tails = torch.tensor([[-1e4, -200.0, -89.0, -20.0, 0.0, 20.0, 89.0, 200.0, 1e4]])   # no NaN
+    torch.testing.assert_close(silu_mul(tails.clone(), torch.ones_like(tails)), act(tails), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="silu_mul"):
+        silu_mul(torch.randn(4, 8), torch.randn(4, 9))
 
 
 def test_fused_forward_equals_the_unfused_one():

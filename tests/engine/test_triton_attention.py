@@ -172,8 +172,15 @@ def test_engine_greedy_on_the_triton_kernel_equals_transformers(kernel):
         assert s[len(p):] == hf_greedy(model, p, steps)
 
 
-@pytest.fixture(scope="module")
-def pointwise(kernel):
+@pytest.fixture(scope="module", params=["triton", "native"])
+def pointwise(request, kernel):
+    """The Triton pointwise kernels, and the native C ones (the CPU's float32 fused
+    forward): the same three functions, held to the same checks."""
+    if request.param == "native":
+        from raycolo.engine.executor import native
+        if not native.fused_pointwise_supported(torch.float32, torch.device("cpu")):
+            pytest.skip("no C compiler: the native kernels are off")
+        return native
     return importlib.import_module("raycolo.engine.executor.triton_pointwise")
 
 

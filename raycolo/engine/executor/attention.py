@@ -85,21 +85,13 @@ class FusedPointwise:
 
     def rope_and_write(self, cache, layer: int, slots, q, k, v, cos, sin) -> None:
         """Rotary on ``q`` in place and on ``k``; ``k`` and ``v`` into the layer's cache."""
-        if self._ops is not None:
-            self._ops.rope_and_write(q, k, native.rows_of_heads(v), cos, sin, slots, cache.keys[layer],
-                                     cache.values[layer])
-            return
-        native.rotary_(q, k, cos, sin)
-        cache.write(layer, slots, k, v)
+        (self._ops or native).rope_and_write(q, k, native.rows_of_heads(v), cos, sin, slots, cache.keys[layer],
+                                             cache.values[layer])
 
     def silu_mul(self, gate, up):
         """``silu(gate) * up``, contiguous (in ``gate`` where that is contiguous): ``gate``
         and ``up`` may be the column halves of one fused gate/up product."""
-        if self._ops is not None:
-            return self._ops.silu_mul(gate, up)
-        if gate.is_contiguous():
-            return torch.nn.functional.silu(gate, inplace=True).mul_(up)
-        return torch.nn.functional.silu(gate).mul_(up)
+        return (self._ops or native).silu_mul(gate, up)
 
 
 def fused_pointwise(kernel: AttentionKernel, dtype: torch.dtype, device: torch.device) -> Optional[FusedPointwise]:

@@ -5,7 +5,8 @@
   so a decode step no longer gathers every sequence's K/V into a padded copy (that gather
   and the copy were 37 % of decode time at 256 requests, docs/executor.md).
 * **Fused pointwise steps** (``kernels/pointwise.c``, float32): the residual add with the
-  RMSNorm after it, and the rotary embedding in place; each replaces a handful of torch
+  RMSNorm after it, the rotary embedding in place, and the gated MLP's ``silu(gate) * up``
+  over the strided halves of a fused gate/up product; each replaces a handful of torch
   ops and their temporaries (about 8 % of decode time, docs/executor.md).
 
 * **Build.** ``$CC`` (default ``cc``) compiles with ``-O3 -march=native -ffast-math -fopenmp``
@@ -55,6 +56,8 @@ _SIGNATURES = {
     "paged_attention_f64": (_ATTENTION_ARGS, ctypes.c_int),
     "add_rms_norm_f32": ([_P, _P, _P, _I, _I, ctypes.c_double, _P, ctypes.c_int], None),
     "rotary_f32": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int], None),
+    "silu_mul_f32": ([_P, _P, _I, _I, _I, _I, _P, ctypes.c_int], None),
+    "rope_write_f32": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int], None),
 }
 
 _state: dict = {}   # "lib": the loaded library or None, once tried
@@ -197,6 +200,47 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     native_library().rotary_f32(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                 tokens, heads, k.shape[1], d, q.stride(0), k.stride(0),
                                 torch.get_num_threads())
+
+
+def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """:func:`rotary_` on ``q`` in place and on ``k``, with the rotated ``k`` and ``v``
+    (tokens, kv_heads, d) stored at flat ``slots`` (int64, ``block * block_size + offset``)
+    of one layer's cache (``key_cache`` (blocks, kv_heads, d, block_size), ``value_cache``
+    (blocks, kv_heads, block_size, d), :class:`PagedKVCache`) in one pass; ``k`` itself is
+    left as it was. Float32; the layouts :func:`rotary_` takes, ``v`` likewise."""
+    tokens, heads, d = q.shape
+    blocks, kv_heads, block_size, _ = value_cache.shape
+    if not (heads_contiguous(q) and heads_contiguous(k) and heads_contiguous(v) and cos.is_contiguous()
+            and sin.is_contiguous()) or cos.shape != (tokens, d) or sin.shape != (tokens, d) \
+            or k.shape != (tokens, kv_heads, d) or v.shape != k.shape or d % 2 \
+            or key_cache.shape != (blocks, kv_heads, d, block_size) or not key_cache.is_contiguous() \
+            or not value_cache.is_contiguous() or slots.dtype != torch.int64 or slots.shape != (tokens,) \
+            or not slots.is_contiguous() or any(t.dtype != torch.float32 for t in (q, k, v, key_cache, value_cache)):
+        raise ValueError("rope_and_write: float32 q (tokens, heads, d), k and v (tokens, kv_heads, d) "
+                         "with each token's heads contiguous; cos and sin (tokens, d) contiguous; d even; "
+                         "int64 slots (tokens,); contiguous caches of the PagedKVCache layouts")
+    low, high = torch.aminmax(slots) if tokens else (0, 0)      # (the C kernel trusts them)
+    if low < 0 or high >= blocks * block_size:
+        raise ValueError(f"rope_and_write: a slot lies outside the cache's {blocks * block_size}")
+    native_library().rope_write_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                    slots.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tokens,
+                                    heads, kv_heads, d, q.stride(0), k.stride(0), v.stride(0), block_size,
+                                    torch.get_num_threads())
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for float32 (rows, cols) ``gate`` and ``up`` whose rows are
+    contiguous (any row stride: the column halves of a fused gate/up product), in one pass.
+    The result is contiguous: ``gate`` itself, overwritten, where ``gate`` is contiguous."""
+    if gate.shape != up.shape or gate.dim() != 2 or gate.stride(1) != 1 or up.stride(1) != 1 \
+            or gate.dtype != torch.float32 or up.dtype != torch.float32:
+        raise ValueError("silu_mul: gate and up must be float32 (rows, cols) of one shape, rows contiguous")
+    rows, cols = gate.shape
+    out = gate if gate.is_contiguous() else torch.empty(gate.shape, dtype=gate.dtype)
+    native_library().silu_mul_f32(gate.data_ptr(), up.data_ptr(), rows, cols, gate.stride(0), up.stride(0),
+                                  out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def heads_contiguous(x: torch.Tensor) -> bool:

@@ -57,3 +57,61 @@ void rotary_f32(float *q, float *k, const float *cos, const float *sin, int64_t 
         }
     }
 }
+
+/* out = silu(gate) * up = gate * sigmoid(gate) * up, per row of `cols` floats; gate's and
+ * up's rows lie g_row and u_row floats apart (the two column halves of one fused gate/up
+ * product), out is contiguous (it may be gate itself, where gate is). The sigmoid takes
+ * exp(-|x|), never above 1: under -ffast-math (no infinities assumed) exp(-x) of a large
+ * negative x overflowed to NaN. */
+void silu_mul_f32(const float *gate, const float *up, int64_t rows, int64_t cols, int64_t g_row,
+                  int64_t u_row, float *out, int threads) {
+    const int n = rows >= (int64_t)MIN_ROWS_PER_THREAD * threads ? threads : 1;
+    _Pragma("omp parallel for num_threads(n) schedule(static)")
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate + r * g_row, *u = up + r * u_row;
+        float *o = out + r * cols;
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < cols; j++) {
+            const float x = g[j], e = expf(-fabsf(x)), inv = 1.0f / (1.0f + e);
+            o[j] = x * (x >= 0.0f ? inv : e * inv) * u[j];
+        }
+    }
+}
+
+/* rotary_f32 on q (in place) and k, with the rotated k and v stored at `slots` of one
+ * layer's paged cache instead of into k: keys (blocks, kv_heads, d, block_size), values
+ * (blocks, kv_heads, block_size, d), slot = block * block_size + offset. v's tokens lie
+ * v_row floats apart. One pass for what rotary_f32 and two indexed torch copies did. */
+void rope_write_f32(float *q, const float *k, const float *v, const float *cos, const float *sin,
+                    const int64_t *slots, float *keys, float *values, int64_t tokens, int64_t heads,
+                    int64_t kv_heads, int64_t d, int64_t q_row, int64_t k_row, int64_t v_row,
+                    int64_t block_size, int threads) {
+    const int64_t half = d / 2;
+    const int n = tokens >= (int64_t)MIN_ROWS_PER_THREAD * threads ? threads : 1;
+    _Pragma("omp parallel for num_threads(n) schedule(static)")
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * d, *s = sin + t * d;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x = q + t * q_row + h * d;
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < half; j++) {
+                const float x1 = x[j], x2 = x[j + half];
+                x[j] = x1 * c[j] - x2 * s[j];
+                x[j + half] = x2 * c[j + half] + x1 * s[j + half];
+            }
+        }
+        const int64_t block = slots[t] / block_size, off = slots[t] % block_size;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const float *x = k + t * k_row + h * d, *vr = v + t * v_row + h * d;
+            float *kc = keys + (block * kv_heads + h) * d * block_size + off;
+            float *vc = values + ((block * kv_heads + h) * block_size + off) * d;
+            for (int64_t j = 0; j < half; j++) {
+                const float x1 = x[j], x2 = x[j + half];
+                kc[j * block_size] = x1 * c[j] - x2 * s[j];
+                kc[(j + half) * block_size] = x2 * c[j + half] + x1 * s[j + half];
+            }
+            _Pragma("omp simd")
+            for (int64_t j = 0; j < d; j++) vc[j] = vr[j];
+        }
+    }
+}
