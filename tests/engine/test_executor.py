@@ -334,6 +334,14 @@ def test_fused_pointwise_kernels_equal_the_model_modules():
     torch.testing.assert_close(silu_mul(tails.clone(), torch.ones_like(tails)), act(tails), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="silu_mul"):
         silu_mul(torch.randn(4, 8), torch.randn(4, 9))
+    from raycolo.engine.executor.kv_cache import PagedKVCache
+    from raycolo.engine.executor.native import rope_and_write    # the C kernel trusts its slots
+    q, kv = torch.randn(2, 4, 32), torch.randn(2, 2, 32)
+    cache = PagedKVCache(1, 3, 4, 2, 32, torch.float32)
+    cos, sin = torch.ones(2, 32), torch.zeros(2, 32)
+    for bad in ([0, 12], [-1, 0]):
+        with pytest.raises(ValueError, match="outside the cache"):
+            rope_and_write(q, kv, kv, cos, sin, torch.tensor(bad), cache.keys[0], cache.values[0])
 
 
 def test_fused_forward_equals_the_unfused_one():
