@@ -467,3 +467,23 @@ def test_loading_the_native_kernel_keeps_subnormal_floats():
     assert native_library() is not None
     assert sys.float_info.min / 2 > 0
     assert torch.tensor(sys.float_info.min, dtype=torch.float64).div(2).item() > 0
+
+
+def test_importing_the_executor_gives_onednn_room_unless_the_environment_says_otherwise():
+    """packed.py sets oneDNN's primitive cache capacity before any primitive exists (oneDNN
+    reads it once; at its default 1024 an engine's row counts x packed shapes thrashed it,
+    docs/executor.md), and leaves a value the user set alone. Fresh interpreters: the
+    variable only counts before the process's first primitive."""
+    import os
+    import subprocess
+    import sys
+
+    from raycolo.engine.executor.packed import ONEDNN_CACHE_VARIABLE, ONEDNN_PRIMITIVE_CACHE
+
+    probe = f"import os, raycolo.engine.executor; print(os.environ.get({ONEDNN_CACHE_VARIABLE!r}))"
+    env = {k: v for k, v in os.environ.items() if k != ONEDNN_CACHE_VARIABLE}
+    for preset, expected in ((None, str(ONEDNN_PRIMITIVE_CACHE)), ("777", "777")):
+        run_env = env if preset is None else {**env, ONEDNN_CACHE_VARIABLE: preset}
+        out = subprocess.run([sys.executable, "-c", probe], env=run_env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == expected
