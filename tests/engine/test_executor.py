@@ -298,7 +298,8 @@ def test_fused_pointwise_kernels_equal_the_model_modules():
     from transformers.activations import ACT2FN
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-    from raycolo.engine.executor.native import add_rms_norm, rotary_, silu_mul
+    from raycolo.engine.executor.kv_cache import PagedKVCache
+    from raycolo.engine.executor.native import add_rms_norm, rope_and_write, silu_mul
 
     gen = torch.Generator().manual_seed(3)
     for rows, dim in ((1, 64), (37, 384), (300, 768)):
@@ -317,9 +318,11 @@ def test_fused_pointwise_kernels_equal_the_model_modules():
         angle = torch.rand(tokens, d // 2, generator=gen) * 100
         cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
         eq, ek = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-        rotary_(q, k, cos, sin)
+        cache, bs = PagedKVCache(1, tokens, 4, kv_heads, d, torch.float32), 4     # k goes into the cache
+        slots = torch.randperm(tokens * bs, generator=gen)[:tokens]
+        rope_and_write(q, k, torch.zeros_like(k), cos, sin, slots, cache.keys[0], cache.values[0])
         torch.testing.assert_close(q, eq, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(k, ek, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.keys[0][slots // bs, :, :, slots % bs], ek, rtol=1e-5, atol=1e-5)
     act = ACT2FN["silu"]
     for rows, cols in ((1, 1024), (7, 33), (300, 512)):
         gate_up = torch.randn(rows, 2 * cols, generator=gen) * 6        # saturates both tails
@@ -334,8 +337,7 @@ def test_fused_pointwise_kernels_equal_the_model_modules():
     torch.testing.assert_close(silu_mul(tails.clone(), torch.ones_like(tails)), act(tails), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="silu_mul"):
         silu_mul(torch.randn(4, 8), torch.randn(4, 9))
-    from raycolo.engine.executor.kv_cache import PagedKVCache
-    from raycolo.engine.executor.native import rope_and_write    # the C kernel trusts its slots
+    # the C kernel trusts its slots: they are checked
     q, kv = torch.randn(2, 4, 32), torch.randn(2, 2, 32)
     cache = PagedKVCache(1, 3, 4, 2, 32, torch.float32)
     cos, sin = torch.ones(2, 32), torch.zeros(2, 32)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raycolo.engine.executor import ModelExecutor
+from raycolo.engine.executor import ModelExecutor, PagedKVCache
 from raycolo.engine.executor import native
 from raycolo.engine.executor.fused import FusedProjection
 from raycolo.engine.models import build_tiny_model
@@ -136,23 +136,25 @@ def test_only_plain_linears_of_one_input_fuse():
 @pytest.mark.skipif(not native.fused_pointwise_supported(torch.float32, torch.device("cpu")),
                     reason="no C compiler: the native kernels are off")
 def test_native_kernels_read_column_slices_of_a_fused_product():
-    """rotary and paged attention on q/k that are column slices of one (tokens, q+k+v)
-    tensor equal the same kernels on contiguous copies."""
+    """rotary with the cache write and paged attention on q/k/v that are column slices of
+    one (tokens, q+k+v) tensor equal the same kernels on contiguous copies."""
     from tests.engine.test_triton_attention import scattered_cache
 
     gen = torch.Generator().manual_seed(7)
     tokens, heads, kv_heads, d, bs = 6, 8, 2, 32, 16
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
-    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    q, k = q.view(tokens, heads, d), k.view(tokens, kv_heads, d)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = q.view(tokens, heads, d), k.view(tokens, kv_heads, d), v.view(tokens, kv_heads, d)
     assert not q.is_contiguous() and native.heads_contiguous(q)
     qc, kc = q.contiguous(), k.contiguous()
     angle = torch.rand(tokens, d // 2, generator=gen) * 100
     cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
-    native.rotary_(q, k, cos, sin)
-    native.rotary_(qc, kc, cos, sin)
+    slots = torch.randperm(4 * bs, generator=gen)[:tokens]
+    strided, dense = (PagedKVCache(1, 4, bs, kv_heads, d, torch.float32) for _ in range(2))
+    native.rope_and_write(q, k, v, cos, sin, slots, strided.keys[0], strided.values[0])
+    native.rope_and_write(qc, kc, v.contiguous(), cos, sin, slots, dense.keys[0], dense.values[0])
     torch.testing.assert_close(q, qc, rtol=0, atol=0)
-    torch.testing.assert_close(k, kc, rtol=0, atol=0)
+    torch.testing.assert_close(strided.keys[0], dense.keys[0], rtol=0, atol=0)
     lengths = [40, 3, 17, 25, 1, 33]
     cache, _, _, flat, starts = scattered_cache(gen, lengths, bs, kv_heads, d)
     positions = torch.tensor([n - 1 for n in lengths])

@@ -75,23 +75,22 @@ class FusedPointwise:
 
     def __init__(self, kernel: AttentionKernel):
         self.kernel = kernel
-        if kernel is AttentionKernel.TRITON:
+        if kernel is AttentionKernel.TRITON:     # (the two modules take the same arguments)
             from raycolo.engine.executor import triton_pointwise as ops
-            self._ops = ops
-            self.add_rms_norm = ops.add_rms_norm
         else:
-            self._ops = None
-            self.add_rms_norm = native.add_rms_norm
+            ops = native
+        self._ops = ops
+        self.add_rms_norm = ops.add_rms_norm
 
     def rope_and_write(self, cache, layer: int, slots, q, k, v, cos, sin) -> None:
         """Rotary on ``q`` in place and on ``k``; ``k`` and ``v`` into the layer's cache."""
-        (self._ops or native).rope_and_write(q, k, native.rows_of_heads(v), cos, sin, slots, cache.keys[layer],
-                                             cache.values[layer])
+        self._ops.rope_and_write(q, k, native.rows_of_heads(v), cos, sin, slots, cache.keys[layer],
+                                 cache.values[layer])
 
     def silu_mul(self, gate, up):
         """``silu(gate) * up``, contiguous (in ``gate`` where that is contiguous): ``gate``
         and ``up`` may be the column halves of one fused gate/up product."""
-        return (self._ops or native).silu_mul(gate, up)
+        return self._ops.silu_mul(gate, up)
 
 
 def fused_pointwise(kernel: AttentionKernel, dtype: torch.dtype, device: torch.device) -> Optional[FusedPointwise]:

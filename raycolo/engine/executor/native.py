@@ -5,7 +5,7 @@
   so a decode step no longer gathers every sequence's K/V into a padded copy (that gather
   and the copy were 37 % of decode time at 256 requests, docs/executor.md).
 * **Fused pointwise steps** (``kernels/pointwise.c``, float32): the residual add with the
-  RMSNorm after it, the rotary embedding in place, and the gated MLP's ``silu(gate) * up``
+  RMSNorm after it, the rotary embedding with the K/V cache write, and the gated MLP's ``silu(gate) * up``
   over the strided halves of a fused gate/up product; each replaces a handful of torch
   ops and their temporaries (about 8 % of decode time, docs/executor.md).
 
@@ -55,7 +55,6 @@ _SIGNATURES = {
     "paged_attention_f32": (_ATTENTION_ARGS, ctypes.c_int),
     "paged_attention_f64": (_ATTENTION_ARGS, ctypes.c_int),
     "add_rms_norm_f32": ([_P, _P, _P, _I, _I, ctypes.c_double, _P, ctypes.c_int], None),
-    "rotary_f32": ([_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int], None),
     "silu_mul_f32": ([_P, _P, _I, _I, _I, _I, _P, ctypes.c_int], None),
     "rope_write_f32": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_int], None),
 }
@@ -164,7 +163,8 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tab
 
 
 def fused_pointwise_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether :func:`add_rms_norm` and :func:`rotary_` run here (float32 on the CPU)."""
+    """Whether :func:`add_rms_norm`, :func:`rope_and_write` and :func:`silu_mul` run here
+    (float32 on the CPU)."""
     return device.type == "cpu" and dtype == torch.float32 and native_library() is not None
 
 
@@ -185,30 +185,17 @@ def add_rms_norm(residual: torch.Tensor, x: Optional[torch.Tensor], weight: torc
     return out
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """The rotary embedding, in place on ``q`` (tokens, heads, d) and ``k`` (tokens,
-    kv_heads, d) with ``cos``/``sin`` (tokens, d): ``x * cos + rotate_half(x) * sin``, as
-    transformers' ``apply_rotary_pos_emb``. Float32; ``cos``/``sin`` contiguous, ``q`` and
-    ``k`` with each token's heads contiguous (:func:`heads_contiguous`; tokens may lie
-    apart, as column slices of a fused q/k/v product do)."""
-    tokens, heads, d = q.shape
-    if not (heads_contiguous(q) and heads_contiguous(k) and cos.is_contiguous() and sin.is_contiguous()) \
-            or cos.shape != (tokens, d) or sin.shape != (tokens, d) or k.shape[0] != tokens \
-            or k.shape[2] != d or d % 2:
-        raise ValueError("rotary_: q (tokens, heads, d), k (tokens, kv_heads, d), cos and sin "
-                         "(tokens, d) contiguous, each token's heads contiguous, d even")
-    native_library().rotary_f32(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                tokens, heads, k.shape[1], d, q.stride(0), k.stride(0),
-                                torch.get_num_threads())
-
-
 def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    slots: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    """:func:`rotary_` on ``q`` in place and on ``k``, with the rotated ``k`` and ``v``
-    (tokens, kv_heads, d) stored at flat ``slots`` (int64, ``block * block_size + offset``)
-    of one layer's cache (``key_cache`` (blocks, kv_heads, d, block_size), ``value_cache``
-    (blocks, kv_heads, block_size, d), :class:`PagedKVCache`) in one pass; ``k`` itself is
-    left as it was. Float32; the layouts :func:`rotary_` takes, ``v`` likewise."""
+    """The rotary embedding (``x * cos + rotate_half(x) * sin``, as transformers'
+    ``apply_rotary_pos_emb``) on ``q`` (tokens, heads, d) in place and on ``k`` (tokens,
+    kv_heads, d), with the rotated ``k`` and ``v`` stored at flat ``slots`` (int64, ``block
+    * block_size + offset``) of one layer's cache (``key_cache`` (blocks, kv_heads, d,
+    block_size), ``value_cache`` (blocks, kv_heads, block_size, d), :class:`PagedKVCache`)
+    in one pass; ``k`` itself is left as it was. Float32; ``cos``/``sin`` (tokens, d)
+    contiguous; ``q``, ``k`` and ``v`` with each token's heads contiguous
+    (:func:`heads_contiguous`; tokens may lie apart, as column slices of a fused q/k/v
+    product do)."""
     tokens, heads, d = q.shape
     blocks, kv_heads, block_size, _ = value_cache.shape
     if not (heads_contiguous(q) and heads_contiguous(k) and heads_contiguous(v) and cos.is_contiguous()

@@ -1,5 +1,6 @@
 /* Fused pointwise steps of a Llama-family layer, for float32 inference on the CPU: the
- * residual add with the RMSNorm that follows it, and the rotary embedding applied in place.
+ * residual add with the RMSNorm that follows it, the rotary embedding with the cache write,
+ * and SiLU times up.
  * Each replaces several torch ops (and their temporaries) with one pass over the rows.
  * Built and loaded with paged_attention.c by raycolo/executor/native.py; equal to the
  * model's own modules (transformers' LlamaRMSNorm and apply_rotary_pos_emb, the same in
@@ -34,30 +35,6 @@ void add_rms_norm_f32(float *residual, const float *x, const float *weight, int6
     }
 }
 
-/* In place on q (tokens, heads, d) and k (tokens, kv_heads, d), with cos and sin (tokens, d):
- * x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x[d/2:], x[:d/2]). A token's
- * heads are contiguous; tokens lie q_row and k_row floats apart (column slices of one
- * fused q/k/v product). */
-void rotary_f32(float *q, float *k, const float *cos, const float *sin, int64_t tokens,
-                int64_t heads, int64_t kv_heads, int64_t d, int64_t q_row, int64_t k_row,
-                int threads) {
-    const int64_t half = d / 2;
-    const int n = tokens >= (int64_t)MIN_ROWS_PER_THREAD * threads ? threads : 1;
-    _Pragma("omp parallel for num_threads(n) schedule(static)")
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + t * d, *s = sin + t * d;
-        for (int64_t h = 0; h < heads + kv_heads; h++) {
-            float *x = h < heads ? q + t * q_row + h * d : k + t * k_row + (h - heads) * d;
-            _Pragma("omp simd")
-            for (int64_t j = 0; j < half; j++) {
-                const float x1 = x[j], x2 = x[j + half];
-                x[j] = x1 * c[j] - x2 * s[j];
-                x[j + half] = x2 * c[j + half] + x1 * s[j + half];
-            }
-        }
-    }
-}
-
 /* out = silu(gate) * up = gate * sigmoid(gate) * up, per row of `cols` floats; gate's and
  * up's rows lie g_row and u_row floats apart (the two column halves of one fused gate/up
  * product), out is contiguous (it may be gate itself, where gate is). The sigmoid takes
@@ -78,10 +55,13 @@ void silu_mul_f32(const float *gate, const float *up, int64_t rows, int64_t cols
     }
 }
 
-/* rotary_f32 on q (in place) and k, with the rotated k and v stored at `slots` of one
- * layer's paged cache instead of into k: keys (blocks, kv_heads, d, block_size), values
- * (blocks, kv_heads, block_size, d), slot = block * block_size + offset. v's tokens lie
- * v_row floats apart. One pass for what rotary_f32 and two indexed torch copies did. */
+/* The rotary embedding, x * cos + rotate_half(x) * sin with rotate_half(x) =
+ * (-x[d/2:], x[:d/2]) and cos, sin (tokens, d): in place on q (tokens, heads, d), and on k
+ * (tokens, kv_heads, d) on its way into one layer's paged cache, with v: keys (blocks,
+ * kv_heads, d, block_size), values (blocks, kv_heads, block_size, d), at slot = block *
+ * block_size + offset; k itself is left as it was. A token's heads are contiguous; its
+ * q, k and v rows lie q_row, k_row and v_row floats apart (column slices of one fused
+ * q/k/v product). One pass for a rotary pass and two indexed torch copies. */
 void rope_write_f32(float *q, const float *k, const float *v, const float *cos, const float *sin,
                     const int64_t *slots, float *keys, float *values, int64_t tokens, int64_t heads,
                     int64_t kv_heads, int64_t d, int64_t q_row, int64_t k_row, int64_t v_row,
