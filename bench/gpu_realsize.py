@@ -374,9 +374,14 @@ def verdict(r: dict) -> tuple[str, str]:
     return f">= {100 * r['target']:.0f} %", "yes" if got >= r["target"] else "no"
 
 
+def limits_line(lim: dict) -> str:
+    """The card's measured limits, in three significant figures (a CPU's are far below 1)."""
+    return (f"copy bandwidth {lim['copy_bytes_per_s'] / 1e12:.3g} TB/s (read + write), "
+            f"matmul {lim['matmul_flops'] / 1e12:.3g} TFLOP/s")
+
+
 def table(results: list[dict], lim: dict) -> str:
-    lines = [f"copy bandwidth {lim['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), "
-             f"matmul {lim['matmul_flops'] / 1e12:.0f} TFLOP/s",
+    lines = [limits_line(lim),
              "| shape | path | batch | step ms | tok/s | roofline ms | fraction | target | met |",
              "|---|---|---:|---:|---:|---:|---:|---|---|"]
     for res in results:
@@ -428,8 +433,7 @@ def main(argv=None) -> int:
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     started = time.perf_counter()
     lim = limits(device, dtype)
-    print(f"{card}, {args.dtype}: copy {lim['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-          f"matmul {lim['matmul_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    print(f"{card}, {args.dtype}: {limits_line(lim)}", flush=True)
     results = [run_shape(s, args, device, dtype, lim) for s in shapes]
     text = table(results, lim)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
