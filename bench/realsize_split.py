@@ -28,7 +28,7 @@ def _rank(rank: int, shape: str, device_str: str, dtype_name: str, batch: int, p
 
         device, dtype = torch.device(device_str), getattr(torch, dtype_name)
         if device.type == "cuda":
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(device.index or 0)     # torch 2.11 refuses a device without an index
         dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
         model = add_active_lora(build_model(shape, device, dtype, seed=0)[0], seed=3)
         layers = model.config.num_hidden_layers

@@ -39,27 +39,33 @@ def _reference(model_id: str, device):
     return _model(model_id, "float64", device).eval()
 
 
+def teacher_forced_gaps(model, prompts, outputs):
+    """Each output token teacher-forced through ``model`` on the outputs themselves: the gap
+    between the model's best logit and the chosen token's (0 where it is the argmax), and
+    that best logit; two float64 host tensors over all tokens, prompt by prompt."""
+    import torch
+
+    gaps, bests = [], []
+    with torch.no_grad():
+        for p, out in zip(prompts, outputs):
+            ids = torch.tensor([list(p) + list(out)], device=model.device)
+            logits = model(ids).logits[0, len(p) - 1:len(p) - 1 + len(out)].to(torch.float64)
+            best = logits.max(-1).values
+            chosen = logits.gather(1, torch.tensor(out, device=model.device).view(-1, 1))[:, 0]
+            gaps.append((best - chosen).cpu())
+            bests.append(best.cpu())
+    return torch.cat(gaps), torch.cat(bests)
+
+
 def _greedy_agreement(ref_model, prompts, outputs, tie: float) -> tuple[int, int, float]:
     """Whether ``outputs`` are greedy under ``ref_model`` (CPU float64), teacher-forced on the
     outputs themselves: (tokens that are the reference's argmax, tokens, the largest gap
     between the reference's best logit and the chosen token's). A lower-precision run may
     pick another token only where the reference's top two are within ``tie``."""
-    import torch
-
-    same = total = 0
-    worst = 0.0
-    with torch.no_grad():
-        for p, out in zip(prompts, outputs):
-            ids = torch.tensor([list(p) + list(out)])
-            logits = ref_model(ids).logits[0, len(p) - 1:len(p) - 1 + len(out)]
-            best = logits.max(-1).values
-            chosen = logits.gather(1, torch.tensor(out).view(-1, 1))[:, 0]
-            gap = (best - chosen)
-            same += int((gap == 0).sum())
-            total += len(out)
-            worst = max(worst, float(gap.max()))
+    gaps, _ = teacher_forced_gaps(ref_model, prompts, outputs)
+    worst = float(gaps.max())
     _require(worst <= tie, f"a token {worst:.3g} below the reference's best logit (allowed {tie:g})")
-    return same, total, worst
+    return int((gaps == 0).sum()), len(gaps), worst
 
 
 def _reference_training(lora, batch, steps: int, device):

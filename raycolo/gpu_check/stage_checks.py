@@ -132,7 +132,7 @@ def _p2p_rank(rank: int, backend: str, device_str: str, store_path: str, tokens_
         from raycolo.online.stages.stage_process import StageProcess
         device = torch.device(device_str)
         if device.type == "cuda":
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(device.index or 0)
         store = dist.FileStore(store_path, 2)
         dist.init_process_group(backend, store=store, rank=rank, world_size=2,
                                 **({"device_id": device} if backend == "nccl" else {}))

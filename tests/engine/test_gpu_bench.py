@@ -60,3 +60,40 @@ def test_without_cuda_it_skips():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "skipped: no CUDA device (--device cpu for a dry run)"
+
+
+@pytest.mark.parametrize("flag,value,need", [("--eager-output", "2", "at least 3"), ("--output", "1", "at least 3"),
+                                             ("--batches", "1,x", "comma-separated integers >= 1"),
+                                             ("--shapes", "llama3-8b,nope", "some of"), ("--tie-ulps", "-1", "at least 0")])
+def test_a_bad_flag_is_one_error_line_naming_it(flag, value, need, capsys):
+    assert gpu_realsize.main(["--device", "cpu", flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {flag}: must be {need}")
+
+
+def test_the_near_tie_margin_is_units_in_the_last_place_of_the_best_logit():
+    """bf16 by hand: a token k ulps below the best logit (ulp = 2^-7 * 2^floor(log2 |best|))
+    passes where k <= tie_ulps (the second-best token) and fails beyond (the third); the
+    floor ``tie`` in logits holds whatever the dtype."""
+    model, _ = realsize_models.build_model("tiny", torch.device("cpu"), torch.bfloat16)
+    prompt = [5, 9, 2, 7, 11]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].double()
+    best = float(logits.max())
+    ulp = 2.0 ** -7 * 2.0 ** torch.floor(torch.log2(torch.tensor(abs(best)))).item()
+    gaps_ulp = (best - logits) / ulp
+    order = torch.argsort(gaps_ulp)
+    near, far = int(order[1]), int(order[2])             # the second and third best tokens
+    k_near, k_far = float(gaps_ulp[near]), float(gaps_ulp[far])
+    assert 0 < k_near < k_far
+    between = (k_near + k_far) / 2
+    for token, k in ((near, k_near), (far, k_far)):
+        a = gpu_realsize.agreement(model, [prompt], [[token]], tie=0.0, tie_ulps=between)
+        assert a["argmax"] == 0 and a["worst_gap_ulps"] == pytest.approx(k)
+        assert a["worst_gap"] == pytest.approx(k * ulp)
+        assert a["within_tie"] == (token == near)
+    assert gpu_realsize.agreement(model, [prompt], [[far]], tie=best - float(logits[far]), tie_ulps=0.0)["within_tie"]
+    top = int(logits.argmax())
+    assert gpu_realsize.agreement(model, [prompt], [[top]], tie=0.0, tie_ulps=0.0) == pytest.approx(
+        {"argmax": 1, "tokens": 1, "worst_gap": 0.0, "worst_gap_ulps": 0.0, "within_tie": True, "tie": 0.0,
+         "tie_ulps": 0.0, "margin_at_worst": 0.0})

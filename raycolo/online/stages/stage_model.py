@@ -215,7 +215,9 @@ class StageModel:
             for key, value in load_file(os.path.join(directory, ADAPTER_WEIGHTS_FILE)).items():
                 name = _param_name(key, self._adapter_name())
                 if name in params:            # another stage's layer: not ours
-                    state[name] = value.to(params[name].dtype)
+                    # safetensors loads to the host: the rows' terms sit beside the live
+                    # adapter's weights on the stage's device
+                    state[name] = value.to(device=params[name].device, dtype=params[name].dtype)
             if not state:
                 raise ValueError(f"adapter {directory}: no weights for layers [{self.first}, {self.last})")
             while len(self._pinned) >= self.pinned_cache:
@@ -265,6 +267,8 @@ class StageModel:
         same rows and passes both on: its hidden states are the policy's rows followed by
         the reference's (twice the rows of ``lengths``). The last stage's loss is DPO's;
         the gradient that flows back is zero on the reference rows."""
+        x = x.to(self.executor.device)          # token ids built on the host (training_batch)
+        labels = None if labels is None else labels.to(self.executor.device)
         with torch.enable_grad():
             inp = x if self.is_first else x.detach().requires_grad_(True)
             rows = len(lengths)
@@ -364,6 +368,7 @@ class StageModel:
             raise ValueError("preference_logprobs: a whole-model stage only")
         rows, _ = training_rows(pairs)
         ids, labels, lengths = training_batch(rows)
+        ids, labels = ids.to(self.executor.device), labels.to(self.executor.device)
         context = (self.model.disable_adapter() if reference else contextlib.nullcontext())
         with context, (torch.no_grad() if reference else torch.enable_grad()):
             logp = sequence_logprob(self.executor.forward_train(ids, lengths), labels)
