@@ -199,9 +199,11 @@ def train_step(stage, vocab: int, rows: int, length: int, device) -> float:
     return timed(step, device, 3)
 
 
-def attention_rows(rows, m: "Model", batches, context: int, device, dtype, bw: float) -> None:
+def attention_rows(rows, m: "Model", batches, context: int, device, dtype, bw: float,
+                   flex_batches=()) -> None:
     """One layer's decode attention at each batch (every sequence at ``context``): the
-    Triton kernel in place, the torch path (gather the blocks, then SDPA under a mask) and
+    Triton kernel in place, the torch path (gather the blocks, then SDPA under a mask) and,
+    at ``flex_batches`` only (each batch compiles anew: tens of seconds of a short lease),
     FlexAttention (compiled) over K/V already contiguous, against the K/V bytes' roofline."""
     import torch.nn.functional as F
 
@@ -241,7 +243,7 @@ def attention_rows(rows, m: "Model", batches, context: int, device, dtype, bw: f
         if triton_attention is not None and device.type == "cuda":
             paths["attention.triton"] = lambda: triton_attention.paged_attention(
                 q, cache.keys[0], cache.values[0], flat, starts, pos, None, scale)
-        if flex is not None and device.type == "cuda":
+        if flex is not None and device.type == "cuda" and b in flex_batches:
             k, v = cache.read(0, tables2d)
             k, v = k[:, :, :context + 1].contiguous(), v[:, :, :context + 1].contiguous()
             paths["attention.flex"] = lambda: flex(q.view(b, heads, 1, d), k, v, scale=scale, enable_gqa=True)
@@ -293,7 +295,8 @@ def run_shape(shape: str, args, device, dtype, lim: dict) -> dict:
         if agree is None and (b >= 16 or b == max(args.batches)):
             n = min(4, b)
             agree = agreement(model, ps[:n], r["tokens"][:n], args.tie, args.tie_ulps)
-    attention_rows(rows, m, args.batches, plen + out // 2, device, dtype, bw)
+    attention_rows(rows, m, args.batches, plen + out // 2, device, dtype, bw,
+                   args.flex_batches if shape == args.shapes[0] else ())
     ps = prompts_for(vocab, 1, plen, seed=1)
     r = engine_run((model, tok), device, dtype_name, ps, min(out, args.eager_output), graphs=False)
     decode_row(rows, "engine.eager", 1, r["step_s"], m.decode_bytes(1, r["context"]) / bw)
@@ -422,15 +425,22 @@ def main(argv=None) -> int:
                         help="near-tie margin of the agreement check (logits), at least")
     parser.add_argument("--tie-ulps", type=float, default=8.0,
                         help="near-tie margin in units in the last place of the dtype at the best logit")
+    parser.add_argument("--flex-batches", default="1,64",
+                        help="batches of the compiled FlexAttention row, first shape only (each compiles anew)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
+    args.shapes = shapes
     try:
         args.batches = sorted(int(b) for b in args.batches.split(","))
     except ValueError:
         args.batches = []
+    try:
+        args.flex_batches = sorted({int(b) for b in args.flex_batches.split(",") if b})
+    except ValueError:
+        args.flex_batches = [0]
     # a run's first decode step is not timed (it may compile or capture): 3 tokens at least
     wrong = [(flag, need) for flag, bad, need in [
         ("--shapes", not shapes or any(s not in SHAPES for s in shapes), f"some of {', '.join(SHAPES)}"),
@@ -438,6 +448,7 @@ def main(argv=None) -> int:
         ("--prompt", args.prompt < 2, "at least 2"), ("--output", args.output < 3, "at least 3"),
         ("--eager-output", args.eager_output < 3, "at least 3"), ("--stage-steps", args.stage_steps < 2, "at least 2"),
         ("--train-rows", args.train_rows < 1, "at least 1"),
+        ("--flex-batches", any(b < 1 for b in args.flex_batches), "comma-separated integers >= 1, or empty"),
         ("--tie", args.tie < 0, "at least 0"), ("--tie-ulps", args.tie_ulps < 0, "at least 0")] if bad]
     if wrong:
         flag, need = wrong[0]
