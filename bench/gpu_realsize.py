@@ -463,16 +463,19 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     lim = limits(device, dtype)
     print(f"{card}, {args.dtype}: {limits_line(lim)}", flush=True)
-    results = [run_shape(s, args, device, dtype, lim) for s in shapes]
-    text = table(results, lim)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    print(f"\n{card}, {stamp}, torch {torch.__version__}, `{' '.join(['python3', 'bench/gpu_realsize.py'] + (argv if argv is not None else sys.argv[1:]))}`")
-    print(text)
+    results = []
+    for s in shapes:                    # the JSON after each shape: a run cut off keeps what it measured
+        results.append(run_shape(s, args, device, dtype, lim))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"card": card, "date": stamp, "torch": torch.__version__,
+                                                   "args": vars(args), "limits": lim, "results": results,
+                                                   "complete": len(results) == len(shapes)}, indent=2))
+    command = ' '.join(['python3', 'bench/gpu_realsize.py'] + (argv if argv is not None else sys.argv[1:]))
+    print(f"\n{card}, {stamp}, torch {torch.__version__}, `{command}`")
+    print(table(results, lim))
     print(f"\n{time.perf_counter() - started:.0f} s in all")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"card": card, "date": stamp, "torch": torch.__version__,
-                                               "args": vars(args), "limits": lim, "results": results}, indent=2))
     return 0
 
 

@@ -23,10 +23,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 date -u | tee -a "$OUT/card.txt"
 PHASES=" ${PHASES:-check bench} "
 if [[ "$PHASES" == *" check "* ]]; then
-  timeout "${GPU_CHECK_S:-200}" python3 -m raycolo.gpu_check --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
+  timeout -k 10 "${GPU_CHECK_S:-200}" python3 -m raycolo.gpu_check --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
 fi
 if [[ "$PHASES" == *" bench "* ]]; then
-  timeout "${GPU_BENCH_S:-330}" python3 bench/gpu_realsize.py --json "$OUT/gpu_realsize.json" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_realsize.log"
+  timeout -k 10 "${GPU_BENCH_S:-330}" python3 bench/gpu_realsize.py --json "$OUT/gpu_realsize.json" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_realsize.log"
 fi
 if [[ "$PHASES" == *" profile "* ]]; then
   # a dry run on a CPU: CKPT=<a tiny-llama-s checkpoint> PROFILE_NAME=tiny-llama-s DEVICE=cpu
@@ -34,10 +34,10 @@ if [[ "$PHASES" == *" profile "* ]]; then
   CKPT="${CKPT:-/tmp/raycolo-llama3-8b}"
   NAME="${PROFILE_NAME:-llama-3-8b-instruct}"
   DEVICE="${DEVICE:-cuda}"
-  [ -f "$CKPT/config.json" ] || timeout "${CKPT_S:-150}" python3 bench/realsize_checkpoint.py --shape llama3-8b --out "$CKPT" 2>&1 | tee "$OUT/checkpoint.log"
-  timeout "${PROFILE_S:-240}" python3 -m raycolo.cli profile --model "$CKPT" --name "$NAME" --device "$DEVICE" \
+  [ -f "$CKPT/config.json" ] || timeout -k 10 "${CKPT_S:-150}" python3 bench/realsize_checkpoint.py --shape llama3-8b --out "$CKPT" 2>&1 | tee "$OUT/checkpoint.log"
+  timeout -k 10 "${PROFILE_S:-240}" python3 -m raycolo.cli profile --model "$CKPT" --name "$NAME" --device "$DEVICE" \
     --out "$OUT/profiles" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log"
-  timeout "${VALIDATE_S:-180}" python3 -m raycolo.cli validate --profile "$OUT/profiles" --models "$CKPT" --name "$NAME" \
+  timeout -k 10 "${VALIDATE_S:-180}" python3 -m raycolo.cli validate --profile "$OUT/profiles" --models "$CKPT" --name "$NAME" \
     --device "$DEVICE" --batches "${BATCHES:-1,16,64,256}" --repeats 1 ${VALIDATE_ARGS:-} --json \
     > "$OUT/validate.json" 2> "$OUT/validate.log"
   python3 -c "import json,sys; from raycolo.offline.calibration import format_report; print(format_report(json.load(open(sys.argv[1]))))" \

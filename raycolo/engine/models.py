@@ -133,16 +133,19 @@ def load_model(model_id: str, seed: int = 0, dtype: str = "float32", device: str
     """Returns (model, tokenizer)."""
     from transformers import AutoModelForCausalLM
 
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError(f"device: '{device}' requested but CUDA is not available")
     path = Path(model_id)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ConfigError(f"model_id: {path} has no config.json")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+        # on a GPU the weights go from the files to the device, not through host memory first
+        # (an 8B bf16 checkpoint: 16 GB that a host copy would hold, then copy again)
+        placed = {} if device == "cpu" else {"device_map": device}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **placed).eval()
         tokenizer = _checkpoint_tokenizer(path, model.config.vocab_size)
     else:
         model, tokenizer = build_tiny_model(model_id, seed, dtype)
-    if device != "cpu" and not torch.cuda.is_available():
-        raise ConfigError(f"device: '{device}' requested but CUDA is not available")
     return model.to(device), tokenizer
 
 

@@ -36,7 +36,8 @@ CHECKS: dict[str, Callable] = {
 }
 
 
-def run_checks(device, only=None, log=print) -> list[Row]:
+def run_checks(device, only=None, log=print, on_row=None) -> list[Row]:
+    """Every check (or those in ``only``) in turn; ``on_row(rows so far)`` after each."""
     rows = []
     for name, fn in CHECKS.items():
         if only and name not in only:
@@ -52,6 +53,8 @@ def run_checks(device, only=None, log=print) -> list[Row]:
         row.seconds = round(time.perf_counter() - started, 1)
         rows.append(row)
         log(f"  {row.path}: {row.result} ({row.seconds} s)")
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -98,8 +101,15 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)    # a dry run: one thread never spins against a busy machine
     started = time.perf_counter()
+
+    def dump(rows: list[Row], complete: bool) -> None:
+        """The JSON, rewritten after every row: a run cut off by a time limit keeps its rows."""
+        if args.json:
+            _write_json(args.json, {"device": name, "torch": torch.__version__, "complete": complete,
+                                    "rows": [asdict(r) for r in rows]})
+
     try:
-        rows = run_checks(device, only, log=lambda s: print(s, flush=True))
+        rows = run_checks(device, only, log=lambda s: print(s, flush=True), on_row=lambda rows: dump(rows, False))
     finally:
         torch.set_num_threads(threads)
     print()
@@ -107,9 +117,7 @@ def main(argv=None) -> int:
     failed = [r.path for r in rows if r.result == FAIL]
     print(f"\n{len(rows) - len(failed)}/{len(rows)} rows passed or skipped in "
           f"{time.perf_counter() - started:.0f} s" + (f"; failed: {', '.join(failed)}" if failed else ""))
-    if args.json:
-        _write_json(args.json, {"device": name, "torch": torch.__version__,
-                                "rows": [asdict(r) for r in rows]})
+    dump(rows, True)
     return 1 if failed else 0
 
 

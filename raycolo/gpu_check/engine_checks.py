@@ -92,6 +92,11 @@ def check_device_stats(device) -> Row:
     from raycolo.engine.device_stats import device_reading
 
     if device.type == "cuda":
+        try:
+            import pynvml
+        except ImportError:             # a machine's own python without raycolo's dependencies
+            return Row("device_stats", SKIP, {}, "nvidia-ml-py (pynvml) is not installed: tools/gpu_wheels.sh "
+                                                 "carries it to a machine without a network")
         torch.cuda.empty_cache()        # a 1 GiB allocation below must reach the driver
         before = device_reading(device)
         _require(before["source"] == "nvml", f"source {before['source']!r}, not nvml")
@@ -116,7 +121,6 @@ def check_device_stats(device) -> Row:
         _require(grew >= 0.9 * 2**30, f"NVML used grew {grew} bytes after a 1 GiB allocation")
         util = after["utilization"]
         _require(util is not None and 0.0 <= util <= 1.0, f"utilization {util}")
-        import pynvml
         from raycolo.engine.device_stats import _nvml_handle
         name = pynvml.nvmlDeviceGetName(_nvml_handle(device.index or 0))
         name = name.decode() if isinstance(name, bytes) else name

@@ -39,8 +39,9 @@ def test_the_checks_pass_on_the_cpu_against_their_references(capsys, tmp_path):
     rc = gpu_check.main(["--device", "cpu", "--json", str(tmp_path / "gpu.json")])
     out = capsys.readouterr().out
     assert rc == 0, out
-    rows = {r["path"]: r for r in json.loads((tmp_path / "gpu.json").read_text())["rows"]}
-    assert set(rows) == set(gpu_check.CHECKS)
+    written = json.loads((tmp_path / "gpu.json").read_text())
+    rows = {r["path"]: r for r in written["rows"]}
+    assert written["complete"] is True and set(rows) == set(gpu_check.CHECKS)
     for path, row in rows.items():
         expected = ("PASS", "SKIP") if path == "vllm" else ("PASS",)   # .venv has no vllm
         assert row["result"] in expected, (path, row)
@@ -59,3 +60,13 @@ def test_a_wrong_result_is_a_failed_row_and_exit_code_one(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert rc == 1
     assert "executor.whole | FAIL" in out and "prefill logits differ" in out
+
+
+def test_the_json_is_rewritten_after_every_row(tmp_path):
+    """A run cut off by a lease's time limit keeps the rows it finished."""
+    from raycolo.gpu_check.cli import run_checks
+
+    seen = []
+    rows = run_checks(torch.device("cpu"), ["device_stats", "vllm"], log=lambda s: None,
+                      on_row=lambda so_far: seen.append([r.path for r in so_far]))
+    assert seen == [["device_stats"], ["device_stats", "vllm"]] and [r.path for r in rows] == seen[-1]
