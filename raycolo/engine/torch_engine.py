@@ -59,6 +59,8 @@ class TorchEngine(Engine):
                                       max_num_batched_tokens=kw.max_num_batched_tokens,
                                       block_size=kw.block_size, watermark=kw.watermark)
         self.ranks = None
+        if kw.tensor_parallel_size == 1:
+            self._check_device_memory(self.limits.num_blocks * kw.block_size)
         if kw.tensor_parallel_size > 1:
             self.executor = self._tensor_parallel(kw, load, loaded, ranks)
         else:
@@ -99,6 +101,22 @@ class TorchEngine(Engine):
         per_seq = ceil_div(self.max_positions, kw.block_size)
         most = math.ceil(kw.max_num_seqs * per_seq / (1 - kw.watermark)) + 1
         return min(kw.kv_cache_tokens // kw.block_size, most)
+
+    def _check_device_memory(self, tokens: int) -> None:
+        """On a GPU: a KV cache the device cannot hold beside the weights is refused in one
+        line naming the field, before the allocator fails (a budget planned for a larger
+        card, e.g. the offline runtime's default ``--gpu-memory`` of 80 GiB on a 24 GB one)."""
+        if self.device.type != "cuda":
+            return
+        need = tokens * AttentionShape.of(self.model.config).kv_bytes_per_token(
+            next(self.model.parameters()).element_size())
+        free, total = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)  # torch's spare
+        if need > free:
+            raise ConfigError(f"engine_kwargs.kv_cache_tokens: {tokens} tokens of KV cache need "
+                              f"{need / 2**30:.1f} GiB; {self.device} has {free / 2**30:.1f} GiB free of "
+                              f"{total / 2**30:.1f} GiB beside the weights (offline runs: give --gpu-memory "
+                              "of this card)")
 
     # -- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int],

@@ -129,7 +129,7 @@ def _p2p_rank(rank: int, backend: str, device_str: str, store_path: str, tokens_
 
         torch.set_num_threads(1)
         from raycolo.online.stages.stage_ops import ForwardStep, TrainBackward, TrainForward
-        from raycolo.online.stages.stage_process import StageProcess
+        from raycolo.online.stages.stage_process import StageProcess, p2p_group
         device = torch.device(device_str)
         if device.type == "cuda":
             torch.cuda.set_device(device.index or 0)
@@ -138,7 +138,8 @@ def _p2p_rank(rank: int, backend: str, device_str: str, store_path: str, tokens_
                                 **({"device_id": device} if backend == "nccl" else {}))
         chain, _ = _stage_chain(device)
         st = chain[rank]
-        proc = StageProcess(st, rank, 2, st.model.config.hidden_size, torch.float64, dist)
+        # as the stage workers run it: over NCCL, the tensors still go on a gloo group
+        proc = StageProcess(st, rank, 2, st.model.config.hidden_size, torch.float64, dist, p2p_group(dist))
         ps = _prompts(P2P_PROMPTS)
         rids = list(range(len(ps)))
         counts = [len(p) for p in ps]
@@ -182,7 +183,7 @@ def check_stage_p2p(device) -> Row:
 
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     if device.type == "cuda" and gpus >= 2:
-        backend, devices, how = "nccl", ["cuda:0", "cuda:1"], "NCCL, one GPU per stage"
+        backend, devices, how = "nccl", ["cuda:0", "cuda:1"], "NCCL group, tensors over gloo, one GPU per stage"
     elif device.type == "cuda":
         backend, devices, how = "gloo", ["cuda:0", "cuda:0"], "gloo, both stages on one GPU"
     else:

@@ -84,7 +84,8 @@ class StageSpec(Strict):
         "environment per worker would make every stage worker a cold process start, slowing each group "
         "(re)start)."))
     backend: Literal["gloo", "nccl"] = Field(default="gloo", description=(
-        "torch.distributed backend of a node's stage workers; nccl on real GPUs."))
+        "torch.distributed backend of a node's stage workers' group. With nccl their tensors and headers "
+        "still go over a gloo group, through host memory: NCCL pairs sends by order, not tag (docs/online-live.md)."))
     device: Literal["cpu", "cuda"] = Field(default="cpu", description=(
         "Device the stage workers run the model on."))
     cuda_graphs: bool = Field(default=True, description=(

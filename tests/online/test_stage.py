@@ -362,3 +362,18 @@ def test_pinned_rows_run_with_their_saved_adapter_version_in_the_same_step(tmp_p
         states = {(key[0][0], key[1]) for key in chain[0].executor.graphs.graphs}
         assert states == {(False, 1), (True, 1)}        # (adapters off?, rows)
     pipelined_step(chain, training_batch([(p, p[1:7]) for p in prompts([9, 6], seed=10)]))
+
+
+def test_stage_tensors_go_on_the_default_group_unless_it_is_nccl(tmp_path):
+    """p2p_group: no side group without a process group or over gloo (tags match there);
+    StageProcess then sends on the default group, in host memory."""
+    import torch.distributed as dist
+
+    from raycolo.online.stages.stage_process import p2p_group
+
+    assert p2p_group(None) is None
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        assert p2p_group(dist) is None
+    finally:
+        dist.destroy_process_group()

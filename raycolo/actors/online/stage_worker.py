@@ -22,7 +22,7 @@ from raycolo.online.stage_messages import WorkerInfo, WorkerStart
 from raycolo.online.stages.checkpoints import newest_committed
 from raycolo.engine.device_stats import device_reading
 from raycolo.online.stages.stage_ops import QUIET, ReadAdapter, SaveCheckpoint, StageResult
-from raycolo.online.stages.stage_process import StageProcess, build_stage
+from raycolo.online.stages.stage_process import StageProcess, build_stage, p2p_group
 
 DEVICE_READING_EVERY_S = 2.0      # how often a stage reports its device's memory (and GPU use)
 
@@ -79,8 +79,9 @@ def stage_loop(config: dict) -> None:
         from raycolo.online.serving.node_inbox import NodeInbox
 
         inbox = NodeInbox(node, ray.util.get_node_ip_address())
+    side = p2p_group(dist)       # every rank, once: a gloo group where the stages' group is NCCL
     while True:
-        proc = StageProcess(stage_model, stage, stages, model_config.hidden_size, dtype, dist)
+        proc = StageProcess(stage_model, stage, stages, model_config.hidden_size, dtype, dist, side)
         me = ray.get_runtime_context()
         epoch = ray.get(controller.register.remote(node, stage, WorkerInfo(started=started,
             actor_id=me.get_actor_id(), pid=os.getpid(), node_id=me.get_node_id(),
@@ -121,7 +122,7 @@ def _serve(config: dict, controller, node: int, stage: int, epoch: int, incarnat
             threading.Thread(target=_await_commit, args=(controller, node, epoch, op.version, config["run_dir"]),
                              daemon=True).start()
         # the weights come back too: the controller keeps the version servable (@v<k>)
-        return StageResult(op.seq, state=stage_model.lora_state())
+        return StageResult(op.seq, state=stage_model.lora_state(host=True))
 
     if config.get("data_plane") == "node":
         from raycolo.actors.online.node_worker import run_node_stage

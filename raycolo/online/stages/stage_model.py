@@ -385,11 +385,15 @@ class StageModel:
         return float(loss)
 
     # -- adapters --------------------------------------------------------------------------
-    def lora_state(self) -> dict[str, torch.Tensor]:
-        """This stage's adapter weights in peft's saved format (keys without the adapter name)."""
+    def lora_state(self, host: bool = False) -> dict[str, torch.Tensor]:
+        """This stage's adapter weights in peft's saved format (keys without the adapter
+        name): copies on the stage's device, or with ``host`` in host memory (what leaves
+        the process: a GPU stage's tensors pickled for an actor without that GPU, or
+        without CUDA, would not load there)."""
         from peft import get_peft_model_state_dict
 
-        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+        return {k: v.detach().to("cpu", copy=True) if host else v.detach().clone()
+                for k, v in get_peft_model_state_dict(self.model).items()}
 
     def load_lora_state(self, state: dict[str, torch.Tensor]) -> None:
         from peft import set_peft_model_state_dict

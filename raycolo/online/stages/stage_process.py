@@ -26,18 +26,34 @@ from raycolo.online.stages.stage_ops import (DropActivations, EvalBatch, Forward
 TAG_MOD = 1 << 30            # point-to-point tags are an op's seq modulo this
 
 
+def p2p_group(dist):
+    """The group a node's stages exchange hidden states, gradients and the node loop's
+    headers on, made once on every rank (a collective call): None, the default group,
+    unless that is NCCL; then a gloo group of the same ranks, through host memory. NCCL
+    matches a receive to its peer's sends in the order they were posted, whatever their
+    tags, and the stage rules start consuming ops out of that order (Harli, SIRIUS and
+    MACE run inference first; Algorithm 2 holds a forward back): a decode could take a
+    training forward's activations. gloo matches by tag."""
+    if dist is None or not dist.is_initialized() or dist.get_backend() != "nccl":
+        return None
+    return dist.new_group(backend="gloo")
+
+
 class StageProcess:
     """Runs one stage's ops; ``dist`` is ``torch.distributed`` with its group initialised
     (or None for a single stage)."""
 
-    def __init__(self, stage_model, stage: int, stages: int, hidden_size: int, dtype, dist):
+    def __init__(self, stage_model, stage: int, stages: int, hidden_size: int, dtype, dist, group=None):
+        """``group``: the group of the point-to-point traffic (:func:`p2p_group`; None: the
+        default group)."""
         self.model, self.stage, self.stages = stage_model, stage, stages
-        self.hidden, self.dtype, self.dist = hidden_size, dtype, dist
+        self.hidden, self.dtype, self.dist, self.group = hidden_size, dtype, dist, group
         # where the stage computes, and where its point-to-point tensors live: NCCL sends
         # device tensors; gloo's send/recv take host tensors (a GPU stage over gloo, e.g.
         # two stages sharing one GPU, copies across)
         self.device = next(stage_model.executor.layers[0].parameters()).device
-        nccl = dist is not None and dist.is_initialized() and dist.get_backend() == "nccl"
+        nccl = (group is None and dist is not None and dist.is_initialized()
+                and dist.get_backend() == "nccl")
         self.wire = self.device if nccl else torch.device("cpu")
         self.pending: dict[int, tuple] = {}   # seq -> (work, tensor) of isends not known received
         self.sent = 0                         # sends posted, all told
@@ -52,7 +68,7 @@ class StageProcess:
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.to(self.wire).contiguous()      # kept alive until the send completes
-        self.pending[tag] = (self.dist.isend(tensor, dst, tag=tag % TAG_MOD), tensor)
+        self.pending[tag] = (self.dist.isend(tensor, dst, group=self.group, tag=tag % TAG_MOD), tensor)
         self.sent += 1
 
     def received(self, seqs) -> None:
@@ -69,7 +85,7 @@ class StageProcess:
 
     def _recv(self, shape, src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=self.dtype, device=self.wire)
-        self.dist.recv(buf, src, tag=tag % TAG_MOD)
+        self.dist.recv(buf, src, group=self.group, tag=tag % TAG_MOD)
         return buf.to(self.device)
 
     def _forward_out(self, out: torch.Tensor, op: StageWork) -> None:
@@ -126,7 +142,7 @@ class StageProcess:
             for task in op.tasks:
                 self.model.drop_training(task)
         elif kind is ReadAdapter:
-            result.state = self.model.lora_state()
+            result.state = self.model.lora_state(host=True)
         else:
             raise TypeError(f"not an op a stage runs: {op!r}")
         result.seconds = time.perf_counter() - started
