@@ -211,3 +211,41 @@ def test_a_tensor_parallel_vllm_engine_actor_leaves_its_bundles_gpus_to_vllms_ra
     assert resolved.distributed_executor_backend is ExecutorBackend.MP
     assert "device" not in resolved.model_fields_set          # vLLM's platform decides
     assert EngineConfig.model_validate(_resolve(config("vllm", 1))).engine_kwargs.distributed_executor_backend is None
+
+
+_IDLE_SCRIPT = """
+import sys, time
+from raycolo.engine import SamplingParams, create_engine
+from raycolo.engine.base import EngineConfig
+
+if __name__ == "__main__":
+    engine = create_engine(EngineConfig.model_validate({
+        "backend": "torch", "model_loading_config": {"model_id": "tiny-llama-s"},
+        "engine_kwargs": {"tensor_parallel_size": 2, "device": "cpu", "max_num_seqs": 4, "kv_cache_tokens": 1024}}))
+    first = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].token_ids
+    time.sleep(float(sys.argv[1]))
+    again = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].token_ids
+    engine.release()
+    print(first, again)
+"""
+
+
+def test_a_replica_idle_longer_than_the_collective_timeout_keeps_its_ranks(tmp_path):
+    """The followers wait for rank 0's next step on a group of their own: a replica idle for
+    longer than a collective may take (a warm-pooled replica, a DAG's later model) still
+    runs. Before, they waited on the default group and died when its timeout ran out (120 s
+    idle on the CPU). Here the timeout is 3 s and the replica idles 6 s."""
+    import os
+    import subprocess
+    import sys
+
+    from raycolo.engine.executor.tp_ranks import COLLECTIVE_TIMEOUT_ENV
+
+    script = tmp_path / "idle.py"
+    script.write_text(_IDLE_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, str(script), "6"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, COLLECTIVE_TIMEOUT_ENV: "3", "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, again = proc.stdout.strip().split("] [")
+    assert first + "]" == "[" + again and len(first.split(",")) == 4
