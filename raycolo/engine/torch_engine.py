@@ -50,7 +50,10 @@ class TorchEngine(Engine):
         self.threads = apply_thread_policy(kw.cpu_threads)
         started = time.perf_counter()
         load = config.model_loading_config
-        self.model, self.tokenizer = loaded or load_model(load.model_id, load.seed, load.dtype, kw.device)
+        # tensor-parallel: loaded in host memory, and only this rank's shard goes to the device
+        # (ModelExecutor's device); a model that needs tp to fit never lands whole on one GPU
+        self.model, self.tokenizer = loaded or load_model(load.model_id, load.seed, load.dtype,
+                                                          "cpu" if kw.tensor_parallel_size > 1 else kw.device)
         self.device = torch.device(kw.device)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.eos_ids = self.tokenizer.eos_token_ids     # the checkpoint's EOS set

@@ -203,8 +203,9 @@ def check_tp(device) -> Row:
     first_ref, ref = _Chain([whole], 64, 16).greedy(ps, steps)
     ranks = LocalRanks(2, device.type)
     try:
+        # as a tp replica loads: each rank's model in host memory, only its shard on the device
         leader = ranks.load(RankSpec(MODEL, 0, "float64", device.type, 64, 16),
-                            _model(MODEL, "float64", device))
+                            _model(MODEL, "float64", "cpu"))
         first, outs = _Chain([leader], 64, 16).greedy(ps, steps)
         backend = ranks.backend
     finally:

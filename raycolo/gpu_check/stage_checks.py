@@ -18,8 +18,9 @@ def _stage_chain(device, dtype: str = "float64"):
     lora = LoraSettings(rank=4, alpha=8, lr=1e-2, seed=3)
     chain = []
     for a, b in zip(CUTS[:-1], CUTS[1:]):
-        model = add_lora(_model(MODEL, dtype, device), lora)
-        chain.append(StageModel(model, (a, b), 64, 16, lr=lora.lr))
+        # as a stage worker builds it: the model in host memory, only the stage's part moved
+        model = add_lora(_model(MODEL, dtype, "cpu"), lora)
+        chain.append(StageModel(model, (a, b), 64, 16, lr=lora.lr, device=device))
     return chain, lora
 
 

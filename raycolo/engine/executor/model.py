@@ -79,7 +79,11 @@ class ModelExecutor:
                  layers: Optional[tuple[int, int]] = None, pack_weights: bool = True,
                  native_attention: bool = True, cuda_graphs: bool = False,
                  attention: Optional[AttentionKernel] = None, tp: Optional[TensorParallel] = None,
-                 fuse_projections: bool = FUSE_PROJECTIONS):
+                 fuse_projections: bool = FUSE_PROJECTIONS, device=None):
+        """``device``: where to compute, for a model loaded in host memory: the slice's
+        layers (this rank's shard of them, under ``tp``), and the embedding, final norm and
+        LM head where the slice uses them, move there once cut, so the device never holds
+        what other stages or ranks hold. None: where the model is."""
         base = _unwrap(model)
         family = fast_path_family(base)
         if family is None:
@@ -99,6 +103,10 @@ class ModelExecutor:
         self.tp = tp if tp is not None and tp.world > 1 else None
         if self.tp is not None:
             shard_layers(self.layers, cfg, self.tp)
+        if device is not None:
+            for part in (*self.layers, self.embed, self.norm, self.rotary, base.lm_head if self.is_last else None):
+                if part is not None:
+                    part.to(device)
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.heads, self.kv_heads = local_heads(attn, self.head_dim)     # this rank's, under tp
@@ -106,7 +114,7 @@ class ModelExecutor:
         self.scale = attn.scaling
         self.windows = [self._window(layer.self_attn) for layer in self.layers]
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        param = next(base.parameters())
+        param = next(self.layers[0].parameters())
         self.dtype, self.device = param.dtype, param.device
         if self.device.type == "cpu":
             keep_freed_memory()    # reuse step temporaries instead of faulting in new pages

@@ -210,16 +210,17 @@ def init_rank(rank: int, world: int, address: str, backend: str) -> tuple[Tensor
 
 
 def build_rank_executor(spec: RankSpec, tp: TensorParallel):
-    """This rank's model shard and executor (the model loaded whole, then cut)."""
+    """This rank's model shard and executor (the model loaded whole in host memory, then cut;
+    only the shard goes to the device)."""
     from raycolo.engine.executor.model import ModelExecutor
     from raycolo.engine.models import load_model
 
     device = spec.rank_device(tp.rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    model, _ = load_model(spec.model_id, spec.seed, spec.dtype, device)
+    model, _ = load_model(spec.model_id, spec.seed, spec.dtype, "cpu")     # the device gets this rank's shard
     return ModelExecutor(model, spec.num_blocks, spec.block_size, cuda_graphs=spec.cuda_graphs, tp=tp,
-                         fuse_projections=spec.fuse_projections)
+                         fuse_projections=spec.fuse_projections, device=device)
 
 
 def _follower_main(rank: int, world: int, address: str, backend: str) -> None:
@@ -280,7 +281,8 @@ class Ranks(ABC):
             executor = build_rank_executor(spec, self.tp)
         else:
             executor = ModelExecutor(model, spec.num_blocks, spec.block_size, cuda_graphs=spec.cuda_graphs,
-                                     tp=self.tp, fuse_projections=spec.fuse_projections)
+                                     tp=self.tp, fuse_projections=spec.fuse_projections,
+                                     device=spec.rank_device(0))
         self.leader = TPLeader(executor, self.channel, self)
         return self.leader
 

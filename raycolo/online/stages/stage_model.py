@@ -94,7 +94,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class StageModel:
     def __init__(self, model, layers: tuple[int, int], num_blocks: int, block_size: int,
                  lr: float = 1e-3, pinned_cache: int = 4, cuda_graphs: bool = False, tp=None,
-                 batched_versions: bool = BATCHED_VERSIONS):
+                 batched_versions: bool = BATCHED_VERSIONS, device=None):
         """``model``: the whole causal LM, already wrapped by :func:`add_lora` where the
         stage trains. Layers outside the slice are dropped from the module tree.
         ``pinned_cache``: saved adapter versions kept loaded (:meth:`forward`'s ``pinned``).
@@ -103,9 +103,12 @@ class StageModel:
         :class:`~raycolo.engine.executor.tensor_parallel.TensorParallel` rank; the stage then
         holds its slice of the layers' projections and LoRA (tensor_parallel.py), and every
         rank must run the same ops. ``batched_versions``: a step whose requests run on
-        different adapter versions runs as one pass where it can (row_versions.py)."""
+        different adapter versions runs as one pass where it can (row_versions.py).
+        ``device``: where the stage computes, for a model loaded in host memory (only the
+        stage's part moves there: ModelExecutor's ``device``)."""
         self.model = model
-        self.executor = ModelExecutor(model, num_blocks, block_size, layers, cuda_graphs=cuda_graphs, tp=tp)
+        self.executor = ModelExecutor(model, num_blocks, block_size, layers, cuda_graphs=cuda_graphs, tp=tp,
+                                      device=device)
         self.first, self.last = self.executor.first, self.executor.last
         decoder = _decoder_layers(model)
         for i in range(len(decoder)):

@@ -195,11 +195,13 @@ def build_stage(build: dict, bounds, stage: int):
     from raycolo.engine.models import load_model
     from raycolo.online.stages.stage_model import BATCHED_VERSIONS, LoraSettings, StageModel, add_lora
 
-    model, _ = load_model(build["model_id"], seed=build["seed"], dtype=build["dtype"], device=build["device"])
+    # loaded in host memory: only the stage's layers go to its device (StageModel's device)
+    model, _ = load_model(build["model_id"], seed=build["seed"], dtype=build["dtype"], device="cpu")
     lora = LoraSettings(**build["lora"])
     model = add_lora(model, lora)
     stage_model = StageModel(model, (bounds[stage], bounds[stage + 1]), build["num_blocks"], build["block_size"],
                              lr=lora.lr, pinned_cache=build["pinned_versions"],
                              cuda_graphs=build.get("cuda_graphs", False),
-                             batched_versions=build.get("batched_versions", BATCHED_VERSIONS))
+                             batched_versions=build.get("batched_versions", BATCHED_VERSIONS),
+                             device=build["device"])
     return stage_model, model.config
