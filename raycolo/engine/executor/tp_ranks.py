@@ -97,6 +97,13 @@ class Channel:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def barrier(self) -> None:
+        """Every rank got here (after a load: a rank's first step then never waits on
+        another's loading within the collective timeout)."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
+
 
 @dataclass
 class _Step:
@@ -157,6 +164,7 @@ def follow(channel: Channel, tp: TensorParallel, executor=None) -> int:
         if message.op is TPOp.LOAD:
             executor = None                              # the old shard goes first
             executor = build_rank_executor(message.spec, tp)
+            channel.barrier()
         elif message.op is TPOp.SLEEP:                   # as the engine sleeps: cache freed,
             executor.sleep()                             # weights to host memory
             if executor.device.type != "cpu":
@@ -283,6 +291,10 @@ class Ranks(ABC):
             executor = ModelExecutor(model, spec.num_blocks, spec.block_size, cuda_graphs=spec.cuda_graphs,
                                      tp=self.tp, fuse_projections=spec.fuse_projections,
                                      device=spec.rank_device(0))
+        try:
+            self.channel.barrier()
+        except RuntimeError as exc:          # a rank that died loading (gloo: its connection closed)
+            raise RankLost(f"a tensor-parallel rank of this replica did not load ({exc})") from exc
         self.leader = TPLeader(executor, self.channel, self)
         return self.leader
 
