@@ -412,6 +412,15 @@ def table(results: list[dict], lim: dict) -> str:
     return "\n".join(lines)
 
 
+def _batch_list(text: str):
+    """A flag's comma-separated batch sizes, sorted, or None where one is not an integer >= 1."""
+    try:
+        sizes = sorted(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        return None
+    return sizes if all(b >= 1 for b in sizes) else None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama3-8b,llama3.2-1b", help=f"comma-separated: {', '.join(SHAPES)}")
@@ -433,22 +442,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     args.shapes = shapes
-    try:
-        args.batches = sorted(int(b) for b in args.batches.split(","))
-    except ValueError:
-        args.batches = []
-    try:
-        args.flex_batches = sorted({int(b) for b in args.flex_batches.split(",") if b})
-    except ValueError:
-        args.flex_batches = [0]
+    args.batches, args.flex_batches = _batch_list(args.batches), _batch_list(args.flex_batches)
     # a run's first decode step is not timed (it may compile or capture): 3 tokens at least
     wrong = [(flag, need) for flag, bad, need in [
         ("--shapes", not shapes or any(s not in SHAPES for s in shapes), f"some of {', '.join(SHAPES)}"),
-        ("--batches", not args.batches or min(args.batches) < 1, "comma-separated integers >= 1"),
+        ("--batches", not args.batches, "comma-separated integers >= 1"),
         ("--prompt", args.prompt < 2, "at least 2"), ("--output", args.output < 3, "at least 3"),
         ("--eager-output", args.eager_output < 3, "at least 3"), ("--stage-steps", args.stage_steps < 2, "at least 2"),
         ("--train-rows", args.train_rows < 1, "at least 1"),
-        ("--flex-batches", any(b < 1 for b in args.flex_batches), "comma-separated integers >= 1, or empty"),
+        ("--flex-batches", args.flex_batches is None, "comma-separated integers >= 1, or empty"),
         ("--tie", args.tie < 0, "at least 0"), ("--tie-ulps", args.tie_ulps < 0, "at least 0")] if bad]
     if wrong:
         flag, need = wrong[0]

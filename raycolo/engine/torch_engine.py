@@ -62,11 +62,10 @@ class TorchEngine(Engine):
                                       max_num_batched_tokens=kw.max_num_batched_tokens,
                                       block_size=kw.block_size, watermark=kw.watermark)
         self.ranks = None
-        if kw.tensor_parallel_size == 1:
-            self._check_device_memory(self.limits.num_blocks * kw.block_size)
         if kw.tensor_parallel_size > 1:
             self.executor = self._tensor_parallel(kw, load, loaded, ranks)
         else:
+            self._check_device_memory(self.limits.num_blocks * kw.block_size)
             self.executor = create_executor(self.model, self.limits.num_blocks, kw.block_size,
                                             cuda_graphs=kw.cuda_graphs, fuse_projections=kw.fuse_projections)
         self.stats = EngineStats(load_seconds=time.perf_counter() - started)
