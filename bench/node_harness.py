@@ -15,12 +15,14 @@ Pure torch (and the standard library's multiprocessing): no Ray.
 """
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import os
 import queue
 import tempfile
 import traceback
 from dataclasses import dataclass, field
+from typing import Optional
 
 RESULT_TIMEOUT_S = 600.0
 
@@ -49,6 +51,7 @@ class NodeRunSpec:
     training: list = field(default_factory=list)     # TrainSpec
     threads: int = 1            # torch threads per stage process
     timeout_s: float = 300.0
+    collective_timeout_s: Optional[float] = None   # the stages' group's (None: torch's, 30 minutes)
 
 
 @dataclass
@@ -73,8 +76,9 @@ def _run_stage(rank: int, spec: NodeRunSpec, store_path: str):
     import torch
     import torch.distributed as dist
 
+    from raycolo.engine.executor.idle_group import idle_group
     from raycolo.online.stages.node_pipeline import serve_stage
-    from raycolo.online.stages.stage_process import StageProcess, build_stage
+    from raycolo.online.stages.stage_process import StageProcess, build_stage, p2p_group
     from raycolo.online.config import OnlineConfig, layer_bounds, model_hf_config, stage_build
 
     torch.set_num_threads(spec.threads)
@@ -83,21 +87,24 @@ def _run_stage(rank: int, spec: NodeRunSpec, store_path: str):
     device = torch.device(cfg.stage.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
-    if stages > 1:
+    if stages > 1:     # as Ray Train makes a stage worker's group, then the groups the stage worker adds
+        timeout = {} if spec.collective_timeout_s is None else {
+            "timeout": datetime.timedelta(seconds=spec.collective_timeout_s)}
         dist.init_process_group(cfg.stage.backend, store=dist.FileStore(store_path, stages), rank=rank,
-                                world_size=stages,
+                                world_size=stages, **timeout,
                                 **({"device_id": torch.device("cuda", 0)} if cfg.stage.backend == "nccl" else {}))
-    group = dist.new_group(backend="gloo") if stages > 1 and cfg.stage.backend == "nccl" else None
+    tensors, messages = (p2p_group(dist), idle_group(dist)) if stages > 1 else (None, None)
     model_id = cfg.model_loading_config.model_id
     stage_model, model_config = build_stage(stage_build(cfg), layer_bounds(model_hf_config(model_id).num_hidden_layers,
                                                                             stages), rank)
     dtype = next(stage_model.executor.layers[0].parameters()).dtype
-    proc = StageProcess(stage_model, rank, stages, model_config.hidden_size, dtype, dist if stages > 1 else None)
+    proc = StageProcess(stage_model, rank, stages, model_config.hidden_size, dtype, dist if stages > 1 else None,
+                        tensors, messages)
     try:
         if rank > 0:
-            serve_stage(proc, dist, group)
+            serve_stage(proc, dist)
             return {"lora": _lora(stage_model)}
-        return _drive(spec, cfg, proc, dist if stages > 1 else None, group, model_config, stage_model)
+        return _drive(spec, cfg, proc, dist if stages > 1 else None, model_config, stage_model)
     finally:
         if stages > 1:
             dist.barrier()
@@ -108,7 +115,7 @@ def _lora(stage_model) -> dict:
     return {k: v.detach().float().cpu().numpy() for k, v in stage_model.lora_state().items()}
 
 
-def _drive(spec: NodeRunSpec, cfg, proc, dist, group, model_config, stage_model) -> dict:
+def _drive(spec: NodeRunSpec, cfg, proc, dist, model_config, stage_model) -> dict:
     from raycolo.engine.models import load_tokenizer
     from raycolo.online.stages.node_pipeline import NodePipeline
     from raycolo.generation import SamplingParams, stop_token_set
@@ -123,7 +130,7 @@ def _drive(spec: NodeRunSpec, cfg, proc, dist, group, model_config, stage_model)
     profile = live_profile(cfg, model_config)
     policy = make_online_policy(cfg.policy, cfg.lemix, nodes=1, train_rate=cfg.train_rate)
     loop = NodeLoop(node_scheduler(policy, profile, cfg.lemix, 0), cfg.lora.dpo_beta, cfg.lora.max_len)
-    pipe = NodePipeline(loop, proc, dist, group)
+    pipe = NodePipeline(loop, proc, dist)
     eos = load_tokenizer(cfg.model_loading_config.model_id).eos_token_ids
     arrivals = sorted([(r.at_s, 0, i) for i, r in enumerate(spec.requests)] +
                       [(t.at_s, 1, i) for i, t in enumerate(spec.training)])

@@ -23,6 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))     # nod
 
 
 MAX_NEW = 12
+# The stages' group times out after this long (Ray Train's default is 30 minutes); one
+# request arrives at LATE_AT_S, when the node has idled past it.
+COLLECTIVE_TIMEOUT_S = 4.0
+LATE_AT_S = 10.0
 
 
 def _config(path, **kw) -> dict:
@@ -47,8 +51,10 @@ def served(hf_checkpoints):
     path = hf_checkpoints["llama3"]
     cases = greedy_cases(path, MAX_NEW, n=6)
     config = _config(path)
+    late = RequestSpec(cases[0]["prompt_ids"], MAX_NEW, at_s=LATE_AT_S)
     spec = NodeRunSpec(config, requests=[RequestSpec(c["prompt_ids"], MAX_NEW, at_s=0.015 * i)
-                                         for i, c in enumerate(cases)])
+                                         for i, c in enumerate(cases)] + [late],
+                       collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     return config, cases, run_node(spec)
 
 
@@ -62,6 +68,18 @@ def test_the_node_loop_on_two_stage_processes_gives_transformers_tokens(served):
     assert all(n > 0 for n in res.ops_run), res.ops_run
 
 
+def test_a_node_idle_longer_than_its_groups_timeout_keeps_its_stages(served):
+    """Stage 1 waits for its next op as long as the node idles: before, it waited on the
+    stages' own group, whose receive failed at that group's timeout (a live node's stages
+    started over after 30 idle minutes). The late request is served by the same stages."""
+    _, cases, res = served
+    late = len(cases)
+    idle = res.token_times[late][0] - max(times[-1] for i, times in res.token_times.items() if i != late)
+    assert idle > COLLECTIVE_TIMEOUT_S, "the node did not idle past the timeout: the test tests nothing"
+    assert res.tokens[late] == cases[0]["output_ids"]
+    assert res.finish[late] == cases[0]["finish_reason"]
+
+
 def test_a_mirror_replaying_the_report_stays_in_step_and_a_gap_is_caught(served):
     from raycolo.online.scheduling.node_events import MirrorDiverged, OpDone
     from raycolo.online.scheduling.node_loop import NodeReport, replay
@@ -71,7 +89,7 @@ def test_a_mirror_replaying_the_report_stays_in_step_and_a_gap_is_caught(served)
     steps = replay(mirror, res.report)
     assert len(steps) == len(res.report.events)
     ended = {r.task_id for step in steps for r in step.finished}
-    assert ended == set(range(len(cases)))
+    assert ended == set(range(len(cases) + 1))       # and the late request
     assert not mirror.active and mirror.queued_ops == 0
     mirror.check_released()
     # the same log without one op's completion: the mirror says it is out of step

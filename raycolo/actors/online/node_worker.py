@@ -62,13 +62,13 @@ def run_node_stage(controller, node: int, stage: int, epoch: int, proc, dist, sp
     is down. Returns whether the controller restarted meanwhile (the worker then
     registers with the new one), rather than stopped the node."""
     if stage > 0:
-        return serve_stage(proc, dist, proc.group, special=special, annotate=annotate).rejoin
+        return serve_stage(proc, dist, special=special, annotate=annotate).rejoin
     setup = ray.get(controller.node_setup.remote(node, epoch))
     if setup is None:          # a stale group
         return False
     loop = NodeLoop(setup.node, setup.dpo_beta, setup.max_len,
                     sync_dir=lambda v: os.path.join(setup.sync_root, f"v{v}"), era=setup.era)
-    pipeline = NodePipeline(loop, proc, dist, proc.group, clock=time.time, started=setup.t0_wall, special=special,
+    pipeline = NodePipeline(loop, proc, dist, clock=time.time, started=setup.t0_wall, special=special,
                             on_answer=lambda s, result: controller.op_done.remote(node, s, epoch, result),
                             annotate=annotate)
     reports: queue.Queue = queue.Queue()

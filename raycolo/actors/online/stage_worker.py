@@ -22,6 +22,7 @@ from raycolo.online.stage_messages import WorkerInfo, WorkerStart
 from raycolo.online.stages.checkpoints import newest_committed
 from raycolo.engine.device_stats import device_reading
 from raycolo.online.stages.stage_ops import QUIET, ReadAdapter, SaveCheckpoint, StageResult
+from raycolo.engine.executor.idle_group import idle_group
 from raycolo.online.stages.stage_process import StageProcess, build_stage, p2p_group
 
 DEVICE_READING_EVERY_S = 2.0      # how often a stage reports its device's memory (and GPU use)
@@ -80,8 +81,9 @@ def stage_loop(config: dict) -> None:
 
         inbox = NodeInbox(node, ray.util.get_node_ip_address())
     side = p2p_group(dist)       # every rank, once: a gloo group where the stages' group is NCCL
+    messages = idle_group(dist)  # every rank, once: the node loop's messages, however long the node idles
     while True:
-        proc = StageProcess(stage_model, stage, stages, model_config.hidden_size, dtype, dist, side)
+        proc = StageProcess(stage_model, stage, stages, model_config.hidden_size, dtype, dist, side, messages)
         me = ray.get_runtime_context()
         epoch = ray.get(controller.register.remote(node, stage, WorkerInfo(started=started,
             actor_id=me.get_actor_id(), pid=os.getpid(), node_id=me.get_node_id(),

@@ -27,6 +27,7 @@ import torch
 
 from raycolo.engine.executor.batch import SeqChunk
 from raycolo.engine.executor.fused import FUSE_PROJECTIONS
+from raycolo.engine.executor.idle_group import idle_group
 from raycolo.engine.executor.tensor_parallel import TensorParallel
 
 # A collective that waits longer than this fails (a dead rank): the replica fails with it
@@ -34,10 +35,6 @@ from raycolo.engine.executor.tensor_parallel import TensorParallel
 # variable sets it for a process and the ranks it spawns (tests shorten it).
 COLLECTIVE_TIMEOUT_ENV = "RAYCOLO_TP_COLLECTIVE_TIMEOUT_S"
 COLLECTIVE_TIMEOUT_S = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, 120))
-# A follower waits for rank 0's next message on its own gloo group, as long as the replica
-# idles (a warm-pooled replica, a DAG's later stage): a follower whose rank 0 died goes
-# with it (a daemon process, an actor rank 0 owns), so nothing needs this wait to end.
-IDLE_TIMEOUT_S = 7 * 24 * 3600
 
 
 class RankLost(RuntimeError):
@@ -212,8 +209,9 @@ def init_rank(rank: int, world: int, address: str, backend: str) -> tuple[Tensor
 
     dist.init_process_group(backend, init_method=address, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    # not the default group: with its timeout, a replica idle for 2 minutes lost its followers
-    side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
+    # not the default group: with its timeout, a replica idle for 2 minutes lost its followers.
+    # A follower whose rank 0 died goes with it (a daemon process, an actor rank 0 owns).
+    side = idle_group(dist)
     return TensorParallel(rank, world, dist.group.WORLD), Channel(side)
 
 

@@ -3,8 +3,9 @@ process group, no central actor per op.
 
 :class:`NodePipeline` runs a :class:`~raycolo.online.scheduling.node_loop.NodeLoop` in the process of
 the node's first stage. Stage 0's own ops run in that process; stage s > 0 gets each of
-its ops as a typed message over the stages' own process group
-(:mod:`raycolo.online.stages.stage_wire`), runs it in :func:`serve_stage` and answers its
+its ops as a typed message over the stages' message group (``StageProcess.messages``,
+:mod:`raycolo.online.stages.stage_wire`; its timeout is a week, since a stage waits there
+for as long as the node idles), runs it in :func:`serve_stage` and answers its
 :class:`~raycolo.online.stages.stage_ops.StageResult` the same way. A receiver thread per
 remote stage waits for its answers (gloo's ``recv`` blocks the calling thread), so stage
 0 computes while the other stages do. Activations still go stage to stage, tagged by op
@@ -48,12 +49,12 @@ REJOIN_DRAIN_S = 60.0  # how long a node whose control plane restarted may take 
 class NodePipeline:
     """Drives a node loop on stage 0 (see the module docstring)."""
 
-    def __init__(self, loop, proc: StageProcess, dist=None, group=None,
+    def __init__(self, loop, proc: StageProcess, dist=None,
                  clock: Callable[[], float] = time.perf_counter, started: Optional[float] = None,
                  special: Optional[Special] = None,
                  on_answer: Optional[Callable[[int, StageResult], None]] = None,
                  annotate: Optional[Callable[[StageResult], None]] = None):
-        self.loop, self.proc, self.dist, self.group = loop, proc, dist, group
+        self.loop, self.proc, self.dist, self.group = loop, proc, dist, proc.messages
         self.clock = clock
         self.started = clock() if started is None else started
         self.special, self.on_answer, self.annotate = special, on_answer, annotate
@@ -216,12 +217,15 @@ class NodePipeline:
             t.join(timeout_s)
 
 
-def serve_stage(proc: StageProcess, dist, group=None, special: Optional[Special] = None,
+def serve_stage(proc: StageProcess, dist, special: Optional[Special] = None,
                 annotate: Optional[Callable[[StageResult], None]] = None) -> Stop:
     """Stage s > 0 of a node: run what stage 0 sends until it says stop; answer each op's
     result (an op that raises answers the exception, then raises). ``special``: runs the
     messages StageProcess does not (a checkpoint); ``annotate``: adds to a result before
-    it is answered (the device's figures). Returns the Stop it ended with."""
+    it is answered (the device's figures). Returns the Stop it ended with. The messages
+    travel on ``proc.messages``, where a stage may wait for its next op as long as the
+    node idles."""
+    group = proc.messages
     while True:
         message = recv_message(0, DOWN_TAG, dist, group)
         if isinstance(message, Stop):

@@ -27,8 +27,8 @@ TAG_MOD = 1 << 30            # point-to-point tags are an op's seq modulo this
 
 
 def p2p_group(dist):
-    """The group a node's stages exchange hidden states, gradients and the node loop's
-    headers on, made once on every rank (a collective call): None, the default group,
+    """The group a node's stages exchange hidden states and gradients on, made once on
+    every rank (a collective call): None, the default group,
     unless that is NCCL; then a gloo group of the same ranks, through host memory. NCCL
     matches a receive to its peer's sends in the order they were posted, whatever their
     tags, and the stage rules start consuming ops out of that order (Harli, SIRIUS and
@@ -43,11 +43,15 @@ class StageProcess:
     """Runs one stage's ops; ``dist`` is ``torch.distributed`` with its group initialised
     (or None for a single stage)."""
 
-    def __init__(self, stage_model, stage: int, stages: int, hidden_size: int, dtype, dist, group=None):
+    def __init__(self, stage_model, stage: int, stages: int, hidden_size: int, dtype, dist, group=None,
+                 messages=None):
         """``group``: the group of the point-to-point traffic (:func:`p2p_group`; None: the
-        default group)."""
+        default group). ``messages``: the group the node loop's messages to and from this
+        stage travel on (:func:`~raycolo.engine.executor.idle_group.idle_group`: a stage
+        waits there for its next op as long as its node idles)."""
         self.model, self.stage, self.stages = stage_model, stage, stages
         self.hidden, self.dtype, self.dist, self.group = hidden_size, dtype, dist, group
+        self.messages = messages
         # where the stage computes, and where its point-to-point tensors live: NCCL sends
         # device tensors; gloo's send/recv take host tensors (a GPU stage over gloo, e.g.
         # two stages sharing one GPU, copies across)

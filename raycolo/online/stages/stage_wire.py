@@ -2,16 +2,19 @@
 
 A node loop in stage 0's process tells stage s what to run (a
 :mod:`raycolo.online.stages.stage_ops` message) and hears back its
-:class:`~raycolo.online.stages.stage_ops.StageResult`, over the same ``torch.distributed``
-group the stages send their hidden states on: no actor call per op. A message is pickled
+:class:`~raycolo.online.stages.stage_ops.StageResult` over ``torch.distributed`` (the
+stages' own processes): no actor call per op. A message is pickled
 into a uint8 tensor. It goes as one fixed-size frame (its length, then its first bytes),
 and only a message larger than the frame sends the rest as a second tensor, so a decode
 step's header costs one send. Headers use tags above every op's point-to-point tag
 (those are an op's ``seq`` modulo :data:`~raycolo.online.stages.stage_process.TAG_MOD`), so
-they never match an activation's receive.
+they would never match an activation's receive even on one group.
 
-Headers are host data: on a NCCL group they travel on a gloo side group
-(``dist.new_group(backend="gloo")``), passed as ``group``.
+Headers are host data on a gloo group of their own
+(:func:`~raycolo.engine.executor.idle_group.idle_group`, passed as ``group``): its timeout
+is a week, as a stage waits there for its next op however long its node idles; on the
+group of the activations, a node idle past that group's timeout (Ray Train's
+``TorchConfig.timeout_s``, 30 minutes) lost its stages.
 
 Pure torch: no Ray.
 """
