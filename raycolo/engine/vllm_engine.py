@@ -180,6 +180,10 @@ class VllmEngine(Engine):
         extra = {"top_k": params.top_k} if params.top_k > 0 else {}
         if params.logprobs is not None:
             extra["logprobs"] = params.logprobs
+        if params.logit_bias:
+            extra["logit_bias"] = dict(params.logit_bias)
+        if params.min_p > 0:
+            extra["min_p"] = params.min_p
         sampling = self._vllm.SamplingParams(
             max_tokens=params.max_tokens, min_tokens=params.min_tokens, temperature=params.temperature,
             top_p=params.top_p, seed=seed, ignore_eos=params.ignore_eos,

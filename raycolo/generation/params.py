@@ -3,8 +3,8 @@
 Defaults and bounds are declared here once; the HTTP protocol, the offline DAG nodes and
 the engines take them from here. The order in which the sampler applies them is vLLM
 v1's (``vllm/v1/sample/sampler.py``): log-probabilities of the raw logits, then the
-repetition, presence and frequency penalties, the ``min_tokens`` mask of stop tokens,
-temperature, top-k, top-p, and the draw. Temperature below :data:`GREEDY_EPS` is greedy
+logit bias, the repetition, presence and frequency penalties, the ``min_tokens`` mask of
+stop tokens, then (for rows that draw) temperature, min-p, top-k, top-p, and the draw. Temperature below :data:`GREEDY_EPS` is greedy
 (vLLM's ``_SAMPLING_EPS``).
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20              # top log-probabilities per token (OpenAI's limit)
+MAX_LOGIT_BIAS = 100.0         # a token's logit bias lies in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024   # tokens one request biases
 # Offline requests sample at this temperature unless their DAG node says otherwise: the
 # temperature the output-length eCDFs are measured at (raycolo profile), so the planner's
 # sampled lengths are the lengths the runtime produces.
@@ -41,6 +43,10 @@ TopK = Annotated[int, Field(ge=-1, le=MAX_TOP_K)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
 LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False, strict=True,
+                              description="a drawn token's probability must be at least this times the "
+                                          "most likely token's (0: off)")]
+LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 
 
 def stop_strings(stop) -> tuple[str, ...]:
@@ -54,6 +60,20 @@ def stop_strings(stop) -> tuple[str, ...]:
         if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
             raise ValueError(f"each stop string needs 1 to {MAX_STOP_CHARS} characters")
     return items
+
+
+def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """A logit bias (a mapping of token id to bias, or its pairs; None: none) as pairs
+    sorted by token id: ids >= 0, at most :data:`MAX_LOGIT_BIAS_TOKENS` of them, each once."""
+    if bias is None:
+        return ()
+    pairs = tuple(bias.items()) if isinstance(bias, dict) else tuple(tuple(p) for p in bias)
+    if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+    ids = [t for t, _ in pairs]
+    if len(set(ids)) != len(ids):
+        raise ValueError("each token id once")
+    return tuple(sorted(pairs))
 
 
 def nonnegative_ids(ids):
@@ -90,6 +110,15 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = Field(default=True, description="leave special tokens out of the text")
     logprobs: Optional[LogprobCount] = Field(default=None, description="return the sampled token's log-probability and this many "
                                                 "most likely tokens' (of the raw model distribution)")
+    min_p: MinP = 0.0
+    logit_bias: tuple[tuple[Annotated[int, Field(ge=0)], LogitBias], ...] = Field(
+        default=(), max_length=MAX_LOGIT_BIAS_TOKENS,
+        description="(token id, bias) pairs, or a mapping of id to bias: added to the raw logits first")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias(cls, bias):
+        return bias_pairs(bias)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -119,7 +148,7 @@ class SamplingParams(BaseModel):
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits: the argmax of the raw logits."""
-        return self.greedy and not self.penalized and self.min_tokens == 0
+        return self.greedy and not self.penalized and self.min_tokens == 0 and not self.logit_bias
 
     def remaining(self, generated: int) -> "SamplingParams":
         """The same request continued after ``generated`` tokens elsewhere (a preempted or

@@ -1,10 +1,11 @@
 """The next token of each row of a batch's logits: one sampler for every backend that
 runs raycolo's own model code (the offline torch engine and the online stage pipeline).
 
-Per row, in vLLM v1's order: the raw log-probabilities (when asked for), the repetition
-penalty over prompt and output tokens (positive logits divided by it, negative ones
-multiplied), the presence and frequency penalties over output tokens, the ``min_tokens``
-mask of stop tokens, then greedy argmax, or temperature, top-k, top-p and a draw.
+Per row, in vLLM v1's order: the raw log-probabilities (when asked for), the logit bias,
+the repetition penalty over prompt and output tokens (positive logits divided by it,
+negative ones multiplied), the presence and frequency penalties over output tokens, the
+``min_tokens`` mask of stop tokens, then greedy argmax, or temperature, min-p (a token
+less likely than ``min_p`` times the most likely one is out), top-k, top-p and a draw.
 
 The whole batch is sampled on the logits' device in float32, with batched tensor ops
 (no per-row loop of tensor ops): the rows' parameters go over in one int64 and one float32
@@ -80,6 +81,8 @@ class _Plan:
     def __init__(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device):
         ps = [r.params for r in rows]
         n = len(rows)
+        biases = [[(t, b) for t, b in p.logit_bias if t < vocab] for p in ps]
+        bias = [i for i in range(n) if biases[i]]
         rep = [i for i, p in enumerate(ps) if p.repetition_penalty != 1.0
                and (len(rows[i].prompt) or len(rows[i].output))]
         pen = [i for i, p in enumerate(ps) if (p.presence_penalty or p.frequency_penalty) and len(rows[i].output)]
@@ -87,27 +90,32 @@ class _Plan:
                  for i, p in enumerate(ps)]
         mask = [i for i in range(n) if stops[i]]
         drawn = [i for i, p in enumerate(ps) if not p.greedy]
-        trunc = [j for j, i in enumerate(drawn) if 0 < ps[i].top_k < vocab or ps[i].top_p < 1.0]
+        trunc = [j for j, i in enumerate(drawn) if 0 < ps[i].top_k < vocab or ps[i].top_p < 1.0 or ps[i].min_p > 0]
         ask = [i for i, p in enumerate(ps) if p.logprobs is not None]
         self.n, self.vocab, self.any_greedy = n, vocab, len(drawn) < n
         self.asked = [ps[i].logprobs for i in ask]
         self.kmax = max((ps[drawn[j]].top_k for j in trunc if 0 < ps[drawn[j]].top_k < vocab), default=0)
         self.any_p = any(ps[drawn[j]].top_p < 1.0 for j in trunc)
-        sets = {"rep": (rep, n), "pen": (pen, n), "mask": (mask, n), "drawn": (drawn, n), "ask": (ask, n),
+        self.any_min_p = any(ps[drawn[j]].min_p > 0 for j in trunc)
+        sets = {"bias": (bias, n), "rep": (rep, n), "pen": (pen, n), "mask": (mask, n), "drawn": (drawn, n), "ask": (ask, n),
                 "trunc": (trunc, len(drawn))}        # trunc: positions among the drawn rows
         self.has = {name: bool(idx) for name, (idx, _) in sets.items()}
         ints = {name: idx for name, (idx, total) in sets.items() if idx and len(idx) < total}
+        width = max((len(biases[i]) for i in bias), default=0)    # padded with a bias of 0 on token 0
         ints.update(
+            bias_ids=[[t for t, _ in biases[i]] + [0] * (width - len(biases[i])) for i in bias],
             rep_ids=_padded([list(set(rows[i].prompt) | set(rows[i].output)) for i in rep], vocab) if rep else [],
             pen_ids=_padded([list(rows[i].output) for i in pen], vocab) if pen else [],
             stop_ids=_padded([stops[i] for i in mask], vocab) if mask else [],
             seeds=[position_seed(rows[i].seed, rows[i].position) for i in drawn],
             top_k=[ps[drawn[j]].top_k if 0 < ps[drawn[j]].top_k < vocab else 0 for j in trunc])
         floats = dict(
+            bias_values=[[b for _, b in biases[i]] + [0.0] * (width - len(biases[i])) for i in bias],
             repetition=[ps[i].repetition_penalty for i in rep],
             presence=[ps[i].presence_penalty for i in pen], frequency=[ps[i].frequency_penalty for i in pen],
             temperature=[ps[i].temperature for i in drawn],
-            top_p=[ps[drawn[j]].top_p if ps[drawn[j]].top_p < 1.0 else math.inf for j in trunc])
+            top_p=[ps[drawn[j]].top_p if ps[drawn[j]].top_p < 1.0 else math.inf for j in trunc],
+            min_p=[ps[drawn[j]].min_p for j in trunc])
         self.t = {**_upload(ints, torch.int64, device), **_upload(floats, torch.float32, device)}
 
 
@@ -137,13 +145,18 @@ def _presence_frequency(y: torch.Tensor, ids: torch.Tensor, presence: torch.Tens
     return torch.where(counts > 0, y - (frequency.unsqueeze(1) * counts + presence.unsqueeze(1)), y)
 
 
-def _truncate(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, kmax: int, any_p: bool) -> torch.Tensor:
-    """Top-k (values below the k-th largest out; ``top_k`` 0: none) then top-p (a token
+def _truncate(z: torch.Tensor, t: dict, plan: "_Plan") -> torch.Tensor:
+    """Min-p (a token less likely than ``min_p`` times the most likely one out; 0: none),
+    top-k (values below the k-th largest out; ``top_k`` 0: none), then top-p (a token
     stays while the probability before it in the sorted order is below ``top_p``)."""
+    top_k, top_p, kmax = t["top_k"], t["top_p"], plan.kmax
+    if plan.any_min_p:
+        probs = z.softmax(-1)
+        z = z.masked_fill(probs < probs.amax(-1, keepdim=True) * t["min_p"].unsqueeze(1), NEG_INF)
     if kmax:             # one topk of the largest k asked; ties with the k-th value stay
         kth = z.topk(kmax, dim=-1).values.gather(1, (top_k - 1).clamp_(min=0).unsqueeze(1))
         z = z.masked_fill(z < torch.where(top_k.unsqueeze(1) > 0, kth, NEG_INF), NEG_INF)
-    if any_p:
+    if plan.any_p:
         sorted_z, order = z.sort(dim=-1, descending=True)
         sorted_p = sorted_z.softmax(-1)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p.unsqueeze(1)
@@ -155,6 +168,8 @@ def _process(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, Optional[torch
     """``x`` (float32, the sampler's own copy, which this may overwrite) processed, and
     the drawn rows' processed logits (None where no row draws)."""
     t, vocab = plan.t, plan.vocab
+    if plan.has["bias"]:
+        x = _on_rows(x, t.get("bias"), lambda y: y.scatter_add_(1, t["bias_ids"], t["bias_values"]))
     if plan.has["rep"]:
         x = _on_rows(x, t.get("rep"), lambda y: _repetition(y, t["rep_ids"], t["repetition"]))
     if plan.has["pen"]:
@@ -166,7 +181,7 @@ def _process(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, Optional[torch
     drawn = t.get("drawn")
     y = (x if drawn is None else x.index_select(0, drawn)) / t["temperature"].unsqueeze(1)
     if plan.has["trunc"]:
-        y = _on_rows(y, t.get("trunc"), lambda z: _truncate(z, t["top_k"], t["top_p"], plan.kmax, plan.any_p))
+        y = _on_rows(y, t.get("trunc"), lambda z: _truncate(z, t, plan))
     return (y if drawn is None else x.index_copy_(0, drawn, y)), y
 
 
@@ -183,8 +198,8 @@ def _race(y: torch.Tensor, seeds: torch.Tensor, elements: int = RACE_ELEMENTS) -
 
 @torch.inference_mode()
 def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """The float32 logits each row is sampled from: after the penalties and the
-    ``min_tokens`` mask and, for rows that draw, temperature, top-k and top-p (``-inf``
+    """The float32 logits each row is sampled from: after the logit bias, the penalties
+    and the ``min_tokens`` mask and, for rows that draw, temperature, min-p, top-k and top-p (``-inf``
     where a token is excluded). A greedy row takes their argmax, a drawing row draws from
     their softmax; plain greedy rows are the raw logits."""
     return _process(logits.to(torch.float32, copy=True), _Plan(rows, logits.shape[-1], logits.device))[0]

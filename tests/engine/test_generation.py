@@ -9,11 +9,12 @@ import math
 
 import pytest
 import torch
-from transformers import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from raycolo.engine.models import ByteTokenizer
 from raycolo.generation import SamplingParams, StopChecker, check_stop, eos_token_ids, stop_token_set
+from raycolo.generation.params import MAX_LOGIT_BIAS_TOKENS
 from raycolo.generation.random_bits import exponentials, fmix32, hash_bits, to_uniform, uniforms
 from raycolo.generation.sampler import SamplingRow, _race, position_seed, processed_logits, sample
 
@@ -184,6 +185,24 @@ def test_logprobs_are_the_raw_distribution():
     assert out.logprobs[1] is None
 
 
+def test_logit_bias_and_min_p_by_hand():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    P = SamplingParams
+    # greedy: +1.5 makes token 1 (2.5) beat token 0; -100 bans token 0 whatever else
+    assert sample(logits, [SamplingRow.of(P(max_tokens=2, logit_bias={1: 1.5}), 0, [])]).tokens == [1]
+    assert sample(logits, [SamplingRow.of(P(max_tokens=2, logit_bias={0: -100}), 0, [])]).tokens == [1]
+    assert not P(max_tokens=2, logit_bias={1: 1.5}).plain_greedy
+    # min-p 0.3 at temperature 1: probabilities 0.644, 0.237, 0.087, 0.032; the bar is
+    # 0.3 x 0.644 = 0.193, so tokens 0 and 1 stay, renormalised 0.731 / 0.269
+    rows = [SamplingRow.of(P(max_tokens=2, temperature=1.0, min_p=0.3), seed, []) for seed in range(4000)]
+    x = processed_logits(logits, rows[:1])[0]
+    assert torch.isinf(x[2:]).all() and torch.equal(x[:2], logits[0, :2])
+    counts = torch.bincount(torch.tensor(sample(logits.expand(4000, 4), rows).tokens), minlength=4)
+    assert counts[2:].sum() == 0 and abs(int(counts[0]) / 4000 - 0.731) < 0.03
+    # min-p leaves greedy rows alone (the most likely token always stays)
+    assert sample(logits, [SamplingRow.of(P(max_tokens=2, min_p=0.9), 0, [])]).tokens == [0]
+
+
 def test_params_bounds():
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=2, min_tokens=3)
@@ -192,6 +211,12 @@ def test_params_bounds():
     with pytest.raises(ValueError):
         SamplingParams(stop=[""])
     assert SamplingParams(stop="x").stop == ("x",)
+    for bad in [dict(min_p=1.5), dict(min_p=-0.1), dict(logit_bias={1: 100.5}), dict(logit_bias={-1: 1.0}),
+                dict(logit_bias={1: float("inf")}), dict(logit_bias=[(1, 1.0), (1, 2.0)]),
+                dict(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_TOKENS + 1)})]:
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    assert SamplingParams(logit_bias={9: 1, 2: -1.5}).logit_bias == ((2, -1.5), (9, 1.0))   # sorted pairs
 
 
 # -- the batched sampler ---------------------------------------------------------------------
@@ -209,6 +234,8 @@ def _mixed_rows(vocab: int = 64) -> list[SamplingRow]:
         SamplingRow.of(P(max_tokens=9, min_tokens=4, temperature=0.5, top_k=3), 16, [1], (),
                        frozenset({0, 7, 33, vocab + 5})),                                 # an id past the vocab
         SamplingRow.of(P(max_tokens=9, min_tokens=2, logprobs=1), 0, [], (), frozenset(range(0, vocab, 2))),
+        SamplingRow.of(P(max_tokens=9, logit_bias={0: 1.5, 9: -3.0, vocab + 2: 50.0}), 0, []),  # an id past the vocab
+        SamplingRow.of(P(max_tokens=9, temperature=1.1, min_p=0.2, logit_bias={4: 2.0}), 17, [4]),
     ]
 
 
@@ -238,12 +265,19 @@ def test_batched_sample_equals_row_by_row():
         assert masked.tolist() == [t % 2 == 0 for t in range(64)]
         assert torch.equal(x[8][~masked], logits[8][~masked]) and batch.tokens[8] % 2 == 1
         assert x[7, 0] == x[7, 7] == x[7, 33] == float("-inf") and batch.tokens[7] not in (0, 7, 33)
+        bias = torch.zeros(64)
+        bias[0], bias[9] = 1.5, -3.0                  # the id past the vocabulary biases nothing
+        assert torch.equal(x[9], logits[9] + bias) and batch.tokens[9] == int((logits[9] + bias).argmax())
 
 
 def _reference(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """transformers' processors (presence/frequency and min_tokens, which it lacks, by hand)."""
+    """transformers' processors (presence/frequency and min_tokens, which it lacks, by
+    hand), in vLLM v1's order: the logit bias first, min-p after temperature and before
+    top-k and top-p (transformers' own generate() puts min-p last)."""
     p = row.params
     x = logits.unsqueeze(0).clone()
+    if p.logit_bias:
+        x = SequenceBiasLogitsProcessor(sequence_bias=[[[t], b] for t, b in p.logit_bias])(torch.tensor([[0]]), x)
     if p.repetition_penalty != 1.0:
         history = torch.tensor([list(row.prompt) + list(row.output)])
         x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(history, x)
@@ -253,6 +287,8 @@ def _reference(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
         x[0, t] = float("-inf")
     if not p.greedy:
         x = TemperatureLogitsWarper(p.temperature)(None, x)
+        if p.min_p > 0:
+            x = MinPLogitsWarper(p.min_p)(None, x)
         if 0 < p.top_k:
             x = TopKLogitsWarper(p.top_k)(None, x)
         if p.top_p < 1.0:
@@ -270,7 +306,12 @@ def test_processed_logits_match_transformers_processors():
                              top_p=0.95), 4, [5, 5, 5, 6]),
             SamplingRow.of(P(max_tokens=9, min_tokens=3, temperature=0.9, repetition_penalty=0.8), 5, [2],
                            [7, 8], frozenset({11, 12})),
-            SamplingRow.of(P(max_tokens=9, repetition_penalty=2.0, frequency_penalty=0.5), 6, [1, 1], [9])]
+            SamplingRow.of(P(max_tokens=9, repetition_penalty=2.0, frequency_penalty=0.5), 6, [1, 1], [9]),
+            SamplingRow.of(P(max_tokens=9, temperature=0.8, min_p=0.15), 7, []),
+            SamplingRow.of(P(max_tokens=9, temperature=1.5, min_p=0.05, top_k=30, top_p=0.9), 8, [2]),
+            SamplingRow.of(P(max_tokens=9, logit_bias={3: 2.5, 40: -100.0, 99: 1.0}), 9, []),
+            SamplingRow.of(P(max_tokens=9, temperature=0.9, logit_bias={5: 3.0, 7: -2.0}, repetition_penalty=1.6,
+                             min_p=0.1), 10, [5, 7], [1])]
     for s in range(20):
         logits = _logits(200 + s, rows=len(rows), vocab=100)
         ours = processed_logits(logits, rows)

@@ -157,9 +157,32 @@ def test_stop_strings_penalties_logprobs_and_n(front):
     assert again.choices[0].text == r.choices[0].text          # seeded: the same draw
 
 
+def test_logit_bias_as_transformers_applies_it_and_min_p_one_is_greedy(front):
+    """``logit_bias`` against generate()'s ``sequence_bias`` (transformers' own processor):
+    the greedy tokens with the first one banned and another token pushed up. ``min_p`` 1
+    leaves only the most likely token, so a seeded draw at temperature 1 is the greedy text."""
+    c = client(front)
+    case = next(x for x in front["cases"] if x["finish_reason"] == "length" and isinstance(x["prompt"], str))
+    model, tok = load(front["path"])
+    banned, pushed = case["output_ids"][0], 50
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([case["prompt_ids"]]), do_sample=False, max_new_tokens=10,
+                             sequence_bias={(banned,): -100.0, (pushed,): 2.5}, eos_token_id=None,
+                             pad_token_id=0)[0, len(case["prompt_ids"]):].tolist()
+    assert banned not in ref
+    r = c.completions.create(model=front["model"], prompt=case["prompt_ids"], max_tokens=10, temperature=0,
+                             logit_bias={str(banned): -100, str(pushed): 2.5}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tok.decode(ref, skip_special_tokens=True)
+    r = c.completions.create(model=front["model"], prompt=case["prompt"], max_tokens=MAX_NEW, temperature=1.0,
+                             seed=3, extra_body={"min_p": 1.0})
+    assert r.choices[0].text == case["text"]
+
+
 def test_unknown_and_bad_fields_are_400_naming_them(front):
+    vocab = load(front["path"])[0].config.vocab_size
     with httpx.Client(base_url=front["url"], timeout=60) as h:
-        for body, param in [({"logit_bias": {"5": 1}}, "logit_bias"), ({"min_p": 0.1}, "min_p"),
+        for body, param in [({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of"),
+                            ({"logit_bias": {str(vocab): 1}}, "logit_bias"), ({"min_p": 2}, "min_p"),
                             ({"repetition_penalty": "x"}, "repetition_penalty"),
                             ({"top_logprobs": 2}, None), ({"n": 2, "stream": True}, None),
                             ({"min_tokens": 99, "max_tokens": 4}, "min_tokens")]:

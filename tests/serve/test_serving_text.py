@@ -81,7 +81,14 @@ def test_plain_chat_template_and_training_completions():
     ({"model": "m", "prompt": [1, -2]}, "prompt"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x"}, "model"),
-    ({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),      # unsupported: never ignored
+    ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),                    # unsupported: never ignored
+    ({"model": "m", "prompt": "x", "logit_bias": {"a1": 2}}, "logit_bias"),      # a key that is no token id
+    ({"model": "m", "prompt": "x", "logit_bias": {"-1": 2}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"1": 100.5}}, "logit_bias.1"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"1": "2"}}, "logit_bias.1"),
+    ({"model": "m", "prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"model": "m", "prompt": "x", "min_p": "0.1"}, "min_p"),
     ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
     ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
@@ -104,6 +111,10 @@ def test_valid_requests_and_whole_floats():
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 3})
     assert c.messages[0].text() == "ab" and c.limit() == 3
+    r = CompletionRequest.model_validate({"model": "m", "prompt": "x", "min_p": 0.1,
+                                          "logit_bias": {"7": -100, "5": 1.5}})
+    params = r.sampling_params(8, 0)
+    assert params.min_p == 0.1 and params.logit_bias == ((5, 1.5), (7, -100.0))
 
 
 @pytest.mark.parametrize("sample", [

@@ -140,6 +140,9 @@ class Completions:
         if body.min_tokens > limit:
             raise OpenAIError(400, f"min_tokens: {body.min_tokens} is more than the {limit} tokens allowed",
                               param="min_tokens", code="invalid_parameter")
+        if body.logit_bias and max(body.bias_ids()) >= self.vocab:
+            raise OpenAIError(400, f"logit_bias: token ids must be below the vocabulary size {self.vocab}",
+                              param="logit_bias", code="invalid_parameter")
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         return body.sampling_params(limit, seed)
 

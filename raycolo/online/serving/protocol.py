@@ -6,7 +6,8 @@ silently ignored: a generation request takes what vLLM's OpenAI server takes of
 :class:`raycolo.generation.SamplingParams` (``max_tokens``, ``min_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stop_token_ids``,
 ``ignore_eos``, ``skip_special_tokens``, the repetition, presence and frequency
-penalties, ``logprobs``/``top_logprobs``, ``n``), ``stream`` and ``stream_options``, and
+penalties, ``min_p``, ``logit_bias``, ``logprobs``/``top_logprobs``, ``n``), ``stream``
+and ``stream_options``, and
 ``user`` (recorded nowhere, as in vLLM); any other field is a 400 naming it. Bounds are
 the generation module's (declared once there); ``temperature`` keeps OpenAI's [0, 2].
 Response models are what the routes return, so ``/openapi.json`` describes them truthfully.
@@ -19,8 +20,9 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
                       field_validator, model_validator)
 
 from raycolo.generation import SamplingParams
-from raycolo.generation.params import (MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT, LogprobCount, MinTokens,
-                                       Penalty, RepetitionPenalty, TopK, TopP, nonnegative_ids, stop_strings)
+from raycolo.generation.params import (MAX_LOGIT_BIAS_TOKENS, MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT,
+                                       LogitBias, LogprobCount, MinP, MinTokens, Penalty, RepetitionPenalty, TopK,
+                                       TopP, nonnegative_ids, stop_strings)
 
 MAX_TRAIN_SAMPLES = 1024                      # per POST /v1/train_samples
 MAX_CHOICES = 16                              # n
@@ -76,6 +78,12 @@ class SamplingFields(BaseModel):
     repetition_penalty: RepetitionPenalty = Field(default=1.0, description="vLLM's extension")
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
+    min_p: MinP = Field(default=0.0, description="vLLM's extension: a drawn token's probability must be at "
+                                                 "least this times the most likely token's (0: off)")
+    logit_bias: Optional[dict[str, LogitBias]] = Field(
+        default=None, max_length=MAX_LOGIT_BIAS_TOKENS,
+        description="token id (its decimal string, as OpenAI's) -> a bias in [-100, 100], added to the logits "
+                    "before anything else; -100 bans a token, 100 all but forces it")
     user: Optional[str] = Field(default=None, max_length=512, description="accepted, recorded nowhere")
 
     @field_validator("stop")
@@ -88,6 +96,18 @@ class SamplingFields(BaseModel):
     @classmethod
     def _stop_ids(cls, ids):
         return nonnegative_ids(ids)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_ids(cls, bias):
+        for key in bias or ():
+            if not (key.isascii() and key.isdigit()) or len(key) > 12:
+                raise ValueError(f"keys are token ids (decimal integers >= 0), not {key[:20]!r}")
+        return bias
+
+    def bias_ids(self) -> dict[int, float]:
+        """``logit_bias`` keyed by token id."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @model_validator(mode="after")
     def _stream_one(self):
@@ -111,7 +131,8 @@ class SamplingFields(BaseModel):
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               skip_special_tokens=self.skip_special_tokens,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, logprobs=self.top_logprobs_asked())
+                              frequency_penalty=self.frequency_penalty, logprobs=self.top_logprobs_asked(),
+                              min_p=self.min_p, logit_bias=self.bias_ids())
 
 
 class CompletionRequest(SamplingFields):
