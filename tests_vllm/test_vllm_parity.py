@@ -89,3 +89,21 @@ def test_completions_and_chats_match_vllm(servers):
         assert [answers["raycolo"]["usage"][k] for k in keys] == [answers["vllm"]["usage"][k] for k in keys]
         reasons.add(answers["vllm"]["choices"][0]["finish_reason"])
     assert reasons == {"stop", "length"}
+
+
+def test_logit_bias_penalties_and_min_p_match_vllm(servers):
+    """The sampling fields vLLM's order puts before the penalties (``logit_bias``) and
+    after temperature (``min_p``): greedy with a banned first token, a pushed token and a
+    repetition penalty gives vLLM's text; ``min_p`` 1 leaves only the most likely token,
+    so a draw at temperature 1 gives the greedy text on both."""
+    cases = [c for c in greedy_cases(servers["path"], MAX_NEW, n=6) if isinstance(c["prompt"], str)][:3]
+    for case in cases:
+        bias = {str(case["output_ids"][0]): -100, "50": 2.5}
+        body = dict(model="m", prompt=case["prompt"], max_tokens=MAX_NEW, temperature=0, logit_bias=bias,
+                    repetition_penalty=1.3)
+        texts = {n: _post(url, "/v1/completions", body)["choices"][0]["text"] for n, url in servers["urls"].items()}
+        assert texts["raycolo"] == texts["vllm"], case["prompt"]
+        assert texts["raycolo"] != case["text"]          # the bias changed the answer
+        body = dict(model="m", prompt=case["prompt"], max_tokens=MAX_NEW, temperature=1.0, seed=7, min_p=1.0)
+        texts = {n: _post(url, "/v1/completions", body)["choices"][0]["text"] for n, url in servers["urls"].items()}
+        assert texts["raycolo"] == texts["vllm"] == case["text"], case["prompt"]
