@@ -30,6 +30,15 @@ def hf_checkpoints(tmp_path_factory):
     return {kind: build_checkpoint(kind, root / kind, seed=0) for kind in KINDS}
 
 
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory):
+    """tests/support/hf_checkpoints.py's Qwen3 checkpoint (per-head query and key norms, a
+    head_dim that is not hidden_size / heads), built once per session: its directory."""
+    from tests.support.hf_checkpoints import build_checkpoint
+
+    return build_checkpoint("qwen3", tmp_path_factory.mktemp("hf-qwen3") / "qwen3", seed=0)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A test past its timeout (pytest-timeout's ``timeout`` in pyproject.toml) fails by a

@@ -79,13 +79,14 @@ class TorchEngine(Engine):
         each with its slice of the model and of every layer's KV heads; this process is rank
         0 and samples. Refused for a model without the fast path."""
         from raycolo.engine.executor import fast_path_family
+        from raycolo.engine.executor.model import FAST_PATH_NAMES
         from raycolo.engine.executor.tensor_parallel import check_tp
         from raycolo.engine.executor.tp_ranks import LocalRanks, RankSpec
 
         tp = kw.tensor_parallel_size
         if fast_path_family(self.model) is None:
             raise ConfigError(f"engine_kwargs.tensor_parallel_size: {type(self.model).__name__} has no fast "
-                              "path (Llama, Qwen2, Mistral); tensor parallelism needs one")
+                              f"path ({FAST_PATH_NAMES}); tensor parallelism needs one")
         check_tp(self.model.config, tp, "engine_kwargs.tensor_parallel_size")
         if loaded is not None:
             raise ConfigError("engine_kwargs.tensor_parallel_size: the other ranks load model_id themselves; "

@@ -312,8 +312,8 @@ class OnlineConfig(Strict):
                 raise ConfigError(f"{field}: cannot write {path}: {exc.strerror or exc}") from None
 
     def check_model(self) -> None:
-        """The stage workers run raycolo's model executor, which has the Llama, Qwen2 and
-        Mistral families (a GPT-2-style checkpoint runs offline, on the fallback path, but
+        """The stage workers run raycolo's model executor, which has the Llama, Qwen2, Qwen3
+        and Mistral families (a GPT-2-style checkpoint runs offline, on the fallback path, but
         not in the pipeline): a checkpoint of another family is one error naming the field."""
         path = Path(self.model_loading_config.model_id)
         if not path.is_dir():

@@ -44,6 +44,24 @@ def test_greedy_equals_transformers_generate(kind, hf_checkpoints, engines, one_
         assert min(tok.convert_tokens_to_ids(["<|begin_of_text|>", "<|eot_id|>"])) > 1000
 
 
+def test_a_qwen3_checkpoint_runs_on_the_fast_path_as_generate_does(qwen3_checkpoint, one_torch_thread):
+    """Qwen3 (an RMSNorm of each head's query and key, head_dim 32 with hidden 64 and 4
+    heads) on the paged executor, not the one-sequence fallback: transformers' tokens."""
+    from raycolo.engine.executor import ModelExecutor
+
+    engine = create_engine({"model_loading_config": {"model_id": str(qwen3_checkpoint)},
+                            "engine_kwargs": {"kv_cache_tokens": 8192}})
+    try:
+        assert isinstance(engine.executor, ModelExecutor)
+        cases = greedy_cases(qwen3_checkpoint, MAX_NEW, n=6)
+        assert {c["finish_reason"] for c in cases} == {"stop", "length"}
+        outs = engine.generate([c["prompt_ids"] for c in cases], SamplingParams(max_tokens=MAX_NEW))
+        for c, o in zip(cases, outs):
+            assert o.token_ids == c["output_ids"] and o.finish_reason == c["finish_reason"], c["prompt"]
+    finally:
+        engine.release()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_text_prompts_are_encoded_as_the_tokenizer_does(kind, hf_checkpoints, engines):
     path, engine = hf_checkpoints[kind], engines[kind]
@@ -119,7 +137,7 @@ def test_stop_string_and_logprobs(hf_checkpoints, engines):
         assert [t for t, _ in lp.top] == torch.topk(raw[i], 2).indices.tolist()
 
 
-def test_online_refuses_a_family_its_pipeline_lacks_before_starting(hf_checkpoints, tmp_path):
+def test_online_refuses_a_family_its_pipeline_lacks_before_starting(hf_checkpoints, qwen3_checkpoint, tmp_path):
     """GPT-2 runs offline (the fallback path above) but not in the online pipeline: one
     error naming the field, before any cluster starts."""
     from raycolo.errors import ConfigError
@@ -130,6 +148,8 @@ def test_online_refuses_a_family_its_pipeline_lacks_before_starting(hf_checkpoin
                                     "sample_store": str(tmp_path / "s"), "storage_path": str(tmp_path / "c")})
 
     config("llama3").check_paths()
+    parse_online_config({"model_loading_config": {"model_id": str(qwen3_checkpoint)}, "sample_store": str(tmp_path / "s"),
+                         "storage_path": str(tmp_path / "c")}).check_paths()          # Qwen3 has the fast path
     with pytest.raises(ConfigError, match=r"model_loading_config.model_id: .* 'gpt2' model"):
         config("gpt2").check_paths()
 

@@ -15,7 +15,7 @@ from raycolo.engine import SamplingParams, create_engine
 from raycolo.engine.executor import ModelExecutor, SeqChunk
 from raycolo.engine.executor.tensor_parallel import check_tp, gather_lora_state
 from raycolo.engine.executor.tp_ranks import LocalRanks, RankSpec
-from raycolo.engine.models import TINY_SLIDING_WINDOW, build_tiny_model
+from raycolo.engine.models import TINY_SLIDING_WINDOW, build_tiny_model, load_model
 from raycolo.errors import ConfigError
 from tests.engine.test_executor import hf_greedy, random_prompts
 
@@ -41,21 +41,23 @@ def greedy(ex, prompts, steps, block_size=4):
 
 
 # Llama-3-style (8 heads, 4 KV heads), Qwen2 (biases, a windowed layer), Mistral (one KV
-# head: replicated on every rank, at tp=2 and tp=4; contexts past its window)
-CASES = {2: ["tiny-llama-m", "tiny-qwen2-s", "tiny-mistral-s"], 4: ["tiny-mistral-s"]}
+# head: replicated on every rank, at tp=2 and tp=4; contexts past its window), Qwen3 (a
+# checkpoint directory: per-head query and key norms, head_dim not hidden / heads)
+CASES = {2: ["tiny-llama-m", "tiny-qwen2-s", "tiny-mistral-s", "qwen3"], 4: ["tiny-mistral-s"]}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_greedy_with_tp_equals_tp1_and_generate(world):
+def test_greedy_with_tp_equals_tp1_and_generate(world, request):
     ranks = LocalRanks(world)
     try:
-        for model_id in CASES[world]:
-            long = model_id != "tiny-llama-m"
+        for name in CASES[world]:
+            model_id = str(request.getfixturevalue("qwen3_checkpoint")) if name == "qwen3" else name
+            long = name not in ("tiny-llama-m", "qwen3")
             prompts = random_prompts([5, 60 if long else 30, 17])
             steps = 8
-            whole, _ = build_tiny_model(model_id, 0, "float64")
+            whole, _ = load_model(model_id, 0, "float64")
             ref_logits, ref_tokens = greedy(ModelExecutor(whole, 256, 4), prompts, steps)
-            shard, _ = build_tiny_model(model_id, 0, "float64")
+            shard, _ = load_model(model_id, 0, "float64")
             leader = ranks.load(RankSpec(model_id, 0, "float64", "cpu", 256, 4), shard)
             cfg = whole.config
             assert leader.heads == cfg.num_attention_heads // world

@@ -278,13 +278,14 @@ def test_a_failed_write_is_cut_back_so_the_file_holds_only_acknowledged_samples(
     assert len(SampleStore(tmp_path)) == 2
 
 
-@pytest.mark.parametrize("model", ["tiny-llama-s", "tiny-qwen2-s", "tiny-mistral-s", "llama3", "qwen2"])
-def test_the_controller_reads_the_model_shape_without_transformers(model, hf_checkpoints, tmp_path):
+@pytest.mark.parametrize("model", ["tiny-llama-s", "tiny-qwen2-s", "tiny-mistral-s", "llama3", "qwen2", "qwen3"])
+def test_the_controller_reads_the_model_shape_without_transformers(model, hf_checkpoints, tmp_path, request):
     """What a (re)starting controller derives from the model's config.json or catalog
     shape (layer bounds, the prior profile) is what transformers' config gives."""
     from raycolo.online.config import live_profile, model_fields, model_hf_config
 
-    model_id = str(hf_checkpoints[model]) if model in hf_checkpoints else model
+    model_id = (str(request.getfixturevalue("qwen3_checkpoint")) if model == "qwen3"      # head_dim != hidden / heads
+                else str(hf_checkpoints[model]) if model in hf_checkpoints else model)
     cfg = parse_online_config({"model_loading_config": {"model_id": model_id}, "stages": 2}, "config")
     fields, hf = model_fields(model_id), model_hf_config(model_id)
     assert int(fields["num_hidden_layers"]) == hf.num_hidden_layers

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from raycolo.engine.models import build_tiny_model
+from raycolo.engine.models import build_tiny_model, load_model
 from raycolo.online.stages.stage_model import (LoraSettings, StageModel, add_lora, causal_lm_loss, training_batch,
                                     training_rows)
 
@@ -27,7 +27,8 @@ prompts = random_prompts
 
 
 def base(model_id="tiny-llama-m"):
-    model, _ = build_tiny_model(model_id, 0, "float64")
+    """A tiny catalog model, or a checkpoint directory's, in float64."""
+    model, _ = load_model(str(model_id), 0, "float64")
     return model
 
 
@@ -78,9 +79,15 @@ def chain_greedy(chain, prompt_list, steps):
     return outs, logits
 
 
+def model_of(name: str, request) -> str:
+    """A catalog id, or "qwen3": the session's Qwen3 checkpoint directory."""
+    return str(request.getfixturevalue("qwen3_checkpoint")) if name == "qwen3" else name
+
+
 @pytest.mark.parametrize("model_id,cuts", [("tiny-llama-m", [0, 2, 4]), ("tiny-llama-m", [0, 1, 3, 4]),
-                                           ("tiny-mistral-s", [0, 1, 2])])
-def test_chained_stages_give_the_unsplit_models_logits_and_greedy_tokens(model_id, cuts):
+                                           ("tiny-mistral-s", [0, 1, 2]), ("qwen3", [0, 1, 2])])
+def test_chained_stages_give_the_unsplit_models_logits_and_greedy_tokens(model_id, cuts, request):
+    model_id = model_of(model_id, request)
     chain = stages(model_id, cuts)
     whole = add_lora(base(model_id), LORA).eval()
     ps = prompts([9, 23, 14])
@@ -115,10 +122,12 @@ def pipelined_step(chain, batch, task=7, **kw):
     return float(loss)
 
 
-def test_a_pipelined_training_step_gives_the_unsplit_models_lora_weights():
+@pytest.mark.parametrize("model_id,cuts", [("tiny-llama-m", [0, 1, 3, 4]), ("qwen3", [0, 1, 2])])
+def test_a_pipelined_training_step_gives_the_unsplit_models_lora_weights(model_id, cuts, request):
+    model_id = model_of(model_id, request)
     batch = training_batch([(p, p[1:6]) for p in prompts([8, 13, 5], seed=4)])
-    chain = stages("tiny-llama-m", [0, 1, 3, 4])
-    whole = add_lora(base("tiny-llama-m"), LORA)
+    chain = stages(model_id, cuts)
+    whole = add_lora(base(model_id), LORA)
     opt = torch.optim.AdamW([p for p in whole.parameters() if p.requires_grad], lr=LORA.lr)
     losses = []
     for step in range(3):  # B moves off zero after the first step, so later steps test A too

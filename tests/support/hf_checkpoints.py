@@ -66,6 +66,13 @@ SPECS = {
                   split=_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"), nfc=True, bos=None, eos="<|im_end|>",
                   pad="<|endoftext|>", gen_eos=["<|im_end|>", "<|endoftext|>"], tilt="<|endoftext|>", rate=0.03,
                   template=CHATML_TEMPLATE, cls="Qwen2Tokenizer", pad_to=64),
+    # Qwen3: Qwen2's tokenizer and ChatML; the model adds RMSNorms of each head's query and
+    # key, and its head_dim (32) is not hidden_size / heads (16), as in the real ones
+    # (Qwen3-0.6B: 1024 / 16 heads, head_dim 128). Built on demand (not in KINDS).
+    "qwen3": dict(vocab=1500, seed=4, specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                  split=_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"), nfc=True, bos=None, eos="<|im_end|>",
+                  pad="<|endoftext|>", gen_eos=["<|im_end|>", "<|endoftext|>"], tilt="<|endoftext|>", rate=0.03,
+                  template=CHATML_TEMPLATE, cls="Qwen2Tokenizer", pad_to=64),
     "gpt2": dict(vocab=1000, seed=3, specials=["<|endoftext|>"], split=None, nfc=False, bos="<|endoftext|>",
                  eos="<|endoftext|>", pad=None, gen_eos="<|endoftext|>", tilt="<|endoftext|>", rate=0.02, template=None,
                  cls="GPT2Tokenizer", pad_to=1),
@@ -164,6 +171,15 @@ def _make_model(kind: str, vocab_size: int, ids: dict, hidden_size: int = 64):
                  num_key_value_heads=2, max_position_embeddings=512)
     if kind == "llama3":
         return LlamaForCausalLM(LlamaConfig(rope_theta=500000.0, rms_norm_eps=1e-5, **shape, **common))
+    if kind == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        model = Qwen3ForCausalLM(Qwen3Config(rope_theta=1000000.0, rms_norm_eps=1e-6, head_dim=2 * hidden_size // 4,
+                                             **shape, **common))
+        with torch.no_grad():    # the norms' weights start at 1: make them matter
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5)
+        return model
     return Qwen2ForCausalLM(Qwen2Config(rope_theta=1000000.0, rms_norm_eps=1e-6, **shape, **common))
 
 

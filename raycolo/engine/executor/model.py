@@ -1,8 +1,8 @@
 """Running a transformers causal LM, or a slice of its layers, on a paged KV cache.
 
-:class:`ModelExecutor` is the fast path for the Llama, Qwen2 and Mistral families. It
-calls the model's own modules (embedding, norms, q/k/v/o projections, MLP, rotary
-embedding, LM head), so a peft LoRA wrapped around any projection applies unchanged;
+:class:`ModelExecutor` is the fast path for the Llama, Qwen2, Qwen3 and Mistral families.
+It calls the model's own modules (embedding, norms, q/k/v/o projections, Qwen3's per-head
+query and key norms, MLP, rotary embedding, LM head), so a peft LoRA wrapped around any projection applies unchanged;
 only attention is its own: new keys/values go into the paged cache, and a kernel reads
 them where they lie through the block tables (:mod:`.attention`: the native C kernel on
 the CPU, the Triton kernel on a GPU), or, as a fallback and for autograd,
@@ -39,7 +39,8 @@ from raycolo.engine.executor.tensor_parallel import TensorParallel, local_heads,
 
 log = logging.getLogger("raycolo.engine.executor")
 
-FAST_PATH_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+FAST_PATH_FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+FAST_PATH_NAMES = ", ".join(FAST_PATH_FAMILIES.values())
 
 
 def fast_path_family(model) -> Optional[str]:
@@ -71,7 +72,7 @@ def _layer_range(num_layers: int, layers: Optional[tuple[int, int]]) -> tuple[in
 
 
 class ModelExecutor:
-    """Batched prefill and decode of a Llama/Qwen2/Mistral model slice on a paged cache."""
+    """Batched prefill and decode of a fast-path family's model slice on a paged cache."""
 
     paged = True
 
@@ -87,8 +88,8 @@ class ModelExecutor:
         base = _unwrap(model)
         family = fast_path_family(base)
         if family is None:
-            raise ConfigError(f"model: {type(base).__name__} has no fast path (Llama, Qwen2 and "
-                              "Mistral families); use create_executor for the fallback")
+            raise ConfigError(f"model: {type(base).__name__} has no fast path ({FAST_PATH_NAMES}); "
+                              "use create_executor for the fallback")
         cfg = base.config
         self.model, self.config = model, cfg
         self.num_layers = cfg.num_hidden_layers
@@ -112,6 +113,7 @@ class ModelExecutor:
         self.heads, self.kv_heads = local_heads(attn, self.head_dim)     # this rank's, under tp
         self.group = self.heads // self.kv_heads
         self.scale = attn.scaling
+        self.qk_norm = hasattr(attn, "q_norm")      # Qwen3: an RMSNorm of each head's query and key
         self.windows = [self._window(layer.self_attn) for layer in self.layers]
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         param = next(self.layers[0].parameters())
@@ -317,8 +319,10 @@ class ModelExecutor:
     def _train_attention(self, attn, h: torch.Tensor, rope, mask: torch.Tensor) -> torch.Tensor:
         b, t, d = h.shape[0], h.shape[1], self.head_dim
         h = self._enter(h)
-        q = attn.q_proj(h).view(b, t, self.heads, d).transpose(1, 2)      # (B, heads, T, d)
-        k = attn.k_proj(h).view(b, t, self.kv_heads, d).transpose(1, 2)
+        q, k = attn.q_proj(h).view(b, t, self.heads, d), attn.k_proj(h).view(b, t, self.kv_heads, d)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                        # (B, heads, T, d)
         v = attn.v_proj(h).view(b, t, self.kv_heads, d).transpose(1, 2)
         q, k = self.apply_rope(q, k, *rope)
         # A padded query row sees no key at all; let it see itself so softmax stays finite.
@@ -334,6 +338,8 @@ class ModelExecutor:
         q, k, v = project(fusion and fusion.qkv, (attn.q_proj, attn.k_proj, attn.v_proj), self._enter(h),
                           self.row_lora)
         q, k, v = q.view(n, self.heads, d), k.view(n, self.kv_heads, d), v.view(n, self.kv_heads, d)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
         if fused and heads_contiguous(q) and heads_contiguous(k):
             self.pointwise.rope_and_write(self.cache, i, batch.slots, q, k, v, *rope)
         else:
@@ -425,9 +431,8 @@ class FallbackExecutor:
         name = type(base).__name__
         if name not in FallbackExecutor._warned:
             FallbackExecutor._warned.add(name)
-            log.warning("raycolo executor: %s is not in the fast path (Llama, Qwen2, Mistral); "
-                        "running the model's own forward one sequence at a time (correct, slower)",
-                        name)
+            log.warning("raycolo executor: %s is not in the fast path (%s); running the model's "
+                        "own forward one sequence at a time (correct, slower)", name, FAST_PATH_NAMES)
 
     def sleep(self) -> None:
         """Forget every sequence's cache (an engine put to sleep)."""

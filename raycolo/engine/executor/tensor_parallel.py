@@ -1,4 +1,4 @@
-"""Tensor parallelism for the fast-path families (Llama, Qwen2, Mistral): Megatron's split.
+"""Tensor parallelism for the fast-path families (Llama, Qwen2, Qwen3, Mistral): Megatron's split.
 
 A model is cut across ``world`` ranks by plain sharded weights and two all-reduces per
 decoder layer, as gpt-fast's ``tp.py`` does, with vLLM's rules (``linear.py``):
