@@ -107,3 +107,18 @@ def test_logit_bias_penalties_and_min_p_match_vllm(servers):
         body = dict(model="m", prompt=case["prompt"], max_tokens=MAX_NEW, temperature=1.0, seed=7, min_p=1.0)
         texts = {n: _post(url, "/v1/completions", body)["choices"][0]["text"] for n, url in servers["urls"].items()}
         assert texts["raycolo"] == texts["vllm"] == case["text"], case["prompt"]
+
+
+def test_tokenize_and_detokenize_match_vllm(servers):
+    """vLLM's /tokenize (a prompt, with and without its specials; a chat) and /detokenize:
+    the same bodies, the same answers (max_model_len: both take 512 tokens)."""
+    case = next(c for c in greedy_cases(servers["path"], MAX_NEW, n=6) if isinstance(c["prompt"], list))
+    text = "The river was quiet in the morning light."
+    for body in ({"model": "m", "prompt": text, "return_token_strs": True}, {"prompt": text, "add_special_tokens": False},
+                 {"model": "m", "messages": case["prompt"]},
+                 {"messages": case["prompt"], "add_generation_prompt": False}):
+        answers = {n: _post(url, "/tokenize", body) for n, url in servers["urls"].items()}
+        assert answers["raycolo"] == {k: v for k, v in answers["vllm"].items() if k in answers["raycolo"]}, body
+    ids = case["prompt_ids"]
+    answers = {n: _post(url, "/detokenize", {"model": "m", "tokens": ids}) for n, url in servers["urls"].items()}
+    assert answers["raycolo"] == answers["vllm"]

@@ -40,6 +40,13 @@ class ByteTokenizer:
         data = bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < BYTE_OFFSET + 256)
         return data.decode("utf-8", errors="replace")
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        """Each id's token as a string: a byte as ``<0xNN>`` (sentencepiece's spelling),
+        the specials by name, an unused id as ``<unused_N>``."""
+        names = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>"}
+        return [names.get(i) or (f"<0x{i - BYTE_OFFSET:02X}>" if BYTE_OFFSET <= i < BYTE_OFFSET + 256
+                                 else f"<unused_{i}>") for i in ids]
+
 
 class HFTokenizer:
     """A checkpoint's transformers tokenizer, with the checkpoint's EOS set
@@ -60,6 +67,9 @@ class HFTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return list(self.tok.convert_ids_to_tokens(ids))
 
 
 def _checkpoint_tokenizer(path: Path, vocab_size: int):

@@ -178,6 +178,41 @@ def test_logit_bias_as_transformers_applies_it_and_min_p_one_is_greedy(front):
     assert r.choices[0].text == case["text"]
 
 
+def test_tokenize_and_detokenize_are_the_tokenizers_and_the_routes_prefill(front):
+    """vLLM's /tokenize and /detokenize against the checkpoint's own transformers
+    tokenizer: a prompt with and without its specials, a chat as its template renders it
+    (and as the chat route counts it), token strings; the ids decode back."""
+    tok = load(front["path"])[1]
+    text = next(x for x in front["cases"] if isinstance(x["prompt"], str))["prompt"]
+    chat = next(x for x in front["cases"] if isinstance(x["prompt"], list))
+    with httpx.Client(base_url=front["url"], timeout=60) as h:
+        def post(route, body, status=200):
+            r = h.post(route, json=body)
+            assert r.status_code == status, r.text
+            return r.json()
+
+        out = post("/tokenize", {"model": front["model"], "prompt": text, "return_token_strs": True})
+        assert out["tokens"] == tok(text)["input_ids"] and out["count"] == len(out["tokens"])
+        assert out["token_strs"] == tok.convert_ids_to_tokens(out["tokens"]) and out["max_model_len"] == 512
+        assert post("/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"] == \
+            tok(text, add_special_tokens=False)["input_ids"]
+        out = post("/tokenize", {"messages": chat["prompt"]})
+        assert out["tokens"] == chat["prompt_ids"] and out["token_strs"] is None
+        r = client(front).chat.completions.create(model=front["model"], messages=chat["prompt"], max_tokens=1)
+        assert r.usage.prompt_tokens == out["count"]
+        no_turn = tok.apply_chat_template(chat["prompt"], add_generation_prompt=False, tokenize=True,
+                                          return_dict=False)
+        assert post("/tokenize", {"messages": chat["prompt"], "add_generation_prompt": False})["tokens"] == no_turn
+        ids = chat["prompt_ids"]
+        assert post("/detokenize", {"tokens": ids})["prompt"] == tok.decode(ids)
+        # errors: an id past the vocabulary, a model not served here, a field vLLM's bodies lack
+        vocab = load(front["path"])[0].config.vocab_size
+        assert post("/detokenize", {"tokens": [1, vocab]}, 400)["error"]["param"] == "tokens"
+        assert post("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404)["error"]["param"] == "model"
+        assert post("/tokenize", {"prompt": "x", "echo": True}, 400)["error"]["param"] == "echo"
+        assert post("/tokenize", {"prompt": 5}, 400)["error"]["param"] == "prompt"
+
+
 def test_unknown_and_bad_fields_are_400_naming_them(front):
     vocab = load(front["path"])[0].config.vocab_size
     with httpx.Client(base_url=front["url"], timeout=60) as h:

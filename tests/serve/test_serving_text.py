@@ -148,3 +148,35 @@ def test_model_variant_names():
                  served + "@vÙ£", served + "@v" + "9" * 10, served + "@Base", served[:-1], served + "x",
                  served + "@v../../etc/passwd", served + "@v1/../../x", "../" + served, served + "@v1\x00"):
         assert model_variant(name, served) is None, name
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": 5}, "prompt"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"prompt": "x", "model": ""}, "model"),
+    ({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+])
+def test_invalid_tokenize_bodies_name_their_parameter(body, param):
+    from raycolo.online.serving.tokenize_protocol import TokenizeBody
+
+    with pytest.raises(ValidationError) as exc:
+        TokenizeBody.model_validate(body)
+    err = from_validation(exc.value)
+    assert err.status == 400 and err.param == param, (err.param, err.message)
+
+
+def test_tokenize_bodies_take_vllms_defaults():
+    from raycolo.online.serving.tokenize_protocol import DetokenizeRequest, TokenizeBody
+
+    prompt = TokenizeBody.model_validate({"prompt": "hi"}).root
+    chat = TokenizeBody.model_validate({"messages": [{"role": "user", "content": "hi"}]}).root
+    assert prompt.add_special_tokens and not prompt.return_token_strs
+    assert chat.add_generation_prompt and not chat.add_special_tokens
+    with pytest.raises(ValidationError):
+        DetokenizeRequest.model_validate({"tokens": [1, -2]})
+
+
+def test_byte_tokenizer_token_strings():
+    assert ByteTokenizer(512).convert_ids_to_tokens([1, 3 + 0x41, 2, 400]) == ["<s>", "<0x41>", "</s>", "<unused_400>"]

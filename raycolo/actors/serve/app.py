@@ -35,6 +35,8 @@ from raycolo.online.serving.protocol import (BASE, BASE_SUFFIX, LATEST, VERSION_
                                              ModelCard, ModelList, TrainSamplesBody, TrainSamplesResponse,
                                              TrainStatus, UnloadLoraAdapterRequest)
 from raycolo.online.serving.text import chat_prompt_ids
+from raycolo.online.serving.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeBody,
+                                                      TokenizeChatRequest, TokenizeResponse)
 from raycolo.online.serving.train_samples import sample_ids
 
 DRAIN_S = 15.0        # within Serve's graceful_shutdown_timeout_s (20 s by default), which ends it anyway
@@ -175,6 +177,33 @@ class OpenAIIngress(Completions):
         variant = self._check_model(body.model)
         ids = chat_prompt_ids(self.tokenizer, [(m.role, m.text()) for m in body.messages])
         return await self._generate(body, ids, body.limit(), "messages", chat=True, variant=variant)
+
+    # -- the tokenizer: vLLM's routes and bodies ---------------------------------------------
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
+    async def tokenize(self, body: TokenizeBody) -> TokenizeResponse:
+        """vLLM's route: the ids a prompt (``add_special_tokens`` true) or a chat (its
+        template, ``add_generation_prompt`` true) comes to, as the generation routes
+        prefill them; ``max_model_len`` is the context they enforce."""
+        req = body.root
+        if req.model is not None:
+            await self._pinned_version(self._check_model(req.model))     # 404: no such model here
+        if isinstance(req, TokenizeChatRequest):
+            ids = chat_prompt_ids(self.tokenizer, [(m.role, m.text()) for m in req.messages],
+                                  req.add_generation_prompt, req.add_special_tokens)
+        else:
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
+                                token_strs=self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's route: the text of ``tokens``, special tokens included."""
+        if body.model is not None:
+            await self._pinned_version(self._check_model(body.model))
+        if body.tokens and max(body.tokens) >= self.vocab:
+            raise OpenAIError(400, f"tokens: token ids must be below the vocabulary size {self.vocab}",
+                              param="tokens", code="invalid_parameter")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
     # -- training samples -------------------------------------------------------------------
     @app.post("/v1/train_samples", response_model=TrainSamplesResponse, responses=ERRORS)

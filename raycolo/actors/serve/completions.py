@@ -124,11 +124,16 @@ class Completions:
                               param="model", code="model_not_found")
         return handle
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus output a request may have: the model's context, or the
+        stage's KV cache where that is shorter (vLLM's ``max_model_len``)."""
+        return min(self.context, self.config.stage.kv_cache_tokens)
+
     def _sampling(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool):
         """The request's SamplingParams, its limit checked against the context."""
         limit = max_tokens if max_tokens is not None else self.config.max_tokens
-        kv = self.config.stage.kv_cache_tokens
-        context = min(self.context, kv)
+        context = self.max_model_len
         if len(ids) >= context:
             raise OpenAIError(400, f"{prompt_param}: the prompt has {len(ids)} tokens; this model's "
                               f"context is {context} tokens", param=prompt_param, code="context_length_exceeded")

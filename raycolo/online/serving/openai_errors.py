@@ -37,8 +37,8 @@ def param_path(loc) -> str:
             out += f"[{part}]"
         elif part in ("body",) and not out:
             continue
-        elif "[" in str(part) or str(part).startswith(("function-", "union[")):
-            continue       # pydantic's union-branch tags, not parameter names
+        elif "[" in str(part) or str(part).startswith(("function-", "union[", "{")):
+            continue       # pydantic's union-branch tags (ours spell a body's form), not parameter names
         else:
             out += f".{part}" if out else str(part)
     return out

@@ -26,6 +26,7 @@ from raycolo.generation.params import (MAX_LOGIT_BIAS_TOKENS, MAX_SEED, MAX_STOP
 
 MAX_TRAIN_SAMPLES = 1024                      # per POST /v1/train_samples
 MAX_CHOICES = 16                              # n
+ModelName = Annotated[str, Field(min_length=1, max_length=512)]     # a served model's (or adapter's) name
 
 
 def _whole(v):
@@ -59,7 +60,7 @@ class StreamOptions(_Closed):
 class SamplingFields(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    model: str = Field(min_length=1, max_length=512)
+    model: ModelName
     max_tokens: Optional[WholeInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     min_tokens: WholeMinTokens = Field(default=0, description="vLLM's extension: no stop before this many tokens")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)    # OpenAI's range
@@ -321,7 +322,7 @@ class UnloadLoraAdapterRequest(BaseModel):
     """POST /v1/unload_lora_adapter: vLLM's body."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    lora_name: str = Field(min_length=1, max_length=512)
+    lora_name: ModelName
     lora_int_id: Optional[WholeInt] = Field(default=None, description="vLLM's; accepted and not used "
                                             "(adapters are named)")
 

@@ -53,12 +53,17 @@ def _apply(hf, messages: Sequence[tuple[str, str]], add_generation_prompt: bool,
     return list(out) if tokenize else out
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[tuple[str, str]]) -> list[int]:
-    """A chat's prompt as token ids, rendered once: one BOS at most."""
+def chat_prompt_ids(tokenizer, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+    """A chat's prompt as token ids, rendered once: one BOS at most. ``add_special_tokens``
+    (``/tokenize``'s): the tokenizer's special tokens on top of what the template wrote;
+    raycolo's plain template is always encoded as a prompt, with them."""
     hf = _template_tokenizer(tokenizer)
-    if hf is not None:
-        return _apply(hf, messages, True, tokenize=True)
-    return tokenizer.encode(render_plain(messages))
+    if hf is None:
+        return tokenizer.encode(render_plain(messages, add_generation_prompt))
+    if add_special_tokens:
+        return tokenizer.encode(_apply(hf, messages, add_generation_prompt, tokenize=False), add_special_tokens=True)
+    return _apply(hf, messages, add_generation_prompt, tokenize=True)
 
 
 def chat_sample_ids(tokenizer, messages: Sequence[tuple[str, str]], eos_ids: Iterable[int] = (),
