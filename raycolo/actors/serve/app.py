@@ -135,6 +135,16 @@ class OpenAIIngress(Completions):
                                    adapter="loaded"))
         return ModelList(data=cards)
 
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERRORS)
+    async def model(self, model: str) -> ModelCard:
+        """OpenAI's route: the card ``GET /v1/models`` lists under this id (404 naming
+        ``model`` for any other)."""
+        for card in (await self.models()).data:
+            if card.id == model:
+                return card
+        raise OpenAIError(404, f"model '{model}' does not exist; GET /v1/models lists the models served here",
+                          param="model", code="model_not_found")
+
     # -- adapters loaded while serving: vLLM's routes and bodies --------------------------------
     @app.post("/v1/load_lora_adapter", responses={**ERRORS, **PLAIN_TEXT, 403: {"model": ErrorResponse}})
     async def load_lora_adapter(self, body: LoadLoraAdapterRequest):

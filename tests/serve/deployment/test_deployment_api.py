@@ -22,9 +22,16 @@ from tests.support.tiny_reference import hf_greedy
 
 # -- OpenAI routes, with the official client ---------------------------------------------------
 def test_models_lists_the_served_model_and_its_base(front):
-    ids = [m.id for m in client(front).models.list().data]
+    c = client(front)
+    cards = c.models.list().data
+    ids = [m.id for m in cards]
     assert ids[:2] == [MODEL, MODEL + "@base"]
     assert all(i.startswith(MODEL + "@v") for i in ids[2:])     # saved versions, once training ran
+    # OpenAI's GET /v1/models/{id}: the listed card, and a 404 naming model for any other id
+    assert c.models.retrieve(MODEL + "@base").model_dump() == cards[1].model_dump()
+    with pytest.raises(openai.NotFoundError) as exc:
+        c.models.retrieve("gpt-4")
+    assert exc.value.body["param"] == "model"
 
 
 def test_completion_is_the_models_greedy_text_streamed_or_not(front):
