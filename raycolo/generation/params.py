@@ -70,6 +70,8 @@ def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     pairs = tuple(bias.items()) if isinstance(bias, dict) else tuple(tuple(p) for p in bias)
     if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
         raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+    if any(len(p) != 2 or not isinstance(p[0], int) or isinstance(p[0], bool) for p in pairs):
+        raise ValueError("token ids must be integers, each with one bias")
     ids = [t for t, _ in pairs]
     if len(set(ids)) != len(ids):
         raise ValueError("each token id once")

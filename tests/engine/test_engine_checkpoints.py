@@ -52,7 +52,7 @@ def test_a_qwen3_checkpoint_runs_on_the_fast_path_as_generate_does(qwen3_checkpo
     engine = create_engine({"model_loading_config": {"model_id": str(qwen3_checkpoint)},
                             "engine_kwargs": {"kv_cache_tokens": 8192}})
     try:
-        assert isinstance(engine.executor, ModelExecutor)
+        assert isinstance(engine.executor, ModelExecutor) and engine.executor.fused     # the fused steps too
         cases = greedy_cases(qwen3_checkpoint, MAX_NEW, n=6)
         assert {c["finish_reason"] for c in cases} == {"stop", "length"}
         outs = engine.generate([c["prompt_ids"] for c in cases], SamplingParams(max_tokens=MAX_NEW))

@@ -213,7 +213,8 @@ def test_params_bounds():
     assert SamplingParams(stop="x").stop == ("x",)
     for bad in [dict(min_p=1.5), dict(min_p=-0.1), dict(logit_bias={1: 100.5}), dict(logit_bias={-1: 1.0}),
                 dict(logit_bias={1: float("inf")}), dict(logit_bias=[(1, 1.0), (1, 2.0)]),
-                dict(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_TOKENS + 1)})]:
+                dict(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_TOKENS + 1)}),
+                dict(logit_bias={1: 1.0, "2": 1.0}), dict(logit_bias=[(3, 1.0), ("3", 2.0)])]:
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     assert SamplingParams(logit_bias={9: 1, 2: -1.5}).logit_bias == ((2, -1.5), (9, 1.0))   # sorted pairs

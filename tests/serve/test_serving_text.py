@@ -82,6 +82,8 @@ def test_plain_chat_template_and_training_completions():
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x"}, "model"),
     ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),                    # unsupported: never ignored
+    ({"model": "m", "prompt": "a\ud800"}, "prompt"),                             # a lone surrogate
+    ({"model": "m", "prompt": ["\ud800"]}, "prompt"),
     ({"model": "m", "prompt": "x", "logit_bias": {"a1": 2}}, "logit_bias"),      # a key that is no token id
     ({"model": "m", "prompt": "x", "logit_bias": {"-1": 2}}, "logit_bias"),
     ({"model": "m", "prompt": "x", "logit_bias": {"1": 100.5}}, "logit_bias.1"),
@@ -151,6 +153,8 @@ def test_model_variant_names():
 
 
 @pytest.mark.parametrize("body,param", [
+    ({"prompt": "a\ud800b"}, "prompt"),                 # a lone surrogate: no tokenizer encodes it
+    ({"messages": [{"role": "user", "content": "\udfff"}]}, "messages[0].content"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": 5}, "prompt"),
     ({"messages": []}, "messages"),
@@ -180,3 +184,21 @@ def test_tokenize_bodies_take_vllms_defaults():
 
 def test_byte_tokenizer_token_strings():
     assert ByteTokenizer(512).convert_ids_to_tokens([1, 3 + 0x41, 2, 400]) == ["<s>", "<0x41>", "</s>", "<unused_400>"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "m", "messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages[0].content[0].text"),
+])
+def test_lone_surrogates_in_chats_are_400s(body, param):
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate(body)     # FastAPI parses with json, which takes lone surrogates
+    err = from_validation(exc.value)
+    assert err.status == 400 and err.param == param and "Unicode" in err.message, (err.param, err.message)
+
+
+def test_lone_surrogates_in_training_samples_are_400s():
+    with pytest.raises(ValidationError) as exc:
+        TrainSamplesRequest.model_validate({"samples": [{"prompt": "a", "completion": "\ud800"}]})
+    assert from_validation(exc.value).param == "samples[0].completion"

@@ -55,3 +55,66 @@ def test_a_text_chunk_built_around_its_text_is_the_whole_chunk_encoded(chat, mod
         assert body == {"id": "cmpl-7", "object": "chat.completion.chunk" if chat else "text_completion",
                         "created": 1700000000, "model": model, "choices": [choice]}
         assert line == "data: " + json.dumps(body) + "\n\n"
+
+
+# -- the answer's lines, one choice or n (raycolo/online/serving/sse_stream.py) -------------------
+def _answer(choices, chat=False, include_usage=True, every=1):
+    import asyncio
+    import json
+
+    from raycolo.online.serving.sse_stream import sse_answer
+
+    async def run():
+        return [line async for line in sse_answer(choices, None, "cmpl-1", chat, "m", 5, include_usage, every)]
+
+    lines = asyncio.run(run())
+    assert lines[-1] == "data: [DONE]\n\n"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+async def _choice(events, delays, log=None, name=None):
+    """Events after the given delays (s); logs its own cancellation."""
+    import asyncio
+
+    try:
+        for event, delay in zip(events, delays):
+            await asyncio.sleep(delay)
+            yield event
+    except asyncio.CancelledError:
+        log.append(name)
+        raise
+
+
+def test_n_choices_interleave_under_their_index_and_usage_counts_them_all():
+    a = _choice([("He", None, 1, []), ("llo", None, 2, []), ("", "length", 2, [])], [0, 0.02, 0.02])
+    b = _choice([("Yo", None, 1, []), ("", "stop", 2, [])], [0.01, 0.02])
+    lines = _answer([a, b], chat=True)
+    by_index = {0: [], 1: []}
+    for line in lines[:-1]:
+        (c,) = line["choices"]
+        by_index[c["index"]].append(c)
+    assert [c["delta"] for c in by_index[0][:1] + by_index[1][:1]] == [{"role": "assistant"}] * 2
+    assert "".join(c["delta"].get("content", "") for c in by_index[0]) == "Hello"
+    assert "".join(c["delta"].get("content", "") for c in by_index[1]) == "Yo"
+    assert [c["finish_reason"] for c in by_index[0] if c["finish_reason"]] == ["length"]
+    assert [c["finish_reason"] for c in by_index[1] if c["finish_reason"]] == ["stop"]
+    contents = [(c["choices"][0]["index"], c["choices"][0]["delta"].get("content")) for c in lines[:-1]]
+    assert contents.index((1, "Yo")) < contents.index((0, "llo"))    # as they came, not choice by choice
+    assert lines[-1]["choices"] == [] and lines[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_a_failed_choice_ends_the_answer_and_cancels_the_others():
+    cancelled = []
+    a = _choice([("a", None, 1, []), ("b", None, 2, []), ("", "length", 3, [])], [0, 5, 5], cancelled, "a")
+    b = _choice([("x", None, 1, []), ("node died", "error", 1, [])], [0.01, 0.01])
+    lines = _answer([a, b], include_usage=False)
+    assert lines[-1]["error"]["code"] == "generation_failed" and "node died" in lines[-1]["error"]["message"]
+    assert cancelled == ["a"]                 # its request is cancelled upstream, not left running
+    assert not any(c["finish_reason"] for line in lines[:-1] for c in line["choices"])
+
+
+def test_one_choice_streams_as_before():
+    lines = _answer([_choice([("Hi", None, 1, []), ("", "stop", 2, [])], [0, 0])])
+    assert [line["choices"][0]["text"] for line in lines[:-1]] == ["Hi", ""]
+    assert all(line["choices"][0]["index"] == 0 for line in lines[:-1])
+    assert lines[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}

@@ -196,7 +196,7 @@ class OpenAIIngress(Completions):
         prefill them; ``max_model_len`` is the context they enforce."""
         req = body.root
         if req.model is not None:
-            await self._pinned_version(self._check_model(req.model))     # 404: no such model here
+            await self.model(req.model)          # 404: not served here (GET /v1/models lists what is)
         if isinstance(req, TokenizeChatRequest):
             ids = chat_prompt_ids(self.tokenizer, [(m.role, m.text()) for m in req.messages],
                                   req.add_generation_prompt, req.add_special_tokens)
@@ -209,7 +209,7 @@ class OpenAIIngress(Completions):
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         """vLLM's route: the text of ``tokens``, special tokens included."""
         if body.model is not None:
-            await self._pinned_version(self._check_model(body.model))
+            await self.model(body.model)
         if body.tokens and max(body.tokens) >= self.vocab:
             raise OpenAIError(400, f"tokens: token ids must be below the vocabulary size {self.vocab}",
                               param="tokens", code="invalid_parameter")

@@ -26,7 +26,8 @@ from raycolo.online.serving.token_wire import NodeAddress
 from raycolo.online.stage_messages import ServedRequest
 from raycolo.online.tasks import OnlineTask, TaskKind
 from raycolo.online.serving.protocol import BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant
-from raycolo.online.serving.responses import SseChunks, StreamInterval, choice, usage
+from raycolo.online.serving.responses import choice, usage
+from raycolo.online.serving.sse_stream import sse_answer
 from raycolo.online.serving.text import TextStream
 
 if TYPE_CHECKING:
@@ -313,19 +314,18 @@ class Completions:
         params = self._sampling(body, ids, max_tokens, prompt_param, chat)
         started = time.perf_counter()
         kind = "chat.completion" if chat else "text_completion"
-        if body.stream:
-            admitted = await self._admit(body, ids, params, variant)
-            out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted.rid}-{uuid.uuid4().hex[:8]}"
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._events(admitted, params, started, ids)
-            return StreamingResponse(self._sse(events, out_id, kind, len(ids), include_usage, body.model),
-                                     media_type="text/event-stream")
         # n choices: n requests, choice i drawn with seed + i (all admitted before any is awaited)
         admitted = []
         for i in range(body.n):
             choice_params = params if i == 0 else params.model_copy(update={"seed": params.seed + i})
             admitted.append(await self._admit(body, ids, choice_params, variant))
         out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted[0].rid}-{uuid.uuid4().hex[:8]}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = [self._events(a, params, started, ids) for a in admitted]
+            return StreamingResponse(sse_answer(events, self.tokenizer, out_id, chat, body.model, len(ids),
+                                                include_usage, self.config.serve.stream_interval),
+                                     media_type="text/event-stream")
         results = await asyncio.gather(*[self._collect(a, params, started, ids) for a in admitted])
         count = sum(r[2] for r in results)
         choices = [choice(self.tokenizer, chat, i, content, reason, logprobs)
@@ -443,24 +443,3 @@ class Completions:
         self.metrics.e2e.observe(time.perf_counter() - started)
         if tokens:
             self.metrics.generation_tokens.inc(tokens)
-
-    async def _sse(self, events, out_id: str, kind: str, prompt_tokens: int, include_usage: bool, model: str):
-        sse = SseChunks(self.tokenizer, out_id, kind == "chat.completion", model, int(time.time()))
-        if sse.chat:
-            yield sse.chunk(None, None, role=True)
-        count, held = 0, StreamInterval(self.config.serve.stream_interval)
-        async for delta, finish, count, lps in events:
-            if finish == FinishReason.ERROR:       # after the 200: the failure travels inside the stream
-                text, lps = held.add("", count, [], final=True)
-                if text or lps:
-                    yield sse.chunk(text, None, lps=lps)
-                yield sse.error(OpenAIError(503, f"generation failed: {delta}", code="generation_failed").body())
-                break
-            out = held.add(delta, count, lps, final=finish is not None)
-            if out is not None and (out[0] or out[1]):
-                yield sse.chunk(out[0], None, lps=out[1])
-            if finish:
-                yield sse.chunk(None, finish)
-        if include_usage:
-            yield sse.usage(prompt_tokens, count)
-        yield sse.DONE

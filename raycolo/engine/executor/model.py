@@ -383,8 +383,8 @@ def _nccl(tp: TensorParallel) -> bool:
 
 
 def _is_rms_norm(norm) -> bool:
-    """transformers' Llama/Qwen2/Mistral RMSNorm: ``weight * x * rsqrt(mean(x**2) + eps)``."""
-    return type(norm).__name__ in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+    """transformers' RMSNorm of a fast-path family: ``weight * x * rsqrt(mean(x**2) + eps)``."""
+    return type(norm).__name__ in tuple(f"{name}RMSNorm" for name in FAST_PATH_FAMILIES.values())
 
 
 def _norm_args(norm) -> tuple[torch.Tensor, float]:
@@ -395,7 +395,7 @@ def _fusable(layer) -> bool:
     """Whether a decoder layer's norms and MLP are the ones the fused forward computes."""
     mlp = layer.mlp
     return (_is_rms_norm(layer.input_layernorm) and _is_rms_norm(layer.post_attention_layernorm)
-            and type(mlp).__name__ in ("LlamaMLP", "Qwen2MLP", "MistralMLP")
+            and type(mlp).__name__ in tuple(f"{name}MLP" for name in FAST_PATH_FAMILIES.values())
             and getattr(mlp.config, "hidden_act", None) == "silu")
 
 

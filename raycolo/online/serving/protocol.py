@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, RootModel, Tag,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, RootModel, Tag,
                       field_validator, model_validator)
 
 from raycolo.generation import SamplingParams
@@ -35,6 +35,19 @@ def _whole(v):
 
 
 WholeInt = Annotated[int, BeforeValidator(_whole)]
+
+
+def unicode_text(text: str) -> str:
+    """Text a tokenizer can take: JSON's ``"\ud800"`` parses to a lone UTF-16 surrogate,
+    which no tokenizer encodes (it was a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"is not valid Unicode (a lone surrogate at character {exc.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]      # what is tokenized: prompts, messages, samples
 
 
 # raycolo.generation's int fields (their bounds declared there once), taking 5.0 as 5
@@ -71,7 +84,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: Optional[list[WholeInt]] = Field(default=None, max_length=MAX_STOP_TOKEN_IDS,
                                                      description="vLLM's extension")
     n: WholeInt = Field(default=1, ge=1, le=MAX_CHOICES, description="choices per request (each with its own "
-                        "seed: seed + i); with stream, 1")
+                        "seed: seed + i; streamed, their chunks interleave under their index)")
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = Field(default=False, description="vLLM's extension: keep generating past every EOS id")
@@ -110,12 +123,6 @@ class SamplingFields(BaseModel):
         """``logit_bias`` keyed by token id."""
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
-    @model_validator(mode="after")
-    def _stream_one(self):
-        if self.stream and self.n > 1:
-            raise ValueError("n: a streamed request has one choice (n = 1)")
-        return self
-
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -150,13 +157,15 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt):
+        if isinstance(prompt, str):
+            return unicode_text(prompt)
         if isinstance(prompt, list):
             if not prompt:
                 raise ValueError("must not be empty")
             if isinstance(prompt[0], str):
                 if len(prompt) != 1:
                     raise ValueError("one prompt per request (n = 1, no batches)")
-                return prompt[0]
+                return unicode_text(prompt[0])
             if any(t < 0 for t in prompt):
                 raise ValueError("token ids must be >= 0")
         return prompt
@@ -164,12 +173,19 @@ class CompletionRequest(SamplingFields):
 
 class TextPart(_Closed):
     type: Literal["text"]
-    text: str
+    text: Text
+
+
+def _content_form(content) -> Optional[str]:
+    return "{text}" if isinstance(content, str) else "[parts]" if isinstance(content, list) else None
 
 
 class ChatMessage(_Closed):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    # tagged by the form it has, so an error names the part at fault (the tags are no parameter)
+    content: Annotated[Union[Annotated[Text, Tag("{text}")], Annotated[list[TextPart], Tag("[parts]")]],
+                       Discriminator(_content_form, custom_error_type="invalid_content",
+                                     custom_error_message="must be a text or a list of text parts")]
     name: Optional[str] = None
 
     def text(self) -> str:
@@ -347,10 +363,10 @@ class TrainSample(_Strict):
     rendered with the model's chat template: the completion is the assistant's turn as the
     template writes it, ending with its end-of-turn token (raycolo.online.serving.text)."""
 
-    prompt: Optional[str] = None
-    completion: Optional[str] = None
-    chosen: Optional[str] = None
-    rejected: Optional[str] = None
+    prompt: Optional[Text] = None
+    completion: Optional[Text] = None
+    chosen: Optional[Text] = None
+    rejected: Optional[Text] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
 
     @property

@@ -92,8 +92,10 @@ class SseChunks:
     ahead, and each chunk JSON-encodes only its text (the same bytes as encoding the whole
     line each time)."""
 
-    def __init__(self, tokenizer, out_id: str, chat: bool, model: str, created: int):
+    def __init__(self, tokenizer, out_id: str, chat: bool, model: str, created: int, index: int = 0):
+        """``index``: the choice's (n > 1 streams every choice in one answer)."""
         self.tokenizer, self.out_id, self.chat, self.model, self.created = tokenizer, out_id, chat, model, created
+        self.index = index
         self.kind = "chat.completion.chunk" if chat else "text_completion"
         parts = self._build(_HOLE, None).split(json.dumps(_HOLE))
         self._around = parts if len(parts) == 2 else None     # (a model name holding the hole: build)
@@ -117,10 +119,10 @@ class SseChunks:
     def _build(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None) -> str:
         if self.chat:
             d = {"role": "assistant"} if role else ({} if delta is None else {"content": delta})
-            c = {"index": 0, "delta": d, "logprobs": chat_logprobs(self.tokenizer, lps) if lps else None,
+            c = {"index": self.index, "delta": d, "logprobs": chat_logprobs(self.tokenizer, lps) if lps else None,
                  "finish_reason": finish}
         else:
-            c = {"index": 0, "text": delta or "",
+            c = {"index": self.index, "text": delta or "",
                  "logprobs": completion_logprobs(self.tokenizer, lps) if lps else None, "finish_reason": finish}
         return self._line([c])
 

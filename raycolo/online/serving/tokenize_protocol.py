@@ -17,7 +17,7 @@ from typing import Annotated, Optional, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag
 
 from raycolo.bounds import MAX_TOKENS
-from raycolo.online.serving.protocol import ChatMessage, ModelName
+from raycolo.online.serving.protocol import ChatMessage, ModelName, Text
 
 PROMPT, CHAT = '{"prompt": ...}', '{"messages": [...]}'      # the body's forms (union tags)
 
@@ -28,7 +28,7 @@ class _Closed(BaseModel):
 
 class TokenizeCompletionRequest(_Closed):
     model: Optional[ModelName] = None
-    prompt: str
+    prompt: Text
     add_special_tokens: bool = Field(default=True, description="the tokenizer's special tokens (a BOS) too")
     return_token_strs: bool = False
 
@@ -68,7 +68,7 @@ class DetokenizeRequest(_Closed):
 
 
 class DetokenizeResponse(BaseModel):
-    prompt: str
+    prompt: Text
 
 
 class TokenizeBody(RootModel):

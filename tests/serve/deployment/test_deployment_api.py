@@ -141,6 +141,7 @@ def test_stop_string_ends_the_text_before_it(front):
     ('{"model": "tiny-llama-s", "prompt": "x", "n": 17}', "n"),
     ('{"model": "tiny-llama-s", "prompt": "x", "logit_bias": {"5": 1e3}}', "logit_bias.5"),
     ('{"model": "tiny-llama-s", "prompt": "x", "logit_bias": {"999999": 1}}', "logit_bias"),    # past the vocab
+    ('{"model": "tiny-llama-s", "prompt": "a\\ud800b"}', "prompt"),       # a lone surrogate (was a 500)
     ('{"model": "tiny-llama-s", "prompt": "x", "max_tokens": 99999999999999999999999}', "max_tokens"),
     ('{"model": "tiny-llama-s", "prompt": "x", "stop": ' + json.dumps(["s"] * 5000) + '}', "stop"),
     ('{"prompt": "x"}', "model"),

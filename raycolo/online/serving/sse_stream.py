@@ -1,0 +1,92 @@
+"""The server-sent events of one streamed answer, with one choice or ``n``.
+
+Each choice is an async iterator of ``(text delta, finish_reason or None, tokens so far,
+log-probabilities)`` events (the ingress's per-request event stream). Each becomes
+OpenAI's chunks under its own ``index`` (:class:`~.responses.SseChunks`), with vLLM's
+``--stream-interval`` applied per choice (:class:`~.responses.StreamInterval`); a chat
+opens every choice with its role. With ``n`` > 1 the choices' chunks interleave as
+their tokens come (each choice's own chunks in order), as OpenAI and vLLM stream them;
+``usage`` (with ``stream_options.include_usage``) counts every choice's tokens. A choice
+that fails ends the answer: the failure goes inside the stream (the 200 was sent), and
+the other choices are cancelled with it. One choice is iterated directly, with no task
+or queue between its events and its chunks (a streamed token's cost on the front).
+
+Pure asyncio: no Ray.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, Sequence
+
+from raycolo.generation import FinishReason
+from raycolo.online.serving.openai_errors import OpenAIError
+from raycolo.online.serving.responses import SseChunks, StreamInterval
+
+
+async def sse_answer(choices: Sequence[AsyncIterator], tokenizer, out_id: str, chat: bool, model: str,
+                     prompt_tokens: int, include_usage: bool, stream_interval: int) -> AsyncIterator[str]:
+    """The ``data:`` lines of the answer whose choices' events are ``choices``."""
+    created = int(time.time())
+    sses = [SseChunks(tokenizer, out_id, chat, model, created, index=i) for i in range(len(choices))]
+    held = [StreamInterval(stream_interval) for _ in choices]
+    counts = [0] * len(choices)
+    if chat:
+        for sse in sses:
+            yield sse.chunk(None, None, role=True)
+    events = _indexed(choices[0]) if len(choices) == 1 else _merged(choices)
+    async for i, (delta, finish, count, lps) in events:
+        sse, counts[i] = sses[i], count
+        if finish == FinishReason.ERROR:       # after the 200: the failure travels inside the stream
+            text, lps = held[i].add("", count, [], final=True)
+            if text or lps:
+                yield sse.chunk(text, None, lps=lps)
+            yield sse.error(OpenAIError(503, f"generation failed: {delta}", code="generation_failed").body())
+            break
+        out = held[i].add(delta, count, lps, final=finish is not None)
+        if out is not None and (out[0] or out[1]):
+            yield sse.chunk(out[0], None, lps=out[1])
+        if finish:
+            yield sse.chunk(None, finish)
+    if include_usage:
+        yield sses[0].usage(prompt_tokens, sum(counts))
+    yield SseChunks.DONE
+
+
+async def _indexed(events: AsyncIterator):
+    async for event in events:
+        yield 0, event
+
+
+_END = object()
+
+
+async def _merged(choices: Sequence[AsyncIterator]):
+    """``(index, event)`` of every choice as each comes; a choice's exception is raised
+    here; leaving early (a failure, the client gone) cancels every choice still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, events: AsyncIterator) -> None:
+        try:
+            async for event in events:
+                queue.put_nowait((i, event))
+        except Exception as exc:       # noqa: BLE001 - raised in the consumer
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, _END))
+
+    tasks = [asyncio.get_running_loop().create_task(pump(i, c)) for i, c in enumerate(choices)]
+    try:
+        running = len(tasks)
+        while running:
+            i, event = await queue.get()
+            if event is _END:
+                running -= 1
+            elif isinstance(event, Exception):
+                raise event
+            else:
+                yield i, event
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
