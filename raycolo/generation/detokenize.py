@@ -11,7 +11,9 @@ held back, and dropped at the end.
 
 :class:`TextStream` adds stop strings: it holds back the longest tail that could still
 become one, so no client ever sees a stop string or half a character, and a stop string
-ends the text just before it (vLLM's default, ``include_stop_str_in_output=False``).
+ends the text just before it (vLLM's default, ``include_stop_str_in_output=False``). With
+``include_stop_str_in_output`` the text ends just after it, and nothing is held back (as
+vLLM: the stop string is part of the text anyway).
 :func:`finished_text` is the same text in one call.
 """
 from __future__ import annotations
@@ -82,10 +84,12 @@ class TextStream:
     """Token ids in, text deltas out, stop strings honoured."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True,
-                 prompt_ids: Sequence[int] = ()):
+                 prompt_ids: Sequence[int] = (), include_stop: bool = False):
         self.decoder = decoder(tokenizer, prompt_ids, skip_special_tokens)
         self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.include_stop = include_stop
+        self.reach = max((len(s) for s in self.stop), default=1) - 1   # how far back a stop string may start
+        self.hold = 0 if include_stop else self.reach
         self.text = ""                 # what the decoder emitted so far
         self.sent = 0                  # characters of it already given out
         self.stopped: Optional[str] = None   # the stop string that ended the text
@@ -124,11 +128,18 @@ class TextStream:
         None when no stop string is there."""
         if not self.stop:
             return None
-        start = max(0, self.sent - self.hold)
+        start = max(0, self.sent - self.reach)
         hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
         if not hits:
             return None
         at, self.stopped = min(hits)
-        delta = text[self.sent:at]
-        self.sent = max(self.sent, at)
+        end = at + len(self.stopped) if self.include_stop else at
+        delta = text[self.sent:end]
+        self.sent = max(self.sent, end)
         return delta
+
+
+def text_stream(tokenizer, params, prompt_ids: Sequence[int] = ()) -> TextStream:
+    """The :class:`TextStream` of a request with these :class:`~.params.SamplingParams`."""
+    return TextStream(tokenizer, params.stop, params.skip_special_tokens, prompt_ids,
+                      params.include_stop_str_in_output)

@@ -110,6 +110,8 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = Field(default=False, description="keep generating past the model's EOS tokens "
                                                         "(every id of its EOS set)")
     skip_special_tokens: bool = Field(default=True, description="leave special tokens out of the text")
+    include_stop_str_in_output: bool = Field(default=False, description="end the text after the stop string "
+                                                                        "that ended it, not before")
     logprobs: Optional[LogprobCount] = Field(default=None, description="return the sampled token's log-probability and this many "
                                                 "most likely tokens' (of the raw model distribution)")
     min_p: MinP = 0.0

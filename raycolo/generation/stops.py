@@ -14,7 +14,8 @@
 * **Accounting**: every generated token counts, the stop token included, also when a
   stop string cut the text short (``usage.completion_tokens`` as vLLM counts it).
 * **Text**: a stop token's text is never in the output; special tokens are left out
-  with ``skip_special_tokens``; a stop string and what follows it are cut; a character
+  with ``skip_special_tokens``; a stop string and what follows it are cut (what follows it only, with
+  ``include_stop_str_in_output``); a character
   left incomplete at the end is dropped (:func:`.detokenize.finished_text`).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from raycolo.generation.detokenize import TextStream, finished_text
+from raycolo.generation.detokenize import finished_text, text_stream
 from raycolo.generation.params import SamplingParams
 from raycolo.text_enum import TextEnum
 
@@ -102,8 +103,7 @@ class StopChecker:
         self.output: list[int] = []
         self.finish_reason: Optional[FinishReason] = None
         self.stop_token: Optional[int] = None        # the stop token that ended it
-        self.stream = (TextStream(tokenizer, params.stop, params.skip_special_tokens, prompt_ids)
-                       if params.stop and tokenizer is not None else None)
+        self.stream = text_stream(tokenizer, params, prompt_ids) if params.stop and tokenizer is not None else None
         self._text: list[str] = []
 
     def append(self, token: int) -> Optional[FinishReason]:

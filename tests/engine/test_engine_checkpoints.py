@@ -127,6 +127,9 @@ def test_stop_string_and_logprobs(hf_checkpoints, engines):
     out = engine.generate([case["prompt_ids"]], SamplingParams(max_tokens=MAX_NEW, stop=[stop], logprobs=2))[0]
     assert out.finish_reason == "stop" and out.text == text[:text.index(stop)]
     assert out.token_ids == case["output_ids"][:len(out.token_ids)]
+    kept = engine.generate([case["prompt_ids"]], SamplingParams(max_tokens=MAX_NEW, stop=[stop],
+                                                                include_stop_str_in_output=True))[0]
+    assert kept.text == text[:text.index(stop) + len(stop)] and kept.token_ids == out.token_ids
     model = load(path)[0]
     with torch.no_grad():
         logits = model(torch.tensor([case["prompt_ids"] + out.token_ids])).logits[0].float()

@@ -134,6 +134,11 @@ def test_stop_strings_penalties_logprobs_and_n(front):
     r = c.completions.create(model=front["model"], prompt=case["prompt"], max_tokens=MAX_NEW, temperature=0,
                              stop=[stop])
     assert r.choices[0].text == text[:text.index(stop)] and r.choices[0].finish_reason == "stop"
+    for stream in (False, True):         # vLLM's include_stop_str_in_output: the text ends after it
+        got = c.completions.create(model=front["model"], prompt=case["prompt"], max_tokens=MAX_NEW, temperature=0,
+                                   stop=[stop], stream=stream, extra_body={"include_stop_str_in_output": True})
+        got = "".join(ch.choices[0].text for ch in got) if stream else got.choices[0].text
+        assert got == text[:text.index(stop) + len(stop)]
     # repetition_penalty, as vLLM's load generator sends it: transformers applies the same rule
     model, tok = load(front["path"])
     with torch.no_grad():

@@ -19,21 +19,22 @@ ROOT = Path(__file__).resolve().parents[2]
 TOK = ByteTokenizer(512)
 
 
-def stream_all(text_ids, stop):
-    s = TextStream(TOK, stop)
+def stream_all(text_ids, stop, include_stop=False):
+    s = TextStream(TOK, stop, include_stop=include_stop)
     out = "".join(s.add(t) for t in text_ids)
     return out + s.flush(), s.stopped
 
 
-def first_stop_cut(text: str, stop: list[str]):
+def first_stop_cut(text: str, stop: list[str], include_stop: bool = False):
     """Where generation ends the text: at the first character after which some stop string
-    has appeared, before the earliest one there (str.find on each prefix). A longer stop
-    string that began earlier but would complete later never does: generation has stopped.
-    None when no stop string appears."""
+    has appeared, before the earliest one there (str.find on each prefix), or with
+    ``include_stop`` just after it (that character). A longer stop string that began
+    earlier but would complete later never does: generation has stopped. None when no
+    stop string appears."""
     for n in range(1, len(text) + 1):
         hits = [text[:n].find(s) for s in stop if s and s in text[:n]]
         if hits:
-            return text[:min(hits)]
+            return text[:n] if include_stop else text[:min(hits)]
     return None
 
 
@@ -44,17 +45,29 @@ def first_stop_cut(text: str, stop: list[str]):
 @example("0\xdb0", ["\xdb", "0\xdb0"])   # the short stop completes first (a clean-clone run found it)
 def test_streamed_text_equals_the_decoded_text_cut_at_the_first_stop(text, stop):
     """Whatever the byte boundaries, the deltas add up to the decoded text, cut before the
-    first stop string to appear (the reference: :func:`first_stop_cut`)."""
+    first stop string to appear (the reference: :func:`first_stop_cut`), or just after it
+    with ``include_stop_str_in_output``."""
     ids = TOK.encode(text)[1:]
-    got, stopped = stream_all(ids, stop)
     # a trailing U+FFFD is, to an incremental detokenizer, a character still incomplete: never
     # emitted, so never text and never part of a stop string (vLLM's DecodeStream alike)
-    text = text.rstrip("\ufffd")
-    cut = first_stop_cut(text, stop)
-    if cut is not None:
-        assert stopped is not None and got == cut
-    else:
-        assert stopped is None and got == text
+    whole = text.rstrip("\ufffd")
+    for include in (False, True):
+        got, stopped = stream_all(ids, stop, include)
+        cut = first_stop_cut(whole, stop, include)
+        if cut is not None:
+            assert stopped is not None and got == cut and (not include or cut.endswith(stopped))
+        else:
+            assert stopped is None and got == whole
+
+
+def test_with_the_stop_string_included_nothing_is_held_back():
+    """``include_stop_str_in_output``: every character goes out as it comes (vLLM holds
+    nothing back then either), and the text ends with the stop string."""
+    s = TextStream(TOK, ["ab", "END"], include_stop=True)
+    deltas = [s.add(t) for t in TOK.encode("xEaNab tail")[1:]]
+    assert deltas[:6] == ["x", "E", "a", "N", "a", "b"] and s.stopped == "ab" and "".join(deltas) == "xEaNab"
+    held = TextStream(TOK, ["ab", "END"])
+    assert [held.add(t) for t in TOK.encode("xEaN")[1:]] == ["", "", "x", "E"]   # two characters held back
 
 
 def test_no_delta_ever_shows_half_a_character_or_a_stop_prefix():

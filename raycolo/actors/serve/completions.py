@@ -28,7 +28,7 @@ from raycolo.online.tasks import OnlineTask, TaskKind
 from raycolo.online.serving.protocol import BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant
 from raycolo.online.serving.responses import choice, usage
 from raycolo.online.serving.sse_stream import sse_answer
-from raycolo.online.serving.text import TextStream
+from raycolo.generation.detokenize import text_stream
 
 if TYPE_CHECKING:
     from raycolo.actors.serve.front_metrics import DeploymentMetrics, FrontMetrics
@@ -357,7 +357,7 @@ class Completions:
         a request whose tokens come straight from its node is admitted again
         (:meth:`_readmit`) while its stream goes on."""
         front, events = admitted.front, admitted.events
-        stream = TextStream(self.tokenizer, params.stop, params.skip_special_tokens, prompt_ids)
+        stream = text_stream(self.tokenizer, params, prompt_ids)
         count, last, finished, lps, held = 0, None, False, [], None
         readmit: Optional[asyncio.Task] = None
         try:

@@ -89,6 +89,8 @@ class SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = Field(default=False, description="vLLM's extension: keep generating past every EOS id")
     skip_special_tokens: bool = Field(default=True, description="vLLM's extension")
+    include_stop_str_in_output: bool = Field(default=False, description="vLLM's extension: the text ends after "
+                                                                        "the stop string that ended it")
     repetition_penalty: RepetitionPenalty = Field(default=1.0, description="vLLM's extension")
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
@@ -138,6 +140,7 @@ class SamplingFields(BaseModel):
                               top_p=self.top_p, top_k=self.top_k, seed=seed, stop=self.stop_list(),
                               stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
                               skip_special_tokens=self.skip_special_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, logprobs=self.top_logprobs_asked(),
                               min_p=self.min_p, logit_bias=self.bias_ids())
