@@ -122,3 +122,19 @@ def test_tokenize_and_detokenize_match_vllm(servers):
     ids = case["prompt_ids"]
     answers = {n: _post(url, "/detokenize", {"model": "m", "tokens": ids}) for n, url in servers["urls"].items()}
     assert answers["raycolo"] == answers["vllm"]
+
+
+def test_stop_strings_with_and_without_include_stop_str_in_output_match_vllm(servers):
+    cases = [c for c in greedy_cases(servers["path"], MAX_NEW, n=6) if isinstance(c["prompt"], str)
+             and c["finish_reason"] == "length"][:2]
+    assert cases
+    for case in cases:
+        text = case["text"]
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        for include in (False, True):
+            body = dict(model="m", prompt=case["prompt"], max_tokens=MAX_NEW, temperature=0, stop=[stop],
+                        include_stop_str_in_output=include)
+            answers = {n: _post(url, "/v1/completions", body)["choices"][0] for n, url in servers["urls"].items()}
+            assert answers["raycolo"]["text"] == answers["vllm"]["text"], (stop, include)
+            assert answers["raycolo"]["finish_reason"] == answers["vllm"]["finish_reason"] == "stop"
+            assert answers["raycolo"]["text"].endswith(stop) == include
