@@ -88,8 +88,8 @@ class TextStream:
         self.decoder = decoder(tokenizer, prompt_ids, skip_special_tokens)
         self.stop = [s for s in stop if s]
         self.include_stop = include_stop
-        self.reach = max((len(s) for s in self.stop), default=1) - 1   # how far back a stop string may start
-        self.hold = 0 if include_stop else self.reach
+        # the longest tail that could still begin a stop string (nothing, when it is text anyway)
+        self.hold = 0 if include_stop else max((len(s) for s in self.stop), default=1) - 1
         self.text = ""                 # what the decoder emitted so far
         self.sent = 0                  # characters of it already given out
         self.stopped: Optional[str] = None   # the stop string that ended the text
@@ -99,9 +99,10 @@ class TextStream:
         ``check=False``: no stop string may end the text yet (before ``min_tokens``)."""
         if self.stopped is not None:
             return ""
+        before = len(self.text)
         self.text += self.decoder.step(token)
         if check:
-            hit = self._stop_hit(self.text)
+            hit = self._stop_hit(before)
             if hit is not None:
                 return hit
         end = len(self.text) - (self.hold if self.stop else 0)   # what could still begin a stop string
@@ -113,30 +114,29 @@ class TextStream:
 
     def flush(self) -> str:
         """At the end of generation: the text held back for stop strings (a character
-        still incomplete is not text)."""
+        still incomplete is not text). No stop string is searched here: every token's text
+        was searched as it came, where ``min_tokens`` allowed."""
         if self.stopped is not None:
             return ""
-        hit = self._stop_hit(self.text)
-        if hit is not None:
-            return hit
         delta = self.text[self.sent:]
         self.sent = len(self.text)
         return delta
 
-    def _stop_hit(self, text: str) -> Optional[str]:
-        """The delta up to the earliest stop string in ``text`` (and the stream stops), or
-        None when no stop string is there."""
-        if not self.stop:
-            return None
-        start = max(0, self.sent - self.reach)
-        hits = [(i, s) for i, s in ((text.find(s, start), s) for s in self.stop) if i >= 0]
-        if not hits:
-            return None
-        at, self.stopped = min(hits)
-        end = at + len(self.stopped) if self.include_stop else at
-        delta = text[self.sent:end]
-        self.sent = max(self.sent, end)
-        return delta
+    def _stop_hit(self, before: int) -> Optional[str]:
+        """vLLM's rule (``check_stop_strings``): the first stop string, in the order given,
+        with an occurrence that ends in the text added since ``before`` characters (text
+        before ``min_tokens`` was never searched, and is not searched later). Returns the
+        delta up to it (after it, with ``include_stop``) and the stream stops; or None."""
+        for s in self.stop:
+            at = self.text.find(s, max(0, before - len(s) + 1))
+            if at < 0:
+                continue
+            self.stopped = s
+            end = at + len(s) if self.include_stop else at
+            delta = self.text[self.sent:end]
+            self.sent = max(self.sent, end)
+            return delta
+        return None
 
 
 def text_stream(tokenizer, params, prompt_ids: Sequence[int] = ()) -> TextStream:

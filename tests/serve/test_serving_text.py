@@ -25,16 +25,23 @@ def stream_all(text_ids, stop, include_stop=False):
     return out + s.flush(), s.stopped
 
 
-def first_stop_cut(text: str, stop: list[str], include_stop: bool = False):
-    """Where generation ends the text: at the first character after which some stop string
-    has appeared, before the earliest one there (str.find on each prefix), or with
-    ``include_stop`` just after it (that character). A longer stop string that began
-    earlier but would complete later never does: generation has stopped. None when no
-    stop string appears."""
-    for n in range(1, len(text) + 1):
-        hits = [text[:n].find(s) for s in stop if s and s in text[:n]]
-        if hits:
-            return text[:n] if include_stop else text[:min(hits)]
+def vllm_stop_cut(ids, stop: list[str], include_stop: bool = False):
+    """vLLM v1's ``check_stop_strings`` (vllm/v1/engine/detokenizer.py), written out again
+    and run as each token's text arrives from the incremental decoder: only an occurrence
+    ending in the new characters counts, the first stop string in the order given wins,
+    and the text is cut before it (after it with ``include_stop``). None: no stop."""
+    from raycolo.generation.detokenize import decoder
+
+    d, text = decoder(TOK), ""
+    for t in ids:
+        new = d.step(t)
+        text += new
+        if not new:
+            continue
+        for s in stop:
+            i = text.find(s, 1 - len(new) - len(s))
+            if i != -1:
+                return text[:i + len(s)] if include_stop else text[:i]
     return None
 
 
@@ -44,20 +51,33 @@ def first_stop_cut(text: str, stop: list[str], include_stop: bool = False):
 @example("a\ufffd", ["\ufffd"])     # a real one, last: held back as if incomplete, never a stop
 @example("0\xdb0", ["\xdb", "0\xdb0"])   # the short stop completes first (a clean-clone run found it)
 def test_streamed_text_equals_the_decoded_text_cut_at_the_first_stop(text, stop):
-    """Whatever the byte boundaries, the deltas add up to the decoded text, cut before the
-    first stop string to appear (the reference: :func:`first_stop_cut`), or just after it
-    with ``include_stop_str_in_output``."""
+    """Whatever the byte boundaries, the deltas add up to the decoded text, cut where vLLM
+    cuts it (:func:`vllm_stop_cut`): before the stop string, or just after it with
+    ``include_stop_str_in_output``; nothing is held back past the end."""
     ids = TOK.encode(text)[1:]
     # a trailing U+FFFD is, to an incremental detokenizer, a character still incomplete: never
     # emitted, so never text and never part of a stop string (vLLM's DecodeStream alike)
     whole = text.rstrip("\ufffd")
     for include in (False, True):
         got, stopped = stream_all(ids, stop, include)
-        cut = first_stop_cut(whole, stop, include)
+        cut = vllm_stop_cut(ids, stop, include)
         if cut is not None:
             assert stopped is not None and got == cut and (not include or cut.endswith(stopped))
         else:
             assert stopped is None and got == whole
+
+
+def test_a_stop_string_before_min_tokens_is_never_a_stop_later():
+    """vLLM searches only the text each token adds, once ``min_tokens`` allow it: a stop
+    string that appeared earlier does not end the text later (it did: "b", then STOP)."""
+    for include in (False, True):
+        s = TextStream(TOK, ["bc"], include_stop=include)
+        out = [s.add(t, check=i >= 2) for i, t in enumerate(TOK.encode("bcxa")[1:])]
+        assert "".join(out) + s.flush() == "bcxa" and s.stopped is None
+    s = TextStream(TOK, ["x", "ab"])           # the first in the given order wins, as in vLLM
+    assert "".join(s.add(t) for t in TOK.encode("cab")[1:]) == "c" and s.stopped == "ab"
+    s = TextStream(TOK, ["b", "ab"])
+    assert "".join(s.add(t) for t in TOK.encode("cab")[1:]) == "ca" and s.stopped == "b"
 
 
 def test_with_the_stop_string_included_nothing_is_held_back():

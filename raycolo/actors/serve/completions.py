@@ -316,9 +316,15 @@ class Completions:
         kind = "chat.completion" if chat else "text_completion"
         # n choices: n requests, choice i drawn with seed + i (all admitted before any is awaited)
         admitted = []
-        for i in range(body.n):
-            choice_params = params if i == 0 else params.model_copy(update={"seed": params.seed + i})
-            admitted.append(await self._admit(body, ids, choice_params, variant))
+        try:
+            for i in range(body.n):
+                choice_params = params if i == 0 else params.model_copy(update={"seed": params.seed + i})
+                admitted.append(await self._admit(body, ids, choice_params, variant))
+        except BaseException:     # choice k refused (429...) or the client gone: the others must not run on
+            for a in admitted:
+                self.channel.close(a.front)
+                self.controller.cancel.remote(a.rid, FinishReason.ABORT)
+            raise
         out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted[0].rid}-{uuid.uuid4().hex[:8]}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -431,11 +437,12 @@ class Completions:
             if readmit is not None and not readmit.done():
                 readmit.cancel()
             if not finished:      # the client disconnected: free the request's work
+                # counted first: a cancelled stream may be cancelled again at the await below
+                self._finish(FinishReason.ABORT, started, count)
                 try:
                     await self.controller.cancel.remote(admitted.rid, FinishReason.ABORT)
                 except (RayActorError, ActorUnavailableError):
                     pass          # the controller died: the request died with it
-                self._finish(FinishReason.ABORT, started, count)
 
     def _finish(self, reason: FinishReason, started: float, tokens: int) -> None:
         """A request ended: its outcome, latency and generated tokens, once per request."""

@@ -16,6 +16,7 @@ Pure asyncio: no Ray.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import AsyncIterator, Sequence
 
@@ -34,28 +35,31 @@ async def sse_answer(choices: Sequence[AsyncIterator], tokenizer, out_id: str, c
     if chat:
         for sse in sses:
             yield sse.chunk(None, None, role=True)
-    events = _indexed(choices[0]) if len(choices) == 1 else _merged(choices)
-    async for i, (delta, finish, count, lps) in events:
-        sse, counts[i] = sses[i], count
-        if finish == FinishReason.ERROR:       # after the 200: the failure travels inside the stream
-            text, lps = held[i].add("", count, [], final=True)
-            if text or lps:
-                yield sse.chunk(text, None, lps=lps)
-            yield sse.error(OpenAIError(503, f"generation failed: {delta}", code="generation_failed").body())
-            break
-        out = held[i].add(delta, count, lps, final=finish is not None)
-        if out is not None and (out[0] or out[1]):
-            yield sse.chunk(out[0], None, lps=out[1])
-        if finish:
-            yield sse.chunk(None, finish)
+    # closed as soon as the loop ends (a failed choice cancels the others then, not when
+    # the generator is collected)
+    async with contextlib.aclosing(_indexed(choices[0]) if len(choices) == 1 else _merged(choices)) as events:
+        async for i, (delta, finish, count, lps) in events:
+            sse, counts[i] = sses[i], count
+            if finish == FinishReason.ERROR:       # after the 200: the failure travels inside the stream
+                text, lps = held[i].add("", count, [], final=True)
+                if text or lps:
+                    yield sse.chunk(text, None, lps=lps)
+                yield sse.error(OpenAIError(503, f"generation failed: {delta}", code="generation_failed").body())
+                break
+            out = held[i].add(delta, count, lps, final=finish is not None)
+            if out is not None and (out[0] or out[1]):
+                yield sse.chunk(out[0], None, lps=out[1])
+            if finish:
+                yield sse.chunk(None, finish)
     if include_usage:
         yield sses[0].usage(prompt_tokens, sum(counts))
     yield SseChunks.DONE
 
 
 async def _indexed(events: AsyncIterator):
-    async for event in events:
-        yield 0, event
+    async with contextlib.aclosing(events):
+        async for event in events:
+            yield 0, event
 
 
 _END = object()
