@@ -116,7 +116,7 @@ class SamplingParams(BaseModel):
                                                 "most likely tokens' (of the raw model distribution)")
     min_p: MinP = 0.0
     logit_bias: tuple[tuple[Annotated[int, Field(ge=0)], LogitBias], ...] = Field(
-        default=(), max_length=MAX_LOGIT_BIAS_TOKENS,
+        default=(),
         description="(token id, bias) pairs, or a mapping of id to bias: added to the raw logits first")
 
     @field_validator("logit_bias", mode="before")

@@ -60,13 +60,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class _Closed(BaseModel):
+class Closed(BaseModel):
     """A generation request's parts: a field raycolo does not support is a 400 naming it."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class StreamOptions(_Closed):
+class StreamOptions(Closed):
     include_usage: bool = False
 
 
@@ -174,7 +174,7 @@ class CompletionRequest(SamplingFields):
         return prompt
 
 
-class TextPart(_Closed):
+class TextPart(Closed):
     type: Literal["text"]
     text: Text
 
@@ -183,7 +183,7 @@ def _content_form(content) -> Optional[str]:
     return "{text}" if isinstance(content, str) else "[parts]" if isinstance(content, list) else None
 
 
-class ChatMessage(_Closed):
+class ChatMessage(Closed):
     role: Literal["system", "developer", "user", "assistant"]
     # tagged by the form it has, so an error names the part at fault (the tags are no parameter)
     content: Annotated[Union[Annotated[Text, Tag("{text}")], Annotated[list[TextPart], Tag("[parts]")]],
@@ -330,7 +330,7 @@ class LoadLoraAdapterRequest(BaseModel):
     """POST /v1/load_lora_adapter: vLLM's body."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    lora_name: str = Field(min_length=1, max_length=512, description="the model name requests will use")
+    lora_name: ModelName = Field(description="the model name requests will use")
     lora_path: str = Field(min_length=1, max_length=4096, description="a peft LoRA adapter directory "
                            "(adapter_config.json, adapter_model.safetensors) the deployment can read; "
                            "a relative path is taken from the controller's directory")

@@ -14,26 +14,22 @@ from __future__ import annotations
 
 from typing import Annotated, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag
+from pydantic import BaseModel, Discriminator, Field, RootModel, Tag
 
 from raycolo.bounds import MAX_TOKENS
-from raycolo.online.serving.protocol import ChatMessage, ModelName, Text
+from raycolo.online.serving.protocol import ChatMessage, Closed, ModelName, Text
 
 PROMPT, CHAT = '{"prompt": ...}', '{"messages": [...]}'      # the body's forms (union tags)
 
 
-class _Closed(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class TokenizeCompletionRequest(_Closed):
+class TokenizeCompletionRequest(Closed):
     model: Optional[ModelName] = None
     prompt: Text
     add_special_tokens: bool = Field(default=True, description="the tokenizer's special tokens (a BOS) too")
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Closed):
+class TokenizeChatRequest(Closed):
     model: Optional[ModelName] = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = Field(default=True, description="end with the assistant's turn opening")
@@ -62,7 +58,7 @@ class TokenizeResponse(BaseModel):
     token_strs: Optional[list[str]] = None
 
 
-class DetokenizeRequest(_Closed):
+class DetokenizeRequest(Closed):
     model: Optional[ModelName] = None
     tokens: list[Annotated[int, Field(ge=0)]] = Field(max_length=MAX_TOKENS)
 
