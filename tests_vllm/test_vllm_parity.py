@@ -138,3 +138,36 @@ def test_stop_strings_with_and_without_include_stop_str_in_output_match_vllm(ser
             assert answers["raycolo"]["text"] == answers["vllm"]["text"], (stop, include)
             assert answers["raycolo"]["finish_reason"] == answers["vllm"]["finish_reason"] == "stop"
             assert answers["raycolo"]["text"].endswith(stop) == include
+
+
+def test_structured_outputs_match_vllm(servers):
+    """OpenAI's ``response_format`` (json_schema, json_object) and vLLM's
+    ``structured_outputs`` (regex, choice, grammar), greedy, on completions and chats: the
+    same text and finish reason as vLLM's server (its xgrammar backend, the default)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["city", "n"]}
+    forms = [{"response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}},
+             {"response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}},
+              "structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+             {"response_format": {"type": "json_object"}},
+             {"structured_outputs": {"regex": r"(yes|no), [a-z]{2,5}\."}},
+             {"structured_outputs": {"choice": ["river", "the sea", "a \"quoted\" one"]}},
+             {"structured_outputs": {"grammar": 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'}}]
+    cases = greedy_cases(servers["path"], MAX_NEW, n=4)[:2]
+    seen = set()
+    for case in cases:
+        for form in forms:
+            if isinstance(case["prompt"], str):
+                route, body, pick = "/v1/completions", {"prompt": case["prompt"]}, lambda a: a["choices"][0]["text"]
+            else:
+                route, body = "/v1/chat/completions", {"messages": case["prompt"]}
+                pick = lambda a: a["choices"][0]["message"]["content"]     # noqa: E731
+            body.update(model="m", max_tokens=MAX_NEW, temperature=0, **form)
+            answers = {n: _post(url, route, body) for n, url in servers["urls"].items()}
+            texts = {n: pick(a) for n, a in answers.items()}
+            assert texts["raycolo"] == texts["vllm"], (case["prompt"], form)
+            reasons = {n: a["choices"][0]["finish_reason"] for n, a in answers.items()}
+            assert reasons["raycolo"] == reasons["vllm"], (case["prompt"], form)
+            seen.add(reasons["vllm"])
+    assert "stop" in seen

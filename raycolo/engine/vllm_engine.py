@@ -184,6 +184,11 @@ class VllmEngine(Engine):
             extra["logit_bias"] = dict(params.logit_bias)
         if params.min_p > 0:
             extra["min_p"] = params.min_p
+        if params.structured_outputs is not None:      # the same constraint, built by vLLM's own backend
+            from vllm.sampling_params import StructuredOutputsParams
+
+            extra["structured_outputs"] = StructuredOutputsParams(
+                **params.structured_outputs.model_dump(mode="json", by_alias=True, exclude_none=True))
         sampling = self._vllm.SamplingParams(
             max_tokens=params.max_tokens, min_tokens=params.min_tokens, temperature=params.temperature,
             top_p=params.top_p, seed=seed, ignore_eos=params.ignore_eos,

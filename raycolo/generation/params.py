@@ -2,7 +2,8 @@
 
 Defaults and bounds are declared here once; the HTTP protocol, the offline DAG nodes and
 the engines take them from here. The order in which the sampler applies them is vLLM
-v1's (``vllm/v1/sample/sampler.py``): log-probabilities of the raw logits, then the
+v1's (``vllm/v1/sample/sampler.py``): the structured-output mask (vLLM's model runner
+applies it before the sampler), log-probabilities of the logits so far, then the
 logit bias, the repetition, presence and frequency penalties, the ``min_tokens`` mask of
 stop tokens, then (for rows that draw) temperature, min-p, top-k, top-p, and the draw. Temperature below :data:`GREEDY_EPS` is greedy
 (vLLM's ``_SAMPLING_EPS``).
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from raycolo.generation.structured import StructuredOutputs
 
 GREEDY_EPS = 1e-5
 MAX_TOKENS_LIMIT = 1 << 31
@@ -118,6 +121,9 @@ class SamplingParams(BaseModel):
     logit_bias: tuple[tuple[Annotated[int, Field(ge=0)], LogitBias], ...] = Field(
         default=(),
         description="(token id, bias) pairs, or a mapping of id to bias: added to the raw logits first")
+    structured_outputs: Optional[StructuredOutputs] = Field(
+        default=None, description="a JSON schema, regex, choice list or grammar the text must follow "
+                                  "(raycolo.generation.structured); its mask comes before everything else")
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -152,12 +158,15 @@ class SamplingParams(BaseModel):
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits: the argmax of the raw logits."""
-        return self.greedy and not self.penalized and self.min_tokens == 0 and not self.logit_bias
+        return (self.greedy and not self.penalized and self.min_tokens == 0 and not self.logit_bias
+                and self.structured_outputs is None)
 
     def remaining(self, generated: int) -> "SamplingParams":
         """The same request continued after ``generated`` tokens elsewhere (a preempted or
         moved request re-prefills its output; the limits shrink by what was generated)."""
         if generated <= 0:
             return self
+        if self.structured_outputs is not None:
+            raise ValueError("structured_outputs: a request continued without its output loses its grammar state")
         return self.model_copy(update={"max_tokens": self.max_tokens - generated,
                                        "min_tokens": max(0, self.min_tokens - generated)})

@@ -20,8 +20,10 @@ def position_seed(seed: int, position: int) -> int:
 @dataclass
 class SamplingRow:
     """What the sampler needs for one row: the params, the request's seed and how many
-    tokens it generated so far (the position of this draw); where a penalty asks for
-    them, the prompt and the output so far; where ``min_tokens`` does, the stop tokens."""
+    tokens it generated so far (the position of this draw); where a penalty or a
+    structured output asks for them, the prompt and the output so far; where
+    ``min_tokens`` does, the stop tokens; where a structured output does, the request's
+    key (its grammar matcher's, :mod:`.grammar_masks`)."""
 
     params: SamplingParams
     seed: int
@@ -29,15 +31,18 @@ class SamplingRow:
     output: Sequence[int] = ()
     prompt: Sequence[int] = ()
     stop_ids: frozenset = field(default_factory=frozenset)
+    key: object = None
 
     @classmethod
     def of(cls, params: SamplingParams, seed: int, output: Sequence[int], prompt: Sequence[int] = (),
-           stop_ids: frozenset = frozenset()) -> "SamplingRow":
-        """A row carrying only what its params need (it crosses process boundaries)."""
-        history = params.penalized
+           stop_ids: frozenset = frozenset(), key: object = None) -> "SamplingRow":
+        """A row carrying only what its params need (it crosses process boundaries);
+        ``key``: the request's identity (a structured output's matcher is kept under it)."""
+        structured = params.structured_outputs is not None
+        history = params.penalized or structured
         return cls(params, seed, len(output), list(output) if history else (),
                    list(prompt) if params.repetition_penalty != 1.0 else (),
-                   stop_ids if params.min_tokens > len(output) else frozenset())
+                   stop_ids if params.min_tokens > len(output) else frozenset(), key if structured else None)
 
 
 @dataclass

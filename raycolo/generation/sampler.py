@@ -1,7 +1,8 @@
 """The next token of each row of a batch's logits: one sampler for every backend that
 runs raycolo's own model code (the offline torch engine and the online stage pipeline).
 
-Per row, in vLLM v1's order: the raw log-probabilities (when asked for), the logit bias,
+Per row, in vLLM v1's order: the structured-output mask (tokens its grammar does not allow
+next are ``-inf``, :mod:`.grammar_masks`), the log-probabilities (when asked for), the logit bias,
 the repetition penalty over prompt and output tokens (positive logits divided by it,
 negative ones multiplied), the presence and frequency penalties over output tokens, the
 ``min_tokens`` mask of stop tokens, then greedy argmax, or temperature, min-p (a token
@@ -196,22 +197,40 @@ def _race(y: torch.Tensor, seeds: torch.Tensor, elements: int = RACE_ELEMENTS) -
     return tokens
 
 
-@torch.inference_mode()
-def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """The float32 logits each row is sampled from: after the logit bias, the penalties
-    and the ``min_tokens`` mask and, for rows that draw, temperature, min-p, top-k and top-p (``-inf``
-    where a token is excluded). A greedy row takes their argmax, a drawing row draws from
-    their softmax; plain greedy rows are the raw logits."""
-    return _process(logits.to(torch.float32, copy=True), _Plan(rows, logits.shape[-1], logits.device))[0]
+def _grammar_masked(x: torch.Tensor, rows: Sequence[SamplingRow], grammar) -> torch.Tensor:
+    """``x`` with the tokens each structured row's grammar forbids next at ``-inf``
+    (``grammar``: the model's :class:`~.grammar_masks.GrammarMasks`)."""
+    if not any(r.params.structured_outputs is not None for r in rows):
+        return x
+    if grammar is None:
+        raise ValueError("structured_outputs: this backend was given no grammar masks")
+    bitmask = grammar.bitmask(rows)
+    if bitmask is None:
+        return x
+    from raycolo.generation.grammar_masks import allowed
+    return x.masked_fill_(~allowed(bitmask.to(x.device, non_blocking=True), x.shape[1]), NEG_INF)
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Sampled:
-    """The next token of each row of ``logits`` (rows x vocabulary)."""
+def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], grammar=None) -> torch.Tensor:
+    """The float32 logits each row is sampled from: after the structured-output mask, the
+    logit bias, the penalties and the ``min_tokens`` mask and, for rows that draw,
+    temperature, min-p, top-k and top-p (``-inf`` where a token is excluded). A greedy row
+    takes their argmax, a drawing row draws from their softmax; plain greedy rows are the
+    raw logits."""
+    x = _grammar_masked(logits.to(torch.float32, copy=True), rows, grammar)
+    return _process(x, _Plan(rows, logits.shape[-1], logits.device))[0]
+
+
+@torch.inference_mode()
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], grammar=None) -> Sampled:
+    """The next token of each row of ``logits`` (rows x vocabulary). ``grammar``: the
+    model's :class:`~.grammar_masks.GrammarMasks`, needed where a row has structured outputs."""
     if all(plain(r.params) for r in rows):
         return sample_plain(logits)
     plan = _Plan(rows, logits.shape[-1], logits.device)
-    x = logits.to(torch.float32, copy=True)          # the one upcast (_process may overwrite it)
+    # the one upcast (_process may overwrite it), masked by the rows' grammars first
+    x = _grammar_masked(logits.to(torch.float32, copy=True), rows, grammar)
     ask = plan.t.get("ask")
     raw = None
     if plan.has["ask"]:                               # the raw distribution, before any processing

@@ -122,7 +122,8 @@ def stage_message(op: Op, stages: int, requests: Mapping[int, ServedRequest],
             tokens = [[q.generated[-1]] for q in reqs]
         sampling = None     # the last stage samples (raycolo.generation.sampler); None: all plain greedy
         if last and not all(plain(q.params) for q in reqs):
-            sampling = [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids) for q in reqs]
+            sampling = [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids, q.task.task_id)
+                        for q in reqs]
         return ForwardStep(prefill=op.kind == OpKind.PREFILL, requests=[q.task.task_id for q in reqs],
                            counts=[len(t) for t in tokens], tokens=tokens if s == 0 else None,
                            base=tuple(q.task.task_id for q in reqs if q.base),

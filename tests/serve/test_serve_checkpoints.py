@@ -10,6 +10,8 @@ controller, a chunk per 5 tokens), and the Qwen2 ChatML one (every op through th
 """
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -188,6 +190,46 @@ def test_logit_bias_as_transformers_applies_it_and_min_p_one_is_greedy(front):
     r = c.completions.create(model=front["model"], prompt=case["prompt"], max_tokens=MAX_NEW, temperature=1.0,
                              seed=3, extra_body={"min_p": 1.0})
     assert r.choices[0].text == case["text"]
+
+
+def test_structured_outputs_equal_generate_under_xgrammar(front):
+    """``response_format`` (OpenAI's json_schema, streamed and not) and vLLM's
+    ``structured_outputs`` (regex, choice) through the stages: transformers' greedy tokens
+    under xgrammar's own logits processor (tests/support/constrained.py), texts that parse."""
+    from tests.support.constrained import constrained_reference
+
+    c = client(front)
+    _, tok = load(front["path"])
+    case = front["cases"][0]
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                               "ok": {"type": "boolean"}}, "required": ["city", "ok"]}
+    forms = [({"json": schema, "disable_any_whitespace": True},
+              dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "place",
+                                                                                        "schema": schema}},
+                               "structured_outputs": {"choice": ["x"], "disable_any_whitespace": True}})),
+             ({"regex": r"(yes|no), [a-z]{2,5}\."}, dict(extra_body={"structured_outputs": {"regex": r"(yes|no), [a-z]{2,5}\."}})),
+             ({"choice": ["river", "the sea"]}, dict(extra_body={"structured_outputs": {"choice": ["river", "the sea"]}}))]
+    for constraint, body in forms:
+        ids, reason = constrained_reference(front["path"], case["prompt_ids"], constraint, MAX_NEW)
+        want = tok.decode(ids, skip_special_tokens=True)
+        if reason == "stop" and "json" in constraint:
+            assert set(json.loads(want)) == {"city", "ok"}
+        for stream in (False, True):
+            r = c.completions.create(model=front["model"], prompt=case["prompt_ids"], max_tokens=MAX_NEW,
+                                     temperature=0, stream=stream, **body)
+            text = "".join(ch.choices[0].text for ch in r) if stream else r.choices[0].text
+            assert text == want, (constraint, stream)
+            if not stream:
+                assert r.choices[0].finish_reason == reason and r.usage.completion_tokens == len(ids)
+    # chat, json_object: the text is one JSON object
+    r = c.chat.completions.create(model=front["model"], messages=[{"role": "user", "content": "Where?"}],
+                                  max_tokens=MAX_NEW, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")
+    with httpx.Client(base_url=front["url"], timeout=60) as h:      # a regex xgrammar cannot parse: a 400 naming it
+        r = h.post("/v1/completions", json={"model": front["model"], "prompt": "x", "max_tokens": 4,
+                                            "structured_outputs": {"regex": "a(b"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+    assert "parenthesis" in r.json()["error"]["message"]
 
 
 def test_tokenize_and_detokenize_are_the_tokenizers_and_the_routes_prefill(front):

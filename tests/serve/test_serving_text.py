@@ -129,6 +129,23 @@ def test_plain_chat_template_and_training_completions():
     ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
     ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"model": "m", "prompt": "x", "n": 17}, "n"),
+    # structured outputs: the constraint xgrammar cannot build is refused with its reason
+    ({"model": "m", "prompt": "x", "response_format": {"type": "json"}}, "response_format.type"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "a",
+      "schema": {"type": "object"}, "extra": 1}}}, "response_format.json_schema.extra"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {}}, "structured_outputs"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"json": "[1]"}}, "structured_outputs.json"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"json": {"type": "object", "properties": {"a": {
+      "$ref": "#/$defs/missing"}}}}}, "structured_outputs"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice[1]"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"structural_tag": "{}"}},
+     "structured_outputs.structural_tag"),
 ])
 def test_invalid_completion_requests_name_their_parameter(body, param):
     with pytest.raises(ValidationError) as exc:
@@ -150,6 +167,28 @@ def test_valid_requests_and_whole_floats():
                                           "logit_bias": {"7": -100, "5": 1.5}})
     params = r.sampling_params(8, 0)
     assert params.min_p == 0.1 and params.logit_bias == ((5, 1.5), (7, -100.0))
+
+
+def test_response_format_and_structured_outputs_become_one_constraint():
+    """OpenAI's ``response_format`` maps onto vLLM's ``structured_outputs`` as vLLM's
+    server maps it: it wins where both are given, keeping ``disable_any_whitespace``."""
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    def params(**body):
+        return CompletionRequest.model_validate({"model": "m", "prompt": "x", **body}).sampling_params(8, 0)
+    got = params(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+                 ).structured_outputs
+    assert got.kind.value == "json" and json.loads(got.json_schema) == schema
+    assert list(json.loads(got.json_schema)["properties"]) == ["b", "a"]          # the order the text follows
+    assert params(response_format={"type": "text"}).structured_outputs is None
+    got = params(response_format={"type": "json_object"},
+                 structured_outputs={"regex": "[0-9]+", "disable_any_whitespace": True}).structured_outputs
+    assert got.kind.value == "json_object" and got.disable_any_whitespace
+    got = params(structured_outputs={"choice": ["yes", "no"]}).structured_outputs
+    assert got.choice == ("yes", "no") and params(temperature=0).plain_greedy
+    assert not params(temperature=0, structured_outputs={"choice": ["a"]}).plain_greedy
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "a"}],
+                                                 "structured_outputs": {"json": json.dumps(schema)}})
+    assert chat.sampling_params(8, 0).structured_outputs.json_schema == json.dumps(schema)
 
 
 @pytest.mark.parametrize("sample", [

@@ -12,6 +12,7 @@ on its stage 0 and sends the other stages their ops (:mod:`raycolo.actors.online
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -82,8 +83,14 @@ def stage_loop(config: dict) -> None:
         inbox = NodeInbox(node, ray.util.get_node_ip_address())
     side = p2p_group(dist)       # every rank, once: a gloo group where the stages' group is NCCL
     messages = idle_group(dist)  # every rank, once: the node loop's messages, however long the node idles
+    grammar = None               # the last stage samples: structured outputs' masks, built at their first need
+    if stage == stages - 1:
+        from raycolo.generation.grammar_masks import GrammarMasks
+
+        grammar = functools.partial(GrammarMasks.for_model, config["model_id"], model_config.vocab_size)
     while True:
-        proc = StageProcess(stage_model, stage, stages, model_config.hidden_size, dtype, dist, side, messages)
+        proc = StageProcess(stage_model, stage, stages, model_config.hidden_size, dtype, dist, side, messages,
+                            grammar)
         me = ray.get_runtime_context()
         epoch = ray.get(controller.register.remote(node, stage, WorkerInfo(started=started,
             actor_id=me.get_actor_id(), pid=os.getpid(), node_id=me.get_node_id(),

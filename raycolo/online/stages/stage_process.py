@@ -44,12 +44,16 @@ class StageProcess:
     (or None for a single stage)."""
 
     def __init__(self, stage_model, stage: int, stages: int, hidden_size: int, dtype, dist, group=None,
-                 messages=None):
+                 messages=None, grammar=None):
         """``group``: the group of the point-to-point traffic (:func:`p2p_group`; None: the
         default group). ``messages``: the group the node loop's messages to and from this
         stage travel on (:func:`~raycolo.engine.executor.idle_group.idle_group`: a stage
-        waits there for its next op as long as its node idles)."""
+        waits there for its next op as long as its node idles). ``grammar``: on the last
+        stage, what builds the model's
+        :class:`~raycolo.generation.grammar_masks.GrammarMasks` (called at the first
+        structured-output request; None: such requests fail)."""
         self.model, self.stage, self.stages = stage_model, stage, stages
+        self.grammar, self.grammar_masks = grammar, None
         self.hidden, self.dtype, self.dist, self.group = hidden_size, dtype, dist, group
         self.messages = messages
         # where the stage computes, and where its point-to-point tensors live: NCCL sends
@@ -162,7 +166,13 @@ class StageProcess:
         if self.last:    # op.sampling: a SamplingRow per request (None: all plain greedy)
             from raycolo.generation.sampler import sample, sample_plain
 
-            sampled = sample_plain(out) if op.sampling is None else sample(out, op.sampling)
+            if op.sampling is None:
+                sampled = sample_plain(out)
+            else:
+                if (self.grammar_masks is None and self.grammar is not None
+                        and any(r.params.structured_outputs is not None for r in op.sampling)):
+                    self.grammar_masks = self.grammar()
+                sampled = sample(out, op.sampling, self.grammar_masks)
             result.tokens = sampled.tokens
             if any(lp is not None for lp in sampled.logprobs):
                 result.logprobs = sampled.logprobs

@@ -1,0 +1,138 @@
+"""Structured outputs: a request whose text must follow a JSON schema, a regular
+expression, a list of choices or a grammar (vLLM's ``StructuredOutputsParams``, same
+names and meanings; OpenAI's ``response_format`` maps onto it).
+
+This module is the request's side: the constraint as plain, frozen data that crosses
+process boundaries, checked when the request is made (a schema that is not JSON, a regex
+or grammar xgrammar cannot parse, is a clear error then, not a failed request later).
+:mod:`.grammar_masks` turns it into the per-token masks the sampler applies.
+
+The grammars are xgrammar's (the library vLLM's default structured-output backend uses),
+built the way vLLM's ``XgrammarBackend`` builds them, so a greedy request gives the same
+text on raycolo and on vLLM: JSON schemas with any whitespace between tokens unless
+``disable_any_whitespace`` (then ``,`` and ``:`` with no space), ``json_object`` as the
+schema ``{"type": "object"}``, choices as the EBNF alternation of the literal strings.
+"""
+from __future__ import annotations
+
+import json as jsonlib
+import re
+from enum import Enum
+from typing import Annotated, Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_SCHEMA_CHARS = 1 << 16       # a JSON schema, as JSON text
+MAX_REGEX_CHARS = 1 << 12
+MAX_GRAMMAR_CHARS = 1 << 16
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1 << 10
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+COMPACT_SEPARATORS = (",", ":")
+
+
+class ConstraintKind(str, Enum):
+    """Which of :class:`StructuredOutputs`' constraints a request has."""
+
+    JSON = "json"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    CHOICE = "choice"
+    GRAMMAR = "grammar"
+
+
+def _ebnf_literal(text: str) -> str:
+    """``text`` as a quoted EBNF string literal (backslash, quote, CR, LF, tab and the
+    other control characters escaped)."""
+    escapes = {"\\": r"\\", '"': r"\"", "\n": r"\n", "\r": r"\r", "\t": r"\t"}
+    return '"' + "".join(escapes.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+                         for c in text) + '"'
+
+
+def choice_grammar(choices) -> str:
+    """The EBNF grammar whose sentences are exactly ``choices``."""
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+Choice = Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]
+
+
+class StructuredOutputs(BaseModel):
+    """Exactly one constraint on a request's text (vLLM's names; ``json`` may be a
+    schema object or its JSON text, kept as text)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    json_schema: Optional[str] = Field(default=None, alias="json", max_length=MAX_SCHEMA_CHARS,
+                                       description="a JSON schema (an object, or its JSON text) the text must satisfy")
+    regex: Optional[str] = Field(default=None, min_length=1, max_length=MAX_REGEX_CHARS,
+                                 description="a regular expression the whole text must match")
+    choice: Optional[tuple[Choice, ...]] = Field(default=None, min_length=1, max_length=MAX_CHOICES,
+                                                 description="the text is exactly one of these")
+    grammar: Optional[str] = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS,
+                                   description="an EBNF (GBNF) grammar with a 'root' rule the text must follow")
+    json_object: Optional[bool] = Field(default=None, description="true: the text is a JSON object")
+    disable_any_whitespace: bool = Field(default=False, description="JSON without whitespace between its "
+                                                                    "tokens (else any whitespace may appear)")
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_text(cls, schema: Any):
+        if isinstance(schema, (dict, bool)):
+            return jsonlib.dumps(schema, ensure_ascii=False)
+        if isinstance(schema, str):
+            try:
+                parsed = jsonlib.loads(schema)
+            except ValueError as exc:
+                raise ValueError(f"is not JSON: {exc}") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError("a JSON schema is an object (or true/false)")
+        return schema
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = [k.value for k in ConstraintKind if self._spec_of(k) is not None]
+        if self.json_object is False:
+            given.remove(ConstraintKind.JSON_OBJECT.value)
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar and json_object"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        grammar(self)        # a constraint xgrammar cannot build is refused now, with its reason
+        return self
+
+    def _spec_of(self, kind: ConstraintKind):
+        return {ConstraintKind.JSON: self.json_schema, ConstraintKind.JSON_OBJECT: self.json_object,
+                ConstraintKind.REGEX: self.regex, ConstraintKind.CHOICE: self.choice,
+                ConstraintKind.GRAMMAR: self.grammar}[kind]
+
+    @property
+    def kind(self) -> ConstraintKind:
+        return next(k for k in ConstraintKind if self._spec_of(k) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """Equal for constraints that build the same grammar (the compiled grammars' cache key)."""
+        return self.kind, self._spec_of(self.kind), self.disable_any_whitespace
+
+
+def grammar(constraint: StructuredOutputs):
+    """``constraint``'s xgrammar ``Grammar`` (no tokenizer needed). Raises ValueError
+    with xgrammar's reason where it cannot be built."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        raise ValueError("structured outputs need the xgrammar package (pip install xgrammar)") from None
+    kind = constraint.kind
+    try:
+        if kind in (ConstraintKind.JSON, ConstraintKind.JSON_OBJECT):
+            schema = constraint.json_schema if kind is ConstraintKind.JSON else JSON_OBJECT_SCHEMA
+            compact = constraint.disable_any_whitespace
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=not compact,
+                                                separators=COMPACT_SEPARATORS if compact else None)
+        if kind is ConstraintKind.REGEX:
+            return xgr.Grammar.from_regex(constraint.regex)
+        text = choice_grammar(constraint.choice) if kind is ConstraintKind.CHOICE else constraint.grammar
+        return xgr.Grammar.from_ebnf(text)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        reason = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", " ".join(str(exc).split()))[:300]   # no C++ source line
+        raise ValueError(f"{kind.value}: xgrammar cannot build it: {reason}") from None

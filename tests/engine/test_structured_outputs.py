@@ -1,0 +1,134 @@
+"""Structured outputs on the torch engine (raycolo.generation.structured, .grammar_masks):
+greedy text under a JSON schema, a regex, choices, a grammar and ``json_object``, batched
+with each other and with free rows, equals transformers' ``generate()`` under xgrammar's own
+logits processor one request at a time (tests/support/constrained.py); the texts that end
+parse and satisfy their constraint by Python's own ``json`` and ``re``; preemption and a
+matcher cache too small to hold the batch (every step replays) change nothing."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tests.support.constrained import constrained_reference
+from tests.support.hf_checkpoints import load
+from raycolo.engine import create_engine
+from raycolo.generation import SamplingParams
+from raycolo.generation.grammar_masks import GrammarMasks, allowed
+from raycolo.generation.structured import StructuredOutputs
+
+MAX_NEW = 32
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}},
+          "required": ["city", "n", "ok"], "additionalProperties": False}
+REGEX = r"(yes|no), [a-z]{2,5}\."
+CHOICES = ["river", "mountain", "the sea", "tab\there"]
+CONSTRAINTS = [{"json": SCHEMA, "disable_any_whitespace": True}, {"regex": REGEX}, {"choice": CHOICES},
+               {"grammar": 'root ::= "(" [0-9] ("+" [0-9])? ")"'}, {"json_object": True, "disable_any_whitespace": True},
+               {"json": SCHEMA}]
+PROMPTS = ["The river was quiet in the morning", "Where did the people go", "Tell me about São Paulo",
+           "She made 42 words", "Look at the light", "One two three"]
+
+
+def satisfied(constraint: dict, text: str) -> bool:
+    """An independent check of a finished text: Python's json and re."""
+    if "regex" in constraint:
+        return re.fullmatch(constraint["regex"], text) is not None
+    if "choice" in constraint:
+        return text in constraint["choice"]
+    if "grammar" in constraint:
+        return re.fullmatch(r"\([0-9](\+[0-9])?\)", text) is not None
+    value = json.loads(text)
+    if constraint.get("json_object"):
+        return isinstance(value, dict)
+    return (isinstance(value, dict) and set(value) == {"city", "n", "ok"} and isinstance(value["city"], str)
+            and len(value["city"]) <= 5 and type(value["n"]) is int and 0 <= value["n"] <= 99 and type(value["ok"]) is bool)
+
+
+@pytest.fixture(scope="module")
+def engines(hf_checkpoints):
+    out = {kind: create_engine({"model_loading_config": {"model_id": str(hf_checkpoints[kind])},
+                                "engine_kwargs": {"kv_cache_tokens": 4096}}) for kind in ("llama3", "qwen2")}
+    yield out
+    for e in out.values():
+        e.release()
+
+
+def test_the_bitmask_is_xgrammars_layout():
+    """allowed() reads the bits as xgrammar's own apply_token_bitmask_inplace does."""
+    import xgrammar as xgr
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (31, 64, 1000):
+        mask = torch.randint(-2 ** 31, 2 ** 31 - 1, xgr.get_bitmask_shape(3, vocab), generator=g, dtype=torch.int32)
+        logits = torch.randn(3, vocab, generator=g)
+        ref = logits.clone()
+        xgr.apply_token_bitmask_inplace(ref, mask)
+        assert torch.equal(logits.masked_fill(~allowed(mask, vocab), float("-inf")), ref)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_greedy_constrained_text_equals_generate_under_xgrammar(kind, hf_checkpoints, engines, one_torch_thread):
+    path, engine = hf_checkpoints[kind], engines[kind]
+    tok = load(path)[1]
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    params = [SamplingParams(max_tokens=MAX_NEW, structured_outputs=StructuredOutputs(**c)) for c in CONSTRAINTS]
+    free = SamplingParams(max_tokens=MAX_NEW)
+    outs = engine.generate(prompts + prompts[:2], params + [free, free])      # one batch: constrained and free
+    ended = 0
+    for c, p, o in zip(CONSTRAINTS, prompts, outs):
+        ids, reason = constrained_reference(path, p, c, MAX_NEW)
+        assert o.token_ids == ids and o.finish_reason == reason, c
+        if reason == "stop":
+            ended += 1
+            assert satisfied(c, o.text), (c, o.text)
+    assert ended >= 4                              # the schema, regex, choice and grammar ones end on the tiny model
+    free_outs = engine.generate(prompts[:2], free)
+    assert [o.token_ids for o in outs[-2:]] == [o.token_ids for o in free_outs]
+
+
+def test_preemption_and_a_cache_of_one_matcher_change_nothing(hf_checkpoints, engines, one_torch_thread):
+    """Few KV blocks (requests preempted and re-prefilled) and a cache of one matcher (every
+    row but one rebuilt and replayed from its output each step): the same tokens."""
+    path = hf_checkpoints["llama3"]
+    tok = load(path)[1]
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    params = [SamplingParams(max_tokens=MAX_NEW, structured_outputs=StructuredOutputs(**c)) for c in CONSTRAINTS]
+    want = [o.token_ids for o in engines["llama3"].generate(prompts, params)]
+    small = create_engine({"model_loading_config": {"model_id": str(path)},
+                           "engine_kwargs": {"kv_cache_tokens": 64, "block_size": 4}})
+    try:
+        small.grammar = GrammarMasks(small.tokenizer, int(small.model.config.vocab_size), max_matchers=1)
+        got = small.generate(prompts, params)
+        assert [o.token_ids for o in got] == want
+        assert sum(r.preempted for r in small.stats.iterations) > 0
+        assert small.grammar.rebuilt > 2 * len(prompts)
+    finally:
+        small.release()
+
+
+def test_seeded_draws_stay_inside_the_constraint(hf_checkpoints, engines, one_torch_thread):
+    path, engine = hf_checkpoints["qwen2"], engines["qwen2"]
+    prompt = load(path)[1]("Tell me")["input_ids"]
+    for c in ({"regex": REGEX}, {"choice": CHOICES}):
+        params = [SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=s,
+                                 structured_outputs=StructuredOutputs(**c)) for s in range(8)]
+        outs = engine.generate([prompt] * 8, params)
+        assert all(o.finish_reason == "stop" and satisfied(c, o.text) for o in outs)
+        assert len({o.text for o in outs}) > 1                      # they do draw
+        again = engine.generate([prompt], params[3])[0]
+        assert again.text == outs[3].text                            # seeded
+
+
+def test_the_byte_tokenizer_of_a_tiny_catalog_model():
+    engine = create_engine({"model_loading_config": {"model_id": "tiny-llama-s"},
+                            "engine_kwargs": {"kv_cache_tokens": 2048}})
+    try:
+        params = SamplingParams(max_tokens=40, structured_outputs=StructuredOutputs(regex=r"[A-Z][a-z]{1,4}-[0-9]{2}"))
+        outs = engine.generate(["Hello", "The city"], params)
+        assert all(o.finish_reason == "stop" and re.fullmatch(r"[A-Z][a-z]{1,4}-[0-9]{2}", o.text) for o in outs)
+    finally:
+        engine.release()
