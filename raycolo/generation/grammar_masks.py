@@ -14,7 +14,9 @@ As in vLLM, the grammar's end accepts the request's stop tokens (the model's EOS
 ``ignore_eos``, and ``stop_token_ids``); once a matcher has accepted one, the row is no
 longer constrained. A token the grammar did not allow (only possible where another rule
 masked every allowed token, e.g. ``min_tokens`` hiding the only stop token the finished
-grammar allows) ends the constraint for that request, with a warning.
+grammar allows) ends the constraint for that request, with a warning; so does a constraint
+that does not compile for the model's vocabulary (it parsed when the request was made, so
+this is xgrammar failing, not the request): a warning, never the batch's failure.
 """
 from __future__ import annotations
 
@@ -92,6 +94,8 @@ class GrammarMasks:
         if not live:
             return None
         mask = xgr.allocate_token_bitmask(len(rows), self.vocab)      # all allowed
+        # one row after another: xgrammar's BatchGrammarMatcher (rows on threads) was slower on a
+        # 2-core machine beside torch's threads (2026-11-30, docs/serve.md, "Structured outputs")
         for i, track in live:
             track.matcher.fill_next_token_bitmask(mask, i)
         return mask
@@ -125,7 +129,12 @@ class GrammarMasks:
         stops = set(row.params.stop_token_ids) | (set() if row.params.ignore_eos else self.eos)
         compiled = self.compiled.get(constraint.key)
         if compiled is None:
-            compiled = self.compiler.compile_grammar(grammar(constraint))
+            try:        # checked when the request was made (structured.grammar); only the vocabulary is new here
+                compiled = self.compiler.compile_grammar(grammar(constraint))
+            except (RuntimeError, ValueError) as exc:    # never the batch's failure: this request goes unconstrained
+                log.error("request %s: its %s constraint does not compile for this vocabulary (%s); "
+                          "not constrained", row.key, constraint.kind.value, exc)
+                return _Track(constraint.key, None, done=True)
             self.compiled[constraint.key] = compiled
             while len(self.compiled) > MAX_COMPILED:
                 self.compiled.popitem(last=False)

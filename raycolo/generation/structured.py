@@ -18,6 +18,7 @@ from __future__ import annotations
 import json as jsonlib
 import re
 from enum import Enum
+from functools import cached_property
 from typing import Annotated, Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -105,11 +106,11 @@ class StructuredOutputs(BaseModel):
                 ConstraintKind.REGEX: self.regex, ConstraintKind.CHOICE: self.choice,
                 ConstraintKind.GRAMMAR: self.grammar}[kind]
 
-    @property
+    @cached_property
     def kind(self) -> ConstraintKind:
         return next(k for k in ConstraintKind if self._spec_of(k) not in (None, False))
 
-    @property
+    @cached_property
     def key(self) -> tuple:
         """Equal for constraints that build the same grammar (the compiled grammars' cache key)."""
         return self.kind, self._spec_of(self.kind), self.disable_any_whitespace
