@@ -94,8 +94,8 @@ class GrammarMasks:
         if not live:
             return None
         mask = xgr.allocate_token_bitmask(len(rows), self.vocab)      # all allowed
-        # one row after another: xgrammar's BatchGrammarMatcher (rows on threads) was slower on a
-        # 2-core machine beside torch's threads (2026-11-30, docs/serve.md, "Structured outputs")
+        # one row after another: xgrammar's BatchGrammarMatcher (rows on 2 threads) was slower on
+        # this 2-core machine for every constraint of bench/structured.py (2026-11-30, docs/benchmarks.md)
         for i, track in live:
             track.matcher.fill_next_token_bitmask(mask, i)
         return mask
