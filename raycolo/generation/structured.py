@@ -28,6 +28,8 @@ MAX_REGEX_CHARS = 1 << 12
 MAX_GRAMMAR_CHARS = 1 << 16
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1 << 10
+MAX_JSON_NESTING = 64           # objects and arrays in a JSON schema (vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING)
+MAX_REPEAT = 1000               # a counted repeat {n,m} in a regex, a schema's pattern or a grammar
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 COMPACT_SEPARATORS = (",", ":")
 
@@ -48,6 +50,44 @@ def _ebnf_literal(text: str) -> str:
     escapes = {"\\": r"\\", '"': r"\"", "\n": r"\n", "\r": r"\r", "\t": r"\t"}
     return '"' + "".join(escapes.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
                          for c in text) + '"'
+
+
+_COUNTED = re.compile(r"(?<!\\)\{\s*([0-9]+)\s*(?:,\s*([0-9]*)\s*)?\}")
+
+
+def _bounded_repeats(text: str, what: str) -> None:
+    """Counted repeats (``{n}``, ``{n,}``, ``{n,m}``) in ``text`` at most :data:`MAX_REPEAT`:
+    xgrammar unrolls them (``a{1000000}`` took 2 s to parse, and a schema's
+    ``pattern`` of ``a{1,5000}`` 1 s)."""
+    for m in _COUNTED.finditer(text):
+        if max(int(g) for g in m.groups() if g) > MAX_REPEAT:
+            raise ValueError(f"{what}: a counted repeat ({m.group(0)[:40]}) may count at most {MAX_REPEAT}")
+
+
+def _depth(value, limit: int) -> int:
+    """How deep objects and arrays nest in ``value`` (counting stops past ``limit``)."""
+    stack, deepest = [(value, 1)], 0
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                break
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def _schema_patterns(value):
+    """Every ``pattern`` string of a JSON schema."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k == "pattern" and isinstance(v, str):
+                yield v
+            else:
+                yield from _schema_patterns(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _schema_patterns(v)
 
 
 def choice_grammar(choices) -> str:
@@ -79,16 +119,30 @@ class StructuredOutputs(BaseModel):
     @field_validator("json_schema", mode="before")
     @classmethod
     def _schema_text(cls, schema: Any):
-        if isinstance(schema, (dict, bool)):
-            return jsonlib.dumps(schema, ensure_ascii=False)
         if isinstance(schema, str):
             try:
-                parsed = jsonlib.loads(schema)
+                value = jsonlib.loads(schema)
             except ValueError as exc:
                 raise ValueError(f"is not JSON: {exc}") from None
-            if not isinstance(parsed, (dict, bool)):
-                raise ValueError("a JSON schema is an object (or true/false)")
+        elif isinstance(schema, (dict, bool)):
+            value, schema = schema, jsonlib.dumps(schema, ensure_ascii=False)
+        else:
+            return schema            # not a schema: the str type refuses it
+        if not isinstance(value, (dict, bool)):
+            raise ValueError("a JSON schema is an object (or true/false)")
+        if _depth(value, MAX_JSON_NESTING) > MAX_JSON_NESTING:
+            raise ValueError(f"the JSON schema is nested too deeply: objects and arrays may nest at most "
+                             f"{MAX_JSON_NESTING} levels")
+        for pattern in _schema_patterns(value):
+            _bounded_repeats(pattern, "pattern")
         return schema
+
+    @field_validator("regex", "grammar")
+    @classmethod
+    def _repeats(cls, text: Optional[str]):
+        if text is not None:
+            _bounded_repeats(text, "counted repeats")
+        return text
 
     @model_validator(mode="after")
     def _one_constraint(self):

@@ -143,6 +143,14 @@ def test_plain_chat_template_and_training_completions():
       "$ref": "#/$defs/missing"}}}}}, "structured_outputs"),
     ({"model": "m", "prompt": "x", "structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
     ({"model": "m", "prompt": "x", "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    # bounds against what xgrammar would take seconds to unroll (a{1000000}: 2 s) or recurse into
+    ({"model": "m", "prompt": "x", "structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs.regex"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"grammar": 'root ::= "a"{2,1001}'}},
+     "structured_outputs.grammar"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"json": {"type": "string", "pattern": "[a-z]{5000}"}}},
+     "structured_outputs.json"),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"json": json.loads('{"type": "array", "items": ' * 80 + "{}"
+                                                                             + "}" * 80)}}, "structured_outputs.json"),
     ({"model": "m", "prompt": "x", "structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice[1]"),
     ({"model": "m", "prompt": "x", "structured_outputs": {"structural_tag": "{}"}},
      "structured_outputs.structural_tag"),
