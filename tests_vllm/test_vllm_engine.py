@@ -175,5 +175,19 @@ def test_the_vllm_adapter_follows_raycolos_stops_on_a_real_checkpoint(tmp_path):
         out = engine.generate([case["prompt_ids"]], SamplingParams(max_tokens=24, stop=[stop]))[0]
         assert out.finish_reason == "stop" and out.text == case["text"][:case["text"].index(stop)]
         assert out.token_ids == case["output_ids"][:len(out.token_ids)] and not engine.has_unfinished()
+        # structured outputs through the adapter (vLLM's own backend) equal raycolo's torch engine
+        from raycolo.generation.structured import StructuredOutputs
+
+        params = [SamplingParams(max_tokens=24, structured_outputs=StructuredOutputs(**c))
+                  for c in ({"regex": r"(yes|no), [a-z]{2,5}\."}, {"choice": ["river", "the sea"]},
+                            {"json": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}}})]
+        prompts = [c["prompt_ids"] for c in cases[:3]]
+        got = engine.generate(prompts, params)
+        torch_engine = create_engine(_config("torch", path))
+        try:
+            want = torch_engine.generate(prompts, params)
+        finally:
+            torch_engine.release()
+        assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
     finally:
         engine.release()
