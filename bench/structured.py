@@ -36,7 +36,8 @@ CONSTRAINTS = {"free": None, "free, full sampler": None, "json schema": {"json":
 
 
 class TimedMasks:
-    """The engine's GrammarMasks with the time its ``bitmask`` calls take counted."""
+    """The engine's GrammarMasks (held by its VocabRules) with the time its ``bitmask``
+    calls take counted."""
 
     def __init__(self, masks):
         self.masks, self.seconds = masks, 0.0
@@ -50,19 +51,17 @@ class TimedMasks:
 
 
 def run(engine, prompts, params, repeats: int):
-    from raycolo.generation.grammar_masks import GrammarMasks
-
-    if engine.grammar is None and params.structured_outputs is not None:
-        engine.grammar = GrammarMasks(engine.tokenizer, int(engine.model.config.vocab_size))
     engine.generate(prompts, params)                       # untimed: compiles the grammar, warms the cache
+    rules = engine.rules
     walls, masks = [], []
     for _ in range(repeats):
-        timed = engine.grammar = TimedMasks(engine.grammar) if engine.grammar is not None else None
+        timed = rules._grammar = TimedMasks(rules.grammar) if params.structured_outputs is not None else None
         started = time.perf_counter()
         outs = engine.generate(prompts, params)
         walls.append(time.perf_counter() - started)
         masks.append(timed.seconds if timed else 0.0)
-        engine.grammar = timed.masks if timed else None
+        if timed:
+            rules._grammar = timed.masks
     tokens = sum(len(o.token_ids) for o in outs)
     return tokens, statistics.median(walls), statistics.median(masks)
 

@@ -172,3 +172,17 @@ def test_structured_outputs_match_vllm(servers):
             assert reasons["raycolo"] == reasons["vllm"], (case["prompt"], form)
             seen.add(reasons["vllm"])
     assert "stop" in seen
+
+
+def test_bad_words_and_allowed_token_ids_match_vllm(servers):
+    """vLLM's ``bad_words`` (each word alone and after a space; the greedy answer's own words
+    banned) and ``allowed_token_ids``, greedy: the same text and finish reason."""
+    cases = [c for c in greedy_cases(servers["path"], MAX_NEW, n=6) if isinstance(c["prompt"], str)][:3]
+    for case in cases:
+        words = case["text"].split()[:3] or ["the"]
+        allowed = sorted(set(range(3, 2000, 3)) - set(case["output_ids"][:2]))
+        for extra in ({"bad_words": words}, {"allowed_token_ids": allowed}):
+            body = dict(model="m", prompt=case["prompt"], max_tokens=MAX_NEW, temperature=0, **extra)
+            answers = {n: _post(url, "/v1/completions", body)["choices"][0] for n, url in servers["urls"].items()}
+            assert answers["raycolo"]["text"] == answers["vllm"]["text"], (case["prompt"], extra)
+            assert answers["raycolo"]["finish_reason"] == answers["vllm"]["finish_reason"]

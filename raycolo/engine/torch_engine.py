@@ -57,7 +57,7 @@ class TorchEngine(Engine):
         self.device = torch.device(kw.device)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.eos_ids = self.tokenizer.eos_token_ids     # the checkpoint's EOS set
-        self.grammar = None     # structured outputs' masks (raycolo.generation.grammar_masks), at the first need
+        self.rules = None       # structured outputs, bad words: raycolo.generation.vocab_rules, at the first need
         self.limits = SchedulerLimits(num_blocks=self._cache_blocks(kw),
                                       max_num_seqs=kw.max_num_seqs,
                                       max_num_batched_tokens=kw.max_num_batched_tokens,
@@ -135,9 +135,9 @@ class TorchEngine(Engine):
         handle = self._next_handle
         self._next_handle += 1
         checker = StopChecker(params, self.eos_ids, self.tokenizer, ids)
-        if params.structured_outputs is not None and self.grammar is None:
-            from raycolo.generation.grammar_masks import GrammarMasks
-            self.grammar = GrammarMasks(self.tokenizer, int(self.model.config.vocab_size))
+        if params.needs_vocabulary and self.rules is None:
+            from raycolo.generation.vocab_rules import VocabRules
+            self.rules = VocabRules(self.tokenizer, int(self.model.config.vocab_size))
         self.requests[handle] = _Request(request_id, ids, params, time.perf_counter(), seed=seed,
                                          generated=checker.output, checker=checker, plain=plain(params),
                                          logprobs=[] if params.logprobs is not None else None)
@@ -204,7 +204,7 @@ class TorchEngine(Engine):
             return sample_plain(logits)
         reqs = [self.requests[h] for h in handles]
         return sample(logits, [SamplingRow.of(r.params, r.seed, r.generated, r.prompt, r.checker.stop_ids, h)
-                               for h, r in zip(handles, reqs)], self.grammar)
+                               for h, r in zip(handles, reqs)], self.rules)
 
     def _forget(self, handle: int) -> None:
         if not self.executor.paged:

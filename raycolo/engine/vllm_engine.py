@@ -184,6 +184,10 @@ class VllmEngine(Engine):
             extra["logit_bias"] = dict(params.logit_bias)
         if params.min_p > 0:
             extra["min_p"] = params.min_p
+        if params.bad_words:
+            extra["bad_words"] = list(params.bad_words)
+        if params.allowed_token_ids is not None:
+            extra["allowed_token_ids"] = list(params.allowed_token_ids)
         if params.structured_outputs is not None:      # the same constraint, built by vLLM's own backend
             from vllm.sampling_params import StructuredOutputsParams
 

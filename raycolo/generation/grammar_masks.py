@@ -2,7 +2,7 @@
 constrained row of a batch may take next.
 
 One :class:`GrammarMasks` per model, in the process that samples (the offline engine, an
-online pipeline's last stage). It compiles each constraint once for the model's
+online pipeline's last stage; :class:`~.vocab_rules.VocabRules` holds it). It compiles each constraint once for the model's
 vocabulary (xgrammar's ``GrammarCompiler``, cached) and keeps a grammar matcher per
 request. A matcher is derived from the row alone: the request's key, its constraint and
 its output so far. It consumes the output tokens it has not seen, and is rebuilt and
@@ -75,13 +75,6 @@ class GrammarMasks:
         self.compiled: OrderedDict = OrderedDict()
         self.max_matchers = max_matchers
         self.rebuilt = 0             # matchers built (a first step, or a replay): what tests watch
-
-    @classmethod
-    def for_model(cls, model_id: str, vocab_size: int) -> "GrammarMasks":
-        """The masks of ``model_id`` (a checkpoint directory or a tiny catalog model),
-        whose logits have ``vocab_size`` columns."""
-        from raycolo.engine.models import load_tokenizer
-        return cls(load_tokenizer(model_id), vocab_size)
 
     def bitmask(self, rows: Sequence[SamplingRow]) -> Optional[torch.Tensor]:
         """(rows, ceil(vocab / 32)) int32 on the host: bit ``t % 32`` of word ``t // 32``

@@ -3,7 +3,8 @@
 Defaults and bounds are declared here once; the HTTP protocol, the offline DAG nodes and
 the engines take them from here. The order in which the sampler applies them is vLLM
 v1's (``vllm/v1/sample/sampler.py``): the structured-output mask (vLLM's model runner
-applies it before the sampler), log-probabilities of the logits so far, then the
+applies it before the sampler), log-probabilities of the logits so far, ``allowed_token_ids``
+and ``bad_words``, then the
 logit bias, the repetition, presence and frequency penalties, the ``min_tokens`` mask of
 stop tokens, then (for rows that draw) temperature, min-p, top-k, top-p, and the draw. Temperature below :data:`GREEDY_EPS` is greedy
 (vLLM's ``_SAMPLING_EPS``).
@@ -28,6 +29,9 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20              # top log-probabilities per token (OpenAI's limit)
 MAX_LOGIT_BIAS = 100.0         # a token's logit bias lies in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS_TOKENS = 1024   # tokens one request biases
+MAX_BAD_WORDS = 64             # vLLM bans at most 128 token sequences: a word gives one or two
+MAX_BAD_WORD_CHARS = 256
+MAX_ALLOWED_TOKEN_IDS = 1 << 17
 # Offline requests sample at this temperature unless their DAG node says otherwise: the
 # temperature the output-length eCDFs are measured at (raycolo profile), so the planner's
 # sampled lengths are the lengths the runtime produces.
@@ -81,6 +85,20 @@ def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
+def bad_word_list(words) -> tuple[str, ...]:
+    """``bad_words`` (None or a list of strings) checked: each with something besides
+    whitespace (vLLM tokenizes the word with its leading whitespace stripped), each once."""
+    if words is None:
+        return ()
+    words = tuple(words)
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"at most {MAX_BAD_WORDS} words")
+    for w in words:
+        if not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS:
+            raise ValueError(f"each bad word needs 1 to {MAX_BAD_WORD_CHARS} characters, not all whitespace")
+    return tuple(dict.fromkeys(words))
+
+
 def nonnegative_ids(ids):
     """``ids`` (token ids, or None), checked."""
     if ids is not None and any(i < 0 for i in ids):
@@ -121,6 +139,12 @@ class SamplingParams(BaseModel):
     logit_bias: tuple[tuple[Annotated[int, Field(ge=0)], LogitBias], ...] = Field(
         default=(),
         description="(token id, bias) pairs, or a mapping of id to bias: added to the raw logits first")
+    bad_words: tuple[str, ...] = Field(default=(), description="words the text never contains (vLLM's: each "
+                                       "tokenized alone and after a space; a sequence's last token is banned "
+                                       "where the output ends with the rest)")
+    allowed_token_ids: Optional[tuple[Annotated[int, Field(ge=0)], ...]] = Field(
+        default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
+        description="the only token ids the output may take (None: all)")
     structured_outputs: Optional[StructuredOutputs] = Field(
         default=None, description="a JSON schema, regex, choice list or grammar the text must follow "
                                   "(raycolo.generation.structured); its mask comes before everything else")
@@ -129,6 +153,11 @@ class SamplingParams(BaseModel):
     @classmethod
     def _bias(cls, bias):
         return bias_pairs(bias)
+
+    @field_validator("bad_words", mode="before")
+    @classmethod
+    def _bad_words(cls, words):
+        return bad_word_list(words)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -159,7 +188,13 @@ class SamplingParams(BaseModel):
     def plain_greedy(self) -> bool:
         """Greedy with nothing that changes the logits: the argmax of the raw logits."""
         return (self.greedy and not self.penalized and self.min_tokens == 0 and not self.logit_bias
-                and self.structured_outputs is None)
+                and self.structured_outputs is None and not self.bad_words and self.allowed_token_ids is None)
+
+    @property
+    def needs_vocabulary(self) -> bool:
+        """Whether sampling needs the model's tokenizer (a grammar, or words to tokenize):
+        :class:`~raycolo.generation.vocab_rules.VocabRules`."""
+        return self.structured_outputs is not None or bool(self.bad_words)
 
     def remaining(self, generated: int) -> "SamplingParams":
         """The same request continued after ``generated`` tokens elsewhere (a preempted or

@@ -20,8 +20,8 @@ def position_seed(seed: int, position: int) -> int:
 @dataclass
 class SamplingRow:
     """What the sampler needs for one row: the params, the request's seed and how many
-    tokens it generated so far (the position of this draw); where a penalty or a
-    structured output asks for them, the prompt and the output so far; where
+    tokens it generated so far (the position of this draw); where a penalty, a
+    structured output or bad words ask for them, the prompt and the output so far; where
     ``min_tokens`` does, the stop tokens; where a structured output does, the request's
     key (its grammar matcher's, :mod:`.grammar_masks`)."""
 
@@ -39,7 +39,7 @@ class SamplingRow:
         """A row carrying only what its params need (it crosses process boundaries);
         ``key``: the request's identity (a structured output's matcher is kept under it)."""
         structured = params.structured_outputs is not None
-        history = params.penalized or structured
+        history = params.penalized or structured or bool(params.bad_words)
         return cls(params, seed, len(output), list(output) if history else (),
                    list(prompt) if params.repetition_penalty != 1.0 else (),
                    stop_ids if params.min_tokens > len(output) else frozenset(), key if structured else None)

@@ -2,7 +2,8 @@
 runs raycolo's own model code (the offline torch engine and the online stage pipeline).
 
 Per row, in vLLM v1's order: the structured-output mask (tokens its grammar does not allow
-next are ``-inf``, :mod:`.grammar_masks`), the log-probabilities (when asked for), the logit bias,
+next are ``-inf``, :mod:`.grammar_masks`), the log-probabilities (when asked for), the
+``allowed_token_ids`` mask, the ``bad_words`` ban (:mod:`.vocab_rules`), the logit bias,
 the repetition penalty over prompt and output tokens (positive logits divided by it,
 negative ones multiplied), the presence and frequency penalties over output tokens, the
 ``min_tokens`` mask of stop tokens, then greedy argmax, or temperature, min-p (a token
@@ -32,6 +33,7 @@ import torch
 
 from raycolo.generation.rows import Sampled, SamplingRow, TokenLogprob, plain, position_seed  # noqa: F401
 from raycolo.generation.random_bits import exponentials
+from raycolo.generation.vocab_rules import rules_needed
 
 @torch.inference_mode()
 def sample_plain(logits: torch.Tensor) -> Sampled:
@@ -79,9 +81,12 @@ class _Plan:
     a row set is its index tensor, absent where the set holds every row (no gather, no
     scatter); ``has[name]`` whether the set has any row."""
 
-    def __init__(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device):
+    def __init__(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device, rules=None):
         ps = [r.params for r in rows]
         n = len(rows)
+        allow = [i for i, p in enumerate(ps) if p.allowed_token_ids is not None]
+        bans = [[t for t in rules.banned(r) if t < vocab] if r.params.bad_words else [] for r in rows]
+        ban = [i for i in range(n) if bans[i]]
         biases = [[(t, b) for t, b in p.logit_bias if t < vocab] for p in ps]
         bias = [i for i in range(n) if biases[i]]
         rep = [i for i, p in enumerate(ps) if p.repetition_penalty != 1.0
@@ -98,12 +103,14 @@ class _Plan:
         self.kmax = max((ps[drawn[j]].top_k for j in trunc if 0 < ps[drawn[j]].top_k < vocab), default=0)
         self.any_p = any(ps[drawn[j]].top_p < 1.0 for j in trunc)
         self.any_min_p = any(ps[drawn[j]].min_p > 0 for j in trunc)
-        sets = {"bias": (bias, n), "rep": (rep, n), "pen": (pen, n), "mask": (mask, n), "drawn": (drawn, n), "ask": (ask, n),
+        sets = {"allow": (allow, n), "ban": (ban, n), "bias": (bias, n), "rep": (rep, n), "pen": (pen, n), "mask": (mask, n), "drawn": (drawn, n), "ask": (ask, n),
                 "trunc": (trunc, len(drawn))}        # trunc: positions among the drawn rows
         self.has = {name: bool(idx) for name, (idx, _) in sets.items()}
         ints = {name: idx for name, (idx, total) in sets.items() if idx and len(idx) < total}
         width = max((len(biases[i]) for i in bias), default=0)    # padded with a bias of 0 on token 0
         ints.update(
+            allow_ids=_padded([[t for t in ps[i].allowed_token_ids] for i in allow], vocab) if allow else [],
+            ban_ids=_padded([bans[i] for i in ban], vocab) if ban else [],
             bias_ids=[[t for t, _ in biases[i]] + [0] * (width - len(biases[i])) for i in bias],
             rep_ids=_padded([list(set(rows[i].prompt) | set(rows[i].output)) for i in rep], vocab) if rep else [],
             pen_ids=_padded([list(rows[i].output) for i in pen], vocab) if pen else [],
@@ -169,6 +176,10 @@ def _process(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, Optional[torch
     """``x`` (float32, the sampler's own copy, which this may overwrite) processed, and
     the drawn rows' processed logits (None where no row draws)."""
     t, vocab = plan.t, plan.vocab
+    if plan.has["allow"]:
+        x = _on_rows(x, t.get("allow"), lambda y: y.masked_fill(~_id_mask(t["allow_ids"], vocab), NEG_INF))
+    if plan.has["ban"]:
+        x = _on_rows(x, t.get("ban"), lambda y: y.masked_fill(_id_mask(t["ban_ids"], vocab), NEG_INF))
     if plan.has["bias"]:
         x = _on_rows(x, t.get("bias"), lambda y: y.scatter_add_(1, t["bias_ids"], t["bias_values"]))
     if plan.has["rep"]:
@@ -197,14 +208,10 @@ def _race(y: torch.Tensor, seeds: torch.Tensor, elements: int = RACE_ELEMENTS) -
     return tokens
 
 
-def _grammar_masked(x: torch.Tensor, rows: Sequence[SamplingRow], grammar) -> torch.Tensor:
+def _grammar_masked(x: torch.Tensor, rows: Sequence[SamplingRow], rules) -> torch.Tensor:
     """``x`` with the tokens each structured row's grammar forbids next at ``-inf``
-    (``grammar``: the model's :class:`~.grammar_masks.GrammarMasks`)."""
-    if not any(r.params.structured_outputs is not None for r in rows):
-        return x
-    if grammar is None:
-        raise ValueError("structured_outputs: this backend was given no grammar masks")
-    bitmask = grammar.bitmask(rows)
+    (``rules``: the model's :class:`~.vocab_rules.VocabRules`)."""
+    bitmask = rules.bitmask(rows) if rules is not None else None
     if bitmask is None:
         return x
     from raycolo.generation.grammar_masks import allowed
@@ -212,25 +219,29 @@ def _grammar_masked(x: torch.Tensor, rows: Sequence[SamplingRow], grammar) -> to
 
 
 @torch.inference_mode()
-def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], grammar=None) -> torch.Tensor:
-    """The float32 logits each row is sampled from: after the structured-output mask, the
-    logit bias, the penalties and the ``min_tokens`` mask and, for rows that draw,
+def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], rules=None) -> torch.Tensor:
+    """The float32 logits each row is sampled from: after the structured-output mask,
+    ``allowed_token_ids``, ``bad_words``, the logit bias, the penalties and the
+    ``min_tokens`` mask and, for rows that draw,
     temperature, min-p, top-k and top-p (``-inf`` where a token is excluded). A greedy row
     takes their argmax, a drawing row draws from their softmax; plain greedy rows are the
     raw logits."""
-    x = _grammar_masked(logits.to(torch.float32, copy=True), rows, grammar)
-    return _process(x, _Plan(rows, logits.shape[-1], logits.device))[0]
+    rules = rules_needed(rows, rules)
+    x = _grammar_masked(logits.to(torch.float32, copy=True), rows, rules)
+    return _process(x, _Plan(rows, logits.shape[-1], logits.device, rules))[0]
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], grammar=None) -> Sampled:
-    """The next token of each row of ``logits`` (rows x vocabulary). ``grammar``: the
-    model's :class:`~.grammar_masks.GrammarMasks`, needed where a row has structured outputs."""
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], rules=None) -> Sampled:
+    """The next token of each row of ``logits`` (rows x vocabulary). ``rules``: the
+    model's :class:`~.vocab_rules.VocabRules`, needed where a row has structured outputs
+    or bad words."""
     if all(plain(r.params) for r in rows):
         return sample_plain(logits)
-    plan = _Plan(rows, logits.shape[-1], logits.device)
+    rules = rules_needed(rows, rules)
+    plan = _Plan(rows, logits.shape[-1], logits.device, rules)
     # the one upcast (_process may overwrite it), masked by the rows' grammars first
-    x = _grammar_masked(logits.to(torch.float32, copy=True), rows, grammar)
+    x = _grammar_masked(logits.to(torch.float32, copy=True), rows, rules)
     ask = plan.t.get("ask")
     raw = None
     if plan.has["ask"]:                               # the raw distribution, before any processing

@@ -18,6 +18,7 @@ from raycolo.engine import create_engine
 from raycolo.generation import SamplingParams
 from raycolo.generation.grammar_masks import GrammarMasks, allowed
 from raycolo.generation.structured import StructuredOutputs
+from raycolo.generation.vocab_rules import VocabRules
 
 MAX_NEW = 32
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
@@ -101,11 +102,12 @@ def test_preemption_and_a_cache_of_one_matcher_change_nothing(hf_checkpoints, en
     small = create_engine({"model_loading_config": {"model_id": str(path)},
                            "engine_kwargs": {"kv_cache_tokens": 64, "block_size": 4}})
     try:
-        small.grammar = GrammarMasks(small.tokenizer, int(small.model.config.vocab_size), max_matchers=1)
+        vocab = int(small.model.config.vocab_size)
+        small.rules = VocabRules(small.tokenizer, vocab, GrammarMasks(small.tokenizer, vocab, max_matchers=1))
         got = small.generate(prompts, params)
         assert [o.token_ids for o in got] == want
         assert sum(r.preempted for r in small.stats.iterations) > 0
-        assert small.grammar.rebuilt > 2 * len(prompts)
+        assert small.rules.grammar.rebuilt > 2 * len(prompts)
     finally:
         small.release()
 

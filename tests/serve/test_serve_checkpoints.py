@@ -190,6 +190,17 @@ def test_logit_bias_as_transformers_applies_it_and_min_p_one_is_greedy(front):
     r = c.completions.create(model=front["model"], prompt=case["prompt"], max_tokens=MAX_NEW, temperature=1.0,
                              seed=3, extra_body={"min_p": 1.0})
     assert r.choices[0].text == case["text"]
+    # vLLM's bad_words through the last stage: generate()'s bad_words_ids with vLLM's sequences
+    from tests.support.constrained import banned_word, vllm_sequences
+
+    word = banned_word(tok, case["output_ids"])
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([case["prompt_ids"]]), do_sample=False, max_new_tokens=10,
+                             bad_words_ids=vllm_sequences(tok, [word]), eos_token_id=None,
+                             pad_token_id=0)[0, len(case["prompt_ids"]):].tolist()
+    r = c.completions.create(model=front["model"], prompt=case["prompt_ids"], max_tokens=10, temperature=0,
+                             extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert r.choices[0].text == tok.decode(ref, skip_special_tokens=True) != case["text"]
 
 
 def test_structured_outputs_equal_generate_under_xgrammar(front):
@@ -272,6 +283,7 @@ def test_unknown_and_bad_fields_are_400_naming_them(front):
     with httpx.Client(base_url=front["url"], timeout=60) as h:
         for body, param in [({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of"),
                             ({"logit_bias": {str(vocab): 1}}, "logit_bias"), ({"min_p": 2}, "min_p"),
+                            ({"allowed_token_ids": [1, vocab]}, "allowed_token_ids"),
                             ({"repetition_penalty": "x"}, "repetition_penalty"),
                             ({"top_logprobs": 2}, None),
                             ({"min_tokens": 99, "max_tokens": 4}, "min_tokens")]:

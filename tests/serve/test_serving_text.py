@@ -143,6 +143,10 @@ def test_plain_chat_template_and_training_completions():
       "$ref": "#/$defs/missing"}}}}}, "structured_outputs"),
     ({"model": "m", "prompt": "x", "structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
     ({"model": "m", "prompt": "x", "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"model": "m", "prompt": "x", "bad_words": ["ok", " "]}, "bad_words"),
+    ({"model": "m", "prompt": "x", "bad_words": "word"}, "bad_words"),
+    ({"model": "m", "prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"model": "m", "prompt": "x", "allowed_token_ids": [3, -1]}, "allowed_token_ids"),
     # bounds against what xgrammar would take seconds to unroll (a{1000000}: 2 s) or recurse into
     ({"model": "m", "prompt": "x", "structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs.regex"),
     ({"model": "m", "prompt": "x", "structured_outputs": {"grammar": 'root ::= "a"{2,1001}'}},

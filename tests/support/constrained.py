@@ -1,7 +1,10 @@
-"""The reference for structured outputs: transformers' greedy ``generate()`` with xgrammar's
+"""References for the sampling rules that need the tokenizer. Structured outputs:
+transformers' greedy ``generate()`` with xgrammar's
 own transformers logits processor (``xgrammar.contrib.hf``), the grammar compiled the way
 vLLM's xgrammar backend compiles each kind (``compile_json_schema``, ``compile_regex``,
-``compile_grammar``), one request at a time: no batching, no matcher cache, no replay."""
+``compile_grammar``), one request at a time: no batching, no matcher cache, no replay.
+``bad_words``: the token sequences vLLM bans (:func:`vllm_sequences`), for ``generate()``'s
+``bad_words_ids``."""
 from __future__ import annotations
 
 import torch
@@ -44,3 +47,23 @@ def constrained_reference(path, prompt_ids, constraint: dict, max_new_tokens: in
                              logits_processor=[LogitsProcessor(compiled(path, constraint))])
     ids = out[0, prompt.shape[1]:].tolist()
     return ids, "stop" if ids and ids[-1] in eos_ids(path) else "length"
+
+
+def vllm_sequences(tok, words) -> list[list[int]]:
+    """The token sequences vLLM bans for ``words`` (``SamplingParams.update_from_tokenizer``,
+    written out again): each word without its leading whitespace, and after a space where
+    that gives a different first token and as many tokens."""
+    seqs = []
+    for w in words:
+        plain = tok(w.lstrip(), add_special_tokens=False)["input_ids"]
+        spaced = tok(" " + w.lstrip(), add_special_tokens=False)["input_ids"]
+        seqs.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            seqs.append(spaced)
+    return seqs
+
+
+def banned_word(tok, output_ids) -> str:
+    """A word whose one-token form ``output_ids`` takes (banning it changes the answer there)."""
+    return next(tok.decode([t]).strip() for t in output_ids if tok.decode([t]).strip()
+                and [t] in vllm_sequences(tok, [tok.decode([t]).strip()]))

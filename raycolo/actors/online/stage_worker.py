@@ -83,14 +83,14 @@ def stage_loop(config: dict) -> None:
         inbox = NodeInbox(node, ray.util.get_node_ip_address())
     side = p2p_group(dist)       # every rank, once: a gloo group where the stages' group is NCCL
     messages = idle_group(dist)  # every rank, once: the node loop's messages, however long the node idles
-    grammar = None               # the last stage samples: structured outputs' masks, built at their first need
+    rules = None                 # the last stage samples: its tokenizer's rules (structured outputs, bad words)
     if stage == stages - 1:
-        from raycolo.generation.grammar_masks import GrammarMasks
+        from raycolo.generation.vocab_rules import VocabRules
 
-        grammar = functools.partial(GrammarMasks.for_model, config["model_id"], model_config.vocab_size)
+        rules = functools.partial(VocabRules.for_model, config["model_id"], model_config.vocab_size)
     while True:
         proc = StageProcess(stage_model, stage, stages, model_config.hidden_size, dtype, dist, side, messages,
-                            grammar)
+                            rules)
         me = ray.get_runtime_context()
         epoch = ray.get(controller.register.remote(node, stage, WorkerInfo(started=started,
             actor_id=me.get_actor_id(), pid=os.getpid(), node_id=me.get_node_id(),

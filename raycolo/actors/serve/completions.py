@@ -146,9 +146,10 @@ class Completions:
         if body.min_tokens > limit:
             raise OpenAIError(400, f"min_tokens: {body.min_tokens} is more than the {limit} tokens allowed",
                               param="min_tokens", code="invalid_parameter")
-        if body.logit_bias and max(body.bias_ids()) >= self.vocab:
-            raise OpenAIError(400, f"logit_bias: token ids must be below the vocabulary size {self.vocab}",
-                              param="logit_bias", code="invalid_parameter")
+        for param, ids in (("logit_bias", body.bias_ids()), ("allowed_token_ids", body.allowed_token_ids)):
+            if ids and max(ids) >= self.vocab:
+                raise OpenAIError(400, f"{param}: token ids must be below the vocabulary size {self.vocab}",
+                                  param=param, code="invalid_parameter")
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         return body.sampling_params(limit, seed)
 

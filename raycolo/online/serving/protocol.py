@@ -6,8 +6,9 @@ silently ignored: a generation request takes what vLLM's OpenAI server takes of
 :class:`raycolo.generation.SamplingParams` (``max_tokens``, ``min_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stop_token_ids``,
 ``ignore_eos``, ``skip_special_tokens``, the repetition, presence and frequency
-penalties, ``min_p``, ``logit_bias``, ``logprobs``/``top_logprobs``, ``n``,
-``structured_outputs`` and OpenAI's ``response_format``), ``stream`` and ``stream_options``, and
+penalties, ``min_p``, ``logit_bias``, ``logprobs``/``top_logprobs``, ``n``, ``bad_words``,
+``allowed_token_ids``, ``structured_outputs`` and OpenAI's ``response_format``), ``stream``
+and ``stream_options``, and
 ``user`` (recorded nowhere, as in vLLM); any other field is a 400 naming it. Bounds are
 the generation module's (declared once there); ``temperature`` keeps OpenAI's [0, 2].
 Response models are what the routes return, so ``/openapi.json`` describes them truthfully.
@@ -22,9 +23,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
 from raycolo.generation import SamplingParams
 from raycolo.generation.structured import StructuredOutputs
 from raycolo.online.serving.structured_protocol import ResponseFormat, structured_outputs
-from raycolo.generation.params import (MAX_LOGIT_BIAS_TOKENS, MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOKENS_LIMIT,
-                                       LogitBias, LogprobCount, MinP, MinTokens, Penalty, RepetitionPenalty, TopK,
-                                       TopP, nonnegative_ids, stop_strings)
+from raycolo.generation.params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS_TOKENS, MAX_SEED, MAX_STOP_TOKEN_IDS,
+                                       MAX_TOKENS_LIMIT, LogitBias, LogprobCount, MinP, MinTokens, Penalty,
+                                       RepetitionPenalty, TopK, TopP, bad_word_list, nonnegative_ids, stop_strings)
 
 MAX_TRAIN_SAMPLES = 1024                      # per POST /v1/train_samples
 MAX_CHOICES = 16                              # n
@@ -102,6 +103,10 @@ class SamplingFields(BaseModel):
         default=None, max_length=MAX_LOGIT_BIAS_TOKENS,
         description="token id (its decimal string, as OpenAI's) -> a bias in [-100, 100], added to the logits "
                     "before anything else; -100 bans a token, 100 all but forces it")
+    bad_words: Optional[list[str]] = Field(default=None, description="vLLM's extension: words the text never "
+                                           "contains")
+    allowed_token_ids: Optional[list[WholeInt]] = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
+                                                        description="vLLM's extension: the only ids the output takes")
     response_format: Optional[ResponseFormat] = Field(default=None, description="json_object or json_schema: "
                                                       "the text follows it (text: no constraint)")
     structured_outputs: Optional[StructuredOutputs] = Field(default=None, description="vLLM's extension: exactly "
@@ -114,10 +119,16 @@ class SamplingFields(BaseModel):
         stop_strings(stop)
         return stop
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
     def _stop_ids(cls, ids):
         return nonnegative_ids(ids)
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, words):
+        bad_word_list(words)
+        return words
 
     @field_validator("logit_bias")
     @classmethod
@@ -149,7 +160,8 @@ class SamplingFields(BaseModel):
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, logprobs=self.top_logprobs_asked(),
-                              min_p=self.min_p, logit_bias=self.bias_ids(),
+                              min_p=self.min_p, logit_bias=self.bias_ids(), bad_words=self.bad_words,
+                              allowed_token_ids=self.allowed_token_ids,
                               structured_outputs=structured_outputs(self.response_format, self.structured_outputs))
 
 

@@ -44,16 +44,16 @@ class StageProcess:
     (or None for a single stage)."""
 
     def __init__(self, stage_model, stage: int, stages: int, hidden_size: int, dtype, dist, group=None,
-                 messages=None, grammar=None):
+                 messages=None, rules=None):
         """``group``: the group of the point-to-point traffic (:func:`p2p_group`; None: the
         default group). ``messages``: the group the node loop's messages to and from this
         stage travel on (:func:`~raycolo.engine.executor.idle_group.idle_group`: a stage
-        waits there for its next op as long as its node idles). ``grammar``: on the last
-        stage, what builds the model's
-        :class:`~raycolo.generation.grammar_masks.GrammarMasks` (called at the first
-        structured-output request; None: such requests fail)."""
+        waits there for its next op as long as its node idles). ``rules``: on the last
+        stage, what builds the model's :class:`~raycolo.generation.vocab_rules.VocabRules`
+        (called at the first request with structured outputs or bad words; None: such
+        requests fail)."""
         self.model, self.stage, self.stages = stage_model, stage, stages
-        self.grammar, self.grammar_masks = grammar, None
+        self.rules_factory, self.rules = rules, None
         self.hidden, self.dtype, self.dist, self.group = hidden_size, dtype, dist, group
         self.messages = messages
         # where the stage computes, and where its point-to-point tensors live: NCCL sends
@@ -169,10 +169,10 @@ class StageProcess:
             if op.sampling is None:
                 sampled = sample_plain(out)
             else:
-                if (self.grammar_masks is None and self.grammar is not None
-                        and any(r.params.structured_outputs is not None for r in op.sampling)):
-                    self.grammar_masks = self.grammar()
-                sampled = sample(out, op.sampling, self.grammar_masks)
+                if (self.rules is None and self.rules_factory is not None
+                        and any(r.params.needs_vocabulary for r in op.sampling)):
+                    self.rules = self.rules_factory()
+                sampled = sample(out, op.sampling, self.rules)
             result.tokens = sampled.tokens
             if any(lp is not None for lp in sampled.logprobs):
                 result.logprobs = sampled.logprobs
