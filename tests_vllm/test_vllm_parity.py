@@ -186,3 +186,23 @@ def test_bad_words_and_allowed_token_ids_match_vllm(servers):
             answers = {n: _post(url, "/v1/completions", body)["choices"][0] for n, url in servers["urls"].items()}
             assert answers["raycolo"]["text"] == answers["vllm"]["text"], (case["prompt"], extra)
             assert answers["raycolo"]["finish_reason"] == answers["vllm"]["finish_reason"]
+
+
+def test_token_ids_and_stop_reason_match_vllm(servers):
+    """vLLM's ``return_token_ids`` and ``stop_reason`` (a stop at <|eot_id|>, which only
+    generation_config.json calls EOS; a stop string; the length), completions and chats."""
+    cases = greedy_cases(servers["path"], MAX_NEW, n=6)
+    for case in cases:
+        chat = not isinstance(case["prompt"], str)
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        body = {"model": "m", "max_tokens": MAX_NEW, "temperature": 0, "return_token_ids": True,
+                **({"messages": case["prompt"]} if chat else {"prompt": case["prompt"]})}
+        answers = {n: _post(url, route, body) for n, url in servers["urls"].items()}
+        got = {n: (a["choices"][0]["token_ids"], a["choices"][0]["stop_reason"],
+                   (a if chat else a["choices"][0])["prompt_token_ids"]) for n, a in answers.items()}
+        assert got["raycolo"] == got["vllm"], case["prompt"]
+    case = next(c for c in cases if c["finish_reason"] == "length" and isinstance(c["prompt"], str))
+    stop = case["text"][len(case["text"]) // 2:len(case["text"]) // 2 + 2]
+    body = {"model": "m", "prompt": case["prompt"], "max_tokens": MAX_NEW, "temperature": 0, "stop": [stop]}
+    reasons = {n: _post(url, "/v1/completions", body)["choices"][0]["stop_reason"] for n, url in servers["urls"].items()}
+    assert reasons["raycolo"] == reasons["vllm"] == stop

@@ -93,6 +93,49 @@ def test_completions_equal_transformers_streamed_or_not(front):
     assert events == 0 if direct else events >= sum(len(x["output_ids"]) for x in cases), events
 
 
+def _sse(h, route: str, body: dict) -> list[dict]:
+    with h.stream("POST", route, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_token_ids_and_stop_reason_as_vllm_returns_them(front):
+    """vLLM's ``return_token_ids`` (the prompt's ids, and each choice's generated ids with the
+    stop token; streamed: the prompt's with the first chunk, each chunk's own) and
+    ``stop_reason`` (a stop token other than the tokenizer's EOS: its id; a stop string: the
+    string; the EOS or the length: null), against transformers' ids."""
+    _, tok = load(front["path"])
+    with httpx.Client(base_url=front["url"], timeout=120) as h:
+        for case in front["cases"]:
+            chat = not isinstance(case["prompt"], str)
+            route = "/v1/chat/completions" if chat else "/v1/completions"
+            body = {"model": front["model"], "max_tokens": MAX_NEW, "temperature": 0, "return_token_ids": True,
+                    **({"messages": case["prompt"]} if chat else {"prompt": case["prompt"]})}
+            want_reason = (None if case["finish_reason"] == "length" or case["output_ids"][-1] == tok.eos_token_id
+                           else case["output_ids"][-1])
+            r = h.post(route, json=body).json()
+            ch = r["choices"][0]
+            assert ch["token_ids"] == case["output_ids"] and ch["stop_reason"] == want_reason
+            assert (r if chat else ch)["prompt_token_ids"] == case["prompt_ids"]
+            chunks = _sse(h, route, body)
+            choices = [c["choices"][0] for c in chunks]
+            assert sum((c.get("token_ids", []) for c in choices), []) == case["output_ids"]
+            prompts = [c["prompt_token_ids"] for c in (chunks if chat else choices) if "prompt_token_ids" in c]
+            assert prompts == [case["prompt_ids"]]
+            assert [c["stop_reason"] for c in choices if c["finish_reason"]] == [want_reason]
+        case = next(x for x in front["cases"] if x["finish_reason"] == "length" and isinstance(x["prompt"], str))
+        stop = case["text"][len(case["text"]) // 2:len(case["text"]) // 2 + 2]
+        r = h.post("/v1/completions", json={"model": front["model"], "prompt": case["prompt"], "max_tokens": MAX_NEW,
+                                            "temperature": 0, "stop": [stop], "logprobs": 1,
+                                            "return_tokens_as_token_ids": True}).json()["choices"][0]
+        assert r["stop_reason"] == stop and "token_ids" not in r
+        assert r["logprobs"]["tokens"] == [f"token_id:{t}" for t in case["output_ids"][:len(r["logprobs"]["tokens"])]]
+    assert any(c["finish_reason"] == "stop" and c["output_ids"][-1] != tok.eos_token_id for c in front["cases"]) \
+        or front["kind"] != "llama3"          # Llama 3 stops at <|eot_id|>: an id, as vLLM reports it
+
+
 def test_token_id_prompts_and_the_controller_give_transformers_ids(front):
     """The online runtime's own API (what raycolo online run drives): the generated ids,
     the stop token included, and the finish reason."""

@@ -4,12 +4,14 @@ import pytest
 from raycolo.online.serving.responses import StreamInterval
 
 
-def _chunks(every, events):
+def _chunks(every, events, ids=False):
+    """(text, log-probabilities) of each chunk sent, and its token ids with ``ids``
+    (each event's ids: its log-probabilities' negatives)."""
     held, out = StreamInterval(every), []
     for delta, count, lps, final in events:
-        got = held.add(delta, count, lps, final)
+        got = held.add(delta, count, lps, final, ids=[-x for x in lps])
         if got is not None:
-            out.append(got)
+            out.append(got if ids else got[:2])
     return out
 
 
@@ -22,6 +24,7 @@ def test_first_tokens_at_once_then_every_n_and_the_rest_at_the_end():
     # tokens 1..10 one by one, then the end: with 4, chunks after 1, 5, 9 and the end (10)
     events = [(str(i), i, [i], False) for i in range(1, 11)] + [("!", 10, [], True)]
     assert _chunks(4, events) == [("1", [1]), ("2345", [2, 3, 4, 5]), ("6789", [6, 7, 8, 9]), ("10!", [10])]
+    assert [c[2] for c in _chunks(4, events, ids=True)] == [[-1], [-2, -3, -4, -5], [-6, -7, -8, -9], [-10]]
 
 
 def test_tokens_arriving_together_count_as_many():

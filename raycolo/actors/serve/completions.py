@@ -26,7 +26,7 @@ from raycolo.online.serving.token_wire import NodeAddress
 from raycolo.online.stage_messages import ServedRequest
 from raycolo.online.tasks import OnlineTask, TaskKind
 from raycolo.online.serving.protocol import BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant
-from raycolo.online.serving.responses import choice, usage
+from raycolo.online.serving.responses import ChoiceEvent, TokenFields, choice, usage
 from raycolo.online.serving.sse_stream import sse_answer
 from raycolo.generation.detokenize import text_stream
 
@@ -327,35 +327,41 @@ class Completions:
                 self.controller.cancel.remote(a.rid, FinishReason.ABORT)
             raise
         out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted[0].rid}-{uuid.uuid4().hex[:8]}"
+        tokens = TokenFields(list(ids) if body.return_token_ids else None, bool(body.return_tokens_as_token_ids))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = [self._events(a, params, started, ids) for a in admitted]
             return StreamingResponse(sse_answer(events, self.tokenizer, out_id, chat, body.model, len(ids),
-                                                include_usage, self.config.serve.stream_interval),
+                                                include_usage, self.config.serve.stream_interval, tokens),
                                      media_type="text/event-stream")
         results = await asyncio.gather(*[self._collect(a, params, started, ids) for a in admitted])
-        count = sum(r[2] for r in results)
-        choices = [choice(self.tokenizer, chat, i, content, reason, logprobs)
-                   for i, (content, reason, _, logprobs) in enumerate(results)]
-        return JSONResponse({"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
-                             "choices": choices, "usage": usage(len(ids), count)})
+        choices = [choice(self.tokenizer, chat, i, r.delta, r.finish, r.lps, r.stop_reason, r.ids, tokens)
+                   for i, r in enumerate(results)]
+        answer = {"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
+                  "choices": choices, "usage": usage(len(ids), sum(r.count for r in results))}
+        if chat and tokens.prompt_ids is not None:
+            answer["prompt_token_ids"] = tokens.prompt_ids
+        return JSONResponse(answer)
 
-    async def _collect(self, admitted: "Admitted", params, started: float, prompt_ids: list[int]):
-        """A whole (non-streamed) choice: text, finish_reason, tokens, log-probabilities."""
-        text, reason, count, logprobs = [], None, 0, None if params.logprobs is None else []
-        async for delta, finish, n, lps in self._events(admitted, params, started, prompt_ids):
-            text.append(delta)
-            count = n
-            if finish == FinishReason.ERROR:
-                raise OpenAIError(503, f"generation failed: {delta}", code="generation_failed")
-            reason = finish or reason
+    async def _collect(self, admitted: "Admitted", params, started: float, prompt_ids: list[int]) -> ChoiceEvent:
+        """A whole (non-streamed) choice: its events joined (log-probabilities None where
+        not asked for)."""
+        text, reason, count, logprobs, ids, stop_reason = [], None, 0, None if params.logprobs is None else [], [], None
+        async for ev in self._events(admitted, params, started, prompt_ids):
+            text.append(ev.delta)
+            count = ev.count
+            if ev.finish == FinishReason.ERROR:
+                raise OpenAIError(503, f"generation failed: {ev.delta}", code="generation_failed")
+            reason, stop_reason = ev.finish or reason, ev.stop_reason if ev.finish else stop_reason
+            ids.extend(ev.ids)
             if logprobs is not None:
-                logprobs.extend(lps)
-        return "".join(text), reason, count, logprobs
+                logprobs.extend(ev.lps)
+        return ChoiceEvent("".join(text), reason, count, logprobs, tuple(ids), stop_reason)
 
     async def _events(self, admitted: "Admitted", params, started: float, prompt_ids: list[int]):
-        """(text delta, finish_reason or None, tokens so far, log-probabilities of the tokens
-        since the last event) as tokens arrive (``admitted``: what :meth:`_admit` returned;
+        """:class:`ChoiceEvent` (text delta, finish_reason or None, tokens so far, the
+        log-probabilities and ids of the tokens since the last event, the stop reason) as
+        tokens arrive (``admitted``: what :meth:`_admit` returned;
         the events come over this replica's channel); an "error" finish carries the
         error's text. Text follows raycolo.generation: a stop token is counted, never
         shown; a stop string ends the text before it (the request is cancelled upstream),
@@ -365,7 +371,7 @@ class Completions:
         (:meth:`_readmit`) while its stream goes on."""
         front, events = admitted.front, admitted.events
         stream = text_stream(self.tokenizer, params, prompt_ids)
-        count, last, finished, lps, held = 0, None, False, [], None
+        count, last, finished, lps, held, ids, stop_reason = 0, None, False, [], None, [], None
         readmit: Optional[asyncio.Task] = None
         try:
             while True:
@@ -378,7 +384,7 @@ class Completions:
                         continue
                     finished = True
                     self._finish(FinishReason.ERROR, started, count)
-                    yield CONTROLLER_DIED, FinishReason.ERROR, count, []
+                    yield ChoiceEvent(CONTROLLER_DIED, FinishReason.ERROR, count, [])
                     return
                 if kind in TOKEN_EVENTS:
                     batch = [(kind, value)]          # this token and those queued behind it
@@ -394,9 +400,11 @@ class Completions:
                             lps.append(value)
                             continue
                         count += 1
+                        ids.append(value)
                         if kind == EventKind.TOKEN:
                             admitted.streamed.append(value)
-                        if kind == EventKind.STOP_TOKEN:
+                        if kind == EventKind.STOP_TOKEN:     # vLLM: the tokenizer's own EOS is no stop reason
+                            stop_reason = None if value == self.tokenizer.eos_token_id else value
                             continue
                         text.append(stream.add(value, check=count > params.min_tokens))
                         if stream.stopped is not None:
@@ -413,26 +421,27 @@ class Completions:
                         finished = True
                         await self.controller.cancel.remote(admitted.rid, FinishReason.STOP)
                         self._finish(FinishReason.STOP, started, count)
-                        yield "".join(text), FinishReason.STOP, count, lps
+                        yield ChoiceEvent("".join(text), FinishReason.STOP, count, lps, tuple(ids), stream.stopped)
                         return
                     delta = "".join(text)
-                    if delta or lps:
-                        yield delta, None, count, lps
-                        lps = []
+                    if delta or lps or ids:
+                        yield ChoiceEvent(delta, None, count, lps, tuple(ids))
+                        lps, ids = [], []
                 elif kind == EventKind.DONE:
                     finished = True
                     self._finish(value, started, count)
-                    yield stream.flush(), value, count, lps
+                    yield ChoiceEvent(stream.flush(), value, count, lps, tuple(ids),
+                                      stop_reason if value == FinishReason.STOP else None)
                     return
                 else:
                     finished = True
                     self._finish(FinishReason.ERROR, started, count)
-                    yield str(value), FinishReason.ERROR, count, lps
+                    yield ChoiceEvent(str(value), FinishReason.ERROR, count, lps, tuple(ids))
                     return
         except (RayActorError, ActorUnavailableError):   # the controller died: the stream ends with an error
             finished = True
             self._finish(FinishReason.ERROR, started, count)
-            yield CONTROLLER_DIED, FinishReason.ERROR, count, []
+            yield ChoiceEvent(CONTROLLER_DIED, FinishReason.ERROR, count, [])
         finally:
             self.channel.close(front)
             if readmit is not None and not readmit.done():

@@ -8,7 +8,7 @@ silently ignored: a generation request takes what vLLM's OpenAI server takes of
 ``ignore_eos``, ``skip_special_tokens``, the repetition, presence and frequency
 penalties, ``min_p``, ``logit_bias``, ``logprobs``/``top_logprobs``, ``n``, ``bad_words``,
 ``allowed_token_ids``, ``structured_outputs`` and OpenAI's ``response_format``), ``stream``
-and ``stream_options``, and
+and ``stream_options``, vLLM's ``return_token_ids`` and ``return_tokens_as_token_ids``, and
 ``user`` (recorded nowhere, as in vLLM); any other field is a 400 naming it. Bounds are
 the generation module's (declared once there); ``temperature`` keeps OpenAI's [0, 2].
 Response models are what the routes return, so ``/openapi.json`` describes them truthfully.
@@ -23,6 +23,10 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
 from raycolo.generation import SamplingParams
 from raycolo.generation.structured import StructuredOutputs
 from raycolo.online.serving.structured_protocol import ResponseFormat, structured_outputs
+# the generation routes' responses, where they were before (raycolo.online.serving.generation_responses)
+from raycolo.online.serving.generation_responses import (  # noqa: F401
+    AssistantMessage, ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice,
+    CompletionLogprobs, CompletionResponse, FinishReason, TopLogprob, Usage)
 from raycolo.generation.params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS_TOKENS, MAX_SEED, MAX_STOP_TOKEN_IDS,
                                        MAX_TOKENS_LIMIT, LogitBias, LogprobCount, MinP, MinTokens, Penalty,
                                        RepetitionPenalty, TopK, TopP, bad_word_list, nonnegative_ids, stop_strings)
@@ -107,6 +111,10 @@ class SamplingFields(BaseModel):
                                            "contains")
     allowed_token_ids: Optional[list[WholeInt]] = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS,
                                                         description="vLLM's extension: the only ids the output takes")
+    return_token_ids: Optional[bool] = Field(default=None, description="vLLM's extension: the prompt's and "
+                                             "each choice's token ids in the answer")
+    return_tokens_as_token_ids: Optional[bool] = Field(default=None, description="vLLM's extension: log-"
+                                                       "probabilities name tokens as 'token_id:<id>'")
     response_format: Optional[ResponseFormat] = Field(default=None, description="json_object or json_schema: "
                                                       "the text follows it (text: no constraint)")
     structured_outputs: Optional[StructuredOutputs] = Field(default=None, description="vLLM's extension: exactly "
@@ -234,74 +242,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-# -- responses ------------------------------------------------------------------------------
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-FinishReason = Optional[Literal["stop", "length", "error"]]
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: FinishReason
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob]
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: FinishReason
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
 
 
 BASE_SUFFIX = "@base"          # <model>@base: the base model, without the adapter

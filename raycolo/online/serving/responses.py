@@ -6,14 +6,43 @@ server-sent-event chunks (pure: the ingress fills them with what generation prod
 * Log-probabilities come in OpenAI's two shapes: the legacy completions one
   (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``) and the chat one
   (``content[]`` of ``token``, ``logprob``, ``bytes``, ``top_logprobs``). A token's text is
-  its own decode with special tokens kept, as vLLM shows it.
+  its own decode with special tokens kept, as vLLM shows it; with vLLM's
+  ``return_tokens_as_token_ids``, ``token_id:<id>`` instead.
+* vLLM's extensions: every choice's ``stop_reason`` (the stop string, or the id of a stop
+  token other than the tokenizer's own EOS, that ended it; None otherwise) and, with
+  ``return_token_ids``, the ``prompt_token_ids`` and each choice's generated ``token_ids``
+  (the stop token included); streamed, the prompt's ids come with a choice's first chunk
+  and each chunk carries the ids its text came from.
 """
 from __future__ import annotations
 
 import json
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Union
 
 from raycolo.generation import FinishReason
+
+StopReason = Union[int, str, None]
+
+
+class ChoiceEvent(NamedTuple):
+    """What one choice's generation gives the answer at a time: the text since the last
+    event, the finish reason (None: not finished), tokens so far, the log-probabilities and
+    token ids since the last event, and the stop reason once finished."""
+
+    delta: str
+    finish: Optional[FinishReason]
+    count: int
+    lps: list
+    ids: tuple = ()
+    stop_reason: StopReason = None
+
+
+class TokenFields(NamedTuple):
+    """What an answer adds about tokens (vLLM's ``return_token_ids``,
+    ``return_tokens_as_token_ids``)."""
+
+    prompt_ids: Optional[list] = None      # None: no token ids in the answer
+    as_ids: bool = False
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -21,30 +50,30 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _token_text(tokenizer, token: int) -> str:
-    return tokenizer.decode([token], skip_special_tokens=False)
+def _token_text(tokenizer, token: int, as_ids: bool = False) -> str:
+    return f"token_id:{token}" if as_ids else tokenizer.decode([token], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer, entries: Optional[Sequence]) -> Optional[dict]:
+def completion_logprobs(tokenizer, entries: Optional[Sequence], as_ids: bool = False) -> Optional[dict]:
     """``entries``: raycolo.generation.sampler.TokenLogprob per token (None: not asked)."""
     if entries is None:
         return None
     tokens, offsets, at = [], [], 0
     for e in entries:
-        tokens.append(_token_text(tokenizer, e.token))
+        tokens.append(_token_text(tokenizer, e.token, as_ids))
         offsets.append(at)
         at += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+            "top_logprobs": [{_token_text(tokenizer, t, as_ids): lp for t, lp in e.top} for e in entries],
             "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer, entries: Optional[Sequence]) -> Optional[dict]:
+def chat_logprobs(tokenizer, entries: Optional[Sequence], as_ids: bool = False) -> Optional[dict]:
     if entries is None:
         return None
 
     def one(token: int, logprob: float) -> dict:
-        text = _token_text(tokenizer, token)
+        text = _token_text(tokenizer, token, as_ids)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
@@ -52,13 +81,21 @@ def chat_logprobs(tokenizer, entries: Optional[Sequence]) -> Optional[dict]:
 
 
 def choice(tokenizer, chat: bool, index: int, content: str, reason: Optional[FinishReason],
-           logprobs: Optional[Sequence]) -> dict:
-    """One choice of a non-streamed answer."""
+           logprobs: Optional[Sequence], stop_reason: StopReason = None, ids: Optional[Sequence[int]] = None,
+           tokens: TokenFields = TokenFields()) -> dict:
+    """One choice of a non-streamed answer (``ids``: its generated tokens)."""
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": content},
-                "logprobs": chat_logprobs(tokenizer, logprobs), "finish_reason": reason}
-    return {"index": index, "text": content, "logprobs": completion_logprobs(tokenizer, logprobs),
-            "finish_reason": reason}
+        out = {"index": index, "message": {"role": "assistant", "content": content},
+               "logprobs": chat_logprobs(tokenizer, logprobs, tokens.as_ids), "finish_reason": reason,
+               "stop_reason": stop_reason}
+    else:
+        out = {"index": index, "text": content, "logprobs": completion_logprobs(tokenizer, logprobs, tokens.as_ids),
+               "finish_reason": reason, "stop_reason": stop_reason}
+        if tokens.prompt_ids is not None:
+            out["prompt_token_ids"] = tokens.prompt_ids
+    if tokens.prompt_ids is not None:
+        out["token_ids"] = list(ids or ())
+    return out
 
 
 class StreamInterval:
@@ -70,16 +107,18 @@ class StreamInterval:
         self.every, self.sent = every, 0
         self.text: list[str] = []
         self.lps: list = []
+        self.ids: list = []
 
-    def add(self, delta: str, count: int, lps, final: bool = False) -> Optional[tuple[str, list]]:
-        """Hold ``delta`` and ``lps`` (``count``: tokens so far); the (text, log-probabilities)
-        to send now, or None to keep holding."""
+    def add(self, delta: str, count: int, lps, final: bool = False, ids=()) -> Optional[tuple[str, list, list]]:
+        """Hold ``delta``, ``lps`` and ``ids`` (``count``: tokens so far); the (text,
+        log-probabilities, token ids) to send now, or None to keep holding."""
         self.text.append(delta)
         self.lps.extend(lps)
+        self.ids.extend(ids)
         if not (final or self.sent == 0 or count - self.sent >= self.every):
             return None
-        out = "".join(self.text), self.lps
-        self.text, self.lps, self.sent = [], [], count
+        out = "".join(self.text), self.lps, self.ids
+        self.text, self.lps, self.ids, self.sent = [], [], [], count
         return out
 
 
@@ -92,13 +131,16 @@ class SseChunks:
     ahead, and each chunk JSON-encodes only its text (the same bytes as encoding the whole
     line each time)."""
 
-    def __init__(self, tokenizer, out_id: str, chat: bool, model: str, created: int, index: int = 0):
-        """``index``: the choice's (n > 1 streams every choice in one answer)."""
+    def __init__(self, tokenizer, out_id: str, chat: bool, model: str, created: int, index: int = 0,
+                 tokens: TokenFields = TokenFields()):
+        """``index``: the choice's (n > 1 streams every choice in one answer); ``tokens``:
+        the token ids asked for (the prompt's go with the first chunk after the role)."""
         self.tokenizer, self.out_id, self.chat, self.model, self.created = tokenizer, out_id, chat, model, created
-        self.index = index
+        self.index, self.tokens, self.prompt_sent = index, TokenFields(), True
         self.kind = "chat.completion.chunk" if chat else "text_completion"
-        parts = self._build(_HOLE, None).split(json.dumps(_HOLE))
+        parts = self._build(_HOLE, None).split(json.dumps(_HOLE))      # the text chunk without token ids
         self._around = parts if len(parts) == 2 else None     # (a model name holding the hole: build)
+        self.tokens, self.prompt_sent = tokens, tokens.prompt_ids is None
 
     def text(self, delta: str) -> str:
         """A chunk of text alone (no log-probabilities, not the last): ``chunk(delta, None)``."""
@@ -111,20 +153,34 @@ class SseChunks:
                "choices": choices, **(extra or {})}
         return f"data: {json.dumps(out)}\n\n"
 
-    def chunk(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None) -> str:
-        if delta and finish is None and not role and not lps:
+    def chunk(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None, ids=None,
+              stop_reason: StopReason = None) -> str:
+        if delta and finish is None and not role and not lps and self.tokens.prompt_ids is None:
             return self.text(delta)
-        return self._build(delta, finish, role, lps)
+        return self._build(delta, finish, role, lps, ids, stop_reason)
 
-    def _build(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None) -> str:
+    def _build(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None, ids=None,
+               stop_reason: StopReason = None) -> str:
+        as_ids, extra = self.tokens.as_ids, {}
         if self.chat:
             d = {"role": "assistant"} if role else ({} if delta is None else {"content": delta})
-            c = {"index": self.index, "delta": d, "logprobs": chat_logprobs(self.tokenizer, lps) if lps else None,
-                 "finish_reason": finish}
+            c = {"index": self.index, "delta": d,
+                 "logprobs": chat_logprobs(self.tokenizer, lps, as_ids) if lps else None, "finish_reason": finish}
         else:
             c = {"index": self.index, "text": delta or "",
-                 "logprobs": completion_logprobs(self.tokenizer, lps) if lps else None, "finish_reason": finish}
-        return self._line([c])
+                 "logprobs": completion_logprobs(self.tokenizer, lps, as_ids) if lps else None,
+                 "finish_reason": finish}
+        if finish is not None:
+            c["stop_reason"] = stop_reason
+        if self.tokens.prompt_ids is not None and not role:
+            c["token_ids"] = list(ids or ())
+            if not self.prompt_sent:        # the prompt's ids once, with the choice's first chunk after the role
+                self.prompt_sent = True
+                if self.chat:
+                    extra["prompt_token_ids"] = self.tokens.prompt_ids
+                else:
+                    c["prompt_token_ids"] = self.tokens.prompt_ids
+        return self._line([c], extra)
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> str:
         return self._line([], {"usage": usage(prompt_tokens, completion_tokens)})

@@ -1,7 +1,8 @@
 """The server-sent events of one streamed answer, with one choice or ``n``.
 
-Each choice is an async iterator of ``(text delta, finish_reason or None, tokens so far,
-log-probabilities)`` events (the ingress's per-request event stream). Each becomes
+Each choice is an async iterator of :class:`~.responses.ChoiceEvent` (text delta,
+finish_reason or None, tokens so far, log-probabilities, token ids, stop reason: the
+ingress's per-request event stream). Each becomes
 OpenAI's chunks under its own ``index`` (:class:`~.responses.SseChunks`), with vLLM's
 ``--stream-interval`` applied per choice (:class:`~.responses.StreamInterval`); a chat
 opens every choice with its role. With ``n`` > 1 the choices' chunks interleave as
@@ -22,14 +23,16 @@ from typing import AsyncIterator, Sequence
 
 from raycolo.generation import FinishReason
 from raycolo.online.serving.openai_errors import OpenAIError
-from raycolo.online.serving.responses import SseChunks, StreamInterval
+from raycolo.online.serving.responses import ChoiceEvent, SseChunks, StreamInterval, TokenFields
 
 
 async def sse_answer(choices: Sequence[AsyncIterator], tokenizer, out_id: str, chat: bool, model: str,
-                     prompt_tokens: int, include_usage: bool, stream_interval: int) -> AsyncIterator[str]:
-    """The ``data:`` lines of the answer whose choices' events are ``choices``."""
+                     prompt_tokens: int, include_usage: bool, stream_interval: int,
+                     tokens: TokenFields = TokenFields()) -> AsyncIterator[str]:
+    """The ``data:`` lines of the answer whose choices' events are ``choices``
+    (:class:`~.responses.ChoiceEvent`, or its first four fields)."""
     created = int(time.time())
-    sses = [SseChunks(tokenizer, out_id, chat, model, created, index=i) for i in range(len(choices))]
+    sses = [SseChunks(tokenizer, out_id, chat, model, created, index=i, tokens=tokens) for i in range(len(choices))]
     held = [StreamInterval(stream_interval) for _ in choices]
     counts = [0] * len(choices)
     if chat:
@@ -38,19 +41,22 @@ async def sse_answer(choices: Sequence[AsyncIterator], tokenizer, out_id: str, c
     # closed as soon as the loop ends (a failed choice cancels the others then, not when
     # the generator is collected)
     async with contextlib.aclosing(_indexed(choices[0]) if len(choices) == 1 else _merged(choices)) as events:
-        async for i, (delta, finish, count, lps) in events:
-            sse, counts[i] = sses[i], count
-            if finish == FinishReason.ERROR:       # after the 200: the failure travels inside the stream
-                text, lps = held[i].add("", count, [], final=True)
-                if text or lps:
-                    yield sse.chunk(text, None, lps=lps)
-                yield sse.error(OpenAIError(503, f"generation failed: {delta}", code="generation_failed").body())
+        async for i, event in events:
+            ev = ChoiceEvent(*event)
+            sse, counts[i] = sses[i], ev.count
+            if not (ev.delta or ev.lps or ev.finish or tokens.prompt_ids is not None):
+                continue          # token ids alone (text held back, a stop token), not asked for: nothing to send
+            if ev.finish == FinishReason.ERROR:       # after the 200: the failure travels inside the stream
+                text, lps, ids = held[i].add("", ev.count, [], final=True, ids=ev.ids)
+                if text or lps or (ids and tokens.prompt_ids is not None):
+                    yield sse.chunk(text, None, lps=lps, ids=ids)
+                yield sse.error(OpenAIError(503, f"generation failed: {ev.delta}", code="generation_failed").body())
                 break
-            out = held[i].add(delta, count, lps, final=finish is not None)
-            if out is not None and (out[0] or out[1]):
-                yield sse.chunk(out[0], None, lps=out[1])
-            if finish:
-                yield sse.chunk(None, finish)
+            out = held[i].add(ev.delta, ev.count, ev.lps, final=ev.finish is not None, ids=ev.ids)
+            if out is not None and (out[0] or out[1] or (out[2] and tokens.prompt_ids is not None)):
+                yield sse.chunk(out[0], None, lps=out[1], ids=out[2])
+            if ev.finish:
+                yield sse.chunk(None, ev.finish, stop_reason=ev.stop_reason)
     if include_usage:
         yield sses[0].usage(prompt_tokens, sum(counts))
     yield SseChunks.DONE
