@@ -31,7 +31,7 @@ MAX_LOGIT_BIAS = 100.0         # a token's logit bias lies in [-100, 100] (OpenA
 MAX_LOGIT_BIAS_TOKENS = 1024   # tokens one request biases
 MAX_BAD_WORDS = 64             # vLLM bans at most 128 token sequences: a word gives one or two
 MAX_BAD_WORD_CHARS = 256
-MAX_ALLOWED_TOKEN_IDS = 1 << 17
+MAX_ALLOWED_TOKEN_IDS = 4096      # rebuilt into a mask each step: a few ms at most
 # Offline requests sample at this temperature unless their DAG node says otherwise: the
 # temperature the output-length eCDFs are measured at (raycolo profile), so the planner's
 # sampled lengths are the lengths the runtime produces.
@@ -173,6 +173,9 @@ class SamplingParams(BaseModel):
     def _min_within_max(self):
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.min_tokens and self.structured_outputs is not None:
+            raise ValueError("min_tokens: not with structured_outputs (a grammar that ends early would have to "
+                             "break itself)")
         return self
 
     @property

@@ -211,11 +211,14 @@ def _race(y: torch.Tensor, seeds: torch.Tensor, elements: int = RACE_ELEMENTS) -
 def _grammar_masked(x: torch.Tensor, rows: Sequence[SamplingRow], rules) -> torch.Tensor:
     """``x`` with the tokens each structured row's grammar forbids next at ``-inf``
     (``rules``: the model's :class:`~.vocab_rules.VocabRules`)."""
-    bitmask = rules.bitmask(rows) if rules is not None else None
-    if bitmask is None:
+    masks = rules.bitmask(rows) if rules is not None else None
+    if masks is None:
         return x
     from raycolo.generation.grammar_masks import allowed
-    return x.masked_fill_(~allowed(bitmask.to(x.device, non_blocking=True), x.shape[1]), NEG_INF)
+    bitmask, live = masks
+    ok = allowed(bitmask.to(x.device, non_blocking=True), x.shape[1])
+    idx = None if len(live) == x.shape[0] else torch.tensor(live, device=x.device)
+    return _on_rows(x, idx, lambda y: y.masked_fill_(~ok, NEG_INF))
 
 
 @torch.inference_mode()

@@ -52,7 +52,8 @@ def _ebnf_literal(text: str) -> str:
                          for c in text) + '"'
 
 
-_COUNTED = re.compile(r"(?<!\\)\{\s*([0-9]+)\s*(?:,\s*([0-9]*)\s*)?\}")
+# a counted repeat, not escaped: an even run of backslashes (none included) before its brace
+_COUNTED = re.compile(r"(?<!\\)(?:\\\\)*\{\s*([0-9]+)\s*(?:,\s*([0-9]*)\s*)?\}")
 
 
 def _bounded_repeats(text: str, what: str) -> None:
@@ -75,6 +76,44 @@ def _depth(value, limit: int) -> int:
                 break
             stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
     return deepest
+
+
+# JSON-schema keywords xgrammar parses and does not enforce (it would accept text that breaks
+# them): the cases vLLM's xgrammar backend sends elsewhere (has_xgrammar_unsupported_json_features)
+STRING_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+                            "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+UNENFORCED = {"integer": ("multipleOf",), "number": ("multipleOf",),
+              "array": ("uniqueItems", "contains", "minContains", "maxContains")}
+
+
+def _unenforced(value) -> Optional[str]:
+    """The first keyword of a JSON schema xgrammar would not enforce (None: none)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, list):
+            stack.extend(v)
+            continue
+        if not isinstance(v, dict):
+            continue
+        stack.extend(v.values())
+        types = v.get("type")
+        types = {types} if isinstance(types, str) else set(t for t in types or () if isinstance(t, str))
+        for t in types:
+            hit = next((k for k in UNENFORCED.get(t, ()) if k in v), None)
+            if hit:
+                return f"{hit} on {t}"
+        if "string" in types:
+            if "format" in v and v["format"] not in STRING_FORMATS:
+                return f"format {str(v['format'])[:40]!r}"
+            if ("pattern" in v or "format" in v) and ("minLength" in v or "maxLength" in v):
+                return "a pattern or format with minLength/maxLength"
+        if "propertyNames" in v and "object" in types:
+            names = v["propertyNames"]
+            if "patternProperties" in v or (isinstance(names, dict) and ("pattern" in names or "format" in names)
+                                             and ("minLength" in names or "maxLength" in names)):
+                return "propertyNames with patternProperties or a bounded pattern"
+    return None
 
 
 def _schema_patterns(value):
@@ -135,7 +174,15 @@ class StructuredOutputs(BaseModel):
                              f"{MAX_JSON_NESTING} levels")
         for pattern in _schema_patterns(value):
             _bounded_repeats(pattern, "pattern")
+        hit = _unenforced(value)
+        if hit:
+            raise ValueError(f"xgrammar would not enforce {hit}: refused rather than ignored")
         return schema
+
+    @field_validator("json_object")
+    @classmethod
+    def _false_is_absent(cls, flag: Optional[bool]):
+        return flag or None          # false asks for nothing (vLLM would count it as a constraint)
 
     @field_validator("regex", "grammar")
     @classmethod
@@ -147,8 +194,6 @@ class StructuredOutputs(BaseModel):
     @model_validator(mode="after")
     def _one_constraint(self):
         given = [k.value for k in ConstraintKind if self._spec_of(k) is not None]
-        if self.json_object is False:
-            given.remove(ConstraintKind.JSON_OBJECT.value)
         if len(given) != 1:
             raise ValueError("give exactly one of json, regex, choice, grammar and json_object"
                              + (f" (got {', '.join(given)})" if given else ""))
@@ -162,7 +207,7 @@ class StructuredOutputs(BaseModel):
 
     @cached_property
     def kind(self) -> ConstraintKind:
-        return next(k for k in ConstraintKind if self._spec_of(k) not in (None, False))
+        return next(k for k in ConstraintKind if self._spec_of(k) is not None)
 
     @cached_property
     def key(self) -> tuple:

@@ -134,3 +134,43 @@ def test_the_byte_tokenizer_of_a_tiny_catalog_model():
         assert all(o.finish_reason == "stop" and re.fullmatch(r"[A-Z][a-z]{1,4}-[0-9]{2}", o.text) for o in outs)
     finally:
         engine.release()
+
+
+def test_the_finished_grammar_allows_the_eos_set_and_stop_token_ids_as_vllm(hf_checkpoints):
+    """vLLM gives the matcher the EOS set and the request's stop_token_ids, ignore_eos or not;
+    an id past the vocabulary (the engine API does not check it) is left out, not a failure
+    of the batch; a structured row without its request's key is refused."""
+    from raycolo.engine.models import load_tokenizer
+    from raycolo.generation.rows import SamplingRow
+
+    path = hf_checkpoints["llama3"]
+    tok, vocab = load_tokenizer(str(path)), load(path)[0].config.vocab_size
+    rules = VocabRules(tok, vocab)
+    done = tok.encode("A", add_special_tokens=False)
+    stop = next(t for t in range(100, vocab) if t not in tok.eos_token_ids)
+    for ignore_eos in (False, True):
+        for extra in ((), (stop,), (stop, 10 ** 9)):
+            params = SamplingParams(max_tokens=8, ignore_eos=ignore_eos, stop_token_ids=extra,
+                                    structured_outputs=StructuredOutputs(regex="A"))
+            row = SamplingRow.of(params, 0, done, key=("k", ignore_eos, extra))
+            bitmask, live = rules.bitmask([row])
+            allowed_ids = set(torch.nonzero(allowed(bitmask, vocab)[0]).flatten().tolist())
+            assert live == [0] and allowed_ids == set(tok.eos_token_ids) | {t for t in extra if t < vocab}
+    with pytest.raises(ValueError, match="key"):
+        rules.bitmask([SamplingRow(SamplingParams(structured_outputs=StructuredOutputs(regex="A")), 0)])
+
+
+def test_a_grammar_too_big_for_the_vocabulary_is_refused_by_size(hf_checkpoints):
+    """The front's check (GrammarMasks.check_size): a compiled grammar over the limit is a
+    ValueError naming its size; on this 2,048-id vocabulary [^"]{1,1000} takes 1.0 MiB,
+    a JSON schema 0.5 MiB."""
+    from raycolo.engine.models import load_tokenizer
+
+    path = hf_checkpoints["llama3"]
+    masks = GrammarMasks(load_tokenizer(str(path)), load(path)[0].config.vocab_size)
+    big, small = StructuredOutputs(regex='[^"]{1,1000}'), StructuredOutputs(json=SCHEMA)
+    with pytest.raises(ValueError, match="MiB for this model's vocabulary, over the 1 MiB"):
+        masks.check_size(big, limit=1 << 20)
+    masks.check_size(small, limit=1 << 20)
+    masks.check_size(big)                                       # the default limit: 8 MiB
+    assert masks.compile(big) is masks.compile(big)             # compiled once

@@ -258,9 +258,9 @@ def test_structured_outputs_equal_generate_under_xgrammar(front):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
                                                "ok": {"type": "boolean"}}, "required": ["city", "ok"]}
     forms = [({"json": schema, "disable_any_whitespace": True},
-              dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "place",
-                                                                                        "schema": schema}},
-                               "structured_outputs": {"choice": ["x"], "disable_any_whitespace": True}})),
+              dict(extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})),
+             ({"json": schema}, dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                 "name": "place", "schema": schema}}})),
              ({"regex": r"(yes|no), [a-z]{2,5}\."}, dict(extra_body={"structured_outputs": {"regex": r"(yes|no), [a-z]{2,5}\."}})),
              ({"choice": ["river", "the sea"]}, dict(extra_body={"structured_outputs": {"choice": ["river", "the sea"]}}))]
     for constraint, body in forms:
@@ -327,6 +327,7 @@ def test_unknown_and_bad_fields_are_400_naming_them(front):
         for body, param in [({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of"),
                             ({"logit_bias": {str(vocab): 1}}, "logit_bias"), ({"min_p": 2}, "min_p"),
                             ({"allowed_token_ids": [1, vocab]}, "allowed_token_ids"),
+                            ({"stop_token_ids": [vocab + 5]}, "stop_token_ids"),
                             ({"repetition_penalty": "x"}, "repetition_penalty"),
                             ({"top_logprobs": 2}, None),
                             ({"min_tokens": 99, "max_tokens": 4}, "min_tokens")]:

@@ -181,9 +181,31 @@ def test_valid_requests_and_whole_floats():
     assert params.min_p == 0.1 and params.logit_bias == ((5, 1.5), (7, -100.0))
 
 
+@pytest.mark.parametrize("body,message", [
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs: give"),
+    ({"min_tokens": 2, "structured_outputs": {"choice": ["A"]}}, "min_tokens: not with structured"),
+    ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens: not with structured"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "string", "pattern": "a{5000}"}}}}, "response_format: json_schema.schema: pattern"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "$ref": "#/$defs/missing"}}}}, "response_format: json_schema.schema: json: xgrammar cannot"),
+    ({"structured_outputs": {"json": {"type": "integer", "multipleOf": 5}}}, "structured_outputs.json: xgrammar "
+                                                                            "would not enforce multipleOf"),
+    ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}, "structured_outputs.json: xgrammar"),
+    ({"structured_outputs": {"regex": r"a\\{5000}"}}, "structured_outputs.regex"),
+])
+def test_constraints_that_cannot_hold_are_400s_before_anything_runs(body, message):
+    """A constraint the grammar could not keep, or that would fail in the sampling process
+    (a 500 or a broken text later), is a 400 naming it now."""
+    with pytest.raises(ValidationError) as exc:
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", **body})
+    err = from_validation(exc.value)
+    assert err.status == 400 and err.message.startswith(message), err.message
+
+
 def test_response_format_and_structured_outputs_become_one_constraint():
     """OpenAI's ``response_format`` maps onto vLLM's ``structured_outputs`` as vLLM's
-    server maps it: it wins where both are given, keeping ``disable_any_whitespace``."""
+    server maps it (``text``: no constraint)."""
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
     def params(**body):
         return CompletionRequest.model_validate({"model": "m", "prompt": "x", **body}).sampling_params(8, 0)
@@ -192,9 +214,10 @@ def test_response_format_and_structured_outputs_become_one_constraint():
     assert got.kind.value == "json" and json.loads(got.json_schema) == schema
     assert list(json.loads(got.json_schema)["properties"]) == ["b", "a"]          # the order the text follows
     assert params(response_format={"type": "text"}).structured_outputs is None
-    got = params(response_format={"type": "json_object"},
-                 structured_outputs={"regex": "[0-9]+", "disable_any_whitespace": True}).structured_outputs
-    assert got.kind.value == "json_object" and got.disable_any_whitespace
+    got = params(response_format={"type": "json_object"}).structured_outputs
+    assert got.kind.value == "json_object" and not got.disable_any_whitespace
+    got = params(response_format={"type": "text"}, structured_outputs={"regex": "[0-9]+"}).structured_outputs
+    assert got.regex == "[0-9]+"
     got = params(structured_outputs={"choice": ["yes", "no"]}).structured_outputs
     assert got.choice == ("yes", "no") and params(temperature=0).plain_greedy
     assert not params(temperature=0, structured_outputs={"choice": ["a"]}).plain_greedy

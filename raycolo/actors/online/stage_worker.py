@@ -12,7 +12,6 @@ on its stage 0 and sends the other stages their ops (:mod:`raycolo.actors.online
 """
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
@@ -85,9 +84,9 @@ def stage_loop(config: dict) -> None:
     messages = idle_group(dist)  # every rank, once: the node loop's messages, however long the node idles
     rules = None                 # the last stage samples: its tokenizer's rules (structured outputs, bad words)
     if stage == stages - 1:
-        from raycolo.generation.vocab_rules import VocabRules
+        from raycolo.generation.vocab_rules import prefetched_rules
 
-        rules = functools.partial(VocabRules.for_model, config["model_id"], model_config.vocab_size)
+        rules = prefetched_rules(config["model_id"], model_config.vocab_size)
     while True:
         proc = StageProcess(stage_model, stage, stages, model_config.hidden_size, dtype, dist, side, messages,
                             rules)

@@ -84,6 +84,7 @@ class Completions:
     metrics: FrontMetrics
     gauges: DeploymentMetrics
     monitor: Optional[asyncio.Task]
+    grammar: Any = None          # structured outputs' grammars for this vocabulary (GrammarMasks), at the first need
 
     async def _monitor(self) -> None:
         while True:
@@ -146,7 +147,8 @@ class Completions:
         if body.min_tokens > limit:
             raise OpenAIError(400, f"min_tokens: {body.min_tokens} is more than the {limit} tokens allowed",
                               param="min_tokens", code="invalid_parameter")
-        for param, ids in (("logit_bias", body.bias_ids()), ("allowed_token_ids", body.allowed_token_ids)):
+        for param, ids in (("logit_bias", body.bias_ids()), ("allowed_token_ids", body.allowed_token_ids),
+                           ("stop_token_ids", body.stop_token_ids)):
             if ids and max(ids) >= self.vocab:
                 raise OpenAIError(400, f"{param}: token ids must be below the vocabulary size {self.vocab}",
                                   param=param, code="invalid_parameter")
@@ -313,6 +315,8 @@ class Completions:
                         variant: Union[str, int] = LATEST):
         self._ensure_monitor()
         params = self._sampling(body, ids, max_tokens, prompt_param, chat)
+        if params.structured_outputs is not None:
+            await self._check_grammar(params.structured_outputs)
         started = time.perf_counter()
         kind = "chat.completion" if chat else "text_completion"
         # n choices: n requests, choice i drawn with seed + i (all admitted before any is awaited)
@@ -342,6 +346,19 @@ class Completions:
         if chat and tokens.prompt_ids is not None:
             answer["prompt_token_ids"] = tokens.prompt_ids
         return JSONResponse(answer)
+
+    async def _check_grammar(self, constraint) -> None:
+        """A 400 for a constraint whose grammar is too big for a stage to compile in its step
+        (compiled here, off the event loop, once per constraint)."""
+        from raycolo.generation.grammar_masks import GrammarMasks
+
+        if self.grammar is None:
+            self.grammar = await asyncio.to_thread(GrammarMasks, self.tokenizer, self.vocab)
+        try:
+            await asyncio.to_thread(self.grammar.check_size, constraint)
+        except ValueError as exc:
+            raise OpenAIError(400, f"structured_outputs: {exc}", param="structured_outputs",
+                              code="invalid_parameter") from None
 
     async def _collect(self, admitted: "Admitted", params, started: float, prompt_ids: list[int]) -> ChoiceEvent:
         """A whole (non-streamed) choice: its events joined (log-probabilities None where

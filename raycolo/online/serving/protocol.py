@@ -22,7 +22,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
 
 from raycolo.generation import SamplingParams
 from raycolo.generation.structured import StructuredOutputs
-from raycolo.online.serving.structured_protocol import ResponseFormat, structured_outputs
+from raycolo.online.serving.structured_protocol import ResponseFormat, one_constraint, structured_outputs
 # the generation routes' responses, where they were before (raycolo.online.serving.generation_responses)
 from raycolo.online.serving.generation_responses import (  # noqa: F401
     AssistantMessage, ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice,
@@ -137,6 +137,15 @@ class SamplingFields(BaseModel):
     def _bad_words(cls, words):
         bad_word_list(words)
         return words
+
+    @model_validator(mode="after")
+    def _constraints(self):
+        one_constraint(self.response_format, self.structured_outputs)
+        if self.min_tokens and (self.structured_outputs is not None or (self.response_format is not None
+                                                                         and self.response_format.type != "text")):
+            raise ValueError("min_tokens: not with structured outputs (a grammar that ends early would have to "
+                             "break itself)")
+        return self
 
     @field_validator("logit_bias")
     @classmethod

@@ -1,13 +1,12 @@
 """The generation routes' structured-output fields: OpenAI's ``response_format`` and vLLM's
 ``structured_outputs`` (:class:`raycolo.generation.structured.StructuredOutputs`, whose checks
-they reuse), as vLLM's OpenAI server takes them. ``response_format`` wins where both are
-given, as in vLLM (``structured_outputs_from_response_format``); its ``text`` type means no
-constraint."""
+they reuse), as vLLM's OpenAI server takes them: a JSON ``response_format`` and
+``structured_outputs`` together are refused; ``text`` means no constraint."""
 from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from raycolo.generation.structured import StructuredOutputs
 
@@ -33,16 +32,31 @@ class ResponseFormat(BaseModel):
     def _schema_given(self):
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
             raise ValueError("type 'json_schema' needs json_schema.schema")
+        try:                   # the schema checked now, as structured_outputs' (a 400, not a failure later)
+            self.constraint()
+        except ValidationError as exc:
+            raise ValueError(f"json_schema.schema: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
         return self
+
+    def constraint(self) -> Optional[StructuredOutputs]:
+        """The constraint this format asks for (None: ``text``)."""
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputs(json=self.json_schema.schema_)
+        return None
 
 
 def structured_outputs(response_format: Optional[ResponseFormat],
                        given: Optional[StructuredOutputs]) -> Optional[StructuredOutputs]:
-    """The request's one constraint: ``response_format``'s where it asks for JSON (keeping
-    ``disable_any_whitespace`` from ``given``), else ``given``."""
-    if response_format is None or response_format.type == "text":
-        return given
-    compact = given.disable_any_whitespace if given is not None else False
-    if response_format.type == "json_object":
-        return StructuredOutputs(json_object=True, disable_any_whitespace=compact)
-    return StructuredOutputs(json=response_format.json_schema.schema_, disable_any_whitespace=compact)
+    """The request's one constraint: ``response_format``'s where it asks for JSON, else
+    ``given`` (both at once is refused when the request is read: :func:`one_constraint`)."""
+    fmt = response_format.constraint() if response_format is not None else None
+    return fmt if fmt is not None else given
+
+
+def one_constraint(response_format: Optional[ResponseFormat], given: Optional[StructuredOutputs]) -> None:
+    """``response_format`` asking for JSON and ``structured_outputs`` are one constraint too
+    many (vLLM's server refuses them too)."""
+    if given is not None and response_format is not None and response_format.type != "text":
+        raise ValueError("structured_outputs: give it or a JSON response_format, not both")
