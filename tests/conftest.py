@@ -39,6 +39,19 @@ def qwen3_checkpoint(tmp_path_factory):
     return build_checkpoint("qwen3", tmp_path_factory.mktemp("hf-qwen3") / "qwen3", seed=0)
 
 
+@pytest.fixture(scope="module")
+def bpe_engines(hf_checkpoints):
+    """Torch engines on the Llama 3-style and the Qwen2 checkpoints (kind -> engine), one
+    pair per module."""
+    from raycolo.engine import create_engine
+
+    out = {kind: create_engine({"model_loading_config": {"model_id": str(hf_checkpoints[kind])},
+                                "engine_kwargs": {"kv_cache_tokens": 4096}}) for kind in ("llama3", "qwen2")}
+    yield out
+    for e in out.values():
+        e.release()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A test past its timeout (pytest-timeout's ``timeout`` in pyproject.toml) fails by a

@@ -9,7 +9,6 @@ import torch
 
 from tests.support.constrained import banned_word, vllm_sequences
 from tests.support.hf_checkpoints import eos_ids, greedy_cases, load
-from raycolo.engine import create_engine
 from raycolo.generation import SamplingParams
 
 MAX_NEW = 24
@@ -25,12 +24,8 @@ def reference(path, prompt_ids, **kw) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def engines(hf_checkpoints):
-    out = {kind: create_engine({"model_loading_config": {"model_id": str(hf_checkpoints[kind])},
-                                "engine_kwargs": {"kv_cache_tokens": 4096}}) for kind in ("llama3", "qwen2")}
-    yield out
-    for e in out.values():
-        e.release()
+def engines(bpe_engines):
+    return bpe_engines
 
 
 @pytest.mark.parametrize("kind", ["llama3", "qwen2"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class Usage(BaseModel):
@@ -25,14 +25,20 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """What every choice has: its index, why it ended, and vLLM's additions."""
+
     index: int = 0
+    finish_reason: FinishReason
+    stop_reason: Union[int, str, None] = Field(default=None, description="vLLM's: the stop string, or the id of a "
+                                               "stop token other than the tokenizer's EOS, that ended it")
+    token_ids: Optional[list[int]] = Field(default=None, description="vLLM's return_token_ids: the generated ids")
+
+
+class CompletionChoice(_Choice):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: FinishReason
-    stop_reason: Union[int, str, None] = None
     prompt_token_ids: Optional[list[int]] = None
-    token_ids: Optional[list[int]] = None
 
 
 class CompletionResponse(BaseModel):
@@ -63,13 +69,9 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(_Choice):
     message: AssistantMessage
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: FinishReason
-    stop_reason: Union[int, str, None] = None
-    token_ids: Optional[list[int]] = None
 
 
 class ChatCompletionResponse(BaseModel):
