@@ -55,7 +55,9 @@ def run(engine, prompts, params, repeats: int):
     rules = engine.rules
     walls, masks = [], []
     for _ in range(repeats):
-        timed = rules._grammar = TimedMasks(rules.grammar) if params.structured_outputs is not None else None
+        timed = TimedMasks(rules.grammar) if params.structured_outputs is not None else None
+        if timed:
+            rules._grammar = timed
         started = time.perf_counter()
         outs = engine.generate(prompts, params)
         walls.append(time.perf_counter() - started)
