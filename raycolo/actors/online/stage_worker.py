@@ -12,6 +12,7 @@ on its stage 0 and sends the other stages their ops (:mod:`raycolo.actors.online
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -84,9 +85,14 @@ def stage_loop(config: dict) -> None:
     messages = idle_group(dist)  # every rank, once: the node loop's messages, however long the node idles
     rules = None                 # the last stage samples: its tokenizer's rules (structured outputs, bad words)
     if stage == stages - 1:
-        from raycolo.generation.vocab_rules import prefetched_rules
+        from raycolo.generation.vocab_rules import VocabRules, prefetched_rules
 
-        rules = prefetched_rules(config["model_id"], model_config.vocab_size)
+        # on a GPU stage, loaded now on a spare core; on a CPU stage every core computes, so
+        # at the first request that needs them (a one-time pause of that step)
+        if str(config["device"]).startswith("cuda"):
+            rules = prefetched_rules(config["model_id"], model_config.vocab_size)
+        else:
+            rules = functools.partial(VocabRules.for_model, config["model_id"], model_config.vocab_size)
     while True:
         proc = StageProcess(stage_model, stage, stages, model_config.hidden_size, dtype, dist, side, messages,
                             rules)
