@@ -12,13 +12,15 @@ import re
 import pytest
 import torch
 
-from tests.support.constrained import constrained_reference
-from tests.support.hf_checkpoints import load
-from raycolo.engine import create_engine
-from raycolo.generation import SamplingParams
-from raycolo.generation.grammar_masks import GrammarMasks, allowed
-from raycolo.generation.structured import StructuredOutputs
-from raycolo.generation.vocab_rules import VocabRules
+pytest.importorskip("xgrammar")      # a dependency of raycolo; absent on the GPU machines' own Python
+
+from tests.support.constrained import constrained_reference  # noqa: E402
+from tests.support.hf_checkpoints import load  # noqa: E402
+from raycolo.engine import create_engine  # noqa: E402
+from raycolo.generation import SamplingParams  # noqa: E402
+from raycolo.generation.grammar_masks import GrammarMasks, allowed  # noqa: E402
+from raycolo.generation.structured import StructuredOutputs  # noqa: E402
+from raycolo.generation.vocab_rules import VocabRules  # noqa: E402
 
 MAX_NEW = 32
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
