@@ -143,7 +143,6 @@ class GrammarMasks:
         self.rebuilt += 1
         return _Track(identity, matcher)
 
-
     def compile(self, constraint: StructuredOutputs):
         """``constraint`` compiled for the vocabulary (kept: the :data:`MAX_COMPILED` last used)."""
         with self.lock:

@@ -99,6 +99,14 @@ def bad_word_list(words) -> tuple[str, ...]:
     return tuple(dict.fromkeys(words))
 
 
+def no_min_tokens_with_a_grammar(min_tokens: int, constrained: bool) -> None:
+    """A request with a structured output takes no ``min_tokens``: a grammar that ends
+    early would have to break itself (its only next tokens, the stop tokens, masked)."""
+    if min_tokens and constrained:
+        raise ValueError("min_tokens: not with structured outputs (a grammar that ends early would have to "
+                         "break itself)")
+
+
 def nonnegative_ids(ids):
     """``ids`` (token ids, or None), checked."""
     if ids is not None and any(i < 0 for i in ids):
@@ -173,9 +181,7 @@ class SamplingParams(BaseModel):
     def _min_within_max(self):
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.min_tokens and self.structured_outputs is not None:
-            raise ValueError("min_tokens: not with structured_outputs (a grammar that ends early would have to "
-                             "break itself)")
+        no_min_tokens_with_a_grammar(self.min_tokens, self.structured_outputs is not None)
         return self
 
     @property

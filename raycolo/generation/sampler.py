@@ -109,7 +109,7 @@ class _Plan:
         ints = {name: idx for name, (idx, total) in sets.items() if idx and len(idx) < total}
         width = max((len(biases[i]) for i in bias), default=0)    # padded with a bias of 0 on token 0
         ints.update(
-            allow_ids=_padded([[t for t in ps[i].allowed_token_ids] for i in allow], vocab) if allow else [],
+            allow_ids=_padded([list(ps[i].allowed_token_ids) for i in allow], vocab) if allow else [],
             ban_ids=_padded([bans[i] for i in ban], vocab) if ban else [],
             bias_ids=[[t for t, _ in biases[i]] + [0] * (width - len(biases[i])) for i in bias],
             rep_ids=_padded([list(set(rows[i].prompt) | set(rows[i].output)) for i in rep], vocab) if rep else [],
@@ -221,6 +221,14 @@ def _grammar_masked(x: torch.Tensor, rows: Sequence[SamplingRow], rules) -> torc
     return _on_rows(x, idx, lambda y: y.masked_fill_(~ok, NEG_INF))
 
 
+def _prepared(logits: torch.Tensor, rows: Sequence[SamplingRow], rules) -> tuple[_Plan, torch.Tensor]:
+    """The batch's plan, and its logits upcast once (the sampler's own copy, which
+    :func:`_process` may overwrite), masked by the rows' grammars first."""
+    rules = rules_needed(rows, rules)
+    plan = _Plan(rows, logits.shape[-1], logits.device, rules)
+    return plan, _grammar_masked(logits.to(torch.float32, copy=True), rows, rules)
+
+
 @torch.inference_mode()
 def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], rules=None) -> torch.Tensor:
     """The float32 logits each row is sampled from: after the structured-output mask,
@@ -229,9 +237,8 @@ def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], rules=No
     temperature, min-p, top-k and top-p (``-inf`` where a token is excluded). A greedy row
     takes their argmax, a drawing row draws from their softmax; plain greedy rows are the
     raw logits."""
-    rules = rules_needed(rows, rules)
-    x = _grammar_masked(logits.to(torch.float32, copy=True), rows, rules)
-    return _process(x, _Plan(rows, logits.shape[-1], logits.device, rules))[0]
+    plan, x = _prepared(logits, rows, rules)
+    return _process(x, plan)[0]
 
 
 @torch.inference_mode()
@@ -241,10 +248,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], rules=None) -> Sam
     or bad words."""
     if all(plain(r.params) for r in rows):
         return sample_plain(logits)
-    rules = rules_needed(rows, rules)
-    plan = _Plan(rows, logits.shape[-1], logits.device, rules)
-    # the one upcast (_process may overwrite it), masked by the rows' grammars first
-    x = _grammar_masked(logits.to(torch.float32, copy=True), rows, rules)
+    plan, x = _prepared(logits, rows, rules)
     ask = plan.t.get("ask")
     raw = None
     if plan.has["ask"]:                               # the raw distribution, before any processing

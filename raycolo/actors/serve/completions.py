@@ -339,11 +339,10 @@ class Completions:
                                                 include_usage, self.config.serve.stream_interval, tokens),
                                      media_type="text/event-stream")
         results = await asyncio.gather(*[self._collect(a, params, started, ids) for a in admitted])
-        choices = [choice(self.tokenizer, chat, i, r.delta, r.finish, r.lps, r.stop_reason, r.ids, tokens)
-                   for i, r in enumerate(results)]
+        choices = [choice(self.tokenizer, chat, i, r, tokens) for i, r in enumerate(results)]
         answer = {"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
                   "choices": choices, "usage": usage(len(ids), sum(r.count for r in results))}
-        if chat and tokens.prompt_ids is not None:
+        if chat and tokens.asked:
             answer["prompt_token_ids"] = tokens.prompt_ids
         return JSONResponse(answer)
 

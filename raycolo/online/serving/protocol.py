@@ -22,14 +22,15 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
 
 from raycolo.generation import SamplingParams
 from raycolo.generation.structured import StructuredOutputs
-from raycolo.online.serving.structured_protocol import ResponseFormat, one_constraint, structured_outputs
+from raycolo.online.serving.structured_protocol import ResponseFormat, one_constraint
 # the generation routes' responses, where they were before (raycolo.online.serving.generation_responses)
 from raycolo.online.serving.generation_responses import (  # noqa: F401
     AssistantMessage, ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice,
     CompletionLogprobs, CompletionResponse, FinishReason, TopLogprob, Usage)
 from raycolo.generation.params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS_TOKENS, MAX_SEED, MAX_STOP_TOKEN_IDS,
                                        MAX_TOKENS_LIMIT, LogitBias, LogprobCount, MinP, MinTokens, Penalty,
-                                       RepetitionPenalty, TopK, TopP, bad_word_list, nonnegative_ids, stop_strings)
+                                       RepetitionPenalty, TopK, TopP, bad_word_list, no_min_tokens_with_a_grammar,
+                                       nonnegative_ids, stop_strings)
 
 MAX_TRAIN_SAMPLES = 1024                      # per POST /v1/train_samples
 MAX_CHOICES = 16                              # n
@@ -140,11 +141,8 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _constraints(self):
-        one_constraint(self.response_format, self.structured_outputs)
-        if self.min_tokens and (self.structured_outputs is not None or (self.response_format is not None
-                                                                         and self.response_format.type != "text")):
-            raise ValueError("min_tokens: not with structured outputs (a grammar that ends early would have to "
-                             "break itself)")
+        no_min_tokens_with_a_grammar(self.min_tokens, one_constraint(self.response_format,
+                                                                     self.structured_outputs) is not None)
         return self
 
     @field_validator("logit_bias")
@@ -179,7 +177,7 @@ class SamplingFields(BaseModel):
                               frequency_penalty=self.frequency_penalty, logprobs=self.top_logprobs_asked(),
                               min_p=self.min_p, logit_bias=self.bias_ids(), bad_words=self.bad_words,
                               allowed_token_ids=self.allowed_token_ids,
-                              structured_outputs=structured_outputs(self.response_format, self.structured_outputs))
+                              structured_outputs=one_constraint(self.response_format, self.structured_outputs))
 
 
 class CompletionRequest(SamplingFields):

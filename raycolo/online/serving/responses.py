@@ -44,6 +44,11 @@ class TokenFields(NamedTuple):
     prompt_ids: Optional[list] = None      # None: no token ids in the answer
     as_ids: bool = False
 
+    @property
+    def asked(self) -> bool:
+        """Whether the answer carries token ids."""
+        return self.prompt_ids is not None
+
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -80,21 +85,19 @@ def chat_logprobs(tokenizer, entries: Optional[Sequence], as_ids: bool = False) 
                         for e in entries]}
 
 
-def choice(tokenizer, chat: bool, index: int, content: str, reason: Optional[FinishReason],
-           logprobs: Optional[Sequence], stop_reason: StopReason = None, ids: Optional[Sequence[int]] = None,
-           tokens: TokenFields = TokenFields()) -> dict:
-    """One choice of a non-streamed answer (``ids``: its generated tokens)."""
+def choice(tokenizer, chat: bool, index: int, whole: ChoiceEvent, tokens: TokenFields = TokenFields()) -> dict:
+    """One choice of a non-streamed answer (``whole``: its events joined)."""
     if chat:
-        out = {"index": index, "message": {"role": "assistant", "content": content},
-               "logprobs": chat_logprobs(tokenizer, logprobs, tokens.as_ids), "finish_reason": reason,
-               "stop_reason": stop_reason}
+        out = {"index": index, "message": {"role": "assistant", "content": whole.delta},
+               "logprobs": chat_logprobs(tokenizer, whole.lps, tokens.as_ids)}
     else:
-        out = {"index": index, "text": content, "logprobs": completion_logprobs(tokenizer, logprobs, tokens.as_ids),
-               "finish_reason": reason, "stop_reason": stop_reason}
-        if tokens.prompt_ids is not None:
+        out = {"index": index, "text": whole.delta,
+               "logprobs": completion_logprobs(tokenizer, whole.lps, tokens.as_ids)}
+    out.update(finish_reason=whole.finish, stop_reason=whole.stop_reason)
+    if tokens.asked:
+        out["token_ids"] = list(whole.ids)
+        if not chat:
             out["prompt_token_ids"] = tokens.prompt_ids
-    if tokens.prompt_ids is not None:
-        out["token_ids"] = list(ids or ())
     return out
 
 
@@ -140,7 +143,7 @@ class SseChunks:
         self.kind = "chat.completion.chunk" if chat else "text_completion"
         parts = self._build(_HOLE, None).split(json.dumps(_HOLE))      # the text chunk without token ids
         self._around = parts if len(parts) == 2 else None     # (a model name holding the hole: build)
-        self.tokens, self.prompt_sent = tokens, tokens.prompt_ids is None
+        self.tokens, self.prompt_sent = tokens, not tokens.asked
 
     def text(self, delta: str) -> str:
         """A chunk of text alone (no log-probabilities, not the last): ``chunk(delta, None)``."""
@@ -155,7 +158,7 @@ class SseChunks:
 
     def chunk(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None, ids=None,
               stop_reason: StopReason = None) -> str:
-        if delta and finish is None and not role and not lps and self.tokens.prompt_ids is None:
+        if delta and finish is None and not role and not lps and not self.tokens.asked:
             return self.text(delta)
         return self._build(delta, finish, role, lps, ids, stop_reason)
 
@@ -172,7 +175,7 @@ class SseChunks:
                  "finish_reason": finish}
         if finish is not None:
             c["stop_reason"] = stop_reason
-        if self.tokens.prompt_ids is not None and not role:
+        if self.tokens.asked and not role:
             c["token_ids"] = list(ids or ())
             if not self.prompt_sent:        # the prompt's ids once, with the choice's first chunk after the role
                 self.prompt_sent = True

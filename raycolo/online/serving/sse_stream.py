@@ -44,16 +44,16 @@ async def sse_answer(choices: Sequence[AsyncIterator], tokenizer, out_id: str, c
         async for i, event in events:
             ev = ChoiceEvent(*event)
             sse, counts[i] = sses[i], ev.count
-            if not (ev.delta or ev.lps or ev.finish or tokens.prompt_ids is not None):
+            if not (ev.delta or ev.lps or ev.finish or tokens.asked):
                 continue          # token ids alone (text held back, a stop token), not asked for: nothing to send
             if ev.finish == FinishReason.ERROR:       # after the 200: the failure travels inside the stream
                 text, lps, ids = held[i].add("", ev.count, [], final=True, ids=ev.ids)
-                if text or lps or (ids and tokens.prompt_ids is not None):
+                if text or lps or (ids and tokens.asked):
                     yield sse.chunk(text, None, lps=lps, ids=ids)
                 yield sse.error(OpenAIError(503, f"generation failed: {ev.delta}", code="generation_failed").body())
                 break
             out = held[i].add(ev.delta, ev.count, ev.lps, final=ev.finish is not None, ids=ev.ids)
-            if out is not None and (out[0] or out[1] or (out[2] and tokens.prompt_ids is not None)):
+            if out is not None and (out[0] or out[1] or (out[2] and tokens.asked)):
                 yield sse.chunk(out[0], None, lps=out[1], ids=out[2])
             if ev.finish:
                 yield sse.chunk(None, ev.finish, stop_reason=ev.stop_reason)
