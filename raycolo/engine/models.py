@@ -40,6 +40,12 @@ class ByteTokenizer:
         data = bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < BYTE_OFFSET + 256)
         return data.decode("utf-8", errors="replace")
 
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes as text (a byte id its byte; the specials and unused ids none):
+        what a grammar matches tokens against (raycolo.generation.grammar_masks)."""
+        return [bytes([i - BYTE_OFFSET]) if BYTE_OFFSET <= i < BYTE_OFFSET + 256 else b""
+                for i in range(self.vocab_size)]
+
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         """Each id's token as a string: a byte as ``<0xNN>`` (sentencepiece's spelling),
         the specials by name, an unused id as ``<unused_N>``."""

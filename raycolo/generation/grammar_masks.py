@@ -52,19 +52,17 @@ class _Track:
 
 def tokenizer_info(tokenizer, vocab_size: int):
     """xgrammar's ``TokenizerInfo`` for a raycolo tokenizer (:mod:`raycolo.engine.models`):
-    a checkpoint's transformers tokenizer, or the byte tokenizer (its byte ids as raw
-    bytes, its specials and unused ids matching nothing)."""
+    a checkpoint's transformers tokenizer, or one that lists its ids' bytes
+    (``token_bytes``: the byte tokenizer)."""
     import xgrammar as xgr
 
     stops = sorted(tokenizer.eos_token_ids)
     hf = getattr(tokenizer, "tok", None)
     if hf is not None:
         return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stops)
-    from raycolo.engine.models import BYTE_OFFSET
-    vocab = [b""] * vocab_size
-    for b in range(256):
-        vocab[BYTE_OFFSET + b] = bytes([b])
-    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stops)
+    vocab = tokenizer.token_bytes()[:vocab_size]
+    return xgr.TokenizerInfo(vocab + [b""] * (vocab_size - len(vocab)), xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=stops)
 
 
 class GrammarMasks:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_SCHEMA_CHARS = 1 << 16       # a JSON schema, as JSON text
 MAX_REGEX_CHARS = 1 << 12
 MAX_GRAMMAR_CHARS = 1 << 16
-MAX_CHOICES = 256
+MAX_CHOICE_STRINGS = 256      # strings of one `choice` constraint (not `n`, the choices of an answer)
 MAX_CHOICE_CHARS = 1 << 10
 MAX_JSON_NESTING = 64           # objects and arrays in a JSON schema (vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING)
 MAX_REPEAT = 1000               # a counted repeat {n,m} in a regex, a schema's pattern or a grammar
@@ -147,7 +147,7 @@ class StructuredOutputs(BaseModel):
                                        description="a JSON schema (an object, or its JSON text) the text must satisfy")
     regex: Optional[str] = Field(default=None, min_length=1, max_length=MAX_REGEX_CHARS,
                                  description="a regular expression the whole text must match")
-    choice: Optional[tuple[Choice, ...]] = Field(default=None, min_length=1, max_length=MAX_CHOICES,
+    choice: Optional[tuple[Choice, ...]] = Field(default=None, min_length=1, max_length=MAX_CHOICE_STRINGS,
                                                  description="the text is exactly one of these")
     grammar: Optional[str] = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS,
                                    description="an EBNF (GBNF) grammar with a 'root' rule the text must follow")

@@ -13,7 +13,7 @@ banned).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from raycolo.generation.rows import SamplingRow
 
@@ -28,12 +28,6 @@ class VocabRules:
         self.tokenizer, self.vocab = tokenizer, vocab_size
         self._grammar = grammar
         self._words: OrderedDict = OrderedDict()
-
-    @classmethod
-    def for_model(cls, model_id: str, vocab_size: int) -> "VocabRules":
-        """The rules of ``model_id`` (a checkpoint directory or a tiny catalog model)."""
-        from raycolo.engine.models import load_tokenizer
-        return cls(load_tokenizer(model_id), vocab_size)
 
     @property
     def grammar(self):
@@ -84,22 +78,22 @@ def rules_needed(rows: Sequence[SamplingRow], rules: Optional[VocabRules]) -> Op
     return rules
 
 
-def prefetched_rules(model_id: str, vocab_size: int):
-    """What builds ``model_id``'s :class:`VocabRules`, started now on a thread of its own
-    (the tokenizer, and xgrammar's view of its vocabulary: seconds for a 128k vocabulary,
-    which a stage would otherwise spend inside the decode step of its first structured
-    request). Calling it waits for them; a failure (xgrammar not installed) is raised there,
-    for the request that needs them."""
+def prefetched_rules(build: Callable[[], VocabRules]) -> Callable[[], VocabRules]:
+    """``build`` (what makes a model's :class:`VocabRules`: its tokenizer) started now on a
+    thread of its own, with xgrammar's view of the vocabulary (seconds for a 128k
+    vocabulary, which a stage would otherwise spend inside the decode step of its first
+    structured request). Calling the result waits for them; a failure is raised there, for
+    the request that needs them (no xgrammar: bad words still work)."""
     import concurrent.futures
 
-    def build() -> VocabRules:
+    def warm() -> VocabRules:
         import os
         import threading
         try:        # the lowest CPU priority (Linux: per thread): the stage's own work comes first
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
             pass
-        rules = VocabRules.for_model(model_id, vocab_size)
+        rules = build()
         try:
             rules.grammar          # noqa: B018 - built now, off the decode step
         except ImportError:
@@ -107,6 +101,6 @@ def prefetched_rules(model_id: str, vocab_size: int):
         return rules
 
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vocab-rules")
-    future = pool.submit(build)
+    future = pool.submit(warm)
     pool.shutdown(wait=False)
     return future.result

@@ -39,6 +39,14 @@ def _process_start_s() -> float:
         return time.time()
 
 
+def _vocab_rules(model_id: str, vocab_size: int):
+    """The sampling rules of the model's tokenizer (raycolo.generation.vocab_rules)."""
+    from raycolo.engine.models import load_tokenizer
+    from raycolo.generation.vocab_rules import VocabRules
+
+    return VocabRules(load_tokenizer(model_id), vocab_size)
+
+
 def stage_loop(config: dict) -> None:
     """``train_loop_per_worker`` of a node's TorchTrainer: build the stage, restore the
     run's checkpoint, register and serve. With the node-loop data plane a worker outlives
@@ -85,14 +93,13 @@ def stage_loop(config: dict) -> None:
     messages = idle_group(dist)  # every rank, once: the node loop's messages, however long the node idles
     rules = None                 # the last stage samples: its tokenizer's rules (structured outputs, bad words)
     if stage == stages - 1:
-        from raycolo.generation.vocab_rules import VocabRules, prefetched_rules
+        from raycolo.generation.vocab_rules import prefetched_rules
 
-        # on a GPU stage, loaded now on a spare core; on a CPU stage every core computes, so
-        # at the first request that needs them (a one-time pause of that step)
+        rules = functools.partial(_vocab_rules, config["model_id"], model_config.vocab_size)
         if str(config["device"]).startswith("cuda"):
-            rules = prefetched_rules(config["model_id"], model_config.vocab_size)
-        else:
-            rules = functools.partial(VocabRules.for_model, config["model_id"], model_config.vocab_size)
+            # on a GPU stage, loaded now on a spare core; on a CPU stage every core computes, so
+            # at the first request that needs them (a one-time pause of that step)
+            rules = prefetched_rules(rules)
     while True:
         proc = StageProcess(stage_model, stage, stages, model_config.hidden_size, dtype, dist, side, messages,
                             rules)
