@@ -105,7 +105,7 @@ class AdapterVersions:
         keep = self.ctl.config.serve.pinned_versions
         if keep == 0:
             return
-        await asyncio.to_thread(self._export, states, self.version_dir(version))
+        await self.ctl.in_thread(self._export, states, self.version_dir(version))
         held = sorted(self.versions + [version])
         self.versions = held[-keep:]
         pinned = {r.version for r in self.ctl.desk.requests.values() if r.finish_reason is None}

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import ray
 
+from raycolo.actors.online import library_imports
 from raycolo.actors.online.placement_groups import PlacementGroups
 from raycolo.online.config import OnlineConfig, stage_build
 
@@ -94,11 +95,12 @@ class GroupHost:
         return self.fitting()
 
     def _trainer(self, n: int):
-        from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchConfig, TorchTrainer
+        with library_imports.LIBRARY_IMPORTS:    # the nodes' fit threads: torch, first imported here
+            from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+            from ray.train.torch import TorchConfig, TorchTrainer
 
-        from raycolo.actors.online.group_watch import GroupWatch
-        from raycolo.actors.online.stage_worker import stage_loop
+            from raycolo.actors.online.group_watch import GroupWatch
+            from raycolo.actors.online.stage_worker import stage_loop
 
         cfg = self.config
         storage = str(Path(cfg.storage_path).resolve())

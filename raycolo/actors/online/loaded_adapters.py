@@ -86,8 +86,8 @@ class LoadedAdapters:
                 return refuse(400, f"{MAX_LOADED_ADAPTERS} adapters are loaded already, the most at a time; "
                               "unload one first (POST /v1/unload_lora_adapter)", "lora_name", "too_many_adapters")
             handle = f"lora-{next(self._handles)}"
-            expected, linears = await asyncio.to_thread(lambda: self._lora_layout)
-            from raycolo.online.stages.peft_format import AdapterError, check_adapter, convert_adapter  # torch
+            expected, linears = await self.ctl.in_thread(lambda: self._lora_layout)
+            from raycolo.online.stages.peft_format import AdapterError, check_adapter, convert_adapter  # imported ^
 
             def convert():
                 info = check_adapter(source, self.ctl.model_config, self.ctl.adapters.lora_settings(), exact=False,
@@ -97,7 +97,7 @@ class LoadedAdapters:
                 return info
 
             try:
-                info = await asyncio.to_thread(convert)
+                info = await self.ctl.in_thread(convert)
             except AdapterError as exc:
                 await asyncio.to_thread(shutil.rmtree, self.ctl.adapters.version_dir(handle), True)
                 message = f"Loading lora adapter '{name}' failed: {path}: {exc}"

@@ -25,6 +25,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
+from raycolo.actors.online.library_imports import LIBRARY_IMPORTS, importing
 from raycolo.actors.online.placement_groups import PlacementGroups
 from raycolo.online.config import OnlineConfig, layer_bounds, live_profile, model_fields, model_hf_config
 from raycolo.online.driver import ClusterDriver
@@ -87,8 +88,8 @@ class ControllerState:
         load), loaded in a thread at the first need: the HTTP replicas send each request's
         stop ids, so a (re)starting controller serves them without it."""
         if self._tokenizer is None:
-            self._tokenizer = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer,
-                                                                      self.config.model_loading_config.model_id))
+            self._tokenizer = asyncio.ensure_future(self.in_thread(_load_tokenizer,
+                                                                   self.config.model_loading_config.model_id))
         return (await self._tokenizer).eos_token_ids
 
     def warm_up(self) -> None:
@@ -99,6 +100,12 @@ class ControllerState:
         if self._warming is None:
             self._warming = threading.Thread(target=_warm_imports, daemon=True, name="warm-imports")
             self._warming.start()
+
+    @staticmethod
+    async def in_thread(fn, *args):
+        """``fn(*args)`` in a thread, never beside another thread of this process that may
+        import the ML libraries for the first time (:mod:`.library_imports`)."""
+        return await asyncio.to_thread(importing, fn, *args)
 
     @cached_property
     def model_config(self):
@@ -117,6 +124,7 @@ def _load_tokenizer(model_id: str):
 
 
 def _warm_imports() -> None:
-    import peft  # noqa: F401
+    with LIBRARY_IMPORTS:
+        import peft  # noqa: F401
 
-    import raycolo.online.stages.peft_format  # noqa: F401  (torch)
+        import raycolo.online.stages.peft_format  # noqa: F401  (torch)
