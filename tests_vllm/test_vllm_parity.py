@@ -43,14 +43,15 @@ def servers(tmp_path_factory):
     vllm_proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
          "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(vllm_port), "--dtype", "float32",
-         "--max-model-len", "512", "--block-size", "32", "--seed", "0"],
+         "--max-model-len", "512", "--block-size", "32", "--seed", "0",
+         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
         stdout=vllm_log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     config = tmp / "online.yaml"
     config.write_text(json.dumps({
         "model_loading_config": {"model_id": str(ckpt), "dtype": "float32"}, "nodes": 1, "stages": 1,
         "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 512},
         "sample_store": str(tmp / "samples"), "storage_path": str(tmp / "checkpoints"),
-        "serve": {"port": ray_port, "served_model_name": "m"}}))
+        "serve": {"port": ray_port, "served_model_name": "m", "tool_call_parser": "hermes"}}))
     ray_proc = subprocess.Popen([str(MAIN_PYTHON), "-m", "raycolo.cli", "serve", str(config)],
                                 stdout=ray_log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
                                 start_new_session=True)
@@ -206,3 +207,62 @@ def test_token_ids_and_stop_reason_match_vllm(servers):
     body = {"model": "m", "prompt": case["prompt"], "max_tokens": MAX_NEW, "temperature": 0, "stop": [stop]}
     reasons = {n: _post(url, "/v1/completions", body)["choices"][0]["stop_reason"] for n, url in servers["urls"].items()}
     assert reasons["raycolo"] == reasons["vllm"] == stop
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}}}
+ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}
+HERMES_CALL = r'Sure.<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(utc|cet)"\}\}\n</tool_call>'
+
+
+def _calls(answer: dict) -> list:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in answer["choices"][0]["message"].get("tool_calls") or ()]
+
+
+def test_tool_calls_match_vllm(servers):
+    """Function calling, greedy, both servers reading "auto" with the hermes parser: a named
+    function, "required" (with and without parallel calls) and "auto" on a reply forced
+    into hermes' form: the same calls (names and arguments), content and finish reason.
+    Call ids are random on both."""
+    messages = [{"role": "user", "content": "What is the weather in Oslo, and the time?"}]
+    bodies = [{"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+              {"tool_choice": "required"},
+              {"tool_choice": "required", "parallel_tool_calls": False},
+              {"tool_choice": "auto", "structured_outputs": {"regex": HERMES_CALL}, "max_tokens": 64},
+              {"tool_choice": "none"}]
+    for extra in bodies:
+        body = {"model": "m", "messages": messages, "tools": [WEATHER, ZONE], "max_tokens": 48, "temperature": 0,
+                **extra}
+        answers = {n: _post(url, "/v1/chat/completions", body) for n, url in servers["urls"].items()}
+        assert _calls(answers["raycolo"]) == _calls(answers["vllm"]), extra
+        for key in ("content",):
+            assert answers["raycolo"]["choices"][0]["message"][key] == answers["vllm"]["choices"][0]["message"][key], extra
+        assert answers["raycolo"]["choices"][0]["finish_reason"] == answers["vllm"]["choices"][0]["finish_reason"], extra
+        assert answers["raycolo"]["usage"] == answers["vllm"]["usage"], extra
+    assert _calls(answers["vllm"]) == []          # "none": no calls read
+
+
+def test_hermes_calls_are_read_as_vllms_parser_reads_them(servers):
+    """raycolo's hermes reading of whole replies against vLLM's Hermes2ProToolParser on
+    the same texts (those it reads without error)."""
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    sys.path.insert(0, str(ROOT))
+    from raycolo.online.serving.tool_calls import ToolParserKind, ToolReading, read_whole
+    from raycolo.online.serving.tool_protocol import ToolChoiceKind
+
+    parser = Hermes2ProToolParser(AutoTokenizer.from_pretrained(servers["path"]))
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[WEATHER, ZONE])
+    texts = ["No call.", 'Look: <tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>',
+             '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": '
+             '{"x": [1, "\u00e9"]}}</tool_call>', "<tool_call>not json</tool_call>"]
+    for text in texts:
+        theirs = parser.extract_tool_calls(text, request)
+        ours = read_whole(ToolReading(ToolChoiceKind.AUTO, ToolParserKind.HERMES).reader(), text)
+        assert [(c.function.name, c.function.arguments) for c in theirs.tool_calls] == \
+            [(c["function"]["name"], c["function"]["arguments"]) for c in ours.tool_calls], text
+        assert theirs.content == ours.content, text

@@ -11,12 +11,13 @@ from typing import Literal, Optional
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
-from raycolo.text_enum import TextEnum
 from raycolo.bounds import MAX_TOKENS, Fraction, Name, PathText, Strict, Threads, describe
 from raycolo.errors import ConfigError
 from raycolo.paths import check_input, is_dir
 from raycolo.online.lemix_params import LemixParams
 from raycolo.online.profiles import GIB, NodeProfile
+# the HTTP front's section, where it was before (raycolo.online.serve_spec)
+from raycolo.online.serve_spec import Ingress, ServeSpec  # noqa: F401
 from raycolo.online.stages.lora_settings import BATCHED_VERSIONS
 from raycolo.yamlio import load_yaml
 from raycolo.engine.base import ModelLoadingConfig
@@ -138,95 +139,6 @@ class StageSpec(Strict):
         "reports, commands and answers) hand it back to the stage's compute within this. At 5 ms a "
         "1-stage node's decode iteration took 4.7-6.9 ms against 1.1-1.9 ms of model time, at 0.2 ms "
         "2.1 ms (bench/live_tbt.py, 2 cores)."))
-
-
-class Ingress(TextEnum):
-    """Which process answers HTTP on ``serve.host:serve.port`` (docs/serve.md, "Ingress")."""
-
-    REPLICA = "replica"     # each ingress replica's own listener, the port shared (SO_REUSEPORT)
-    PROXY = "proxy"         # Ray Serve's HTTP proxy, which forwards to the replicas
-
-
-class ServeSpec(Strict):
-    """The HTTP front (``raycolo serve``, ``serve run examples/serve.yaml``, docs/serve.md)."""
-
-    host: Name = Field(default="127.0.0.1", description=(
-        "Address the HTTP front listens on; the default is loopback only."))
-    port: int = Field(default=8000, ge=1, le=65535, description=(
-        "Port of the HTTP front (Ray Serve's own default)."))
-    ingress: Ingress = Field(default=Ingress.REPLICA, strict=False, description=(
-        "Who answers HTTP on host:port. \"replica\": every ingress replica listens there itself "
-        "(uvicorn in its event loop, the port shared among a node's replicas with SO_REUSEPORT, the kernel "
-        "spreading connections), and raycolo serve starts no Serve proxy: a streamed chunk costs one "
-        "process's CPU, not two (bench/front.py). \"proxy\": Ray Serve's HTTP proxy listens and forwards each "
-        "request and chunk to a replica over Ray (the only path before 2026-11-28)."))
-    route_prefix: Name = Field(default="/", description=(
-        "URL path prefix the Serve application is mounted under; must start with '/'."))
-    app_name: Name = Field(default="raycolo", description=(
-        "Name of the Serve application; its controller actor is named raycolo-online-<app_name>."))
-    served_model_name: Optional[Name] = Field(default=None, description=(
-        "The model name clients send (none: model_loading_config.model_id)."))
-    api_key_env: Optional[Name] = Field(default=None, description=(
-        "Name of the environment variable holding the key clients must send as a Bearer token "
-        "(none: no key is asked for)."))
-    max_ongoing_requests: int = Field(default=64, gt=0, le=1 << 20, description=(
-        "Admission limit: unfinished requests beyond it get a 429."))
-    retry_after_s: int = Field(default=1, ge=1, le=3600, description=(
-        "Seconds sent in the Retry-After header of a refused request (429 when overloaded, 503 while the "
-        "stage workers (re)start)."))
-    restart_wait_s: float = Field(default=60.0, ge=0, le=3600, description=(
-        "While the deployment's controller restarts (Ray restarts it after a crash), how long a replica that "
-        "was serving holds requests rather than failing them: new ones wait to be admitted, and those it "
-        "was streaming are admitted again with the tokens they already streamed, to continue from there. "
-        "Past it they get a 503 (an error event mid-stream). 0: fail them at once."))
-    max_body_bytes: int = Field(default=1 << 20, gt=0, le=1 << 40, description=(
-        "Largest request body in bytes; a larger one gets a 413."))
-    replicas: int = Field(default=1, gt=0, le=64, description=(
-        "Ingress replicas (all attach to one controller)."))
-    token_path: Literal["direct", "controller"] = Field(default="direct", description=(
-        "With stage.data_plane node, how tokens reach the replica that admitted the request. \"direct\": "
-        "the node writes them to the replica's token inbox, a TCP listener on the replica's Ray node "
-        "address with a per-replica secret (raycolo/online/serving/token_wire.py); \"controller\": in the node's "
-        "reports to the controller, then the controller's stream to the replica (two hops; the only path "
-        "before 2026-11-27)."))
-    stream_interval: int = Field(default=1, ge=1, le=1024, description=(
-        "Streamed answers: a chunk for the first tokens, then one per this many tokens, and the rest with "
-        "the last (vLLM's --stream-interval, same default). Above 1, fewer chunks are built and written "
-        "(each costs CPU, more so through Serve's proxy), at the price of smoothness."))
-    pinned_versions: int = Field(default=4, ge=0, le=64, description=(
-        "Adapter checkpoints servable as <model>@v<k>: the newest this many (0: none)."))
-    lora_load_dirs: list[PathText] = Field(default_factory=list, max_length=256, description=(
-        "Directories POST /v1/load_lora_adapter may load adapters from (a lora_path must lie under one "
-        "of them once symlinks are resolved; others are a 403 that says nothing of the path). Empty: "
-        "loading adapters over HTTP is off, as vLLM's routes are without VLLM_ALLOW_RUNTIME_LORA_UPDATING. "
-        "A relative directory is taken from the current directory."))
-
-    @field_validator("lora_load_dirs")
-    @classmethod
-    def _absolute_dirs(cls, dirs: list[str]) -> list[str]:
-        out = []
-        for d in dirs:
-            if not d.strip():
-                raise ValueError("each entry must name a directory")
-            try:
-                out.append(str(Path(d).expanduser().resolve()))
-            except (RuntimeError, OSError, ValueError) as exc:
-                raise ValueError(f"not a usable path: {d!r}: {exc}") from None
-        return out
-
-    @field_validator("route_prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        if not v.startswith("/"):
-            raise ValueError("must start with '/'")
-        return v
-
-    @field_validator("api_key_env")
-    @classmethod
-    def _env_name(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None and not v.replace("_", "").isalnum():
-            raise ValueError("must be an environment variable name (letters, digits, '_')")
-        return v
 
 
 class OnlineConfig(Strict):

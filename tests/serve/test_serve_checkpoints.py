@@ -48,7 +48,8 @@ def front(request, hf_checkpoints, tmp_path_factory):
         # its tokens coming through the controller's reports rather than the token inbox
         # (tests/serve/deployment/ covers the inbox)
         "serve": {"port": free_port(), "app_name": f"raycolo-{kind}",
-                  **({"stream_interval": STREAM_INTERVAL, "token_path": "controller"} if kind == "llama3" else {})},
+                  **({"stream_interval": STREAM_INTERVAL, "token_path": "controller"} if kind == "llama3"
+                     else {"tool_call_parser": "hermes"})},
     })
     started, _ = serve_launch.init_ray(config, metrics_port=free_port())
     try:
@@ -287,6 +288,113 @@ def test_structured_outputs_equal_generate_under_xgrammar(front):
                                             "structured_outputs": {"regex": "a(b"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
     assert "parenthesis" in r.json()["error"]["message"]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}}}
+ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}
+# vLLM's schema of "required" calls (vllm/tool_parsers/utils.py), written out
+REQUIRED_SCHEMA = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+    {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                    "parameters": t["function"]["parameters"]}, "required": ["name", "parameters"]}
+    for t in (WEATHER, ZONE)]}}
+HERMES_CALL = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(utc|cet)"\}\}\n</tool_call>'
+
+
+def complete_calls(text: str) -> list:
+    """The whole objects of a JSON array cut anywhere (brute force: the longest prefix that
+    ends an object and parses once the array is closed)."""
+    for end in range(len(text), 0, -1):
+        if text[end - 1] == "}":
+            try:
+                return json.loads(text[:end] + "]")
+            except ValueError:
+                continue
+    return []
+
+
+def test_tool_calls_are_calls_forced_under_xgrammar_and_read_as_vllm_reads_them(front):
+    """Function calling over HTTP: the prompt is transformers' ``apply_chat_template(tools=...)``
+    (the Qwen2 template shows them, the Llama 3 one does not); a named function's arguments
+    and "required"'s calls are transformers' greedy tokens under xgrammar with vLLM's
+    schemas, streamed and not; "auto" reads hermes calls (the Qwen2 deployment's
+    serve.tool_call_parser) and is a 400 where none is set."""
+    from tests.support.constrained import constrained_reference
+
+    c = client(front)
+    _, tok = load(front["path"])
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    tools = [WEATHER, ZONE]
+    prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert ("get_weather" in tok.decode(prompt)) == (front["kind"] == "qwen2")
+
+    def reference(constraint, max_new=MAX_NEW):
+        ids, reason = constrained_reference(front["path"], prompt, constraint, max_new)
+        return tok.decode(ids, skip_special_tokens=True), reason, len(ids)
+
+    text, reason, n = reference({"json": WEATHER["function"]["parameters"]})
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model=front["model"], messages=messages, tools=tools, tool_choice=named,
+                                  max_tokens=MAX_NEW, temperature=0)
+    call, = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", text)
+    assert call.id.startswith("chatcmpl-tool-") and r.choices[0].message.content == ""
+    assert r.choices[0].finish_reason == reason and r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == n
+    chunks = list(c.chat.completions.create(model=front["model"], messages=messages, tools=tools, tool_choice=named,
+                                            max_tokens=MAX_NEW, temperature=0, stream=True))
+    pieces = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or ()]
+    assert pieces[0].function.name == "get_weather" and pieces[0].id and all(p.index == 0 for p in pieces)
+    assert "".join(p.function.arguments or "" for p in pieces) == text
+    assert chunks[-1].choices[0].finish_reason == reason
+
+    text, reason, _ = reference({"json": REQUIRED_SCHEMA}, 48)
+    want = [(x["name"], x["parameters"]) for x in complete_calls(text)]
+    for stream in (False, True):
+        r = c.chat.completions.create(model=front["model"], messages=messages, tools=tools, tool_choice="required",
+                                      max_tokens=48, temperature=0, stream=stream)
+        if stream:
+            r = list(r)
+            calls, finish = [tc for ch in r for tc in ch.choices[0].delta.tool_calls or ()], r[-1].choices[0].finish_reason
+        else:
+            calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == want
+        assert finish == ("tool_calls" if reason == "stop" else "length")
+
+    auto = dict(model=front["model"], messages=messages, tools=tools, max_tokens=64, temperature=0,
+                extra_body={"structured_outputs": {"regex": HERMES_CALL}})
+    if front["kind"] == "llama3":           # no serve.tool_call_parser: "auto" (the default) is a 400
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(**auto)
+        assert err.value.body["param"] == "tool_choice" and "tool_call_parser" in err.value.body["message"]
+        return
+    text, reason, _ = reference({"regex": HERMES_CALL}, 64)
+    assert reason == "stop"
+    zone = json.loads(text.split("\n")[1])["arguments"]
+    for stream in (False, True):
+        r = c.chat.completions.create(**auto, stream=stream)
+        if stream:
+            r = list(r)
+            calls = [tc for ch in r for tc in ch.choices[0].delta.tool_calls or ()]
+            content = "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices)
+            finish = r[-1].choices[0].finish_reason
+        else:
+            calls, content, finish = r.choices[0].message.tool_calls, r.choices[0].message.content, \
+                r.choices[0].finish_reason
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("get_time", zone)]
+        assert not content and finish == "tool_calls"
+    # the call and its result go back into the chat, rendered as transformers renders them
+    turn = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "get_time", "arguments": json.dumps(zone)}}]},
+            {"role": "tool", "content": "12:00", "tool_call_id": "call-1"}]
+    reference_turn = [*messages, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "get_time", "arguments": zone}}]}, turn[2]]
+    want = tok.apply_chat_template(reference_turn, tools=tools, add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    with httpx.Client(base_url=front["url"], timeout=60) as h:
+        r = h.post("/tokenize", json={"model": front["model"], "messages": turn, "tools": tools})
+    assert r.status_code == 200 and r.json()["tokens"] == want
 
 
 def test_tokenize_and_detokenize_are_the_tokenizers_and_the_routes_prefill(front):

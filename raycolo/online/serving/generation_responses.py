@@ -15,7 +15,7 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-FinishReason = Optional[Literal["stop", "length", "error"]]
+FinishReason = Optional[Literal["stop", "length", "tool_calls", "error"]]
 
 
 class CompletionLogprobs(BaseModel):
@@ -50,9 +50,22 @@ class CompletionResponse(BaseModel):
     usage: Optional[Usage] = None
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments, as JSON text")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str] = Field(description="the text (null where the model only called tools)")
+    tool_calls: Optional[list[ToolCallOut]] = Field(default=None, description="with tools: the calls read from "
+                                                   "the text")
 
 
 class TopLogprob(BaseModel):

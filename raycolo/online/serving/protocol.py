@@ -17,12 +17,17 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, RootModel, Tag,
-                      field_validator, model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, RootModel, Tag,
+                      ValidationInfo, field_validator, model_validator)
 
 from raycolo.generation import SamplingParams
+# the parts of messages every body shares, where they were before (raycolo.online.serving.chat_messages)
+from raycolo.online.serving.chat_messages import ChatMessage, Closed, Text, TextPart, unicode_text  # noqa: F401
 from raycolo.generation.structured import StructuredOutputs
 from raycolo.online.serving.structured_protocol import ResponseFormat, one_constraint
+from raycolo.online.serving.tool_protocol import (MAX_TOOLS, ChatTurn, Tool, ToolChoice, ToolChoiceKind,
+                                                  check_tool_choice, choice_kind, distinct_names,
+                                                  forced_call_constraint)
 # the generation routes' responses, where they were before (raycolo.online.serving.generation_responses)
 from raycolo.online.serving.generation_responses import (  # noqa: F401
     AssistantMessage, ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice,
@@ -45,19 +50,6 @@ def _whole(v):
 WholeInt = Annotated[int, BeforeValidator(_whole)]
 
 
-def unicode_text(text: str) -> str:
-    """Text a tokenizer can take: JSON's ``"\ud800"`` parses to a lone UTF-16 surrogate,
-    which no tokenizer encodes (it was a 500)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"is not valid Unicode (a lone surrogate at character {exc.start})") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(unicode_text)]      # what is tokenized: prompts, messages, samples
-
-
 # raycolo.generation's int fields (their bounds declared there once), taking 5.0 as 5
 WholeMinTokens = Annotated[MinTokens, BeforeValidator(_whole)]
 WholeTopK = Annotated[TopK, BeforeValidator(_whole)]
@@ -66,12 +58,6 @@ WholeLogprobCount = Annotated[LogprobCount, BeforeValidator(_whole)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class Closed(BaseModel):
-    """A generation request's parts: a field raycolo does not support is a 400 naming it."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(Closed):
@@ -141,9 +127,12 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _constraints(self):
-        no_min_tokens_with_a_grammar(self.min_tokens, one_constraint(self.response_format,
-                                                                     self.structured_outputs) is not None)
+        no_min_tokens_with_a_grammar(self.min_tokens, self.constraint() is not None)
         return self
+
+    def constraint(self) -> Optional[StructuredOutputs]:
+        """The one constraint on the request's text (None: none)."""
+        return one_constraint(self.response_format, self.structured_outputs)
 
     @field_validator("logit_bias")
     @classmethod
@@ -177,7 +166,7 @@ class SamplingFields(BaseModel):
                               frequency_penalty=self.frequency_penalty, logprobs=self.top_logprobs_asked(),
                               min_p=self.min_p, logit_bias=self.bias_ids(), bad_words=self.bad_words,
                               allowed_token_ids=self.allowed_token_ids,
-                              structured_outputs=one_constraint(self.response_format, self.structured_outputs))
+                              structured_outputs=self.constraint())
 
 
 class CompletionRequest(SamplingFields):
@@ -208,31 +197,16 @@ class CompletionRequest(SamplingFields):
         return prompt
 
 
-class TextPart(Closed):
-    type: Literal["text"]
-    text: Text
-
-
-def _content_form(content) -> Optional[str]:
-    return "{text}" if isinstance(content, str) else "[parts]" if isinstance(content, list) else None
-
-
-class ChatMessage(Closed):
-    role: Literal["system", "developer", "user", "assistant"]
-    # tagged by the form it has, so an error names the part at fault (the tags are no parameter)
-    content: Annotated[Union[Annotated[Text, Tag("{text}")], Annotated[list[TextPart], Tag("[parts]")]],
-                       Discriminator(_content_form, custom_error_type="invalid_content",
-                                     custom_error_message="must be a text or a list of text parts")]
-    name: Optional[str] = None
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
 class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions (function calling: :mod:`.tool_protocol`)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatTurn] = Field(min_length=1)
+    tools: Optional[list[Tool]] = Field(default=None, min_length=1, max_length=MAX_TOOLS,
+                                        description="functions the model may call")
+    tool_choice: Optional[ToolChoice] = Field(default=None, validate_default=True, description=(
+        "none, auto (the default with tools: needs the deployment's serve.tool_call_parser), required, "
+        "or {\"type\": \"function\", \"function\": {\"name\": ...}}"))
+    parallel_tool_calls: Optional[bool] = Field(default=None, description="false: at most one call")
     max_completion_tokens: Optional[WholeInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = Field(default=False, description="the sampled tokens' log-probabilities")
     top_logprobs: Optional[WholeLogprobCount] = Field(default=None, description="this many most likely tokens "
@@ -243,6 +217,29 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs: true")
         return self
+
+    _distinct_tools = field_validator("tools")(lambda cls, tools: distinct_names(tools))
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info: ValidationInfo):
+        given = info.data
+        constrained = one_constraint(given.get("response_format"), given.get("structured_outputs")) is not None
+        check_tool_choice(choice, given.get("tools"), constrained)
+        return choice
+
+    _forced: Optional[StructuredOutputs] = PrivateAttr(default=None)
+
+    @property
+    def tool_kind(self) -> ToolChoiceKind:
+        return choice_kind(self.tool_choice, self.tools)
+
+    def constraint(self) -> Optional[StructuredOutputs]:
+        if self.tool_kind in (ToolChoiceKind.NAMED, ToolChoiceKind.REQUIRED):
+            if self._forced is None:          # built once (its grammar is compiled to check it)
+                self._forced = forced_call_constraint(self.tool_choice, self.tools, self.parallel_tool_calls)
+            return self._forced
+        return super().constraint()
 
     def top_logprobs_asked(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None

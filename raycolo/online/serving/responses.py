@@ -20,6 +20,7 @@ import json
 from typing import NamedTuple, Optional, Sequence, Union
 
 from raycolo.generation import FinishReason
+from raycolo.online.serving.tool_calls import ToolReading, read_whole
 
 StopReason = Union[int, str, None]
 
@@ -85,15 +86,22 @@ def chat_logprobs(tokenizer, entries: Optional[Sequence], as_ids: bool = False) 
                         for e in entries]}
 
 
-def choice(tokenizer, chat: bool, index: int, whole: ChoiceEvent, tokens: TokenFields = TokenFields()) -> dict:
-    """One choice of a non-streamed answer (``whole``: its events joined)."""
+def choice(tokenizer, chat: bool, index: int, whole: ChoiceEvent, tokens: TokenFields = TokenFields(),
+           tools: Optional[ToolReading] = None) -> dict:
+    """One choice of a non-streamed answer (``whole``: its events joined; ``tools``: how
+    its text is read for tool calls, None: it is not)."""
+    finish = whole.finish
     if chat:
-        out = {"index": index, "message": {"role": "assistant", "content": whole.delta},
-               "logprobs": chat_logprobs(tokenizer, whole.lps, tokens.as_ids)}
+        message = {"role": "assistant", "content": whole.delta}
+        if tools is not None:
+            answer = read_whole(tools.reader(), whole.delta)
+            message.update(content=answer.content, tool_calls=answer.tool_calls)
+            finish = tools.finish_reason(answer.called, finish)
+        out = {"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, whole.lps, tokens.as_ids)}
     else:
         out = {"index": index, "text": whole.delta,
                "logprobs": completion_logprobs(tokenizer, whole.lps, tokens.as_ids)}
-    out.update(finish_reason=whole.finish, stop_reason=whole.stop_reason)
+    out.update(finish_reason=finish, stop_reason=whole.stop_reason)
     if tokens.asked:
         out["token_ids"] = list(whole.ids)
         if not chat:
@@ -157,16 +165,19 @@ class SseChunks:
         return f"data: {json.dumps(out)}\n\n"
 
     def chunk(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None, ids=None,
-              stop_reason: StopReason = None) -> str:
-        if delta and finish is None and not role and not lps and not self.tokens.asked:
+              stop_reason: StopReason = None, calls: Optional[list] = None) -> str:
+        """``calls``: tool call pieces (:class:`~.tool_calls.CallDelta`) of a chat."""
+        if delta and finish is None and not role and not lps and not self.tokens.asked and not calls:
             return self.text(delta)
-        return self._build(delta, finish, role, lps, ids, stop_reason)
+        return self._build(delta, finish, role, lps, ids, stop_reason, calls)
 
     def _build(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None, ids=None,
-               stop_reason: StopReason = None) -> str:
+               stop_reason: StopReason = None, calls: Optional[list] = None) -> str:
         as_ids, extra = self.tokens.as_ids, {}
         if self.chat:
             d = {"role": "assistant"} if role else ({} if delta is None else {"content": delta})
+            if calls:
+                d = {**({"content": delta} if delta else {}), "tool_calls": [c.as_json() for c in calls]}
             c = {"index": self.index, "delta": d,
                  "logprobs": chat_logprobs(self.tokenizer, lps, as_ids) if lps else None, "finish_reason": finish}
         else:

@@ -15,7 +15,10 @@
       <|assistant|>
 
   Each message is ``<|role|>\\n`` + its text + ``\\n``; the prompt ends with
-  ``<|assistant|>\\n``.
+  ``<|assistant|>\\n``. With tools, the prompt opens with ``<|tools|>\\n`` + their
+  JSON + ``\\n``; an assistant's tool calls follow its text, each as
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the form the ``hermes``
+  tool-call parser reads).
 * **Training samples given as messages.** Every message but the last is the prompt,
   rendered as above; the last (the assistant's) is the completion, as the template
   renders an assistant turn: its text and the template's end-of-turn token
@@ -26,15 +29,30 @@
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+import json
+from typing import Iterable, Optional, Sequence, Union
 
 from raycolo.generation.detokenize import TextStream  # noqa: F401  (the front streams with it)
 
-PLAIN_TEMPLATE_ROLES = ("system", "developer", "user", "assistant")
+PLAIN_TEMPLATE_ROLES = ("system", "developer", "user", "assistant", "tool")
+Message = Union[tuple[str, str], dict]      # (role, text), or a message as a chat template takes it
 
 
-def render_plain(messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
-    text = "".join(f"<|{role}|>\n{content}\n" for role, content in messages)
+def _as_dict(message: Message) -> dict:
+    return {"role": message[0], "content": message[1]} if isinstance(message, tuple) else message
+
+
+def _plain_turn(message: dict) -> str:
+    calls = "".join("<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                               ensure_ascii=False) + "</tool_call>"
+                    for c in message.get("tool_calls") or ())
+    return f"<|{message['role']}|>\n{message.get('content') or ''}{calls}\n"
+
+
+def render_plain(messages: Sequence[Message], add_generation_prompt: bool = True,
+                 tools: Optional[list[dict]] = None) -> str:
+    text = f"<|tools|>\n{json.dumps(tools, ensure_ascii=False)}\n" if tools else ""
+    text += "".join(_plain_turn(_as_dict(m)) for m in messages)
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
@@ -44,8 +62,9 @@ def _template_tokenizer(tokenizer):
     return hf if hf is not None and getattr(hf, "chat_template", None) else None
 
 
-def _apply(hf, messages: Sequence[tuple[str, str]], add_generation_prompt: bool, tokenize: bool):
-    out = hf.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=tokenize,
+def _apply(hf, messages: Sequence[Message], add_generation_prompt: bool, tokenize: bool,
+           tools: Optional[list[dict]] = None):
+    out = hf.apply_chat_template([_as_dict(m) for m in messages], tokenize=tokenize, tools=tools,
                                  add_generation_prompt=add_generation_prompt,
                                  **({"return_dict": False} if tokenize else {}))
     if tokenize and not isinstance(out, list):      # a BatchEncoding on some versions
@@ -53,17 +72,19 @@ def _apply(hf, messages: Sequence[tuple[str, str]], add_generation_prompt: bool,
     return list(out) if tokenize else out
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False, tools: Optional[list[dict]] = None) -> list[int]:
     """A chat's prompt as token ids, rendered once: one BOS at most. ``add_special_tokens``
     (``/tokenize``'s): the tokenizer's special tokens on top of what the template wrote;
-    raycolo's plain template is always encoded as a prompt, with them."""
+    raycolo's plain template is always encoded as a prompt, with them. ``tools``: the
+    functions the model may call, as the template shows them (OpenAI's JSON)."""
     hf = _template_tokenizer(tokenizer)
     if hf is None:
-        return tokenizer.encode(render_plain(messages, add_generation_prompt))
+        return tokenizer.encode(render_plain(messages, add_generation_prompt, tools))
     if add_special_tokens:
-        return tokenizer.encode(_apply(hf, messages, add_generation_prompt, tokenize=False), add_special_tokens=True)
-    return _apply(hf, messages, add_generation_prompt, tokenize=True)
+        return tokenizer.encode(_apply(hf, messages, add_generation_prompt, tokenize=False, tools=tools),
+                                add_special_tokens=True)
+    return _apply(hf, messages, add_generation_prompt, tokenize=True, tools=tools)
 
 
 def chat_sample_ids(tokenizer, messages: Sequence[tuple[str, str]], eos_ids: Iterable[int] = (),

@@ -4,7 +4,7 @@ defaults; ``vllm/entrypoints/serve/tokenize/protocol.py``).
 ``/tokenize`` takes a prompt (``add_special_tokens`` true by default: the ids the
 completions route prefills) or a chat (``add_generation_prompt`` true and
 ``add_special_tokens`` false by default: the ids the chat route prefills, its template's
-BOS included once) and answers ``count``, ``max_model_len`` (the context raycolo
+BOS included once, and its ``tools`` as the template shows them) and answers ``count``, ``max_model_len`` (the context raycolo
 enforces), ``tokens`` and, with ``return_token_strs``, each token's string as the
 tokenizer spells it. ``/detokenize`` takes ``tokens`` and answers the ``prompt`` they decode
 to, special tokens included (as vLLM does). As on every route, a field raycolo does not
@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from typing import Annotated, Optional, Union
 
-from pydantic import BaseModel, Discriminator, Field, RootModel, Tag
+from pydantic import BaseModel, Discriminator, Field, RootModel, Tag, field_validator
 
 from raycolo.bounds import MAX_TOKENS
-from raycolo.online.serving.protocol import ChatMessage, Closed, ModelName, Text
+from raycolo.online.serving.protocol import Closed, ModelName, Text
+from raycolo.online.serving.tool_protocol import MAX_TOOLS, ChatTurn, Tool, distinct_names
 
 PROMPT, CHAT = '{"prompt": ...}', '{"messages": [...]}'      # the body's forms (union tags)
 
@@ -31,7 +32,10 @@ class TokenizeCompletionRequest(Closed):
 
 class TokenizeChatRequest(Closed):
     model: Optional[ModelName] = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatTurn] = Field(min_length=1)
+    tools: Optional[list[Tool]] = Field(default=None, min_length=1, max_length=MAX_TOOLS,
+                                        description="the tools the chat template shows the model")
+    _distinct_tools = field_validator("tools")(lambda cls, tools: distinct_names(tools))
     add_generation_prompt: bool = Field(default=True, description="end with the assistant's turn opening")
     add_special_tokens: bool = Field(default=False, description="the tokenizer's special tokens on top of "
                                                                 "what the chat template writes")

@@ -1,0 +1,58 @@
+"""Text a request tokenizes, and chat messages: the parts every generation, tokenizer and
+training body shares (strict: a field raycolo does not take is a 400 naming it). The chat
+route's messages, which may also carry tool calls and their results, extend
+:class:`ChatMessage` (:class:`raycolo.online.serving.tool_protocol.ChatTurn`)."""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Tag
+
+
+def unicode_text(text: str) -> str:
+    """Text a tokenizer can take: JSON's ``"\\ud800"`` parses to a lone UTF-16 surrogate,
+    which no tokenizer encodes (it was a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"is not valid Unicode (a lone surrogate at character {exc.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]      # what is tokenized: prompts, messages, samples
+
+
+class Closed(BaseModel):
+    """A generation request's parts: a field raycolo does not support is a 400 naming it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class TextPart(Closed):
+    type: Literal["text"]
+    text: Text
+
+
+def _content_form(content) -> Optional[str]:
+    return "{text}" if isinstance(content, str) else "[parts]" if isinstance(content, list) else None
+
+
+# tagged by the form it has, so an error names the part at fault (the tags are no parameter)
+Content = Annotated[Union[Annotated[Text, Tag("{text}")], Annotated[list[TextPart], Tag("[parts]")]],
+                    Discriminator(_content_form, custom_error_type="invalid_content",
+                                  custom_error_message="must be a text or a list of text parts")]
+
+
+class ChatMessage(Closed):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Content
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict:
+        """The message as a chat template gets it."""
+        return {"role": self.role, "content": self.text()}

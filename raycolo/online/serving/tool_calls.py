@@ -1,0 +1,296 @@
+"""Tool calls read from a choice's text as it streams: one reader per choice, fed the text
+deltas, giving the content to show and the calls, so a streamed answer and a whole one
+are the same calls by construction (pure: no Ray, no torch).
+
+What is read depends on the request's ``tool_choice`` (:class:`~.tool_protocol.ToolChoiceKind`):
+
+* a **named** function: the whole text is the call's ``arguments`` (the text was
+  constrained to its parameters' schema); streamed, the first delta names the function
+  and the rest carry the arguments as they come. ``finish_reason`` stays the generation's
+  (``stop``), as vLLM's and OpenAI's.
+* **required**: the text is a JSON array of ``{"name", "parameters"}`` objects (also
+  constrained); each call goes out once its object is complete. ``finish_reason`` is
+  ``tool_calls`` when generation stopped.
+* **auto**: the deployment's ``serve.tool_call_parser`` (:class:`ToolParserKind`) reads
+  the model's own format; ``finish_reason`` is ``tool_calls`` once a call was read.
+
+  - ``hermes`` (Hermes 2 Pro, Qwen 2.5 and 3, and raycolo's plain template):
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number. Text before
+    the first call is the content; what could be the start of a ``<tool_call>`` tag is
+    held back until it is clear. A call goes out when its tag closes; a block that is
+    not a JSON object with a name, or that never closes, is shown as content instead.
+    Text after the first call is not content (vLLM's rule).
+  - ``llama3_json`` (Llama 3.1 to 3.3's JSON tool calling): a reply that begins (after
+    whitespace and an optional ``<|python_tag|>``) with ``{`` is calls: JSON objects with
+    ``name`` and ``arguments`` (or ``parameters``), separated by ``;``. It is held until
+    the choice ends, then read whole: if any part is not such an object, the reply is
+    content, as vLLM reads it.
+
+The checkpoints' own tool-call tokens must be in the text: a tool-calling request is
+detokenized with special tokens kept (vLLM's parsers ask the same).
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Optional
+
+from raycolo.online.serving.tool_protocol import ToolChoiceKind
+from raycolo.text_enum import TextEnum
+
+
+class ToolParserKind(TextEnum):
+    """How ``tool_choice: auto`` reads calls from a model's text (vLLM's parser names)."""
+
+    HERMES = "hermes"
+    LLAMA3_JSON = "llama3_json"
+
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+def call_id() -> str:
+    """A tool call's id (vLLM's form)."""
+    return f"chatcmpl-tool-{secrets.token_hex(16)}"
+
+
+@dataclass
+class CallDelta:
+    """A piece of tool call ``index``: its id and name with its first piece, then
+    arguments text."""
+
+    index: int
+    arguments: str
+    id: Optional[str] = None
+    name: Optional[str] = None
+
+    def as_json(self) -> dict:
+        """The streamed chunk's ``delta.tool_calls[]`` entry (OpenAI's)."""
+        out: dict = {"index": self.index}
+        if self.id is not None:
+            out.update(id=self.id, type="function")
+        function: dict = {"arguments": self.arguments}
+        if self.name is not None:
+            function = {"name": self.name, **function}
+        out["function"] = function
+        return out
+
+
+@dataclass
+class ToolDelta:
+    """What a piece of text gives: content to show and call pieces."""
+
+    content: str = ""
+    calls: list[CallDelta] = field(default_factory=list)
+
+
+def _call_object(text: str) -> Optional[tuple[str, str]]:
+    """(name, arguments as JSON text) of a call's JSON object, or None if it is none."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
+    return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could begin ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ToolCallReader:
+    """One choice's text read for tool calls (see the module's doc): :meth:`feed` each
+    text delta, then :meth:`finish`; each returns a :class:`ToolDelta`."""
+
+    def __init__(self, kind: ToolChoiceKind, parser: Optional[ToolParserKind] = None,
+                 function: Optional[str] = None):
+        self.kind, self.parser, self.function = kind, parser, function
+        self.text = ""           # what came and is not read yet
+        self.calls = 0           # calls read
+        self.in_calls = False    # auto: past the content (the first call began)
+
+    @property
+    def called(self) -> bool:
+        return self.calls > 0
+
+    def _call(self, name: str, arguments: str) -> CallDelta:
+        self.calls += 1
+        return CallDelta(self.calls - 1, arguments, call_id(), name)
+
+    def feed(self, delta: str) -> ToolDelta:
+        self.text += delta
+        return self._read(final=False)
+
+    def finish(self) -> ToolDelta:
+        return self._read(final=True)
+
+    def _read(self, final: bool) -> ToolDelta:
+        if self.kind == ToolChoiceKind.NAMED:
+            return self._named()
+        if self.kind == ToolChoiceKind.REQUIRED:
+            return ToolDelta(calls=self._array_items())
+        if self.parser == ToolParserKind.HERMES:
+            return self._hermes(final)
+        if self.parser == ToolParserKind.LLAMA3_JSON:
+            return self._llama3(final)
+        text, self.text = self.text, ""
+        return ToolDelta(content=text)
+
+    def _named(self) -> ToolDelta:
+        """The whole text is the arguments: the first piece names the function."""
+        text, self.text = self.text, ""
+        if not self.calls:
+            return ToolDelta(calls=[self._call(self.function, text)])
+        return ToolDelta(calls=[CallDelta(0, text)] if text else [])
+
+    # -- required: a JSON array of {"name", "parameters"} ------------------------------------
+    def _array_items(self) -> list[CallDelta]:
+        out = []
+        decoder = json.JSONDecoder()
+        while True:
+            rest = self.text.lstrip(" \t\r\n,[")
+            if not rest.startswith("{"):
+                self.text = rest
+                return out
+            try:
+                obj, end = decoder.raw_decode(rest)
+            except ValueError:       # not complete yet
+                self.text = rest
+                return out
+            self.text = rest[end:]
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+                out.append(self._call(obj["name"], json.dumps(obj.get("parameters", {}), ensure_ascii=False)))
+
+    # -- hermes -----------------------------------------------------------------------------
+    def _hermes(self, final: bool) -> ToolDelta:
+        out = ToolDelta()
+        while True:
+            if not self.in_calls:
+                at = self.text.find(HERMES_OPEN)
+                if at < 0:
+                    keep = 0 if final else _held_prefix(self.text, HERMES_OPEN)
+                    out.content += self.text[:len(self.text) - keep]
+                    self.text = self.text[len(self.text) - keep:]
+                    return out
+                out.content += self.text[:at]
+                self.text, self.in_calls = self.text[at:], True
+            start = self.text.find(HERMES_OPEN)
+            if start < 0:            # between calls: text there is no content (vLLM's rule)
+                keep = 0 if final else _held_prefix(self.text, HERMES_OPEN)
+                self.text = self.text[len(self.text) - keep:]
+                return out
+            end = self.text.find(HERMES_CLOSE, start)
+            if end < 0:
+                if final:            # a call that never closed: shown as it came
+                    out.content += self.text[start:]
+                    self.text = ""
+                return out
+            block = self.text[start:end + len(HERMES_CLOSE)]
+            self.text = self.text[end + len(HERMES_CLOSE):]
+            call = _call_object(block[len(HERMES_OPEN):-len(HERMES_CLOSE)])
+            if call is None:
+                out.content += block
+            else:
+                out.calls.append(self._call(*call))
+
+    # -- llama3_json ------------------------------------------------------------------------
+    def _llama3(self, final: bool) -> ToolDelta:
+        if not self.in_calls:
+            head = self.text.lstrip()
+            if head.startswith(PYTHON_TAG):
+                head = head[len(PYTHON_TAG):].lstrip()
+            if head.startswith("{"):
+                self.in_calls = True
+            elif final or (head and not PYTHON_TAG.startswith(head)):
+                text, self.text = self.text, ""
+                return ToolDelta(content=text)
+            else:
+                return ToolDelta()        # too early to tell
+        if not final:
+            return ToolDelta()
+        text, self.text = self.text, ""
+        calls = self._llama3_calls(text)
+        if calls is None:
+            return ToolDelta(content=text)
+        return ToolDelta(calls=[self._call(*c) for c in calls])
+
+    @staticmethod
+    def _llama3_calls(text: str) -> Optional[list[tuple[str, str]]]:
+        body = text.lstrip()
+        body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while True:
+            while at < len(body) and body[at] in " \t\r\n;":
+                at += 1
+            if at == len(body):
+                return calls or None
+            try:
+                obj, at = decoder.raw_decode(body, at)
+            except ValueError:
+                return None
+            call = _call_object(json.dumps(obj)) if isinstance(obj, dict) else None
+            if call is None:
+                return None
+            calls.append(call)
+
+
+@dataclass(frozen=True)
+class ToolReading:
+    """How a request's choices are read for tool calls (None where ``tool_choice`` is none)."""
+
+    kind: ToolChoiceKind
+    parser: Optional[ToolParserKind] = None
+    function: Optional[str] = None       # the named function's
+
+    def reader(self) -> ToolCallReader:
+        return ToolCallReader(self.kind, self.parser, self.function)
+
+    def finish_reason(self, called: bool, finish: Optional[str]) -> Optional[str]:
+        """The choice's ``finish_reason``: ``tool_calls`` where auto read a call or a
+        required call stopped (vLLM's and OpenAI's rule), else the generation's."""
+        if (self.kind == ToolChoiceKind.AUTO and called) or (self.kind == ToolChoiceKind.REQUIRED
+                                                            and finish == "stop"):
+            return "tool_calls"
+        return finish
+
+
+@dataclass
+class ToolAnswer:
+    """A whole choice read for tool calls: its content and calls (OpenAI's message fields)."""
+
+    content: Optional[str]
+    tool_calls: list[dict]
+
+    @property
+    def called(self) -> bool:
+        return bool(self.tool_calls)
+
+
+def join(deltas: list[ToolDelta]) -> tuple[str, list[dict]]:
+    """The content and whole calls (OpenAI's ``message.tool_calls``) of a choice's deltas."""
+    content, calls = "", []
+    for d in deltas:
+        content += d.content
+        for c in d.calls:
+            if c.index == len(calls):
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}})
+            calls[c.index]["function"]["arguments"] += c.arguments
+    return content, calls
+
+
+def read_whole(reader: ToolCallReader, text: str) -> ToolAnswer:
+    """A non-streamed choice's ``text`` read as the stream would read it. Content: the
+    text outside the calls; with calls, ``""`` for a forced call (vLLM's) and None when the
+    model wrote none (OpenAI's)."""
+    content, calls = join([reader.feed(text), reader.finish()])
+    if calls and not content:
+        return ToolAnswer("" if reader.kind != ToolChoiceKind.AUTO else None, calls)
+    return ToolAnswer(content, calls)

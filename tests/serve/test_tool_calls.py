@@ -1,0 +1,212 @@
+"""Function calling's pure parts (raycolo/online/serving/tool_protocol.py, tool_calls.py):
+the request's rules (vLLM's), the schemas of forced calls (vLLM's, written out here by
+hand), the chat rendering against transformers' ``apply_chat_template(tools=...)``, and the
+calls read from text: hand-worked cases, and a streamed answer equal to the whole one
+however the text is cut."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+from pydantic import ValidationError
+
+from raycolo.online.serving.openai_errors import from_validation
+from raycolo.online.serving.protocol import ChatCompletionRequest
+from raycolo.online.serving.text import chat_prompt_ids, render_plain
+from raycolo.online.serving.tool_calls import ToolCallReader, ToolParserKind, ToolReading, join, read_whole
+from raycolo.online.serving.tool_protocol import ToolChoiceKind
+from raycolo.engine.models import ByteTokenizer
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
+HERMES, LLAMA3 = ToolParserKind.HERMES, ToolParserKind.LLAMA3_JSON
+AUTO, REQUIRED, NAMED = ToolChoiceKind.AUTO, ToolChoiceKind.REQUIRED, ToolChoiceKind.NAMED
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({**CHAT, **fields})
+
+
+def refusal(**fields) -> dict:
+    with pytest.raises(ValidationError) as err:
+        request(**fields)
+    return from_validation(err.value).body()["error"]
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    (dict(tools=[]), "tools", "at least 1"),
+    (dict(tools=[WEATHER, WEATHER]), "tools", "two tools are named 'get_weather'"),
+    (dict(tool_choice="required"), "tool_choice", "needs tools"),
+    (dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice", "needs tools"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
+     "'nope' is not among the tools"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function"}), "tool_choice.function", "required"),
+    (dict(tools=[WEATHER], tool_choice="maybe"), "tool_choice", "'none', 'auto' or 'required'"),
+    (dict(tools=[WEATHER], tool_choice=7), "tool_choice", '"required" or {"type": "function"'),
+    (dict(tools=[WEATHER], tool_choice="required", structured_outputs={"regex": "a+"}), "tool_choice",
+     "not both"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+          response_format={"type": "json_object"}), "tool_choice", "not both"),
+    (dict(tools=[{"type": "function", "function": {"name": "two words"}}]), "tools[0].function.name", "pattern"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "array", "uniqueItems": True}}}]), "tools[0].function", "uniqueItems"),
+    (dict(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools[0].type", "'function'"),
+    (dict(tools=[WEATHER], tool_choice="required", min_tokens=2), None, "min_tokens"),
+    (dict(messages=[{"role": "user", "content": "x", "tool_call_id": "c"}]), "messages[0]", "tool_call_id"),
+    (dict(messages=[{"role": "tool", "content": "x", "tool_calls": []}]), "messages[0]", "tool_calls"),
+    (dict(messages=[{"role": "assistant"}]), "messages[0]", "content"),
+    (dict(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f"}}]}]), "messages[0].tool_calls[0].function.arguments", "required"),
+])
+def test_tool_requests_break_vllms_rules_as_400s_naming_the_field(fields, param, words):
+    err = refusal(**fields)
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_tool_choice_defaults_and_forced_calls_are_vllms_schemas():
+    """The schemas written out from vllm/tool_parsers/utils.py (vLLM 0.32): a named
+    function's parameters (an empty object where it has none), and for "required" an
+    array of {name, parameters} objects, at most one without parallel calls, $defs hoisted."""
+    assert request().tool_kind == ToolChoiceKind.NONE and request().constraint() is None
+    assert request(tools=[WEATHER]).tool_kind == AUTO and request(tools=[WEATHER]).constraint() is None
+    assert request(tools=[WEATHER], tool_choice="none").constraint() is None
+    named = request(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert json.loads(named.constraint().json_schema) == WEATHER["function"]["parameters"]
+    empty = request(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert json.loads(empty.constraint().json_schema) == {"type": "object", "properties": {}}
+    shared = {"type": "function", "function": {"name": "put", "parameters": {
+        "type": "object", "properties": {"at": {"$ref": "#/$defs/place"}}, "$defs": {"place": {"type": "string"}}}}}
+    forced = request(tools=[WEATHER, TIME, shared], tool_choice="required", parallel_tool_calls=False)
+    item = lambda name, params: {"properties": {"name": {"type": "string", "enum": [name]},   # noqa: E731
+                                                "parameters": params}, "required": ["name", "parameters"]}
+    assert json.loads(forced.constraint().json_schema) == {
+        "type": "array", "minItems": 1, "maxItems": 1, "$defs": {"place": {"type": "string"}},
+        "items": {"type": "object", "anyOf": [
+            item("get_weather", WEATHER["function"]["parameters"]),
+            item("get_time", {"type": "object", "properties": {}}),
+            item("put", {"type": "object", "properties": {"at": {"$ref": "#/$defs/place"}}})]}}
+    assert "maxItems" not in json.loads(request(tools=[WEATHER], tool_choice="required").constraint().json_schema)
+    assert shared["function"]["parameters"]["$defs"]        # the request's tool is left as it was
+
+
+HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call-1", "type": "function", "function": {"name": "get_weather",
+                                                                 "arguments": '{"city": "Oslo"}'}}]},
+           {"role": "tool", "content": "-3 C", "tool_call_id": "call-1"}]
+
+
+def test_chats_with_tools_render_as_transformers_renders_them(hf_checkpoints):
+    """The Qwen2.5-style template (tests/support/hf_checkpoints.py): tools in the system
+    turn, a call in the assistant's, the result in a user turn; the template gets each
+    call's arguments as an object (vLLM's and transformers' convention)."""
+    from transformers import AutoTokenizer
+
+    from raycolo.engine.models import load_tokenizer
+
+    path = hf_checkpoints["qwen2"]
+    hf = AutoTokenizer.from_pretrained(path)
+    ours = load_tokenizer(str(path))
+    body = request(messages=HISTORY, tools=[WEATHER, TIME])
+    reference = [dict(m) for m in HISTORY]
+    reference[2] = {**HISTORY[2], "content": "", "tool_calls": [{**HISTORY[2]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Oslo"}}}]}
+    want = hf.apply_chat_template(reference, tools=[WEATHER, TIME], add_generation_prompt=True, tokenize=False)
+    assert "<tools>" in want and '"arguments": {"city": "Oslo"}' in want and "<tool_response>\n-3 C" in want
+    got = chat_prompt_ids(ours, [m.template_dict() for m in body.messages], tools=[WEATHER, TIME])
+    assert got == hf(want, add_special_tokens=False)["input_ids"]
+    # arguments that are not a JSON object reach the template as {} (vLLM's rule)
+    odd = request(messages=[{**HISTORY[2], "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "[1, 2"}}]}])
+    assert odd.messages[0].template_dict()["tool_calls"][0]["function"]["arguments"] == {}
+
+
+def test_the_plain_template_shows_tools_and_calls_in_the_hermes_form():
+    text = render_plain([m.template_dict() for m in request(messages=HISTORY).messages], tools=[TIME])
+    assert text == ('<|tools|>\n[{"type": "function", "function": {"name": "get_time"}}]\n'
+                    "<|system|>\nBe brief.\n<|user|>\nWeather in Oslo?\n"
+                    '<|assistant|>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+                    "<|tool|>\n-3 C\n<|assistant|>\n")
+    tok = ByteTokenizer(512)
+    assert chat_prompt_ids(tok, [("user", "hi")], tools=[TIME]) == tok.encode(render_plain([("user", "hi")],
+                                                                                          tools=[TIME]))
+
+
+def calls_of(answer) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in answer.tool_calls]
+
+
+# hand-worked: (parser, text, content, calls)
+AUTO_CASES = [
+    (HERMES, "It is cold.", "It is cold.", []),
+    (HERMES, 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+     "Let me look.\n", [("get_weather", {"city": "Oslo"})]),
+    (HERMES, '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": '
+             '{"x": [1, "é"]}}</tool_call>', None, [("a", {}), ("b", {"x": [1, "é"]})]),
+    (HERMES, "a <tool_call>not json</tool_call>", "a <tool_call>not json</tool_call>", []),
+    (HERMES, 'a <tool_call>{"name": "a", "arguments": {', 'a <tool_call>{"name": "a", "arguments": {', []),
+    (HERMES, "less < than <tool_ca", "less < than <tool_ca", []),
+    (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', None, [("get_weather", {"city": "Oslo"})]),
+    (LLAMA3, '<|python_tag|>{"name": "a", "arguments": {"n": 1}}; {"name": "b", "arguments": {}}', None,
+     [("a", {"n": 1}), ("b", {})]),
+    (LLAMA3, ' {"name": "a"} and more', ' {"name": "a"} and more', []),
+    (LLAMA3, '{"city": "Oslo"}', '{"city": "Oslo"}', []),
+    (LLAMA3, "The answer is {1}.", "The answer is {1}.", []),
+    (LLAMA3, "<|python", "<|python", []),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", AUTO_CASES)
+def test_auto_reads_the_calls_of_each_parsers_format(parser, text, content, calls):
+    reading = ToolReading(AUTO, parser)
+    answer = read_whole(reading.reader(), text)
+    assert answer.content == content and calls_of(answer) == calls
+    assert reading.finish_reason(answer.called, "length") == ("tool_calls" if calls else "length")
+
+
+def test_forced_calls_read_the_whole_text():
+    named = read_whole(ToolCallReader(NAMED, function="get_weather"), '{"city": "Oslo"}')
+    assert named.content == "" and calls_of(named) == [("get_weather", {"city": "Oslo"})]
+    required = read_whole(ToolCallReader(REQUIRED), '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", '
+                                                    '"parameters": {}}]')
+    assert required.content == "" and calls_of(required) == [("a", {"x": 1}), ("b", {})]
+    cut = read_whole(ToolCallReader(REQUIRED), '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "par')
+    assert calls_of(cut) == [("a", {"x": 1})]
+    assert ToolReading(REQUIRED).finish_reason(True, "stop") == "tool_calls"
+    assert ToolReading(REQUIRED).finish_reason(True, "length") == "length"
+    assert ToolReading(NAMED, function="f").finish_reason(True, "stop") == "stop"     # vLLM's and OpenAI's
+
+
+def streamed(reader: ToolCallReader, pieces: list[str]) -> tuple[str, list[dict]]:
+    deltas = [reader.feed(p) for p in pieces] + [reader.finish()]
+    for d in deltas:            # a call's id and name come once, with its first piece
+        assert all((c.id is None) == (c.name is None) for c in d.calls)
+    return join(deltas)
+
+
+WHOLE_TEXTS = [t for _, t, _, _ in AUTO_CASES] + ['{"city": "Oslo"}', '[{"name": "a", "parameters": {"x": 1}}]']
+
+
+@given(st.sampled_from([(AUTO, HERMES), (AUTO, LLAMA3), (REQUIRED, None), (NAMED, None)]),
+       st.sampled_from(WHOLE_TEXTS), st.lists(st.integers(0, 120), max_size=8))
+@settings(max_examples=400, deadline=None)
+def test_streamed_calls_equal_the_whole_answers_however_the_text_is_cut(mode, text, cuts):
+    kind, parser = mode
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0] + bounds, bounds + [len(text)])]
+    content, calls = streamed(ToolCallReader(kind, parser, "f"), pieces)
+    whole = read_whole(ToolCallReader(kind, parser, "f"), text)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls]
+    assert content == (whole.content or "")
+    assert len({c["id"] for c in calls}) == len(calls)
+
+
+def test_hermes_content_never_shows_part_of_a_tag():
+    reader = ToolCallReader(AUTO, HERMES)
+    shown = [reader.feed(p).content for p in ["Hi <", "tool", "_call>", '{"name": "a", "arguments": {}}', "</tool_call>"]]
+    assert shown == ["Hi ", "", "", "", ""]
