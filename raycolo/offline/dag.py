@@ -18,8 +18,9 @@ from raycolo.bounds import (MAX_CHUNKS, MAX_REPEAT, MAX_REQUESTS, MAX_WEIGHT, Na
 from raycolo.catalog import get_model
 from raycolo.errors import ConfigError
 from raycolo.lengths import LengthDistribution
+from raycolo.generation.structured import StructuredOutputs
 from raycolo.generation.params import (ECDF_TEMPERATURE, GREEDY_EPS, MAX_STOP_STRINGS, SamplingParams, Seed,
-                                       Temperature, TopP, stop_strings)
+                                       Temperature, TopP, bad_word_list, stop_strings)
 from raycolo.yamlio import load_yaml
 
 # ``{name}`` in a prompt template is a placeholder; other braces are literal text.
@@ -107,10 +108,22 @@ class NodeSpec(Strict):
         "Strings that end an output; a matched stop string is cut from the text and the finish reason is "
         "stop."))
 
+    structured_outputs: Optional[StructuredOutputs] = Field(default=None, description=(
+        "A constraint the node's outputs follow (vLLM's structured_outputs: exactly one of json, regex, "
+        "choice, grammar, json_object), e.g. a router's choice of names. Planned as if unconstrained: the "
+        "output-length eCDF is the model's."))
+    bad_words: list[str] = Field(default_factory=list, description=(
+        "Words the node's outputs never contain (vLLM's bad_words: each word alone and after a space)."))
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, stop: list[str]) -> list[str]:
         return list(stop_strings(stop))
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, words: list[str]) -> list[str]:
+        return list(bad_word_list(words))
 
     @property
     def greedy(self) -> bool:
@@ -124,7 +137,8 @@ class NodeSpec(Strict):
     def sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
         """The SamplingParams of one of this node's requests."""
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              seed=seed, stop=self.stop)
+                              seed=seed, stop=self.stop, bad_words=self.bad_words or None,
+                              structured_outputs=self.structured_outputs)
 
 
 class EdgeSpec(Strict):

@@ -155,7 +155,9 @@ def test_real_checkpoints_greedy_outputs_equal_transformers(cluster, tmp_path, h
     is an EOS only through generation_config.json, a Qwen2 and a GPT-2 one): greedy nodes
     (temperature 0) write the token ids, text and finish reasons transformers' generate()
     gives on the same directory, to outputs.parquet."""
-    from tests.support.hf_checkpoints import greedy_cases
+    import torch
+
+    from tests.support.hf_checkpoints import eos_ids, greedy_cases, load
 
     max_new = 16
     cases = {kind: [c for c in greedy_cases(path, max_new, n=8) if isinstance(c["prompt"], str)]
@@ -167,7 +169,17 @@ def test_real_checkpoints_greedy_outputs_equal_transformers(cluster, tmp_path, h
     requests.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     nodes = "".join(f"  - {{name: {kind}, model: tiny-llama-s, checkpoint: '{path}', max_output_tokens: {max_new}, "
                     f"temperature: 0}}\n" for kind, path in hf_checkpoints.items())
-    edges = "".join(f"  - {{from: input, to: {kind}}}\n" for kind in hf_checkpoints)
+    # a node constrained by a regex (vLLM's structured_outputs) and one with bad_words
+    from tests.support.constrained import banned_word, constrained_reference, vllm_sequences
+
+    regex = {"regex": r"(yes|no), [a-z]{2,5}\."}
+    _, qwen_tok = load(hf_checkpoints["qwen2"])
+    word = banned_word(qwen_tok, cases["qwen2"][0]["output_ids"])
+    nodes += (f"  - {{name: regex, model: tiny-llama-s, checkpoint: '{hf_checkpoints['llama3']}', max_output_tokens: "
+              f"{max_new}, temperature: 0, structured_outputs: {json.dumps(regex)}}}\n"
+              f"  - {{name: banned, model: tiny-llama-s, checkpoint: '{hf_checkpoints['qwen2']}', max_output_tokens: "
+              f"{max_new}, temperature: 0, bad_words: [{json.dumps(word)}]}}\n")
+    edges = "".join(f"  - {{from: input, to: {kind}}}\n" for kind in [*hf_checkpoints, "regex", "banned"])
     dag = tmp_path / "real.yaml"
     dag.write_text(f"name: real\nrequests: {{file: '{requests}'}}\nnodes:\n{nodes}edges:\n{edges}")
     config = _config(tmp_path, str(dag))
@@ -183,6 +195,18 @@ def test_real_checkpoints_greedy_outputs_equal_transformers(cluster, tmp_path, h
             assert row["output_tokens"] == len(c["output_ids"]) and row["prompt_tokens"] == len(c["prompt_ids"])
             reasons.add(c["finish_reason"])
     assert reasons == {"stop", "length"}
+    qwen, _ = load(hf_checkpoints["qwen2"])
+    for c in cases["llama3"][:2]:        # transformers' greedy tokens under xgrammar's own processor
+        ids, reason = constrained_reference(hf_checkpoints["llama3"], c["prompt_ids"], regex, max_new)
+        row = table[table["node"] == "regex"].set_index("prompt").loc[c["prompt"]]
+        assert list(row["token_ids"]) == ids and row["finish_reason"] == reason
+    for c in cases["qwen2"][:2]:         # generate()'s bad_words_ids with vLLM's sequences
+        with torch.no_grad():
+            out = qwen.generate(torch.tensor([c["prompt_ids"]]), do_sample=False, max_new_tokens=max_new,
+                                bad_words_ids=vllm_sequences(qwen_tok, [word]), eos_token_id=eos_ids(hf_checkpoints["qwen2"]),
+                                pad_token_id=0)[0, len(c["prompt_ids"]):].tolist()
+        row = table[table["node"] == "banned"].set_index("prompt").loc[c["prompt"]]
+        assert list(row["token_ids"]) == out and word not in row["text"].split()
     # the overlong prompt was cut to the checkpoint's own context (512), not the catalog model's (1024)
     for kind in hf_checkpoints:
         row = table[(table["node"] == kind) & (table["item"] == len(prompts) - 1)].iloc[0]
