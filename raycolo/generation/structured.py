@@ -163,12 +163,14 @@ class StructuredOutputs(BaseModel):
                 value = jsonlib.loads(schema)
             except ValueError as exc:
                 raise ValueError(f"is not JSON: {exc}") from None
-        elif isinstance(schema, (dict, bool)):
+        elif isinstance(schema, dict):
             value, schema = schema, jsonlib.dumps(schema, ensure_ascii=False)
+        elif isinstance(schema, bool):       # JSON Schema's true/false: vLLM's type (str or dict) refuses them
+            raise ValueError("must be a JSON schema object (true and false are not taken)")
         else:
             return schema            # not a schema: the str type refuses it
-        if not isinstance(value, (dict, bool)):
-            raise ValueError("a JSON schema is an object (or true/false)")
+        if not isinstance(value, dict):
+            raise ValueError("a JSON schema is an object (true and false are not taken)")
         if _depth(value, MAX_JSON_NESTING) > MAX_JSON_NESTING:
             raise ValueError(f"the JSON schema is nested too deeply: objects and arrays may nest at most "
                              f"{MAX_JSON_NESTING} levels")
