@@ -269,3 +269,27 @@ def test_hermes_calls_are_read_as_vllms_parser_reads_them(servers):
         assert [(c.function.name, c.function.arguments) for c in theirs.tool_calls] == \
             [(c["function"]["name"], c["function"]["arguments"]) for c in ours.tool_calls], text
         assert theirs.content == ours.content, text
+
+
+def test_pythonic_calls_are_read_as_vllms_parser_reads_them(servers):
+    """raycolo's pythonic reading of whole replies against vLLM's PythonicToolParser on
+    the same texts."""
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.pythonic_tool_parser import PythonicToolParser
+
+    sys.path.insert(0, str(ROOT))
+    from raycolo.online.serving.tool_calls import ToolParserKind, ToolReading, read_whole
+    from raycolo.online.serving.tool_protocol import ToolChoiceKind
+
+    parser = PythonicToolParser(AutoTokenizer.from_pretrained(servers["path"]))
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[WEATHER, ZONE])
+    texts = ["No call.", '[get_weather(city="Oslo"), get_time(zone="utc")]',
+             '[ab(x=[1, 2.5, {"k": None}], y=True, z=null)]', "[a.b()]", "[get_time()]", "[f(x=g())]", "[1, 2]",
+             "[f(1)]"]
+    for text in texts:
+        theirs = parser.extract_tool_calls(text, request)
+        ours = read_whole(ToolReading(ToolChoiceKind.AUTO, ToolParserKind.PYTHONIC).reader(), text)
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in theirs.tool_calls] == \
+            [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in ours.tool_calls], text
+        assert theirs.content == ours.content, text

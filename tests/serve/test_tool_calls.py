@@ -23,7 +23,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                            "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
-HERMES, LLAMA3 = ToolParserKind.HERMES, ToolParserKind.LLAMA3_JSON
+HERMES, LLAMA3, PYTHONIC = ToolParserKind.HERMES, ToolParserKind.LLAMA3_JSON, ToolParserKind.PYTHONIC
 AUTO, REQUIRED, NAMED = ToolChoiceKind.AUTO, ToolChoiceKind.REQUIRED, ToolChoiceKind.NAMED
 
 
@@ -157,6 +157,15 @@ AUTO_CASES = [
     (LLAMA3, '{"city": "Oslo"}', '{"city": "Oslo"}', []),
     (LLAMA3, "The answer is {1}.", "The answer is {1}.", []),
     (LLAMA3, "<|python", "<|python", []),
+    (PYTHONIC, '[get_weather(city="Oslo"), get_time()]', None, [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    (PYTHONIC, '<|python_start|>[ab(x=[1, -2.5, {"k": null}], y=True)]<|python_end|>', None,
+     [("ab", {"x": [1, -2.5, {"k": None}], "y": True})]),
+    (PYTHONIC, "[a.b()]", "[a.b()]", []),                 # vLLM's names: no dots
+    (PYTHONIC, "Sure: [f()]", "Sure: [f()]", []),
+    (PYTHONIC, "[f(1)]", "[f(1)]", []),                   # positional arguments: no call
+    (PYTHONIC, "[f(x=g())]", "[f(x=g())]", []),
+    (PYTHONIC, "[1, 2]", "[1, 2]", []),
+    (PYTHONIC, "[f(x=1)", "[f(x=1)", []),
 ]
 
 
@@ -191,7 +200,7 @@ def streamed(reader: ToolCallReader, pieces: list[str]) -> tuple[str, list[dict]
 WHOLE_TEXTS = [t for _, t, _, _ in AUTO_CASES] + ['{"city": "Oslo"}', '[{"name": "a", "parameters": {"x": 1}}]']
 
 
-@given(st.sampled_from([(AUTO, HERMES), (AUTO, LLAMA3), (REQUIRED, None), (NAMED, None)]),
+@given(st.sampled_from([(AUTO, HERMES), (AUTO, LLAMA3), (AUTO, PYTHONIC), (REQUIRED, None), (NAMED, None)]),
        st.sampled_from(WHOLE_TEXTS), st.lists(st.integers(0, 120), max_size=8))
 @settings(max_examples=400, deadline=None)
 def test_streamed_calls_equal_the_whole_answers_however_the_text_is_cut(mode, text, cuts):

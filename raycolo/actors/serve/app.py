@@ -200,7 +200,7 @@ class OpenAIIngress(Completions):
             return None
         if kind == ToolChoiceKind.AUTO and parser is None:
             raise OpenAIError(400, 'tool_choice: "auto" (the default when tools are given) needs the '
-                              "deployment's serve.tool_call_parser (hermes or llama3_json); this one reads no "
+                              "deployment's serve.tool_call_parser (hermes, llama3_json or pythonic); this one reads no "
                               'calls from free text: ask for "none", "required" or a named function',
                               param="tool_choice", code="invalid_parameter")
         named = body.tool_choice.function.name if kind == ToolChoiceKind.NAMED else None

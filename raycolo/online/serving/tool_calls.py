@@ -25,13 +25,21 @@ What is read depends on the request's ``tool_choice`` (:class:`~.tool_protocol.T
     ``name`` and ``arguments`` (or ``parameters``), separated by ``;``. It is held until
     the choice ends, then read whole: if any part is not such an object, the reply is
     content, as vLLM reads it.
+  - ``pythonic`` (Llama 3.2 and 4, ToolACE): a reply that begins (after whitespace and an
+    optional ``<|python_start|>``) with ``[`` is a Python list of calls with keyword
+    arguments, ``[get_weather(city="Oslo"), get_time()]``, read whole when the choice
+    ends; names are vLLM's (``[a-zA-Z]\\w*``: no dotted names) and arguments Python or
+    JSON literals (``true``, ``null`` too). Anything else, positional arguments
+    included, is content.
 
 The checkpoints' own tool-call tokens must be in the text: a tool-calling request is
 detokenized with special tokens kept (vLLM's parsers ask the same).
 """
 from __future__ import annotations
 
+import ast
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Optional
@@ -45,6 +53,7 @@ class ToolParserKind(TextEnum):
 
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
+    PYTHONIC = "pythonic"
 
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -139,8 +148,8 @@ class ToolCallReader:
             return ToolDelta(calls=self._array_items())
         if self.parser == ToolParserKind.HERMES:
             return self._hermes(final)
-        if self.parser == ToolParserKind.LLAMA3_JSON:
-            return self._llama3(final)
+        if self.parser in WHOLE_REPLY_FORMATS:
+            return self._whole_reply(final)
         text, self.text = self.text, ""
         return ToolDelta(content=text)
 
@@ -201,15 +210,19 @@ class ToolCallReader:
             else:
                 out.calls.append(self._call(*call))
 
-    # -- llama3_json ------------------------------------------------------------------------
-    def _llama3(self, final: bool) -> ToolDelta:
+    # -- llama3_json, pythonic: a reply that is calls, read whole --------------------------
+    def _whole_reply(self, final: bool) -> ToolDelta:
+        """A reply that begins (after whitespace and the format's optional tag) with the
+        format's opening character is held and read whole when the choice ends; any
+        other reply streams as content."""
+        tag, opening, read = WHOLE_REPLY_FORMATS[self.parser]
         if not self.in_calls:
             head = self.text.lstrip()
-            if head.startswith(PYTHON_TAG):
-                head = head[len(PYTHON_TAG):].lstrip()
-            if head.startswith("{"):
+            if head.startswith(tag):
+                head = head[len(tag):].lstrip()
+            if head.startswith(opening):
                 self.in_calls = True
-            elif final or (head and not PYTHON_TAG.startswith(head)):
+            elif final or (head and not tag.startswith(head)):
                 text, self.text = self.text, ""
                 return ToolDelta(content=text)
             else:
@@ -217,29 +230,80 @@ class ToolCallReader:
         if not final:
             return ToolDelta()
         text, self.text = self.text, ""
-        calls = self._llama3_calls(text)
+        body = text.strip()
+        body = body[len(tag):] if body.startswith(tag) else body
+        calls = read(body)
         if calls is None:
             return ToolDelta(content=text)
         return ToolDelta(calls=[self._call(*c) for c in calls])
 
-    @staticmethod
-    def _llama3_calls(text: str) -> Optional[list[tuple[str, str]]]:
-        body = text.lstrip()
-        body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
-        decoder, calls, at = json.JSONDecoder(), [], 0
-        while True:
-            while at < len(body) and body[at] in " \t\r\n;":
-                at += 1
-            if at == len(body):
-                return calls or None
-            try:
-                obj, at = decoder.raw_decode(body, at)
-            except ValueError:
+
+def _llama3_calls(body: str) -> Optional[list[tuple[str, str]]]:
+    """JSON call objects separated by ``;`` (None: the text is not only that)."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+        if at == len(body):
+            return calls or None
+        try:
+            obj, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return None
+        call = _call_object(json.dumps(obj)) if isinstance(obj, dict) else None
+        if call is None:
+            return None
+        calls.append(call)
+
+
+PYTHON_END = "<|python_end|>"
+_NAMED_LITERALS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+
+def _literal(node: ast.expr):
+    """A call argument's value: a Python or JSON literal (a ValueError otherwise)."""
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float))):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _NAMED_LITERALS:
+        return _NAMED_LITERALS[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
+            and isinstance(node.operand.value, (int, float)) and not isinstance(node.operand.value, bool):
+        return -node.operand.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+        return {k.value: _literal(v) for k, v in zip(node.keys, node.values)}
+    raise ValueError("not a literal")
+
+
+_PYTHONIC_NAME = re.compile(r"[a-zA-Z]\w*")      # vLLM's pattern of a function's and an argument's name
+
+
+def _pythonic_calls(body: str) -> Optional[list[tuple[str, str]]]:
+    """A Python list of calls with keyword arguments, ``[f(a=1), g(b="x")]`` (Llama 3.2
+    and 4's form; Llama 4 wraps it in ``<|python_start|>...<|python_end|>``); None: the
+    text is not only that."""
+    body = body.removesuffix(PYTHON_END).strip()
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts or not all(isinstance(e, ast.Call) for e in tree.elts):
+            return None
+        calls = []
+        for call in tree.elts:
+            name = call.func.id if isinstance(call.func, ast.Name) else ""
+            if not _PYTHONIC_NAME.fullmatch(name) or call.args \
+                    or not all(k.arg is not None and _PYTHONIC_NAME.fullmatch(k.arg) for k in call.keywords):
                 return None
-            call = _call_object(json.dumps(obj)) if isinstance(obj, dict) else None
-            if call is None:
-                return None
-            calls.append(call)
+            args = {k.arg: _literal(k.value) for k in call.keywords}
+            calls.append((name, json.dumps(args, ensure_ascii=False)))
+        return calls
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+# the formats read whole: (optional opening tag, first character of a call, reader)
+WHOLE_REPLY_FORMATS = {ToolParserKind.LLAMA3_JSON: (PYTHON_TAG, "{", _llama3_calls),
+                       ToolParserKind.PYTHONIC: ("<|python_start|>", "[", _pythonic_calls)}
 
 
 @dataclass(frozen=True)
