@@ -293,3 +293,25 @@ def test_pythonic_calls_are_read_as_vllms_parser_reads_them(servers):
         assert [(c.function.name, json.loads(c.function.arguments)) for c in theirs.tool_calls] == \
             [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in ours.tool_calls], text
         assert theirs.content == ours.content, text
+
+
+def test_deepseek_r1_reasoning_is_split_as_vllms_parser_splits_it(servers):
+    """raycolo's deepseek_r1 reading of whole replies against vLLM's
+    DeepSeekR1ReasoningParser on the same texts (the checkpoint's tokenizer with <think>
+    and </think> added, as R1's have them)."""
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.reasoning.deepseek_r1_reasoning_parser import DeepSeekR1ReasoningParser
+
+    sys.path.insert(0, str(ROOT))
+    from raycolo.online.serving.answer_reading import AnswerReading, whole_message
+    from raycolo.online.serving.reasoning import ReasoningParserKind
+
+    tok = AutoTokenizer.from_pretrained(servers["path"])
+    tok.add_tokens(["<think>", "</think>"])
+    parser = DeepSeekR1ReasoningParser(tok)
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    for text in ["I should add.</think>\n\n4", "<think>Hmm.</think>Yes.", "Still thinking", "Done.</think>"]:
+        reasoning, content = parser.extract_reasoning(text, request)
+        ours, _ = whole_message(AnswerReading(reasoning=ReasoningParserKind.DEEPSEEK_R1), text)
+        assert (ours["reasoning"], ours["content"]) == (reasoning, content), text

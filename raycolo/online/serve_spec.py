@@ -9,6 +9,7 @@ from typing import Literal, Optional
 from pydantic import Field, field_validator
 
 from raycolo.bounds import Name, PathText, Strict
+from raycolo.online.serving.reasoning import ReasoningParserKind
 from raycolo.online.serving.tool_calls import ToolParserKind
 from raycolo.text_enum import TextEnum
 
@@ -73,6 +74,11 @@ class ServeSpec(Strict):
         "of them once symlinks are resolved; others are a 403 that says nothing of the path). Empty: "
         "loading adapters over HTTP is off, as vLLM's routes are without VLLM_ALLOW_RUNTIME_LORA_UPDATING. "
         "A relative directory is taken from the current directory."))
+    reasoning_parser: Optional[ReasoningParserKind] = Field(default=None, strict=False, description=(
+        "How a chat's reasoning is told from its content (vLLM's --reasoning-parser): \"deepseek_r1\" (the "
+        "reply is reasoning until </think>: DeepSeek-R1 and its distills) or \"qwen3\" (a reply that opens "
+        "<think> is reasoning until </think>: Qwen3, QwQ). The answer's message.reasoning (delta.reasoning "
+        "streamed) holds it. None: the text is all content."))
     tool_call_parser: Optional[ToolParserKind] = Field(default=None, strict=False, description=(
         "How tool_choice \"auto\" reads tool calls from the model's text (vLLM's --tool-call-parser with "
         "--enable-auto-tool-choice): \"hermes\" (<tool_call>{...}</tool_call>: Hermes 2 Pro, Qwen 2.5 and 3, "

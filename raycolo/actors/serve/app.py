@@ -14,7 +14,6 @@ places them and the training they bring with LeMix on the stage workers.
 import os
 import time
 import uuid
-from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -36,8 +35,8 @@ from raycolo.online.serving.protocol import (BASE, BASE_SUFFIX, LATEST, VERSION_
                                              ModelCard, ModelList, TrainSamplesBody, TrainSamplesResponse,
                                              TrainStatus, UnloadLoraAdapterRequest)
 from raycolo.online.serving.text import chat_prompt_ids
-from raycolo.online.serving.tool_calls import ToolReading
-from raycolo.online.serving.tool_protocol import ToolChoiceKind, template_tools
+from raycolo.online.serving.answer_reading import chat_reading
+from raycolo.online.serving.tool_protocol import template_tools
 from raycolo.online.serving.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeBody,
                                                       TokenizeChatRequest, TokenizeResponse)
 from raycolo.online.serving.train_samples import sample_ids
@@ -188,23 +187,11 @@ class OpenAIIngress(Completions):
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **SSE})
     async def chat(self, body: ChatCompletionRequest, request: Request):
         variant = self._check_model(body.model)
-        tools = self._tool_reading(body)
+        reading = chat_reading(body, self.config.serve.tool_call_parser, self.config.serve.reasoning_parser)
         ids = chat_prompt_ids(self.tokenizer, [m.template_dict() for m in body.messages],
                               tools=template_tools(body.tools))
-        return await self._generate(body, ids, body.limit(), "messages", chat=True, variant=variant, tools=tools)
-
-    def _tool_reading(self, body: ChatCompletionRequest) -> Optional[ToolReading]:
-        """How the answer's text is read for tool calls (None: tool_choice none)."""
-        kind, parser = body.tool_kind, self.config.serve.tool_call_parser
-        if kind == ToolChoiceKind.NONE:
-            return None
-        if kind == ToolChoiceKind.AUTO and parser is None:
-            raise OpenAIError(400, 'tool_choice: "auto" (the default when tools are given) needs the '
-                              "deployment's serve.tool_call_parser (hermes, llama3_json or pythonic); this one reads no "
-                              'calls from free text: ask for "none", "required" or a named function',
-                              param="tool_choice", code="invalid_parameter")
-        named = body.tool_choice.function.name if kind == ToolChoiceKind.NAMED else None
-        return ToolReading(kind, parser if kind == ToolChoiceKind.AUTO else None, named)
+        return await self._generate(body, ids, body.limit(), "messages", chat=True, variant=variant,
+                                    reading=reading)
 
     # -- the tokenizer: vLLM's routes and bodies ---------------------------------------------
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)

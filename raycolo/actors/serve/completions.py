@@ -28,7 +28,7 @@ from raycolo.online.tasks import OnlineTask, TaskKind
 from raycolo.online.serving.protocol import BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant
 from raycolo.online.serving.responses import ChoiceEvent, TokenFields, choice, usage
 from raycolo.online.serving.sse_stream import sse_answer
-from raycolo.online.serving.tool_calls import ToolReading
+from raycolo.online.serving.answer_reading import AnswerReading
 from raycolo.generation.detokenize import text_stream
 
 if TYPE_CHECKING:
@@ -313,12 +313,13 @@ class Completions:
             await asyncio.sleep(RESTART_POLL_S)
 
     async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool,
-                        variant: Union[str, int] = LATEST, tools: Optional[ToolReading] = None):
-        """``tools``: how a chat's choices are read for tool calls (None: they are not)."""
+                        variant: Union[str, int] = LATEST, reading: Optional[AnswerReading] = None):
+        """``reading``: how a chat's choices are read for reasoning and tool calls (None:
+        they are not)."""
         self._ensure_monitor()
         params = self._sampling(body, ids, max_tokens, prompt_param, chat)
-        if tools is not None and tools.parser is not None:    # the model's call tokens stay in the text
-            params = params.model_copy(update={"skip_special_tokens": False})
+        if reading is not None and reading.tools is not None and reading.tools.parser is not None:
+            params = params.model_copy(update={"skip_special_tokens": False})   # the model's call tokens stay
         if params.structured_outputs is not None:
             await self._check_grammar(params.structured_outputs)
         started = time.perf_counter()
@@ -340,10 +341,10 @@ class Completions:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = [self._events(a, params, started, ids) for a in admitted]
             return StreamingResponse(sse_answer(events, self.tokenizer, out_id, chat, body.model, len(ids),
-                                                include_usage, self.config.serve.stream_interval, tokens, tools),
+                                                include_usage, self.config.serve.stream_interval, tokens, reading),
                                      media_type="text/event-stream")
         results = await asyncio.gather(*[self._collect(a, params, started, ids) for a in admitted])
-        choices = [choice(self.tokenizer, chat, i, r, tokens, tools) for i, r in enumerate(results)]
+        choices = [choice(self.tokenizer, chat, i, r, tokens, reading) for i, r in enumerate(results)]
         answer = {"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
                   "choices": choices, "usage": usage(len(ids), sum(r.count for r in results))}
         if chat and tokens.asked:

@@ -66,6 +66,8 @@ class AssistantMessage(BaseModel):
     content: Optional[str] = Field(description="the text (null where the model only called tools)")
     tool_calls: Optional[list[ToolCallOut]] = Field(default=None, description="with tools: the calls read from "
                                                    "the text")
+    reasoning: Optional[str] = Field(default=None, description="with the deployment's serve.reasoning_parser: the "
+                                     "model's reasoning (vLLM's field)")
 
 
 class TopLogprob(BaseModel):

@@ -207,6 +207,8 @@ class ChatCompletionRequest(SamplingFields):
         "none, auto (the default with tools: needs the deployment's serve.tool_call_parser), required, "
         "or {\"type\": \"function\", \"function\": {\"name\": ...}}"))
     parallel_tool_calls: Optional[bool] = Field(default=None, description="false: at most one call")
+    include_reasoning: bool = Field(default=True, description="vLLM's: false leaves the reasoning out of the answer "
+                                    "(with the deployment's serve.reasoning_parser)")
     max_completion_tokens: Optional[WholeInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = Field(default=False, description="the sampled tokens' log-probabilities")
     top_logprobs: Optional[WholeLogprobCount] = Field(default=None, description="this many most likely tokens "

@@ -20,7 +20,7 @@ import json
 from typing import NamedTuple, Optional, Sequence, Union
 
 from raycolo.generation import FinishReason
-from raycolo.online.serving.tool_calls import ToolReading, read_whole
+from raycolo.online.serving.answer_reading import AnswerReading, whole_message
 
 StopReason = Union[int, str, None]
 
@@ -87,16 +87,16 @@ def chat_logprobs(tokenizer, entries: Optional[Sequence], as_ids: bool = False) 
 
 
 def choice(tokenizer, chat: bool, index: int, whole: ChoiceEvent, tokens: TokenFields = TokenFields(),
-           tools: Optional[ToolReading] = None) -> dict:
-    """One choice of a non-streamed answer (``whole``: its events joined; ``tools``: how
-    its text is read for tool calls, None: it is not)."""
+           reading: Optional[AnswerReading] = None) -> dict:
+    """One choice of a non-streamed answer (``whole``: its events joined; ``reading``: how
+    a chat's text is read for reasoning and tool calls, None: it is not)."""
     finish = whole.finish
     if chat:
         message = {"role": "assistant", "content": whole.delta}
-        if tools is not None:
-            answer = read_whole(tools.reader(), whole.delta)
-            message.update(content=answer.content, tool_calls=answer.tool_calls)
-            finish = tools.finish_reason(answer.called, finish)
+        if reading is not None:
+            fields, called = whole_message(reading, whole.delta)
+            message.update(fields)
+            finish = reading.finish_reason(called, finish)
         out = {"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, whole.lps, tokens.as_ids)}
     else:
         out = {"index": index, "text": whole.delta,
@@ -165,19 +165,22 @@ class SseChunks:
         return f"data: {json.dumps(out)}\n\n"
 
     def chunk(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None, ids=None,
-              stop_reason: StopReason = None, calls: Optional[list] = None) -> str:
-        """``calls``: tool call pieces (:class:`~.tool_calls.CallDelta`) of a chat."""
-        if delta and finish is None and not role and not lps and not self.tokens.asked and not calls:
+              stop_reason: StopReason = None, calls: Optional[list] = None, reasoning: str = "") -> str:
+        """``calls``: tool call pieces (:class:`~.tool_calls.CallDelta`) of a chat;
+        ``reasoning``: its reasoning text."""
+        if delta and finish is None and not role and not lps and not self.tokens.asked and not calls \
+                and not reasoning:
             return self.text(delta)
-        return self._build(delta, finish, role, lps, ids, stop_reason, calls)
+        return self._build(delta, finish, role, lps, ids, stop_reason, calls, reasoning)
 
     def _build(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None, ids=None,
-               stop_reason: StopReason = None, calls: Optional[list] = None) -> str:
+               stop_reason: StopReason = None, calls: Optional[list] = None, reasoning: str = "") -> str:
         as_ids, extra = self.tokens.as_ids, {}
         if self.chat:
             d = {"role": "assistant"} if role else ({} if delta is None else {"content": delta})
-            if calls:
-                d = {**({"content": delta} if delta else {}), "tool_calls": [c.as_json() for c in calls]}
+            if calls or reasoning:           # only what this piece holds
+                d = {**({"reasoning": reasoning} if reasoning else {}), **({"content": delta} if delta else {}),
+                     **({"tool_calls": [c.as_json() for c in calls]} if calls else {})}
             c = {"index": self.index, "delta": d,
                  "logprobs": chat_logprobs(self.tokenizer, lps, as_ids) if lps else None, "finish_reason": finish}
         else:

@@ -5,8 +5,8 @@ finish_reason or None, tokens so far, log-probabilities, token ids, stop reason:
 ingress's per-request event stream). Each becomes
 OpenAI's chunks under its own ``index`` (:class:`~.responses.SseChunks`), with vLLM's
 ``--stream-interval`` applied per choice (:class:`~.responses.StreamInterval`); a chat
-opens every choice with its role, and with tools its text is read for tool calls
-(:class:`~.tool_calls.ToolCallReader`, one per choice). With ``n`` > 1 the choices' chunks interleave as
+opens every choice with its role, and its text may be read for reasoning and tool calls
+(:class:`~.answer_reading.AnswerReader`, one per choice). With ``n`` > 1 the choices' chunks interleave as
 their tokens come (each choice's own chunks in order), as OpenAI and vLLM stream them;
 ``usage`` (with ``stream_options.include_usage``) counts every choice's tokens. A choice
 that fails ends the answer: the failure goes inside the stream (the 200 was sent), and
@@ -25,20 +25,21 @@ from typing import AsyncIterator, Optional, Sequence
 from raycolo.generation import FinishReason
 from raycolo.online.serving.openai_errors import OpenAIError
 from raycolo.online.serving.responses import ChoiceEvent, SseChunks, StreamInterval, TokenFields
-from raycolo.online.serving.tool_calls import ToolDelta, ToolReading
+from raycolo.online.serving.answer_reading import AnswerDelta, AnswerReading
 
 
 async def sse_answer(choices: Sequence[AsyncIterator], tokenizer, out_id: str, chat: bool, model: str,
                      prompt_tokens: int, include_usage: bool, stream_interval: int,
-                     tokens: TokenFields = TokenFields(), tools: Optional[ToolReading] = None) -> AsyncIterator[str]:
+                     tokens: TokenFields = TokenFields(), reading: Optional[AnswerReading] = None
+                     ) -> AsyncIterator[str]:
     """The ``data:`` lines of the answer whose choices' events are ``choices``
-    (:class:`~.responses.ChoiceEvent`, or its first four fields); ``tools``: how a chat's
-    text is read for tool calls (:mod:`.tool_calls`; None: it is not)."""
+    (:class:`~.responses.ChoiceEvent`, or its first four fields); ``reading``: how a chat's
+    text is read for reasoning and tool calls (:mod:`.answer_reading`; None: it is not)."""
     created = int(time.time())
     sses = [SseChunks(tokenizer, out_id, chat, model, created, index=i, tokens=tokens) for i in range(len(choices))]
     held = [StreamInterval(stream_interval) for _ in choices]
     counts = [0] * len(choices)
-    readers = [tools.reader() if tools is not None else None for _ in choices]
+    readers = [reading.reader() if reading is not None else None for _ in choices]
     if chat:
         for sse in sses:
             yield sse.chunk(None, None, role=True)
@@ -59,16 +60,16 @@ async def sse_answer(choices: Sequence[AsyncIterator], tokenizer, out_id: str, c
             out = held[i].add(ev.delta, ev.count, ev.lps, final=ev.finish is not None, ids=ev.ids)
             if out is not None:
                 text, lps, ids = out
-                read = readers[i].feed(text) if readers[i] is not None else ToolDelta(text)
-                if read.content or lps or (ids and tokens.asked) or read.calls:
-                    yield sse.chunk(read.content, None, lps=lps, ids=ids, calls=read.calls)
+                read = readers[i].feed(text) if readers[i] is not None else AnswerDelta(content=text)
+                if read.content or lps or (ids and tokens.asked) or read.calls or read.reasoning:
+                    yield sse.chunk(read.content, None, lps=lps, ids=ids, calls=read.calls, reasoning=read.reasoning)
             if ev.finish:
                 finish = ev.finish
                 if readers[i] is not None:
                     read = readers[i].finish()
-                    if read.content or read.calls:
-                        yield sse.chunk(read.content, None, calls=read.calls)
-                    finish = tools.finish_reason(readers[i].called, finish)
+                    if read.content or read.calls or read.reasoning:
+                        yield sse.chunk(read.content, None, calls=read.calls, reasoning=read.reasoning)
+                    finish = reading.finish_reason(readers[i].called, finish)
                 yield sse.chunk(None, finish, stop_reason=ev.stop_reason)
     if include_usage:
         yield sses[0].usage(prompt_tokens, sum(counts))

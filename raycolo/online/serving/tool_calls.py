@@ -107,7 +107,7 @@ def _call_object(text: str) -> Optional[tuple[str, str]]:
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
-def _held_prefix(text: str, tag: str) -> int:
+def held_prefix(text: str, tag: str) -> int:
     """How many characters at the end of ``text`` could begin ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -185,7 +185,7 @@ class ToolCallReader:
             if not self.in_calls:
                 at = self.text.find(HERMES_OPEN)
                 if at < 0:
-                    keep = 0 if final else _held_prefix(self.text, HERMES_OPEN)
+                    keep = 0 if final else held_prefix(self.text, HERMES_OPEN)
                     out.content += self.text[:len(self.text) - keep]
                     self.text = self.text[len(self.text) - keep:]
                     return out
@@ -193,7 +193,7 @@ class ToolCallReader:
                 self.text, self.in_calls = self.text[at:], True
             start = self.text.find(HERMES_OPEN)
             if start < 0:            # between calls: text there is no content (vLLM's rule)
-                keep = 0 if final else _held_prefix(self.text, HERMES_OPEN)
+                keep = 0 if final else held_prefix(self.text, HERMES_OPEN)
                 self.text = self.text[len(self.text) - keep:]
                 return out
             end = self.text.find(HERMES_CLOSE, start)
@@ -338,7 +338,7 @@ class ToolAnswer:
         return bool(self.tool_calls)
 
 
-def join(deltas: list[ToolDelta]) -> tuple[str, list[dict]]:
+def join(deltas: list) -> tuple[str, list[dict]]:
     """The content and whole calls (OpenAI's ``message.tool_calls``) of a choice's deltas."""
     content, calls = "", []
     for d in deltas:
@@ -350,11 +350,16 @@ def join(deltas: list[ToolDelta]) -> tuple[str, list[dict]]:
     return content, calls
 
 
-def read_whole(reader: ToolCallReader, text: str) -> ToolAnswer:
-    """A non-streamed choice's ``text`` read as the stream would read it. Content: the
-    text outside the calls; with calls, ``""`` for a forced call (vLLM's) and None when the
-    model wrote none (OpenAI's)."""
-    content, calls = join([reader.feed(text), reader.finish()])
+def answer_content(kind: ToolChoiceKind, content: Optional[str], calls: list) -> Optional[str]:
+    """A whole answer's content beside its calls: the text outside them; where there is
+    none, ``""`` for a forced call (vLLM's) and None when the model called on its own
+    (OpenAI's)."""
     if calls and not content:
-        return ToolAnswer("" if reader.kind != ToolChoiceKind.AUTO else None, calls)
-    return ToolAnswer(content, calls)
+        return "" if kind != ToolChoiceKind.AUTO else None
+    return content
+
+
+def read_whole(reader: ToolCallReader, text: str) -> ToolAnswer:
+    """A non-streamed choice's ``text`` read as the stream would read it."""
+    content, calls = join([reader.feed(text), reader.finish()])
+    return ToolAnswer(answer_content(reader.kind, content, calls), calls)

@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
 from raycolo.generation.structured import StructuredOutputs
-from raycolo.online.serving.chat_messages import ChatMessage, Closed, Content
+from raycolo.online.serving.chat_messages import ChatMessage, Closed, Content, Text
 from raycolo.text_enum import TextEnum
 
 MAX_TOOLS = 128                        # OpenAI's limit on tools per request
@@ -118,6 +118,9 @@ class ChatTurn(ChatMessage):
     content: Optional[Content] = None
     tool_calls: Optional[list[ToolCall]] = Field(default=None, max_length=MAX_TOOLS)
     tool_call_id: Optional[str] = Field(default=None, max_length=256, description="the call a tool's result answers")
+    reasoning: Optional[Text] = Field(default=None, description="an assistant's reasoning (vLLM's answers carry it; "
+                                      "reasoning_content: its older name), given to the template as reasoning_content")
+    reasoning_content: Optional[Text] = None
 
     @model_validator(mode="after")
     def _fields_of_its_role(self):
@@ -125,6 +128,8 @@ class ChatTurn(ChatMessage):
             raise ValueError("tool_calls: only an assistant message carries tool calls")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError("tool_call_id: only a tool message answers a call")
+        if (self.reasoning is not None or self.reasoning_content is not None) and self.role != "assistant":
+            raise ValueError("reasoning: only an assistant message carries reasoning")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content: is required (only an assistant message with tool_calls may leave it out)")
         return self
@@ -137,6 +142,9 @@ class ChatTurn(ChatMessage):
                 for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thought is not None:
+            out["reasoning_content"] = thought          # the name Qwen3's and DeepSeek's templates read
         if self.name is not None:
             out["name"] = self.name
         return out

@@ -1,0 +1,77 @@
+"""Reasoning read from a choice's text as it streams (vLLM's ``--reasoning-parser``): the
+model's thinking, between ``<think>`` and ``</think>``, goes to the message's
+``reasoning``; the rest is the content (pure: no Ray, no torch). One reader serves
+streamed and whole answers, so both split the text the same way.
+
+* ``deepseek_r1`` (DeepSeek-R1 and its distills, whose chat template opens ``<think>`` in
+  the prompt): the reply is reasoning until ``</think>``; a ``<think>`` that opens the
+  reply is dropped. A reply that never closes it is all reasoning (``content`` null).
+* ``qwen3`` (Qwen3 and QwQ, which open ``<think>`` themselves): a reply that begins with
+  ``<think>`` is reasoning until ``</think>``; any other reply is all content (Qwen3 with
+  thinking off).
+
+Content after ``</think>`` is kept as written. Streamed, a possible start of a tag is
+held back until it is clear (no client sees half a tag). The tags must be in the text:
+they are ordinary added tokens of these tokenizers (not special ones), so the default
+``skip_special_tokens`` keeps them.
+
+vLLM differences: a ``<think>`` in the middle of a ``deepseek_r1`` reply is text (vLLM's
+whole-reply reader drops what precedes it, its streaming reader does not).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raycolo.online.serving.tool_calls import held_prefix
+from raycolo.text_enum import TextEnum
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class ReasoningParserKind(TextEnum):
+    """How a reply's reasoning is told from its content (vLLM's parser names)."""
+
+    DEEPSEEK_R1 = "deepseek_r1"
+    QWEN3 = "qwen3"
+
+
+@dataclass
+class ReasoningDelta:
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningReader:
+    """One choice's text split into reasoning and content: :meth:`feed` each delta, then
+    :meth:`finish`."""
+
+    def __init__(self, kind: ReasoningParserKind):
+        self.kind = kind
+        self.text = ""
+        self.phase = "start"          # start: the reply's opening not read yet; then thinking or content
+
+    def feed(self, delta: str) -> ReasoningDelta:
+        self.text += delta
+        return self._read(final=False)
+
+    def finish(self) -> ReasoningDelta:
+        return self._read(final=True)
+
+    def _read(self, final: bool) -> ReasoningDelta:
+        out = ReasoningDelta()
+        if self.phase == "start":
+            if not final and THINK_OPEN.startswith(self.text):
+                return out                         # perhaps the opening tag, not whole yet
+            if self.text.startswith(THINK_OPEN):
+                self.text, self.phase = self.text[len(THINK_OPEN):], "thinking"
+            else:
+                self.phase = "thinking" if self.kind == ReasoningParserKind.DEEPSEEK_R1 else "content"
+        if self.phase == "thinking":
+            at = self.text.find(THINK_CLOSE)
+            if at < 0:
+                keep = 0 if final else held_prefix(self.text, THINK_CLOSE)
+                out.reasoning, self.text = self.text[:len(self.text) - keep], self.text[len(self.text) - keep:]
+                return out
+            out.reasoning, self.text, self.phase = self.text[:at], self.text[at + len(THINK_CLOSE):], "content"
+        out.content, self.text = self.text, ""
+        return out

@@ -1,0 +1,148 @@
+"""Reasoning split from content (raycolo/online/serving/reasoning.py, answer_reading.py),
+vLLM's deepseek_r1 and qwen3 rules: hand-worked replies, the same split however a reply
+is cut into deltas (alone and with hermes tool calls after the reasoning), the streamed
+chunks of sse_answer against the whole message, and the 400s of what a reasoning
+deployment cannot serve."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from raycolo.engine.models import ByteTokenizer
+from raycolo.online.serving.answer_reading import AnswerReading, chat_reading, whole_message
+from raycolo.online.serving.openai_errors import OpenAIError
+from raycolo.online.serving.protocol import ChatCompletionRequest
+from raycolo.online.serving.reasoning import ReasoningParserKind
+from raycolo.online.serving.responses import ChoiceEvent
+from raycolo.online.serving.sse_stream import sse_answer
+from raycolo.online.serving.tool_calls import ToolParserKind, ToolReading
+from raycolo.online.serving.tool_protocol import ToolChoiceKind
+
+R1, QWEN3 = ReasoningParserKind.DEEPSEEK_R1, ReasoningParserKind.QWEN3
+HERMES_AUTO = ToolReading(ToolChoiceKind.AUTO, ToolParserKind.HERMES)
+
+# (parser, reply, reasoning, content): hand-worked
+CASES = [
+    (R1, "I should add.</think>\n\n4", "I should add.", "\n\n4"),
+    (R1, "<think>Hmm.</think>Yes.", "Hmm.", "Yes."),
+    (R1, "Still thinking", "Still thinking", None),
+    (R1, "Done.</think>", "Done.", None),
+    (R1, "a < b, so </thin", "a < b, so </thin", None),
+    (QWEN3, "<think>\nThe sum is 4.\n</think>\n\n4", "\nThe sum is 4.\n", "\n\n4"),
+    (QWEN3, "4", None, "4"),
+    (QWEN3, "<thinking is fun", None, "<thinking is fun"),
+    (QWEN3, "<think>never closed", "never closed", None),
+    (QWEN3, "<thi", None, "<thi"),
+]
+
+
+@pytest.mark.parametrize("kind, reply, reasoning, content", CASES)
+def test_reasoning_and_content_as_each_parser_splits_them(kind, reply, reasoning, content):
+    message, called = whole_message(AnswerReading(reasoning=kind), reply)
+    assert (message["reasoning"], message["content"], called) == (reasoning, content, False)
+    dropped, _ = whole_message(AnswerReading(reasoning=kind, include_reasoning=False), reply)
+    assert dropped["reasoning"] is None and dropped["content"] == content
+
+
+def test_tool_calls_are_read_from_the_content_after_the_reasoning():
+    reply = 'I need the weather.</think>Let me look.<tool_call>{"name": "w", "arguments": {"c": "Oslo"}}</tool_call>'
+    message, called = whole_message(AnswerReading(HERMES_AUTO, R1), reply)
+    assert message["reasoning"] == "I need the weather." and message["content"] == "Let me look." and called
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+        [("w", {"c": "Oslo"})]
+    # a call inside the reasoning is no call
+    message, called = whole_message(AnswerReading(HERMES_AUTO, R1), '<tool_call>{"name": "w"}</tool_call></think>ok')
+    assert not called and message["content"] == "ok"
+
+
+TEXTS = [reply for _, reply, _, _ in CASES] + [
+    'Why.</think>So.<tool_call>{"name": "w", "arguments": {}}</tool_call>']
+
+
+@given(st.sampled_from([(None, R1), (None, QWEN3), (HERMES_AUTO, R1), (HERMES_AUTO, QWEN3)]),
+       st.sampled_from(TEXTS), st.lists(st.integers(0, 90), max_size=8))
+@settings(max_examples=300, deadline=None)
+def test_a_streamed_reply_splits_as_the_whole_one_however_it_is_cut(mode, text, cuts):
+    tools, kind = mode
+    reading = AnswerReading(tools, kind)
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0] + bounds, bounds + [len(text)])]
+    reader = reading.reader()
+    deltas = [reader.feed(p) for p in pieces] + [reader.finish()]
+    whole, _ = whole_message(reading, text)
+    assert "".join(d.reasoning for d in deltas) == (whole["reasoning"] or "")
+    assert "".join(d.content for d in deltas) == (whole["content"] or "")
+    for d in deltas[:-1]:        # no piece of a closing tag is ever shown as reasoning
+        assert not any(d.reasoning.endswith("</think>"[:n]) for n in range(2, 9)) or d.reasoning.endswith(">")
+
+
+def _events(pieces: list[str], finish: str):
+    async def gen():
+        count = 0
+        for i, p in enumerate(pieces):
+            count += 1
+            yield ChoiceEvent(p, finish if i == len(pieces) - 1 else None, count, [], ())
+    return gen()
+
+
+def test_streamed_chunks_carry_reasoning_content_and_calls_as_openai_clients_join_them():
+    tok = ByteTokenizer(512)
+    pieces = ["Why", " so.</th", "ink>So", '.<tool_call>{"name": "w", ', '"arguments": {}}</tool_call>']
+    reading = AnswerReading(HERMES_AUTO, R1)
+
+    async def collect():
+        return [line async for line in sse_answer([_events(pieces, "stop")], tok, "chatcmpl-1", True, "m", 3,
+                                                  False, 1, reading=reading)]
+
+    lines = asyncio.run(collect())
+    chunks = [json.loads(x[len("data: "):]) for x in lines if x.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant"}
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Why so."
+    assert "".join(d.get("content", "") for d in deltas) == "So."
+    calls = [tc for d in deltas for tc in d.get("tool_calls", ())]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("w", "{}")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and lines[-1] == "data: [DONE]\n\n"
+    assert not any("<" in d.get("reasoning", "") + d.get("content", "") for d in deltas)
+
+
+def test_what_a_reasoning_deployment_cannot_serve_is_a_400_naming_the_field():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "w"}}
+    for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+                         ({"tools": [tool], "tool_choice": "required"}, "tool_choice")):
+        with pytest.raises(OpenAIError) as err:
+            chat_reading(ChatCompletionRequest.model_validate({**chat, **extra}), ToolParserKind.HERMES, R1)
+        assert err.value.status == 400 and err.value.param == param and "reasoning" in err.value.message
+    with pytest.raises(OpenAIError) as err:               # "auto" without a tool-call parser
+        chat_reading(ChatCompletionRequest.model_validate({**chat, "tools": [tool]}), None, None)
+    assert err.value.param == "tool_choice"
+    assert chat_reading(ChatCompletionRequest.model_validate(chat), None, None) is None
+    reading = chat_reading(ChatCompletionRequest.model_validate({**chat, "include_reasoning": False}), None, QWEN3)
+    assert reading == AnswerReading(None, QWEN3, False)
+
+
+def test_an_assistants_reasoning_reaches_the_template_as_reasoning_content():
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "4", "reasoning": "2+2"},
+        {"role": "assistant", "content": "5", "reasoning_content": "old name"}]})
+    assert [m.template_dict().get("reasoning_content") for m in body.messages] == [None, "2+2", "old name"]
+    with pytest.raises(Exception, match="only an assistant message carries reasoning"):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [
+            {"role": "user", "content": "hi", "reasoning": "x"}]})
+
+
+def test_a_whole_chat_choice_carries_reasoning_content_and_the_finish_reason():
+    from raycolo.online.serving.responses import choice
+
+    whole = ChoiceEvent('Why.</think>So.<tool_call>{"name": "w", "arguments": {}}</tool_call>', "stop", 9, None, ())
+    out = choice(ByteTokenizer(512), True, 0, whole, reading=AnswerReading(HERMES_AUTO, R1))
+    message = out["message"]
+    assert (message["reasoning"], message["content"], out["finish_reason"]) == ("Why.", "So.", "tool_calls")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["w"]
+    plain = choice(ByteTokenizer(512), True, 0, whole)            # no reading: the text as it came
+    assert plain["message"] == {"role": "assistant", "content": whole.delta} and plain["finish_reason"] == "stop"
