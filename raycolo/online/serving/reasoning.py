@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raycolo.online.serving.tool_calls import held_prefix
+from raycolo.online.serving.tool_calls import TextReader, held_prefix
 from raycolo.text_enum import TextEnum
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -41,7 +41,7 @@ class ReasoningDelta:
     content: str = ""
 
 
-class ReasoningReader:
+class ReasoningReader(TextReader):
     """One choice's text split into reasoning and content: :meth:`feed` each delta, then
     :meth:`finish`."""
 
@@ -49,13 +49,6 @@ class ReasoningReader:
         self.kind = kind
         self.text = ""
         self.phase = "start"          # start: the reply's opening not read yet; then thinking or content
-
-    def feed(self, delta: str) -> ReasoningDelta:
-        self.text += delta
-        return self._read(final=False)
-
-    def finish(self) -> ReasoningDelta:
-        return self._read(final=True)
 
     def _read(self, final: bool) -> ReasoningDelta:
         out = ReasoningDelta()

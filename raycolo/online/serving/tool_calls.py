@@ -115,7 +115,24 @@ def held_prefix(text: str, tag: str) -> int:
     return 0
 
 
-class ToolCallReader:
+class TextReader:
+    """A reader of one choice's text: :meth:`feed` each delta, then :meth:`finish`; each
+    returns what the text read so far gives (the subclass's ``_read``)."""
+
+    text: str
+
+    def feed(self, delta: str):
+        self.text += delta
+        return self._read(final=False)
+
+    def finish(self):
+        return self._read(final=True)
+
+    def _read(self, final: bool):
+        raise NotImplementedError
+
+
+class ToolCallReader(TextReader):
     """One choice's text read for tool calls (see the module's doc): :meth:`feed` each
     text delta, then :meth:`finish`; each returns a :class:`ToolDelta`."""
 
@@ -133,13 +150,6 @@ class ToolCallReader:
     def _call(self, name: str, arguments: str) -> CallDelta:
         self.calls += 1
         return CallDelta(self.calls - 1, arguments, call_id(), name)
-
-    def feed(self, delta: str) -> ToolDelta:
-        self.text += delta
-        return self._read(final=False)
-
-    def finish(self) -> ToolDelta:
-        return self._read(final=True)
 
     def _read(self, final: bool) -> ToolDelta:
         if self.kind == ToolChoiceKind.NAMED:
