@@ -326,7 +326,10 @@ def test_tool_calls_are_calls_forced_under_xgrammar_and_read_as_vllm_reads_them(
     _, tok = load(front["path"])
     messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
     tools = [WEATHER, ZONE]
-    prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    # the tools as vLLM 0.32 hands them to the template: description (and parameters) null where not given
+    sent = [{"type": "function", "function": {"name": t["function"]["name"], "description": None,
+                                              "parameters": t["function"]["parameters"]}} for t in tools]
+    prompt = tok.apply_chat_template(messages, tools=sent, add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     assert ("get_weather" in tok.decode(prompt)) == (front["kind"] == "qwen2")
 
@@ -390,7 +393,7 @@ def test_tool_calls_are_calls_forced_under_xgrammar_and_read_as_vllm_reads_them(
             {"role": "tool", "content": "12:00", "tool_call_id": "call-1"}]
     reference_turn = [*messages, {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call-1", "type": "function", "function": {"name": "get_time", "arguments": zone}}]}, turn[2]]
-    want = tok.apply_chat_template(reference_turn, tools=tools, add_generation_prompt=True, tokenize=True)
+    want = tok.apply_chat_template(reference_turn, tools=sent, add_generation_prompt=True, tokenize=True)
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
     with httpx.Client(base_url=front["url"], timeout=60) as h:
         r = h.post("/tokenize", json={"model": front["model"], "messages": turn, "tools": tools})

@@ -15,7 +15,7 @@ from raycolo.online.serving.openai_errors import from_validation
 from raycolo.online.serving.protocol import ChatCompletionRequest
 from raycolo.online.serving.text import chat_prompt_ids, render_plain
 from raycolo.online.serving.tool_calls import ToolCallReader, ToolParserKind, ToolReading, join, read_whole
-from raycolo.online.serving.tool_protocol import ToolChoiceKind
+from raycolo.online.serving.tool_protocol import ToolChoiceKind, template_tools
 from raycolo.engine.models import ByteTokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
@@ -52,8 +52,12 @@ def refusal(**fields) -> dict:
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
           response_format={"type": "json_object"}), "tool_choice", "not both"),
     (dict(tools=[{"type": "function", "function": {"name": "two words"}}]), "tools[0].function.name", "pattern"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "array", "uniqueItems": True}}}]), "tools[0].function", "uniqueItems"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}],
+          tool_choice={"type": "function", "function": {"name": "f"}}), None, "tool_choice: cannot force a call: "
+     "the parameters of 'f': xgrammar would not enforce uniqueItems"),
+    (dict(tools=[{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{j}": {"type": "string", "description": "x" * 200} for j in range(30)}}}}
+        for i in range(12)], tool_choice="required"), None, "longer than the 65,536 characters"),
     (dict(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools[0].type", "'function'"),
     (dict(tools=[WEATHER], tool_choice="required", min_tokens=2), None, "min_tokens"),
     (dict(messages=[{"role": "user", "content": "x", "tool_call_id": "c"}]), "messages[0]", "tool_call_id"),
@@ -100,6 +104,14 @@ HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content
            {"role": "tool", "content": "-3 C", "tool_call_id": "call-1"}]
 
 
+def as_vllm_sends(tools: list[dict]) -> list[dict]:
+    """Tools as vLLM 0.32 hands them to the template (``ChatCompletionToolsParam.model_dump()``,
+    written out): description and parameters always, null where not given."""
+    return [{"type": "function", "function": {"name": t["function"]["name"],
+                                              "description": t["function"].get("description"),
+                                              "parameters": t["function"].get("parameters")}} for t in tools]
+
+
 def test_chats_with_tools_render_as_transformers_renders_them(hf_checkpoints):
     """The Qwen2.5-style template (tests/support/hf_checkpoints.py): tools in the system
     turn, a call in the assistant's, the result in a user turn; the template gets each
@@ -115,9 +127,10 @@ def test_chats_with_tools_render_as_transformers_renders_them(hf_checkpoints):
     reference = [dict(m) for m in HISTORY]
     reference[2] = {**HISTORY[2], "content": "", "tool_calls": [{**HISTORY[2]["tool_calls"][0], "function": {
         "name": "get_weather", "arguments": {"city": "Oslo"}}}]}
-    want = hf.apply_chat_template(reference, tools=[WEATHER, TIME], add_generation_prompt=True, tokenize=False)
+    want = hf.apply_chat_template(reference, tools=as_vllm_sends([WEATHER, TIME]), add_generation_prompt=True,
+                                  tokenize=False)
     assert "<tools>" in want and '"arguments": {"city": "Oslo"}' in want and "<tool_response>\n-3 C" in want
-    got = chat_prompt_ids(ours, [m.template_dict() for m in body.messages], tools=[WEATHER, TIME])
+    got = chat_prompt_ids(ours, [m.template_dict() for m in body.messages], tools=template_tools(body.tools))
     assert got == hf(want, add_special_tokens=False)["input_ids"]
     # arguments that are not a JSON object reach the template as {} (vLLM's rule)
     odd = request(messages=[{**HISTORY[2], "tool_calls": [{"id": "c", "type": "function", "function": {
@@ -126,8 +139,9 @@ def test_chats_with_tools_render_as_transformers_renders_them(hf_checkpoints):
 
 
 def test_the_plain_template_shows_tools_and_calls_in_the_hermes_form():
-    text = render_plain([m.template_dict() for m in request(messages=HISTORY).messages], tools=[TIME])
-    assert text == ('<|tools|>\n[{"type": "function", "function": {"name": "get_time"}}]\n'
+    text = render_plain([m.template_dict() for m in request(messages=HISTORY).messages], tools=as_vllm_sends([TIME]))
+    assert text == ('<|tools|>\n[{"type": "function", "function": {"name": "get_time", "description": null, '
+                    '"parameters": null}}]\n'
                     "<|system|>\nBe brief.\n<|user|>\nWeather in Oslo?\n"
                     '<|assistant|>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
                     "<|tool|>\n-3 C\n<|assistant|>\n")
@@ -219,3 +233,49 @@ def test_hermes_content_never_shows_part_of_a_tag():
     reader = ToolCallReader(AUTO, HERMES)
     shown = [reader.feed(p).content for p in ["Hi <", "tool", "_call>", '{"name": "a", "arguments": {}}', "</tool_call>"]]
     assert shown == ["Hi ", "", "", "", ""]
+
+
+def test_auto_and_none_take_any_parameters_object_as_openai_does():
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}
+    assert request(tools=[odd], tool_choice="none").constraint() is None
+    assert request(tools=[odd]).tool_kind == AUTO
+
+
+def test_hostile_text_is_content_or_no_call_never_an_exception():
+    deep = "[" * 100000
+    assert request(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+        "function": {"name": "f", "arguments": deep}}]}]).messages[0].template_dict()["tool_calls"][0][
+        "function"]["arguments"] == {}
+    block = f"<tool_call>{deep}</tool_call>"
+    assert read_whole(ToolCallReader(AUTO, HERMES), block).content == block
+    assert read_whole(ToolCallReader(AUTO, LLAMA3), "{" + '"a":' * 50000).tool_calls == []
+    assert read_whole(ToolCallReader(AUTO, PYTHONIC), "[f(x=" + "[" * 50000 + ")]").tool_calls == []
+    nested = '[{"name": "a", "parameters": ' + '{"x": ' * 5000 + "1" + "}" * 5000 + "}]"
+    assert read_whole(ToolCallReader(REQUIRED), nested).tool_calls == []        # too deep to decode: no call
+
+
+def test_a_reply_found_to_be_content_stays_content_whatever_comes_next():
+    for parser, pieces in ((PYTHONIC, ["Sure: ", "[f()]"]), (LLAMA3, ["I think ", '{"name": "a", "arguments": {}}'])):
+        content, calls = streamed(ToolCallReader(AUTO, parser), pieces)
+        assert (content, calls) == ("".join(pieces), [])
+
+
+def test_without_parallel_calls_only_the_first_is_read():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    reading = ToolReading(AUTO, HERMES, parallel=False)
+    assert calls_of(read_whole(reading.reader(), text)) == [("a", {})]
+    _, calls = streamed(reading.reader(), [text[:50], text[50:]])
+    assert [c["function"]["name"] for c in calls] == ["a"]
+
+
+def test_required_without_a_whole_call_keeps_the_generations_finish_reason():
+    answer = read_whole(ToolCallReader(REQUIRED), '[{"name": "a", "param')     # a stop string cut it
+    assert answer.tool_calls == [] and ToolReading(REQUIRED).finish_reason(answer.called, "stop") == "stop"
+
+
+def test_required_calls_come_out_whole_however_the_array_is_cut():
+    big = [{"name": "a", "parameters": {"s": 'x"}{]' * 50, "n": list(range(300))}}, {"name": "b", "parameters": {}}]
+    text = json.dumps(big)
+    _, calls = streamed(ToolCallReader(REQUIRED), [text[i:i + 4] for i in range(0, len(text), 4)])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [(x["name"], x["parameters"]) for x in big]

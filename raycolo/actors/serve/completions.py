@@ -321,7 +321,8 @@ class Completions:
         if reading is not None and reading.tools is not None and reading.tools.parser is not None:
             params = params.model_copy(update={"skip_special_tokens": False})   # the model's call tokens stay
         if params.structured_outputs is not None:
-            await self._check_grammar(params.structured_outputs)
+            forced = reading is not None and reading.tools is not None and reading.tools.parser is None
+            await self._check_grammar(params.structured_outputs, "tool_choice" if forced else "structured_outputs")
         started = time.perf_counter()
         kind = "chat.completion" if chat else "text_completion"
         # n choices: n requests, choice i drawn with seed + i (all admitted before any is awaited)
@@ -351,9 +352,9 @@ class Completions:
             answer["prompt_token_ids"] = tokens.prompt_ids
         return JSONResponse(answer)
 
-    async def _check_grammar(self, constraint) -> None:
-        """A 400 for a constraint whose grammar is too big for a stage to compile in its step
-        (compiled here, off the event loop, once per constraint)."""
+    async def _check_grammar(self, constraint, param: str) -> None:
+        """A 400 naming ``param`` for a constraint whose grammar is too big for a stage to
+        compile in its step (compiled here, off the event loop, once per constraint)."""
         from raycolo.generation.grammar_masks import GrammarMasks
 
         if self.grammar is None:
@@ -361,8 +362,7 @@ class Completions:
         try:
             await asyncio.to_thread(self.grammar.check_size, constraint)
         except ValueError as exc:
-            raise OpenAIError(400, f"structured_outputs: {exc}", param="structured_outputs",
-                              code="invalid_parameter") from None
+            raise OpenAIError(400, f"{param}: {exc}", param=param, code="invalid_parameter") from None
 
     async def _collect(self, admitted: "Admitted", params, started: float, prompt_ids: list[int]) -> ChoiceEvent:
         """A whole (non-streamed) choice: its events joined (log-probabilities None where

@@ -104,6 +104,6 @@ def chat_reading(body, tool_parser: Optional[ToolParserKind],
     tools = None
     if kind != ToolChoiceKind.NONE:
         named = body.tool_choice.function.name if kind == ToolChoiceKind.NAMED else None
-        tools = ToolReading(kind, tool_parser if kind == ToolChoiceKind.AUTO else None, named)
+        tools = ToolReading(kind, tool_parser if kind == ToolChoiceKind.AUTO else None, named, body.parallel_tool_calls)
     reading = AnswerReading(tools, reasoning_parser, body.include_reasoning)
     return reading if reading.active else None

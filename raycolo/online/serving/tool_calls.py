@@ -99,7 +99,7 @@ def _call_object(text: str) -> Optional[tuple[str, str]]:
     """(name, arguments as JSON text) of a call's JSON object, or None if it is none."""
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):       # deep nesting raises RecursionError
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -137,11 +137,15 @@ class ToolCallReader(TextReader):
     text delta, then :meth:`finish`; each returns a :class:`ToolDelta`."""
 
     def __init__(self, kind: ToolChoiceKind, parser: Optional[ToolParserKind] = None,
-                 function: Optional[str] = None):
+                 function: Optional[str] = None, parallel: Optional[bool] = None):
         self.kind, self.parser, self.function = kind, parser, function
+        self.limit = 1 if parallel is False else None       # parallel_tool_calls false: the first call only
         self.text = ""           # what came and is not read yet
         self.calls = 0           # calls read
         self.in_calls = False    # auto: past the content (the first call began)
+        self.is_content = False  # llama3_json, pythonic: the reply was found to be content
+        self.scanned = 0         # how much of text was searched or scanned already
+        self.depth, self.in_string, self.escaped = 0, False, False     # required: the JSON scanner's state
 
     @property
     def called(self) -> bool:
@@ -152,6 +156,12 @@ class ToolCallReader(TextReader):
         return CallDelta(self.calls - 1, arguments, call_id(), name)
 
     def _read(self, final: bool) -> ToolDelta:
+        out = self._read_all(final)
+        if self.limit is not None:          # vLLM drops the calls past the first, streamed or not
+            out.calls = [c for c in out.calls if c.index < self.limit]
+        return out
+
+    def _read_all(self, final: bool) -> ToolDelta:
         if self.kind == ToolChoiceKind.NAMED:
             return self._named()
         if self.kind == ToolChoiceKind.REQUIRED:
@@ -172,21 +182,49 @@ class ToolCallReader(TextReader):
 
     # -- required: a JSON array of {"name", "parameters"} ------------------------------------
     def _array_items(self) -> list[CallDelta]:
+        """Each object of the array once it closes: the new text is scanned once (string
+        and nesting state kept), and an object is decoded once, when it is whole."""
         out = []
-        decoder = json.JSONDecoder()
         while True:
-            rest = self.text.lstrip(" \t\r\n,[")
-            if not rest.startswith("{"):
-                self.text = rest
+            if self.depth == 0:
+                rest = self.text.lstrip(" \t\r\n,[")
+                if not rest.startswith("{"):
+                    self.text, self.scanned = rest, 0
+                    return out
+                self.text, self.scanned = rest, 0
+            end = self._scan_object()
+            if end is None:
                 return out
+            body, self.text, self.scanned = self.text[:end], self.text[end:], 0
             try:
-                obj, end = decoder.raw_decode(rest)
-            except ValueError:       # not complete yet
-                self.text = rest
-                return out
-            self.text = rest[end:]
+                obj = json.loads(body)
+            except (ValueError, RecursionError):
+                continue
             if isinstance(obj, dict) and isinstance(obj.get("name"), str):
                 out.append(self._call(obj["name"], json.dumps(obj.get("parameters", {}), ensure_ascii=False)))
+
+    def _scan_object(self) -> Optional[int]:
+        """Where the object ``self.text`` begins with ends (None: not yet), scanning only
+        what was not scanned before."""
+        for i in range(self.scanned, len(self.text)):
+            c = self.text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        self.scanned = len(self.text)
+        return None
 
     # -- hermes -----------------------------------------------------------------------------
     def _hermes(self, final: bool) -> ToolDelta:
@@ -206,14 +244,15 @@ class ToolCallReader(TextReader):
                 keep = 0 if final else held_prefix(self.text, HERMES_OPEN)
                 self.text = self.text[len(self.text) - keep:]
                 return out
-            end = self.text.find(HERMES_CLOSE, start)
+            end = self.text.find(HERMES_CLOSE, max(start, self.scanned - len(HERMES_CLOSE)))
             if end < 0:
+                self.scanned = len(self.text)      # the next search starts near here
                 if final:            # a call that never closed: shown as it came
                     out.content += self.text[start:]
-                    self.text = ""
+                    self.text, self.scanned = "", 0
                 return out
             block = self.text[start:end + len(HERMES_CLOSE)]
-            self.text = self.text[end + len(HERMES_CLOSE):]
+            self.text, self.scanned = self.text[end + len(HERMES_CLOSE):], 0
             call = _call_object(block[len(HERMES_OPEN):-len(HERMES_CLOSE)])
             if call is None:
                 out.content += block
@@ -226,6 +265,9 @@ class ToolCallReader(TextReader):
         format's opening character is held and read whole when the choice ends; any
         other reply streams as content."""
         tag, opening, read = WHOLE_REPLY_FORMATS[self.parser]
+        if self.is_content:           # decided: the rest of the reply is content too
+            text, self.text = self.text, ""
+            return ToolDelta(content=text)
         if not self.in_calls:
             head = self.text.lstrip()
             if head.startswith(tag):
@@ -233,6 +275,7 @@ class ToolCallReader(TextReader):
             if head.startswith(opening):
                 self.in_calls = True
             elif final or (head and not tag.startswith(head)):
+                self.is_content = True
                 text, self.text = self.text, ""
                 return ToolDelta(content=text)
             else:
@@ -258,7 +301,7 @@ def _llama3_calls(body: str) -> Optional[list[tuple[str, str]]]:
             return calls or None
         try:
             obj, at = decoder.raw_decode(body, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         call = _call_object(json.dumps(obj)) if isinstance(obj, dict) else None
         if call is None:
@@ -323,15 +366,16 @@ class ToolReading:
     kind: ToolChoiceKind
     parser: Optional[ToolParserKind] = None
     function: Optional[str] = None       # the named function's
+    parallel: Optional[bool] = None      # parallel_tool_calls (false: the first call only)
 
     def reader(self) -> ToolCallReader:
-        return ToolCallReader(self.kind, self.parser, self.function)
+        return ToolCallReader(self.kind, self.parser, self.function, self.parallel)
 
     def finish_reason(self, called: bool, finish: Optional[str]) -> Optional[str]:
         """The choice's ``finish_reason``: ``tool_calls`` where auto read a call or a
         required call stopped (vLLM's and OpenAI's rule), else the generation's."""
-        if (self.kind == ToolChoiceKind.AUTO and called) or (self.kind == ToolChoiceKind.REQUIRED
-                                                            and finish == "stop"):
+        if called and (self.kind == ToolChoiceKind.AUTO or (self.kind == ToolChoiceKind.REQUIRED
+                                                            and finish == "stop")):
             return "tool_calls"
         return finish
 

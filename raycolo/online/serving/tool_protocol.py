@@ -15,8 +15,9 @@ constraint a forced call puts on the text (OpenAI's shapes, vLLM's rules).
 * Refused with a 400 naming the field: an empty ``tools``, two tools of one name, a
   ``tool_choice`` other than ``"none"`` without ``tools``, a named function that is not
   among them, a forced call together with ``structured_outputs`` or a JSON
-  ``response_format`` (two constraints on one text), parameters that are no JSON schema
-  object or that xgrammar would not enforce.
+  ``response_format`` (two constraints on one text), and a forced call whose schema
+  xgrammar cannot build or would not enforce, or longer than a schema may be (``auto``
+  and ``none`` take any parameters object, as OpenAI's and vLLM's servers do).
 * Messages: a ``tool`` message carries a result (``content``, ``tool_call_id``); an
   ``assistant`` message may carry ``tool_calls`` (its ``content`` may then be null). The
   chat template gets each call's ``arguments`` as an object, not JSON text, as vLLM and
@@ -30,7 +31,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
-from raycolo.generation.structured import StructuredOutputs
+from raycolo.generation.structured import MAX_SCHEMA_CHARS, StructuredOutputs
 from raycolo.online.serving.chat_messages import ChatMessage, Closed, Content, Text
 from raycolo.text_enum import TextEnum
 
@@ -56,15 +57,6 @@ class FunctionDefinition(Closed):
     parameters: Optional[dict[str, Any]] = Field(default=None, description="a JSON schema object: the "
                                                  "arguments a call passes (none: an empty object)")
     strict: Optional[bool] = Field(default=None, description="accepted; a forced call follows the schema always")
-
-    @model_validator(mode="after")
-    def _schema(self):
-        """A schema xgrammar cannot build or would not enforce is a 400 now."""
-        try:
-            StructuredOutputs(json=self.arguments_schema())
-        except ValidationError as exc:
-            raise ValueError(f"parameters: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
-        return self
 
     def arguments_schema(self) -> dict:
         """The schema of a call's arguments (vLLM: missing parameters are an empty object)."""
@@ -155,7 +147,7 @@ def template_arguments(text: str) -> dict:
     text that is not one, as vLLM does)."""
     try:
         value = json.loads(text) if text else {}
-    except ValueError:
+    except (ValueError, RecursionError):       # deep nesting raises RecursionError
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -197,7 +189,7 @@ def forced_call_constraint(choice: Optional[ToolChoice], tools: Optional[list[To
     kind = choice_kind(choice, tools)
     if kind == ToolChoiceKind.NAMED:
         tool = next(t for t in tools if t.function.name == choice.function.name)
-        return StructuredOutputs(json=tool.function.arguments_schema())
+        return _forced(tool.function.arguments_schema(), f"the parameters of {tool.function.name!r}")
     if kind != ToolChoiceKind.REQUIRED:
         return None
     items, defs = [], {}
@@ -215,9 +207,29 @@ def forced_call_constraint(choice: Optional[ToolChoice], tools: Optional[list[To
         schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
-    return StructuredOutputs(json=schema)
+    return _forced(schema, "the schema of the calls (every tool's parameters)")
+
+
+def _forced(schema: dict, what: str) -> StructuredOutputs:
+    """A forced call's constraint; what cannot be one is a ValueError naming tool_choice
+    (checked only for a forced call: "auto" and "none" take any parameters, as OpenAI's
+    and vLLM's servers do)."""
+    try:
+        return StructuredOutputs(json=schema)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err.get("type") == "string_too_long":
+            msg = f"it is longer than the {MAX_SCHEMA_CHARS:,} characters a JSON schema may have"
+        raise ValueError(f"tool_choice: cannot force a call: {what}: {msg}") from None
 
 
 def template_tools(tools: Optional[list[Tool]]) -> Optional[list[dict]]:
-    """The tools as the chat template gets them (OpenAI's JSON; None: no tools)."""
-    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+    """The tools as the chat template gets them (None: no tools), as vLLM hands them over:
+    ``description`` and ``parameters`` always (null where not given), ``strict`` where
+    given, so a template that writes the tools out gives vLLM's prompt."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": {
+        "name": t.function.name, "description": t.function.description, "parameters": t.function.parameters,
+        **({"strict": t.function.strict} if t.function.strict is not None else {})}} for t in tools]
