@@ -321,7 +321,7 @@ class Completions:
         if reading is not None and reading.tools is not None and reading.tools.parser is not None:
             params = params.model_copy(update={"skip_special_tokens": False})   # the model's call tokens stay
         if params.structured_outputs is not None:
-            forced = reading is not None and reading.tools is not None and reading.tools.parser is None
+            forced = reading is not None and reading.tools is not None and reading.tools.kind.forces_a_call
             await self._check_grammar(params.structured_outputs, "tool_choice" if forced else "structured_outputs")
         started = time.perf_counter()
         kind = "chat.completion" if chat else "text_completion"

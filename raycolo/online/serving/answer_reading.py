@@ -95,7 +95,7 @@ def chat_reading(body, tool_parser: Optional[ToolParserKind],
                           'free text: ask for "none", "required" or a named function', param="tool_choice",
                           code="invalid_parameter")
     if reasoning_parser is not None and body.constraint() is not None:
-        param = "tool_choice" if kind in (ToolChoiceKind.NAMED, ToolChoiceKind.REQUIRED) else (
+        param = "tool_choice" if kind.forces_a_call else (
             "response_format" if body.response_format is not None else "structured_outputs")
         raise OpenAIError(400, f"{param}: this deployment reads reasoning (serve.reasoning_parser "
                           f"{reasoning_parser.value}), and a constraint on the text would bind the reasoning too "

@@ -237,7 +237,7 @@ class ChatCompletionRequest(SamplingFields):
         return choice_kind(self.tool_choice, self.tools)
 
     def constraint(self) -> Optional[StructuredOutputs]:
-        if self.tool_kind in (ToolChoiceKind.NAMED, ToolChoiceKind.REQUIRED):
+        if self.tool_kind.forces_a_call:
             if self._forced is None:          # built once (its grammar is compiled to check it)
                 self._forced = forced_call_constraint(self.tool_choice, self.tools, self.parallel_tool_calls)
             return self._forced

@@ -25,7 +25,7 @@ from typing import AsyncIterator, Optional, Sequence
 from raycolo.generation import FinishReason
 from raycolo.online.serving.openai_errors import OpenAIError
 from raycolo.online.serving.responses import ChoiceEvent, SseChunks, StreamInterval, TokenFields
-from raycolo.online.serving.answer_reading import AnswerDelta, AnswerReading
+from raycolo.online.serving.answer_reading import AnswerReading
 
 
 async def sse_answer(choices: Sequence[AsyncIterator], tokenizer, out_id: str, chat: bool, model: str,
@@ -60,9 +60,14 @@ async def sse_answer(choices: Sequence[AsyncIterator], tokenizer, out_id: str, c
             out = held[i].add(ev.delta, ev.count, ev.lps, final=ev.finish is not None, ids=ev.ids)
             if out is not None:
                 text, lps, ids = out
-                read = readers[i].feed(text) if readers[i] is not None else AnswerDelta(content=text)
-                if read.content or lps or (ids and tokens.asked) or read.calls or read.reasoning:
-                    yield sse.chunk(read.content, None, lps=lps, ids=ids, calls=read.calls, reasoning=read.reasoning)
+                if readers[i] is None:          # the per-token path: no reader, nothing built
+                    if text or lps or (ids and tokens.asked):
+                        yield sse.chunk(text, None, lps=lps, ids=ids)
+                else:
+                    read = readers[i].feed(text)
+                    if read.content or lps or (ids and tokens.asked) or read.calls or read.reasoning:
+                        yield sse.chunk(read.content, None, lps=lps, ids=ids, calls=read.calls,
+                                        reasoning=read.reasoning)
             if ev.finish:
                 finish = ev.finish
                 if readers[i] is not None:

@@ -50,6 +50,11 @@ class ToolChoiceKind(TextEnum):
     REQUIRED = "required"
     NAMED = "named"            # {"type": "function", "function": {"name": ...}}
 
+    @property
+    def forces_a_call(self) -> bool:
+        """The text is constrained to a call (a named function, or "required")."""
+        return self in (ToolChoiceKind.NAMED, ToolChoiceKind.REQUIRED)
+
 
 class FunctionDefinition(Closed):
     name: FunctionName
@@ -177,7 +182,7 @@ def check_tool_choice(choice: Optional[ToolChoice], tools: Optional[list[Tool]],
         raise ValueError(f"{kind.value!r} needs tools")
     if kind == ToolChoiceKind.NAMED and choice.function.name not in {t.function.name for t in tools}:
         raise ValueError(f"the function {choice.function.name!r} is not among the tools")
-    if kind in (ToolChoiceKind.NAMED, ToolChoiceKind.REQUIRED) and constrained:
+    if kind.forces_a_call and constrained:
         raise ValueError("a forced tool call constrains the text already; give it or structured_outputs "
                          "(or a JSON response_format), not both")
 
