@@ -188,6 +188,9 @@ class VllmEngine(Engine):
             extra["bad_words"] = list(params.bad_words)
         if params.allowed_token_ids is not None:
             extra["allowed_token_ids"] = list(params.allowed_token_ids)
+        if params.structured_after_token is not None:
+            raise ConfigError("structured_after_token: the vllm backend takes no reasoning-aware constraint "
+                              "(vLLM's own needs its server's --reasoning-parser)")
         if params.structured_outputs is not None:      # the same constraint, built by vLLM's own backend
             from vllm.sampling_params import StructuredOutputsParams
 

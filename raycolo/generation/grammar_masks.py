@@ -65,6 +65,19 @@ def tokenizer_info(tokenizer, vocab_size: int):
                              stop_token_ids=stops)
 
 
+def constrained_from(output: Sequence[int], after_token: Optional[int]) -> Optional[int]:
+    """Where in ``output`` the constraint starts: 0, or with ``after_token`` (SamplingParams'
+    ``structured_after_token``) just past its first occurrence; None while it has not
+    occurred (the row is not constrained yet). vLLM's rule with a reasoning parser: the
+    grammar neither masks nor consumes the reasoning or its end token."""
+    if after_token is None:
+        return 0
+    for i, token in enumerate(output):
+        if token == after_token:
+            return i + 1
+    return None
+
+
 class GrammarMasks:
     """Allowed-token masks of the constrained rows of each batch, for one model."""
 
@@ -90,7 +103,7 @@ class GrammarMasks:
         import xgrammar as xgr
 
         live = [(i, self._track(r)) for i, r in enumerate(rows) if r.params.structured_outputs is not None]
-        live = [(i, t) for i, t in live if not t.done]
+        live = [(i, t) for i, t in live if t is not None and not t.done]
         if not live:
             return None
         mask = xgr.allocate_token_bitmask(len(live), self.vocab)
@@ -100,15 +113,19 @@ class GrammarMasks:
             track.matcher.fill_next_token_bitmask(mask, j)
         return mask, [i for i, _ in live]
 
-    def _track(self, row: SamplingRow) -> _Track:
+    def _track(self, row: SamplingRow) -> Optional[_Track]:
+        """``row``'s matcher, fed its output (None: the constraint does not bind yet)."""
         constraint: StructuredOutputs = row.params.structured_outputs
         if row.key is None:
             raise ValueError("structured_outputs: a row without its request's key (SamplingRow.of(..., key=))")
+        start = constrained_from(row.output, row.params.structured_after_token)
+        if start is None:
+            return None
         # vLLM's: the grammar ends at the EOS set and the request's stop_token_ids, ignore_eos or not
         stops = tuple(sorted(self.eos | set(row.params.stop_token_ids)))
-        identity = (constraint.key, stops)
+        identity = (constraint.key, stops, start)
         track = self.tracks.get(row.key)
-        output = list(row.output)
+        output = list(row.output[start:])
         if (track is None or track.constraint_key != identity or len(track.consumed) > len(output)
                 or output[:len(track.consumed)] != track.consumed):
             track = self._new(row, constraint, identity, stops)

@@ -156,6 +156,10 @@ class SamplingParams(BaseModel):
     structured_outputs: Optional[StructuredOutputs] = Field(
         default=None, description="a JSON schema, regex, choice list or grammar the text must follow "
                                   "(raycolo.generation.structured); its mask comes before everything else")
+    structured_after_token: Optional[Annotated[int, Field(ge=0)]] = Field(
+        default=None, description="the constraint binds only the output after the first of this token (a "
+                                  "reasoning model's </think>: vLLM's structured outputs with a reasoning parser); "
+                                  "None: the whole output")
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -182,6 +186,8 @@ class SamplingParams(BaseModel):
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         no_min_tokens_with_a_grammar(self.min_tokens, self.structured_outputs is not None)
+        if self.structured_after_token is not None and self.structured_outputs is None:
+            raise ValueError("structured_after_token: only with structured_outputs")
         return self
 
     @property

@@ -52,7 +52,9 @@ def test_special_ids_sit_above_the_ordinary_vocab(hf_checkpoints, kind):
     specials = tok.convert_tokens_to_ids(SPECS[kind]["specials"])
     assert specials == list(range(n, n + len(specials)))  # appended right after the ordinary vocab, in order
     assert min(specials) >= n and tok.eos_token_id >= n and all(e >= n for e in eos_ids(path))
-    assert len(tok) == n + len(specials) <= model.config.vocab_size
+    added = tok.convert_tokens_to_ids(SPECS[kind].get("added", []))      # Qwen's <think>...: after the specials
+    assert added == list(range(n + len(specials), n + len(specials) + len(added)))
+    assert len(tok) == n + len(specials) + len(added) <= model.config.vocab_size
     if kind == "qwen2":
         assert model.config.vocab_size % 64 == 0 and model.config.vocab_size > len(tok)  # padded, as Qwen2's
 

@@ -110,6 +110,42 @@ def test_preemption_and_a_cache_of_one_matcher_change_nothing(hf_checkpoints, en
         small.release()
 
 
+def test_a_constraint_after_a_token_binds_only_what_follows_its_first_occurrence(hf_checkpoints, engines,
+                                                                                   one_torch_thread):
+    """structured_after_token (a reasoning model's </think>: vLLM's grammar starts once the
+    reasoning ends): the output is free up to and including the token's first occurrence,
+    then constrained as transformers' generate() under xgrammar continues the same prefix.
+    Here the token is the free output's 4th (a reasoning of 3 tokens), then </think> forced
+    first by logit_bias (no reasoning), then a token that never comes (never constrained).
+    One batch, with a row constrained from the start."""
+    path, engine = hf_checkpoints["qwen2"], engines["qwen2"]
+    tok = load(path)[1]
+    close = tok.convert_tokens_to_ids("</think>")
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:4]]
+    free = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW))]
+    json_c, regex_c = {"json": SCHEMA, "disable_any_whitespace": True}, {"regex": REGEX}
+    k = next(i for i in range(3, MAX_NEW) if free[0][i] not in free[0][:i])
+    assert close not in free[2]
+    rows = [(json_c, dict(structured_after_token=free[0][k])),
+            (regex_c, dict(structured_after_token=close, logit_bias={close: 100.0})),
+            (json_c, dict(structured_after_token=close)),
+            (json_c, {})]
+    params = [SamplingParams(max_tokens=MAX_NEW, structured_outputs=StructuredOutputs(**c), **extra)
+              for c, extra in rows]
+    outs = engine.generate(prompts, params)
+    prefix = free[0][:k + 1]
+    ids, reason = constrained_reference(path, prompts[0] + prefix, json_c, MAX_NEW - len(prefix))
+    assert outs[0].token_ids == prefix + ids and outs[0].finish_reason == reason
+    ids, reason = constrained_reference(path, prompts[1] + [close], regex_c, MAX_NEW - 1)
+    assert outs[1].token_ids == [close] + ids and outs[1].finish_reason == reason == "stop"
+    assert outs[1].text == "</think>" + tok.decode(ids, skip_special_tokens=True)   # not special: in the text
+    assert satisfied(regex_c, outs[1].text[len("</think>"):])
+    assert outs[2].token_ids == free[2]
+    assert (outs[3].token_ids, outs[3].finish_reason) == constrained_reference(path, prompts[3], json_c, MAX_NEW)
+    with pytest.raises(ValueError, match="structured_after_token: only with structured_outputs"):
+        SamplingParams(structured_after_token=close)
+
+
 def test_seeded_draws_stay_inside_the_constraint(hf_checkpoints, engines, one_torch_thread):
     path, engine = hf_checkpoints["qwen2"], engines["qwen2"]
     prompt = load(path)[1]("Tell me")["input_ids"]

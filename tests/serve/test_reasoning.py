@@ -1,8 +1,8 @@
 """Reasoning split from content (raycolo/online/serving/reasoning.py, answer_reading.py),
 vLLM's deepseek_r1 and qwen3 rules: hand-worked replies, the same split however a reply
 is cut into deltas (alone and with hermes tool calls after the reasoning), the streamed
-chunks of sse_answer against the whole message, and the 400s of what a reasoning
-deployment cannot serve."""
+chunks of sse_answer against the whole message, and where a constraint starts to bind on a
+reasoning deployment (after the reply's first </think>, as vLLM's)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from raycolo.engine.models import ByteTokenizer
-from raycolo.online.serving.answer_reading import AnswerReading, chat_reading, whole_message
+from raycolo.online.serving.answer_reading import AnswerReading, bind_after_reasoning, chat_reading, whole_message
 from raycolo.online.serving.openai_errors import OpenAIError
 from raycolo.online.serving.protocol import ChatCompletionRequest
 from raycolo.online.serving.reasoning import ReasoningParserKind
@@ -109,17 +109,47 @@ def test_streamed_chunks_carry_reasoning_content_and_calls_as_openai_clients_joi
     assert not any("<" in d.get("reasoning", "") + d.get("content", "") for d in deltas)
 
 
-def test_what_a_reasoning_deployment_cannot_serve_is_a_400_naming_the_field():
-    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    tool = {"type": "function", "function": {"name": "w"}}
-    for extra, param in (({"response_format": {"type": "json_object"}}, "response_format"),
-                         ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
-                         ({"tools": [tool], "tool_choice": "required"}, "tool_choice")):
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+TOOL = {"type": "function", "function": {"name": "w"}}
+CONSTRAINED = [({"response_format": {"type": "json_object"}}, "response_format"),
+               ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+               ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice")]
+
+
+def test_a_constraint_binds_after_the_replys_first_end_of_reasoning_unless_the_prompt_ended_it(hf_checkpoints):
+    """vLLM's rule (is_reasoning_end on the prompt): the last of <think> and </think> in the
+    prompt decides; a tokenizer without them as single tokens is a 400 naming the field."""
+    from raycolo.engine.models import load_tokenizer
+
+    tok = load_tokenizer(str(hf_checkpoints["qwen2"]))
+    think, close = (tok.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
+    assert len(think) == len(close) == 1
+    hi = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    for extra, param in CONSTRAINED:
+        body = ChatCompletionRequest.model_validate({**CHAT, **extra})
+        reading = chat_reading(body, ToolParserKind.HERMES, R1)
+        bound = bind_after_reasoning(reading, body, tok, hi)
+        assert bound.constraint_after == close[0]
+        params = bound.sampling(body.sampling_params(16, 0))          # what the stages get
+        assert params.structured_after_token == close[0] and params.structured_outputs == body.constraint()
+        assert bind_after_reasoning(reading, body, tok, hi + think).constraint_after == close[0]
+        off = hi + tok.encode("<think>\n\n</think>\n\n")          # Qwen3 with enable_thinking off
+        assert bind_after_reasoning(reading, body, tok, off) is reading
+        assert bind_after_reasoning(reading, body, tok, off + think + [5]).constraint_after == close[0]
         with pytest.raises(OpenAIError) as err:
-            chat_reading(ChatCompletionRequest.model_validate({**chat, **extra}), ToolParserKind.HERMES, R1)
-        assert err.value.status == 400 and err.value.param == param and "reasoning" in err.value.message
+            bind_after_reasoning(reading, body, ByteTokenizer(300), hi)
+        assert err.value.status == 400 and err.value.param == param and "</think>" in err.value.message
+        plain = chat_reading(body, ToolParserKind.HERMES, None)           # no reasoning parser: as given
+        assert bind_after_reasoning(plain, body, ByteTokenizer(300), hi) is plain
+    unconstrained = ChatCompletionRequest.model_validate(CHAT)
+    reading = chat_reading(unconstrained, None, R1)
+    assert bind_after_reasoning(reading, unconstrained, ByteTokenizer(300), hi) is reading
+
+
+def test_auto_without_a_tool_call_parser_is_a_400_and_a_reader_is_made_only_where_needed():
+    chat = CHAT
     with pytest.raises(OpenAIError) as err:               # "auto" without a tool-call parser
-        chat_reading(ChatCompletionRequest.model_validate({**chat, "tools": [tool]}), None, None)
+        chat_reading(ChatCompletionRequest.model_validate({**chat, "tools": [TOOL]}), None, None)
     assert err.value.param == "tool_choice"
     assert chat_reading(ChatCompletionRequest.model_validate(chat), None, None) is None
     reading = chat_reading(ChatCompletionRequest.model_validate({**chat, "include_reasoning": False}), None, QWEN3)

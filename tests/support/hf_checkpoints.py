@@ -77,6 +77,11 @@ _LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_
                     "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>"] + [
                     f"<|reserved_special_token_{i}|>" for i in range(5, 11)]
 
+# Qwen's added tokens that are not special (the tokenizer keeps them in decoded text): the
+# reasoning tags (Qwen3, QwQ, DeepSeek-R1's Qwen2 distills) and the tool-call ones (Qwen2.5,
+# Qwen3), after the specials, in the model's padded vocabulary rows
+QWEN_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
 SPECS = {
     "llama3": dict(vocab=2000, seed=1, specials=_LLAMA3_SPECIALS, split=_SPLIT, nfc=False,
                    bos="<|begin_of_text|>", eos="<|end_of_text|>", pad=None, gen_eos=["<|end_of_text|>", "<|eot_id|>"],
@@ -85,14 +90,14 @@ SPECS = {
     "qwen2": dict(vocab=1500, seed=2, specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                   split=_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"), nfc=True, bos=None, eos="<|im_end|>",
                   pad="<|endoftext|>", gen_eos=["<|im_end|>", "<|endoftext|>"], tilt="<|endoftext|>", rate=0.03,
-                  template=CHATML_TEMPLATE, cls="Qwen2Tokenizer", pad_to=64),
+                  template=CHATML_TEMPLATE, cls="Qwen2Tokenizer", pad_to=64, added=QWEN_ADDED),
     # Qwen3: Qwen2's tokenizer and ChatML; the model adds RMSNorms of each head's query and
     # key, and its head_dim (32) is not hidden_size / heads (16), as in the real ones
     # (Qwen3-0.6B: 1024 / 16 heads, head_dim 128). Built on demand (not in KINDS).
     "qwen3": dict(vocab=1500, seed=4, specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                   split=_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"), nfc=True, bos=None, eos="<|im_end|>",
                   pad="<|endoftext|>", gen_eos=["<|im_end|>", "<|endoftext|>"], tilt="<|endoftext|>", rate=0.03,
-                  template=CHATML_TEMPLATE, cls="Qwen2Tokenizer", pad_to=64),
+                  template=CHATML_TEMPLATE, cls="Qwen2Tokenizer", pad_to=64, added=QWEN_ADDED),
     "gpt2": dict(vocab=1000, seed=3, specials=["<|endoftext|>"], split=None, nfc=False, bos="<|endoftext|>",
                  eos="<|endoftext|>", pad=None, gen_eos="<|endoftext|>", tilt="<|endoftext|>", rate=0.02, template=None,
                  cls="GPT2Tokenizer", pad_to=1),
@@ -148,6 +153,7 @@ def _train_tokenizer(spec: dict, seed: int) -> tuple[Tokenizer, int]:
     n_ordinary = tok.get_vocab_size()
     assert n_ordinary == spec["vocab"], (n_ordinary, spec["vocab"])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec["specials"]])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.get("added", ())])
     bl = processors.ByteLevel(trim_offsets=False, add_prefix_space=False, use_regex=spec["split"] is None)
     if spec["bos"] and spec["cls"] == "PreTrainedTokenizerFast":  # llama3: BOS through the post-processor
         b = spec["bos"]
@@ -163,7 +169,8 @@ def _write_tokenizer(tok: Tokenizer, spec: dict, path: pathlib.Path) -> None:
     if spec["cls"] != "PreTrainedTokenizerFast":  # qwen2 and gpt2 also ship vocab.json + merges.txt
         tok.model.save(str(path))
     decoder = {str(tok.token_to_id(t)): dict(content=t, lstrip=False, normalized=False, rstrip=False,
-                                             single_word=False, special=True) for t in spec["specials"]}
+                                             single_word=False, special=t in spec["specials"])
+               for t in spec["specials"] + spec.get("added", [])}
     special = {k: spec[k] for k in ("bos", "eos", "pad") if spec[k]}
     cfg = dict(added_tokens_decoder=decoder, **{f"{k}_token": v for k, v in special.items()},
                clean_up_tokenization_spaces=False, model_max_length=512, tokenizer_class=spec["cls"],

@@ -35,7 +35,7 @@ from raycolo.online.serving.protocol import (BASE, BASE_SUFFIX, LATEST, VERSION_
                                              ModelCard, ModelList, TrainSamplesBody, TrainSamplesResponse,
                                              TrainStatus, UnloadLoraAdapterRequest)
 from raycolo.online.serving.text import chat_prompt_ids
-from raycolo.online.serving.answer_reading import chat_reading
+from raycolo.online.serving.answer_reading import bind_after_reasoning, chat_reading
 from raycolo.online.serving.tool_protocol import template_tools
 from raycolo.online.serving.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeBody,
                                                       TokenizeChatRequest, TokenizeResponse)
@@ -190,6 +190,7 @@ class OpenAIIngress(Completions):
         reading = chat_reading(body, self.config.serve.tool_call_parser, self.config.serve.reasoning_parser)
         ids = chat_prompt_ids(self.tokenizer, [m.template_dict() for m in body.messages],
                               tools=template_tools(body.tools))
+        reading = bind_after_reasoning(reading, body, self.tokenizer, ids)
         return await self._generate(body, ids, body.limit(), "messages", chat=True, variant=variant,
                                     reading=reading)
 

@@ -318,8 +318,8 @@ class Completions:
         they are not)."""
         self._ensure_monitor()
         params = self._sampling(body, ids, max_tokens, prompt_param, chat)
-        if reading is not None and reading.tools is not None and reading.tools.parser is not None:
-            params = params.model_copy(update={"skip_special_tokens": False})   # the model's call tokens stay
+        if reading is not None:
+            params = reading.sampling(params)
         if params.structured_outputs is not None:
             forced = reading is not None and reading.tools is not None and reading.tools.kind.forces_a_call
             await self._check_grammar(params.structured_outputs, "tool_choice" if forced else "structured_outputs")

@@ -5,11 +5,12 @@ deltas, serves streamed answers; :func:`whole_message` reads a non-streamed choi
 same way (pure: no Ray, no torch)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from raycolo.online.serving.openai_errors import OpenAIError
-from raycolo.online.serving.reasoning import ReasoningDelta, ReasoningParserKind, ReasoningReader
+from raycolo.online.serving.reasoning import (ReasoningDelta, ReasoningParserKind, ReasoningReader, reasoning_ended,
+                                              think_token_ids)
 from raycolo.online.serving.tool_calls import ToolDelta, ToolParserKind, ToolReading, answer_content, join
 from raycolo.online.serving.tool_protocol import ToolChoiceKind
 
@@ -21,6 +22,7 @@ class AnswerReading:
     tools: Optional[ToolReading] = None
     reasoning: Optional[ReasoningParserKind] = None
     include_reasoning: bool = True       # vLLM's include_reasoning: false drops the reasoning
+    constraint_after: Optional[int] = None   # the constraint binds after this token (bind_after_reasoning)
 
     @property
     def active(self) -> bool:
@@ -28,6 +30,17 @@ class AnswerReading:
 
     def reader(self) -> "AnswerReader":
         return AnswerReader(self)
+
+    def sampling(self, params):
+        """The request's SamplingParams as this reading needs them: a tool-call parser reads
+        the model's call tokens (special or not, they stay in the text); a constraint binds
+        after the reasoning (:func:`bind_after_reasoning`)."""
+        update = {}
+        if self.tools is not None and self.tools.parser is not None:
+            update["skip_special_tokens"] = False
+        if self.constraint_after is not None:
+            update["structured_after_token"] = self.constraint_after
+        return params.model_copy(update=update) if update else params
 
     def finish_reason(self, called: bool, finish: Optional[str]) -> Optional[str]:
         return self.tools.finish_reason(called, finish) if self.tools is not None else finish
@@ -94,16 +107,37 @@ def chat_reading(body, tool_parser: Optional[ToolParserKind],
                           "serve.tool_call_parser (hermes, llama3_json or pythonic); this one reads no calls from "
                           'free text: ask for "none", "required" or a named function', param="tool_choice",
                           code="invalid_parameter")
-    if reasoning_parser is not None and body.constraint() is not None:
-        param = "tool_choice" if kind.forces_a_call else (
-            "response_format" if body.response_format is not None else "structured_outputs")
-        raise OpenAIError(400, f"{param}: this deployment reads reasoning (serve.reasoning_parser "
-                          f"{reasoning_parser.value}), and a constraint on the text would bind the reasoning too "
-                          "(vLLM applies it once the reasoning ends; not built in raycolo)", param=param,
-                          code="invalid_parameter")
     tools = None
     if kind != ToolChoiceKind.NONE:
         named = body.tool_choice.function.name if kind == ToolChoiceKind.NAMED else None
         tools = ToolReading(kind, tool_parser if kind == ToolChoiceKind.AUTO else None, named, body.parallel_tool_calls)
     reading = AnswerReading(tools, reasoning_parser, body.include_reasoning)
     return reading if reading.active else None
+
+
+def constraint_param(body) -> str:
+    """The field that carries a chat request's constraint (for its errors)."""
+    if body.tool_kind.forces_a_call:
+        return "tool_choice"
+    return "response_format" if body.response_format is not None else "structured_outputs"
+
+
+def bind_after_reasoning(reading: Optional[AnswerReading], body, tokenizer, ids) -> Optional[AnswerReading]:
+    """``reading`` with where the request's constraint (a forced call's included) starts to
+    bind, given its prompt ``ids``. With a reasoning parser, as vLLM does: after the reply's
+    first ``</think>`` token, or from the start where the prompt ended the reasoning
+    (:func:`~.reasoning.reasoning_ended`); the reasoning itself is never constrained. A
+    400 naming the constraint's field where the tokenizer has no ``<think>``/``</think>``
+    tokens."""
+    if reading is None or reading.reasoning is None or body.constraint() is None:
+        return reading
+    try:
+        open_id, close_id = think_token_ids(tokenizer)
+    except ValueError as exc:
+        param = constraint_param(body)
+        raise OpenAIError(400, f"{param}: a constraint on a reasoning deployment (serve.reasoning_parser "
+                          f"{reading.reasoning.value}) binds after </think>, and {exc}", param=param,
+                          code="invalid_parameter") from None
+    if reasoning_ended(ids, open_id, close_id):
+        return reading
+    return replace(reading, constraint_after=close_id)

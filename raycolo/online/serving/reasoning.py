@@ -68,3 +68,28 @@ class ReasoningReader(TextReader):
             out.reasoning, self.text, self.phase = self.text[:at], self.text[at + len(THINK_CLOSE):], "content"
         out.content, self.text = self.text, ""
         return out
+
+
+def think_token_ids(tokenizer) -> tuple[int, int]:
+    """The ids of ``<think>`` and ``</think>``; ValueError unless each is one token of
+    ``tokenizer`` (vLLM's parsers need them so too)."""
+    ids = []
+    for tag in (THINK_OPEN, THINK_CLOSE):
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"the tokenizer has no {tag} token (it is {len(encoded)} tokens)")
+        ids.append(encoded[0])
+    return ids[0], ids[1]
+
+
+def reasoning_ended(ids, open_id: int, close_id: int) -> bool:
+    """Whether ``ids`` end outside a reasoning block: the last of ``open_id`` and
+    ``close_id`` in them is ``close_id`` (vLLM's ``is_reasoning_end``). A prompt that ends
+    so (Qwen3 with ``enable_thinking`` off writes ``<think></think>`` into it) has its
+    constraint bind the whole reply; any other binds only what follows the reply's first
+    ``</think>``."""
+    backwards = list(ids)[::-1]
+
+    def last(token: int) -> int:        # counted from the end (C speed: prompts may be long)
+        return backwards.index(token) if token in backwards else len(backwards)
+    return last(close_id) < last(open_id)
