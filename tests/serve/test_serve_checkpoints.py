@@ -425,6 +425,19 @@ def test_tokenize_and_detokenize_are_the_tokenizers_and_the_routes_prefill(front
         no_turn = tok.apply_chat_template(chat["prompt"], add_generation_prompt=False, tokenize=True,
                                           return_dict=False)
         assert post("/tokenize", {"messages": chat["prompt"], "add_generation_prompt": False})["tokens"] == no_turn
+        # chat_template_kwargs: the template's variables (Qwen3's enable_thinking; Llama 3's template ignores it)
+        off = {"enable_thinking": False}
+        want = tok.apply_chat_template(chat["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False,
+                                       **off)
+        assert (want != chat["prompt_ids"]) == (front["kind"] == "qwen2")
+        out = post("/tokenize", {"messages": chat["prompt"], "chat_template_kwargs": off})
+        assert out["tokens"] == want
+        r = client(front).chat.completions.create(model=front["model"], messages=chat["prompt"], max_tokens=1,
+                                                  extra_body={"chat_template_kwargs": off})
+        assert r.usage.prompt_tokens == len(want)
+        err = post("/v1/chat/completions", {"model": front["model"], "messages": chat["prompt"],
+                                            "chat_template_kwargs": {"tokenize": False}}, 400)["error"]
+        assert err["param"] == "chat_template_kwargs" and "tokenize" in err["message"]
         ids = chat["prompt_ids"]
         assert post("/detokenize", {"tokens": ids})["prompt"] == tok.decode(ids)
         # errors: an id past the vocabulary, a model not served here, a field vLLM's bodies lack

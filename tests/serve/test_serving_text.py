@@ -268,6 +268,8 @@ def test_model_variant_names():
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"prompt": "x", "model": ""}, "model"),
     ({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": False}},
+     "chat_template_kwargs"),
 ])
 def test_invalid_tokenize_bodies_name_their_parameter(body, param):
     from raycolo.online.serving.tokenize_protocol import TokenizeBody
@@ -309,3 +311,56 @@ def test_lone_surrogates_in_training_samples_are_400s():
     with pytest.raises(ValidationError) as exc:
         TrainSamplesRequest.model_validate({"samples": [{"prompt": "a", "completion": "\ud800"}]})
     assert from_validation(exc.value).param == "samples[0].completion"
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"add_generation_prompt": False}, "not a template variable"),      # the route's own field
+    ({"messages": []}, "not a template variable"),
+    ({"chat_template": "{{ 1 }}"}, "not a template variable"),          # no template from a request
+    ({"tokenize": False}, "not a template variable"),
+    ({"not a name": 1}, "not a template variable's name"),
+    ({f"v{i}": i for i in range(33)}, "at most 32"),
+    ([], "valid dictionary"),
+])
+def test_chat_template_kwargs_are_template_variables_only(kwargs, message):
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": HI, "chat_template_kwargs": kwargs})
+    err = from_validation(exc.value)
+    assert err.status == 400 and err.param == "chat_template_kwargs" and message in err.message, err.message
+    ok = ChatCompletionRequest.model_validate({"model": "m", "messages": HI,
+                                               "chat_template_kwargs": {"enable_thinking": False, "x": [1, {"y": None}]}})
+    assert ok.chat_template_kwargs == {"enable_thinking": False, "x": [1, {"y": None}]}
+
+
+def test_chat_template_kwargs_render_as_transformers_and_a_refusing_template_is_a_chat_template_error(
+        hf_checkpoints):
+    """Qwen3's ``enable_thinking: false`` (the fixture's ChatML template writes the empty
+    reasoning as Qwen3's does): the ids are transformers' ``apply_chat_template`` with the
+    same variables; a template's ``raise_exception`` and a variable it cannot use are a
+    ChatTemplateError (the routes' 400), not a 500."""
+    from transformers import AutoTokenizer
+
+    from raycolo.engine.models import HFTokenizer, load_tokenizer
+    from raycolo.online.serving.text import ChatTemplateError, chat_prompt_ids
+
+    path = hf_checkpoints["qwen2"]
+    tok, hf = load_tokenizer(str(path)), AutoTokenizer.from_pretrained(path)
+    want = hf.apply_chat_template(HI, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    assert want.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    got = chat_prompt_ids(tok, HI, template_kwargs={"enable_thinking": False})
+    assert got == hf(want, add_special_tokens=False)["input_ids"]
+    assert chat_prompt_ids(tok, HI) == chat_prompt_ids(tok, HI, template_kwargs={"enable_thinking": True})
+    assert chat_prompt_ids(tok, HI, add_special_tokens=True, template_kwargs={"enable_thinking": False}) == got
+    strict = AutoTokenizer.from_pretrained(path)
+    strict.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}"
+                            "{% endif %}{{ messages[0]['content'] * width }}")
+    wrapped = HFTokenizer(strict)
+    with pytest.raises(ChatTemplateError, match="a system message first"):
+        chat_prompt_ids(wrapped, HI)
+    system = [{"role": "system", "content": "s"}]
+    with pytest.raises(ChatTemplateError, match="cannot render"):
+        chat_prompt_ids(wrapped, system, template_kwargs={"width": {"a": 1}})      # str * dict
+    assert chat_prompt_ids(wrapped, system, template_kwargs={"width": 2}) == hf("ss", add_special_tokens=False)["input_ids"]

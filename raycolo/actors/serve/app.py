@@ -34,7 +34,7 @@ from raycolo.online.serving.protocol import (BASE, BASE_SUFFIX, LATEST, VERSION_
                                              ErrorResponse, EvalResponse, Health, LoadLoraAdapterRequest,
                                              ModelCard, ModelList, TrainSamplesBody, TrainSamplesResponse,
                                              TrainStatus, UnloadLoraAdapterRequest)
-from raycolo.online.serving.text import chat_prompt_ids
+from raycolo.online.serving.text import ChatTemplateError, chat_prompt_ids
 from raycolo.online.serving.answer_reading import bind_after_reasoning, chat_reading
 from raycolo.online.serving.tool_protocol import template_tools
 from raycolo.online.serving.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeBody,
@@ -188,11 +188,21 @@ class OpenAIIngress(Completions):
     async def chat(self, body: ChatCompletionRequest, request: Request):
         variant = self._check_model(body.model)
         reading = chat_reading(body, self.config.serve.tool_call_parser, self.config.serve.reasoning_parser)
-        ids = chat_prompt_ids(self.tokenizer, [m.template_dict() for m in body.messages],
-                              tools=template_tools(body.tools))
+        ids = self._chat_ids(body, tools=template_tools(body.tools))
         reading = bind_after_reasoning(reading, body, self.tokenizer, ids)
         return await self._generate(body, ids, body.limit(), "messages", chat=True, variant=variant,
                                     reading=reading)
+
+    def _chat_ids(self, body, add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                  tools=None) -> list[int]:
+        """A chat body's prompt ids (its template, tools and ``chat_template_kwargs``); a 400
+        where the template refuses it, naming the variables where any were given."""
+        try:
+            return chat_prompt_ids(self.tokenizer, [m.template_dict() for m in body.messages], add_generation_prompt,
+                                   add_special_tokens, tools, template_kwargs=body.chat_template_kwargs)
+        except ChatTemplateError as exc:
+            param = "chat_template_kwargs" if body.chat_template_kwargs else "messages"
+            raise OpenAIError(400, f"{param}: {exc}", param=param, code="invalid_parameter") from None
 
     # -- the tokenizer: vLLM's routes and bodies ---------------------------------------------
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
@@ -204,8 +214,7 @@ class OpenAIIngress(Completions):
         if req.model is not None:
             await self.model(req.model)          # 404: not served here (GET /v1/models lists what is)
         if isinstance(req, TokenizeChatRequest):
-            ids = chat_prompt_ids(self.tokenizer, [m.template_dict() for m in req.messages],
-                                  req.add_generation_prompt, req.add_special_tokens, template_tools(req.tools))
+            ids = self._chat_ids(req, req.add_generation_prompt, req.add_special_tokens, template_tools(req.tools))
         else:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,

@@ -4,7 +4,7 @@ route's messages, which may also carry tool calls and their results, extend
 :class:`ChatMessage` (:class:`raycolo.online.serving.tool_protocol.ChatTurn`)."""
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Tag
 
@@ -20,6 +20,35 @@ def unicode_text(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(unicode_text)]      # what is tokenized: prompts, messages, samples
+
+
+MAX_TEMPLATE_KWARGS = 32
+# transformers' apply_chat_template's own parameters and the variables it sets: a request's
+# chat_template_kwargs are template variables, never a change to how the chat is rendered or tokenized
+TEMPLATE_PARAMETERS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def template_kwargs(kwargs: Optional[dict]) -> Optional[dict]:
+    """A request's ``chat_template_kwargs`` (vLLM's): at most :data:`MAX_TEMPLATE_KWARGS`
+    variables, each named as a template variable is and none of :data:`TEMPLATE_PARAMETERS`."""
+    if kwargs is None:
+        return None
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} template variables")
+    for key in kwargs:
+        if not key.isidentifier():
+            raise ValueError(f"{key[:40]!r} is not a template variable's name")
+        if key in TEMPLATE_PARAMETERS:
+            raise ValueError(f"{key!r} is the chat route's or the template renderer's own, not a template variable")
+    return kwargs
+
+
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(template_kwargs)]
+TEMPLATE_KWARGS_HELP = ("variables the chat template sees besides the messages (vLLM's), e.g. "
+                        '{"enable_thinking": false} for Qwen3')
 
 
 class Closed(BaseModel):

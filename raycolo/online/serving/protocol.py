@@ -23,6 +23,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
 from raycolo.generation import SamplingParams
 # the parts of messages every body shares, where they were before (raycolo.online.serving.chat_messages)
 from raycolo.online.serving.chat_messages import ChatMessage, Closed, Text, TextPart, unicode_text  # noqa: F401
+from raycolo.online.serving.chat_messages import TEMPLATE_KWARGS_HELP, TemplateKwargs
 from raycolo.generation.structured import StructuredOutputs
 from raycolo.online.serving.structured_protocol import ResponseFormat, one_constraint
 from raycolo.online.serving.tool_protocol import (MAX_TOOLS, ChatTurn, Tool, ToolChoice, ToolChoiceKind,
@@ -207,6 +208,7 @@ class ChatCompletionRequest(SamplingFields):
         "none, auto (the default with tools: needs the deployment's serve.tool_call_parser), required, "
         "or {\"type\": \"function\", \"function\": {\"name\": ...}}"))
     parallel_tool_calls: Optional[bool] = Field(default=None, description="false: at most one call")
+    chat_template_kwargs: Optional[TemplateKwargs] = Field(default=None, description=TEMPLATE_KWARGS_HELP)
     include_reasoning: bool = Field(default=True, description="vLLM's: false leaves the reasoning out of the answer "
                                     "(with the deployment's serve.reasoning_parser)")
     max_completion_tokens: Optional[WholeInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)

@@ -62,29 +62,43 @@ def _template_tokenizer(tokenizer):
     return hf if hf is not None and getattr(hf, "chat_template", None) else None
 
 
+class ChatTemplateError(ValueError):
+    """The chat template refused a chat (its ``raise_exception``, or a variable it cannot
+    use): the request's fault, a 400."""
+
+
 def _apply(hf, messages: Sequence[Message], add_generation_prompt: bool, tokenize: bool,
-           tools: Optional[list[dict]] = None):
-    out = hf.apply_chat_template([_as_dict(m) for m in messages], tokenize=tokenize, tools=tools,
-                                 add_generation_prompt=add_generation_prompt,
-                                 **({"return_dict": False} if tokenize else {}))
+           tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None):
+    from jinja2 import TemplateError
+
+    try:
+        out = hf.apply_chat_template([_as_dict(m) for m in messages], tokenize=tokenize, tools=tools,
+                                     add_generation_prompt=add_generation_prompt,
+                                     **({"return_dict": False} if tokenize else {}), **(template_kwargs or {}))
+    except (TemplateError, TypeError, ValueError, LookupError, AttributeError) as exc:
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ChatTemplateError(f"the chat template cannot render this chat: {reason}") from None
     if tokenize and not isinstance(out, list):      # a BatchEncoding on some versions
         out = out["input_ids"]
     return list(out) if tokenize else out
 
 
 def chat_prompt_ids(tokenizer, messages: Sequence[Message], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False, tools: Optional[list[dict]] = None) -> list[int]:
+                    add_special_tokens: bool = False, tools: Optional[list[dict]] = None,
+                    template_kwargs: Optional[dict] = None) -> list[int]:
     """A chat's prompt as token ids, rendered once: one BOS at most. ``add_special_tokens``
     (``/tokenize``'s): the tokenizer's special tokens on top of what the template wrote;
     raycolo's plain template is always encoded as a prompt, with them. ``tools``: the
-    functions the model may call, as the template shows them (OpenAI's JSON)."""
+    functions the model may call, as the template shows them (OpenAI's JSON);
+    ``template_kwargs``: the request's ``chat_template_kwargs`` (checked:
+    :func:`~.chat_messages.template_kwargs`; the plain template has no variables)."""
     hf = _template_tokenizer(tokenizer)
     if hf is None:
         return tokenizer.encode(render_plain(messages, add_generation_prompt, tools))
     if add_special_tokens:
-        return tokenizer.encode(_apply(hf, messages, add_generation_prompt, tokenize=False, tools=tools),
-                                add_special_tokens=True)
-    return _apply(hf, messages, add_generation_prompt, tokenize=True, tools=tools)
+        return tokenizer.encode(_apply(hf, messages, add_generation_prompt, tokenize=False, tools=tools,
+                                       template_kwargs=template_kwargs), add_special_tokens=True)
+    return _apply(hf, messages, add_generation_prompt, tokenize=True, tools=tools, template_kwargs=template_kwargs)
 
 
 def chat_sample_ids(tokenizer, messages: Sequence[tuple[str, str]], eos_ids: Iterable[int] = (),

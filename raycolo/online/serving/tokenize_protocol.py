@@ -17,6 +17,7 @@ from typing import Annotated, Optional, Union
 from pydantic import BaseModel, Discriminator, Field, RootModel, Tag, field_validator
 
 from raycolo.bounds import MAX_TOKENS
+from raycolo.online.serving.chat_messages import TEMPLATE_KWARGS_HELP, TemplateKwargs
 from raycolo.online.serving.protocol import Closed, ModelName, Text
 from raycolo.online.serving.tool_protocol import MAX_TOOLS, ChatTurn, Tool, distinct_names
 
@@ -37,6 +38,7 @@ class TokenizeChatRequest(Closed):
                                         description="the tools the chat template shows the model")
     _distinct_tools = field_validator("tools")(lambda cls, tools: distinct_names(tools))
     add_generation_prompt: bool = Field(default=True, description="end with the assistant's turn opening")
+    chat_template_kwargs: Optional[TemplateKwargs] = Field(default=None, description=TEMPLATE_KWARGS_HELP)
     add_special_tokens: bool = Field(default=False, description="the tokenizer's special tokens on top of "
                                                                 "what the chat template writes")
     return_token_strs: bool = False
