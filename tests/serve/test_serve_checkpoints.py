@@ -102,6 +102,35 @@ def _sse(h, route: str, body: dict) -> list[dict]:
     return [json.loads(x) for x in lines[:-1]]
 
 
+def test_a_batch_of_prompts_gives_each_its_choices_as_vllm_numbers_them(front):
+    """A list of texts or of token-id lists: prompt p's choice j at index p * n + j, each
+    transformers' greedy output for its own prompt, with its own prompt_token_ids;
+    usage counts each prompt once and every choice's tokens; streamed, the chunks carry
+    their choice's index."""
+    cases = [x for x in front["cases"] if isinstance(x["prompt"], str)][:2]
+    assert len(cases) == 2
+    with httpx.Client(base_url=front["url"], timeout=120) as h:
+        for prompt in ([x["prompt"] for x in cases], [x["prompt_ids"] for x in cases]):
+            r = h.post("/v1/completions", json={"model": front["model"], "prompt": prompt, "max_tokens": MAX_NEW,
+                                                "temperature": 0, "n": 2, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            answer = r.json()
+            assert [ch["index"] for ch in answer["choices"]] == [0, 1, 2, 3]
+            for ch in answer["choices"]:
+                case = cases[ch["index"] // 2]
+                assert (ch["text"], ch["token_ids"], ch["prompt_token_ids"]) == \
+                    (case["text"], case["output_ids"], case["prompt_ids"])
+                assert ch["finish_reason"] == case["finish_reason"]
+            assert answer["usage"]["prompt_tokens"] == sum(len(x["prompt_ids"]) for x in cases)
+            assert answer["usage"]["completion_tokens"] == 2 * sum(len(x["output_ids"]) for x in cases)
+    texts = {}
+    for chunk in client(front).completions.create(model=front["model"], prompt=[x["prompt"] for x in cases],
+                                                  max_tokens=MAX_NEW, temperature=0, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    assert texts == {0: cases[0]["text"], 1: cases[1]["text"]}
+
+
 def test_token_ids_and_stop_reason_as_vllm_returns_them(front):
     """vLLM's ``return_token_ids`` (the prompt's ids, and each choice's generated ids with the
     stop token; streamed: the prompt's with the first chunk, each chunk's own) and

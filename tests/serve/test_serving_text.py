@@ -110,7 +110,14 @@ def test_plain_chat_template_and_training_completions():
     ({"model": "m", "prompt": "x", "temperature": float("nan")}, "temperature"),
     ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
     ({"model": "m", "prompt": "x", "stop": ["a"] * 17}, "stop"),
-    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": ["a"] * 65}, "prompt"),                            # a batch of at most 64
+    ({"model": "m", "prompt": [[1, 2], []]}, "prompt"),
+    ({"model": "m", "prompt": [[1, 2], [3, -1]]}, "prompt"),
+    ({"model": "m", "prompt": [[1], ["a"]]}, "prompt[1][0]"),
+    ({"model": "m", "prompt": ["a", [1]]}, "prompt[1]"),
+    ({"model": "m", "prompt": {"a": 1}}, "prompt"),
+    ({"model": "m", "prompt": ["a", "b\udfff"]}, "prompt"),
+    ({"model": "m", "prompt": [[1]] * 9, "n": 16}, "prompt"),                   # 144 choices: at most 128
     ({"model": "m", "prompt": [1, -2]}, "prompt"),
     ({"model": "m", "prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x"}, "model"),
@@ -170,7 +177,7 @@ def test_invalid_completion_requests_name_their_parameter(body, param):
 def test_valid_requests_and_whole_floats():
     r = CompletionRequest.model_validate({"model": "m", "prompt": ["hi"], "max_tokens": 4.0, "stop": "x",
                                           "user": "ignored"})
-    assert r.prompt == "hi" and r.max_tokens == 4 and r.stop_list() == ["x"]
+    assert r.prompts() == ["hi"] and r.max_tokens == 4 and r.stop_list() == ["x"]
     c = ChatCompletionRequest.model_validate({"model": "m", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 3})

@@ -175,14 +175,16 @@ class OpenAIIngress(Completions):
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**ERRORS, **SSE})
     async def completions(self, body: CompletionRequest, request: Request):
         variant = self._check_model(body.model)
-        if isinstance(body.prompt, str):
-            ids = self.tokenizer.encode(body.prompt)
-        else:
-            ids = list(body.prompt)
-            if max(ids) >= self.vocab:
+        prompts = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                prompts.append(self.tokenizer.encode(prompt))
+            elif max(prompt) >= self.vocab:
                 raise OpenAIError(400, f"prompt: token ids must be below the vocabulary size {self.vocab}",
                                   param="prompt", code="invalid_parameter")
-        return await self._generate(body, ids, body.max_tokens, "prompt", chat=False, variant=variant)
+            else:
+                prompts.append(list(prompt))
+        return await self._generate(body, prompts, body.max_tokens, "prompt", chat=False, variant=variant)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **SSE})
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -190,7 +192,7 @@ class OpenAIIngress(Completions):
         reading = chat_reading(body, self.config.serve.tool_call_parser, self.config.serve.reasoning_parser)
         ids = self._chat_ids(body, tools=template_tools(body.tools))
         reading = bind_after_reasoning(reading, body, self.tokenizer, ids)
-        return await self._generate(body, ids, body.limit(), "messages", chat=True, variant=variant,
+        return await self._generate(body, [ids], body.limit(), "messages", chat=True, variant=variant,
                                     reading=reading)
 
     def _chat_ids(self, body, add_generation_prompt: bool = True, add_special_tokens: bool = False,

@@ -312,44 +312,52 @@ class Completions:
                     raise
             await asyncio.sleep(RESTART_POLL_S)
 
-    async def _generate(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool,
-                        variant: Union[str, int] = LATEST, reading: Optional[AnswerReading] = None):
-        """``reading``: how a chat's choices are read for reasoning and tool calls (None:
-        they are not)."""
+    async def _generate(self, body, prompts: list[list[int]], max_tokens: Optional[int], prompt_param: str,
+                        chat: bool, variant: Union[str, int] = LATEST, reading: Optional[AnswerReading] = None):
+        """``prompts``: the request's prompts' ids (a chat's one, or a completions batch);
+        ``reading``: how a chat's choices are read for reasoning and tool calls (None: they
+        are not)."""
         self._ensure_monitor()
-        params = self._sampling(body, ids, max_tokens, prompt_param, chat)
-        if reading is not None:
-            params = reading.sampling(params)
-        if params.structured_outputs is not None:
+        params = []
+        for ids in prompts:
+            one = self._sampling(body, ids, max_tokens, prompt_param, chat)
+            params.append(reading.sampling(one) if reading is not None else one)
+        if params[0].structured_outputs is not None:       # the same constraint for every prompt
             forced = reading is not None and reading.tools is not None and reading.tools.kind.forces_a_call
-            await self._check_grammar(params.structured_outputs, "tool_choice" if forced else "structured_outputs")
+            await self._check_grammar(params[0].structured_outputs, "tool_choice" if forced else "structured_outputs")
         started = time.perf_counter()
         kind = "chat.completion" if chat else "text_completion"
-        # n choices: n requests, choice i drawn with seed + i (all admitted before any is awaited)
-        admitted = []
+        # n choices per prompt: n requests, choice j drawn with seed + j (all admitted before any is
+        # awaited); prompt p's choice j is choice p * n + j, as vLLM numbers a batch's choices
+        admitted, choice_prompts = [], []
         try:
-            for i in range(body.n):
-                choice_params = params if i == 0 else params.model_copy(update={"seed": params.seed + i})
-                admitted.append(await self._admit(body, ids, choice_params, variant))
+            for ids, first in zip(prompts, params):
+                for j in range(body.n):
+                    choice_params = first if j == 0 else first.model_copy(update={"seed": first.seed + j})
+                    admitted.append(await self._admit(body, ids, choice_params, variant))
+                    choice_prompts.append(ids)
         except BaseException:     # choice k refused (429...) or the client gone: the others must not run on
             for a in admitted:
                 self.channel.close(a.front)
                 self.controller.cancel.remote(a.rid, FinishReason.ABORT)
             raise
         out_id = f"{'chatcmpl' if chat else 'cmpl'}-{admitted[0].rid}-{uuid.uuid4().hex[:8]}"
-        tokens = TokenFields(list(ids) if body.return_token_ids else None, bool(body.return_tokens_as_token_ids))
+        as_ids = bool(body.return_tokens_as_token_ids)
+        tokens = [TokenFields(list(ids) if body.return_token_ids else None, as_ids) for ids in choice_prompts]
+        prompt_tokens = sum(len(ids) for ids in prompts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = [self._events(a, params, started, ids) for a in admitted]
-            return StreamingResponse(sse_answer(events, self.tokenizer, out_id, chat, body.model, len(ids),
+            events = [self._events(a, a.params, started, ids) for a, ids in zip(admitted, choice_prompts)]
+            return StreamingResponse(sse_answer(events, self.tokenizer, out_id, chat, body.model, prompt_tokens,
                                                 include_usage, self.config.serve.stream_interval, tokens, reading),
                                      media_type="text/event-stream")
-        results = await asyncio.gather(*[self._collect(a, params, started, ids) for a in admitted])
-        choices = [choice(self.tokenizer, chat, i, r, tokens, reading) for i, r in enumerate(results)]
+        results = await asyncio.gather(*[self._collect(a, a.params, started, ids)
+                                         for a, ids in zip(admitted, choice_prompts)])
+        choices = [choice(self.tokenizer, chat, i, r, tokens[i], reading) for i, r in enumerate(results)]
         answer = {"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
-                  "choices": choices, "usage": usage(len(ids), sum(r.count for r in results))}
-        if chat and tokens.asked:
-            answer["prompt_token_ids"] = tokens.prompt_ids
+                  "choices": choices, "usage": usage(prompt_tokens, sum(r.count for r in results))}
+        if chat and body.return_token_ids:
+            answer["prompt_token_ids"] = list(prompts[0])
         return JSONResponse(answer)
 
     async def _check_grammar(self, constraint, param: str) -> None:

@@ -40,6 +40,8 @@ from raycolo.generation.params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS_TOK
 
 MAX_TRAIN_SAMPLES = 1024                      # per POST /v1/train_samples
 MAX_CHOICES = 16                              # n
+MAX_PROMPTS = 64                              # prompts of one completions request (a batch)
+MAX_BATCH_CHOICES = 128                       # a completions batch's choices: prompts x n
 ModelName = Annotated[str, Field(min_length=1, max_length=512)]     # a served model's (or adapter's) name
 
 
@@ -170,10 +172,29 @@ class SamplingFields(BaseModel):
                               structured_outputs=self.constraint())
 
 
-class CompletionRequest(SamplingFields):
-    """POST /v1/completions: one prompt (text, a list of one text, or token ids)."""
+def _prompt_form(prompt) -> Optional[str]:
+    if isinstance(prompt, str):
+        return "{text}"
+    if not isinstance(prompt, list):
+        return None
+    first = prompt[0] if prompt else 0
+    return "[texts]" if isinstance(first, str) else "[[ids]]" if isinstance(first, list) else "[ids]"
 
-    prompt: Union[str, list[WholeInt], list[str]] = Field(description="a text, or token ids")
+
+# tagged by the form it has, so an error names the prompt and the place at fault (the tags are no parameter)
+Prompt = Annotated[Union[Annotated[str, Tag("{text}")], Annotated[list[WholeInt], Tag("[ids]")],
+                         Annotated[list[str], Tag("[texts]")], Annotated[list[list[WholeInt]], Tag("[[ids]]")]],
+                   Discriminator(_prompt_form, custom_error_type="invalid_prompt",
+                                 custom_error_message="must be a text, token ids, or a list of texts or of "
+                                                      "token-id lists")]
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions: a prompt (a text or token ids), or a batch of them (a list of
+    texts or of token-id lists), as OpenAI's and vLLM's: each prompt gets ``n`` choices,
+    prompt ``p``'s choice ``j`` at index ``p * n + j``."""
+
+    prompt: Prompt = Field(description=f"a text or token ids, or a list of up to {MAX_PROMPTS} of either")
     echo: Literal[False] = Field(default=False, description="not supported (only false)")
     logprobs: Optional[WholeLogprobCount] = Field(default=None, description="the sampled tokens' "
                                                   "log-probabilities and this many most likely tokens' per position")
@@ -183,19 +204,33 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
+    def _prompts(cls, prompt, info: ValidationInfo):
         if isinstance(prompt, str):
             return unicode_text(prompt)
-        if isinstance(prompt, list):
-            if not prompt:
-                raise ValueError("must not be empty")
-            if isinstance(prompt[0], str):
-                if len(prompt) != 1:
-                    raise ValueError("one prompt per request (n = 1, no batches)")
-                return unicode_text(prompt[0])
-            if any(t < 0 for t in prompt):
-                raise ValueError("token ids must be >= 0")
+        if not prompt:
+            raise ValueError("must not be empty")
+        batch = isinstance(prompt[0], (str, list))
+        if batch and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
+        n = info.data.get("n", 1)
+        if batch and len(prompt) * n > MAX_BATCH_CHOICES:
+            raise ValueError(f"{len(prompt)} prompts x n = {n} choices; at most {MAX_BATCH_CHOICES} in one request")
+        for i, one in enumerate(prompt if batch else [prompt]):
+            where = f"prompt {i}: " if batch else ""
+            if isinstance(one, str):
+                unicode_text(one)
+            elif not one:
+                raise ValueError(f"{where}must not be empty")
+            elif any(t < 0 for t in one):
+                raise ValueError(f"{where}token ids must be >= 0")
         return prompt
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The request's prompts: texts and token-id lists, in order (one, or a batch)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not isinstance(prompt[0], (str, list)):
+            return [prompt]
+        return list(prompt)
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence, Union
 
 from raycolo.generation import FinishReason
 from raycolo.online.serving.openai_errors import OpenAIError
@@ -30,13 +30,18 @@ from raycolo.online.serving.answer_reading import AnswerReading
 
 async def sse_answer(choices: Sequence[AsyncIterator], tokenizer, out_id: str, chat: bool, model: str,
                      prompt_tokens: int, include_usage: bool, stream_interval: int,
-                     tokens: TokenFields = TokenFields(), reading: Optional[AnswerReading] = None
-                     ) -> AsyncIterator[str]:
+                     tokens: Union[TokenFields, Sequence[TokenFields]] = TokenFields(),
+                     reading: Optional[AnswerReading] = None) -> AsyncIterator[str]:
     """The ``data:`` lines of the answer whose choices' events are ``choices``
-    (:class:`~.responses.ChoiceEvent`, or its first four fields); ``reading``: how a chat's
-    text is read for reasoning and tool calls (:mod:`.answer_reading`; None: it is not)."""
+    (:class:`~.responses.ChoiceEvent`, or its first four fields); ``tokens``: what the
+    choices add about tokens (one for all, or one per choice: a completions batch's
+    choices have their own prompts); ``reading``: how a chat's text is read for reasoning
+    and tool calls (:mod:`.answer_reading`; None: it is not)."""
     created = int(time.time())
-    sses = [SseChunks(tokenizer, out_id, chat, model, created, index=i, tokens=tokens) for i in range(len(choices))]
+    per_choice = [tokens] * len(choices) if isinstance(tokens, TokenFields) else list(tokens)
+    tokens = per_choice[0]                  # whether token ids are asked: the same for every choice
+    sses = [SseChunks(tokenizer, out_id, chat, model, created, index=i, tokens=per_choice[i])
+            for i in range(len(choices))]
     held = [StreamInterval(stream_interval) for _ in choices]
     counts = [0] * len(choices)
     readers = [reading.reader() if reading is not None else None for _ in choices]
