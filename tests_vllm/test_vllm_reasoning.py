@@ -78,7 +78,7 @@ def _seen(answer: dict) -> dict:
     choice = answer["choices"][0]
     message = choice["message"]
     return {"token_ids": choice["token_ids"], "reasoning": message.get("reasoning"), "content": message["content"],
-            "calls": [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            "calls": [(c["function"]["name"], c["function"]["arguments"])       # the JSON text: a cut one too
                       for c in message.get("tool_calls") or ()],
             "finish_reason": choice["finish_reason"],
             "usage": (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"])}

@@ -31,6 +31,9 @@ CASES = [
     (R1, "Still thinking", "Still thinking", None),
     (R1, "Done.</think>", "Done.", None),
     (R1, "a < b, so </thin", "a < b, so </thin", None),
+    (R1, "</think>4", "", "4"),                            # an empty reasoning is "", as vLLM's
+    (R1, "", "", None),
+    (QWEN3, "<think></think>4", "", "4"),
     (QWEN3, "<think>\nThe sum is 4.\n</think>\n\n4", "\nThe sum is 4.\n", "\n\n4"),
     (QWEN3, "4", None, "4"),
     (QWEN3, "<thinking is fun", None, "<thinking is fun"),

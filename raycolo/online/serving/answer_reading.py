@@ -86,9 +86,11 @@ def whole_message(reading: AnswerReading, text: str) -> tuple[dict, bool]:
     deltas = [reader.feed(text), reader.finish()]
     content, calls = join(deltas)
     message: dict = {}
-    if reading.reasoning is not None:
-        message["reasoning"] = "".join(d.reasoning for d in deltas) or None
-        content = content or None                # vLLM: no content after the reasoning is null
+    if reading.reasoning is not None:       # vLLM's: "" for an empty reasoning, null for none
+        thought = reader.reasoning.thought and reading.include_reasoning
+        message["reasoning"] = "".join(d.reasoning for d in deltas) if thought else None
+        if reading.tools is None or not reading.tools.kind.forces_a_call:
+            content = content or None            # vLLM: no content after the reasoning is null (a forced call's: "")
     if reading.tools is not None:
         content = answer_content(reading.tools.kind, content, calls)
         message["tool_calls"] = calls

@@ -49,6 +49,7 @@ class ReasoningReader(TextReader):
         self.kind = kind
         self.text = ""
         self.phase = "start"          # start: the reply's opening not read yet; then thinking or content
+        self.thought = False          # the reply had a reasoning part (vLLM's reasoning "" rather than null)
 
     def _read(self, final: bool) -> ReasoningDelta:
         out = ReasoningDelta()
@@ -60,6 +61,7 @@ class ReasoningReader(TextReader):
             else:
                 self.phase = "thinking" if self.kind == ReasoningParserKind.DEEPSEEK_R1 else "content"
         if self.phase == "thinking":
+            self.thought = True
             at = self.text.find(THINK_CLOSE)
             if at < 0:
                 keep = 0 if final else held_prefix(self.text, THINK_CLOSE)
