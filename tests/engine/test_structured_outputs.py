@@ -96,7 +96,15 @@ def test_preemption_and_a_cache_of_one_matcher_change_nothing(hf_checkpoints, en
     tok = load(path)[1]
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     params = [SamplingParams(max_tokens=MAX_NEW, structured_outputs=StructuredOutputs(**c)) for c in CONSTRAINTS]
+    # and a constraint that binds after a token of the free output (a reasoning's end)
+    frees = [o.token_ids for o in engines["llama3"].generate(prompts, SamplingParams(max_tokens=MAX_NEW))]
+    k, j = next((i, j) for j, free in enumerate(frees) for i in range(3, len(free) - 2) if free[i] not in free[:i])
+    free = frees[j]
+    prompts.append(prompts[j])
+    params.append(SamplingParams(max_tokens=MAX_NEW, structured_outputs=StructuredOutputs(**CONSTRAINTS[1]),
+                                 structured_after_token=free[k]))
     want = [o.token_ids for o in engines["llama3"].generate(prompts, params)]
+    assert want[-1][:k + 1] == free[:k + 1] and want[-1] != free
     small = create_engine({"model_loading_config": {"model_id": str(path)},
                            "engine_kwargs": {"kv_cache_tokens": 64, "block_size": 4}})
     try:
@@ -106,6 +114,7 @@ def test_preemption_and_a_cache_of_one_matcher_change_nothing(hf_checkpoints, en
         assert [o.token_ids for o in got] == want
         assert sum(r.preempted for r in small.stats.iterations) > 0
         assert small.rules.grammar.rebuilt > 2 * len(prompts)
+        assert len(small.rules.grammar.waiting) <= 1                     # bounded as the matchers are
     finally:
         small.release()
 

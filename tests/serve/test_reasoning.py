@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from raycolo.engine.models import ByteTokenizer
-from raycolo.online.serving.answer_reading import AnswerReading, bind_after_reasoning, chat_reading, whole_message
+from raycolo.online.serving.answer_reading import AnswerReading, chat_reading, constraint_after, whole_message
 from raycolo.online.serving.openai_errors import OpenAIError
-from raycolo.online.serving.protocol import ChatCompletionRequest
+from raycolo.online.serving.protocol import ChatCompletionRequest, CompletionRequest
 from raycolo.online.serving.reasoning import ReasoningParserKind
 from raycolo.online.serving.responses import ChoiceEvent
 from raycolo.online.serving.sse_stream import sse_answer
@@ -120,33 +120,39 @@ CONSTRAINED = [({"response_format": {"type": "json_object"}}, "response_format")
 
 
 def test_a_constraint_binds_after_the_replys_first_end_of_reasoning_unless_the_prompt_ended_it(hf_checkpoints):
-    """vLLM's rule (is_reasoning_end on the prompt): the last of <think> and </think> in the
-    prompt decides; a tokenizer without them as single tokens is a 400 naming the field."""
+    """vLLM 0.32's rule (is_reasoning_end on the prompt): looking back, </think> first says
+    ended (bind from the start), <think> first says not (bind after the reply's first
+    </think>); qwen3 stops at a ChatML turn boundary and then reads enable_thinking;
+    include_reasoning false binds from the start; a tokenizer without the tags as tokens
+    is a 400 naming the constraint's field."""
     from raycolo.engine.models import load_tokenizer
 
     tok = load_tokenizer(str(hf_checkpoints["qwen2"]))
-    think, close = (tok.encode(t, add_special_tokens=False) for t in ("<think>", "</think>"))
-    assert len(think) == len(close) == 1
+    think, close = (tok.tok.convert_tokens_to_ids(t) for t in ("<think>", "</think>"))
     hi = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    off = hi + tok.encode("<think>\n\n</think>\n\n")                  # Qwen3's template, thinking off
+    # a finished turn's reasoning kept in the history, then a new turn (a tool-call loop)
+    history = tok.encode("<|im_start|>assistant\n<think>\nx\n</think>\n\ncall<|im_end|>\n") + hi
     for extra, param in CONSTRAINED:
         body = ChatCompletionRequest.model_validate({**CHAT, **extra})
-        reading = chat_reading(body, ToolParserKind.HERMES, R1)
-        bound = bind_after_reasoning(reading, body, tok, hi)
-        assert bound.constraint_after == close[0]
-        params = bound.sampling(body.sampling_params(16, 0))          # what the stages get
-        assert params.structured_after_token == close[0] and params.structured_outputs == body.constraint()
-        assert bind_after_reasoning(reading, body, tok, hi + think).constraint_after == close[0]
-        off = hi + tok.encode("<think>\n\n</think>\n\n")          # Qwen3 with enable_thinking off
-        assert bind_after_reasoning(reading, body, tok, off) is reading
-        assert bind_after_reasoning(reading, body, tok, off + think + [5]).constraint_after == close[0]
+        for kind, ids, want in ((R1, hi, close), (R1, hi + [think], close), (R1, off, None),
+                                (R1, off + [think, 5], close), (R1, history, None),
+                                (QWEN3, hi, close), (QWEN3, off, None), (QWEN3, history, close)):
+            assert constraint_after(kind, body, tok, ids) == want, (kind, tok.decode(ids))
+        params = body.sampling_params(16, 0)
+        assert params.model_copy(update={"structured_after_token": close}).structured_outputs == body.constraint()
         with pytest.raises(OpenAIError) as err:
-            bind_after_reasoning(reading, body, ByteTokenizer(300), hi)
+            constraint_after(R1, body, ByteTokenizer(300), hi)
         assert err.value.status == 400 and err.value.param == param and "</think>" in err.value.message
-        plain = chat_reading(body, ToolParserKind.HERMES, None)           # no reasoning parser: as given
-        assert bind_after_reasoning(plain, body, ByteTokenizer(300), hi) is plain
-    unconstrained = ChatCompletionRequest.model_validate(CHAT)
-    reading = chat_reading(unconstrained, None, R1)
-    assert bind_after_reasoning(reading, unconstrained, ByteTokenizer(300), hi) is reading
+        assert constraint_after(None, body, ByteTokenizer(300), hi) is None            # no reasoning parser
+        quiet = ChatCompletionRequest.model_validate({**CHAT, **extra, "include_reasoning": False})
+        assert constraint_after(R1, quiet, tok, hi) is None                            # vLLM: from the start
+        no_thinking = ChatCompletionRequest.model_validate({**CHAT, **extra,
+                                                           "chat_template_kwargs": {"enable_thinking": False}})
+        assert constraint_after(QWEN3, no_thinking, tok, hi) is None       # a turn boundary, thinking off
+        assert constraint_after(R1, no_thinking, tok, hi) == close         # deepseek_r1 reads no kwargs
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "x", "structured_outputs": {"regex": "a"}})
+    assert constraint_after(R1, completion, tok, hi) == close               # completions: as a thinking chat
 
 
 def test_auto_without_a_tool_call_parser_is_a_400_and_a_reader_is_made_only_where_needed():

@@ -35,7 +35,7 @@ from raycolo.online.serving.protocol import (BASE, BASE_SUFFIX, LATEST, VERSION_
                                              ModelCard, ModelList, TrainSamplesBody, TrainSamplesResponse,
                                              TrainStatus, UnloadLoraAdapterRequest)
 from raycolo.online.serving.text import ChatTemplateError, chat_prompt_ids
-from raycolo.online.serving.answer_reading import bind_after_reasoning, chat_reading
+from raycolo.online.serving.answer_reading import chat_reading
 from raycolo.online.serving.tool_protocol import template_tools
 from raycolo.online.serving.tokenize_protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeBody,
                                                       TokenizeChatRequest, TokenizeResponse)
@@ -175,15 +175,17 @@ class OpenAIIngress(Completions):
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**ERRORS, **SSE})
     async def completions(self, body: CompletionRequest, request: Request):
         variant = self._check_model(body.model)
-        prompts = []
-        for prompt in body.prompts():
-            if isinstance(prompt, str):
-                prompts.append(self.tokenizer.encode(prompt))
-            elif max(prompt) >= self.vocab:
-                raise OpenAIError(400, f"prompt: token ids must be below the vocabulary size {self.vocab}",
+        prompts, batch = [], len(body.prompts()) > 1
+        for i, prompt in enumerate(body.prompts()):
+            where = f"prompt {i}: " if batch else ""
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            if not ids:           # an empty text, with a tokenizer that adds no BOS
+                raise OpenAIError(400, f"prompt: {where}the prompt is empty (no tokens)", param="prompt",
+                                  code="invalid_parameter")
+            if max(ids) >= self.vocab:
+                raise OpenAIError(400, f"prompt: {where}token ids must be below the vocabulary size {self.vocab}",
                                   param="prompt", code="invalid_parameter")
-            else:
-                prompts.append(list(prompt))
+            prompts.append(ids)
         return await self._generate(body, prompts, body.max_tokens, "prompt", chat=False, variant=variant)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **SSE})
@@ -191,7 +193,6 @@ class OpenAIIngress(Completions):
         variant = self._check_model(body.model)
         reading = chat_reading(body, self.config.serve.tool_call_parser, self.config.serve.reasoning_parser)
         ids = self._chat_ids(body, tools=template_tools(body.tools))
-        reading = bind_after_reasoning(reading, body, self.tokenizer, ids)
         return await self._generate(body, [ids], body.limit(), "messages", chat=True, variant=variant,
                                     reading=reading)
 

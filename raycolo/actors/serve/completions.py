@@ -28,7 +28,7 @@ from raycolo.online.tasks import OnlineTask, TaskKind
 from raycolo.online.serving.protocol import BASE, BASE_SUFFIX, LATEST, VERSION_SUFFIX, model_variant
 from raycolo.online.serving.responses import ChoiceEvent, TokenFields, choice, usage
 from raycolo.online.serving.sse_stream import sse_answer
-from raycolo.online.serving.answer_reading import AnswerReading
+from raycolo.online.serving.answer_reading import AnswerReading, constraint_after
 from raycolo.generation.detokenize import text_stream
 
 if TYPE_CHECKING:
@@ -133,12 +133,14 @@ class Completions:
         stage's KV cache where that is shorter (vLLM's ``max_model_len``)."""
         return min(self.context, self.config.stage.kv_cache_tokens)
 
-    def _sampling(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool):
-        """The request's SamplingParams, its limit checked against the context."""
+    def _sampling(self, body, ids: list[int], max_tokens: Optional[int], prompt_param: str, chat: bool,
+                  which: str = "the prompt"):
+        """The request's SamplingParams, its limit checked against the context (``which``:
+        the prompt's name in errors, a batch's ``prompt i``)."""
         limit = max_tokens if max_tokens is not None else self.config.max_tokens
         context = self.max_model_len
         if len(ids) >= context:
-            raise OpenAIError(400, f"{prompt_param}: the prompt has {len(ids)} tokens; this model's "
+            raise OpenAIError(400, f"{prompt_param}: {which} has {len(ids)} tokens; this model's "
                               f"context is {context} tokens", param=prompt_param, code="context_length_exceeded")
         param = "max_tokens" if not chat or body.max_completion_tokens is None else "max_completion_tokens"
         if len(ids) + limit > context:
@@ -156,9 +158,9 @@ class Completions:
         seed = body.seed if body.seed is not None else secrets.randbits(31)
         return body.sampling_params(limit, seed)
 
-    async def _admit(self, body, ids: list[int], params, variant) -> "Admitted":
-        """Admit one request: its id, its key on this replica's channel and its events' queue."""
-        version = await self._pinned_version(variant)
+    async def _admit(self, body, ids: list[int], params, variant, version) -> "Admitted":
+        """Admit one request: its id, its key on this replica's channel and its events' queue
+        (``version``: :meth:`_pinned_version` of ``variant``, resolved once per HTTP request)."""
         front, events = await self.channel.open()
         request = Admitted(0, front, events, ids, variant == BASE, version, params,
                            stop_token_set(params, self.tokenizer.eos_token_ids))
@@ -319,9 +321,14 @@ class Completions:
         are not)."""
         self._ensure_monitor()
         params = []
-        for ids in prompts:
-            one = self._sampling(body, ids, max_tokens, prompt_param, chat)
-            params.append(reading.sampling(one) if reading is not None else one)
+        for i, ids in enumerate(prompts):
+            one = self._sampling(body, ids, max_tokens, prompt_param, chat, f"prompt {i}" if len(prompts) > 1
+                                 else "the prompt")
+            one = reading.sampling(one) if reading is not None else one
+            if one.structured_outputs is not None:       # a reasoning deployment's binds after the reasoning
+                after = constraint_after(self.config.serve.reasoning_parser, body, self.tokenizer, ids)
+                one = one.model_copy(update={"structured_after_token": after}) if after is not None else one
+            params.append(one)
         if params[0].structured_outputs is not None:       # the same constraint for every prompt
             forced = reading is not None and reading.tools is not None and reading.tools.kind.forces_a_call
             await self._check_grammar(params[0].structured_outputs, "tool_choice" if forced else "structured_outputs")
@@ -330,11 +337,12 @@ class Completions:
         # n choices per prompt: n requests, choice j drawn with seed + j (all admitted before any is
         # awaited); prompt p's choice j is choice p * n + j, as vLLM numbers a batch's choices
         admitted, choice_prompts = [], []
+        version = await self._pinned_version(variant)
         try:
             for ids, first in zip(prompts, params):
                 for j in range(body.n):
                     choice_params = first if j == 0 else first.model_copy(update={"seed": first.seed + j})
-                    admitted.append(await self._admit(body, ids, choice_params, variant))
+                    admitted.append(await self._admit(body, ids, choice_params, variant, version))
                     choice_prompts.append(ids)
         except BaseException:     # choice k refused (429...) or the client gone: the others must not run on
             for a in admitted:

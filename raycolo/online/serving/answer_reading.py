@@ -5,12 +5,12 @@ deltas, serves streamed answers; :func:`whole_message` reads a non-streamed choi
 same way (pure: no Ray, no torch)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 from raycolo.online.serving.openai_errors import OpenAIError
 from raycolo.online.serving.reasoning import (ReasoningDelta, ReasoningParserKind, ReasoningReader, reasoning_ended,
-                                              think_token_ids)
+                                              think_tokens)
 from raycolo.online.serving.tool_calls import ToolDelta, ToolParserKind, ToolReading, answer_content, join
 from raycolo.online.serving.tool_protocol import ToolChoiceKind
 
@@ -22,7 +22,6 @@ class AnswerReading:
     tools: Optional[ToolReading] = None
     reasoning: Optional[ReasoningParserKind] = None
     include_reasoning: bool = True       # vLLM's include_reasoning: false drops the reasoning
-    constraint_after: Optional[int] = None   # the constraint binds after this token (bind_after_reasoning)
 
     @property
     def active(self) -> bool:
@@ -33,14 +32,10 @@ class AnswerReading:
 
     def sampling(self, params):
         """The request's SamplingParams as this reading needs them: a tool-call parser reads
-        the model's call tokens (special or not, they stay in the text); a constraint binds
-        after the reasoning (:func:`bind_after_reasoning`)."""
-        update = {}
+        the model's call tokens (special or not, they stay in the text)."""
         if self.tools is not None and self.tools.parser is not None:
-            update["skip_special_tokens"] = False
-        if self.constraint_after is not None:
-            update["structured_after_token"] = self.constraint_after
-        return params.model_copy(update=update) if update else params
+            return params.model_copy(update={"skip_special_tokens": False})
+        return params
 
     def finish_reason(self, called: bool, finish: Optional[str]) -> Optional[str]:
         return self.tools.finish_reason(called, finish) if self.tools is not None else finish
@@ -118,28 +113,30 @@ def chat_reading(body, tool_parser: Optional[ToolParserKind],
 
 
 def constraint_param(body) -> str:
-    """The field that carries a chat request's constraint (for its errors)."""
-    if body.tool_kind.forces_a_call:
+    """The field that carries a request's constraint (for its errors)."""
+    if getattr(body, "tool_kind", ToolChoiceKind.NONE).forces_a_call:
         return "tool_choice"
     return "response_format" if body.response_format is not None else "structured_outputs"
 
 
-def bind_after_reasoning(reading: Optional[AnswerReading], body, tokenizer, ids) -> Optional[AnswerReading]:
-    """``reading`` with where the request's constraint (a forced call's included) starts to
-    bind, given its prompt ``ids``. With a reasoning parser, as vLLM does: after the reply's
-    first ``</think>`` token, or from the start where the prompt ended the reasoning
-    (:func:`~.reasoning.reasoning_ended`); the reasoning itself is never constrained. A
-    400 naming the constraint's field where the tokenizer has no ``<think>``/``</think>``
-    tokens."""
-    if reading is None or reading.reasoning is None or body.constraint() is None:
-        return reading
+def constraint_after(kind: Optional[ReasoningParserKind], body, tokenizer, ids) -> Optional[int]:
+    """The token after whose first occurrence in the reply a request's constraint (a
+    forced call's included) binds; None: from the start. With a reasoning parser, as
+    vLLM 0.32 does: after the reply's first ``</think>``, unless the prompt ``ids`` ended
+    the reasoning (:func:`~.reasoning.reasoning_ended`; Qwen3's parser also reads
+    ``chat_template_kwargs.enable_thinking``) or the chat asked ``include_reasoning:
+    false`` (then from the start); the reasoning itself is never constrained.
+    Completions count as thinking chats. A 400 naming the constraint's field where the
+    tokenizer has no ``<think>``/``</think>`` tokens."""
+    if kind is None or not getattr(body, "include_reasoning", True):
+        return None
     try:
-        open_id, close_id = think_token_ids(tokenizer)
+        tags = think_tokens(tokenizer, kind)
     except ValueError as exc:
         param = constraint_param(body)
         raise OpenAIError(400, f"{param}: a constraint on a reasoning deployment (serve.reasoning_parser "
-                          f"{reading.reasoning.value}) binds after </think>, and {exc}", param=param,
+                          f"{kind.value}) binds after </think>, and {exc}", param=param,
                           code="invalid_parameter") from None
-    if reasoning_ended(ids, open_id, close_id):
-        return reading
-    return replace(reading, constraint_after=close_id)
+    thinking = kind != ReasoningParserKind.QWEN3 or \
+        (getattr(body, "chat_template_kwargs", None) or {}).get("enable_thinking", True) is not False
+    return None if reasoning_ended(ids, tags, thinking) else tags.close

@@ -4,6 +4,8 @@ route's messages, which may also carry tool calls and their results, extend
 :class:`ChatMessage` (:class:`raycolo.online.serving.tool_protocol.ChatTurn`)."""
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Tag
@@ -31,9 +33,40 @@ TEMPLATE_PARAMETERS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+@functools.cache
+def renderer_parameters() -> frozenset:
+    """:data:`TEMPLATE_PARAMETERS` and whatever parameters the installed transformers'
+    ``apply_chat_template`` and template renderer take besides (a newer release's too)."""
+    names = set(TEMPLATE_PARAMETERS)
+    try:
+        from transformers import PreTrainedTokenizerBase
+        from transformers.utils.chat_template_utils import render_jinja_template
+    except ImportError:
+        return frozenset(names)
+    for fn in (PreTrainedTokenizerBase.apply_chat_template, render_jinja_template):
+        names.update(p.name for p in inspect.signature(fn).parameters.values()
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self")
+    return frozenset(names)
+
+
+def _texts(value) -> None:
+    """Every string in a JSON value (keys too) checked as :func:`unicode_text` does."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            unicode_text(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
 def template_kwargs(kwargs: Optional[dict]) -> Optional[dict]:
     """A request's ``chat_template_kwargs`` (vLLM's): at most :data:`MAX_TEMPLATE_KWARGS`
-    variables, each named as a template variable is and none of :data:`TEMPLATE_PARAMETERS`."""
+    variables, each named as a template variable is and none of the renderer's own
+    parameters (:func:`renderer_parameters`), whose texts a tokenizer can take."""
     if kwargs is None:
         return None
     if len(kwargs) > MAX_TEMPLATE_KWARGS:
@@ -41,8 +74,9 @@ def template_kwargs(kwargs: Optional[dict]) -> Optional[dict]:
     for key in kwargs:
         if not key.isidentifier():
             raise ValueError(f"{key[:40]!r} is not a template variable's name")
-        if key in TEMPLATE_PARAMETERS:
+        if key in renderer_parameters():
             raise ValueError(f"{key!r} is the chat route's or the template renderer's own, not a template variable")
+    _texts(kwargs)
     return kwargs
 
 

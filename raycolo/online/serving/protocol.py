@@ -218,7 +218,10 @@ class CompletionRequest(SamplingFields):
         for i, one in enumerate(prompt if batch else [prompt]):
             where = f"prompt {i}: " if batch else ""
             if isinstance(one, str):
-                unicode_text(one)
+                try:
+                    unicode_text(one)
+                except ValueError as exc:
+                    raise ValueError(f"{where}{exc}") from None
             elif not one:
                 raise ValueError(f"{where}must not be empty")
             elif any(t < 0 for t in one):

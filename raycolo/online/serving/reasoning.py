@@ -21,6 +21,7 @@ whole-reply reader drops what precedes it, its streaming reader does not).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from raycolo.online.serving.tool_calls import TextReader, held_prefix
 from raycolo.text_enum import TextEnum
@@ -72,26 +73,54 @@ class ReasoningReader(TextReader):
         return out
 
 
-def think_token_ids(tokenizer) -> tuple[int, int]:
-    """The ids of ``<think>`` and ``</think>``; ValueError unless each is one token of
-    ``tokenizer`` (vLLM's parsers need them so too)."""
+# where vLLM 0.32's qwen3 parser stops looking back through a prompt for the reasoning's state
+TURN_BOUNDARIES = {ReasoningParserKind.QWEN3: ("<|im_start|>", "<|im_end|>")}
+
+
+@dataclass(frozen=True)
+class ThinkTokens:
+    """A tokenizer's reasoning tags and its parser's turn boundaries, as token ids."""
+
+    open: int
+    close: int
+    boundaries: frozenset = frozenset()
+
+
+def _token_id(hf, tag: str) -> Optional[int]:
+    token = hf.convert_tokens_to_ids(tag)
+    return token if isinstance(token, int) and hf.convert_ids_to_tokens(token) == tag else None
+
+
+def think_tokens(tokenizer, kind: ReasoningParserKind) -> ThinkTokens:
+    """``<think>``, ``</think>`` (and the kind's turn boundaries, where the vocabulary has
+    them) as the vocabulary's token ids, as vLLM's parsers look them up; ValueError where
+    a tag is no token of ``tokenizer``."""
+    hf = getattr(tokenizer, "tok", None)
     ids = []
     for tag in (THINK_OPEN, THINK_CLOSE):
-        encoded = tokenizer.encode(tag, add_special_tokens=False)
-        if len(encoded) != 1:
-            raise ValueError(f"the tokenizer has no {tag} token (it is {len(encoded)} tokens)")
-        ids.append(encoded[0])
-    return ids[0], ids[1]
+        token = _token_id(hf, tag) if hf is not None else None
+        if token is None:
+            raise ValueError(f"the tokenizer has no {tag} token")
+        ids.append(token)
+    boundaries = [_token_id(hf, tag) for tag in TURN_BOUNDARIES.get(kind, ())]
+    return ThinkTokens(ids[0], ids[1], frozenset(b for b in boundaries if b is not None))
 
 
-def reasoning_ended(ids, open_id: int, close_id: int) -> bool:
-    """Whether ``ids`` end outside a reasoning block: the last of ``open_id`` and
-    ``close_id`` in them is ``close_id`` (vLLM's ``is_reasoning_end``). A prompt that ends
-    so (Qwen3 with ``enable_thinking`` off writes ``<think></think>`` into it) has its
-    constraint bind the whole reply; any other binds only what follows the reply's first
-    ``</think>``."""
+def reasoning_ended(ids, tags: ThinkTokens, thinking: bool = True) -> bool:
+    """Whether ``ids`` (a prompt) end outside a reasoning block, as vLLM 0.32's parsers
+    tell (``is_reasoning_end``): looking back, ``</think>`` first says ended, ``<think>``
+    first says not, and a turn boundary first (or neither) says ended only where the
+    model is not ``thinking`` (Qwen3's ``enable_thinking: false``). A prompt that ended its
+    reasoning (Qwen3's template with thinking off writes ``<think></think>`` into it) has
+    its constraint bind the whole reply; any other binds only what follows the reply's
+    first ``</think>``."""
     backwards = list(ids)[::-1]
 
     def last(token: int) -> int:        # counted from the end (C speed: prompts may be long)
         return backwards.index(token) if token in backwards else len(backwards)
-    return last(close_id) < last(open_id)
+    close, opened = last(tags.close), last(tags.open)
+    boundary = min((last(b) for b in tags.boundaries), default=len(backwards))
+    first = min(close, opened, boundary)
+    if first == len(backwards) or (first == boundary and first not in (close, opened)):
+        return not thinking
+    return first == close

@@ -71,8 +71,9 @@ def _apply(hf, messages: Sequence[Message], add_generation_prompt: bool, tokeniz
            tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None):
     from jinja2 import TemplateError
 
+    chat = [_as_dict(m) for m in messages]
     try:
-        out = hf.apply_chat_template([_as_dict(m) for m in messages], tokenize=tokenize, tools=tools,
+        out = hf.apply_chat_template(chat, tokenize=tokenize, tools=tools,
                                      add_generation_prompt=add_generation_prompt,
                                      **({"return_dict": False} if tokenize else {}), **(template_kwargs or {}))
     except (TemplateError, TypeError, ValueError, LookupError, AttributeError) as exc:
