@@ -88,3 +88,31 @@ def test_constraints_bind_after_the_reasoning_as_vllms(servers):
         assert seen["raycolo"] == seen["vllm"], json.dumps([extra, seen])
         if "logit_bias" in extra:
             assert seen["vllm"]["token_ids"][0] == close and seen["vllm"]["reasoning"] in ("", None)
+
+
+QWEN3_REPLIES = ["<think>a</think>b", "a</think>b", "b", "", "<think>never", "</think>x", "x<think>y</think>z",
+                 "<think>\nThe sum is 4.\n</think>\n\n4", "<thi", "<thinking is fun"]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_qwen3_replies_are_split_as_vllms_parser_splits_them(tmp_path, thinking):
+    """raycolo's qwen3 reading of whole replies against vLLM 0.32's Qwen3 reasoning parser
+    (``chat_template_kwargs.enable_thinking`` on and off), on the Qwen2 checkpoint's
+    tokenizer (it has the tags). tests/serve/test_reasoning.py shows streamed equals whole."""
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.reasoning import ReasoningParserManager
+
+    sys.path.insert(0, str(ROOT))
+    from raycolo.online.serving.answer_reading import AnswerReading, whole_message
+    from raycolo.online.serving.reasoning import ReasoningParserKind
+
+    tok = AutoTokenizer.from_pretrained(build_checkpoint("qwen2", tmp_path / "qwen2", seed=0))
+    kwargs = {} if thinking else {"enable_thinking": False}
+    parser = ReasoningParserManager.get_reasoning_parser("qwen3")(tok, chat_template_kwargs=kwargs)
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                    chat_template_kwargs=kwargs or None)
+    reading = AnswerReading(reasoning=ReasoningParserKind.QWEN3, thinking=thinking)
+    for text in QWEN3_REPLIES:
+        ours, _ = whole_message(reading, text)
+        assert (ours["reasoning"], ours["content"]) == parser.extract_reasoning(text, request), text

@@ -33,13 +33,32 @@ CASES = [
     (R1, "a < b, so </thin", "a < b, so </thin", None),
     (R1, "</think>4", "", "4"),                            # an empty reasoning is "", as vLLM's
     (R1, "", "", None),
-    (QWEN3, "<think></think>4", "", "4"),
+    (QWEN3, "<think></think>4", None, "4"),
+    # qwen3 with thinking on (vLLM 0.32's Qwen3 parser, run on these texts: the same split)
     (QWEN3, "<think>\nThe sum is 4.\n</think>\n\n4", "\nThe sum is 4.\n", "\n\n4"),
-    (QWEN3, "4", None, "4"),
-    (QWEN3, "<thinking is fun", None, "<thinking is fun"),
+    (QWEN3, "4", "4", None),                            # never closed: all reasoning
+    (QWEN3, "a</think>b", "a", "b"),                     # <think> in the prompt (Qwen3-2507, Qwen3.5)
+    (QWEN3, "x<think>y</think>z", "xy", "z"),            # every <think> dropped
+    (QWEN3, "</think>x", None, "x"),                     # an empty reasoning is null
+    (QWEN3, "", None, None),
+    (QWEN3, "<thinking is fun", "<thinking is fun", None),
     (QWEN3, "<think>never closed", "never closed", None),
-    (QWEN3, "<thi", None, "<thi"),
+    (QWEN3, "<thi", "<thi", None),
 ]
+
+
+@pytest.mark.parametrize("reply", ["<think>a</think>b", "a</think>b", "b", "", "</think>x"])
+def test_qwen3_with_thinking_off_is_all_content_as_written(reply):
+    """``chat_template_kwargs: {"enable_thinking": false}``: vLLM 0.32's Qwen3 parser gives
+    (None, the reply) for each of these; streamed the same, however cut."""
+    off = AnswerReading(reasoning=QWEN3, thinking=False)
+    message, _ = whole_message(off, reply)
+    assert (message["reasoning"], message["content"]) == (None, reply)
+    reader = off.reader()
+    deltas = [reader.feed(c) for c in reply] + [reader.finish()]
+    assert "".join(d.content for d in deltas) == reply and not any(d.reasoning for d in deltas)
+    body = ChatCompletionRequest.model_validate({**CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+    assert chat_reading(body, None, QWEN3).thinking is False and chat_reading(body, None, R1).thinking is True
 
 
 @pytest.mark.parametrize("kind, reply, reasoning, content", CASES)

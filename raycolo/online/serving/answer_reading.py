@@ -22,6 +22,7 @@ class AnswerReading:
     tools: Optional[ToolReading] = None
     reasoning: Optional[ReasoningParserKind] = None
     include_reasoning: bool = True       # vLLM's include_reasoning: false drops the reasoning
+    thinking: bool = True                # the reply begins in its reasoning (qwen3: enable_thinking)
 
     @property
     def active(self) -> bool:
@@ -51,7 +52,7 @@ class AnswerDelta:
 class AnswerReader:
     def __init__(self, reading: AnswerReading):
         self.reading = reading
-        self.reasoning = ReasoningReader(reading.reasoning) if reading.reasoning is not None else None
+        self.reasoning = ReasoningReader(reading.reasoning, reading.thinking) if reading.reasoning is not None else None
         self.tools = reading.tools.reader() if reading.tools is not None else None
 
     @property
@@ -81,10 +82,13 @@ def whole_message(reading: AnswerReading, text: str) -> tuple[dict, bool]:
     deltas = [reader.feed(text), reader.finish()]
     content, calls = join(deltas)
     message: dict = {}
-    if reading.reasoning is not None:       # vLLM's: "" for an empty reasoning, null for none
-        thought = reader.reasoning.thought and reading.include_reasoning
-        message["reasoning"] = "".join(d.reasoning for d in deltas) if thought else None
-        if reading.tools is None or not reading.tools.kind.forces_a_call:
+    if reading.reasoning is not None:
+        thought = reader.reasoning.thought
+        reasoning = "".join(d.reasoning for d in deltas)
+        if reading.reasoning == ReasoningParserKind.QWEN3:
+            reasoning = reasoning or None        # vLLM 0.32's: qwen3's empty reasoning is null, deepseek_r1's ""
+        message["reasoning"] = reasoning if thought and reading.include_reasoning else None
+        if thought and (reading.tools is None or not reading.tools.kind.forces_a_call):
             content = content or None            # vLLM: no content after the reasoning is null (a forced call's: "")
     if reading.tools is not None:
         content = answer_content(reading.tools.kind, content, calls)
@@ -108,7 +112,7 @@ def chat_reading(body, tool_parser: Optional[ToolParserKind],
     if kind != ToolChoiceKind.NONE:
         named = body.tool_choice.function.name if kind == ToolChoiceKind.NAMED else None
         tools = ToolReading(kind, tool_parser if kind == ToolChoiceKind.AUTO else None, named, body.parallel_tool_calls)
-    reading = AnswerReading(tools, reasoning_parser, body.include_reasoning)
+    reading = AnswerReading(tools, reasoning_parser, body.include_reasoning, thinks(reasoning_parser, body))
     return reading if reading.active else None
 
 
@@ -137,6 +141,12 @@ def constraint_after(kind: Optional[ReasoningParserKind], body, tokenizer, ids) 
         raise OpenAIError(400, f"{param}: a constraint on a reasoning deployment (serve.reasoning_parser "
                           f"{kind.value}) binds after </think>, and {exc}", param=param,
                           code="invalid_parameter") from None
-    thinking = kind != ReasoningParserKind.QWEN3 or \
+    return None if reasoning_ended(ids, tags, thinks(kind, body)) else tags.close
+
+
+def thinks(kind: Optional[ReasoningParserKind], body) -> bool:
+    """Whether a reply begins in its reasoning: always with ``deepseek_r1``; with ``qwen3``
+    unless the chat's ``chat_template_kwargs.enable_thinking`` is false (vLLM 0.32's
+    Qwen3 parser reads it so)."""
+    return kind != ReasoningParserKind.QWEN3 or \
         (getattr(body, "chat_template_kwargs", None) or {}).get("enable_thinking", True) is not False
-    return None if reasoning_ended(ids, tags, thinking) else tags.close

@@ -1,14 +1,17 @@
 """Reasoning read from a choice's text as it streams (vLLM's ``--reasoning-parser``): the
 model's thinking, between ``<think>`` and ``</think>``, goes to the message's
 ``reasoning``; the rest is the content (pure: no Ray, no torch). One reader serves
-streamed and whole answers, so both split the text the same way.
+streamed and whole answers, so both split the text the same way. Both parsers follow
+vLLM 0.32's:
 
 * ``deepseek_r1`` (DeepSeek-R1 and its distills, whose chat template opens ``<think>`` in
   the prompt): the reply is reasoning until ``</think>``; a ``<think>`` that opens the
-  reply is dropped. A reply that never closes it is all reasoning (``content`` null).
-* ``qwen3`` (Qwen3 and QwQ, which open ``<think>`` themselves): a reply that begins with
-  ``<think>`` is reasoning until ``</think>``; any other reply is all content (Qwen3 with
-  thinking off).
+  reply is dropped. A reply that never closes it is all reasoning (``content`` null); an
+  empty reasoning is ``""``.
+* ``qwen3`` (Qwen3, QwQ; their templates open ``<think>`` in the prompt or let the model
+  write it): with thinking on (the default) the reply is reasoning until ``</think>``,
+  every ``<think>`` in it dropped; an empty reasoning is null. With the chat's
+  ``chat_template_kwargs.enable_thinking`` false, the whole reply is content, as written.
 
 Content after ``</think>`` is kept as written. Streamed, a possible start of a tag is
 held back until it is clear (no client sees half a tag). The tags must be in the text:
@@ -46,26 +49,28 @@ class ReasoningReader(TextReader):
     """One choice's text split into reasoning and content: :meth:`feed` each delta, then
     :meth:`finish`."""
 
-    def __init__(self, kind: ReasoningParserKind):
+    def __init__(self, kind: ReasoningParserKind, thinking: bool = True):
         self.kind = kind
         self.text = ""
-        self.phase = "start"          # start: the reply's opening not read yet; then thinking or content
-        self.thought = False          # the reply had a reasoning part (vLLM's reasoning "" rather than null)
+        # deepseek_r1 starts by reading the reply's opening; qwen3 thinks, or with thinking off is all content
+        self.phase = "start" if kind == ReasoningParserKind.DEEPSEEK_R1 else "thinking" if thinking else "content"
+        self.thought = False          # the reply had a reasoning part (deepseek_r1's "" rather than null)
 
     def _read(self, final: bool) -> ReasoningDelta:
         out = ReasoningDelta()
+        qwen3 = self.kind == ReasoningParserKind.QWEN3
         if self.phase == "start":
             if not final and THINK_OPEN.startswith(self.text):
                 return out                         # perhaps the opening tag, not whole yet
-            if self.text.startswith(THINK_OPEN):
-                self.text, self.phase = self.text[len(THINK_OPEN):], "thinking"
-            else:
-                self.phase = "thinking" if self.kind == ReasoningParserKind.DEEPSEEK_R1 else "content"
+            self.text, self.phase = self.text.removeprefix(THINK_OPEN), "thinking"
         if self.phase == "thinking":
             self.thought = True
+            if qwen3:
+                self.text = self.text.replace(THINK_OPEN, "")
             at = self.text.find(THINK_CLOSE)
             if at < 0:
-                keep = 0 if final else held_prefix(self.text, THINK_CLOSE)
+                keep = 0 if final else max(held_prefix(self.text, THINK_CLOSE),
+                                           held_prefix(self.text, THINK_OPEN) if qwen3 else 0)
                 out.reasoning, self.text = self.text[:len(self.text) - keep], self.text[len(self.text) - keep:]
                 return out
             out.reasoning, self.text, self.phase = self.text[:at], self.text[at + len(THINK_CLOSE):], "content"
