@@ -123,6 +123,16 @@ def test_a_batch_of_prompts_gives_each_its_choices_as_vllm_numbers_them(front):
                 assert ch["finish_reason"] == case["finish_reason"]
             assert answer["usage"]["prompt_tokens"] == sum(len(x["prompt_ids"]) for x in cases)
             assert answer["usage"]["completion_tokens"] == 2 * sum(len(x["output_ids"]) for x in cases)
+        # a batch's errors name the prompt at fault
+        too_long = {"model": front["model"], "prompt": [cases[0]["prompt"], "river " * 600], "max_tokens": 4}
+        empty = {"model": front["model"], "prompt": [cases[0]["prompt"], ""], "max_tokens": 4}
+        for body, words in [(too_long, "prompt 1 has"), (empty, "prompt 1: the prompt is empty")]:
+            r = h.post("/v1/completions", json=body)
+            if body is empty and front["kind"] == "llama3":       # its BOS: never empty
+                assert r.status_code == 200, r.text
+                continue
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+            assert words in r.json()["error"]["message"], r.text
     texts = {}
     for chunk in client(front).completions.create(model=front["model"], prompt=[x["prompt"] for x in cases],
                                                   max_tokens=MAX_NEW, temperature=0, stream=True):
