@@ -23,6 +23,7 @@ httpx = pytest.importorskip("httpx")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT / "tools"))
+from function_tools import WEATHER, ZONE  # noqa: E402
 from hf_checkpoints import build_checkpoint, greedy_cases  # noqa: E402
 from vllm_server import server_pair  # noqa: E402
 
@@ -187,10 +188,6 @@ def test_token_ids_and_stop_reason_match_vllm(servers):
     assert reasons["raycolo"] == reasons["vllm"] == stop
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}}}
-ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}
 HERMES_CALL = r'Sure.<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(utc|cet)"\}\}\n</tool_call>'
 
 

@@ -24,6 +24,7 @@ httpx = pytest.importorskip("httpx")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 sys.path.insert(0, str(ROOT / "tools"))
+from function_tools import WEATHER  # noqa: E402
 from hf_checkpoints import build_checkpoint, load  # noqa: E402
 from vllm_server import server_pair  # noqa: E402
 
@@ -61,8 +62,6 @@ def _seen(answer: dict) -> dict:
             "usage": (answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"])}
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}}}
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
 

@@ -19,6 +19,7 @@ import ray
 import torch
 
 from tests.support.hf_checkpoints import greedy_cases, load
+from tests.support.function_tools import REQUIRED_SCHEMA, WEATHER, ZONE, complete_calls
 from tests.support.online_checks import data_plane, free_port
 
 MAX_NEW = 24
@@ -103,36 +104,28 @@ def _sse(h, route: str, body: dict) -> list[dict]:
 
 
 def test_a_batch_of_prompts_gives_each_its_choices_as_vllm_numbers_them(front):
-    """A list of texts or of token-id lists: prompt p's choice j at index p * n + j, each
-    transformers' greedy output for its own prompt, with its own prompt_token_ids;
-    usage counts each prompt once and every choice's tokens; streamed, the chunks carry
-    their choice's index."""
+    """Texts or token-id lists: prompt p's choice j at index p * n + j, transformers' greedy
+    output for its own prompt, with its own prompt_token_ids; usage counts each prompt once;
+    streamed, chunks carry their choice's index; errors name the prompt at fault."""
     cases = [x for x in front["cases"] if isinstance(x["prompt"], str)][:2]
-    assert len(cases) == 2
+    want = [(i, x["text"], x["output_ids"], x["prompt_ids"], x["finish_reason"]) for i, x in enumerate(cases)
+            for _ in range(2)]
     with httpx.Client(base_url=front["url"], timeout=120) as h:
         for prompt in ([x["prompt"] for x in cases], [x["prompt_ids"] for x in cases]):
-            r = h.post("/v1/completions", json={"model": front["model"], "prompt": prompt, "max_tokens": MAX_NEW,
-                                                "temperature": 0, "n": 2, "return_token_ids": True})
-            assert r.status_code == 200, r.text
-            answer = r.json()
-            assert [ch["index"] for ch in answer["choices"]] == [0, 1, 2, 3]
-            for ch in answer["choices"]:
-                case = cases[ch["index"] // 2]
-                assert (ch["text"], ch["token_ids"], ch["prompt_token_ids"]) == \
-                    (case["text"], case["output_ids"], case["prompt_ids"])
-                assert ch["finish_reason"] == case["finish_reason"]
-            assert answer["usage"]["prompt_tokens"] == sum(len(x["prompt_ids"]) for x in cases)
-            assert answer["usage"]["completion_tokens"] == 2 * sum(len(x["output_ids"]) for x in cases)
-        # a batch's errors name the prompt at fault
-        too_long = {"model": front["model"], "prompt": [cases[0]["prompt"], "river " * 600], "max_tokens": 4}
-        empty = {"model": front["model"], "prompt": [cases[0]["prompt"], ""], "max_tokens": 4}
-        for body, words in [(too_long, "prompt 1 has"), (empty, "prompt 1: the prompt is empty")]:
-            r = h.post("/v1/completions", json=body)
-            if body is empty and front["kind"] == "llama3":       # its BOS: never empty
+            a = h.post("/v1/completions", json={"model": front["model"], "prompt": prompt, "max_tokens": MAX_NEW,
+                                                "temperature": 0, "n": 2, "return_token_ids": True}).json()
+            assert [(c["index"] // 2, c["text"], c["token_ids"], c["prompt_token_ids"], c["finish_reason"])
+                    for c in a["choices"]] == want and [c["index"] for c in a["choices"]] == [0, 1, 2, 3]
+            assert (a["usage"]["prompt_tokens"], a["usage"]["completion_tokens"]) == \
+                (sum(len(x["prompt_ids"]) for x in cases), 2 * sum(len(x["output_ids"]) for x in cases))
+        for second, words in [("river " * 600, "prompt 1 has"), ("", "prompt 1: the prompt is empty")]:
+            r = h.post("/v1/completions", json={"model": front["model"], "prompt": [cases[0]["prompt"], second],
+                                                "max_tokens": 4})
+            if second == "" and front["kind"] == "llama3":       # its BOS: never empty
                 assert r.status_code == 200, r.text
-                continue
-            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-            assert words in r.json()["error"]["message"], r.text
+            else:
+                assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and \
+                    words in r.json()["error"]["message"], r.text
     texts = {}
     for chunk in client(front).completions.create(model=front["model"], prompt=[x["prompt"] for x in cases],
                                                   max_tokens=MAX_NEW, temperature=0, stream=True):
@@ -329,28 +322,7 @@ def test_structured_outputs_equal_generate_under_xgrammar(front):
     assert "parenthesis" in r.json()["error"]["message"]
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}}}
-ZONE = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}
-# vLLM's schema of "required" calls (vllm/tool_parsers/utils.py), written out
-REQUIRED_SCHEMA = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-    {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                    "parameters": t["function"]["parameters"]}, "required": ["name", "parameters"]}
-    for t in (WEATHER, ZONE)]}}
 HERMES_CALL = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(utc|cet)"\}\}\n</tool_call>'
-
-
-def complete_calls(text: str) -> list:
-    """The whole objects of a JSON array cut anywhere (brute force: the longest prefix that
-    ends an object and parses once the array is closed)."""
-    for end in range(len(text), 0, -1):
-        if text[end - 1] == "}":
-            try:
-                return json.loads(text[:end] + "]")
-            except ValueError:
-                continue
-    return []
 
 
 def test_tool_calls_are_calls_forced_under_xgrammar_and_read_as_vllm_reads_them(front):
@@ -465,16 +437,13 @@ def test_tokenize_and_detokenize_are_the_tokenizers_and_the_routes_prefill(front
                                           return_dict=False)
         assert post("/tokenize", {"messages": chat["prompt"], "add_generation_prompt": False})["tokens"] == no_turn
         # chat_template_kwargs: the template's variables (Qwen3's enable_thinking; Llama 3's template ignores it)
-        off = {"enable_thinking": False}
-        want = tok.apply_chat_template(chat["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False,
-                                       **off)
+        off, m = {"enable_thinking": False}, chat["prompt"]
+        want = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False, **off)
         assert (want != chat["prompt_ids"]) == (front["kind"] == "qwen2")
-        out = post("/tokenize", {"messages": chat["prompt"], "chat_template_kwargs": off})
-        assert out["tokens"] == want
-        r = client(front).chat.completions.create(model=front["model"], messages=chat["prompt"], max_tokens=1,
-                                                  extra_body={"chat_template_kwargs": off})
-        assert r.usage.prompt_tokens == len(want)
-        err = post("/v1/chat/completions", {"model": front["model"], "messages": chat["prompt"],
+        assert post("/tokenize", {"messages": m, "chat_template_kwargs": off})["tokens"] == want
+        assert post("/v1/chat/completions", {"model": front["model"], "messages": m, "max_tokens": 1,
+                                             "chat_template_kwargs": off})["usage"]["prompt_tokens"] == len(want)
+        err = post("/v1/chat/completions", {"model": front["model"], "messages": m,
                                             "chat_template_kwargs": {"tokenize": False}}, 400)["error"]
         assert err["param"] == "chat_template_kwargs" and "tokenize" in err["message"]
         ids = chat["prompt_ids"]
