@@ -60,8 +60,18 @@ os.environ.setdefault(ONEDNN_CACHE_VARIABLE, str(ONEDNN_PRIMITIVE_CACHE))
 
 
 def packing_available(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """Whether oneDNN can pack ``weight`` on this CPU: float32 anywhere it is built in;
+    bfloat16 only where the CPU has what its bf16 path needs (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT: an AVX2-only CPU refuses it with a RuntimeError)."""
+    if not (weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return weight.dtype != torch.bfloat16 or _bf16_supported()
+
+
+def _bf16_supported() -> bool:
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 class PackedLinear(torch.nn.Module):
@@ -102,7 +112,11 @@ def packed_or_plain(module: torch.nn.Module) -> torch.nn.Module:
     if type(module) is not torch.nn.Linear or not packing_available(module.weight) \
             or module.weight.numel() < MIN_PACKED_WEIGHTS:
         return module
-    packed = PackedLinear(module)
+    try:
+        packed = PackedLinear(module)
+    except RuntimeError as exc:          # oneDNN refused this CPU or shape: the plain product serves
+        log.warning("raycolo executor: not packing a %s linear (%s)", module.weight.dtype, exc)
+        return module
     # self-check: the packed product must agree with the plain one
     probe = torch.randn(3, module.in_features, dtype=module.weight.dtype)
     with torch.inference_mode():
