@@ -489,4 +489,3 @@ def test_importing_the_executor_gives_onednn_room_unless_the_environment_says_ot
         out = subprocess.run([sys.executable, "-c", probe], env=run_env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip() == expected
-
