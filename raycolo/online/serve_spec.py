@@ -76,8 +76,9 @@ class ServeSpec(Strict):
         "A relative directory is taken from the current directory."))
     reasoning_parser: Optional[ReasoningParserKind] = Field(default=None, strict=False, description=(
         "How a chat's reasoning is told from its content (vLLM's --reasoning-parser): \"deepseek_r1\" (the "
-        "reply is reasoning until </think>: DeepSeek-R1 and its distills) or \"qwen3\" (a reply that opens "
-        "<think> is reasoning until </think>: Qwen3, QwQ). The answer's message.reasoning (delta.reasoning "
+        "reply is reasoning until </think>: DeepSeek-R1 and its distills) or \"qwen3\" (reasoning until </think> "
+        "unless the chat's chat_template_kwargs.enable_thinking is false: Qwen3, QwQ), as vLLM 0.32's parsers. "
+        "The answer's message.reasoning (delta.reasoning "
         "streamed) holds it. None: the text is all content."))
     tool_call_parser: Optional[ToolParserKind] = Field(default=None, strict=False, description=(
         "How tool_choice \"auto\" reads tool calls from the model's text (vLLM's --tool-call-parser with "

@@ -175,8 +175,9 @@ class OpenAIIngress(Completions):
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**ERRORS, **SSE})
     async def completions(self, body: CompletionRequest, request: Request):
         variant = self._check_model(body.model)
-        prompts, batch = [], len(body.prompts()) > 1
-        for i, prompt in enumerate(body.prompts()):
+        given = body.prompts()
+        prompts, batch = [], len(given) > 1
+        for i, prompt in enumerate(given):
             where = f"prompt {i}: " if batch else ""
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             if not ids:           # an empty text, with a tokenizer that adds no BOS

@@ -172,6 +172,11 @@ class SamplingFields(BaseModel):
                               structured_outputs=self.constraint())
 
 
+def _is_batch(prompt) -> bool:
+    """Whether a (non-empty) ``prompt`` field is a list of prompts, not one prompt."""
+    return isinstance(prompt, list) and isinstance(prompt[0], (str, list))
+
+
 def _prompt_form(prompt) -> Optional[str]:
     if isinstance(prompt, str):
         return "{text}"
@@ -209,7 +214,7 @@ class CompletionRequest(SamplingFields):
             return unicode_text(prompt)
         if not prompt:
             raise ValueError("must not be empty")
-        batch = isinstance(prompt[0], (str, list))
+        batch = _is_batch(prompt)
         if batch and len(prompt) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
         n = info.data.get("n", 1)
@@ -230,10 +235,7 @@ class CompletionRequest(SamplingFields):
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The request's prompts: texts and token-id lists, in order (one, or a batch)."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or not isinstance(prompt[0], (str, list)):
-            return [prompt]
-        return list(prompt)
+        return list(self.prompt) if _is_batch(self.prompt) else [self.prompt]
 
 
 class ChatCompletionRequest(SamplingFields):

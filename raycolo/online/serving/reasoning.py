@@ -126,6 +126,6 @@ def reasoning_ended(ids, tags: ThinkTokens, thinking: bool = True) -> bool:
     close, opened = last(tags.close), last(tags.open)
     boundary = min((last(b) for b in tags.boundaries), default=len(backwards))
     first = min(close, opened, boundary)
-    if first == len(backwards) or (first == boundary and first not in (close, opened)):
-        return not thinking
-    return first == close
+    if first < len(backwards) and first in (close, opened):
+        return first == close
+    return not thinking                    # a turn boundary first, or no tag at all
