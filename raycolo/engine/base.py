@@ -109,6 +109,7 @@ class RequestOutput:
     finish_s: float
     preemptions: int = 0
     logprobs: Optional[list] = None     # raycolo.generation.sampler.TokenLogprob per token, if asked
+    prompt_logprobs: Optional[list] = None   # per prompt token (the first None), if asked (prompt_scores)
 
     @property
     def output_len(self) -> int:
@@ -127,10 +128,12 @@ class TrackedRequest:
     first_token_s: float = float("nan")
     preemptions: int = 0
     logprobs: Optional[list] = None
+    prompt_logprobs: Optional[list] = None
 
     def output(self, reason: FinishReason, text: str, now: float) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, list(self.generated), text, reason,
-                             self.arrival_s, self.first_token_s, now, self.preemptions, self.logprobs)
+                             self.arrival_s, self.first_token_s, now, self.preemptions, self.logprobs,
+                             self.prompt_logprobs)
 
 
 @dataclass

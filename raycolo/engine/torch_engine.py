@@ -26,6 +26,7 @@ from raycolo.errors import ConfigError
 from raycolo.engine.executor import SeqChunk, create_executor
 from raycolo.generation import FinishReason, StopChecker
 from raycolo.generation.sampler import SamplingRow, plain, position_seed, sample, sample_plain
+from raycolo.generation.prompt_scores import split_scored
 from raycolo.batching.step_scheduler import FcfsBlockScheduler, StepKind
 from raycolo.batching.limits import SchedulerLimits, ceil_div
 from raycolo.kv_bytes import AttentionShape
@@ -161,7 +162,7 @@ class TorchEngine(Engine):
             self.requests[handle].preemptions += 1
             self._forget(handle)
         if decision.kind == StepKind.PREFILL:  # from scratch: prompt plus tokens before a preemption
-            chunks = [SeqChunk(r.prompt + r.generated, 0, sched.table(h))
+            chunks = [SeqChunk(r.prompt + r.generated, 0, sched.table(h), every_logit=self._scores(r))
                       for h, r in ((h, self.requests[h]) for h in decision.seqs)]
         else:
             chunks = [SeqChunk(self.requests[h].generated[-1:], sched.stored[h], sched.table(h))
@@ -194,12 +195,24 @@ class TorchEngine(Engine):
             graph_capture=self.executor.graph_captures != captures))
         return finished
 
+    @staticmethod
+    def _scores(req: _Request) -> bool:
+        """Whether this prefill scores the request's prompt (asked for, not yet done)."""
+        return req.params.prompt_logprobs is not None and req.prompt_logprobs is None
+
     def _run(self, handles: list[int], chunks: list[SeqChunk], plain_step: bool):
         ex = self.executor
         if ex.paged:
             logits = ex.execute(ex.batch(chunks))
         else:
             logits = ex.execute(ex.batch(chunks), handles=handles)
+        scored = {h: (self.requests[h].prompt, self.requests[h].params.prompt_logprobs)
+                  for h, c in zip(handles, chunks) if c.every_logit}
+        if scored:        # a preempted request keeps what its first prefill scored
+            logits, prompts = split_scored(logits, handles, [c.length for c in chunks], scored)
+            for h, prompt in zip(handles, prompts):
+                if prompt is not None:
+                    self.requests[h].prompt_logprobs = prompt
         if plain_step:
             return sample_plain(logits)
         reqs = [self.requests[h] for h in handles]

@@ -180,6 +180,8 @@ class VllmEngine(Engine):
         extra = {"top_k": params.top_k} if params.top_k > 0 else {}
         if params.logprobs is not None:
             extra["logprobs"] = params.logprobs
+        if params.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = params.prompt_logprobs
         if params.logit_bias:
             extra["logit_bias"] = dict(params.logit_bias)
         if params.min_p > 0:
@@ -243,6 +245,9 @@ class VllmEngine(Engine):
                 reason = checker.append(token)
                 if reason:
                     break
+            if req.params.prompt_logprobs is not None and req.prompt_logprobs is None and out.prompt_logprobs:
+                req.prompt_logprobs = [None] + [_logprob(t, lp, req.params.prompt_logprobs, rank=True)
+                                                for t, lp in zip(req.prompt[1:], out.prompt_logprobs[1:])]
             if req.logprobs is not None and completion.logprobs:   # the new tokens' only
                 end = len(checker.output)
                 req.logprobs.extend(_logprob(t, lp, req.params.logprobs)
@@ -348,11 +353,13 @@ def _sleep_mode_available() -> bool:
         return False
 
 
-def _logprob(token: int, entry: dict, k: int) -> TokenLogprob:
-    """vLLM's {token id: Logprob(logprob, rank)} of one position as raycolo's TokenLogprob."""
+def _logprob(token: int, entry: dict, k: int, rank: bool = False) -> TokenLogprob:
+    """vLLM's {token id: Logprob(logprob, rank)} of one position as raycolo's TokenLogprob
+    (``rank``: with the token's rank, as a prompt token's has it)."""
     top = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()), key=lambda x: -x[1])[:k]
     chosen = entry.get(token)
-    return TokenLogprob(int(token), float(chosen.logprob) if chosen is not None else float("nan"), top)
+    return TokenLogprob(int(token), float(chosen.logprob) if chosen is not None else float("nan"), top,
+                        chosen.rank if rank and chosen is not None else None)
 
 
 def _weight_bytes(path: Path, elem: int) -> int:

@@ -143,6 +143,10 @@ class SamplingParams(BaseModel):
                                                                         "that ended it, not before")
     logprobs: Optional[LogprobCount] = Field(default=None, description="return the sampled token's log-probability and this many "
                                                 "most likely tokens' (of the raw model distribution)")
+    prompt_logprobs: Optional[LogprobCount] = Field(
+        default=None, description="return each prompt token's log-probability given the tokens before it (the "
+                                  "first token's is None), its rank, and this many most likely tokens' (of the raw "
+                                  "model distribution)")
     min_p: MinP = 0.0
     logit_bias: tuple[tuple[Annotated[int, Field(ge=0)], LogitBias], ...] = Field(
         default=(),

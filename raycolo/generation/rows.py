@@ -48,11 +48,14 @@ class SamplingRow:
 @dataclass
 class TokenLogprob:
     """The sampled token's log-probability under the raw model distribution and the
-    ``logprobs`` most likely tokens' (id, log-probability), most likely first."""
+    ``logprobs`` most likely tokens' (id, log-probability), most likely first; a prompt
+    token's (:mod:`.prompt_scores`) also carries its ``rank`` in the vocabulary (1: the most
+    likely; tokens as likely as it count ahead of it, as vLLM ranks)."""
 
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: Optional[int] = None
 
 
 @dataclass

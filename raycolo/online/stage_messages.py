@@ -124,11 +124,14 @@ def stage_message(op: Op, stages: int, requests: Mapping[int, ServedRequest],
         if last and not all(plain(q.params) for q in reqs):
             sampling = [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids, q.task.task_id)
                         for q in reqs]
+        # a prompt is scored once: a request resumed with tokens has sent its prompt's already
+        scored = {q.task.task_id: (list(q.prompt), q.params.prompt_logprobs) for q in reqs
+                  if last and op.kind == OpKind.PREFILL and q.params.prompt_logprobs is not None and not q.generated}
         return ForwardStep(prefill=op.kind == OpKind.PREFILL, requests=[q.task.task_id for q in reqs],
                            counts=[len(t) for t in tokens], tokens=tokens if s == 0 else None,
                            base=tuple(q.task.task_id for q in reqs if q.base),
                            pinned={q.task.task_id: version_dir(q.version) for q in reqs if q.version is not None},
-                           sampling=sampling, **common)
+                           sampling=sampling, scored=scored, **common)
     if op.kind in (OpKind.TRAIN_F, OpKind.TRAIN_B):
         share = training(op)
         rows, preference = training_rows(share.samples)

@@ -50,7 +50,7 @@ def test_preemption_recompute_gives_same_tokens_as_large_kv_budget(e64):
     rng = random.Random(7)
     prompts = [[BOS_ID] + [rng.randrange(BYTE_OFFSET, BYTE_OFFSET + 256) for _ in range(rng.randrange(3, 9))]
                for _ in range(5)]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, prompt_logprobs=2)    # scored once, kept
     big = generate(e64, prompts, params)
     # 10 blocks of 4 tokens: every request fits alone (<= 25 tokens, 7 blocks) but five
     # growing together do not, so running requests are preempted and recomputed.
@@ -63,6 +63,10 @@ def test_preemption_recompute_gives_same_tokens_as_large_kv_budget(e64):
     for b, s in zip(big, outs):
         assert s.token_ids == b.token_ids
         assert s.finish_reason == "length"
+        assert len(s.prompt_logprobs) == len(s.prompt_token_ids) and s.prompt_logprobs[0] is None
+        for x, y in zip(s.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert (x.token, x.rank, [t for t, _ in x.top]) == (y.token, y.rank, [t for t, _ in y.top])
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-9)
     # Re-prefills produce new tokens, never re-produce old ones.
     assert total_new_tokens(small.stats.iterations) == sum(o.output_len for o in outs)
     assert small.memory().kv_blocks_used == 0

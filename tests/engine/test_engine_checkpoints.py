@@ -140,6 +140,35 @@ def test_stop_string_and_logprobs(hf_checkpoints, engines):
         assert [t for t, _ in lp.top] == torch.topk(raw[i], 2).indices.tolist()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_prompt_logprobs_are_transformers_log_likelihoods(kind, hf_checkpoints, engines, one_torch_thread):
+    """vLLM's ``prompt_logprobs``: prompt token j's log-probability given the tokens before it
+    (the first None), its rank and the top k, from transformers' logits over the whole prompt,
+    in one prefill with prompts that do not ask (their tokens unchanged; preemption:
+    tests/engine/test_engine.py). GPT-2 runs on the one-sequence fallback."""
+    path, engine = hf_checkpoints[kind], engines[kind]
+    cases = greedy_cases(path, MAX_NEW, n=6)[:3]
+    model = load(path)[0]
+    params = [SamplingParams(max_tokens=MAX_NEW, prompt_logprobs=k) for k in (3, None, 0)]
+    outs = engine.generate([c["prompt_ids"] for c in cases], params)
+    for c, o, p in zip(cases, outs, params):
+        assert o.token_ids == c["output_ids"], c["prompt"]          # scoring changes no token
+        if p.prompt_logprobs is None:
+            assert o.prompt_logprobs is None
+            continue
+        ids = c["prompt_ids"]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        assert len(o.prompt_logprobs) == len(ids) and o.prompt_logprobs[0] is None
+        for j, e in enumerate(o.prompt_logprobs[1:], 1):
+            row = ref[j - 1]
+            assert e.token == ids[j] and e.logprob == pytest.approx(float(row[ids[j]]), abs=1e-4)
+            assert e.rank == int((row >= row[ids[j]] - 1e-6).sum())
+            assert [t for t, _ in e.top] == torch.topk(row, p.prompt_logprobs).indices.tolist()
+            assert [v for _, v in e.top] == pytest.approx(torch.topk(row, p.prompt_logprobs).values.tolist(),
+                                                          abs=1e-4)
+
+
 def test_online_refuses_a_family_its_pipeline_lacks_before_starting(hf_checkpoints, qwen3_checkpoint, tmp_path):
     """GPT-2 runs offline (the fallback path above) but not in the online pipeline: one
     error naming the field, before any cluster starts."""

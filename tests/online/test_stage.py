@@ -386,3 +386,37 @@ def test_stage_tensors_go_on_the_default_group_unless_it_is_nccl(tmp_path):
         assert p2p_group(dist) is None
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cuts", [[0, 2, 4], [0, 4]])
+def test_scored_requests_get_the_whole_models_logits_at_every_prompt_position(cuts):
+    """Prompt log-probabilities on the stage path: the last stage returns every new token's
+    logits for the requests it scores (``every_logit``) and the last token's for the others,
+    in a step where one scored request runs on the base model (a pass of its own); each
+    prompt token's log-probability, rank and top tokens are transformers' on the whole
+    model (a fresh adapter changes nothing), and the rows sampled from are its last ones."""
+    from raycolo.generation.prompt_scores import split_scored
+
+    chain = stages("tiny-llama-m", cuts)
+    whole = base("tiny-llama-m").eval()
+    ps = prompts([9, 5, 13])
+    rids, scored = [0, 1, 2], {0: (ps[0], 2), 1: (ps[1], 0)}
+    hidden = None
+    for st in chain:
+        hidden = st.forward(rids, ps, hidden, base=[1], every_logit=scored)
+    assert hidden.shape[0] == 9 + 5 + 1
+    last, prompt_lps = split_scored(hidden, rids, [len(p) for p in ps], scored)
+    assert prompt_lps[2] is None
+    for rid, p in enumerate(ps):
+        with torch.no_grad():
+            ref = whole(torch.tensor([p])).logits[0]
+        torch.testing.assert_close(last[rid], ref[-1], rtol=1e-9, atol=1e-9)
+        if rid not in scored:
+            continue
+        lp, k = torch.log_softmax(ref, -1), scored[rid][1]
+        got = prompt_lps[rid]
+        assert got[0] is None and len(got) == len(p)
+        for j, e in enumerate(got[1:], 1):
+            assert (e.token, e.rank) == (p[j], int((lp[j - 1] >= lp[j - 1, p[j]]).sum()))
+            assert e.logprob == pytest.approx(float(lp[j - 1, p[j]]), abs=1e-6)
+            assert [t for t, _ in e.top] == torch.topk(lp[j - 1], k).indices.tolist()

@@ -119,7 +119,12 @@ def test_plain_chat_template_and_training_completions():
     ({"model": "m", "prompt": ["a", "b\udfff"]}, "prompt"),
     ({"model": "m", "prompt": [[1]] * 9, "n": 16}, "prompt"),                   # 144 choices: at most 128
     ({"model": "m", "prompt": [1, -2]}, "prompt"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),                # 0 only with echo
+    ({"model": "m", "prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),   # vLLM's rule
+    ({"model": "m", "prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
     ({"prompt": "x"}, "model"),
     ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),                    # unsupported: never ignored
     ({"model": "m", "prompt": "a\ud800"}, "prompt"),                             # a lone surrogate

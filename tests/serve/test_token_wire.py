@@ -101,9 +101,11 @@ def test_the_stream_events_of_a_token_are_one_rule():
 
 
 @pytest.mark.parametrize("payload", [
-    b"not json", b"{}", b"[[1, 2]]", b"[[1, 0, 5, 1, null, null]]",        # kept must be a bool
-    b'[["1", 0, 5, true, null, null]]', b"[[1, 0, 5, true, 7, null]]",
-    b"[[1, 0, 5, true, null, [1, \"x\", []]]]", b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe",
+    b"not json", b"{}", b"[[1, 2]]", b"[[1, 0, 5, 1, null, null, null]]",        # kept must be a bool
+    b'[["1", 0, 5, true, null, null, null]]', b"[[1, 0, 5, true, 7, null, null]]",
+    b"[[1, 0, 5, true, null, [1, \"x\", [], null], null]]", b"[[1, 0, 5, true, null, null, \"x\"]]",
+    b"[[1, 0, 5, true, null, null, [null, [1, -1.0]]]]", b"[[1, 0, 5, true, null, null]]",   # a row of before
+    b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe",
 ])
 def test_a_frame_that_is_not_tokens_closes_the_connection_and_delivers_nothing(replica, payload):
     with pytest.raises((ValueError, TypeError, RecursionError)):
@@ -156,5 +158,16 @@ def test_a_request_resumed_on_another_node_streams_each_position_once():
 
 def test_frames_are_json_not_pickle():
     data = encode_tokens([(3, TokenOut(1, 5, True, "length", TokenLogprob(5, -1.0, [(5, -1.0)]), 7))])
-    assert json.loads(data[4:]) == [[3, 7, 5, True, "length", [5, -1.0, [[5, -1.0]]]]]
+    assert json.loads(data[4:]) == [[3, 7, 5, True, "length", [5, -1.0, [[5, -1.0]], None], None]]
     assert struct.unpack(">I", data[:4])[0] == len(data) - 4
+
+
+def test_a_prompts_log_probabilities_travel_with_its_first_token_and_come_first():
+    """The prompt's log-probabilities (the first token's None, each with its rank) ride on
+    the request's first token, in the frame and in the stream's events, before the token."""
+    prompt = [None, TokenLogprob(7, -2.5, [(3, -0.5), (7, -2.5)], 2), TokenLogprob(9, -9.0, [], 40)]
+    out = TokenOut(1, 5, True, None, TokenLogprob(5, -0.1, [(5, -0.1)]), 0, prompt)
+    (got,) = decode_tokens(encode_tokens([(4, out)])[4:])
+    assert got == InboxToken(4, 0, 5, True, None, out.logprob, prompt)
+    assert [e.kind for e in token_events(5, True, None, out.logprob, prompt)] == ["prompt_logprobs", "logprob", "token"]
+    assert token_events(5, True, None, None, prompt)[0].value is prompt

@@ -53,13 +53,13 @@ def refusal(**fields) -> dict:
           response_format={"type": "json_object"}), "tool_choice", "not both"),
     (dict(tools=[{"type": "function", "function": {"name": "two words"}}]), "tools[0].function.name", "pattern"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}],
-          tool_choice={"type": "function", "function": {"name": "f"}}), None, "tool_choice: cannot force a call: "
+          tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "tool_choice: cannot force a call: "
      "the parameters of 'f': xgrammar would not enforce uniqueItems"),
     (dict(tools=[{"type": "function", "function": {"name": f"f{i}", "parameters": {
         "type": "object", "properties": {f"p{j}": {"type": "string", "description": "x" * 200} for j in range(30)}}}}
-        for i in range(12)], tool_choice="required"), None, "longer than the 65,536 characters"),
+        for i in range(12)], tool_choice="required"), "tool_choice", "longer than the 65,536 characters"),
     (dict(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools[0].type", "'function'"),
-    (dict(tools=[WEATHER], tool_choice="required", min_tokens=2), None, "min_tokens"),
+    (dict(tools=[WEATHER], tool_choice="required", min_tokens=2), "min_tokens", "min_tokens"),
     (dict(messages=[{"role": "user", "content": "x", "tool_call_id": "c"}]), "messages[0]", "tool_call_id"),
     (dict(messages=[{"role": "tool", "content": "x", "tool_calls": []}]), "messages[0]", "tool_calls"),
     (dict(messages=[{"role": "assistant"}]), "messages[0]", "content"),

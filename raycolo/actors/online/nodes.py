@@ -96,7 +96,7 @@ class NodeLinks:
                 continue
             if out.kept:
                 req.generated.append(out.token)
-            self.ctl.runner.deliver(req, out.token, out.kept, out.finish_reason, out.logprob)
+            self.ctl.runner.deliver(req, out.token, out.kept, out.finish_reason, out.logprob, out.prompt_logprobs)
         mirror = self.ctl.cluster.nodes[node]
         try:
             for event, keys in report.events:

@@ -157,10 +157,11 @@ class OpRunner:
         if op.kind in (OpKind.PREFILL, OpKind.DECODE) and op.stage == self.ctl.config.stages - 1:
             finished = set()
             logprobs = result.logprobs or [None] * len(op.tasks)
-            for r, token, logprob in zip(op.tasks, result.tokens, logprobs):
+            prompts = result.prompt_logprobs or [None] * len(op.tasks)
+            for r, token, logprob, prompt in zip(op.tasks, result.tokens, logprobs, prompts):
                 req = self.ctl.desk.requests[r.task_id]
                 kept, reason = take_token(req, token)     # raycolo.generation's stop rules
-                if self.deliver(req, token, kept, reason, logprob):
+                if self.deliver(req, token, kept, reason, logprob, prompt):
                     finished.add(r.task_id)
                     for s in range(self.ctl.config.stages):
                         self.ctl.workers.queues[(op.node, s)].put_nowait(ReleaseKV(seq=-1, requests=(r.task_id,)))
@@ -168,12 +169,14 @@ class OpRunner:
         return self.training_done(op, result.loss)
 
     @staticmethod
-    def deliver(req: LiveRequest, token: int, kept: bool, reason: Optional[FinishReason], logprob) -> bool:
-        """A token the request got (``kept``: it is the request's; ``reason``: it ended it)
-        goes to its stream, unless its node sent it to the request's HTTP replica itself
+    def deliver(req: LiveRequest, token: int, kept: bool, reason: Optional[FinishReason], logprob,
+                prompt: Optional[list] = None) -> bool:
+        """A token the request got (``kept``: it is the request's; ``reason``: it ended it;
+        ``prompt``: its prompt's log-probabilities, with its first token) goes to its
+        stream, unless its node sent it to the request's HTTP replica itself
         (``req.front``); returns whether the request ended."""
         if req.front is None:
-            for event in token_events(token, kept, reason, logprob):
+            for event in token_events(token, kept, reason, logprob, prompt):
                 req.events.put_nowait(event)
         if reason:
             req.finish_reason = reason

@@ -252,7 +252,7 @@ class RequestDesk:
             kind, value = await req.events.get()
             if kind in (EventKind.TOKEN, EventKind.STOP_TOKEN):
                 tokens.append(value)
-            elif kind == EventKind.LOGPROB:
+            elif kind in (EventKind.LOGPROB, EventKind.PROMPT_LOGPROBS):
                 continue
             elif kind == EventKind.DONE:
                 return {"id": rid, "tokens": tokens, "finish_reason": value}

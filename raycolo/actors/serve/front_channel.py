@@ -103,7 +103,7 @@ class FrontChannel:
             queue = self.waiting.get(t.key)
             if queue is None or not self.positions.admit(t):
                 continue
-            for event in token_events(t.token, t.kept, t.finish_reason, t.logprob):
+            for event in token_events(t.token, t.kept, t.finish_reason, t.logprob, t.prompt_logprobs):
                 queue.put_nowait(event)
 
     async def _pump(self) -> None:

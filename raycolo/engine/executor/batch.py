@@ -31,10 +31,16 @@ class SeqChunk:
     start: int                   # position of the first new token; KV before it is cached
     table: Sequence[int]         # the sequence's KV blocks, in token order
     num_tokens: Optional[int] = None  # when tokens are not given (later slices)
+    every_logit: bool = False    # the last slice returns every new token's logits, not only the last's
 
     @property
     def length(self) -> int:
         return len(self.tokens) if self.num_tokens is None else self.num_tokens
+
+    @property
+    def logit_rows(self) -> int:
+        """How many rows of the last slice's logits are this chunk's."""
+        return self.length if self.every_logit else 1
 
 
 @dataclass
@@ -66,7 +72,8 @@ class StepBatch:
     input_ids: Optional[torch.Tensor]   # (num_tokens,) long
     positions: torch.Tensor             # (num_tokens,) long
     slots: torch.Tensor                 # (num_tokens,) flat KV slot of each new token
-    last_index: torch.Tensor            # (num_seqs,) packed index of each sequence's last token
+    last_index: torch.Tensor            # packed index of each sequence's last token (of each token
+    #                                     where its chunk asks for every_logit): the logits' rows
     groups: list[AttentionGroup]        # empty when built with groups=False
     tables: Optional[torch.Tensor] = None       # every sequence's block table, concatenated
     table_start: Optional[torch.Tensor] = None  # (num_tokens,) where its sequence's table starts
@@ -99,8 +106,8 @@ class StepBatch:
                 table_start.extend([len(flat_tables)] * n)
                 flat_tables.extend(c.table)
             offsets.append(offset)
+            last.extend(range(offset, offset + n) if c.every_logit else (offset + n - 1,))
             offset += n
-            last.append(offset - 1)
 
         def tensor(values):
             return torch.tensor(values, dtype=torch.long, device=device)

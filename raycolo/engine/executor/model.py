@@ -219,8 +219,9 @@ class ModelExecutor:
     def execute(self, batch: StepBatch, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the slice on one step. The first slice embeds ``batch.input_ids``; later ones
         take ``hidden`` (num_tokens, hidden_size) from the slice before. The last slice
-        returns the logits of each sequence's last token (num_seqs, vocab); other slices
-        return hidden states (num_tokens, hidden_size)."""
+        returns the logits of each sequence's last token (num_seqs, vocab), or of each of
+        its tokens where its chunk asks for ``every_logit`` (``SeqChunk.logit_rows`` rows
+        per sequence, in order); other slices return hidden states (num_tokens, hidden_size)."""
         if isinstance(batch, DecodeBatch):
             return self.graphs.run(batch, hidden)
         return self.forward(batch, hidden)
@@ -461,8 +462,8 @@ class FallbackExecutor:
                              attention_mask=torch.ones((1, c.start + len(c.tokens)), dtype=torch.long,
                                                        device=param.device))
             self.caches[handle] = out.past_key_values
-            rows.append(out.logits[0, -1])
-        return torch.stack(rows)
+            rows.append(out.logits[0, -c.logit_rows:])
+        return torch.cat(rows)
 
     def free(self, handle: int) -> None:
         self.caches.pop(handle, None)

@@ -47,6 +47,7 @@ class TokenOut:
     finish_reason: Optional[FinishReason] = None
     logprob: object = None
     position: int = 0
+    prompt_logprobs: Optional[list] = None      # the prompt's, with the request's first token
 
 
 @dataclass(slots=True)
@@ -170,11 +171,12 @@ class NodeLoop:
         finished = set()
         if op.kind in (OpKind.PREFILL, OpKind.DECODE) and stage == self.stages - 1:
             logprobs = result.logprobs or [None] * len(op.tasks)
-            for r, token, logprob in zip(op.tasks, result.tokens, logprobs):
+            prompts = result.prompt_logprobs or [None] * len(op.tasks)
+            for r, token, logprob, prompt in zip(op.tasks, result.tokens, logprobs, prompts):
                 req = self.requests[r.task_id]
                 kept, reason = take_token(req, int(token))
                 self.report.tokens.append(TokenOut(r.task_id, int(token), kept, reason, logprob,
-                                                   len(req.generated) - kept))
+                                                   len(req.generated) - kept, prompt))
                 if reason:
                     req.finish_reason = reason
                     finished.add(r.task_id)

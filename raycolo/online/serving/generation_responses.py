@@ -20,9 +20,21 @@ FinishReason = Optional[Literal["stop", "length", "tool_calls", "error"]]
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[Optional[float]] = Field(description="null for an echoed prompt's first token")
+    top_logprobs: list[Optional[dict[str, float]]] = Field(description="each position's token and its most "
+                                                           "likely ones (null where token_logprobs is)")
     text_offset: list[int]
+
+
+class RankedLogprob(BaseModel):
+    logprob: float
+    rank: Optional[int] = Field(description="1: the most likely token at this position")
+    decoded_token: str
+
+
+PromptLogprobs = Optional[list[Optional[dict[str, RankedLogprob]]]]
+PROMPT_LOGPROBS_HELP = ("vLLM's prompt_logprobs: per prompt token (the first null), token id -> its log-probability, "
+                        "rank and text: the prompt's own token first, then the most likely ones")
 
 
 class _Choice(BaseModel):
@@ -39,6 +51,7 @@ class CompletionChoice(_Choice):
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     prompt_token_ids: Optional[list[int]] = None
+    prompt_logprobs: PromptLogprobs = Field(default=None, description=PROMPT_LOGPROBS_HELP)
 
 
 class CompletionResponse(BaseModel):
@@ -97,3 +110,4 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: Optional[list[int]] = None
+    prompt_logprobs: PromptLogprobs = Field(default=None, description=PROMPT_LOGPROBS_HELP)

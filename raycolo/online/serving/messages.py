@@ -22,6 +22,7 @@ class EventKind(TextEnum):
     """The kind of a :class:`StreamEvent` (a ``str`` enum: equal to its value)."""
 
     LOGPROB = "logprob"          # TokenLogprob of the token that follows
+    PROMPT_LOGPROBS = "prompt_logprobs"   # the prompt's TokenLogprob list (the first None), before its first token
     TOKEN = "token"              # a token of the text
     STOP_TOKEN = "stop_token"    # the stop token that ended the request (counted, never text)
     DONE = "done"                # the end: its finish reason

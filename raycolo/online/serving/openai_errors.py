@@ -6,9 +6,12 @@ raise ``BadRequestError``, ``NotFoundError``, ``RateLimitError``... from the sta
 """
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from pydantic import ValidationError
+
+_NAMED = re.compile(r"([A-Za-z_][A-Za-z0-9_.]*): (.+)", re.DOTALL)
 
 # status -> OpenAI's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -55,6 +58,9 @@ def from_error(err: dict) -> OpenAIError:
         msg = "is required"
     elif kind == "extra_forbidden":
         msg = "is not a supported parameter"
+    named = _NAMED.fullmatch(msg) if param is None else None
+    if named:          # a rule across fields (a model validator) names its parameter first
+        param, msg = named.group(1), named.group(2)
     text = f"{param}: {msg}" if param else msg
     return OpenAIError(400, text, param=param, code="invalid_parameter")
 

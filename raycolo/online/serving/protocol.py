@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, RootModel, Tag,
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, PrivateAttr, Tag,
                       ValidationInfo, field_validator, model_validator)
 
 from raycolo.generation import SamplingParams
@@ -33,12 +33,15 @@ from raycolo.online.serving.tool_protocol import (MAX_TOOLS, ChatTurn, Tool, Too
 from raycolo.online.serving.generation_responses import (  # noqa: F401
     AssistantMessage, ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatTokenLogprob, CompletionChoice,
     CompletionLogprobs, CompletionResponse, FinishReason, TopLogprob, Usage)
+# raycolo's own routes' bodies, where they were before (raycolo.online.serving.training_protocol)
+from raycolo.online.serving.training_protocol import (  # noqa: F401
+    MAX_TRAIN_SAMPLES, SAMPLES_LIST, SAMPLES_OBJECT, EvalResponse, Health, TrainSample, TrainSamplesBody,
+    TrainSamplesRequest, TrainSamplesResponse, TrainStatus)
 from raycolo.generation.params import (MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS_TOKENS, MAX_SEED, MAX_STOP_TOKEN_IDS,
                                        MAX_TOKENS_LIMIT, LogitBias, LogprobCount, MinP, MinTokens, Penalty,
                                        RepetitionPenalty, TopK, TopP, bad_word_list, no_min_tokens_with_a_grammar,
                                        nonnegative_ids, stop_strings)
 
-MAX_TRAIN_SAMPLES = 1024                      # per POST /v1/train_samples
 MAX_CHOICES = 16                              # n
 MAX_PROMPTS = 64                              # prompts of one completions request (a batch)
 MAX_BATCH_CHOICES = 128                       # a completions batch's choices: prompts x n
@@ -57,10 +60,6 @@ WholeInt = Annotated[int, BeforeValidator(_whole)]
 WholeMinTokens = Annotated[MinTokens, BeforeValidator(_whole)]
 WholeTopK = Annotated[TopK, BeforeValidator(_whole)]
 WholeLogprobCount = Annotated[LogprobCount, BeforeValidator(_whole)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
 
 
 class StreamOptions(Closed):
@@ -109,6 +108,9 @@ class SamplingFields(BaseModel):
                                                       "the text follows it (text: no constraint)")
     structured_outputs: Optional[StructuredOutputs] = Field(default=None, description="vLLM's extension: exactly "
                                                             "one of json, regex, choice, grammar, json_object")
+    prompt_logprobs: Optional[WholeLogprobCount] = Field(default=None, description="vLLM's extension: each prompt "
+                                                         "token's log-probability and rank, and this many most "
+                                                         "likely tokens' at each position (not with stream)")
     user: Optional[str] = Field(default=None, max_length=512, description="accepted, recorded nowhere")
 
     @field_validator("stop")
@@ -131,6 +133,8 @@ class SamplingFields(BaseModel):
     @model_validator(mode="after")
     def _constraints(self):
         no_min_tokens_with_a_grammar(self.min_tokens, self.constraint() is not None)
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream (vLLM's rule)")
         return self
 
     def constraint(self) -> Optional[StructuredOutputs]:
@@ -158,6 +162,10 @@ class SamplingFields(BaseModel):
         """How many top log-probabilities per token (None: no log-probabilities)."""
         return None
 
+    def prompt_logprobs_asked(self) -> Optional[int]:
+        """How many top log-probabilities per prompt token (None: the prompt is not scored)."""
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
         """The one SamplingParams of this request (raycolo.generation)."""
         return SamplingParams(max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
@@ -167,6 +175,7 @@ class SamplingFields(BaseModel):
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, logprobs=self.top_logprobs_asked(),
+                              prompt_logprobs=self.prompt_logprobs_asked(),
                               min_p=self.min_p, logit_bias=self.bias_ids(), bad_words=self.bad_words,
                               allowed_token_ids=self.allowed_token_ids,
                               structured_outputs=self.constraint())
@@ -200,12 +209,27 @@ class CompletionRequest(SamplingFields):
     prompt ``p``'s choice ``j`` at index ``p * n + j``."""
 
     prompt: Prompt = Field(description=f"a text or token ids, or a list of up to {MAX_PROMPTS} of either")
-    echo: Literal[False] = Field(default=False, description="not supported (only false)")
+    echo: bool = Field(default=False, description="the prompt's text before the completion's; with logprobs, "
+                       "the prompt tokens' log-probabilities before the completion's (the first token's null)")
+    max_tokens: Optional[WholeInt] = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT, description="0: with echo, "
+                                           "the prompt alone (its log-probabilities: an eval's log-likelihood)")
     logprobs: Optional[WholeLogprobCount] = Field(default=None, description="the sampled tokens' "
                                                   "log-probabilities and this many most likely tokens' per position")
 
+    @model_validator(mode="after")
+    def _nothing_to_answer(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 only with echo (the prompt alone)")
+        return self
+
     def top_logprobs_asked(self) -> Optional[int]:
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> Optional[int]:
+        """vLLM's: echo with logprobs scores the prompt with as many top tokens."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -362,119 +386,3 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
-
-
-# -- raycolo's routes -----------------------------------------------------------------------
-class TrainSample(_Strict):
-    """A training sample: ``prompt`` and ``completion`` texts; chat ``messages`` whose last
-    message is the assistant's (the completion); or a preference pair, ``prompt`` (or chat
-    ``messages`` ending with the user's turn) with the ``chosen`` and the ``rejected``
-    completion (trained with the DPO loss against the frozen base). Chat samples are
-    rendered with the model's chat template: the completion is the assistant's turn as the
-    template writes it, ending with its end-of-turn token (raycolo.online.serving.text)."""
-
-    prompt: Optional[Text] = None
-    completion: Optional[Text] = None
-    chosen: Optional[Text] = None
-    rejected: Optional[Text] = None
-    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
-
-    @property
-    def is_pair(self) -> bool:
-        return self.chosen is not None or self.rejected is not None
-
-    @model_validator(mode="after")
-    def _one_form(self):
-        if self.messages is not None and self.prompt is not None:
-            raise ValueError("give prompt or messages, not both")
-        if self.completion is not None and self.is_pair:
-            raise ValueError("give completion, or chosen and rejected, not both")
-        if self.messages is None and self.prompt is None:
-            raise ValueError("give prompt and completion, prompt (or messages) with chosen and rejected, "
-                             "or messages")
-        if self.prompt is not None and not self.is_pair and not self.completion:
-            raise ValueError("prompt and a non-empty completion are both required")
-        if self.is_pair and (not self.chosen or not self.rejected):
-            raise ValueError("a preference pair needs non-empty chosen and rejected")
-        if self.is_pair and self.chosen == self.rejected:
-            raise ValueError("chosen and rejected must differ")
-        if self.messages is not None and not self.is_pair:
-            if self.completion is not None:
-                raise ValueError("messages carry the completion as their last (assistant) message")
-            if len(self.messages) < 2 or self.messages[-1].role != "assistant":
-                raise ValueError("the last message must be the assistant's (the completion)")
-        if self.messages is not None and self.is_pair and self.messages[-1].role == "assistant":
-            raise ValueError("a chat preference pair's messages end before the assistant's answer "
-                             "(chosen and rejected are the answers)")
-        return self
-
-
-class TrainSamplesRequest(_Strict):
-    samples: list[TrainSample] = Field(min_length=1, max_length=MAX_TRAIN_SAMPLES)
-
-
-# The two forms of a training body, as tags of the union below. Pydantic puts the tag in an
-# error's location; both hold a "[", so param_path leaves them out of the named parameter:
-# ``samples[3].completion`` in the object form, ``[3].completion`` in the bare list.
-SAMPLES_OBJECT, SAMPLES_LIST = '{"samples": [...]}', "[...]"
-
-
-def _samples_form(body) -> Optional[str]:
-    return SAMPLES_OBJECT if isinstance(body, dict) else SAMPLES_LIST if isinstance(body, list) else None
-
-
-class TrainSamplesBody(RootModel):
-    """POST /v1/train_samples and /v1/eval: ``{"samples": [...]}`` or a bare JSON list of
-    samples, with the same validation and limits (1 to MAX_TRAIN_SAMPLES samples)."""
-
-    root: Annotated[Union[
-        Annotated[TrainSamplesRequest, Tag(SAMPLES_OBJECT)],
-        Annotated[list[TrainSample], Field(min_length=1, max_length=MAX_TRAIN_SAMPLES), Tag(SAMPLES_LIST)]],
-        Discriminator(_samples_form, custom_error_type="invalid_body",
-                      custom_error_message='the body must be {"samples": [...]} or a JSON list of samples')]
-
-    @property
-    def samples(self) -> list[TrainSample]:
-        return self.root.samples if isinstance(self.root, TrainSamplesRequest) else self.root
-
-    @property
-    def param(self) -> str:
-        """The samples' parameter path in this body: ``samples``, or ``""`` (the body itself)."""
-        return "samples" if isinstance(self.root, TrainSamplesRequest) else ""
-
-
-class EvalResponse(BaseModel):
-    loss: Optional[float] = Field(default=None, description="mean next-token loss over the samples' "
-                                  "completions, no training ((prompt, completion) samples)")
-    win_rate: Optional[float] = Field(default=None, description="preference pairs: the fraction where the "
-                                      "chosen completion is more probable than the rejected one")
-    clpd: Optional[float] = Field(default=None, description="preference pairs: the mean log-probability "
-                                  "of the chosen completion minus the rejected one's")
-    samples: int
-    adapter_version: int
-
-
-class TrainSamplesResponse(BaseModel):
-    ids: list[int] = Field(description="the samples' sequence numbers in the store")
-    sequence: int = Field(description="the store's sequence number after this append (samples stored)")
-    persisted: bool = Field(description="always true: fsynced before this answer")
-
-
-class TrainStatus(BaseModel):
-    received: int
-    trained: int
-    pending: int
-    adapter_version: int
-    last_checkpoint: Optional[dict] = None
-    pinned_versions: list[int] = Field(default_factory=list,
-                                       description="adapter versions servable as <model>@v<k>")
-    resumed: Optional[dict] = Field(default=None, description="what this deployment took up from an earlier "
-                                    "one on the same storage: adapter_version, samples_held, samples_resumed")
-
-
-class Health(BaseModel):
-    status: Literal["ok", "degraded", "starting"]
-    nodes_alive: int
-    nodes: int
-    nodes_restarting: int = Field(default=0, description="nodes whose worker group is being restarted: "
-                                  "alive, but given no new work until it is back")

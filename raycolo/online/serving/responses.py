@@ -28,7 +28,8 @@ StopReason = Union[int, str, None]
 class ChoiceEvent(NamedTuple):
     """What one choice's generation gives the answer at a time: the text since the last
     event, the finish reason (None: not finished), tokens so far, the log-probabilities and
-    token ids since the last event, and the stop reason once finished."""
+    token ids since the last event, and the stop reason once finished; on its first event,
+    the prompt's log-probabilities where asked for (:mod:`raycolo.generation.prompt_scores`)."""
 
     delta: str
     finish: Optional[FinishReason]
@@ -36,6 +37,7 @@ class ChoiceEvent(NamedTuple):
     lps: list
     ids: tuple = ()
     stop_reason: StopReason = None
+    prompt: Optional[list] = None
 
 
 class TokenFields(NamedTuple):
@@ -60,18 +62,51 @@ def _token_text(tokenizer, token: int, as_ids: bool = False) -> str:
     return f"token_id:{token}" if as_ids else tokenizer.decode([token], skip_special_tokens=False)
 
 
+LEAST_LOGPROB = -9999.0      # what an answer shows for -inf (vLLM's, as OpenAI's)
+
+
+def _shown(logprob: float) -> float:
+    return max(logprob, LEAST_LOGPROB)
+
+
 def completion_logprobs(tokenizer, entries: Optional[Sequence], as_ids: bool = False) -> Optional[dict]:
-    """``entries``: raycolo.generation.sampler.TokenLogprob per token (None: not asked)."""
+    """``entries``: raycolo.generation.sampler.TokenLogprob per token, or a token id alone
+    (an echoed prompt's first token: no log-probability); None: not asked. A position's
+    ``top_logprobs`` hold its token and the most likely ones (vLLM's, as OpenAI's)."""
     if entries is None:
         return None
-    tokens, offsets, at = [], [], 0
+    tokens, offsets, at, chosen, tops = [], [], 0, [], []
     for e in entries:
-        tokens.append(_token_text(tokenizer, e.token, as_ids))
+        scored = not isinstance(e, int)
+        tokens.append(_token_text(tokenizer, e.token if scored else e, as_ids))
         offsets.append(at)
         at += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_token_text(tokenizer, t, as_ids): lp for t, lp in e.top} for e in entries],
-            "text_offset": offsets}
+        chosen.append(_shown(e.logprob) if scored else None)
+        tops.append({_token_text(tokenizer, t, as_ids): _shown(lp) for t, lp in [(e.token, e.logprob), *e.top]}
+                    if scored else None)
+    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(tokenizer, entries: Optional[Sequence]) -> Optional[list]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first None), its id's and the most
+    likely ids' ``{"logprob", "rank", "decoded_token"}``, its own first."""
+    if entries is None:
+        return None
+
+    def one(token: int, logprob: float, rank: Optional[int]) -> dict:
+        return {"logprob": _shown(logprob), "rank": rank,
+                "decoded_token": tokenizer.decode([token], skip_special_tokens=False)}
+
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        ranked = {str(e.token): one(e.token, e.logprob, e.rank)}
+        for r, (t, lp) in enumerate(e.top, 1):
+            ranked.setdefault(str(t), one(t, lp, r))
+        out.append(ranked)
+    return out
 
 
 def chat_logprobs(tokenizer, entries: Optional[Sequence], as_ids: bool = False) -> Optional[dict]:
@@ -101,6 +136,8 @@ def choice(tokenizer, chat: bool, index: int, whole: ChoiceEvent, tokens: TokenF
     else:
         out = {"index": index, "text": whole.delta,
                "logprobs": completion_logprobs(tokenizer, whole.lps, tokens.as_ids)}
+        if whole.prompt is not None:
+            out["prompt_logprobs"] = prompt_logprobs(tokenizer, whole.prompt)
     out.update(finish_reason=finish, stop_reason=whole.stop_reason)
     if tokens.asked:
         out["token_ids"] = list(whole.ids)

@@ -40,7 +40,7 @@ from raycolo.generation import FinishReason
 from raycolo.generation.rows import TokenLogprob
 from raycolo.online.serving.messages import EventKind, StreamEvent
 
-MAX_FRAME_BYTES = 16 << 20        # a frame longer than this closes the connection
+MAX_FRAME_BYTES = 256 << 20       # a frame longer than this closes the connection (a long prompt's log-probabilities fit)
 CONNECT_TIMEOUT_S = 2.0
 SEND_TIMEOUT_S = 5.0              # a replica that takes nothing for this long is dropped
 RETRY_AFTER_S = 1.0               # an inbox that failed is not tried again before this
@@ -78,12 +78,14 @@ class FrontKey:
     inbox: Optional[FrontInbox] = None
 
 
-def token_events(token: int, kept: bool, reason: Optional[FinishReason], logprob) -> list[StreamEvent]:
+def token_events(token: int, kept: bool, reason: Optional[FinishReason], logprob,
+                 prompt: Optional[list] = None) -> list[StreamEvent]:
     """A stream's events for a token the request got (``kept``: it is the request's;
-    ``reason``: it ended the request): ("logprob", TokenLogprob) where asked for, then
+    ``reason``: it ended the request): ("prompt_logprobs", [TokenLogprob | None]) with the
+    first token where asked for (``prompt``), ("logprob", TokenLogprob) where asked for, then
     ("token", id), or ("stop_token", id) for the stop token that ended it (counted, never
     text); then ("done", reason)."""
-    out = []
+    out = [] if prompt is None else [StreamEvent(EventKind.PROMPT_LOGPROBS, prompt)]
     if kept:
         if logprob is not None:
             out.append(StreamEvent(EventKind.LOGPROB, logprob))
@@ -97,13 +99,25 @@ def frame(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 
+def _logprob_row(lp: Optional[TokenLogprob]) -> Optional[list]:
+    return None if lp is None else [lp.token, lp.logprob, [list(t) for t in lp.top], lp.rank]
+
+
+def _logprob_of(row) -> Optional[TokenLogprob]:
+    if row is None:
+        return None
+    token, logprob, top, rank = row
+    return TokenLogprob(int(token), float(logprob), [(int(t), float(v)) for t, v in top],
+                        None if rank is None else int(rank))
+
+
 def encode_tokens(items: Iterable[tuple]) -> bytes:
     """One frame of (key, TokenOut) pairs."""
     rows = []
     for key, out in items:
-        lp = out.logprob
-        rows.append([key, out.position, out.token, out.kept, out.finish_reason,
-                     None if lp is None else [lp.token, lp.logprob, [list(t) for t in lp.top]]])
+        prompt = out.prompt_logprobs
+        rows.append([key, out.position, out.token, out.kept, out.finish_reason, _logprob_row(out.logprob),
+                     None if prompt is None else [_logprob_row(lp) for lp in prompt]])
     return frame(json.dumps(rows, separators=(",", ":")).encode())
 
 
@@ -117,6 +131,7 @@ class InboxToken:
     kept: bool
     finish_reason: Optional[FinishReason]
     logprob: Optional[TokenLogprob]
+    prompt_logprobs: Optional[list] = None
 
 
 def decode_tokens(payload: bytes) -> list[InboxToken]:
@@ -126,13 +141,12 @@ def decode_tokens(payload: bytes) -> list[InboxToken]:
         raise ValueError("a token frame is a list")
     out = []
     for row in rows:
-        key, position, token, kept, reason, lp = row
+        key, position, token, kept, reason, lp, prompt = row
         if not (type(key) is int and type(position) is int and type(token) is int and type(kept) is bool
-                and (reason is None or type(reason) is str)):
+                and (reason is None or type(reason) is str) and (prompt is None or type(prompt) is list)):
             raise ValueError(f"not a token row: {row!r}")
-        if lp is not None:
-            lp = TokenLogprob(int(lp[0]), float(lp[1]), [(int(t), float(v)) for t, v in lp[2]])
-        out.append(InboxToken(key, position, token, kept, None if reason is None else FinishReason(reason), lp))
+        out.append(InboxToken(key, position, token, kept, None if reason is None else FinishReason(reason),
+                              _logprob_of(lp), None if prompt is None else [_logprob_of(p) for p in prompt]))
     return out
 
 

@@ -27,7 +27,7 @@ import itertools
 import math
 import os
 from collections import OrderedDict
-from typing import Mapping, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
 
 import torch
 
@@ -142,7 +142,7 @@ class StageModel:
     # -- inference -------------------------------------------------------------------------
     def forward(self, requests: Sequence[int], tokens: Sequence[Sequence[int]],
                 hidden: Optional[torch.Tensor] = None, base: Sequence[int] = (),
-                pinned: Optional[Mapping[int, str]] = None) -> torch.Tensor:
+                pinned: Optional[Mapping[int, str]] = None, every_logit: Collection[int] = ()) -> torch.Tensor:
         """Append ``tokens[i]`` to request ``requests[i]`` (a prefill: its prompt; a decode
         step: one token) and run the slice. Token ids matter on the first stage only;
         later stages need their counts and ``hidden`` from the stage before.
@@ -151,8 +151,9 @@ class StageModel:
         adapter switched off (peft's ``disable_adapter``), and those in ``pinned``, which
         run with the adapter version saved in the directory it maps them to (peft's format,
         :func:`raycolo.online.stages.peft_format.export_adapter`). Each such variant is one more
-        pass over its own rows."""
-        chunks = self._chunks(requests, tokens)
+        pass over its own rows. The last stage returns one row of logits per request, or one
+        per new token for the requests in ``every_logit`` (prompt log-probabilities)."""
+        chunks = self._chunks(requests, tokens, every_logit)
         base, pinned = set(base), dict(pinned or {})
         variants = [BASE if r in base else pinned.get(r, LATEST) for r in requests]
         kinds = list(dict.fromkeys(variants))
@@ -175,7 +176,7 @@ class StageModel:
             part = None if hidden is None else torch.cat([hidden[starts[i]:starts[i] + counts[i]] for i in rows])
             with self._variant(variant):
                 out = self.executor.execute(self.executor.batch([chunks[i] for i in rows]), part)
-            split = [1] * len(rows) if self.is_last else [counts[i] for i in rows]
+            split = [chunks[i].logit_rows if self.is_last else counts[i] for i in rows]
             for i, piece in zip(rows, torch.split(out, split)):
                 pieces[i] = piece
         return torch.cat(pieces)
@@ -237,14 +238,16 @@ class StageModel:
         active = self.model.active_adapter
         return active if isinstance(active, str) else active[0]
 
-    def _chunks(self, requests: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[SeqChunk]:
-        chunks = []
+    def _chunks(self, requests: Sequence[int], tokens: Sequence[Sequence[int]],
+                every_logit: Collection[int] = ()) -> list[SeqChunk]:
+        chunks, every_logit = [], set(every_logit)
         for rid, toks in zip(requests, tokens):
             start = self.contexts.get(rid, 0)
             need = math.ceil((start + len(toks)) / self.block_size) - self.allocator.blocks_of(rid)
             if need > 0:
                 self.allocator.allocate(rid, need)
-            chunks.append(SeqChunk(list(toks), start=start, table=self.allocator.tables[rid]))
+            chunks.append(SeqChunk(list(toks), start=start, table=self.allocator.tables[rid],
+                                   every_logit=self.is_last and rid in every_logit))
             self.contexts[rid] = start + len(toks)
         return chunks
 

@@ -35,7 +35,9 @@ class ForwardStep(StageWork):
     served by the base model (LoRA off); ``pinned``: request id -> the directory of the
     adapter version it is pinned to. ``sampling``: the last stage's
     :class:`~raycolo.generation.sampler.SamplingRow` per request, or None where every
-    request is plain greedy. ``release``: requests whose KV the stage frees after it."""
+    request is plain greedy. ``release``: requests whose KV the stage frees after it.
+    ``scored``: the last stage's request id -> (prompt ids, k) of the requests of a prefill
+    asking for their prompt's log-probabilities (:mod:`raycolo.generation.prompt_scores`)."""
 
     prefill: bool
     requests: list
@@ -45,6 +47,7 @@ class ForwardStep(StageWork):
     pinned: dict = field(default_factory=dict)
     sampling: Optional[list] = None
     release: tuple = ()
+    scored: dict = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -140,7 +143,8 @@ QUIET = (ReleaseKV, DropActivations)     # run without an answer
 @dataclass(slots=True)
 class StageResult:
     """What a stage answers for one op. ``tokens`` (and ``logprobs``): the last stage's
-    sampled token per request; ``loss``: a last-stage training forward's or evaluation's;
+    sampled token per request; ``prompt_logprobs``: per request, its prompt's
+    log-probabilities where the op scored it (else None); ``loss``: a last-stage training forward's or evaluation's;
     ``win_rate``/``clpd``: a preference evaluation's; ``state``: the stage's LoRA weights;
     ``sends``: (sends held, sends posted); ``device``: a device reading (every few
     seconds)."""
@@ -149,6 +153,7 @@ class StageResult:
     seconds: float = 0.0
     tokens: Optional[list] = None
     logprobs: Optional[list] = None
+    prompt_logprobs: Optional[list] = None
     loss: Optional[float] = None
     win_rate: Optional[float] = None
     clpd: Optional[float] = None

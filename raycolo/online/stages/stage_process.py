@@ -162,7 +162,11 @@ class StageProcess:
         hidden = None if self.first else self._recv((sum(counts), self.hidden), self.stage - 1, op.after)
         tokens = op.tokens if self.first else [[0] * n for n in counts]
         out = self.model.forward(op.requests, tokens, hidden, base=op.base,
-                                 pinned={int(r): d for r, d in op.pinned.items()})
+                                 pinned={int(r): d for r, d in op.pinned.items()}, every_logit=op.scored)
+        if self.last and op.scored:     # each scored request's rows of logits, its last row sampled
+            from raycolo.generation.prompt_scores import split_scored
+
+            out, result.prompt_logprobs = split_scored(out, op.requests, counts, op.scored)
         if self.last:    # op.sampling: a SamplingRow per request (None: all plain greedy)
             from raycolo.generation.sampler import sample, sample_plain
 
