@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -303,3 +304,68 @@ def test_a_batch_of_prompts_matches_vllm(servers):
                    a["usage"]["prompt_tokens"], a["usage"]["completion_tokens"]) for n, a in answers.items()}
         assert got["raycolo"] == got["vllm"], prompt
         assert len(got["vllm"][0]) == 3
+
+
+def _differ(a, b, tol=1e-3, at: str = "") -> Optional[str]:
+    """Where JSON ``a`` and ``b`` first differ (floats within ``tol`` are equal), None if nowhere."""
+    if isinstance(a, float) or isinstance(b, float):
+        same = isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= tol
+        return None if same else f"{at}: {a!r} != {b!r}"
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"{at}: keys {sorted(a)} != {sorted(b)}"
+        return next((d for k in a if (d := _differ(a[k], b[k], tol, f"{at}.{k}"))), None)
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{at}: {len(a)} items != {len(b)}"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _differ(x, y, tol, f"{at}[{i}]"))), None)
+    return None if a == b else f"{at}: {a!r} != {b!r}"
+
+
+def _sse(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_echo_and_prompt_logprobs_match_vllm(servers):
+    """An eval harness's log-likelihood requests (lm-eval's: token ids, echo, logprobs 1,
+    max_tokens 0 or 1, greedy), echo of texts and ids with and without return_token_ids,
+    vLLM's prompt_logprobs on completions and chats, and echo streamed: the same text,
+    tokens, log-probabilities (to 1e-3), top tokens, offsets, ranks, finish reasons and usage."""
+    cases = [c for c in greedy_cases(servers["path"], MAX_NEW, n=6) if isinstance(c["prompt"], str)][:2]
+    ids = cases[0]["prompt_ids"] + cases[0]["output_ids"][:3]
+    bodies = [("/v1/completions", {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": m}) for m in (0, 1)]
+    bodies += [("/v1/completions", {"prompt": c["prompt"], "echo": True, "max_tokens": 4, "logprobs": 2})
+               for c in cases]
+    bodies += [("/v1/completions", {"prompt": ids, "echo": True, "max_tokens": 3, "return_token_ids": True}),
+               ("/v1/completions", {"prompt": cases[1]["prompt"], "max_tokens": 3, "prompt_logprobs": 2}),
+               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Where is the river?"}],
+                                         "max_tokens": 3, "prompt_logprobs": 1})]
+    for route, body in bodies:
+        body = {"model": "m", "temperature": 0, **body}
+        answers = {n: _post(url, route, body) for n, url in servers["urls"].items()}
+        ours, theirs = answers["raycolo"], answers["vllm"]
+        counts = [(a["usage"]["prompt_tokens"], a["usage"]["completion_tokens"]) for a in (ours, theirs)]
+        assert len(ours["choices"]) == len(theirs["choices"]) == 1 and counts[0] == counts[1], (body, counts)
+        mine, vllm = ours["choices"][0], theirs["choices"][0]
+        for key in ("text", "message", "logprobs", "finish_reason", "prompt_logprobs", "token_ids",
+                    "prompt_token_ids"):
+            got, want = mine.get(key), vllm.get(key)
+            if key == "message":
+                got, want = got and got["content"], want and want["content"]
+            assert _differ(got, want) is None, (body, key, _differ(got, want))
+        scored = theirs.get("prompt_logprobs") or vllm.get("prompt_logprobs")
+        assert scored or not body.get("prompt_logprobs"), body
+        for at in ("", "choice"):          # each prompt token's own entry first
+            pl = (mine if at else ours).get("prompt_logprobs")
+            want = (vllm if at else theirs).get("prompt_logprobs")
+            assert _differ(pl, want) is None, (body, _differ(pl, want))
+            assert [list(e or ()) for e in pl or ()] == [list(e or ()) for e in want or ()], body
+    body = {"model": "m", "prompt": cases[0]["prompt"], "max_tokens": 5, "temperature": 0, "echo": True, "logprobs": 0}
+    streamed = {n: _sse(url, body) for n, url in servers["urls"].items()}
+    joined = {n: ("".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]),
+                  [t for ch in chunks if ch["choices"] and ch["choices"][0]["logprobs"]
+                   for t in ch["choices"][0]["logprobs"]["token_logprobs"]]) for n, chunks in streamed.items()}
+    assert joined["raycolo"][0] == joined["vllm"][0] and _differ(joined["raycolo"][1], joined["vllm"][1]) is None

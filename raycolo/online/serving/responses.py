@@ -5,9 +5,8 @@ server-sent-event chunks (pure: the ingress fills them with what generation prod
   raycolo.generation.stops).
 * Log-probabilities come in OpenAI's two shapes: the legacy completions one
   (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``) and the chat one
-  (``content[]`` of ``token``, ``logprob``, ``bytes``, ``top_logprobs``). A token's text is
-  its own decode with special tokens kept, as vLLM shows it; with vLLM's
-  ``return_tokens_as_token_ids``, ``token_id:<id>`` instead.
+  (``content[]`` of ``token``, ``logprob``, ``bytes``, ``top_logprobs``); a token's text as
+  vLLM shows it (:mod:`.token_texts`); vLLM's ``prompt_logprobs`` (:func:`prompt_logprobs`).
 * vLLM's extensions: every choice's ``stop_reason`` (the stop string, or the id of a stop
   token other than the tokenizer's own EOS, that ended it; None otherwise) and, with
   ``return_token_ids``, the ``prompt_token_ids`` and each choice's generated ``token_ids``
@@ -21,6 +20,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 from raycolo.generation import FinishReason
 from raycolo.online.serving.answer_reading import AnswerReading, whole_message
+from raycolo.online.serving.token_texts import TokenTexts
 
 StopReason = Union[int, str, None]
 
@@ -58,10 +58,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _token_text(tokenizer, token: int, as_ids: bool = False) -> str:
-    return f"token_id:{token}" if as_ids else tokenizer.decode([token], skip_special_tokens=False)
-
-
 LEAST_LOGPROB = -9999.0      # what an answer shows for -inf (vLLM's, as OpenAI's)
 
 
@@ -69,21 +65,25 @@ def _shown(logprob: float) -> float:
     return max(logprob, LEAST_LOGPROB)
 
 
-def completion_logprobs(tokenizer, entries: Optional[Sequence], as_ids: bool = False) -> Optional[dict]:
+def completion_logprobs(texts: TokenTexts, entries: Optional[Sequence]) -> Optional[dict]:
     """``entries``: raycolo.generation.sampler.TokenLogprob per token, or a token id alone
     (an echoed prompt's first token: no log-probability); None: not asked. A position's
     ``top_logprobs`` hold its token and the most likely ones (vLLM's, as OpenAI's)."""
     if entries is None:
         return None
-    tokens, offsets, at, chosen, tops = [], [], 0, [], []
+    tokens, offsets, chosen, tops = [], [], [], []
     for e in entries:
-        scored = not isinstance(e, int)
-        tokens.append(_token_text(tokenizer, e.token if scored else e, as_ids))
-        offsets.append(at)
-        at += len(tokens[-1])
-        chosen.append(_shown(e.logprob) if scored else None)
-        tops.append({_token_text(tokenizer, t, as_ids): _shown(lp) for t, lp in [(e.token, e.logprob), *e.top]}
-                    if scored else None)
+        if isinstance(e, int):
+            tokens.append(texts.alone(e))
+            chosen.append(None)
+            tops.append(None)
+        else:
+            named = texts.at([e.token, *(t for t, _ in e.top)], prompt=e.rank is not None)
+            texts.advance(e.token)
+            tokens.append(named[0])
+            chosen.append(_shown(e.logprob))
+            tops.append({name: _shown(lp) for name, lp in zip(named, [e.logprob, *(lp for _, lp in e.top)])})
+        offsets.append(texts.place(tokens[-1]))
     return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -92,50 +92,49 @@ def prompt_logprobs(tokenizer, entries: Optional[Sequence]) -> Optional[list]:
     likely ids' ``{"logprob", "rank", "decoded_token"}``, its own first."""
     if entries is None:
         return None
-
-    def one(token: int, logprob: float, rank: Optional[int]) -> dict:
-        return {"logprob": _shown(logprob), "rank": rank,
-                "decoded_token": tokenizer.decode([token], skip_special_tokens=False)}
-
-    out = []
+    texts, out = TokenTexts(tokenizer), []
     for e in entries:
         if e is None:
             out.append(None)
             continue
-        ranked = {str(e.token): one(e.token, e.logprob, e.rank)}
-        for r, (t, lp) in enumerate(e.top, 1):
-            ranked.setdefault(str(t), one(t, lp, r))
+        ids = [e.token, *(t for t, _ in e.top)]
+        named = texts.at(ids, prompt=True)
+        texts.advance(e.token)
+        ranked = {}
+        for t, lp, rank, name in zip(ids, [e.logprob, *(lp for _, lp in e.top)],
+                                     [e.rank, *range(1, len(e.top) + 1)], named):
+            ranked.setdefault(str(t), {"logprob": _shown(lp), "rank": rank, "decoded_token": name})
         out.append(ranked)
     return out
 
 
-def chat_logprobs(tokenizer, entries: Optional[Sequence], as_ids: bool = False) -> Optional[dict]:
+def chat_logprobs(texts: TokenTexts, entries: Optional[Sequence]) -> Optional[dict]:
     if entries is None:
         return None
-
-    def one(token: int, logprob: float) -> dict:
-        text = _token_text(tokenizer, token, as_ids)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
-                        for e in entries]}
+    content = []
+    for e in entries:
+        named = texts.at([e.token, *(t for t, _ in e.top)], prompt=False)
+        texts.advance(e.token)
+        one = [{"token": name, "logprob": _shown(lp), "bytes": list(name.encode("utf-8"))}
+               for name, lp in zip(named, [e.logprob, *(lp for _, lp in e.top)])]
+        content.append({**one[0], "top_logprobs": one[1:]})
+    return {"content": content}
 
 
 def choice(tokenizer, chat: bool, index: int, whole: ChoiceEvent, tokens: TokenFields = TokenFields(),
            reading: Optional[AnswerReading] = None) -> dict:
     """One choice of a non-streamed answer (``whole``: its events joined; ``reading``: how
     a chat's text is read for reasoning and tool calls, None: it is not)."""
-    finish = whole.finish
+    finish, texts = whole.finish, TokenTexts(tokenizer, tokens.as_ids)
     if chat:
         message = {"role": "assistant", "content": whole.delta}
         if reading is not None:
             fields, called = whole_message(reading, whole.delta)
             message.update(fields)
             finish = reading.finish_reason(called, finish)
-        out = {"index": index, "message": message, "logprobs": chat_logprobs(tokenizer, whole.lps, tokens.as_ids)}
+        out = {"index": index, "message": message, "logprobs": chat_logprobs(texts, whole.lps)}
     else:
-        out = {"index": index, "text": whole.delta,
-               "logprobs": completion_logprobs(tokenizer, whole.lps, tokens.as_ids)}
+        out = {"index": index, "text": whole.delta, "logprobs": completion_logprobs(texts, whole.lps)}
         if whole.prompt is not None:
             out["prompt_logprobs"] = prompt_logprobs(tokenizer, whole.prompt)
     out.update(finish_reason=finish, stop_reason=whole.stop_reason)
@@ -189,6 +188,7 @@ class SseChunks:
         parts = self._build(_HOLE, None).split(json.dumps(_HOLE))      # the text chunk without token ids
         self._around = parts if len(parts) == 2 else None     # (a model name holding the hole: build)
         self.tokens, self.prompt_sent = tokens, not tokens.asked
+        self.texts = TokenTexts(tokenizer, tokens.as_ids)    # the choice's log-probabilities, chunk after chunk
 
     def text(self, delta: str) -> str:
         """A chunk of text alone (no log-probabilities, not the last): ``chunk(delta, None)``."""
@@ -212,17 +212,17 @@ class SseChunks:
 
     def _build(self, delta: Optional[str], finish: Optional[str], role: bool = False, lps=None, ids=None,
                stop_reason: StopReason = None, calls: Optional[list] = None, reasoning: str = "") -> str:
-        as_ids, extra = self.tokens.as_ids, {}
+        extra = {}
         if self.chat:
             d = {"role": "assistant"} if role else ({} if delta is None else {"content": delta})
             if calls or reasoning:           # only what this piece holds
                 d = {**({"reasoning": reasoning} if reasoning else {}), **({"content": delta} if delta else {}),
                      **({"tool_calls": [c.as_json() for c in calls]} if calls else {})}
             c = {"index": self.index, "delta": d,
-                 "logprobs": chat_logprobs(self.tokenizer, lps, as_ids) if lps else None, "finish_reason": finish}
+                 "logprobs": chat_logprobs(self.texts, lps) if lps else None, "finish_reason": finish}
         else:
             c = {"index": self.index, "text": delta or "",
-                 "logprobs": completion_logprobs(self.tokenizer, lps, as_ids) if lps else None,
+                 "logprobs": completion_logprobs(self.texts, lps) if lps else None,
                  "finish_reason": finish}
         if finish is not None:
             c["stop_reason"] = stop_reason
