@@ -47,7 +47,14 @@ def test_completion_is_the_models_greedy_text_streamed_or_not(front):
                                        extra_body={"ignore_eos": True}))
     assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
-    TOKENS_SENT["n"] += 12
+    # the prompt's log-probabilities from the node's token inbox (values: tests/serve/checkpoints/)
+    e = c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                             extra_body={"prompt_logprobs": 1})
+    lp, scored = e.choices[0].logprobs, e.choices[0].model_extra["prompt_logprobs"]
+    assert e.choices[0].text.endswith(prompt) and len(lp.tokens) == r.usage.prompt_tokens == len(scored)
+    assert lp.token_logprobs[0] is None and all(x < 0 for x in lp.token_logprobs[1:]) and scored[0] is None
+    assert [next(iter(x.values()))["logprob"] for x in scored[1:]] == lp.token_logprobs[1:]   # its own first
+    TOKENS_SENT["n"] += 13
 
 
 def test_both_replicas_stream_on_the_one_port_each_token_once_in_order(front):
