@@ -92,6 +92,22 @@ def test_greedy_tokens_match_torch_engine(vllm_engine, torch_tokens):
     assert not diverged, f"vllm vs torch greedy tokens differ (request: (vllm, torch)): {diverged}"
 
 
+def test_prompt_logprobs_match_the_torch_engines(vllm_engine, checkpoint):
+    """``prompt_logprobs``: vLLM's computed prompt log-probabilities, read into raycolo's
+    entries, equal the torch engine's (the first None; token, rank and top ids, values to 1e-4)."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    ours = create_engine(_config("torch", checkpoint))
+    try:
+        want = ours.generate(PROMPTS[:2], params)
+    finally:
+        ours.release()
+    for got, ref in zip(vllm_engine.generate(PROMPTS[:2], params), want):
+        assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(ref.prompt_logprobs)
+        for a, b in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert (a.token, a.rank, [t for t, _ in a.top]) == (b.token, b.rank, [t for t, _ in b.top])
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
 def test_text_prompt_memory_and_sampling(vllm_engine):
     seeded = SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=123, ignore_eos=True)
     a, b = vllm_engine.generate(["hello", "hello"], [seeded, seeded])
