@@ -170,7 +170,9 @@ def test_stop_strings_penalties_logprobs_and_n(front):
     assert tok.decode(ref.tolist(), skip_special_tokens=True).startswith(r.choices[0].text)
     assert len(r.usage and r.choices[0].text) >= 0
     lp = r.choices[0].logprobs
-    assert len(lp.token_logprobs) == 10 and all(len(t) == 2 for t in lp.top_logprobs)
+    assert len(lp.token_logprobs) == 10
+    ranked = [sorted(t.values(), reverse=True) for t in lp.top_logprobs]   # its own token, and the top 2
+    assert all(len(t) == 2 + (own < top[1]) for t, own, top in zip(lp.top_logprobs, lp.token_logprobs, ranked))
     with torch.no_grad():
         logits = model(torch.tensor([case["prompt_ids"]])).logits[0, -1].float()
     assert lp.token_logprobs[0] == pytest.approx(float(torch.log_softmax(logits, -1)[ref[0]]), abs=1e-3)
