@@ -31,6 +31,20 @@ def check_torch_engine(device) -> Row:
         got = [o.token_ids for o in engine.generate(ps, params)]
         _require(got == refs, "engine tokens differ from transformers' generate()")
         figures = {"tokens_equal": f"{16 * len(ps)}/{16 * len(ps)}"}
+        # prompt log-probabilities (every prompt position's logits on the device, scored there)
+        scored = engine.generate(ps, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2))
+        same = 0
+        for p, out in zip(ps, scored):
+            with torch.no_grad():
+                lp = torch.log_softmax(ref(torch.tensor([p])).logits[0], -1)
+            for j, e in enumerate(out.prompt_logprobs[1:], 1):
+                row = lp[j - 1]
+                same += (e.token == p[j] and abs(e.logprob - float(row[p[j]])) < 1e-5     # scored in float32, as vLLM
+                         and e.rank == int((row >= row[p[j]]).sum())
+                         and [t for t, _ in e.top] == torch.topk(row, 2).indices.tolist())
+        positions = sum(len(p) - 1 for p in ps)
+        _require(same == positions, f"prompt log-probabilities: {same}/{positions} positions equal transformers'")
+        figures["prompt_logprobs_equal"] = f"{same}/{positions}"
         decode = [r.seconds for r in engine.stats.iterations if r.kind == StepKind.DECODE]
         if decode:
             figures["ms_decode_iter"] = 1000 * sorted(decode)[len(decode) // 2]

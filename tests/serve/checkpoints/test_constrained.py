@@ -1,6 +1,6 @@
 """Constrained and tool-calling answers of the checkpoints (tests/serve/checkpoints/conftest.py)
 under xgrammar, read as vLLM reads them; /tokenize and /detokenize; bad fields as 400s
-naming them; chat training samples."""
+naming them."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,6 @@ import json
 import httpx
 import openai
 import pytest
-import ray
 
 from tests.support.checkpoint_serving import MAX_NEW, client
 from tests.support.function_tools import REQUIRED_SCHEMA, WEATHER, ZONE, complete_calls
@@ -205,21 +204,3 @@ def test_unknown_and_bad_fields_are_400_naming_them(front):
             err = r.json()["error"]
             if param:
                 assert err["param"] == param and param in err["message"]
-
-
-def test_chat_training_samples_end_with_the_end_of_turn_token(front):
-    """A chat sample is stored as the template renders it: the completion ends with the
-    template's end-of-turn token, not the tokenizer's EOS."""
-    from raycolo.actors.serve.launch import controller_handle
-
-    with httpx.Client(base_url=front["url"], timeout=60) as h:
-        r = h.post("/v1/train_samples", json={"samples": [{"messages": [
-            {"role": "user", "content": "Where is the river?"}, {"role": "assistant", "content": "By the stone."}]}]})
-        assert r.status_code == 200, r.text
-        seq = r.json()["ids"][0]
-    controller = controller_handle(front["config"])
-    prompt, completion = ray.get(controller.stored_samples.remote([seq]), timeout=60)[0]
-    tok = load(front["path"])[1]
-    end = "<|eot_id|>" if front["kind"] == "llama3" else "<|im_end|>"
-    assert completion[-1] == tok.convert_tokens_to_ids(end)
-    assert prompt.count(tok.bos_token_id) == (1 if tok.bos_token_id is not None else 0)
