@@ -78,11 +78,10 @@ def completion_logprobs(texts: TokenTexts, entries: Optional[Sequence]) -> Optio
             chosen.append(None)
             tops.append(None)
         else:
-            named = texts.at([e.token, *(t for t, _ in e.top)], prompt=e.rank is not None)
-            texts.advance(e.token)
-            tokens.append(named[0])
+            rows = texts.entry(e, prompt=e.rank is not None)
+            tokens.append(rows[0][1])
             chosen.append(_shown(e.logprob))
-            tops.append({name: _shown(lp) for name, lp in zip(named, [e.logprob, *(lp for _, lp in e.top)])})
+            tops.append({name: _shown(lp) for _, name, lp in rows})
         offsets.append(texts.place(tokens[-1]))
     return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
@@ -97,12 +96,8 @@ def prompt_logprobs(tokenizer, entries: Optional[Sequence]) -> Optional[list]:
         if e is None:
             out.append(None)
             continue
-        ids = [e.token, *(t for t, _ in e.top)]
-        named = texts.at(ids, prompt=True)
-        texts.advance(e.token)
         ranked = {}
-        for t, lp, rank, name in zip(ids, [e.logprob, *(lp for _, lp in e.top)],
-                                     [e.rank, *range(1, len(e.top) + 1)], named):
+        for (t, name, lp), rank in zip(texts.entry(e, prompt=True), [e.rank, *range(1, len(e.top) + 1)]):
             ranked.setdefault(str(t), {"logprob": _shown(lp), "rank": rank, "decoded_token": name})
         out.append(ranked)
     return out
@@ -113,10 +108,8 @@ def chat_logprobs(texts: TokenTexts, entries: Optional[Sequence]) -> Optional[di
         return None
     content = []
     for e in entries:
-        named = texts.at([e.token, *(t for t, _ in e.top)], prompt=False)
-        texts.advance(e.token)
         one = [{"token": name, "logprob": _shown(lp), "bytes": list(name.encode("utf-8"))}
-               for name, lp in zip(named, [e.logprob, *(lp for _, lp in e.top)])]
+               for _, name, lp in texts.entry(e, prompt=False)]
         content.append({**one[0], "top_logprobs": one[1:]})
     return {"content": content}
 

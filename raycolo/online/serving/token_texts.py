@@ -46,6 +46,14 @@ class TokenTexts:
     def advance(self, token: int) -> None:
         self.context = (self.context + [token])[-CONTEXT_TOKENS:]
 
+    def entry(self, e, prompt: bool) -> list[tuple[int, str, float]]:
+        """A log-probability entry's (id, text, log-probability) rows: the token the sequence
+        took first, then its most likely ones; the sequence moves on past the token."""
+        ids = [e.token, *(t for t, _ in e.top)]
+        rows = list(zip(ids, self.at(ids, prompt), [e.logprob, *(lp for _, lp in e.top)]))
+        self.advance(e.token)
+        return rows
+
     def place(self, text: str) -> int:
         """``text``'s offset in the answer's text of tokens (the next one's starts after it)."""
         at, self.offset = self.offset, self.offset + len(text)
