@@ -27,6 +27,7 @@ from raycolo.engine.executor import SeqChunk, create_executor
 from raycolo.generation import FinishReason, StopChecker
 from raycolo.generation.sampler import SamplingRow, plain, position_seed, sample, sample_plain
 from raycolo.generation.prompt_scores import split_scored
+from raycolo.generation.rows import PromptScore
 from raycolo.batching.step_scheduler import FcfsBlockScheduler, StepKind
 from raycolo.batching.limits import SchedulerLimits, ceil_div
 from raycolo.kv_bytes import AttentionShape
@@ -206,7 +207,7 @@ class TorchEngine(Engine):
             logits = ex.execute(ex.batch(chunks))
         else:
             logits = ex.execute(ex.batch(chunks), handles=handles)
-        scored = {h: (self.requests[h].prompt, self.requests[h].params.prompt_logprobs)
+        scored = {h: PromptScore(self.requests[h].prompt, self.requests[h].params.prompt_logprobs)
                   for h, c in zip(handles, chunks) if c.every_logit}
         if scored:        # a preempted request keeps what its first prefill scored
             logits, prompts = split_scored(logits, handles, [c.length for c in chunks], scored)

@@ -16,7 +16,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from raycolo.generation.rows import TokenLogprob
+from raycolo.generation.rows import PromptScore, TokenLogprob
 
 SCORE_ROWS = 512          # prompt positions scored per pass (rows x vocabulary float32 at a time)
 
@@ -58,15 +58,15 @@ def score_prompt(logits: torch.Tensor, ids: Sequence[int], k: int) -> list[Optio
 
 
 def split_scored(logits: torch.Tensor, requests: Sequence, counts: Sequence[int],
-                 scored: Mapping) -> tuple[torch.Tensor, list]:
-    """A step's logits where the requests in ``scored`` (request -> (prompt ids, k)) have a
+                 scored: Mapping[object, PromptScore]) -> tuple[torch.Tensor, list]:
+    """A step's logits where the requests in ``scored`` (request -> its PromptScore) have a
     row per new token (``counts``) and the others one: (each request's last row, to sample
     from; per request its prompt's log-probabilities, None where it is not scored)."""
     rows = [counts[i] if r in scored else 1 for i, r in enumerate(requests)]
     ends = list(itertools.accumulate(rows))
     if not ends or ends[-1] != logits.shape[0]:
         raise ValueError(f"split_scored: {logits.shape[0]} rows of logits for {sum(rows)} expected")
-    prompts = [score_prompt(logits[end - n:end], *scored[r]) if r in scored else None
+    prompts = [score_prompt(logits[end - n:end], scored[r].ids, scored[r].top) if r in scored else None
                for r, n, end in zip(requests, rows, ends)]
     last = torch.tensor([end - 1 for end in ends], dtype=torch.long, device=logits.device)
     return logits.index_select(0, last), prompts

@@ -58,6 +58,15 @@ class TokenLogprob:
     rank: Optional[int] = None
 
 
+@dataclass(frozen=True)
+class PromptScore:
+    """What a prefill scores of a request's prompt (its ``prompt_logprobs``): the prompt's
+    ids, and how many most likely tokens per position (:mod:`.prompt_scores`)."""
+
+    ids: Sequence[int]
+    top: int
+
+
 @dataclass
 class Sampled:
     tokens: list[int]

@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Optional
 
 from raycolo.online.stages.stage_ops import ForwardStep, LoadWeights, StageWork, TrainBackward, TrainForward
 from raycolo.generation import SamplingParams, check_stop
-from raycolo.generation.rows import SamplingRow, plain
+from raycolo.generation.rows import PromptScore, SamplingRow, plain
 from raycolo.online.scheduling.node_types import Op, OpKind
 from raycolo.online.samples import clip_sample, training_rows
 from raycolo.online.tasks import OnlineTask
@@ -125,7 +125,7 @@ def stage_message(op: Op, stages: int, requests: Mapping[int, ServedRequest],
             sampling = [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids, q.task.task_id)
                         for q in reqs]
         # a prompt is scored once: a request resumed with tokens has sent its prompt's already
-        scored = {q.task.task_id: (list(q.prompt), q.params.prompt_logprobs) for q in reqs
+        scored = {q.task.task_id: PromptScore(list(q.prompt), q.params.prompt_logprobs) for q in reqs
                   if last and op.kind == OpKind.PREFILL and q.params.prompt_logprobs is not None and not q.generated}
         return ForwardStep(prefill=op.kind == OpKind.PREFILL, requests=[q.task.task_id for q in reqs],
                            counts=[len(t) for t in tokens], tokens=tokens if s == 0 else None,

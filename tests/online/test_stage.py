@@ -396,11 +396,12 @@ def test_scored_requests_get_the_whole_models_logits_at_every_prompt_position(cu
     prompt token's log-probability, rank and top tokens are transformers' on the whole
     model (a fresh adapter changes nothing), and the rows sampled from are its last ones."""
     from raycolo.generation.prompt_scores import split_scored
+    from raycolo.generation.rows import PromptScore
 
     chain = stages("tiny-llama-m", cuts)
     whole = base("tiny-llama-m").eval()
     ps = prompts([9, 5, 13])
-    rids, scored = [0, 1, 2], {0: (ps[0], 2), 1: (ps[1], 0)}
+    rids, scored = [0, 1, 2], {0: PromptScore(ps[0], 2), 1: PromptScore(ps[1], 0)}
     hidden = None
     for st in chain:
         hidden = st.forward(rids, ps, hidden, base=[1], every_logit=scored)
@@ -413,7 +414,7 @@ def test_scored_requests_get_the_whole_models_logits_at_every_prompt_position(cu
         torch.testing.assert_close(last[rid], ref[-1], rtol=1e-9, atol=1e-9)
         if rid not in scored:
             continue
-        lp, k = torch.log_softmax(ref, -1), scored[rid][1]
+        lp, k = torch.log_softmax(ref, -1), scored[rid].top
         got = prompt_lps[rid]
         assert got[0] is None and len(got) == len(p)
         for j, e in enumerate(got[1:], 1):

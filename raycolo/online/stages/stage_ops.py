@@ -36,7 +36,7 @@ class ForwardStep(StageWork):
     adapter version it is pinned to. ``sampling``: the last stage's
     :class:`~raycolo.generation.sampler.SamplingRow` per request, or None where every
     request is plain greedy. ``release``: requests whose KV the stage frees after it.
-    ``scored``: the last stage's request id -> (prompt ids, k) of the requests of a prefill
+    ``scored``: the last stage's request id -> PromptScore of the requests of a prefill
     asking for their prompt's log-probabilities (:mod:`raycolo.generation.prompt_scores`)."""
 
     prefill: bool
