@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
+from raycolo.generation.rows import TokenLogprob
+
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 4           # a UTF-8 character spans at most 4 bytes
 
@@ -46,7 +48,7 @@ class TokenTexts:
     def advance(self, token: int) -> None:
         self.context = (self.context + [token])[-CONTEXT_TOKENS:]
 
-    def entry(self, e, prompt: bool) -> list[tuple[int, str, float]]:
+    def entry(self, e: TokenLogprob, prompt: bool) -> list[tuple[int, str, float]]:
         """A log-probability entry's (id, text, log-probability) rows: the token the sequence
         took first, then its most likely ones; the sequence moves on past the token."""
         ids = [e.token, *(t for t, _ in e.top)]

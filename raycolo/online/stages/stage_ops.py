@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from raycolo.generation.rows import PromptScore
+
 
 @dataclass(kw_only=True, slots=True)
 class StageWork:
@@ -47,7 +49,7 @@ class ForwardStep(StageWork):
     pinned: dict = field(default_factory=dict)
     sampling: Optional[list] = None
     release: tuple = ()
-    scored: dict = field(default_factory=dict)
+    scored: dict[int, PromptScore] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
