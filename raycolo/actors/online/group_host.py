@@ -33,6 +33,7 @@ import ray
 
 from raycolo.actors.online import library_imports
 from raycolo.actors.online.placement_groups import PlacementGroups
+from raycolo.actors.online.stage_trainer import quiet_helpers
 from raycolo.online.config import OnlineConfig, stage_build
 
 WATCH_EVERY_S = 1.0          # how often the host looks for its controller's name
@@ -65,6 +66,7 @@ class GroupHost:
         self.threads: dict[int, threading.Thread] = {}
         self.train_runs = [0] * self.config.nodes
         os.environ.setdefault(TRAIN_POLL_ENV, str(TRAIN_POLL_S))     # this actor's own process
+        quiet_helpers()
         if detached:
             threading.Thread(target=self._watch, daemon=True, name="controller-watch").start()
 
@@ -97,9 +99,10 @@ class GroupHost:
     def _trainer(self, n: int):
         with library_imports.LIBRARY_IMPORTS:    # the nodes' fit threads: torch, first imported here
             from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-            from ray.train.torch import TorchConfig, TorchTrainer
+            from ray.train.torch import TorchConfig
 
             from raycolo.actors.online.group_watch import GroupWatch
+            from raycolo.actors.online.stage_trainer import stage_trainer
             from raycolo.actors.online.stage_worker import stage_loop
 
         cfg = self.config
@@ -112,8 +115,8 @@ class GroupHost:
             "data_plane": cfg.stage.data_plane, "report_every_s": cfg.stage.report_every_s,
             "switch_interval_s": cfg.stage.switch_interval_s,
         }
-        return TorchTrainer(
-            stage_loop, train_loop_config=loop_config,
+        return stage_trainer(
+            train_loop_per_worker=stage_loop, train_loop_config=loop_config,
             scaling_config=ScalingConfig(num_workers=cfg.stages, use_gpu=True,
                                          resources_per_worker={"CPU": cfg.stage.cpus_per_worker,
                                                                "GPU": cfg.stage.gpus_per_worker}),

@@ -34,6 +34,23 @@ def test_models_lists_the_served_model_and_its_base(front):
     assert exc.value.body["param"] == "model"
 
 
+def test_the_stage_groups_start_none_of_ray_trains_helpers_they_never_use(front):
+    """Ray Train starts a DatasetManager and a PreemptionWatcher around every worker group;
+    a stage group takes no Ray Dataset and reads no preemption notice, so raycolo's trainer
+    starts neither (raycolo/actors/online/stage_trainer.py). The helpers it does use are
+    there: a controller, a placement-group cleaner and a synchronization actor per node."""
+    from collections import Counter
+
+    from ray.util.state import list_actors
+
+    classes = Counter(a.class_name for a in list_actors(limit=10_000, raise_on_missing_output=False))
+    nodes, stages = front["config"].nodes, front["config"].stages
+    assert classes["RayTrainWorker"] >= nodes * stages, classes
+    for helper in ("TrainController", "PlacementGroupCleaner", "SynchronizationActor"):
+        assert classes[helper] >= nodes, (helper, classes)
+    assert classes["DatasetManager"] == 0 and classes["PreemptionWatcher"] == 0, classes
+
+
 def test_completion_is_the_models_greedy_text_streamed_or_not(front):
     c = client(front)
     prompt = "The quick brown fox"
