@@ -376,3 +376,79 @@ def test_chat_template_kwargs_render_as_transformers_and_a_refusing_template_is_
     with pytest.raises(ChatTemplateError, match="cannot render"):
         chat_prompt_ids(wrapped, system, template_kwargs={"width": {"a": 1}})      # str * dict
     assert chat_prompt_ids(wrapped, system, template_kwargs={"width": 2}) == hf("ss", add_special_tokens=False)["input_ids"]
+
+
+# -- an assistant's prefill: continue_final_message, and chat's echo ----------------------
+PREFILLED = [{"role": "user", "content": "Write a letter about the winter city"},
+             {"role": "assistant", "content": "Dear friend, the"}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_a_continued_last_message_renders_as_transformers_continues_it(hf_checkpoints, kind):
+    """``continue_final_message`` ends the prompt inside the last message: transformers'
+    ``apply_chat_template(continue_final_message=True)`` on each template, with the
+    tokenizer's special tokens where ``/tokenize`` asks for them."""
+    from transformers import AutoTokenizer
+
+    from raycolo.engine.models import load_tokenizer
+    from raycolo.online.serving.text import chat_prompt_ids
+
+    path = hf_checkpoints[kind]
+    tok, hf = load_tokenizer(str(path)), AutoTokenizer.from_pretrained(path)
+    want = hf.apply_chat_template(PREFILLED, continue_final_message=True, tokenize=False)
+    assert want.endswith("Dear friend, the")
+    ids = chat_prompt_ids(tok, PREFILLED, add_generation_prompt=False, continue_final_message=True)
+    assert ids == hf(want, add_special_tokens=False)["input_ids"]
+    closed = chat_prompt_ids(tok, PREFILLED, add_generation_prompt=False)
+    assert len(closed) > len(ids) and closed[:len(ids)] == ids      # the turn's end is all that differs
+    assert chat_prompt_ids(tok, PREFILLED, add_generation_prompt=False, add_special_tokens=True,
+                           continue_final_message=True) == hf(want)["input_ids"]
+
+
+def test_the_plain_template_leaves_a_continued_message_open():
+    chat = [("user", "Hi"), ("assistant", "Well,")]
+    assert render_plain(chat, False, continue_final_message=True) == "<|user|>\nHi\n<|assistant|>\nWell,"
+    assert render_plain(chat, False) == "<|user|>\nHi\n<|assistant|>\nWell,\n"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"continue_final_message": True}, "continue_final_message"),       # add_generation_prompt is true by default
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ({"continue_final_message": "yes", "add_generation_prompt": False}, "continue_final_message"),
+    ({"add_generation_prompt": 0}, "add_generation_prompt"),
+    ({"echo": "true"}, "echo"),
+])
+def test_chat_rendering_fields_follow_vllms_rule_and_name_their_parameter(fields, param):
+    from raycolo.online.serving.tokenize_protocol import TokenizeBody
+
+    bodies = [(ChatCompletionRequest, {"model": "m", "messages": PREFILLED, **fields})]
+    if "echo" not in fields:
+        bodies.append((TokenizeBody, {"messages": PREFILLED, **fields}))
+    for model, body in bodies:
+        with pytest.raises(ValidationError) as exc:
+            model.model_validate(body)
+        err = from_validation(exc.value)
+        assert err.status == 400 and err.param == param, (model, err.param, err.message)
+
+
+def test_a_last_message_without_text_cannot_be_continued():
+    called = [PREFILLED[0], {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": called, **CONTINUE})
+    err = from_validation(exc.value)
+    assert err.param == "continue_final_message" and "no text" in err.message
+
+
+def test_chat_echo_shows_the_assistants_last_message_only():
+    def echoed(messages, **fields):
+        return ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields}).echoed()
+
+    assert echoed(PREFILLED, echo=True, **CONTINUE) == "Dear friend, the"
+    assert echoed(PREFILLED, echo=True) == "Dear friend, the"          # vLLM's: the last message is the assistant's
+    assert echoed(PREFILLED, **CONTINUE) == ""                           # no echo asked
+    assert echoed(PREFILLED[:1], echo=True) == ""                        # the user's message is not echoed
+    parts = [PREFILLED[0], {"role": "assistant", "content": [{"type": "text", "text": "Dear "},
+                                                            {"type": "text", "text": "friend"}]}]
+    assert echoed(parts, echo=True) == "Dear friend"

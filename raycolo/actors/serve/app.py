@@ -197,13 +197,15 @@ class OpenAIIngress(Completions):
         return await self._generate(body, [ids], body.limit(), "messages", chat=True, variant=variant,
                                     reading=reading)
 
-    def _chat_ids(self, body, add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                  tools=None) -> list[int]:
-        """A chat body's prompt ids (its template, tools and ``chat_template_kwargs``); a 400
+    def _chat_ids(self, body, add_special_tokens: bool = False, tools=None) -> list[int]:
+        """A chat body's prompt ids (its template, tools, ``chat_template_kwargs`` and how it
+        is rendered: :class:`~raycolo.online.serving.chat_messages.ChatRendering`); a 400
         where the template refuses it, naming the variables where any were given."""
         try:
-            return chat_prompt_ids(self.tokenizer, [m.template_dict() for m in body.messages], add_generation_prompt,
-                                   add_special_tokens, tools, template_kwargs=body.chat_template_kwargs)
+            return chat_prompt_ids(self.tokenizer, [m.template_dict() for m in body.messages],
+                                   body.add_generation_prompt, add_special_tokens, tools,
+                                   template_kwargs=body.chat_template_kwargs,
+                                   continue_final_message=body.continue_final_message)
         except ChatTemplateError as exc:
             param = "chat_template_kwargs" if body.chat_template_kwargs else "messages"
             raise OpenAIError(400, f"{param}: {exc}", param=param, code="invalid_parameter") from None
@@ -212,13 +214,13 @@ class OpenAIIngress(Completions):
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(self, body: TokenizeBody) -> TokenizeResponse:
         """vLLM's route: the ids a prompt (``add_special_tokens`` true) or a chat (its
-        template, ``add_generation_prompt`` true) comes to, as the generation routes
+        template, ``add_generation_prompt`` true, or ``continue_final_message``) comes to, as the generation routes
         prefill them; ``max_model_len`` is the context they enforce."""
         req = body.root
         if req.model is not None:
             await self.model(req.model)          # 404: not served here (GET /v1/models lists what is)
         if isinstance(req, TokenizeChatRequest):
-            ids = self._chat_ids(req, req.add_generation_prompt, req.add_special_tokens, template_tools(req.tools))
+            ids = self._chat_ids(req, req.add_special_tokens, template_tools(req.tools))
         else:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,

@@ -166,16 +166,18 @@ class Completions(Admissions):
         prompt_tokens = sum(len(ids) for ids in prompts)
         echoes = self._echoes(body, prompts) if not chat else [None] * len(prompts)
         choice_echoes = [e for e in echoes for _ in range(body.n)]
+        said = body.echoed() if chat else ""      # a chat's echo: the assistant's last message before the answer
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = [self._choice_events(a, started, ids, e)
                       for a, ids, e in zip(admitted, choice_prompts, choice_echoes)]
             return StreamingResponse(sse_answer(events, self.tokenizer, out_id, chat, body.model, prompt_tokens,
-                                                include_usage, self.config.serve.stream_interval, tokens, reading),
+                                                include_usage, self.config.serve.stream_interval, tokens, reading,
+                                                said),
                                      media_type="text/event-stream")
         results = await asyncio.gather(*[self._collect(a, started, ids, e)
                                          for a, ids, e in zip(admitted, choice_prompts, choice_echoes)])
-        choices = [choice(self.tokenizer, chat, i, r, tokens[i], reading) for i, r in enumerate(results)]
+        choices = [choice(self.tokenizer, chat, i, r, tokens[i], reading, said) for i, r in enumerate(results)]
         answer = {"id": out_id, "object": kind, "created": int(time.time()), "model": body.model,
                   "choices": choices, "usage": usage(prompt_tokens, sum(r.count for r in results))}
         if chat and body.return_token_ids:

@@ -8,7 +8,7 @@ import functools
 import inspect
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 
 def unicode_text(text: str) -> str:
@@ -119,3 +119,26 @@ class ChatMessage(Closed):
     def template_dict(self) -> dict:
         """The message as a chat template gets it."""
         return {"role": self.role, "content": self.text()}
+
+
+class ChatRendering(Closed):
+    """How a chat becomes its prompt (vLLM's fields, defaults and rule; the chat route's and
+    ``/tokenize``'s): with ``add_generation_prompt`` the prompt ends with the assistant's
+    turn opened; with ``continue_final_message`` it ends inside the last message, left
+    open for the model to continue (an assistant's prefill: transformers'
+    ``apply_chat_template(continue_final_message=True)``). The two exclude each other. A
+    subclass has ``messages``."""
+
+    add_generation_prompt: bool = Field(default=True, description="end with the assistant's turn opened")
+    continue_final_message: bool = Field(default=False, description=(
+        "end inside the last message, left open for the model to continue (a prefill); needs "
+        "add_generation_prompt: false"))
+
+    @model_validator(mode="after")
+    def _continue_rule(self):
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message: needs add_generation_prompt: false (vLLM's rule)")
+            if not self.messages[-1].text():
+                raise ValueError("continue_final_message: the last message has no text to continue")
+        return self

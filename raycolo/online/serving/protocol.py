@@ -23,7 +23,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Fie
 from raycolo.generation import SamplingParams
 # the parts of messages every body shares, where they were before (raycolo.online.serving.chat_messages)
 from raycolo.online.serving.chat_messages import ChatMessage, Closed, Text, TextPart, unicode_text  # noqa: F401
-from raycolo.online.serving.chat_messages import TEMPLATE_KWARGS_HELP, TemplateKwargs
+from raycolo.online.serving.chat_messages import TEMPLATE_KWARGS_HELP, ChatRendering, TemplateKwargs
 from raycolo.generation.structured import StructuredOutputs
 from raycolo.online.serving.structured_protocol import ResponseFormat, one_constraint
 from raycolo.online.serving.tool_protocol import (MAX_TOOLS, ChatTurn, Tool, ToolChoice, ToolChoiceKind,
@@ -262,8 +262,9 @@ class CompletionRequest(SamplingFields):
         return list(self.prompt) if _is_batch(self.prompt) else [self.prompt]
 
 
-class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions (function calling: :mod:`.tool_protocol`)."""
+class ChatCompletionRequest(SamplingFields, ChatRendering):
+    """POST /v1/chat/completions (function calling: :mod:`.tool_protocol`; how the chat is
+    rendered: :class:`~.chat_messages.ChatRendering`)."""
 
     messages: list[ChatTurn] = Field(min_length=1)
     tools: Optional[list[Tool]] = Field(default=None, min_length=1, max_length=MAX_TOOLS,
@@ -276,6 +277,8 @@ class ChatCompletionRequest(SamplingFields):
     include_reasoning: bool = Field(default=True, description="vLLM's: false leaves the reasoning out of the answer "
                                     "(with the deployment's serve.reasoning_parser)")
     max_completion_tokens: Optional[WholeInt] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    echo: bool = Field(default=False, description="vLLM's: an answer to a chat whose last message is the "
+                       "assistant's starts with that message's text")
     logprobs: bool = Field(default=False, description="the sampled tokens' log-probabilities")
     top_logprobs: Optional[WholeLogprobCount] = Field(default=None, description="this many most likely tokens "
                                                       "per position (needs logprobs)")
@@ -314,6 +317,12 @@ class ChatCompletionRequest(SamplingFields):
 
     def limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def echoed(self) -> str:
+        """What the answer shows before its text (``echo``: the last message's text, when it
+        is the assistant's, as vLLM does; the answer's role is always the assistant's)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
 
 BASE_SUFFIX = "@base"          # <model>@base: the base model, without the adapter

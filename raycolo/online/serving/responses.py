@@ -115,9 +115,10 @@ def chat_logprobs(texts: TokenTexts, entries: Optional[Sequence]) -> Optional[di
 
 
 def choice(tokenizer, chat: bool, index: int, whole: ChoiceEvent, tokens: TokenFields = TokenFields(),
-           reading: Optional[AnswerReading] = None) -> dict:
+           reading: Optional[AnswerReading] = None, echoed: str = "") -> dict:
     """One choice of a non-streamed answer (``whole``: its events joined; ``reading``: how
-    a chat's text is read for reasoning and tool calls, None: it is not)."""
+    a chat's text is read for reasoning and tool calls, None: it is not; ``echoed``: a
+    chat's echo, put before the content as read)."""
     finish, texts = whole.finish, TokenTexts(tokenizer, tokens.as_ids)
     if chat:
         message = {"role": "assistant", "content": whole.delta}
@@ -125,6 +126,8 @@ def choice(tokenizer, chat: bool, index: int, whole: ChoiceEvent, tokens: TokenF
             fields, called = whole_message(reading, whole.delta)
             message.update(fields)
             finish = reading.finish_reason(called, finish)
+        if echoed:
+            message["content"] = echoed + (message["content"] or "")
         out = {"index": index, "message": message, "logprobs": chat_logprobs(texts, whole.lps)}
     else:
         out = {"index": index, "text": whole.delta, "logprobs": completion_logprobs(texts, whole.lps)}

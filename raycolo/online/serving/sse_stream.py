@@ -31,12 +31,14 @@ from raycolo.online.serving.answer_reading import AnswerReading
 async def sse_answer(choices: Sequence[AsyncIterator], tokenizer, out_id: str, chat: bool, model: str,
                      prompt_tokens: int, include_usage: bool, stream_interval: int,
                      tokens: Union[TokenFields, Sequence[TokenFields]] = TokenFields(),
-                     reading: Optional[AnswerReading] = None) -> AsyncIterator[str]:
+                     reading: Optional[AnswerReading] = None, echoed: str = "") -> AsyncIterator[str]:
     """The ``data:`` lines of the answer whose choices' events are ``choices``
     (:class:`~.responses.ChoiceEvent`, or its first four fields); ``tokens``: what the
     choices add about tokens (one for all, or one per choice: a completions batch's
     choices have their own prompts); ``reading``: how a chat's text is read for reasoning
-    and tool calls (:mod:`.answer_reading`; None: it is not)."""
+    and tool calls (:mod:`.answer_reading`; None: it is not); ``echoed``: a chat's echo,
+    the content every choice starts with (a chunk of its own after the role, as vLLM
+    sends it)."""
     created = int(time.time())
     per_choice = [tokens] * len(choices) if isinstance(tokens, TokenFields) else list(tokens)
     tokens = per_choice[0]                  # whether token ids are asked: the same for every choice
@@ -48,6 +50,8 @@ async def sse_answer(choices: Sequence[AsyncIterator], tokenizer, out_id: str, c
     if chat:
         for sse in sses:
             yield sse.chunk(None, None, role=True)
+        for sse in sses if echoed else ():
+            yield sse.chunk(echoed, None)
     # closed as soon as the loop ends (a failed choice cancels the others then, not when
     # the generator is collected)
     async with contextlib.aclosing(_indexed(choices[0]) if len(choices) == 1 else _merged(choices)) as events:

@@ -15,7 +15,10 @@
       <|assistant|>
 
   Each message is ``<|role|>\\n`` + its text + ``\\n``; the prompt ends with
-  ``<|assistant|>\\n``. With tools, the prompt opens with ``<|tools|>\\n`` + their
+  ``<|assistant|>\\n``. A chat whose last message is continued (``continue_final_message``,
+  an assistant's prefill) ends with that message's text, without its ``\\n``; with a
+  template, transformers' ``apply_chat_template(continue_final_message=True)`` cuts the
+  rendered chat after the last message's text. With tools, the prompt opens with ``<|tools|>\\n`` + their
   JSON + ``\\n``; an assistant's tool calls follow its text, each as
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the form the ``hermes``
   tool-call parser reads).
@@ -50,9 +53,11 @@ def _plain_turn(message: dict) -> str:
 
 
 def render_plain(messages: Sequence[Message], add_generation_prompt: bool = True,
-                 tools: Optional[list[dict]] = None) -> str:
+                 tools: Optional[list[dict]] = None, continue_final_message: bool = False) -> str:
     text = f"<|tools|>\n{json.dumps(tools, ensure_ascii=False)}\n" if tools else ""
     text += "".join(_plain_turn(_as_dict(m)) for m in messages)
+    if continue_final_message:          # the last message left open: no newline after its text
+        return text[:-1]
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
@@ -68,13 +73,15 @@ class ChatTemplateError(ValueError):
 
 
 def _apply(hf, messages: Sequence[Message], add_generation_prompt: bool, tokenize: bool,
-           tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None):
+           tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None,
+           continue_final_message: bool = False):
     from jinja2 import TemplateError
 
     chat = [_as_dict(m) for m in messages]
     try:
         out = hf.apply_chat_template(chat, tokenize=tokenize, tools=tools,
                                      add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message,
                                      **({"return_dict": False} if tokenize else {}), **(template_kwargs or {}))
     except (TemplateError, TypeError, ValueError, LookupError, AttributeError) as exc:
         reason = " ".join(str(exc).split())[:300] or type(exc).__name__
@@ -86,20 +93,23 @@ def _apply(hf, messages: Sequence[Message], add_generation_prompt: bool, tokeniz
 
 def chat_prompt_ids(tokenizer, messages: Sequence[Message], add_generation_prompt: bool = True,
                     add_special_tokens: bool = False, tools: Optional[list[dict]] = None,
-                    template_kwargs: Optional[dict] = None) -> list[int]:
+                    template_kwargs: Optional[dict] = None, continue_final_message: bool = False) -> list[int]:
     """A chat's prompt as token ids, rendered once: one BOS at most. ``add_special_tokens``
     (``/tokenize``'s): the tokenizer's special tokens on top of what the template wrote;
     raycolo's plain template is always encoded as a prompt, with them. ``tools``: the
     functions the model may call, as the template shows them (OpenAI's JSON);
     ``template_kwargs``: the request's ``chat_template_kwargs`` (checked:
-    :func:`~.chat_messages.template_kwargs`; the plain template has no variables)."""
+    :func:`~.chat_messages.template_kwargs`; the plain template has no variables);
+    ``continue_final_message``: the prompt ends inside the last message (see the module
+    docstring)."""
     hf = _template_tokenizer(tokenizer)
     if hf is None:
-        return tokenizer.encode(render_plain(messages, add_generation_prompt, tools))
+        return tokenizer.encode(render_plain(messages, add_generation_prompt, tools, continue_final_message))
+    how = {"tools": tools, "template_kwargs": template_kwargs, "continue_final_message": continue_final_message}
     if add_special_tokens:
-        return tokenizer.encode(_apply(hf, messages, add_generation_prompt, tokenize=False, tools=tools,
-                                       template_kwargs=template_kwargs), add_special_tokens=True)
-    return _apply(hf, messages, add_generation_prompt, tokenize=True, tools=tools, template_kwargs=template_kwargs)
+        return tokenizer.encode(_apply(hf, messages, add_generation_prompt, tokenize=False, **how),
+                                add_special_tokens=True)
+    return _apply(hf, messages, add_generation_prompt, tokenize=True, **how)
 
 
 def chat_sample_ids(tokenizer, messages: Sequence[tuple[str, str]], eos_ids: Iterable[int] = (),

@@ -2,7 +2,7 @@
 defaults; ``vllm/entrypoints/serve/tokenize/protocol.py``).
 
 ``/tokenize`` takes a prompt (``add_special_tokens`` true by default: the ids the
-completions route prefills) or a chat (``add_generation_prompt`` true and
+completions route prefills) or a chat (``add_generation_prompt`` true, ``continue_final_message`` false and
 ``add_special_tokens`` false by default: the ids the chat route prefills, its template's
 BOS included once, and its ``tools`` as the template shows them) and answers ``count``, ``max_model_len`` (the context raycolo
 enforces), ``tokens`` and, with ``return_token_strs``, each token's string as the
@@ -17,7 +17,7 @@ from typing import Annotated, Optional, Union
 from pydantic import BaseModel, Discriminator, Field, RootModel, Tag, field_validator
 
 from raycolo.bounds import MAX_TOKENS
-from raycolo.online.serving.chat_messages import TEMPLATE_KWARGS_HELP, TemplateKwargs
+from raycolo.online.serving.chat_messages import TEMPLATE_KWARGS_HELP, ChatRendering, TemplateKwargs
 from raycolo.online.serving.protocol import Closed, ModelName, Text
 from raycolo.online.serving.tool_protocol import MAX_TOOLS, ChatTurn, Tool, distinct_names
 
@@ -31,13 +31,12 @@ class TokenizeCompletionRequest(Closed):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(Closed):
+class TokenizeChatRequest(ChatRendering):
     model: Optional[ModelName] = None
     messages: list[ChatTurn] = Field(min_length=1)
     tools: Optional[list[Tool]] = Field(default=None, min_length=1, max_length=MAX_TOOLS,
                                         description="the tools the chat template shows the model")
     _distinct_tools = field_validator("tools")(lambda cls, tools: distinct_names(tools))
-    add_generation_prompt: bool = Field(default=True, description="end with the assistant's turn opening")
     chat_template_kwargs: Optional[TemplateKwargs] = Field(default=None, description=TEMPLATE_KWARGS_HELP)
     add_special_tokens: bool = Field(default=False, description="the tokenizer's special tokens on top of "
                                                                 "what the chat template writes")

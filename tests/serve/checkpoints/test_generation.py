@@ -10,7 +10,7 @@ import ray
 import torch
 
 from tests.support.checkpoint_serving import MAX_NEW, client, sse
-from tests.support.hf_checkpoints import load
+from tests.support.hf_checkpoints import hf_reference, load
 
 
 def test_completions_equal_transformers_streamed_or_not(front):
@@ -145,6 +145,36 @@ def test_chat_renders_the_template_once_and_equals_transformers(front):
         chunks = list(c.chat.completions.create(model=front["model"], messages=case["prompt"], max_tokens=MAX_NEW,
                                                 temperature=0, stream=True))
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == case["text"]
+
+
+def test_a_prefilled_assistant_message_is_continued_as_transformers_continues_it(front):
+    """vLLM's assistant prefill: ``continue_final_message`` (``add_generation_prompt``
+    false) prefills transformers' ``apply_chat_template(continue_final_message=True)``,
+    and the answer is ``generate()``'s continuation of it; ``echo`` puts the prefilled text
+    before it, streamed (a chunk of its own after the role) or not; ``/tokenize`` gives the
+    same ids; the default ``add_generation_prompt`` with it is a 400."""
+    messages = [{"role": "user", "content": "Write a letter about the winter city"},
+                {"role": "assistant", "content": "Dear friend, the"}]
+    tok = load(front["path"])[1]
+    want = tok.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    ids, text, reason = hf_reference(front["path"], want, MAX_NEW)
+    body = {"model": front["model"], "messages": messages, "max_tokens": MAX_NEW, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    with httpx.Client(base_url=front["url"], timeout=120) as h:
+        r = h.post("/v1/chat/completions", json=body).json()
+        assert r["usage"]["prompt_tokens"] == len(want) and r["usage"]["completion_tokens"] == len(ids)
+        assert r["choices"][0]["message"]["content"] == text and r["choices"][0]["finish_reason"] == reason
+        echoed = h.post("/v1/chat/completions", json={**body, "echo": True}).json()
+        assert echoed["choices"][0]["message"]["content"] == "Dear friend, the" + text
+        chunks = sse(h, "/v1/chat/completions", {**body, "echo": True})
+        deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
+        assert deltas[0].get("role") == "assistant" and deltas[1] == {"content": "Dear friend, the"}
+        assert "".join(d.get("content") or "" for d in deltas) == "Dear friend, the" + text
+        assert h.post("/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                         "continue_final_message": True}).json()["tokens"] == want
+        refused = h.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
 
 
 def test_stop_strings_penalties_logprobs_and_n(front):
