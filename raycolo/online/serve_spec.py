@@ -83,8 +83,9 @@ class ServeSpec(Strict):
     tool_call_parser: Optional[ToolParserKind] = Field(default=None, strict=False, description=(
         "How tool_choice \"auto\" reads tool calls from the model's text (vLLM's --tool-call-parser with "
         "--enable-auto-tool-choice): \"hermes\" (<tool_call>{...}</tool_call>: Hermes 2 Pro, Qwen 2.5 and 3, "
-        "raycolo's plain template), \"llama3_json\" (a reply that is JSON calls: Llama 3.1 to 3.3) or \"pythonic\" "
-        "(a reply that is a Python list of calls: Llama 3.2 and 4). None: "
+        "raycolo's plain template), \"llama3_json\" (a reply that is JSON calls: Llama 3.1 to 3.3), \"pythonic\" "
+        "(a reply that is a Python list of calls: Llama 3.2 and 4) or \"mistral\" (calls after [TOOL_CALLS]: "
+        "Mistral 7B v0.3, Nemo, Small 3.1, Magistral, Devstral). None: "
         "\"auto\" is a 400, and a request forces a call (\"required\", a named function) or asks for none."))
 
     @field_validator("lora_load_dirs")

@@ -24,6 +24,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 TIME = {"type": "function", "function": {"name": "get_time"}}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
 HERMES, LLAMA3, PYTHONIC = ToolParserKind.HERMES, ToolParserKind.LLAMA3_JSON, ToolParserKind.PYTHONIC
+MISTRAL = ToolParserKind.MISTRAL
 AUTO, REQUIRED, NAMED = ToolChoiceKind.AUTO, ToolChoiceKind.REQUIRED, ToolChoiceKind.NAMED
 
 
@@ -180,6 +181,22 @@ AUTO_CASES = [
     (PYTHONIC, "[f(x=g())]", "[f(x=g())]", []),
     (PYTHONIC, "[1, 2]", "[1, 2]", []),
     (PYTHONIC, "[f(x=1)", "[f(x=1)", []),
+    (MISTRAL, "It is cold.", "It is cold.", []),
+    # before tokenizer v11: one JSON list; arguments given as text are kept as written (vLLM's)
+    (MISTRAL, 'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+              '{"name": "get_time", "arguments": "{\\"tz\\": \\"CET\\"}"}]', "Let me look.",
+     [("get_weather", {"city": "Oslo"}), ("get_time", {"tz": "CET"})]),
+    (MISTRAL, '[TOOL_CALLS] {"name": "f", "arguments": {"n": [1, "é"]}}', None, [("f", {"n": [1, "é"]})]),
+    (MISTRAL, '[TOOL_CALLS][TOOL_CALLS][{"name": "f"}]', None, [("f", {})]),
+    (MISTRAL, 'a [TOOL_CALLS][{"x": 1}]', 'a [TOOL_CALLS][{"x": 1}]', []),
+    # from v11 on: name[ARGS]{...} or name{...}, one per tag; text after the arguments dropped (vLLM's)
+    (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time{}', None,
+     [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    (MISTRAL, 'Sure.[TOOL_CALLS]f{"a": 1} and then some', "Sure.", [("f", {"a": 1})]),
+    (MISTRAL, "[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
+    (MISTRAL, "[TOOL_CALLS]f[ARGS][1, 2]", "[TOOL_CALLS]f[ARGS][1, 2]", []),
+    (MISTRAL, '[TOOL_CALLS]f[ARGS]{"a": ', '[TOOL_CALLS]f[ARGS]{"a": ', []),
+    (MISTRAL, "less [TOOL_CA", "less [TOOL_CA", []),
 ]
 
 
@@ -214,7 +231,8 @@ def streamed(reader: ToolCallReader, pieces: list[str]) -> tuple[str, list[dict]
 WHOLE_TEXTS = [t for _, t, _, _ in AUTO_CASES] + ['{"city": "Oslo"}', '[{"name": "a", "parameters": {"x": 1}}]']
 
 
-@given(st.sampled_from([(AUTO, HERMES), (AUTO, LLAMA3), (AUTO, PYTHONIC), (REQUIRED, None), (NAMED, None)]),
+@given(st.sampled_from([(AUTO, HERMES), (AUTO, LLAMA3), (AUTO, PYTHONIC), (AUTO, MISTRAL), (REQUIRED, None),
+                        (NAMED, None)]),
        st.sampled_from(WHOLE_TEXTS), st.lists(st.integers(0, 120), max_size=8))
 @settings(max_examples=400, deadline=None)
 def test_streamed_calls_equal_the_whole_answers_however_the_text_is_cut(mode, text, cuts):
@@ -235,6 +253,16 @@ def test_hermes_content_never_shows_part_of_a_tag():
     assert shown == ["Hi ", "", "", "", ""]
 
 
+def test_mistral_content_never_shows_part_of_its_tag_and_its_ids_are_mistrals():
+    reader = ToolCallReader(AUTO, MISTRAL)
+    shown = [reader.feed(p).content for p in ["Hi [", "TOOL", "_CALLS]", 'f[ARGS]{"x": 1}']]
+    assert shown == ["Hi ", "", "", ""]
+    last = reader.finish()
+    assert [(c.name, c.arguments) for c in last.calls] == [("f", '{"x": 1}')]
+    ids = [c["id"] for c in read_whole(ToolCallReader(AUTO, MISTRAL), "[TOOL_CALLS]a{}[TOOL_CALLS]b{}").tool_calls]
+    assert len(set(ids)) == 2 and all(len(i) == 9 and i.isascii() and i.isalnum() for i in ids)
+
+
 def test_auto_and_none_take_any_parameters_object_as_openai_does():
     odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}
     assert request(tools=[odd], tool_choice="none").constraint() is None
@@ -250,6 +278,8 @@ def test_hostile_text_is_content_or_no_call_never_an_exception():
     assert read_whole(ToolCallReader(AUTO, HERMES), block).content == block
     assert read_whole(ToolCallReader(AUTO, LLAMA3), "{" + '"a":' * 50000).tool_calls == []
     assert read_whole(ToolCallReader(AUTO, PYTHONIC), "[f(x=" + "[" * 50000 + ")]").tool_calls == []
+    assert read_whole(ToolCallReader(AUTO, MISTRAL), "[TOOL_CALLS]" + "[" * 100000).tool_calls == []
+    assert read_whole(ToolCallReader(AUTO, MISTRAL), "[TOOL_CALLS]f" + '{"a":' * 50000).tool_calls == []
     nested = '[{"name": "a", "parameters": ' + '{"x": ' * 5000 + "1" + "}" * 5000 + "}]"
     assert read_whole(ToolCallReader(REQUIRED), nested).tool_calls == []        # too deep to decode: no call
 

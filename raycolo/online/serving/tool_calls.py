@@ -31,19 +31,25 @@ What is read depends on the request's ``tool_choice`` (:class:`~.tool_protocol.T
     ends; names are vLLM's (``[a-zA-Z]\\w*``: no dotted names) and arguments Python or
     JSON literals (``true``, ``null`` too). Anything else, positional arguments
     included, is content.
+  - ``mistral`` (Mistral 7B Instruct v0.3, Nemo, Small 3.1, Magistral, Devstral): text
+    before the first ``[TOOL_CALLS]`` is the content (what could begin the tag held
+    back); what follows it is held until the choice ends and read whole, in either of
+    Mistral's forms (:mod:`.tool_formats`). If it holds no call, it is content as it
+    came, the tag included. Calls get ids of nine letters and digits, the only ids
+    Mistral's templates take back in a conversation's history.
 
 The checkpoints' own tool-call tokens must be in the text: a tool-calling request is
 detokenized with special tokens kept (vLLM's parsers ask the same).
 """
 from __future__ import annotations
 
-import ast
 import json
-import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Optional
 
+from raycolo.online.serving.tool_formats import (MISTRAL_TAG, PYTHON_TAG, call_object, llama3_calls, mistral_call_id,
+                                                 mistral_calls, pythonic_calls)
 from raycolo.online.serving.tool_protocol import ToolChoiceKind
 from raycolo.text_enum import TextEnum
 
@@ -54,10 +60,10 @@ class ToolParserKind(TextEnum):
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
     PYTHONIC = "pythonic"
+    MISTRAL = "mistral"
 
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"
 
 
 def call_id() -> str:
@@ -93,18 +99,6 @@ class ToolDelta:
 
     content: str = ""
     calls: list[CallDelta] = field(default_factory=list)
-
-
-def _call_object(text: str) -> Optional[tuple[str, str]]:
-    """(name, arguments as JSON text) of a call's JSON object, or None if it is none."""
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError):       # deep nesting raises RecursionError
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
-    return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
 def held_prefix(text: str, tag: str) -> int:
@@ -153,7 +147,8 @@ class ToolCallReader(TextReader):
 
     def _call(self, name: str, arguments: str) -> CallDelta:
         self.calls += 1
-        return CallDelta(self.calls - 1, arguments, call_id(), name)
+        new_id = mistral_call_id if self.parser == ToolParserKind.MISTRAL else call_id
+        return CallDelta(self.calls - 1, arguments, new_id(), name)
 
     def _read(self, final: bool) -> ToolDelta:
         out = self._read_all(final)
@@ -170,6 +165,8 @@ class ToolCallReader(TextReader):
             return self._hermes(final)
         if self.parser in WHOLE_REPLY_FORMATS:
             return self._whole_reply(final)
+        if self.parser == ToolParserKind.MISTRAL:
+            return self._mistral(final)
         text, self.text = self.text, ""
         return ToolDelta(content=text)
 
@@ -253,11 +250,33 @@ class ToolCallReader(TextReader):
                 return out
             block = self.text[start:end + len(HERMES_CLOSE)]
             self.text, self.scanned = self.text[end + len(HERMES_CLOSE):], 0
-            call = _call_object(block[len(HERMES_OPEN):-len(HERMES_CLOSE)])
+            call = call_object(block[len(HERMES_OPEN):-len(HERMES_CLOSE)])
             if call is None:
                 out.content += block
             else:
                 out.calls.append(self._call(*call))
+
+    # -- mistral: content, then calls after [TOOL_CALLS], read whole -----------------------
+    def _mistral(self, final: bool) -> ToolDelta:
+        """Content until the first ``[TOOL_CALLS]`` (what could begin it held back); from
+        there on the text is held and read whole when the choice ends: its calls, or, if
+        it holds none, content as it came."""
+        out = ToolDelta()
+        if not self.in_calls:
+            at = self.text.find(MISTRAL_TAG)
+            if at < 0:
+                keep = 0 if final else held_prefix(self.text, MISTRAL_TAG)
+                out.content, self.text = self.text[:len(self.text) - keep], self.text[len(self.text) - keep:]
+                return out
+            out.content, self.text, self.in_calls = self.text[:at], self.text[at:], True
+        if final:
+            text, self.text = self.text, ""
+            calls = mistral_calls(text)
+            if calls is None:
+                out.content += text
+            else:
+                out.calls = [self._call(*c) for c in calls]
+        return out
 
     # -- llama3_json, pythonic: a reply that is calls, read whole --------------------------
     def _whole_reply(self, final: bool) -> ToolDelta:
@@ -291,72 +310,9 @@ class ToolCallReader(TextReader):
         return ToolDelta(calls=[self._call(*c) for c in calls])
 
 
-def _llama3_calls(body: str) -> Optional[list[tuple[str, str]]]:
-    """JSON call objects separated by ``;`` (None: the text is not only that)."""
-    decoder, calls, at = json.JSONDecoder(), [], 0
-    while True:
-        while at < len(body) and body[at] in " \t\r\n;":
-            at += 1
-        if at == len(body):
-            return calls or None
-        try:
-            obj, at = decoder.raw_decode(body, at)
-        except (ValueError, RecursionError):
-            return None
-        call = _call_object(json.dumps(obj)) if isinstance(obj, dict) else None
-        if call is None:
-            return None
-        calls.append(call)
-
-
-PYTHON_END = "<|python_end|>"
-_NAMED_LITERALS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
-
-
-def _literal(node: ast.expr):
-    """A call argument's value: a Python or JSON literal (a ValueError otherwise)."""
-    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float))):
-        return node.value
-    if isinstance(node, ast.Name) and node.id in _NAMED_LITERALS:
-        return _NAMED_LITERALS[node.id]
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
-            and isinstance(node.operand.value, (int, float)) and not isinstance(node.operand.value, bool):
-        return -node.operand.value
-    if isinstance(node, (ast.List, ast.Tuple)):
-        return [_literal(e) for e in node.elts]
-    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
-        return {k.value: _literal(v) for k, v in zip(node.keys, node.values)}
-    raise ValueError("not a literal")
-
-
-_PYTHONIC_NAME = re.compile(r"[a-zA-Z]\w*")      # vLLM's pattern of a function's and an argument's name
-
-
-def _pythonic_calls(body: str) -> Optional[list[tuple[str, str]]]:
-    """A Python list of calls with keyword arguments, ``[f(a=1), g(b="x")]`` (Llama 3.2
-    and 4's form; Llama 4 wraps it in ``<|python_start|>...<|python_end|>``); None: the
-    text is not only that."""
-    body = body.removesuffix(PYTHON_END).strip()
-    try:
-        tree = ast.parse(body, mode="eval").body
-        if not isinstance(tree, ast.List) or not tree.elts or not all(isinstance(e, ast.Call) for e in tree.elts):
-            return None
-        calls = []
-        for call in tree.elts:
-            name = call.func.id if isinstance(call.func, ast.Name) else ""
-            if not _PYTHONIC_NAME.fullmatch(name) or call.args \
-                    or not all(k.arg is not None and _PYTHONIC_NAME.fullmatch(k.arg) for k in call.keywords):
-                return None
-            args = {k.arg: _literal(k.value) for k in call.keywords}
-            calls.append((name, json.dumps(args, ensure_ascii=False)))
-        return calls
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-
-
 # the formats read whole: (optional opening tag, first character of a call, reader)
-WHOLE_REPLY_FORMATS = {ToolParserKind.LLAMA3_JSON: (PYTHON_TAG, "{", _llama3_calls),
-                       ToolParserKind.PYTHONIC: ("<|python_start|>", "[", _pythonic_calls)}
+WHOLE_REPLY_FORMATS = {ToolParserKind.LLAMA3_JSON: (PYTHON_TAG, "{", llama3_calls),
+                       ToolParserKind.PYTHONIC: ("<|python_start|>", "[", pythonic_calls)}
 
 
 @dataclass(frozen=True)
