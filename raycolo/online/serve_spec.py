@@ -84,8 +84,9 @@ class ServeSpec(Strict):
         "How tool_choice \"auto\" reads tool calls from the model's text (vLLM's --tool-call-parser with "
         "--enable-auto-tool-choice): \"hermes\" (<tool_call>{...}</tool_call>: Hermes 2 Pro, Qwen 2.5 and 3, "
         "raycolo's plain template), \"llama3_json\" (a reply that is JSON calls: Llama 3.1 to 3.3), \"pythonic\" "
-        "(a reply that is a Python list of calls: Llama 3.2 and 4) or \"mistral\" (calls after [TOOL_CALLS]: "
-        "Mistral 7B v0.3, Nemo, Small 3.1, Magistral, Devstral). None: "
+        "(a reply that is a Python list of calls: Llama 3.2 and 4), \"mistral\" (calls after [TOOL_CALLS]: "
+        "Mistral 7B v0.3, Nemo, Small 3.1, Magistral, Devstral) or \"qwen3_coder\" (also \"qwen3_xml\": "
+        "<tool_call><function=...><parameter=...>...: Qwen3-Coder, its values typed by the tool's schema). None: "
         "\"auto\" is a 400, and a request forces a call (\"required\", a named function) or asks for none."))
 
     @field_validator("lora_load_dirs")

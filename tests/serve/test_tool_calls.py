@@ -24,7 +24,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 TIME = {"type": "function", "function": {"name": "get_time"}}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
 HERMES, LLAMA3, PYTHONIC = ToolParserKind.HERMES, ToolParserKind.LLAMA3_JSON, ToolParserKind.PYTHONIC
-MISTRAL = ToolParserKind.MISTRAL
+MISTRAL, QWEN3_CODER = ToolParserKind.MISTRAL, ToolParserKind.QWEN3_CODER
 AUTO, REQUIRED, NAMED = ToolChoiceKind.AUTO, ToolChoiceKind.REQUIRED, ToolChoiceKind.NAMED
 
 
@@ -197,12 +197,33 @@ AUTO_CASES = [
     (MISTRAL, "[TOOL_CALLS]f[ARGS][1, 2]", "[TOOL_CALLS]f[ARGS][1, 2]", []),
     (MISTRAL, '[TOOL_CALLS]f[ARGS]{"a": ', '[TOOL_CALLS]f[ARGS]{"a": ', []),
     (MISTRAL, "less [TOOL_CA", "less [TOOL_CA", []),
+    # Qwen3-Coder's XML calls; values typed by WEATHER_SCHEMAS below (hand-worked), text where no schema says
+    (QWEN3_CODER, "It is cold.", "It is cold.", []),
+    (QWEN3_CODER, "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+                  "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n</function>\n"
+                  "</tool_call>", "Let me look.\n", [("get_weather", {"city": "Oslo", "days": 3, "metric": True})]),
+    (QWEN3_CODER, "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n"
+                  "<parameter=where>\n{\"lat\": 59.9, \"lon\": 10}\n</parameter>\n<parameter=note>\n two lines\nkept \n"
+                  "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+     None, [("get_weather", {"days": "three", "where": {"lat": 59.9, "lon": 10}, "note": " two lines\nkept "}),
+            ("get_time", {})]),
+    (QWEN3_CODER, "<function=get_time><parameter=tz>CET<parameter=fmt>24h</function>", None,
+     [("get_time", {"tz": "CET", "fmt": "24h"})]),                      # no <tool_call>; unclosed parameters
+    (QWEN3_CODER, "<tool_call>\n<function=not a name>\n</function>", "<tool_call>\n<function=not a name>\n</function>",
+     []),
+    (QWEN3_CODER, "a <tool_call>\n<function=get_time>\n<parameter=tz>\nCET",
+     "a <tool_call>\n<function=get_time>\n<parameter=tz>\nCET", []),
+    (QWEN3_CODER, "x < y <tool_ca", "x < y <tool_ca", []),
 ]
+WEATHER_SCHEMAS = {"get_weather": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "where": {"anyOf": [{"type": "object"}, {"type": "null"}]}, "note": {"type": "string"}}},
+    "get_time": {"type": "object", "properties": {"tz": {"type": "string"}}}}
 
 
 @pytest.mark.parametrize("parser, text, content, calls", AUTO_CASES)
 def test_auto_reads_the_calls_of_each_parsers_format(parser, text, content, calls):
-    reading = ToolReading(AUTO, parser)
+    reading = ToolReading(AUTO, parser, schemas=WEATHER_SCHEMAS)
     answer = read_whole(reading.reader(), text)
     assert answer.content == content and calls_of(answer) == calls
     assert reading.finish_reason(answer.called, "length") == ("tool_calls" if calls else "length")
@@ -231,16 +252,16 @@ def streamed(reader: ToolCallReader, pieces: list[str]) -> tuple[str, list[dict]
 WHOLE_TEXTS = [t for _, t, _, _ in AUTO_CASES] + ['{"city": "Oslo"}', '[{"name": "a", "parameters": {"x": 1}}]']
 
 
-@given(st.sampled_from([(AUTO, HERMES), (AUTO, LLAMA3), (AUTO, PYTHONIC), (AUTO, MISTRAL), (REQUIRED, None),
-                        (NAMED, None)]),
+@given(st.sampled_from([(AUTO, HERMES), (AUTO, LLAMA3), (AUTO, PYTHONIC), (AUTO, MISTRAL), (AUTO, QWEN3_CODER),
+                        (REQUIRED, None), (NAMED, None)]),
        st.sampled_from(WHOLE_TEXTS), st.lists(st.integers(0, 120), max_size=8))
 @settings(max_examples=400, deadline=None)
 def test_streamed_calls_equal_the_whole_answers_however_the_text_is_cut(mode, text, cuts):
     kind, parser = mode
     bounds = sorted({min(c, len(text)) for c in cuts})
     pieces = [text[a:b] for a, b in zip([0] + bounds, bounds + [len(text)])]
-    content, calls = streamed(ToolCallReader(kind, parser, "f"), pieces)
-    whole = read_whole(ToolCallReader(kind, parser, "f"), text)
+    content, calls = streamed(ToolCallReader(kind, parser, "f", schemas=WEATHER_SCHEMAS), pieces)
+    whole = read_whole(ToolCallReader(kind, parser, "f", schemas=WEATHER_SCHEMAS), text)
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls]
     assert content == (whole.content or "")
@@ -280,6 +301,11 @@ def test_hostile_text_is_content_or_no_call_never_an_exception():
     assert read_whole(ToolCallReader(AUTO, PYTHONIC), "[f(x=" + "[" * 50000 + ")]").tool_calls == []
     assert read_whole(ToolCallReader(AUTO, MISTRAL), "[TOOL_CALLS]" + "[" * 100000).tool_calls == []
     assert read_whole(ToolCallReader(AUTO, MISTRAL), "[TOOL_CALLS]f" + '{"a":' * 50000).tool_calls == []
+    deep_xml = "<function=get_weather><parameter=where>" + "[" * 100000 + "</function>"
+    assert calls_of(read_whole(ToolCallReader(AUTO, QWEN3_CODER, schemas=WEATHER_SCHEMAS), deep_xml)) == \
+        [("get_weather", {"where": "[" * 100000})]          # too deep to decode: the text as it came
+    many = "<function=f>" + "<parameter=p>x" * 20000 + "</function>"
+    assert calls_of(read_whole(ToolCallReader(AUTO, QWEN3_CODER), many)) == [("f", {"p": "x"})]
     nested = '[{"name": "a", "parameters": ' + '{"x": ' * 5000 + "1" + "}" * 5000 + "}]"
     assert read_whole(ToolCallReader(REQUIRED), nested).tool_calls == []        # too deep to decode: no call
 
@@ -309,3 +335,30 @@ def test_required_calls_come_out_whole_however_the_array_is_cut():
     _, calls = streamed(ToolCallReader(REQUIRED), [text[i:i + 4] for i in range(0, len(text), 4)])
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [(x["name"], x["parameters"]) for x in big]
+
+
+@pytest.mark.parametrize("text, schema, value", [
+    ("5", {"type": "integer"}, 5), ("5.0", {"type": "number"}, 5), ("2.5", {"type": ["number", "null"]}, 2.5),
+    ("null", {"type": ["integer", "null"]}, None), ("1", {"type": "boolean"}, True), ("FALSE", {"type": "bool"}, False),
+    ("[1, 2]", {"type": "array"}, [1, 2]), ("[1e999]", {"type": "array"}, "[1e999]"), ("inf", {"type": "number"}, "inf"),
+    ("5", {"enum": ["5", "6"]}, "5"), ("5", {"enum": [5, 6]}, 5), ("abc", {"type": "integer"}, "abc"),
+    ('{"a": 1}', {"type": "integer"}, {"a": 1}),         # fits none of its types: JSON where it parses (vLLM's)
+    ("5", {}, "5"), ("5", "not a schema", "5"), ("x", {"oneOf": [{"type": "integer"}, {"type": "string"}]}, "x"),
+])
+def test_xml_values_are_typed_by_their_schema_as_vllm_types_them(text, schema, value):
+    from raycolo.online.serving.xml_tool_calls import typed_value
+
+    got = typed_value(text, schema)
+    assert got == value and type(got) is type(value)
+
+
+def test_qwen3_coder_calls_go_out_as_each_closes_and_auto_lists_every_parser():
+    reader = ToolCallReader(AUTO, QWEN3_CODER, schemas=WEATHER_SCHEMAS)
+    pieces = ["Hi <", "tool_call>\n<function=get_time>", "<parameter=tz>CET</parameter></function>", "\n</tool_call>"]
+    deltas = [reader.feed(p) for p in pieces]
+    assert [d.content for d in deltas] == ["Hi ", "", "", ""]
+    assert [[(c.name, c.arguments) for c in d.calls] for d in deltas] == [[], [], [("get_time", '{"tz": "CET"}')], []]
+    with pytest.raises(Exception) as exc:
+        from raycolo.online.serving.answer_reading import chat_reading
+        chat_reading(request(tools=[TIME]), None, None)
+    assert all(p.value in str(exc.value) for p in ToolParserKind)

@@ -11,7 +11,8 @@ from typing import Optional
 from raycolo.online.serving.openai_errors import OpenAIError
 from raycolo.online.serving.reasoning import (ReasoningDelta, ReasoningParserKind, ReasoningReader, reasoning_ended,
                                               think_tokens)
-from raycolo.online.serving.tool_calls import ToolDelta, ToolParserKind, ToolReading, answer_content, join
+from raycolo.online.serving.tool_calls import (XML_PARSERS, ToolDelta, ToolParserKind, ToolReading, answer_content,
+                                               join)
 from raycolo.online.serving.tool_protocol import ToolChoiceKind
 
 
@@ -105,13 +106,16 @@ def chat_reading(body, tool_parser: Optional[ToolParserKind],
     kind = body.tool_kind
     if kind == ToolChoiceKind.AUTO and tool_parser is None:
         raise OpenAIError(400, 'tool_choice: "auto" (the default when tools are given) needs the deployment\'s '
-                          "serve.tool_call_parser (hermes, llama3_json or pythonic); this one reads no calls from "
+                          f"serve.tool_call_parser ({', '.join(p.value for p in ToolParserKind)}); this one reads "
+                          "no calls from "
                           'free text: ask for "none", "required" or a named function', param="tool_choice",
                           code="invalid_parameter")
     tools = None
     if kind != ToolChoiceKind.NONE:
         named = body.tool_choice.function.name if kind == ToolChoiceKind.NAMED else None
-        tools = ToolReading(kind, tool_parser if kind == ToolChoiceKind.AUTO else None, named, body.parallel_tool_calls)
+        parser = tool_parser if kind == ToolChoiceKind.AUTO else None
+        schemas = {t.function.name: t.function.parameters for t in body.tools} if parser in XML_PARSERS else None
+        tools = ToolReading(kind, parser, named, body.parallel_tool_calls, schemas)
     reading = AnswerReading(tools, reasoning_parser, body.include_reasoning, thinks(reasoning_parser, body))
     return reading if reading.active else None
 

@@ -37,6 +37,11 @@ What is read depends on the request's ``tool_choice`` (:class:`~.tool_protocol.T
     Mistral's forms (:mod:`.tool_formats`). If it holds no call, it is content as it
     came, the tag included. Calls get ids of nine letters and digits, the only ids
     Mistral's templates take back in a conversation's history.
+  - ``qwen3_coder`` (also ``qwen3_xml``: Qwen3-Coder, Qwen3.5): XML calls,
+    ``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``,
+    each going out when its ``</function>`` arrives, its values typed by the tool's
+    parameters schema (:mod:`.xml_tool_calls`). Text before the first call is content;
+    a block that is not a call, or never closes, is content as it came.
 
 The checkpoints' own tool-call tokens must be in the text: a tool-calling request is
 detokenized with special tokens kept (vLLM's parsers ask the same).
@@ -51,6 +56,7 @@ from typing import Optional
 from raycolo.online.serving.tool_formats import (MISTRAL_TAG, PYTHON_TAG, call_object, llama3_calls, mistral_call_id,
                                                  mistral_calls, pythonic_calls)
 from raycolo.online.serving.tool_protocol import ToolChoiceKind
+from raycolo.online.serving.xml_tool_calls import XML_CALL_OPEN, XML_FUNCTION_CLOSE, XML_FUNCTION_OPEN, xml_call
 from raycolo.text_enum import TextEnum
 
 
@@ -61,6 +67,11 @@ class ToolParserKind(TextEnum):
     LLAMA3_JSON = "llama3_json"
     PYTHONIC = "pythonic"
     MISTRAL = "mistral"
+    QWEN3_CODER = "qwen3_coder"
+    QWEN3_XML = "qwen3_xml"          # vLLM's other name of the qwen3_coder parser
+
+
+XML_PARSERS = (ToolParserKind.QWEN3_CODER, ToolParserKind.QWEN3_XML)
 
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -131,8 +142,9 @@ class ToolCallReader(TextReader):
     text delta, then :meth:`finish`; each returns a :class:`ToolDelta`."""
 
     def __init__(self, kind: ToolChoiceKind, parser: Optional[ToolParserKind] = None,
-                 function: Optional[str] = None, parallel: Optional[bool] = None):
+                 function: Optional[str] = None, parallel: Optional[bool] = None, schemas: Optional[dict] = None):
         self.kind, self.parser, self.function = kind, parser, function
+        self.schemas = schemas or {}     # the XML formats: each tool's parameters schema, by name
         self.limit = 1 if parallel is False else None       # parallel_tool_calls false: the first call only
         self.text = ""           # what came and is not read yet
         self.calls = 0           # calls read
@@ -167,6 +179,8 @@ class ToolCallReader(TextReader):
             return self._whole_reply(final)
         if self.parser == ToolParserKind.MISTRAL:
             return self._mistral(final)
+        if self.parser in XML_PARSERS:
+            return self._xml(final)
         text, self.text = self.text, ""
         return ToolDelta(content=text)
 
@@ -278,6 +292,46 @@ class ToolCallReader(TextReader):
                 out.calls = [self._call(*c) for c in calls]
         return out
 
+    # -- qwen3_coder: <tool_call><function=NAME><parameter=KEY>VALUE</parameter></function> --
+    def _xml(self, final: bool) -> ToolDelta:
+        """Content until the first ``<tool_call>`` or bare ``<function=`` (what could begin
+        either held back); a call goes out when its ``</function>`` arrives
+        (:func:`~.xml_tool_calls.xml_call`); a block that is not a call, or never closes,
+        is shown as content as it came; other text after the first call is not content."""
+        out = ToolDelta()
+        while True:
+            if not self.in_calls:
+                found = [i for i in (self.text.find(XML_CALL_OPEN), self.text.find(XML_FUNCTION_OPEN)) if i >= 0]
+                if not found:
+                    keep = 0 if final else max(held_prefix(self.text, XML_CALL_OPEN),
+                                               held_prefix(self.text, XML_FUNCTION_OPEN))
+                    out.content, self.text = self.text[:len(self.text) - keep], self.text[len(self.text) - keep:]
+                    return out
+                out.content, self.text, self.in_calls = self.text[:min(found)], self.text[min(found):], True
+            start = self.text.find(XML_FUNCTION_OPEN)
+            if start < 0:          # between calls: no content; kept from the last <tool_call> (or what could begin one)
+                opened = self.text.rfind(XML_CALL_OPEN)
+                keep = 0 if final else len(self.text) - opened if opened >= 0 else max(
+                    held_prefix(self.text, XML_CALL_OPEN), held_prefix(self.text, XML_FUNCTION_OPEN))
+                self.text, self.scanned = self.text[len(self.text) - keep:], 0
+                return out
+            opened = self.text.rfind(XML_CALL_OPEN, 0, start)
+            shown = opened if opened >= 0 else start      # a block shown as content: from its <tool_call>
+            end = self.text.find(XML_FUNCTION_CLOSE, max(start, self.scanned - len(XML_FUNCTION_CLOSE)))
+            if end < 0:
+                self.scanned = len(self.text)
+                if final:          # a call that never closed: shown as it came
+                    out.content += self.text[shown:]
+                    self.text, self.scanned = "", 0
+                return out
+            end += len(XML_FUNCTION_CLOSE)
+            block, self.text, self.scanned = self.text[:end], self.text[end:], 0
+            call = xml_call(block[start:], self.schemas)
+            if call is None:
+                out.content += block[shown:]
+            else:
+                out.calls.append(self._call(*call))
+
     # -- llama3_json, pythonic: a reply that is calls, read whole --------------------------
     def _whole_reply(self, final: bool) -> ToolDelta:
         """A reply that begins (after whitespace and the format's optional tag) with the
@@ -323,9 +377,10 @@ class ToolReading:
     parser: Optional[ToolParserKind] = None
     function: Optional[str] = None       # the named function's
     parallel: Optional[bool] = None      # parallel_tool_calls (false: the first call only)
+    schemas: Optional[dict] = None       # the XML formats: each tool's parameters schema, by name
 
     def reader(self) -> ToolCallReader:
-        return ToolCallReader(self.kind, self.parser, self.function, self.parallel)
+        return ToolCallReader(self.kind, self.parser, self.function, self.parallel, self.schemas)
 
     def finish_reason(self, called: bool, finish: Optional[str]) -> Optional[str]:
         """The choice's ``finish_reason``: ``tool_calls`` where auto read a call or a
