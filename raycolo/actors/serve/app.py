@@ -11,12 +11,13 @@ deployment, a detached named actor that every replica attaches to) admits reques
 places them and the training they bring with LeMix on the stage workers.
 """
 
+import json
 import os
 import time
 import uuid
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
 
@@ -34,6 +35,8 @@ from raycolo.online.serving.protocol import (BASE, BASE_SUFFIX, LATEST, VERSION_
                                              ErrorResponse, EvalResponse, Health, LoadLoraAdapterRequest,
                                              ModelCard, ModelList, TrainSamplesBody, TrainSamplesResponse,
                                              TrainStatus, UnloadLoraAdapterRequest)
+from raycolo.online.serving.responses_api import ResponseEvents, whole_response
+from raycolo.online.serving.responses_protocol import ResponseObject, ResponsesRequest
 from raycolo.online.serving.text import ChatTemplateError, chat_prompt_ids
 from raycolo.online.serving.answer_reading import chat_reading
 from raycolo.online.serving.tool_protocol import template_tools
@@ -196,6 +199,17 @@ class OpenAIIngress(Completions):
         ids = self._chat_ids(body, tools=template_tools(body.tools))
         return await self._generate(body, [ids], body.limit(), "messages", chat=True, variant=variant,
                                     reading=reading)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses={**ERRORS, **SSE})
+    async def responses(self, body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API, served as the chat request it is equal to
+        (:mod:`raycolo.online.serving.responses_protocol`), answered in its shape
+        (:mod:`raycolo.online.serving.responses_api`)."""
+        answer = await self.chat(body.chat_request(), request)
+        if body.stream:
+            return StreamingResponse(ResponseEvents(body).events(answer.body_iterator),
+                                     media_type="text/event-stream")
+        return JSONResponse(whole_response(body, json.loads(answer.body)))
 
     def _chat_ids(self, body, add_special_tokens: bool = False, tools=None) -> list[int]:
         """A chat body's prompt ids (its template, tools, ``chat_template_kwargs`` and how it

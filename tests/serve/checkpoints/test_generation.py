@@ -4,6 +4,8 @@ with the official ``openai`` client and through the controller, against transfor
 penalties, log-probabilities and the logit bias, streamed and not."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import ray
@@ -175,6 +177,35 @@ def test_a_prefilled_assistant_message_is_continued_as_transformers_continues_it
                                          "continue_final_message": True}).json()["tokens"] == want
         refused = h.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message"
+
+
+def test_the_responses_api_answers_as_transformers_and_the_chat_route_do(front):
+    """OpenAI's Responses API through the official client: a chat given as ``input`` is
+    answered with transformers' greedy text (``incomplete`` where the limit cut it), the
+    same streamed as events; a forced function call is the chat route's call."""
+    c = client(front)
+    for case in [x for x in front["cases"] if isinstance(x["prompt"], list)][:2]:
+        r = c.responses.create(model=front["model"], input=case["prompt"], max_output_tokens=MAX_NEW, temperature=0)
+        assert r.output_text == case["text"]
+        assert r.status == ("incomplete" if case["finish_reason"] == "length" else "completed")
+        assert (r.usage.input_tokens, r.usage.output_tokens) == (len(case["prompt_ids"]), len(case["output_ids"]))
+        events = list(c.responses.create(model=front["model"], input=case["prompt"], max_output_tokens=MAX_NEW,
+                                         temperature=0, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == case["text"]
+        assert events[-1].type == f"response.{r.status}" and events[-1].response.output_text == case["text"]
+    tool = {"type": "function", "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                           "required": ["city"]}}
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    r = c.responses.create(model=front["model"], input=ask, tools=[tool], max_output_tokens=MAX_NEW, temperature=0,
+                           tool_choice={"type": "function", "name": "get_weather"})
+    chat = c.chat.completions.create(model=front["model"], messages=ask, max_tokens=MAX_NEW, temperature=0,
+                                     tools=[{"type": "function", "function": {k: tool[k] for k in ("name", "parameters")}}],
+                                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [(o.name, o.arguments) for o in calls] == \
+        [(t.function.name, t.function.arguments) for t in chat.choices[0].message.tool_calls]
+    assert "city" in json.loads(calls[0].arguments)
 
 
 def test_stop_strings_penalties_logprobs_and_n(front):
