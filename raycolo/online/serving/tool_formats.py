@@ -23,9 +23,11 @@ import secrets
 import string
 from typing import Optional
 
+from raycolo.online.serving.tool_protocol import FUNCTION_NAME
+
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_TAG, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
-_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_.\-]{1,64}")      # raycolo.online.serving.tool_protocol's FUNCTION_NAME
+_FUNCTION_NAME = re.compile(FUNCTION_NAME)     # a tool's name, as a request may give it
 _MISTRAL_ID_CHARS = string.ascii_letters + string.digits
 
 

@@ -33,9 +33,11 @@ import math
 import re
 from typing import Any, Optional
 
+from raycolo.online.serving.tool_protocol import FUNCTION_NAME
+
 XML_CALL_OPEN, XML_FUNCTION_OPEN, XML_FUNCTION_CLOSE, XML_CALL_CLOSE = ("<tool_call>", "<function=", "</function>",
                                                                         "</tool_call>")
-_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_.\-]{1,64}")      # raycolo.online.serving.tool_protocol's FUNCTION_NAME
+_FUNCTION_NAME = re.compile(FUNCTION_NAME)     # a tool's name, as a request may give it
 _PARAMETER = re.compile(r"<\s*parameter\s*=\s*([^>]*)>(.*?)(?:<\s*/\s*parameter\s*>|(?=<\s*parameter\s*=)|$)", re.S)
 _TYPE_ALIASES = {"str": "string", "text": "string", "varchar": "string", "char": "string", "enum": "string",
                  "int": "integer", "int32": "integer", "int64": "integer", "uint": "integer", "uint32": "integer",
