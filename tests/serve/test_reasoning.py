@@ -204,3 +204,24 @@ def test_a_whole_chat_choice_carries_reasoning_content_and_the_finish_reason():
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["w"]
     plain = choice(ByteTokenizer(512), True, 0, whole)            # no reading: the text as it came
     assert plain["message"] == {"role": "assistant", "content": whole.delta} and plain["finish_reason"] == "stop"
+
+
+def test_a_continued_message_whose_prompt_ended_the_reasoning_is_continued_as_content(hf_checkpoints):
+    """vLLM reads the prompt (``is_reasoning_end``): a continued assistant message after
+    Qwen3's closed ``<think>\\n\\n</think>`` is content; one inside an open ``<think>`` is
+    still reasoning; a chat that continues nothing reads as before."""
+    from raycolo.engine.models import load_tokenizer
+
+    tok = load_tokenizer(str(hf_checkpoints["qwen2"]))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Dear"}]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, "add_generation_prompt": False,
+                                                 "continue_final_message": True})
+    hi = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    closed = hi + tok.encode("<think>\n\n</think>\n\nDear")
+    opened = hi + tok.encode("<think>\nDear")
+    for kind in (QWEN3, R1):
+        assert chat_reading(body, None, kind, tok, closed).thinking is False
+        assert chat_reading(body, None, kind, tok, opened).thinking is True
+        assert chat_reading(body, None, kind, ByteTokenizer(300), closed).thinking is True     # no <think> tokens
+    plain = ChatCompletionRequest.model_validate({"model": "m", "messages": messages[:1]})
+    assert chat_reading(plain, None, QWEN3, tok, closed).thinking is True

@@ -160,8 +160,9 @@ def test_streamed_chunks_become_the_responses_events_in_openais_order():
     events = events_of(request(tools=[WEATHER]), lines)
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress",
-        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.delta",
-        "response.reasoning_text.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
         "response.output_item.added", "response.content_part.added", "response.output_text.delta",
         "response.output_text.delta", "response.output_text.done", "response.content_part.done",
         "response.output_item.done",
@@ -183,9 +184,63 @@ def test_a_cut_answer_is_incomplete_and_a_failure_after_the_200_is_response_fail
     events = events_of(request(), chunks({"content": "Col"}, finish="length"))
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert events[-1]["response"]["output"][-1]["status"] == "incomplete"
     failed = chunks({"content": "Co"})[:2] + [f"data: {json.dumps({'error': {'message': 'boom'}})}\n\n"]
     events = events_of(request(), failed)
     assert [e["type"] for e in events][-2:] == ["response.output_item.done", "response.failed"]
     assert events[-1]["response"]["error"]["message"] == "boom"
     empty = events_of(request(), chunks())
     assert empty[-1]["response"]["output"][0]["content"][0]["text"] == ""
+
+
+def test_whole_and_streamed_answers_have_the_same_items():
+    """A reasoning-only answer (cut while thinking) has no message item, whole or
+    streamed; an empty one has an empty message; the cut item is incomplete."""
+    cut = {**ANSWER, "choices": [{"index": 0, "finish_reason": "length", "message": {
+        "role": "assistant", "content": None, "reasoning": "Hmm"}}]}
+    whole = whole_response(request(), cut)
+    streamed = events_of(request(), chunks({"reasoning": "Hmm"}, finish="length"))[-1]["response"]
+    for out in (whole, streamed):
+        assert [(o["type"], o["status"]) for o in out["output"]] == [("reasoning", "incomplete")]
+    empty = {**ANSWER, "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant",
+                                                                                       "content": ""}}]}
+    assert [o["type"] for o in whole_response(request(), empty)["output"]] == ["message"]
+
+
+def test_reasoning_goes_to_its_own_turn_and_an_unfinished_message_is_continued():
+    call = {"type": "function_call", "name": "f", "arguments": "{}"}
+    body = request(input=[
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "R1"}]}, {**call, "call_id": "a"},
+        {"type": "function_call_output", "call_id": "a", "output": "1"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "lost"}]},
+        {"role": "user", "content": "again"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "R2"}]}, {**call, "call_id": "b"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "R3"}]}, {**call, "call_id": "c"},
+        {"type": "message", "role": "assistant", "status": "incomplete",
+         "content": [{"type": "output_text", "text": "So "}, {"type": "refusal", "refusal": "no"}]}])
+    turns = [(m["role"], m.get("reasoning"), [c["id"] for c in m.get("tool_calls", [])]) for m in body.messages()]
+    assert turns == [("user", None, []), ("assistant", "R1", ["a"]), ("tool", None, []), ("user", None, []),
+                     ("assistant", "R2", ["b"]), ("assistant", "R3", ["c"]), ("assistant", None, [])]
+    assert body.messages()[-1]["content"] == "So no"
+    chat = body.chat_body()
+    assert (chat["add_generation_prompt"], chat["continue_final_message"]) == (False, True)
+    assert "continue_final_message" not in request(input=[{"role": "assistant", "content": "x",
+                                                           "status": "completed"}]).chat_body()
+    with pytest.raises(ValidationError) as exc:
+        request(input=[{"role": "user", "content": [{"type": "refusal", "text": "no"}]}])
+    err = from_validation(exc.value)
+    assert err.param == "input[0].content[0]" and "needs its refusal" in err.message
+
+
+def test_a_chat_routes_error_names_the_responses_field():
+    from raycolo.online.serving.responses_protocol import responses_error
+
+    for chat_param, param in (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
+                              ("structured_outputs", "text.format"), ("response_format", "text.format")):
+        err = responses_error(OpenAIError(400, f"{chat_param}: too long", param=chat_param, code="c",
+                                          headers={"x": "1"}))
+        assert (err.status, err.param, err.message, err.code, err.headers) == (400, param, f"{param}: too long", "c",
+                                                                               {"x": "1"})
+    busy = OpenAIError(429, "busy", headers={"Retry-After": "1"})
+    assert responses_error(busy) is busy

@@ -304,6 +304,11 @@ def test_hostile_text_is_content_or_no_call_never_an_exception():
     deep_xml = "<function=get_weather><parameter=where>" + "[" * 100000 + "</function>"
     assert calls_of(read_whole(ToolCallReader(AUTO, QWEN3_CODER, schemas=WEATHER_SCHEMAS), deep_xml)) == \
         [("get_weather", {"where": "[" * 100000})]          # too deep to decode: the text as it came
+    from raycolo.online.serving.xml_tool_calls import typed_value
+
+    for depth in (400, 700, 990, 5000):      # parsed, or too deep to check: the text; never an exception
+        nested = "[" * depth + "]" * depth
+        assert typed_value(nested, {"type": "integer"}) in (nested, json.loads(nested) if depth < 900 else nested)
     many = "<function=f>" + "<parameter=p>x" * 20000 + "</function>"
     assert calls_of(read_whole(ToolCallReader(AUTO, QWEN3_CODER), many)) == [("f", {"p": "x"})]
     nested = '[{"name": "a", "parameters": ' + '{"x": ' * 5000 + "1" + "}" * 5000 + "}]"
@@ -362,3 +367,17 @@ def test_qwen3_coder_calls_go_out_as_each_closes_and_auto_lists_every_parser():
         from raycolo.online.serving.answer_reading import chat_reading
         chat_reading(request(tools=[TIME]), None, None)
     assert all(p.value in str(exc.value) for p in ToolParserKind)
+
+
+def test_a_forced_call_on_a_mistral_deployment_gets_a_mistral_id():
+    """Mistral's templates take back only nine-character ids: a forced call's id is the
+    deployment parser's too (vLLM reads forced calls with its mistral parser)."""
+    from raycolo.online.serving.answer_reading import chat_reading
+
+    weather = request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    reading = chat_reading(weather, MISTRAL, None)
+    answer = read_whole(reading.tools.reader(), '{"city": "Oslo"}')
+    assert calls_of(answer) == [("get_weather", {"city": "Oslo"})]
+    assert len(answer.tool_calls[0]["id"]) == 9 and answer.tool_calls[0]["id"].isalnum()
+    hermes = read_whole(chat_reading(weather, HERMES, None).tools.reader(), '{"city": "Oslo"}')
+    assert hermes.tool_calls[0]["id"].startswith("chatcmpl-tool-")

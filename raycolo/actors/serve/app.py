@@ -36,7 +36,7 @@ from raycolo.online.serving.protocol import (BASE, BASE_SUFFIX, LATEST, VERSION_
                                              ModelCard, ModelList, TrainSamplesBody, TrainSamplesResponse,
                                              TrainStatus, UnloadLoraAdapterRequest)
 from raycolo.online.serving.responses_api import ResponseEvents, whole_response
-from raycolo.online.serving.responses_protocol import ResponseObject, ResponsesRequest
+from raycolo.online.serving.responses_protocol import ResponseObject, ResponsesRequest, responses_error
 from raycolo.online.serving.text import ChatTemplateError, chat_prompt_ids
 from raycolo.online.serving.answer_reading import chat_reading
 from raycolo.online.serving.tool_protocol import template_tools
@@ -195,8 +195,9 @@ class OpenAIIngress(Completions):
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**ERRORS, **SSE})
     async def chat(self, body: ChatCompletionRequest, request: Request):
         variant = self._check_model(body.model)
-        reading = chat_reading(body, self.config.serve.tool_call_parser, self.config.serve.reasoning_parser)
         ids = self._chat_ids(body, tools=template_tools(body.tools))
+        reading = chat_reading(body, self.config.serve.tool_call_parser, self.config.serve.reasoning_parser,
+                               self.tokenizer, ids)
         return await self._generate(body, [ids], body.limit(), "messages", chat=True, variant=variant,
                                     reading=reading)
 
@@ -205,7 +206,10 @@ class OpenAIIngress(Completions):
         """OpenAI's Responses API, served as the chat request it is equal to
         (:mod:`raycolo.online.serving.responses_protocol`), answered in its shape
         (:mod:`raycolo.online.serving.responses_api`)."""
-        answer = await self.chat(body.chat_request(), request)
+        try:
+            answer = await self.chat(body.chat_request(), request)
+        except OpenAIError as err:        # the chat's field named as this body has it
+            raise responses_error(err) from None
         if body.stream:
             return StreamingResponse(ResponseEvents(body).events(answer.body_iterator),
                                      media_type="text/event-stream")

@@ -35,7 +35,7 @@ class AnswerReading:
     def sampling(self, params):
         """The request's SamplingParams as this reading needs them: a tool-call parser reads
         the model's call tokens (special or not, they stay in the text)."""
-        if self.tools is not None and self.tools.parser is not None:
+        if self.tools is not None and self.tools.kind == ToolChoiceKind.AUTO:
             return params.model_copy(update={"skip_special_tokens": False})
         return params
 
@@ -98,11 +98,14 @@ def whole_message(reading: AnswerReading, text: str) -> tuple[dict, bool]:
     return message, bool(calls)
 
 
-def chat_reading(body, tool_parser: Optional[ToolParserKind],
-                 reasoning_parser: Optional[ReasoningParserKind]) -> Optional[AnswerReading]:
+def chat_reading(body, tool_parser: Optional[ToolParserKind], reasoning_parser: Optional[ReasoningParserKind],
+                 tokenizer=None, ids=None) -> Optional[AnswerReading]:
     """How a chat request's choices are read (None: as they are), given the deployment's
     parsers (``serve.tool_call_parser``, ``serve.reasoning_parser``); a 400 for what they
-    cannot serve."""
+    cannot serve. ``tokenizer`` and the prompt's ``ids``: a continued last message
+    (``continue_final_message``) whose prompt ended the reasoning (Qwen3's template closes
+    it before the assistant's text) is continued as content, as vLLM tells from the
+    prompt (``is_reasoning_end``)."""
     kind = body.tool_kind
     if kind == ToolChoiceKind.AUTO and tool_parser is None:
         raise OpenAIError(400, 'tool_choice: "auto" (the default when tools are given) needs the deployment\'s '
@@ -113,10 +116,17 @@ def chat_reading(body, tool_parser: Optional[ToolParserKind],
     tools = None
     if kind != ToolChoiceKind.NONE:
         named = body.tool_choice.function.name if kind == ToolChoiceKind.NAMED else None
-        parser = tool_parser if kind == ToolChoiceKind.AUTO else None
-        schemas = {t.function.name: t.function.parameters for t in body.tools} if parser in XML_PARSERS else None
-        tools = ToolReading(kind, parser, named, body.parallel_tool_calls, schemas)
-    reading = AnswerReading(tools, reasoning_parser, body.include_reasoning, thinks(reasoning_parser, body))
+        # the deployment's parser for every kind: a forced call is read as JSON, but its id is the parser's
+        # (mistral's templates take back only their own ids)
+        schemas = {t.function.name: t.function.parameters for t in body.tools} if tool_parser in XML_PARSERS else None
+        tools = ToolReading(kind, tool_parser, named, body.parallel_tool_calls, schemas)
+    thinking = thinks(reasoning_parser, body)
+    if thinking and reasoning_parser is not None and getattr(body, "continue_final_message", False) and ids:
+        try:
+            thinking = not reasoning_ended(ids, think_tokens(tokenizer, reasoning_parser), True)
+        except ValueError:        # no <think> tokens: the reply is read as before
+            pass
+    reading = AnswerReading(tools, reasoning_parser, body.include_reasoning, thinking)
     return reading if reading.active else None
 
 

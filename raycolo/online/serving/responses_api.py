@@ -5,15 +5,17 @@ the request: :mod:`.responses_protocol`).
   object. Its ``output`` lists a ``reasoning`` item (with a reasoning parser), a
   ``message`` item with one ``output_text`` part (unless the answer is calls alone), and
   one ``function_call`` item per call. ``status`` is ``completed``, or ``incomplete``
-  with ``incomplete_details.reason: max_output_tokens`` when the limit cut the answer.
+  with ``incomplete_details.reason: max_output_tokens`` when the limit cut the answer
+  (and then its last item is ``incomplete`` too).
   ``usage`` counts ``input_tokens`` and ``output_tokens``.
 * **Streamed:** :class:`ResponseEvents` turns the chat route's chunks into the Responses
   events, in OpenAI's order, each with its ``sequence_number``:
   1. ``response.created`` and ``response.in_progress``;
-  2. for each item: ``response.output_item.added``, then its deltas
-     (``response.reasoning_text.delta``, ``response.content_part.added`` and
+  2. for each item: ``response.output_item.added``, its ``response.content_part.added``
+     (reasoning and messages), then its deltas (``response.reasoning_text.delta``,
      ``response.output_text.delta``, ``response.function_call_arguments.delta``), then
-     their ``.done`` events and ``response.output_item.done``;
+     their ``.done`` events, ``response.content_part.done`` and
+     ``response.output_item.done``;
   3. ``response.completed`` (or ``response.incomplete``) with the whole response.
 
   A generation that fails after the 200 ends with ``response.failed``, its ``error``
@@ -67,6 +69,11 @@ def text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _part(kind: str, text: str) -> dict:
+    """An item's content part: a message's output text, or reasoning text."""
+    return text_part(text) if kind == "message" else {"type": "reasoning_text", "text": text}
+
+
 def message_item(iid: str, text: Optional[str], status: str = "completed") -> dict:
     return {"type": "message", "id": iid, "status": status, "role": "assistant",
             "content": [text_part(text)] if text is not None else []}
@@ -85,10 +92,11 @@ def whole_response(req: ResponsesRequest, answer: dict) -> dict:
     if message.get("reasoning"):
         output.append(reasoning_item(new_id("rs"), message["reasoning"]))
     calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
+    if message.get("content") or not (calls or output):      # an empty answer still has its message
         output.append(message_item(new_id("msg"), message.get("content") or ""))
     output += [call_item(new_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    output[-1]["status"] = status            # the item the limit cut, as the stream closes it
     usage = answer["usage"]
     return response_object(req, new_id("resp"), answer["created"], status, output,
                            usage_of(usage["prompt_tokens"], usage["completion_tokens"]))
@@ -119,17 +127,19 @@ class ResponseEvents:
         self.open = {"kind": kind, "item": item, "text": ""}
         index = len(self.output)
         out.append(self._event("response.output_item.added", output_index=index, item=item))
-        if kind == "message":
+        if kind != "call":
             out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
-                                   content_index=0, part=text_part("")))
+                                   content_index=0, part=_part(kind, "")))
         return out
 
-    def _close(self) -> list[str]:
-        """The done events of the item being streamed, if any."""
+    def _close(self, last: bool = False) -> list[str]:
+        """The done events of the item being streamed, if any (``last``: the answer's last
+        item, ``incomplete`` where the limit cut it)."""
         if self.open is None:
             return []
         kind, item, text = self.open["kind"], self.open["item"], self.open["text"]
         self.open, index, out = None, len(self.output), []
+        status = "incomplete" if last and self.finish == "length" else "completed"
         if kind == "reasoning":
             item = reasoning_item(item["id"], text)
             out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
@@ -138,12 +148,14 @@ class ResponseEvents:
             item = message_item(item["id"], text)
             out.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
                                    content_index=0, text=text, logprobs=[]))
-            out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                   content_index=0, part=text_part(text)))
         else:
-            item = {**item, "arguments": text, "status": "completed"}
+            item = {**item, "arguments": text}
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                    name=item["name"], arguments=text))
+        if kind != "call":
+            out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                   content_index=0, part=_part(kind, text)))
+        item["status"] = status
         out.append(self._event("response.output_item.done", output_index=index, item=item))
         self.output.append(item)
         return out
@@ -206,7 +218,7 @@ class ResponseEvents:
         if self.open is None and not self.output:      # an empty answer still has its message
             for event in self._open("message", message_item(new_id("msg"), None, "in_progress")):
                 yield event
-        for event in self._close():
+        for event in self._close(last=True):
             yield event
         status = "incomplete" if self.finish == "length" else "completed"
         yield self._event(f"response.{status}", response=self._response(status))

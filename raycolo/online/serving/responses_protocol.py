@@ -11,9 +11,13 @@ shape (:mod:`.responses_api`). The body takes:
   parts), ``function_call`` items (an assistant's calls; consecutive ones, and one right
   after an assistant message, make one assistant turn), ``function_call_output`` items
   (the tool's result, a ``tool`` message) and ``reasoning`` items (their text goes to the
-  next assistant turn as its reasoning). Items an earlier response gave may be sent back
-  as they came: their ``id``, ``status``, ``annotations`` and ``logprobs`` are accepted
-  and not used.
+  next assistant turn as its reasoning; a call after reasoning of its own starts a new
+  assistant turn; reasoning before another role's turn is dropped). Items an earlier
+  response gave may be sent back as they came: their ``id``, ``annotations``,
+  ``logprobs``, ``phase`` and ``encrypted_content`` are accepted and not used; a
+  ``refusal`` part counts as text. An input that ends with an assistant's message whose
+  ``status`` is ``in_progress`` or ``incomplete`` is continued (the chat's
+  ``continue_final_message``), as vLLM does.
 * ``instructions`` (a system message before the input), ``max_output_tokens``,
   ``temperature``, ``top_p``, ``tools`` (``{"type": "function", "name", "description",
   "parameters", "strict"}``), ``tool_choice`` (``auto``, ``none``, ``required`` or
@@ -42,10 +46,21 @@ MAX_METADATA_KEYS = 16           # OpenAI's limit
 
 
 class InputText(Closed):
-    type: Literal["input_text", "output_text"]
-    text: Text
+    type: Literal["input_text", "output_text", "refusal"]
+    text: Optional[Text] = None
+    refusal: Optional[Text] = None          # a refusal part's text
     annotations: Optional[list] = None      # an earlier answer's, sent back: not used
     logprobs: Optional[list] = None
+
+    @model_validator(mode="after")
+    def _its_text(self):
+        field = "refusal" if self.type == "refusal" else "text"
+        if getattr(self, field) is None:
+            raise ValueError(f"{field}: a {self.type} part needs its {field}")
+        return self
+
+    def value(self) -> str:
+        return self.refusal if self.type == "refusal" else self.text
 
 
 def _content_form(value) -> Optional[str]:
@@ -57,15 +72,20 @@ Content = Annotated[Union[Annotated[Text, Tag("{text}")], Annotated[list[InputTe
                                   custom_error_message="must be a text or a list of input_text parts")]
 
 
+def _joined(content) -> str:
+    return content if isinstance(content, str) else "".join(p.value() for p in content)
+
+
 class MessageItem(Closed):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: Content
     id: Optional[str] = None
-    status: Optional[str] = None
+    status: Optional[str] = None      # an assistant's in_progress or incomplete message is continued
+    phase: Optional[str] = None       # an earlier answer's, sent back: not used
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return _joined(self.content)
 
 
 class FunctionCallItem(Closed):
@@ -85,7 +105,7 @@ class FunctionCallOutputItem(Closed):
     status: Optional[str] = None
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return _joined(self.output)
 
 
 class ReasoningText(Closed):
@@ -99,6 +119,7 @@ class ReasoningItem(Closed):
     content: Optional[list[ReasoningText]] = None
     id: Optional[str] = None
     status: Optional[str] = None
+    encrypted_content: Optional[str] = None      # OpenAI's own reasoning, sent back: not used
 
     def text(self) -> str:
         return "".join(p.text for p in (self.content or self.summary))
@@ -187,7 +208,7 @@ class ResponsesRequest(Closed):
         """The chat messages the input comes to (see the module docstring)."""
         out: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        thought: Optional[str] = None
+        thought: Optional[str] = None      # reasoning items not yet given to an assistant turn
         for item in items:
             if isinstance(item, ReasoningItem):
                 thought = (thought or "") + item.text()
@@ -196,9 +217,9 @@ class ResponsesRequest(Closed):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
                 last = out[-1] if out else None
-                if last is not None and last["role"] == "assistant":
+                if last is not None and last["role"] == "assistant" and not (thought is not None and "reasoning" in last):
                     last.setdefault("tool_calls", []).append(call)
-                else:
+                else:         # a new turn: no assistant turn before, or new reasoning after one that has its own
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutputItem):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
@@ -206,13 +227,24 @@ class ResponsesRequest(Closed):
                 out.append({"role": item.role, "content": item.text()})
             if out[-1]["role"] == "assistant" and thought is not None:
                 out[-1]["reasoning"], thought = thought, None
+            elif out[-1]["role"] != "assistant":
+                thought = None        # reasoning does not cross into another turn
         return out
+
+    def continues(self) -> bool:
+        """Whether the input ends with an assistant's unfinished message (``status``
+        in_progress or incomplete), which the answer continues, as vLLM does."""
+        last = self.input[-1] if isinstance(self.input, list) else None
+        return isinstance(last, MessageItem) and last.role == "assistant" and last.status in ("in_progress",
+                                                                                                "incomplete")
 
     def chat_body(self) -> dict:
         """The chat completions body this request is equal to."""
         body: dict[str, Any] = {"model": self.model, "messages": self.messages(), "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
+        if self.continues():
+            body.update(add_generation_prompt=False, continue_final_message=True)
         for field, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
                              ("top_p", self.top_p), ("parallel_tool_calls", self.parallel_tool_calls),
                              ("user", self.user)):
@@ -242,17 +274,22 @@ class ResponsesRequest(Closed):
         try:
             return ChatCompletionRequest.model_validate(self.chat_body())
         except ValidationError as exc:
-            err = from_validation(exc)
-            param = _RENAMED.get((err.param or "").split(".")[0].split("[")[0])
-            if param is None:
-                raise err from None
-            message = err.message.replace(err.param, param, 1) if err.param else err.message
-            raise OpenAIError(400, message, param=param, code=err.code) from None
+            raise responses_error(from_validation(exc)) from None
 
 
+# a chat field -> the Responses field it came from
 _RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-            "tools": "tools", "tool_choice": "tool_choice", "temperature": "temperature", "top_p": "top_p",
-            "parallel_tool_calls": "parallel_tool_calls", "model": "model", "user": "user"}
+            "structured_outputs": "text.format", "continue_final_message": "input"}
+
+
+def responses_error(err: OpenAIError) -> OpenAIError:
+    """A chat route's error, naming the Responses field the chat field came from."""
+    head = (err.param or "").split(".")[0].split("[")[0]
+    param = _RENAMED.get(head)
+    if param is None:
+        return err
+    message = err.message.replace(err.param, param, 1) if err.message.startswith(err.param) else err.message
+    return OpenAIError(err.status, message, param=param, code=err.code, headers=err.headers)
 
 
 class ResponseObject(BaseModel):

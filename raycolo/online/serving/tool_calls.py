@@ -296,8 +296,10 @@ class ToolCallReader(TextReader):
     def _xml(self, final: bool) -> ToolDelta:
         """Content until the first ``<tool_call>`` or bare ``<function=`` (what could begin
         either held back); a call goes out when its ``</function>`` arrives
-        (:func:`~.xml_tool_calls.xml_call`); a block that is not a call, or never closes,
-        is shown as content as it came; other text after the first call is not content."""
+        (:func:`~.xml_tool_calls.xml_call`); a block that is not a call, or whose
+        ``<function=`` never closes, is shown as content as it came (from its
+        ``<tool_call>``); other text after the first call, and a ``<tool_call>`` that
+        never opens a function, are not content (as vLLM reads them)."""
         out = ToolDelta()
         while True:
             if not self.in_calls:

@@ -111,9 +111,9 @@ def typed_value(text: str, schema: Any) -> Any:
                 continue
     try:
         value = json.loads(text)
+        return value if _finite(value) else text
     except (ValueError, RecursionError):
         return text
-    return value if _finite(value) else text
 
 
 def _trim(value: str) -> str:
