@@ -280,6 +280,8 @@ def test_mistral_content_never_shows_part_of_its_tag_and_its_ids_are_mistrals():
     assert shown == ["Hi ", "", "", ""]
     last = reader.finish()
     assert [(c.name, c.arguments) for c in last.calls] == [("f", '{"x": 1}')]
+    written = read_whole(ToolCallReader(AUTO, MISTRAL), '[TOOL_CALLS]f[ARGS]{"a":1,  "b":[2]} ok').tool_calls
+    assert written[0]["function"]["arguments"] == '{"a":1,  "b":[2]}'        # as written, as vLLM keeps it
     ids = [c["id"] for c in read_whole(ToolCallReader(AUTO, MISTRAL), "[TOOL_CALLS]a{}[TOOL_CALLS]b{}").tool_calls]
     assert len(set(ids)) == 2 and all(len(i) == 9 and i.isascii() and i.isalnum() for i in ids)
 

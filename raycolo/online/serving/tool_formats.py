@@ -11,8 +11,9 @@ the formats are described there).
   Magistral, Devstral) ``name[ARGS]{...}`` or ``name{...}``, one per ``[TOOL_CALLS]``.
   The first character tells them apart: a function name never begins with ``[`` or
   ``{``. As vLLM reads them (``vllm/parser/mistral.py``, 0.32), arguments are the first
-  JSON value after the name (text after it is dropped), and a JSON list's arguments
-  given as a string are kept as written.
+  JSON value after the name, as written (text after it is dropped), and a JSON list's
+  arguments given as a string are kept as written. Where that value is not a JSON
+  object, raycolo shows the reply as content (vLLM returns the call with the raw text).
 """
 from __future__ import annotations
 
@@ -146,10 +147,10 @@ def mistral_calls(text: str) -> Optional[list[tuple[str, str]]]:
         if not _FUNCTION_NAME.fullmatch(name):
             return None
         try:
-            value, _ = decoder.raw_decode(args) if args else ({}, 0)
+            value, end = decoder.raw_decode(args) if args else ({}, 0)
         except (ValueError, RecursionError):
             return None
         if not isinstance(value, dict):
             return None
-        calls.append((name, json.dumps(value, ensure_ascii=False)))
+        calls.append((name, args[:end] if args else "{}"))     # the arguments as written (vLLM's)
     return calls
