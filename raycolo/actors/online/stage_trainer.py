@@ -6,18 +6,17 @@ own (about 430 MB and 2-10 s of CPU while it imports Ray's libraries). Two of th
 nothing a stage group does:
 
 - a ``DatasetManager``, which Ray Train creates for every run, with or without Ray
-  Datasets (``DatasetsCallback.before_init_train_context``), and which the workers'
-  ``init_train_context`` waits for. Stage workers take no Ray Dataset: their samples come
-  from the deployment's sample store.
+  Datasets (``DatasetsCallback.before_init_train_context``). Stage workers take no Ray
+  Dataset: their samples come from the deployment's sample store.
 - a ``PreemptionWatcher``, which polls the nodes' drain state and tells the workers a node
   is about to be preempted (``ray.train.get_context()``'s preemption info). Stage workers
   never read it: a node that goes away is a worker-group failure, which Ray Train restarts
   and the deployment resumes from the node's newest committed checkpoint
   (docs/online-live.md).
 
-On the 2-core test VM these two took 9-11 s of a 76 s deployment start each, on the
-critical path or beside it (Ray's task events, 2026-11-30; docs/benchmarks.md, "Test
-suite"). A user who wants the watcher back sets ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=1``
+On the 2-core test VM each of their processes took 9-11 s to start during a deployment
+start whose CPUs were already saturated (Ray's task events, 2026-11-30; docs/benchmarks.md,
+"Test suite", which also says the start's time did not measurably drop). A user who wants the watcher back sets ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=1``
 in the cluster's environment: the user's setting wins.
 """
 from __future__ import annotations

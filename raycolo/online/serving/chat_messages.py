@@ -96,13 +96,14 @@ class TextPart(Closed):
     text: Text
 
 
-def _content_form(content) -> Optional[str]:
+def content_form(content) -> Optional[str]:
+    """The union tag of a text-or-list field: ``{text}`` or ``[parts]`` (tags no error names)."""
     return "{text}" if isinstance(content, str) else "[parts]" if isinstance(content, list) else None
 
 
 # tagged by the form it has, so an error names the part at fault (the tags are no parameter)
 Content = Annotated[Union[Annotated[Text, Tag("{text}")], Annotated[list[TextPart], Tag("[parts]")]],
-                    Discriminator(_content_form, custom_error_type="invalid_content",
+                    Discriminator(content_form, custom_error_type="invalid_content",
                                   custom_error_message="must be a text or a list of text parts")]
 
 

@@ -36,7 +36,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from raycolo.generation.params import MAX_TOKENS_LIMIT
-from raycolo.online.serving.chat_messages import Closed, Text
+from raycolo.online.serving.chat_messages import Closed, Text, content_form
 from raycolo.online.serving.openai_errors import OpenAIError, from_validation
 from raycolo.online.serving.protocol import ChatCompletionRequest, ModelName, WholeInt
 from raycolo.online.serving.tool_protocol import MAX_ARGUMENTS_CHARS, MAX_TOOLS, FunctionName
@@ -63,12 +63,8 @@ class InputText(Closed):
         return self.refusal if self.type == "refusal" else self.text
 
 
-def _content_form(value) -> Optional[str]:
-    return "{text}" if isinstance(value, str) else "[parts]" if isinstance(value, list) else None
-
-
 Content = Annotated[Union[Annotated[Text, Tag("{text}")], Annotated[list[InputText], Tag("[parts]")]],
-                    Discriminator(_content_form, custom_error_type="invalid_content",
+                    Discriminator(content_form, custom_error_type="invalid_content",
                                   custom_error_message="must be a text or a list of input_text parts")]
 
 
@@ -141,14 +137,10 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("{message}")],
                                                          "or reasoning item")]
 
 
-def _input_form(value) -> Optional[str]:
-    return "{text}" if isinstance(value, str) else "[items]" if isinstance(value, list) else None
-
-
 # tagged by the form it has, so an error names the item at fault (the tags are no parameter)
 Input = Annotated[Union[Annotated[Text, Tag("{text}")],
-                        Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS), Tag("[items]")]],
-                  Discriminator(_input_form, custom_error_type="invalid_input",
+                        Annotated[list[InputItem], Field(min_length=1, max_length=MAX_INPUT_ITEMS), Tag("[parts]")]],
+                  Discriminator(content_form, custom_error_type="invalid_input",
                                 custom_error_message="must be a text or a list of items")]
 
 
