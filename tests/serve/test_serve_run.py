@@ -4,21 +4,51 @@ started with ``ray start --head --num-gpus=4`` (logical GPUs for the stage worke
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import yaml
 
 from tests.support.online_checks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+
+
+def _stop_cluster(temp_dir: str, gcs_port: int) -> None:
+    """``ray stop --force`` for this test's cluster only: ``ray stop`` kills every Ray
+    process on the machine, and the suite's other lane may run a cluster of its own. The
+    cluster's processes name its temp dir or its GCS port; their children (workers, agents)
+    go with them."""
+    mine = []
+    for p in psutil.process_iter(["cmdline"]):
+        line = " ".join(p.info["cmdline"] or [])
+        if temp_dir in line or f"127.0.0.1:{gcs_port}" in line or f"--gcs_server_port={gcs_port}" in line:
+            mine.append(p)
+    for p in list(mine):
+        try:
+            mine += p.children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+    for p in mine:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(mine, timeout=30)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    current = Path("/tmp/ray/ray_current_cluster")      # where `ray start` wrote the address
+    if current.exists() and current.read_text().strip() == f"127.0.0.1:{gcs_port}":
+        current.unlink()
 
 
 def test_serve_run_with_the_shipped_config(tmp_path):
@@ -34,8 +64,9 @@ def test_serve_run_with_the_shipped_config(tmp_path):
     config.write_text(yaml.safe_dump(shipped))
     # Ray 2.60 authenticates with the token in ~/.ray/auth_token; both sides must agree
     env = dict(os.environ, RAY_ADDRESS=f"127.0.0.1:{gcs}", RAY_AUTH_MODE="token")
+    temp = tempfile.mkdtemp(prefix="raycolo-sr-", dir="/tmp")     # short: Ray's socket paths live in it
     subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-gpus=4", "--num-cpus=4",
-                    "--include-dashboard=false", "--disable-usage-stats"], check=True, env=env,
+                    "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"], check=True, env=env,
                    capture_output=True, cwd=tmp_path)
     proc = None
     try:
@@ -61,6 +92,6 @@ def test_serve_run_with_the_shipped_config(tmp_path):
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True)
+        _stop_cluster(temp, gcs)
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0     # nothing listens any more

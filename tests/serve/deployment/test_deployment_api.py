@@ -41,9 +41,12 @@ def test_the_stage_groups_start_none_of_ray_trains_helpers_they_never_use(front)
     there: a controller, a placement-group cleaner and a synchronization actor per node."""
     from collections import Counter
 
+    import ray
     from ray.util.state import list_actors
 
-    classes = Counter(a.class_name for a in list_actors(limit=10_000, raise_on_missing_output=False))
+    # this cluster's address: another suite lane may run a Ray cluster of its own beside it
+    classes = Counter(a.class_name for a in list_actors(address=ray.get_runtime_context().gcs_address,
+                                                        limit=10_000, raise_on_missing_output=False))
     nodes, stages = front["config"].nodes, front["config"].stages
     assert classes["RayTrainWorker"] >= nodes * stages, classes
     for helper in ("TrainController", "PlacementGroupCleaner", "SynchronizationActor"):
