@@ -11,33 +11,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# `make test` runs the suite in two lanes (pytest-xdist: ``-n 2 --dist loadgroup``), each a
-# process of its own that runs its modules one after another: the modules that start a
-# raycolo deployment (Ray Serve and Ray Train on a local cluster, a minute of CPU each) in
-# one, every other module (in-process tests, the offline runtime's clusters, CLI runs) in
-# the other. On 2 cores a deployment's start leaves a core idle for much of its minute,
-# and the in-process tests use one core. A package whose fixture is package-scoped goes
-# whole to one lane. Ray's state API and `ray stop` see every cluster on the machine: a
-# test names its own cluster's address.
-DEPLOYMENT_LANE = ("tests/online/test_online_live.py", "tests/online/test_online_multinode.py",
-                   "tests/online/test_online_faults.py", "tests/online/test_online_elastic.py",
-                   "tests/serve/checkpoints/", "tests/serve/deployment/", "tests/serve/test_serve_adapters.py",
-                   "tests/serve/test_serve_run.py", "tests/serve/test_serve_demo.py")
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist with ``--dist loadscope`` (`make test`: ``-n 2 --dist loadscope``),
+    a work unit is a lane of tests/support/lanes.py, not a module: each worker runs one
+    lane's modules in order. (xdist's own ``loadgroup`` renames test ids, which pytest 9's
+    ids no longer allow.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
 
+    from tests.support.lanes import lane_of
 
-def lane_of(relpath: str) -> str:
-    """The suite lane (an xdist group) of the test module at ``relpath`` (from the repository root)."""
-    return "deployments" if relpath.startswith(DEPLOYMENT_LANE) else "in-process"
+    class LaneScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane_of(nodeid.split("::", 1)[0])
 
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Each test goes to its module's lane, unless it names an xdist group itself (before
-    xdist reads the groups: ``tryfirst``)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            rel = item.path.relative_to(config.rootpath).as_posix()
-            item.add_marker(pytest.mark.xdist_group(lane_of(rel)))
+    return LaneScheduling(config, log)
 
 
 @pytest.fixture(scope="module")
