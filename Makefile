@@ -40,10 +40,8 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(PIP) install -e '.[test]'
 	touch $@
 
-# Two lanes (tests/support/lanes.py): the modules that start deployments in one pytest-xdist
-# worker, every other module in the other, side by side on the two cores.
 test: venv
-	$(VPY) -m pytest -q -n 2 --dist loadscope --durations=25
+	$(VPY) -m pytest -q --durations=25
 
 # Plans the paper-sized ensemble, then runs a tiny 3-model application for real on a
 # local Ray cluster (2 logical GPUs, CPU torch). The last line is `report: PATH`.

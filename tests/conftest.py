@@ -11,25 +11,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist with ``--dist loadscope`` (`make test`: ``-n 2 --dist loadscope``),
-    a work unit is a lane of tests/support/lanes.py, not a module: each worker runs one
-    lane's modules in order. (xdist's own ``loadgroup`` renames test ids, which pytest 9's
-    ids no longer allow.)"""
-    if config.getvalue("dist") != "loadscope":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    from tests.support.lanes import lane_of
-
-    class LaneScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return lane_of(nodeid.split("::", 1)[0])
-
-    return LaneScheduling(config, log)
-
-
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """In-process torch work on one thread (tiny models; keeps timings stable on 2 cores)."""

@@ -245,28 +245,6 @@ def test_the_tests_mirror_the_package():
     assert sum(1 for _ in tests.rglob("test_*.py")) > 50      # and the walk found them
 
 
-# What starts a raycolo deployment in a test module: the Serve front, a deployment object
-# or its controller, `serve run`, the served demo.
-STARTS_A_DEPLOYMENT = (r'serve_launch\.start\(|OnlineDeployment(\.start)?\(|OnlineController\.options\('
-                       r'|serve_demo\.py|"serve"\), "run"')
-
-
-def test_every_module_that_starts_a_deployment_runs_in_the_deployment_lane():
-    """`make test`'s two lanes (tests/support/lanes.py): a module that starts a deployment
-    runs in the deployments' lane, and every path that lane lists exists."""
-    import re
-
-    from tests.support.lanes import DEPLOYMENT_LANE, DEPLOYMENTS, lane_of
-
-    tests = REPO / "tests"
-    starting = sorted(path.relative_to(REPO).as_posix() for path in tests.rglob("*.py")
-                      if path.parent.name not in ("support", "project") and path != tests / "conftest.py"
-                      and re.search(STARTS_A_DEPLOYMENT, path.read_text()))
-    assert len(starting) >= 8                          # the pattern still finds them
-    assert [p for p in starting if lane_of(p) != DEPLOYMENTS] == []
-    assert [p for p in DEPLOYMENT_LANE if not (REPO / p).exists()] == []
-
-
 PATH_IN_DOCS = r"(?<![\w/.-])((?:raycolo|bench|tests|tools|jobs|examples|docs)/[\w/.-]*\w\.(?:py|md|yaml|json|csv))"
 
 
