@@ -26,7 +26,7 @@ BIN = Path(sys.executable).parent
 
 def _stop_cluster(temp_dir: str, gcs_port: int) -> None:
     """``ray stop --force`` for this test's cluster only: ``ray stop`` kills every Ray
-    process on the machine, and the suite's other lane may run a cluster of its own. The
+    process on the machine, and another cluster may run beside this one. The
     cluster's processes name its temp dir or its GCS port; their children (workers, agents)
     go with them."""
     mine = []

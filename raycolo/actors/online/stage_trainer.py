@@ -16,8 +16,9 @@ nothing a stage group does:
 
 On the 2-core test VM each of their processes took 9-11 s to start during a deployment
 start whose CPUs were already saturated (Ray's task events, 2026-11-30; docs/benchmarks.md,
-"Test suite", which also says the start's time did not measurably drop). A user who wants the watcher back sets ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=1``
-in the cluster's environment: the user's setting wins.
+"Test suite", which also says the start's time did not measurably drop). A user who wants
+the watcher back sets ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=1`` in the cluster's
+environment: the user's setting wins.
 """
 from __future__ import annotations
 

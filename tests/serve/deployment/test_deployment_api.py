@@ -44,7 +44,7 @@ def test_the_stage_groups_start_none_of_ray_trains_helpers_they_never_use(front)
     import ray
     from ray.util.state import list_actors
 
-    # this cluster's address: another suite lane may run a Ray cluster of its own beside it
+    # this cluster's address: with another Ray cluster on the machine, Ray cannot guess it
     classes = Counter(a.class_name for a in list_actors(address=ray.get_runtime_context().gcs_address,
                                                         limit=10_000, raise_on_missing_output=False))
     nodes, stages = front["config"].nodes, front["config"].stages
