@@ -52,6 +52,9 @@ class NodeRunSpec:
     threads: int = 1            # torch threads per stage process
     timeout_s: float = 300.0
     collective_timeout_s: Optional[float] = None   # the stages' group's (None: torch's, 30 minutes)
+    stop_before_loop: bool = False    # stage 0 stops the others before any loop runs (a node that
+    # ends before its loop started: node_pipeline.stop_stages)
+    answer_timeout_s: float = RESULT_TIMEOUT_S     # how long the caller waits for each stage
 
 
 @dataclass
@@ -127,6 +130,12 @@ def _drive(spec: NodeRunSpec, cfg, proc, dist, model_config, stage_model) -> dic
     from raycolo.online.tasks import OnlineTask
     from raycolo.online.policies import make_online_policy
 
+    if spec.stop_before_loop:
+        from raycolo.online.stages.node_pipeline import stop_stages
+
+        stop_stages(proc, dist)
+        return {"tokens": {}, "finish": {}, "token_times": {}, "losses": [], "report": None,
+                "ops_run": [0] * cfg.stages, "lora": _lora(stage_model)}
     profile = live_profile(cfg, model_config)
     policy = make_online_policy(cfg.policy, cfg.lemix, nodes=1, train_rate=cfg.train_rate)
     loop = NodeLoop(node_scheduler(policy, profile, cfg.lemix, 0), cfg.lora.dpo_beta, cfg.lora.max_len)
@@ -187,9 +196,9 @@ def run_node(spec: NodeRunSpec) -> NodeRunResult:
         try:
             while len(results) < stages:
                 try:
-                    rank, value = out.get(timeout=RESULT_TIMEOUT_S)
+                    rank, value = out.get(timeout=spec.answer_timeout_s)
                 except queue.Empty:
-                    raise TimeoutError(f"the node's stages did not answer within {RESULT_TIMEOUT_S:g} s") from None
+                    raise TimeoutError(f"the node's stages did not answer within {spec.answer_timeout_s:g} s") from None
                 if isinstance(value, BaseException):
                     raise value
                 results[rank] = value

@@ -143,3 +143,16 @@ def test_training_through_the_node_loop_gives_peft_step_beside_base_requests(hf_
     assert max(float((merged[k] - ref_state[k]).abs().max()) for k in ref_state) < 1e-5
     assert any(float(v.abs().max()) > 1e-3 for k, v in merged.items() if "lora_B" in k)   # it trained
     replay(_mirror(config), res.report)
+
+
+def test_a_node_that_ends_before_its_loop_started_stops_its_other_stages(hf_checkpoints):
+    """Stage 0 of a node whose loop never starts (the deployment stopped, or the group went
+    stale, before its setup) tells the other stages to stop: each returns, rather than
+    waiting on the stages' group for an op that never comes (a live deployment stopped
+    just after its start waited 60 s for its runs to end)."""
+    from node_harness import NodeRunSpec, run_node
+
+    spec = NodeRunSpec(_config(hf_checkpoints["llama3"]), stop_before_loop=True, answer_timeout_s=120)
+    res = run_node(spec)
+    assert sorted(res.lora) == [0, 1]         # every stage answered: each one returned
+    assert res.ops_run == [0, 0]

@@ -41,7 +41,7 @@ from typing import Optional
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-from raycolo.online.stages.node_pipeline import NodePipeline, serve_stage
+from raycolo.online.stages.node_pipeline import NodePipeline, serve_stage, stop_stages
 from raycolo.online.scheduling.node_commands import Serve
 from raycolo.online.scheduling.node_loop import NodeLoop
 from raycolo.online.serving.beacon import watch
@@ -64,7 +64,8 @@ def run_node_stage(controller, node: int, stage: int, epoch: int, proc, dist, sp
     if stage > 0:
         return serve_stage(proc, dist, special=special, annotate=annotate).rejoin
     setup = ray.get(controller.node_setup.remote(node, epoch))
-    if setup is None:          # a stale group
+    if setup is None:          # a stale group, or the deployment stops: so do the other stages
+        stop_stages(proc, dist)
         return False
     loop = NodeLoop(setup.node, setup.dpo_beta, setup.max_len,
                     sync_dir=lambda v: os.path.join(setup.sync_root, f"v{v}"), era=setup.era)

@@ -217,6 +217,18 @@ class NodePipeline:
             t.join(timeout_s)
 
 
+def stop_stages(proc: StageProcess, dist) -> None:
+    """Stop the other stages of stage 0's node where no :class:`NodePipeline` runs (the
+    node ends before its loop started: the deployment stops, or the group is stale), and
+    wait for each one's last answer. Without it, stage s > 0 waits in
+    :func:`serve_stage` for an op that never comes, and the run ends only when its host
+    gives up on it (a deployment stopped just after its start took 60 s)."""
+    for s in range(1, proc.stages):
+        send_message(Stop(seq=-1, rejoin=False), s, DOWN_TAG, dist, proc.messages)
+    for s in range(1, proc.stages):
+        recv_message(s, UP_TAG, dist, proc.messages)
+
+
 def serve_stage(proc: StageProcess, dist, special: Optional[Special] = None,
                 annotate: Optional[Callable[[StageResult], None]] = None) -> Stop:
     """Stage s > 0 of a node: run what stage 0 sends until it says stop; answer each op's
