@@ -160,6 +160,7 @@ def cmd_online(args) -> int:
 
     # a trace replay measures one run from the base model: it takes up no earlier run's training
     config = load_online_config(args.config).model_copy(update={"resume": False})
+    config.check_paths()         # first: the model's config below imports torch and transformers (~5 s)
     layer_bounds(model_hf_config(config.model_loading_config.model_id).num_hidden_layers, config.stages)
     if args.train_rate is not None:
         config = config.model_copy(update={"train_rate": args.train_rate})
@@ -174,7 +175,6 @@ def cmd_online(args) -> int:
             t.max_tokens = t.decode_tokens
     from raycolo.actors.online.launch import OnlineDeployment
 
-    config.check_paths()
     say = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr))
     say(f"starting {config.nodes} x {config.stages} stage workers ({config.model_loading_config.model_id}, "
         f"policy {config.policy})")
@@ -201,11 +201,11 @@ def cmd_serve(args) -> int:
     from raycolo.online.config import layer_bounds, load_online_config, model_hf_config
 
     config = load_online_config(args.config)
+    config.check_paths()         # first: the model's config below imports torch and transformers (~5 s)
     layer_bounds(model_hf_config(config.model_loading_config.model_id).num_hidden_layers, config.stages)
     update = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if update:
         config = config.model_copy(update={"serve": config.serve.model_copy(update=update)})
-    config.check_paths()
     from raycolo.actors.serve.launch import serve_until_stopped
 
     return serve_until_stopped(config, address=args.address,
