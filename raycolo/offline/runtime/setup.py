@@ -128,7 +128,6 @@ def _with_input(app: AppSpec, input_path: str) -> AppSpec:
 
 def prepare(config: RunConfig) -> PreparedRun:
     from raycolo.offline.costmodel.latency import resolve_profile_dir
-    from raycolo.engine.models import checkpoint_context, load_tokenizer
     from raycolo.offline.policies import get_policy
 
     get_policy(config.policy)  # an unknown policy is a config error, found before Ray starts
@@ -138,6 +137,9 @@ def prepare(config: RunConfig) -> PreparedRun:
     profile_dir = resolve_profile_dir(config.profile) if config.profile else None
     workload = build_workload(app, seed=config.seed, requests=config.requests,
                               ecdf_dir=profile_dir / "ecdf" if profile_dir else None)
+    # only now: it imports torch and transformers (~2 s), which the checks above need not wait for
+    from raycolo.engine.models import checkpoint_context, load_tokenizer
+
     tokenizers = {}
     for node in app.nodes:
         try:
