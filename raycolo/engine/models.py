@@ -10,13 +10,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from raycolo.catalog import ModelSpec, get_model
 from raycolo.errors import ConfigError
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
+DTYPES = ("float32", "float64", "bfloat16", "float16")   # the dtypes a model loads in, by torch's names
+
+
+def torch_dtype(name: str):
+    """torch's dtype named ``name`` (one of :data:`DTYPES`). torch is imported here, not with
+    this module: a tokenizer alone (an HTTP replica, the offline driver) needs none of it."""
+    import torch
+
+    if name not in DTYPES:
+        raise KeyError(name)
+    return getattr(torch, name)
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 BYTE_OFFSET = 3
 
@@ -124,6 +131,7 @@ MAX_RANDOM_PARAMS = 500_000_000
 
 
 def build_tiny_model(model_id: str, seed: int = 0, dtype: str = "float32"):
+    import torch
     from transformers import AutoModelForCausalLM
 
     spec = get_model(model_id)
@@ -134,7 +142,7 @@ def build_tiny_model(model_id: str, seed: int = 0, dtype: str = "float32"):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
-    return model.to(DTYPES[dtype]).eval(), ByteTokenizer(spec.vocab)
+    return model.to(torch_dtype(dtype)).eval(), ByteTokenizer(spec.vocab)
 
 
 def save_tiny_checkpoint(model_id: str, path: str | Path, seed: int = 0) -> Path:
@@ -147,6 +155,7 @@ def save_tiny_checkpoint(model_id: str, path: str | Path, seed: int = 0) -> Path
 
 def load_model(model_id: str, seed: int = 0, dtype: str = "float32", device: str = "cpu"):
     """Returns (model, tokenizer)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     if device != "cpu" and not torch.cuda.is_available():
@@ -158,7 +167,7 @@ def load_model(model_id: str, seed: int = 0, dtype: str = "float32", device: str
         # on a GPU the weights go from the files to the device, not through host memory first
         # (an 8B bf16 checkpoint: 16 GB that a host copy would hold, then copy again)
         placed = {} if device == "cpu" else {"device_map": device}
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **placed).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **placed).eval()
         tokenizer = _checkpoint_tokenizer(path, model.config.vocab_size)
     else:
         model, tokenizer = build_tiny_model(model_id, seed, dtype)
