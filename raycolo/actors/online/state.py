@@ -94,9 +94,11 @@ class ControllerState:
 
     def warm_up(self) -> None:
         """Import, in a thread, what the first adapter export needs (torch: a stage's
-        adapter state arrives as tensors; peft: the adapter's config), once the controller
-        serves. Imported by the event loop at that export instead, they stalled every
-        admission for up to 1.6 s (bench/faults.py, 2-core VM)."""
+        adapter state arrives as tensors; peft: the adapter's config), while the stage
+        workers start. Imported by the event loop at that export instead, they stalled every
+        admission for up to 1.6 s (bench/faults.py, 2-core VM). Started once the controller
+        served, the import (about 5 s on 2 cores) held up the first requests: 4.95 s to the
+        first token right after the start, 0.05 s ten seconds later (2026-12-01)."""
         if self._warming is None:
             self._warming = threading.Thread(target=_warm_imports, daemon=True, name="warm-imports")
             self._warming.start()

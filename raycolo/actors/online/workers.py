@@ -84,6 +84,7 @@ class WorkerGroups:
                                f"the nodes that fit serve; the others join when GPUs come back")
         self._loop = asyncio.get_running_loop()
         self.timeline["launch_s"] = time.time()
+        self.ctl.warm_up()       # while the stage workers start, not once the first requests come
         self.host = self._host()
         running = await self.host.fitting.remote()
         if running:       # the groups outlived the controller before this one: they register again
@@ -116,7 +117,6 @@ class WorkerGroups:
                                    f"the first node; serving without it until it does")
         self._resume()
         self.ctl.ready.set()
-        self.ctl.warm_up()
 
     def _committed_checkpoint(self, n: int) -> Optional[tuple]:
         """(adapter version, seqs held, cursor) of node ``n``'s newest committed checkpoint
@@ -209,7 +209,6 @@ class WorkerGroups:
         if all(len(r) == self.ctl.config.stages for r in self.registered) and not self.ctl.ready.is_set():
             self._resume()
             self.ctl.ready.set()
-            self.ctl.warm_up()
             self.timeline["ready_s"] = time.time()
         elif complete and not self.ctl.ready.is_set() and self._partial is None:
             self._partial = self._loop.call_later(self.ctl.config.stage.start_grace_s, self._serve_partial)
