@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from raycolo.batching.step_scheduler import StepKind
 from raycolo.text_enum import TextEnum
 from raycolo.bounds import PathText, Strict
+from raycolo.engine.models import ModelDtype
 from raycolo.errors import ConfigError
 from raycolo.generation import FinishReason, SamplingParams  # noqa: F401  (engines take the one definition)
 from raycolo.generation.params import Seed
@@ -34,7 +35,7 @@ class ModelLoadingConfig(Strict):
     seed: Seed = Field(default=0, description=(
         "Seed of a catalog tiny model's random weights and of the fresh LoRA adapters' initial weights; "
         "part of the key an adapter checkpoint must match to be restored."))
-    dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(default="float32", description=(
+    dtype: ModelDtype = Field(default="float32", description=(
         "Data type the stage workers load the model's weights in."))
 
 

@@ -8,12 +8,13 @@ built-in byte tokenizer.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, get_args
 
 from raycolo.catalog import ModelSpec, get_model
 from raycolo.errors import ConfigError
 
-DTYPES = ("float32", "float64", "bfloat16", "float16")   # the dtypes a model loads in, by torch's names
+ModelDtype = Literal["float32", "float64", "bfloat16", "float16"]   # the dtypes a model loads in, by torch's names
+DTYPES = get_args(ModelDtype)
 
 
 def torch_dtype(name: str):
@@ -24,6 +25,8 @@ def torch_dtype(name: str):
     if name not in DTYPES:
         raise KeyError(name)
     return getattr(torch, name)
+
+
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 BYTE_OFFSET = 3
 

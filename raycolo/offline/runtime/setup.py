@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError
 from raycolo.bounds import MAX_GPUS, Name, PathText, Requests, Seconds, Strict, Threads, describe
 from raycolo.generation.params import Seed
 from raycolo.offline.dag import AppSpec, SourceSpec, load_app
+from raycolo.engine.models import ModelDtype
 from raycolo.errors import ConfigError
 from raycolo.hardware import GpuMemory
 from raycolo.hardware import ClusterSpec, make_cluster
@@ -46,7 +47,7 @@ class RunConfig(Strict):
                                         description="GPUs per NVLink group (none: min(2, gpus))")
     max_num_seqs: int = Field(default=64, ge=1, le=1 << 16, description="engine batch limit")
     backend: Literal["torch", "vllm"] = Field(default="torch", description="engine backend")
-    dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(default="float32", description="model dtype")
+    dtype: ModelDtype = Field(default="float32", description="model dtype")
     # the planner counts in 16-token blocks either way; vLLM's CPU attention needs a multiple of 32
     block_size: Optional[int] = Field(default=None, ge=1, le=4096, description="engine KV block size (none: 16)")
     threads: Optional[Threads] = Field(default=None, description="torch CPU threads per replica")
