@@ -8,18 +8,17 @@ The last test removes the worker raylet mid-run.
 """
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from ray.cluster_utils import Cluster
 
 from raycolo.offline.runtime.setup import RunConfig
+
+from tests.support.ray_clusters import two_raylets
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -47,19 +46,8 @@ def _error_lines(stderr: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    temp = tempfile.mkdtemp(prefix="raycolo-mn-", dir="/tmp")
-    c = Cluster(initialize_head=True, head_node_args=dict(
-        node_ip_address="127.0.0.1", num_gpus=2, num_cpus=2, include_dashboard=False, temp_dir=temp))
-    worker = c.add_node(node_ip_address="127.0.0.1", num_gpus=2, num_cpus=2)
-    # Cluster writes its address where a bare ray.init() looks: other processes on this
-    # machine must not join this cluster by accident
-    current = Path("/tmp/ray/ray_current_cluster")
-    if current.exists() and current.read_text().strip() == c.address:
-        current.unlink()
-    c.worker = worker
-    yield c
-    c.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
+    with two_raylets("raycolo-mn-", dict(num_gpus=2, num_cpus=2), dict(num_gpus=2, num_cpus=2)) as c:
+        yield c
 
 
 def test_a_loopback_address_that_nothing_answers_fails_fast_naming_address(tmp_path):

@@ -1,7 +1,9 @@
 """The live online runtime on a real local Ray cluster: Ray Train stage workers (gloo,
 logical GPUs) of a tiny Llama serving and training LoRA, placed by the same Cluster the
-simulator runs. One deployment serves the module (stage workers cost ~10 s to start);
-policies are switched on it between traces.
+simulator runs. One deployment per data plane serves the module (a start costs 30-60 s on
+2 cores); policies are switched on it between traces, and its last tests kill a stage
+worker, a node's Ray Train controller and the online controller itself. (A whole
+deployment stopped and started on its storage: tests/serve/deployment/test_deployment_faults.py.)
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import os
 import math
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -17,8 +20,9 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from ray.exceptions import RayActorError
 
-from tests.support.online_checks import small_online_config
+from tests.support.online_checks import small_online_config, trained_exactly_once
 from raycolo.actors.local_cluster import start_local
 from raycolo.actors.online.launch import OnlineDeployment, learnable_pair, learnable_preference
 from raycolo.rng import seeded_rng
@@ -34,13 +38,16 @@ PLANES = [os.environ["RAYCOLO_TEST_DATA_PLANE"]] if os.environ.get("RAYCOLO_TEST
 @pytest.fixture(scope="module", params=PLANES)
 def deployment(tmp_path_factory, request):
     """One deployment per data plane (stage.data_plane): each node's loop on its stage 0
-    (the default), or every op through the controller."""
+    (the default), or every op through the controller; the latter's two stages of a node
+    share one (logical) GPU, Ray Train placing them with half a GPU each."""
     out = tmp_path_factory.mktemp("online")
+    shared = {"gpus_per_worker": 0.5} if request.param == "controller" else {}
     config = small_online_config(out, nodes=2, stages=2, train_rate=0.5, lemix={"sync_every": 2},
-                                 lora={"checkpoint_every": 3}, stage={"data_plane": request.param})
+                                 lora={"checkpoint_every": 3}, stage={"data_plane": request.param, **shared})
+    assert config.gpus_needed() == (2 if shared else 4)
     # as raycolo starts a local cluster for a deployment: its processes get cluster_env()
-    start_local(env=config.cluster_env(), num_gpus=4, num_cpus=4, include_dashboard=False, log_to_driver=False,
-                namespace="raycolo")
+    start_local(env=config.cluster_env(), num_gpus=config.gpus_needed(), num_cpus=4, include_dashboard=False,
+                log_to_driver=False, namespace="raycolo")
     dep = OnlineDeployment.start(config, timeout_s=240)
     yield dep, config, out
     try:
@@ -121,7 +128,7 @@ def test_every_task_of_a_short_trace_completes_exactly_once(deployment, policy):
     if config.stage.data_plane == "controller" and policy not in CONTROLLER_PLANE_POLICIES:
         pytest.skip("the controller's data plane (kept to compare) runs one policy of each family")
     dep.use_policy(policy)
-    tasks = poisson_workload(4.0, 0.4, 12, seed=5)
+    tasks = poisson_workload(12.0, 0.4, 12, seed=5)     # about 1 s of arrivals: the trace waits for them
     for t in tasks:
         t.length = min(t.length, 24)
         if not t.is_train:
@@ -292,6 +299,108 @@ def test_a_node_whose_group_restarts_gets_no_work_until_it_is_back(deployment):
     rids = [dep.submit([1, 70 + i, 71], max_tokens=3, ignore_eos=True) for i in range(4)]
     assert [len(dep.result(rid)["tokens"]) for rid in rids] == [3] * 4
     assert dep.health()["nodes_restarting"] == 0
+
+
+# -- the controllers' deaths: the online controller (Ray restarts it) on the node plane, where
+# the worker groups outlive it; a node's Ray Train controller on the controller's data plane
+
+def test_a_killed_controller_is_restarted_and_resumes_without_losing_work(deployment):
+    """ray.kill the controller while requests decode and a training task runs: the calls in
+    flight fail (the client sees an error), Ray restarts the controller, the stage workers
+    outlive it (the same processes) and register with the new one after rolling back to
+    the newest checkpoint, and the acknowledged samples are all trained exactly once.
+    (Streams kept over HTTP through such a death: tests/serve/deployment/test_deployment_faults.py.)
+    On the controller's data plane the groups go with the controller."""
+    dep, config, _ = deployment
+    if config.stage.data_plane == "controller":
+        pytest.skip("on the controller's data plane the worker groups go with the controller")
+    rng = seeded_rng(3, "test-faults")
+    dep.drain()
+    pids = {key: w["pid"] for key, w in dep.registry().items()}
+    committed = (dep.train_status()["last_checkpoint"] or {}).get("version", 0)   # the ledger's last commit
+    dep.add_samples([learnable_pair(rng, 12, 259) for _ in range(2)])
+    rids = [dep.submit([1] + [40 + (i * 7 + j) % 50 for j in range(15)], max_tokens=60, ignore_eos=True)
+            for i in range(3)]
+    dep.train()
+    deadline = time.monotonic() + 60
+    while min(dep.progress(r)["tokens"] for r in rids) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    killed = time.monotonic()
+    ray.kill(dep.controller, no_restart=False)
+    outcomes = []
+    for rid in rids:      # each ends with its tokens or an error: here the actor's death
+        try:
+            outcomes.append(dep.result(rid)["finish_reason"])
+        except RayActorError:
+            outcomes.append("error")
+    assert set(outcomes) <= {"length", "error"} and "error" in outcomes
+    rid = dep.submit([1, 50, 51, 52], max_tokens=4, ignore_eos=True)    # starts it again
+    assert len(list(dep.stream(rid))) == 4
+    assert time.monotonic() - killed < 120
+    workers = dep.registry()
+    assert {key: w["pid"] for key, w in workers.items()} == pids        # the groups outlived it
+    assert all(w["rejoined"] for w in workers.values())
+    timeline = dep.stats()["start_timeline"]
+    assert "groups_found" in timeline and "groups_released" not in timeline, timeline
+    # the restarted controller answers for the requests of the one before: they ended
+    # with an error (ids are never reused), and an id it never issued is refused
+    lost = dep.result(rids[0])
+    assert lost["finish_reason"] == "error" and "restarted" in lost["error"]
+    assert dep.progress(rids[1])["finish_reason"] == "error"
+    with pytest.raises(ValueError, match="no such request"):
+        dep.progress(rid + 10 ** 9)
+    assert dep.train_status()["resumed"]["adapter_version"] >= committed     # never behind the checkpoint
+    trained_exactly_once(dep.drain, dep.sample_ledger, 120)
+
+
+def test_a_killed_train_controller_starts_a_new_run_from_the_checkpoint(deployment):
+    """A node's Ray Train controller (the process that owns its worker group) dies: its
+    workers die with it; a new run of the same name restores the newest checkpoint, the
+    requests in flight end with their tokens or an error, the other node keeps its workers,
+    and nothing trained is lost."""
+    import psutil
+
+    dep, config, _ = deployment
+    if config.stage.data_plane != "controller":
+        pytest.skip("the controller plane's deployment loses a Ray Train controller (the node plane's, its controller)")
+    rng = seeded_rng(4, "test-faults")
+    dep.drain()     # (a resumed run's commits can lag a minute: docs/online-live.md)
+    before = dep.registry()
+    dep.add_samples([learnable_pair(rng, 12, 259) for _ in range(2)])
+    rids = [dep.submit([1] + [40 + (i * 5 + j) % 50 for j in range(15)], max_tokens=60, ignore_eos=True)
+            for i in range(4)]
+    dep.train()
+    deadline = time.monotonic() + 30     # a controller of an earlier run may still be exiting
+    while len(alive := [p.pid for p in psutil.process_iter(["cmdline"])
+                        if (p.info["cmdline"] or [""])[0].startswith("ray::TrainController")]) != config.nodes:
+        assert time.monotonic() < deadline, f"Ray Train controllers alive: {alive}"
+        time.sleep(0.2)
+    restarts = len(dep.stats()["restarts"])
+    os.kill(alive[0], signal.SIGKILL)
+    results = [dep.result(rid) for rid in rids]
+    for r in results:
+        assert r["finish_reason"] in ("length", "error"), r
+        if r["finish_reason"] == "length":
+            assert len(r["tokens"]) == 60
+        else:
+            assert "node" in r["error"], r["error"]
+    rid = dep.submit([1, 50, 51, 52], max_tokens=4, ignore_eos=True)
+    assert len(list(dep.stream(rid))) == 4
+    deadline = time.monotonic() + 60
+    while not (new := [r for r in dep.stats()["restarts"][restarts:] if "Ray Train controller died" in r["reason"]]):
+        assert time.monotonic() < deadline, dep.stats()["restarts"]
+        time.sleep(0.2)
+    (victim,) = {r["node"] for r in new}
+    deadline = time.monotonic() + 240     # the new run's group registers
+    keys = [f"node-{victim}/stage-{s}" for s in range(config.stages)]
+    while any((after := dep.registry())[k]["pid"] == before[k]["pid"] for k in keys):
+        assert time.monotonic() < deadline, "the node's new run never registered"
+        time.sleep(0.5)
+    assert all(after[k]["pid"] == before[k]["pid"] for k in before if k not in keys), (before, after)
+    trained_exactly_once(dep.drain, dep.sample_ledger, 120)
+    rid = dep.submit([1, 50, 51, 52], max_tokens=4, ignore_eos=True)
+    assert len(list(dep.stream(rid))) == 4
 
 
 def _cli(*args):

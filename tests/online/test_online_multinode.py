@@ -11,14 +11,10 @@ the lost node back once a raylet with a GPU joins again.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -29,6 +25,7 @@ from raycolo.actors.online.launch import OnlineDeployment, learnable_pair
 from raycolo.rng import seeded_rng
 
 from tests.support.online_checks import free_port, small_online_config, trained_exactly_once
+from tests.support.ray_clusters import two_raylets
 
 VOCAB = 259
 RECOVERY_S = 240.0     # controller restart + one node's group start on 2 cores, with margin
@@ -46,39 +43,33 @@ class Placeholder:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    temp = tempfile.mkdtemp(prefix="raycolo-omn-", dir="/tmp")
     saved = {k: os.environ.get(k) for k in ("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",)}
     # Ray Train retries placing a group that does not fit every this many seconds (60 by
     # default): the lost node's group is placed again soon after a GPU comes back
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "10"
     # The GCS declares a raylet dead after this many failed health checks this far apart
     # (Ray's defaults, 5 x 3 s, would add about 12 s of waiting to each raylet killed here)
-    c = Cluster(initialize_head=True, head_node_args=dict(
-        node_ip_address="127.0.0.1", num_gpus=1, num_cpus=3, include_dashboard=False, temp_dir=temp,
-        resources={SLOT: 1}, _system_config=HEALTH_CHECKS))
-    c.worker = c.add_node(node_ip_address="127.0.0.1", num_gpus=1, num_cpus=2, resources={SLOT: 1})
-    current = Path("/tmp/ray/ray_current_cluster")
-    if current.exists() and current.read_text().strip() == c.address:
-        current.unlink()       # no other process on this machine joins this cluster by accident
-    join_cluster(c.address, namespace=NAMESPACE, log_to_driver=False)
-    out = tmp_path_factory.mktemp("online-multinode")
-    config = small_online_config(out, nodes=2, stages=1, train_rate=0.5, lora={"checkpoint_every": 1},
-                                 stage={"max_failures": 2, "start_grace_s": 5, "rejoin_s": 10})
-    state = {"cluster": c, "config": config}
-    yield state
-    if state.get("dep") is not None:
-        try:
-            state["dep"].stop()
-        except Exception:       # the deployment may be what failed
-            pass
-    ray.shutdown()
-    c.shutdown()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        with two_raylets("raycolo-omn-", dict(num_gpus=1, num_cpus=3, resources={SLOT: 1}, _system_config=HEALTH_CHECKS),
+                         dict(num_gpus=1, num_cpus=2, resources={SLOT: 1})) as c:
+            join_cluster(c.address, namespace=NAMESPACE, log_to_driver=False)
+            out = tmp_path_factory.mktemp("online-multinode")
+            config = small_online_config(out, nodes=2, stages=1, train_rate=0.5, lora={"checkpoint_every": 1},
+                                         stage={"max_failures": 2, "start_grace_s": 5, "rejoin_s": 10})
+            state = {"cluster": c, "config": config}
+            yield state
+            if state.get("dep") is not None:
+                try:
+                    state["dep"].stop()
+                except Exception:       # the deployment may be what failed
+                    pass
+            ray.shutdown()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _healthy_away_from(dep, gone: str, timeout_s: float) -> dict:

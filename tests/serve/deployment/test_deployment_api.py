@@ -234,6 +234,9 @@ def test_train_samples_are_persisted_before_the_ack_and_trained(front):
     samples = [{"prompt": f"Q{i}: copy abc", "completion": "abc abc"} for i in range(6)]
     samples.append({"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]})
     with http(front) as h:
+        resumed = h.get("/v1/train_samples/status").json()["resumed"]
+        assert resumed == {"adapter_version": 0, "samples_held": 0, "samples_resumed": 0,
+                           "nodes_restored": []}          # a first start on empty storage took up nothing
         r = h.post("/v1/train_samples", json={"samples": samples})
         assert r.status_code == 200, r.text
         ack = r.json()

@@ -327,22 +327,37 @@ def test_a_dead_controller_costs_no_stream_and_no_request(front):
 
 def test_acknowledged_samples_are_trained_after_the_deployment_restarts(front):
     """The whole deployment stops and starts again on the same storage: every acknowledged
-    sample is still stored, the adapter comes back from its newest checkpoint, and the
-    samples no checkpoint held are trained."""
+    sample is still stored, the adapter comes back from its newest checkpoint (every
+    node's workers restored it), exactly the samples no checkpoint held are trained again,
+    each once, and the adapter version counts on from the restored one."""
     from raycolo.actors.serve import launch as serve_launch
+    from tests.support.online_checks import trained_exactly_once
 
-    with http(front) as h:
+    with http(front) as h:       # two acknowledged just before the stop (trained or not by then)
+        posted = h.post("/v1/train_samples", json={"samples": [
+            {"prompt": f"before the restart {i}: copy ab", "completion": "ab ab"} for i in range(2)]})
+        assert posted.status_code == 200, posted.text
         before = h.get("/v1/train_samples/status").json()
     lines = (front["out"] / "samples" / "samples.jsonl").read_text().splitlines()
     serve_launch.stop(front["config"], started_ray=False)       # the app and its stage workers go
     serve_launch.start(front["config"])
+    controller = ray.get_actor(controller_name(front["config"].serve.app_name), namespace=NAMESPACE)
     with http(front) as h:
         _wait_health(h, 200)
         after = h.get("/v1/train_samples/status").json()
-        assert after["received"] == before["received"] == len(lines) >= 7
-        assert after["resumed"]["adapter_version"] >= (before["last_checkpoint"] or {}).get("version", 0)
-        deadline = time.monotonic() + 180
-        while (after := h.get("/v1/train_samples/status").json())["trained"] < after["received"]:
-            assert time.monotonic() < deadline, after
-            time.sleep(0.5)
+    assert after["received"] == before["received"] == len(lines) >= 9
+    resumed = after["resumed"]
+    assert resumed["adapter_version"] >= (before["last_checkpoint"] or {}).get("version", 0) > 0
+    restored = {w["restored_version"] for w in ray.get(controller.registry.remote()).values()}
+    assert max(v or 0 for v in restored) == resumed["adapter_version"], (restored, resumed)
+    # the store's first pass: a sample is held by a node's checkpoint or trained again
+    assert ray.get(controller.sample_ledger.remote())["epoch"] == 0
+    assert resumed["samples_held"] > 0 and resumed["samples_held"] + resumed["samples_resumed"] == len(lines)
+    trained_exactly_once(lambda: ray.get(controller.drain.remote()),
+                         lambda: ray.get(controller.sample_ledger.remote()), 180)
+    with http(front) as h:
+        status = h.get("/v1/train_samples/status").json()
+    assert status["trained"] == status["received"] == len(lines)
+    if resumed["samples_resumed"]:
+        assert status["adapter_version"] > resumed["adapter_version"]
     assert (front["out"] / "samples" / "samples.jsonl").read_text().splitlines() == lines
