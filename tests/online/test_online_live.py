@@ -240,11 +240,7 @@ def test_a_killed_stage_worker_restarts_its_group_and_loses_nothing(deployment):
     # The drain can end before the new group registers: past stage.rejoin_s (a slow start:
     # the suite's CPUs busy elsewhere) the lost node's samples are trained on the other node
     # instead. Its new group does come back.
-    deadline = time.monotonic() + 240
-    keys = [f"node-{victim}/stage-{s}" for s in range(config.stages)]
-    while any((after := dep.registry())[k]["epoch"] == before[k]["epoch"] for k in keys):
-        assert time.monotonic() < deadline, "the killed worker's group never registered again"
-        time.sleep(0.5)
+    keys, after = _new_group_of(dep, before, victim, config.stages, "epoch")
     for k in keys:
         old, new = before[k], after[k]
         assert new["pid"] != old["pid"] and new["epoch"] == old["epoch"] + 1
@@ -363,7 +359,7 @@ def test_a_killed_train_controller_starts_a_new_run_from_the_checkpoint(deployme
 
     dep, config, _ = deployment
     if config.stage.data_plane != "controller":
-        pytest.skip("the controller plane's deployment loses a Ray Train controller (the node plane's, its controller)")
+        pytest.skip("one plane loses a Ray Train controller: the controller's (the node plane loses its controller)")
     rng = seeded_rng(4, "test-faults")
     dep.drain()     # (a resumed run's commits can lag a minute: docs/online-live.md)
     before = dep.registry()
@@ -392,15 +388,22 @@ def test_a_killed_train_controller_starts_a_new_run_from_the_checkpoint(deployme
         assert time.monotonic() < deadline, dep.stats()["restarts"]
         time.sleep(0.2)
     (victim,) = {r["node"] for r in new}
-    deadline = time.monotonic() + 240     # the new run's group registers
-    keys = [f"node-{victim}/stage-{s}" for s in range(config.stages)]
-    while any((after := dep.registry())[k]["pid"] == before[k]["pid"] for k in keys):
-        assert time.monotonic() < deadline, "the node's new run never registered"
-        time.sleep(0.5)
+    keys, after = _new_group_of(dep, before, victim, config.stages, "pid")     # the new run's group
     assert all(after[k]["pid"] == before[k]["pid"] for k in before if k not in keys), (before, after)
     trained_exactly_once(dep.drain, dep.sample_ledger, 120)
     rid = dep.submit([1, 50, 51, 52], max_tokens=4, ignore_eos=True)
     assert len(list(dep.stream(rid))) == 4
+
+
+def _new_group_of(dep, before: dict, node: int, stages: int, field: str, timeout_s: float = 240.0):
+    """Wait until every stage of ``node`` registered anew (its ``field``, epoch or pid, no
+    longer the one in ``before``): the node's keys and the registry then."""
+    deadline = time.monotonic() + timeout_s
+    keys = [f"node-{node}/stage-{s}" for s in range(stages)]
+    while any((after := dep.registry())[k][field] == before[k][field] for k in keys):
+        assert time.monotonic() < deadline, f"node {node}'s new worker group never registered"
+        time.sleep(0.5)
+    return keys, after
 
 
 def _cli(*args):

@@ -18,6 +18,7 @@ import ray
 
 from raycolo.actors.local_cluster import NAMESPACE, controller_name
 
+from tests.support.online_checks import trained_exactly_once
 from tests.support.serve_checks import (_stats, _wait_health, expected_text, scrape, http, KEY, LOOPBACK,
                                         MODEL, TOKENS_SENT)
 
@@ -331,7 +332,6 @@ def test_acknowledged_samples_are_trained_after_the_deployment_restarts(front):
     node's workers restored it), exactly the samples no checkpoint held are trained again,
     each once, and the adapter version counts on from the restored one."""
     from raycolo.actors.serve import launch as serve_launch
-    from tests.support.online_checks import trained_exactly_once
 
     with http(front) as h:       # two acknowledged just before the stop (trained or not by then)
         posted = h.post("/v1/train_samples", json={"samples": [
