@@ -12,6 +12,13 @@ blocks. Nothing is preallocated here (paper-sized replicas have 10^5 blocks or m
 """
 from __future__ import annotations
 
+DEFAULT_BLOCK_SIZE = 16      # tokens per KV block: the engine's, the online stages' (vLLM's default too)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold ``tokens`` tokens (the last one partly filled)."""
+    return -(-tokens // block_size)
+
 
 class BlockAllocator:
     def __init__(self, num_blocks: int):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raycolo.batching.blocks import DEFAULT_BLOCK_SIZE, blocks_for
 from raycolo.catalog import ModelSpec
 from raycolo.hardware import ClusterSpec
 
@@ -17,7 +18,7 @@ class SchedulerLimits:
     num_blocks: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     watermark: float = 0.01
 
     @property
@@ -25,10 +26,10 @@ class SchedulerLimits:
         return int(self.watermark * self.num_blocks)
 
     def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+        return blocks_for(tokens, self.block_size)
 
 
-def kv_block_capacity(model: ModelSpec, cluster: ClusterSpec, tp: int, block_size: int = 16) -> int:
+def kv_block_capacity(model: ModelSpec, cluster: ClusterSpec, tp: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
     """KV blocks per replica: memory left after the weight shard and an activation reserve."""
     usable = cluster.usable_bytes_per_gpu
     reserve = min(ACTIVATION_RESERVE_BYTES, 0.05 * cluster.gpu_memory_bytes)

@@ -15,6 +15,7 @@ from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from raycolo.batching.blocks import DEFAULT_BLOCK_SIZE
 from raycolo.batching.step_scheduler import StepKind
 from raycolo.text_enum import TextEnum
 from raycolo.bounds import PathText, Strict
@@ -52,7 +53,7 @@ class EngineKwargs(BaseModel):
 
     max_num_seqs: int = Field(default=64, gt=0)
     max_num_batched_tokens: int = Field(default=2048, gt=0)
-    block_size: int = Field(default=16, gt=0)
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, gt=0)
     # KV capacity in tokens for this replica; the block budget is this / block_size.
     kv_cache_tokens: int = Field(default=65536, gt=0)
     watermark: float = Field(default=0.01, ge=0.0, lt=1.0)

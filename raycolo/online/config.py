@@ -11,6 +11,7 @@ from typing import Literal, Optional
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
+from raycolo.batching.blocks import DEFAULT_BLOCK_SIZE, blocks_for
 from raycolo.bounds import MAX_TOKENS, Fraction, Name, PathText, Strict, Threads, describe
 from raycolo.errors import ConfigError
 from raycolo.paths import check_input, is_dir
@@ -95,7 +96,7 @@ class StageSpec(Strict):
     batched_versions: bool = Field(default=BATCHED_VERSIONS, description=(
         "A step whose requests run on different adapter versions (latest, @base, @v<k>) runs as one pass with "
         "each row's own LoRA where the stage runs it eagerly (no CUDA graphs); false runs one pass per version."))
-    block_size: int = Field(default=16, gt=0, le=1 << 16, description=(
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, gt=0, le=1 << 16, description=(
         "Tokens per block of a stage's paged KV cache."))
     kv_cache_tokens: int = Field(default=16384, gt=0, le=1 << 30, description=(
         "KV cache capacity of each stage, in tokens (it gets this / block_size blocks, rounded up); it "
@@ -368,19 +369,23 @@ def stage_build(config: "OnlineConfig") -> dict:
             "lora": {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha,
                      "target_modules": tuple(cfg.lora.target_modules), "lr": cfg.lora.lr,
                      "seed": cfg.model_loading_config.seed},
-            "num_blocks": -(-cfg.stage.kv_cache_tokens // cfg.stage.block_size),
+            "num_blocks": blocks_for(cfg.stage.kv_cache_tokens, cfg.stage.block_size),
             "block_size": cfg.stage.block_size, "pinned_versions": cfg.serve.pinned_versions,
             "cuda_graphs": cfg.stage.cuda_graphs, "batched_versions": cfg.stage.batched_versions}
 
 
 def live_profile(config: "OnlineConfig", model_config) -> NodeProfile:
     """The node profile a live deployment starts from: ``config.profile`` (a saved one) or
-    the prior from the model's shapes at ``prior_gflops``."""
+    the prior from the model's shapes at ``prior_gflops``; either with the stages' KV pool
+    (``stage.kv_cache_tokens`` in blocks of ``stage.block_size``), which bounds inference."""
     if config.profile:
-        return NodeProfile.model_validate_json(Path(config.profile).read_text())
-    dtype_bytes = {"float64": 8, "float32": 4}.get(config.model_loading_config.dtype, 2)
-    return prior_profile(model_config, config.stages, config.stage, config.lemix, config.prior_gflops,
-                         dtype_bytes, f"live-{config.model_loading_config.model_id}")
+        profile = NodeProfile.model_validate_json(Path(config.profile).read_text())
+    else:
+        dtype_bytes = {"float64": 8, "float32": 4}.get(config.model_loading_config.dtype, 2)
+        profile = prior_profile(model_config, config.stages, config.stage, config.lemix, config.prior_gflops,
+                                dtype_bytes, f"live-{config.model_loading_config.model_id}")
+    return NodeProfile.model_validate({**profile.model_dump(), "block_size": config.stage.block_size,
+                                       "kv_blocks": blocks_for(config.stage.kv_cache_tokens, config.stage.block_size)})
 
 
 def prior_profile(model_config, stages: int, spec: StageSpec, lemix: LemixParams, gflops: float,

@@ -25,6 +25,7 @@ from typing import Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from raycolo.batching.blocks import DEFAULT_BLOCK_SIZE, blocks_for
 from raycolo.errors import ConfigError
 from raycolo.kv_bytes import kv_bytes_per_token
 
@@ -58,6 +59,11 @@ class NodeProfile(BaseModel):
     # A fixed cost every op pays on a stage whatever its size (dispatch, actor hops, kernel
     # launches): 0 in the paper's model and its presets; fitted from a live executor's ops.
     op_overhead_s: float = Field(default=0.0, ge=0)
+    # Each stage's paged KV pool (a live deployment's stage.kv_cache_tokens / block_size): the
+    # scheduler reserves a request's blocks for its prompt plus max_tokens on every stage and
+    # starts no prefill they do not fit. None: no pool (the simulator's stages: bytes only).
+    kv_blocks: Optional[int] = Field(default=None, gt=0)
+    block_size: int = Field(default=DEFAULT_BLOCK_SIZE, gt=0)
 
     @model_validator(mode="after")
     def _weights_fit(self) -> "NodeProfile":
@@ -79,6 +85,10 @@ class NodeProfile(BaseModel):
         memory-bound at small batch, so it never beats reading the stage's weights once.
         """
         return self.op_overhead_s + np.maximum(self.decode_floor_s, self.eta_f * batch * (2 * context + 1))
+
+    def kv_blocks_for(self, tokens: int) -> int:
+        """KV blocks a request holds on each stage at ``tokens`` tokens of context."""
+        return blocks_for(tokens, self.block_size)
 
     def inference_bytes(self, batch, length):
         """KV cache of C sequences of ℓ tokens on one stage."""

@@ -119,7 +119,10 @@ class Reports:
             "samples_pending": self.ctl.pump.pending(), "adapter_version": self.ctl.adapters.adapter_version,
             "queues": [{"node": n, "ready": [len(st.ready) for st in node.stages],
                         "busy": [st.busy is not None for st in node.stages],
-                        "batch": len(node.batch), "decoding": len(node.joining)} for n, node in enumerate(nodes)],
+                        "batch": len(node.batch), "decoding": len(node.joining),
+                        # of each stage's paged KV pool: blocks its running requests reserved
+                        "kv_blocks_reserved": node.kv_reserved, "kv_blocks": node.profile.kv_blocks}
+                       for n, node in enumerate(nodes)],
             "actor_hops": self.hops, "errors": list(self.ctl.errors),
             # events sent to HTTP replicas, and the messages that carried them (front_events)
             "front_messages": self.ctl.desk.front_sent[0], "front_events": self.ctl.desk.front_sent[1],
@@ -143,6 +146,8 @@ class Reports:
             "resumed_tasks": self.ctl.cluster.resumed,
             "cancelled": dict(self.ctl.desk.cancelled),      # by reason: "stop" (a stop string), "abort" (client gone)
             "unfinished": self.ctl.desk.unfinished(),
+            # the most requests admitted and unfinished at once (serve.max_ongoing_requests bounds it)
+            "peak_ongoing": self.ctl.desk.peak_ongoing,
         }
 
     def _controller_cpu(self) -> dict:

@@ -38,6 +38,7 @@ class Request:
     context: int                 # tokens in the KV cache after the next op
     generated: int = 0           # tokens out of the last stage so far
     kv_bytes: float = 0.0        # reserved on each stage whose prefill kept it on the GPU
+    kv_blocks: int = 0           # of each stage's KV pool, reserved from its prefill's start to its end
 
     @property
     def task_id(self) -> int:
