@@ -160,3 +160,54 @@ def test_node_loops_and_their_mirrors_split_prefills_for_blocks_alike():
         for n in sim.cluster.nodes:
             n.check_released()
     assert logs[0] == logs[1] and logs[0] != logs[2]
+
+
+def test_a_node_loop_frees_a_finished_requests_blocks_before_the_prefill_they_make_room_for():
+    """Hand-worked, with the node loop's own messages: 3 blocks of 16 tokens; each request
+    is 20 prompt + 12 tokens = 2 blocks, so request 1 waits for request 0. Its last token
+    frees 2 blocks and starts request 1's prefill (2 blocks) in the same step: each stage
+    must get the ReleaseKV before that prefill (sent after it, stage 0 crashed with
+    "needs 2 KV blocks, 1 free" on 2026-12-02)."""
+    from raycolo.generation import SamplingParams
+    from raycolo.online.scheduling.node_loop import NodeLoop
+    from raycolo.online.stage_messages import ServedRequest
+    from raycolo.online.stages.stage_ops import ForwardStep, ReleaseKV, StageResult
+    from raycolo.online.tasks import OnlineTask
+
+    loop = NodeLoop(node(profile=_pooled(TOY, 3)), 0.1, 64)
+    stages = [BlockAllocator(3) for _ in range(2)]
+    contexts = [dict() for _ in range(2)]
+    for i in range(2):
+        loop.serve(ServedRequest(OnlineTask(i, "inference", 0.0, 20, 1, 12, 12), list(range(3, 23)),
+                                 SamplingParams(max_tokens=12, ignore_eos=True)), 0.0)
+    now, prefills, tokens = 0.0, [], {0: 0, 1: 0}
+    for _ in range(500):
+        outbox = loop.take_outbox()
+        if not outbox:
+            due = loop.next_timer()
+            if due is None:
+                break
+            now = max(now, due)
+            loop.fire_due(now)
+            continue
+        for out in outbox:                     # each stage runs its messages in order
+            m, alloc, ctx = out.message, stages[out.stage], contexts[out.stage]
+            if isinstance(m, ReleaseKV):
+                for rid in m.requests:
+                    alloc.release(rid)
+                    ctx.pop(rid, None)
+                continue
+            assert isinstance(m, ForwardStep)
+            if m.prefill and out.stage == 0:
+                prefills.append((list(m.requests), alloc.free))
+            for rid, count in zip(m.requests, m.counts):
+                ctx[rid] = ctx.get(rid, 0) + count
+                alloc.allocate(rid, blocks_for(ctx[rid], 16) - alloc.blocks_of(rid))
+            now += 0.01
+            last = out.stage == 1
+            for rid in m.requests if last else ():
+                tokens[rid] += 1
+            loop.done(out.stage, StageResult(m.seq, tokens=[7] * len(m.requests) if last else None), now)
+    assert prefills == [([0], 3), ([1], 3)]        # request 1 started on a pool emptied first
+    assert tokens == {0: 12, 1: 12} and loop.idle
+    assert all(a.free == 3 for a in stages) and loop.node.kv_reserved == 0

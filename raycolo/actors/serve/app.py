@@ -299,7 +299,7 @@ class OpenAIIngress(Completions):
                     "policy", "nodes", "stages", "now_s", "requests", "completed", "train_done",
                     "samples_stored", "samples_pending", "adapter_version", "queues", "restarts",
                     "dead_nodes", "restarting_nodes", "checkpoint_versions", "decision_us_p50", "decision_us_p99", "cancelled",
-                    "unfinished")},
+                    "unfinished", "peak_ongoing")},
                 "slo_attainment": monitor["slo_attainment"],
                 "throughput_tasks_per_s": result.get("throughput_tasks_per_s"),
                 "training_rate_steps_per_s": monitor["optimizer_steps"] / stats["now_s"] if stats["now_s"] else 0.0,

@@ -208,6 +208,11 @@ class NodeLoop:
         return training_share(op, self.node.micro, self.samples.__getitem__, self.max_len)
 
     def _carry_out(self, step: NodeStep) -> None:
+        # every stage frees a finished request's KV blocks before it runs the step's new ops:
+        # the scheduler may have started a prefill on the blocks that request gave back
+        for r in step.finished:
+            for s in range(self.stages):
+                self.outbox.append(Outgoing(s, ReleaseKV(seq=-1, requests=(r.task_id,))))
         for action in step.actions:
             if type(action) is Timer:
                 heapq.heappush(self.timers, (action.at_s, action.number))
@@ -216,10 +221,8 @@ class NodeLoop:
                                     self.sync_dir, self.dpo_beta, self.received.pop(action.stage, ()))
             self.running[(action.stage, action.seq)] = action
             self.outbox.append(Outgoing(action.stage, message))
-        for r in step.finished:          # every stage frees the request's KV blocks
+        for r in step.finished:
             self.requests.pop(r.task_id, None)
-            for s in range(self.stages):
-                self.outbox.append(Outgoing(s, ReleaseKV(seq=-1, requests=(r.task_id,))))
         for task_id in step.aborted:     # SIRIUS took memory back: the stages drop activations
             for s in range(self.stages):
                 self.outbox.append(Outgoing(s, DropActivations(seq=-1, tasks=(task_id,))))

@@ -258,7 +258,7 @@ def test_requests_that_fill_a_stages_kv_pool_wait_for_blocks_and_all_finish(fron
                 "temperature": 0}) for p in prompts])
 
     responses = asyncio.run(burst())
-    assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+    assert [r.status_code for r in responses] == [200] * 4, [r.text[-1500:] for r in responses if r.status_code != 200]
     for p, r in zip(prompts, responses):
         body = r.json()
         assert body["usage"] == {"prompt_tokens": 251, "completion_tokens": 150, "total_tokens": 401}
