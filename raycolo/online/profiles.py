@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from raycolo.batching.blocks import DEFAULT_BLOCK_SIZE, blocks_for
+from raycolo.batching.blocks import DEFAULT_BLOCK_SIZE
 from raycolo.errors import ConfigError
 from raycolo.kv_bytes import kv_bytes_per_token
 
@@ -85,10 +85,6 @@ class NodeProfile(BaseModel):
         memory-bound at small batch, so it never beats reading the stage's weights once.
         """
         return self.op_overhead_s + np.maximum(self.decode_floor_s, self.eta_f * batch * (2 * context + 1))
-
-    def kv_blocks_for(self, tokens: int) -> int:
-        """KV blocks a request holds on each stage at ``tokens`` tokens of context."""
-        return blocks_for(tokens, self.block_size)
 
     def inference_bytes(self, batch, length):
         """KV cache of C sequences of ℓ tokens on one stage."""

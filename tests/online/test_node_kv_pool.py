@@ -61,7 +61,7 @@ def _drive(n, tasks, block_size: int, pool: int):
                 started.append(action)
                 heapq.heappush(heap, (now + op_duration(action, n.profile, n.params), next(seq), action))
         peak = max(peak, *(a.used for a in stages))
-        reserved = max(reserved, n.kv_reserved)
+        reserved = max(reserved, n.kv.reserved)
 
     for task in sorted(tasks, key=lambda t: t.arrival_s):
         heapq.heappush(heap, (task.arrival_s, next(seq), task))
@@ -91,13 +91,13 @@ def test_a_batch_larger_than_the_free_blocks_starts_with_the_requests_that_fit()
     for i in range(3):
         n.dispatch(inf(i, length=10, decode=5, max_tokens=20), now=0.0)
     p0 = only_op(n.dispatch(inf(3, length=10, decode=5, max_tokens=20), now=0.0))   # max_batch 4 closes it
-    assert [r.task_id for r in p0.tasks] == [0, 1] and p0.mem_bytes == 60 and n.kv_reserved == 4
+    assert [r.task_id for r in p0.tasks] == [0, 1] and p0.mem_bytes == 60 and n.kv.reserved == 4
     (waiting,) = [op for _, _, op in n.stages[0].ready]
     assert waiting.kind == "prefill" and [r.task_id for r in waiting.tasks] == [2, 3] and waiting.mem_bytes == 60
     p1 = only_op(n.op_done(p0, now=1.0))                       # stage 1 takes it; stage 0 has 1 block free
-    assert p1.stage == 1 and n.kv_reserved == 4
+    assert p1.stage == 1 and n.kv.reserved == 4
     step = n.op_done(p1, now=2.0, finished={0})                # request 0 ends at its first token
-    assert [r.task_id for r in step.finished] == [0] and n.kv_reserved == 4   # 2 back, 2 to request 2
+    assert [r.task_id for r in step.finished] == [0] and n.kv.reserved == 4   # 2 back, 2 to request 2
     prefill = [op for op in step.started if op.kind == "prefill"]
     assert [[r.task_id for r in op.tasks] for op in prefill] == [[2]]
     assert [[r.task_id for r in op.tasks] for _, _, op in n.stages[0].ready if op.kind == "prefill"] == [[3]]
@@ -126,7 +126,7 @@ def test_no_stage_ever_runs_out_of_blocks_and_every_request_ends(policy, seed):
     _, used, reserved, finished = _drive(n, tasks, 16, 160)
     assert sorted(finished) == sorted(t.task_id for t in tasks if not t.is_train)
     assert used <= reserved <= 160 and reserved > 120     # the pool bound the run
-    assert n.kv_reserved == 0                             # and all came back
+    assert n.kv.reserved == 0                             # and all came back
     n.check_released()
     with pytest.raises(RuntimeError, match="KV blocks"):
         _drive(make(profile), tasks, 16, 160)
@@ -210,4 +210,4 @@ def test_a_node_loop_frees_a_finished_requests_blocks_before_the_prefill_they_ma
             loop.done(out.stage, StageResult(m.seq, tokens=[7] * len(m.requests) if last else None), now)
     assert prefills == [([0], 3), ([1], 3)]        # request 1 started on a pool emptied first
     assert tokens == {0: 12, 1: 12} and loop.idle
-    assert all(a.free == 3 for a in stages) and loop.node.kv_reserved == 0
+    assert all(a.free == 3 for a in stages) and loop.node.kv.reserved == 0

@@ -121,7 +121,7 @@ class Reports:
                         "busy": [st.busy is not None for st in node.stages],
                         "batch": len(node.batch), "decoding": len(node.joining),
                         # of each stage's paged KV pool: blocks its running requests reserved
-                        "kv_blocks_reserved": node.kv_reserved, "kv_blocks": node.profile.kv_blocks}
+                        "kv_blocks_reserved": node.kv.reserved, "kv_blocks": node.kv.blocks}
                        for n, node in enumerate(nodes)],
             "actor_hops": self.hops, "errors": list(self.ctl.errors),
             # events sent to HTTP replicas, and the messages that carried them (front_events)

@@ -43,6 +43,7 @@ from dataclasses import replace
 from typing import Collection, Optional
 
 from raycolo.online.scheduling.batch_rule import BatchRule
+from raycolo.online.scheduling.kv_ledger import KVLedger
 from raycolo.online.scheduling.microbatches import MicroBatches
 from raycolo.online.lemix_params import LemixParams
 from raycolo.online.profiles import NodeProfile
@@ -78,7 +79,7 @@ class NodeScheduler:
         self.aborts = 0              # training tasks aborted for a prefill's memory (SIRIUS)
         self.micro = MicroBatches(index, profile.stages)   # elastic micro-batches (SIRIUS)
         self.aborted_bytes = 0.0
-        self.kv_reserved = 0         # KV blocks the node's running requests hold on each stage
+        self.kv = KVLedger(profile.kv_blocks, profile.block_size)   # each stage's paged KV pool
         self.generation = 0          # resets so far
         self._seq = 0                # the number of the node's next op
         self.armed: dict[int, Timer] = {}   # timers armed and not fired, by number
@@ -96,10 +97,7 @@ class NodeScheduler:
             mem = self.profile.train_bytes(task.batch, task.length)
             self._ready(self._op(OpKind.TRAIN_F, 0, [task], mem))
         else:
-            need = self._kv_need(task)
-            if self.profile.kv_blocks is not None and need > self.profile.kv_blocks:
-                raise ValueError(f"task {task.task_id}: its {task.length} prompt tokens + {task.token_budget} "
-                                 f"to generate need {need} KV blocks; each stage has {self.profile.kv_blocks}")
+            self.kv.refuse_too_long(task)
             if not self.batch:
                 self.batch_token += 1
                 self._out.actions.append(Timer(self.batching.closes_at(now), self.index, "close_batch",
@@ -156,7 +154,7 @@ class NodeScheduler:
         self.queued_ops -= 1
         self.last_end = now
         last = s == len(self.stages) - 1
-        kv_before = self.kv_reserved
+        kv_before = self.kv.reserved
         if op.kind == OpKind.PREFILL:
             for r in op.tasks:
                 self._out.observed.append((r.task_id, s, "forward", op.start_s, now))
@@ -200,7 +198,7 @@ class NodeScheduler:
             for other in range(len(self.stages)):
                 if other != s:
                     self._try_start(other)
-        elif s != 0 and self.kv_reserved < kv_before:   # a prefill waiting for KV blocks may fit now
+        elif s != 0 and self.kv.reserved < kv_before:   # a prefill waiting for KV blocks may fit now
             self._try_start(0)
         self._maybe_idle()
         return self._end()
@@ -227,10 +225,7 @@ class NodeScheduler:
                 stage.busy_s += now - stage.busy.start_s
             stage.ready, stage.busy, stage.held, stage.used_bytes = [], None, {}, 0.0
             stage.retry_pending, stage.wake_at = False, None
-        self.kv_reserved = 0
-        for x in lost.values():
-            if isinstance(x, Request):
-                x.kv_blocks = 0
+        self.kv.clear(lost.values())
         self._out.lost = sorted(self.micro.lost(list(lost.values())), key=lambda x: x.task_id)
         self.batch, self.batch_c, self.joining = [], 0, []
         self.decode_inflight = False
@@ -290,8 +285,16 @@ class NodeScheduler:
         limit = self.params.memory_threshold * capacity
         chosen, blocked = None, False
         for op in self.rule.order(self, s, [item[2] for item in stage.ready], self._now):
-            if op.kind == OpKind.PREFILL and s == 0 and not self._kv_fits(stage, op):
-                continue          # it waits for blocks; the ops behind it need none
+            if op.kind == OpKind.PREFILL and s == 0:     # it starts with the requests whose KV blocks are free
+                fits = self.kv.fitting(op.tasks)
+                if fits == 0:
+                    continue      # it waits for blocks; the ops behind it need none
+                if fits < len(op.tasks):     # the rest wait, in order, as a prefill of their own
+                    op.tasks, rest = op.tasks[:fits], op.tasks[fits:]
+                    op.mem_bytes = sum(r.kv_bytes for r in op.tasks)
+                    later = self._op(OpKind.PREFILL, 0, rest, sum(r.kv_bytes for r in rest))
+                    heapq.heappush(stage.ready, (later.ready_s, later.seq, later))   # queued: op may start now
+                    self.queued_ops += 1
             if op.kind not in FORWARD_KINDS or op.offloaded or op.mem_bytes == 0:
                 chosen = op
                 break
@@ -331,9 +334,7 @@ class NodeScheduler:
         heapq.heapify(stage.ready)
         chosen.start_s = self._now
         if chosen.kind == OpKind.PREFILL and s == 0:
-            for r in chosen.tasks:
-                r.kv_blocks = self._kv_need(r.task)
-                self.kv_reserved += r.kv_blocks
+            self.kv.reserve(chosen.tasks)
         if chosen.kind in FORWARD_KINDS and not chosen.offloaded:
             if stage.used_bytes + chosen.mem_bytes > capacity:
                 self.overruns += 1
@@ -350,35 +351,6 @@ class NodeScheduler:
         stage.busy = chosen
         self.first_start = self._now if self.first_start is None else self.first_start
         self._out.actions.append(chosen)
-
-    def _kv_need(self, task: OnlineTask) -> int:
-        """The KV blocks an inference task may fill on each stage: its prompt and every
-        token it may generate (0 without a pool)."""
-        if self.profile.kv_blocks is None:
-            return 0
-        return self.profile.kv_blocks_for(task.length + task.token_budget)
-
-    def _kv_fits(self, stage: Stage, op: Op) -> bool:
-        """Whether prefill ``op`` may start on stage 0 for the KV pool: all its requests'
-        blocks are free, or those of its first requests, which it then keeps (the rest wait,
-        in order, as a prefill of their own). False: not even the first request fits."""
-        if self.profile.kv_blocks is None:
-            return True
-        free, fits = self.profile.kv_blocks - self.kv_reserved, 0
-        for r in op.tasks:
-            free -= self._kv_need(r.task)
-            if free < 0:
-                break
-            fits += 1
-        if fits == 0:
-            return False
-        if fits < len(op.tasks):
-            op.tasks, rest = op.tasks[:fits], op.tasks[fits:]
-            op.mem_bytes = sum(r.kv_bytes for r in op.tasks)
-            later = self._op(OpKind.PREFILL, 0, rest, sum(r.kv_bytes for r in rest))
-            heapq.heappush(stage.ready, (later.ready_s, later.seq, later))   # queued: the stage may start op now
-            self.queued_ops += 1
-        return True
 
     def _shrink(self, stage: Stage, op: Op, limit: float) -> bool:
         """SIRIUS: the first forward ``op`` of a training task does not fit; start the
@@ -447,8 +419,7 @@ class NodeScheduler:
         if r.task_id in finished or r.generated >= r.task.token_budget:
             for stage in self.stages:
                 stage.release((TaskKind.INFERENCE, r.task_id))
-            self.kv_reserved -= r.kv_blocks
-            r.kv_blocks = 0
+            self.kv.release(r)
             self._out.finished.append(r)
         else:
             self.joining.append(r)
@@ -466,8 +437,8 @@ class NodeScheduler:
 
     def check_released(self) -> None:
         """Every byte held was released: memory is conserved (call after a run)."""
-        if self.kv_reserved:
-            raise RuntimeError(f"node {self.index}: {self.kv_reserved} KV blocks left reserved after the run")
+        if self.kv.reserved:
+            raise RuntimeError(f"node {self.index}: {self.kv.reserved} KV blocks left reserved after the run")
         for s, stage in enumerate(self.stages):
             if stage.held or abs(stage.used_bytes) > 1.0:
                 raise RuntimeError(f"node {self.index} stage {s}: memory left held after the run: "
