@@ -37,7 +37,7 @@ class ForwardStep(StageWork):
     served by the base model (LoRA off); ``pinned``: request id -> the directory of the
     adapter version it is pinned to. ``sampling``: the last stage's
     :class:`~raycolo.generation.sampler.SamplingRow` per request, or None where every
-    request is plain greedy. ``release``: requests whose KV the stage frees after it.
+    request is plain greedy (a request's KV blocks are freed by :class:`ReleaseKV`).
     ``scored``: the last stage's request id -> PromptScore of the requests of a prefill
     asking for their prompt's log-probabilities (:mod:`raycolo.generation.prompt_scores`)."""
 
@@ -48,7 +48,6 @@ class ForwardStep(StageWork):
     base: tuple = ()
     pinned: dict = field(default_factory=dict)
     sampling: Optional[list] = None
-    release: tuple = ()
     scored: dict[int, PromptScore] = field(default_factory=dict)
 
     @property

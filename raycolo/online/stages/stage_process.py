@@ -181,8 +181,6 @@ class StageProcess:
             if any(lp is not None for lp in sampled.logprobs):
                 result.logprobs = sampled.logprobs
         self._forward_out(out, op)
-        for rid in op.release:
-            self.model.release(rid)
 
     def _evaluate(self, op: EvalBatch, result: StageResult) -> None:
         """A forward-only pass of a held-out batch: its loss, or a preference batch's win
