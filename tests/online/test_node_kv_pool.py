@@ -43,8 +43,10 @@ def _drive(n, tasks, block_size: int, pool: int):
         for r in op.tasks:
             ctx = contexts[op.stage].get(r.task_id, 0) + (r.task.length if op.kind == "prefill" else 1)
             contexts[op.stage][r.task_id] = ctx
-            alloc = stages[op.stage]
-            alloc.allocate(r.task_id, blocks_for(ctx, block_size) - alloc.blocks_of(r.task_id))
+            alloc = stages[op.stage]     # each of the task's sequences holds its context
+            alloc.allocate(r.task_id, r.task.batch * blocks_for(ctx, block_size) - alloc.blocks_of(r.task_id))
+            if n.kv.blocks is not None:      # a request never holds more than it reserved
+                assert alloc.blocks_of(r.task_id) <= r.kv_blocks, (r.task_id, alloc.blocks_of(r.task_id), r.kv_blocks)
 
     def push(step, now):
         nonlocal peak, reserved
@@ -107,19 +109,23 @@ def test_a_batch_larger_than_the_free_blocks_starts_with_the_requests_that_fit()
 def test_a_request_longer_than_the_whole_pool_is_refused_at_dispatch():
     n = node(profile=_pooled(TOY, 4))
     n.dispatch(inf(0, length=40, max_tokens=24), now=0.0)      # 64 tokens: exactly 4 blocks
-    with pytest.raises(ValueError, match="need 5 KV blocks; each stage has 4"):
+    with pytest.raises(ValueError, match=r"1 × \(40 prompt tokens \+ 25 to generate\) need 5 KV blocks; each stage has 4"):
         n.dispatch(inf(1, length=40, max_tokens=25), now=0.0)
+    n.dispatch(inf(2, length=24, max_tokens=8, batch=2), now=0.0)     # 2 sequences of 2 blocks
+    with pytest.raises(ValueError, match="2 × .* need 6 KV blocks; each stage has 4"):
+        n.dispatch(inf(3, length=24, max_tokens=9, batch=2), now=0.0)
 
 
 @pytest.mark.parametrize("policy", ["lemix", "mix-luf", "sirius", "harli"])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_no_stage_ever_runs_out_of_blocks_and_every_request_ends(policy, seed):
+@pytest.mark.parametrize("seed,batch", [(0, 1), (1, 1), (2, 2)])
+def test_no_stage_ever_runs_out_of_blocks_and_every_request_ends(policy, seed, batch):
     """Random workloads on a pool of 160 blocks of 16 tokens per stage (the hh-rlhf
     prompts and decode lengths of the paper's workload need far more at once): the stage
     allocators never refuse, the pool fills up, every request ends and every block comes
-    back. The same runs without the ledger overflow the allocators."""
+    back. The same runs without the ledger overflow the allocators. With ``batch`` 2 each
+    task is two sequences, each holding its own blocks."""
     profile, params = preset("llama-8b", 2), LemixParams()
-    tasks = poisson_workload(40, 0.3, 120, seed=seed)
+    tasks = poisson_workload(40, 0.3, 120, seed=seed, batch=batch)
     pooled = _pooled(profile, 160)
     make = lambda p: node_scheduler(make_online_policy(policy, params, nodes=1, train_rate=0.3), p, params, 0)  # noqa: E731
     n = make(pooled)

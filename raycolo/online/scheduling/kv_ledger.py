@@ -25,18 +25,18 @@ class KVLedger:
     reserved: int = 0              # blocks the running requests hold on each stage
 
     def need(self, task: OnlineTask) -> int:
-        """The blocks an inference task may fill on each stage: its prompt and every token
-        it may generate (0 without a pool)."""
+        """The blocks an inference task may fill on each stage: for each of its ``batch``
+        sequences, its prompt and every token it may generate (0 without a pool)."""
         if self.blocks is None:
             return 0
-        return blocks_for(task.length + task.token_budget, self.block_size)
+        return task.batch * blocks_for(task.length + task.token_budget, self.block_size)
 
     def refuse_too_long(self, task: OnlineTask) -> None:
         """Raise ValueError if ``task`` needs more blocks than a whole stage holds."""
         need = self.need(task)
         if self.blocks is not None and need > self.blocks:
-            raise ValueError(f"task {task.task_id}: its {task.length} prompt tokens + {task.token_budget} "
-                             f"to generate need {need} KV blocks; each stage has {self.blocks}")
+            raise ValueError(f"task {task.task_id}: {task.batch} × ({task.length} prompt tokens + {task.token_budget} "
+                             f"to generate) need {need} KV blocks; each stage has {self.blocks}")
 
     def fitting(self, requests: list[Request]) -> int:
         """How many of ``requests``, from the first, have their blocks free now."""
