@@ -358,6 +358,12 @@ def test_acknowledged_samples_are_trained_after_the_deployment_restarts(front):
     with http(front) as h:
         status = h.get("/v1/train_samples/status").json()
     assert status["trained"] == status["received"] == len(lines)
-    if resumed["samples_resumed"]:
-        assert status["adapter_version"] > resumed["adapter_version"]
+    # A checkpoint (a new version) comes every lora.checkpoint_every optimizer steps of one
+    # node, so the resumed training makes one for certain only when its steps cannot all fall
+    # short of that on every node (a fresh clone saw 7 == 7 after fewer steps).
+    steps = ray.get(controller.monitor.remote())["optimizer_steps"]    # of this controller: since the restart
+    every, nodes = front["config"].lora.checkpoint_every, front["config"].nodes
+    assert status["adapter_version"] >= resumed["adapter_version"]
+    if steps > nodes * (every - 1):
+        assert status["adapter_version"] > resumed["adapter_version"], (steps, status, resumed)
     assert (front["out"] / "samples" / "samples.jsonl").read_text().splitlines() == lines
