@@ -3,11 +3,14 @@
 # peft; no network): install the carried wheels (.whl/, from tools/gpu_wheels.sh), then the
 # phases in $PHASES (default "check bench"), each under a time limit, writing their JSON
 # and logs into ${OUT:-out}:
-#   check    make gpu-check (every CUDA path against its reference)
-#   bench    make gpu-bench (real-size decode, prefill and LoRA against the card's limits)
+#   check    what make gpu-check runs (every CUDA path against its reference), under the
+#            machine's python3 (make's targets would build .venv, which needs a network)
+#   bench    what make gpu-bench runs (real-size decode, prefill and LoRA against the card's
+#            limits)
 #   profile  a random Llama-3-8B-shaped checkpoint on local disk, `raycolo profile` of it
-#            as llama-3-8b-instruct (profiles into $OUT/profiles), then `raycolo validate
-#            --batches 1,16,64,256` of it against that profile (the cost model's GPU check)
+#            as llama-3-8b-instruct, then `raycolo validate --batches 1,16,64,256` of it
+#            against that profile (the cost model's GPU check); the profile comes back as
+#            $OUT/profiles.tgz (one file: the device tool returns at most 8)
 # Called from the repository root, e.g. through the device tool (one call fits 600 s):
 #   run(command="tools/device_run.sh", carry=[".whl"], timeout_s=600)
 #   run(command="PHASES=profile tools/device_run.sh", carry=[".whl"], timeout_s=600)
@@ -19,6 +22,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=".:${PYTHONPATH:-}"
+# without pydantic every phase fails on its first import: stop before the card's minutes go
+python3 -c "import pydantic" 2>/dev/null || { echo "error: pydantic is missing: run tools/gpu_wheels.sh here and carry .whl" | tee "$OUT/error.txt"; exit 3; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/card.txt"
 date -u | tee -a "$OUT/card.txt"
 PHASES=" ${PHASES:-check bench} "
@@ -34,10 +39,13 @@ if [[ "$PHASES" == *" profile "* ]]; then
   CKPT="${CKPT:-/tmp/raycolo-llama3-8b}"
   NAME="${PROFILE_NAME:-llama-3-8b-instruct}"
   DEVICE="${DEVICE:-cuda}"
-  [ -f "$CKPT/config.json" ] || timeout -k 10 "${CKPT_S:-150}" python3 bench/realsize_checkpoint.py --shape llama3-8b --out "$CKPT" 2>&1 | tee "$OUT/checkpoint.log"
+  PROFILES="${PROFILES:-/tmp/raycolo-profiles}"
+  # limits: 120 + 240 + 150 s, with their kill grace, leave the 600-s call time for the rest
+  [ -f "$CKPT/config.json" ] || timeout -k 10 "${CKPT_S:-120}" python3 bench/realsize_checkpoint.py --shape llama3-8b --out "$CKPT" 2>&1 | tee "$OUT/checkpoint.log"
   timeout -k 10 "${PROFILE_S:-240}" python3 -m raycolo.cli profile --model "$CKPT" --name "$NAME" --device "$DEVICE" \
-    --out "$OUT/profiles" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log"
-  timeout -k 10 "${VALIDATE_S:-180}" python3 -m raycolo.cli validate --profile "$OUT/profiles" --models "$CKPT" --name "$NAME" \
+    --out "$PROFILES" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log"
+  tar czf "$OUT/profiles.tgz" -C "$(dirname "$PROFILES")" "$(basename "$PROFILES")"
+  timeout -k 10 "${VALIDATE_S:-150}" python3 -m raycolo.cli validate --profile "$PROFILES" --models "$CKPT" --name "$NAME" \
     --device "$DEVICE" --batches "${BATCHES:-1,16,64,256}" --repeats 1 ${VALIDATE_ARGS:-} --json \
     > "$OUT/validate.json" 2> "$OUT/validate.log"
   python3 -c "import json,sys; from raycolo.offline.calibration import format_report; print(format_report(json.load(open(sys.argv[1]))))" \

@@ -33,7 +33,7 @@ step "bench/gpu_realsize.py dry run"
   --eager-output 4 --stage-steps 4 --train-rows 2 | tail -3
 step "bench/realsize_checkpoint.py + PHASES=profile tools/device_run.sh dry run"
 "$PY" bench/realsize_checkpoint.py --shape tiny --out "$TMP/ckpt" --device cpu --dtype float32 | tail -1
-OUT="$TMP/device" PATH="$V/bin:$PATH" CKPT="$TMP/ckpt" PROFILE_NAME=tiny-llama-s DEVICE=cpu PROFILE_ARGS=--quick \
+OUT="$TMP/device" PROFILES="$TMP/profiles" PATH="$V/bin:$PATH" CKPT="$TMP/ckpt" PROFILE_NAME=tiny-llama-s DEVICE=cpu PROFILE_ARGS=--quick \
   BATCHES=1,8 VALIDATE_ARGS="--prompt-len 64 --output-len 16" PHASES=profile tools/device_run.sh | grep "^MAPE"
 step "pytest: the engine and stage tests that need no Ray"
 TRITON_INTERPRET=1 "$PY" -m pytest -q -p no:cacheprovider tests/engine tests/online/test_stage.py \

@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
 version() { [ -x .venv/bin/python ] && .venv/bin/python -c "import importlib.metadata as m; print('==' + m.version('$1'))" 2>/dev/null || true; }
-for pkg in pydantic pydantic_core annotated_types typing_inspection nvidia_ml_py; do
+# typing_extensions too: pydantic_core needs a recent one, and the machines' version is not known
+for pkg in pydantic pydantic_core annotated_types typing_inspection typing_extensions nvidia_ml_py; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl "$pkg$(version "${pkg//_/-}")"

@@ -71,10 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     profile = sub.add_parser("profile", help="measure a model on the torch engine and fit the cost model")
     add_model_flags(profile, ProfileOptions)
     profile.add_argument("--quick", action="store_true", help="a smaller sweep (~30 s)")
-    profile.add_argument("--json", action="store_true", help="print the fit statistics as JSON")
+    profile.add_argument("--json", action="store_true",
+                         help="print the fit statistics as JSON on stdout (progress stays on stderr)")
     validate = sub.add_parser("validate", help="compare predicted and measured run times")
     add_model_flags(validate, ValidateOptions)
-    validate.add_argument("--json", action="store_true")
+    validate.add_argument("--json", action="store_true",
+                          help="print the report as JSON on stdout (progress stays on stderr)")
     run = sub.add_parser("run", help="run an application for real on an embedded local Ray cluster")
     run.add_argument("dag", help="application graph (YAML)")
     _add_run_flags(run, local=True)

@@ -52,7 +52,6 @@ def cmd_profile(args) -> int:
             raise RaycoloError(f"--tp: {error}")
     _require_device(args.device)
     settings = SweepSettings.for_run(args.device, args.quick)
-    progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
     profile, stats = profile_model(args.model, args.out, tp=args.tp, device=args.device,
                                    threads=args.threads, seed=args.seed, settings=settings,
                                    progress=progress, colocated=measure_colocated, name=args.name,
@@ -80,6 +79,12 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def progress(msg: str) -> None:
+    """Progress of ``profile`` and ``validate``: on stderr even with --json (stdout holds only
+    the JSON), so a run cut off by a time limit still shows how far it got."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 def cmd_validate(args) -> int:
     from raycolo.offline.calibration import TINY_MODELS, BatchRuns, format_report, validate
     profile_dir = resolve_profile_dir(args.profile)
@@ -95,7 +100,6 @@ def cmd_validate(args) -> int:
     names = {}
     for m in models:
         names[m] = _validated_model(m, args, profile_dir, runs is not None)
-    progress = None if args.json else (lambda msg: print(msg, file=sys.stderr))
     report = validate(profile_dir, models, args.requests, args.seed, args.threads, progress, tp=args.tp,
                       repeats=args.repeats, batches=runs, device=args.device, dtype=args.dtype, names=names)
     print(json.dumps(report, indent=2) if args.json else format_report(report))

@@ -30,9 +30,9 @@ CHECKS: dict[str, Callable] = {
     "stage.p2p": check_stage_p2p,
     "stage.graphs": check_stage_graphs,
     "stage.versions": check_stage_versions,
-    "tp": check_tp,
     "device_stats": check_device_stats,
     "vllm": check_vllm,
+    "tp": check_tp,        # last: ranks that hang would hold up only this row
 }
 
 

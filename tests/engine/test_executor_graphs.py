@@ -82,6 +82,25 @@ def test_graphs_are_captured_only_on_cuda():
         enable_padded_decode(ModelExecutor(model, 64, 4), capture=True)
 
 
+@pytest.mark.parametrize("rope,fixed", [(None, True), ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 64}, True),
+                                         ({"rope_type": "dynamic", "factor": 2.0}, False)])
+def test_only_fixed_rope_frequencies_are_captured(rope, fixed):
+    """A captured step replays the frequencies it was captured with: "dynamic" RoPE picks
+    them from each batch's longest position on the host, so those models decode eagerly
+    (Llama 3.1's "llama3" scaling is fixed)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from raycolo.engine.executor.model import _static_rope
+
+    extra = {} if rope is None else {"rope_scaling": rope}
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         rope_theta=10000.0, **extra)
+    assert _static_rope(LlamaRotaryEmbedding(config)) is fixed
+
+
 def test_a_released_engine_frees_its_executor_and_graphs_at_once():
     """An executor and its decode graphs refer to each other; ``release()`` collects the
     cycle, so the weights, cache and captured graphs of a GPU engine go before the next

@@ -132,6 +132,18 @@ def test_prefill_tiles_equal_dense_attention(kernel, window):
         torch.testing.assert_close(out[row].double(), expected, rtol=0, atol=2e-5)
 
 
+def test_the_triton_kernel_refuses_a_dtype_it_cannot_compile_for():
+    """float64 runs under the interpreter but its dot products do not compile for a GPU: an
+    explicit request for it fails at once, naming the dtype; without one the CPU's
+    float64 gets the native kernel."""
+    from raycolo.engine.executor.attention import choose_kernel
+
+    with pytest.raises(ValueError, match="not float64"):
+        choose_kernel(AttentionKernel.TRITON, torch.float64, torch.device("cpu"))
+    assert choose_kernel(AttentionKernel.TRITON, torch.float32, torch.device("cpu")) is AttentionKernel.TRITON
+    assert choose_kernel(None, torch.float64, torch.device("cpu")) is AttentionKernel.NATIVE
+
+
 @pytest.mark.parametrize("model_id,block_size", [("tiny-llama-s", 16), ("tiny-mistral-s", 4)])
 def test_executor_with_the_triton_kernel_equals_the_torch_path(kernel, model_id, block_size):
     """The whole executor on the Triton kernel (chunked prefill, then decode steps; the

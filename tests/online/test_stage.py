@@ -367,9 +367,10 @@ def test_pinned_rows_run_with_their_saved_adapter_version_in_the_same_step(tmp_p
     for st, before in zip(chain, latest_before):
         for key, value in st.lora_state().items():
             assert torch.equal(value, before[key])
-    if padded:      # each variant is a pass of one row: v1 and the latest share one graph
-        states = {(key[0][0], key[1]) for key in chain[0].executor.graphs.graphs}
-        assert states == {(False, 1), (True, 1)}        # (adapters off?, rows)
+    if padded:      # each variant is a pass of one row: v1 and the latest share one graph,
+        for st in chain:    # on every stage (a later stage's graphs keyed apart too)
+            states = {(key[0][0], key[1]) for key in st.executor.graphs.graphs}
+            assert states == {(False, 1), (True, 1)}, (st.first, states)     # (adapters off?, rows)
     pipelined_step(chain, training_batch([(p, p[1:7]) for p in prompts([9, 6], seed=10)]))
 
 

@@ -46,8 +46,13 @@ def choose_kernel(requested: Optional[AttentionKernel], dtype: torch.dtype,
         if requested is AttentionKernel.NATIVE and not native.native_attention_supported(dtype, device):
             raise ValueError(f"attention: the native kernel needs float32/float64 on the CPU "
                              f"and a C compiler (got {dtype} on {device.type})")
-        if requested is AttentionKernel.TRITON and not triton_installed():
-            raise ValueError("attention: the Triton kernel needs the triton package")
+        if requested is AttentionKernel.TRITON:
+            if not triton_installed():
+                raise ValueError("attention: the Triton kernel needs the triton package")
+            from raycolo.engine.executor.triton_attention import DTYPES
+            if dtype not in DTYPES:     # its dot products do not compile for float64 on a GPU
+                raise ValueError(f"attention: the Triton kernel takes {', '.join(str(d)[6:] for d in DTYPES)}, "
+                                 f"not {str(dtype)[6:]}")
         return requested
     if native.native_attention_supported(dtype, device):
         return AttentionKernel.NATIVE

@@ -33,12 +33,15 @@ tensors, which the graph reads at replay.
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from raycolo.engine.executor.batch import AttentionGroup, SeqChunk, StepBatch
+
+log = logging.getLogger("raycolo.engine.executor")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MAX_GRAPHS = 64          # captured shapes kept; a step of another shape runs eagerly
@@ -164,7 +167,12 @@ class DecodeGraphs:
         if g is None:
             g = _Graph(batch.rows, batch.blocks, ex.config.hidden_size, ex.dtype, ex.device)
             if self.capture:
-                self._capture(g)
+                try:
+                    self._capture(g)
+                except Exception as exc:    # out of memory, an op capture refuses: this shape runs eagerly
+                    g.graph = None
+                    log.warning("decode graph of %d rows x %d blocks not captured (%s); that step runs "
+                                "eagerly", g.rows, g.blocks, exc)
             self.graphs[key] = g
         g.packed.copy_(batch.packed, non_blocking=True)
         if not ex.is_first:
@@ -195,7 +203,9 @@ class DecodeGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # on the executor's device, whichever device is current in this process
+        with torch.cuda.device(ex.device), \
+                torch.cuda.graph(graph, pool=self.pool, stream=torch.cuda.Stream(device=ex.device)):
             g.output = ex.forward(g.batch(ex.native), hidden)
         g.graph = graph
         self.captures += 1

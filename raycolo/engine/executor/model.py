@@ -63,6 +63,18 @@ def _lora_layer(model):
     return next((m for m in model.modules() if isinstance(m, BaseTunerLayer)), None)
 
 
+def _static_rope(rotary) -> bool:
+    """Whether ``rotary``'s frequencies are fixed, as a captured CUDA graph needs: "dynamic"
+    RoPE (and "longrope" in the transformers of the GPU machines) picks them step by step
+    from the batch's longest position, on the host; those models decode eagerly."""
+    types = getattr(rotary, "rope_type", "default")
+    types = types.values() if isinstance(types, dict) else [types]
+    moving = sorted(t for t in types if "dynamic" in t or t == "longrope")
+    if moving:
+        log.info("RoPE type %s: decode steps run eagerly (no CUDA graphs)", moving[0])
+    return not moving
+
+
 def _layer_range(num_layers: int, layers: Optional[tuple[int, int]]) -> tuple[int, int]:
     first, last = layers if layers is not None else (0, num_layers)
     if not 0 <= first < last <= num_layers:
@@ -143,8 +155,12 @@ class ModelExecutor:
         self.lm_head = base.lm_head if self.is_last else None      # (packed, where packing applies)
         # Decode steps as CUDA graphs (graphs.py) on a CUDA device, one set per adapter
         # state of a peft model. The cache then holds one scratch block past num_blocks.
-        self.lora = _lora_layer(model)
-        graphs = cuda_graphs and self.device.type == "cuda" and (self.tp is None or _nccl(self.tp))
+        # The adapter state is read from a layer of this executor's own slice: a pipeline
+        # stage drops the other stages' layers, and peft's switches reach only the layers
+        # still in the model (a dropped layer 0 would key every state of a later stage alike).
+        self.lora = _lora_layer(torch.nn.ModuleList(self.layers))
+        graphs = cuda_graphs and self.device.type == "cuda" and (self.tp is None or _nccl(self.tp)) \
+            and _static_rope(self.rotary)
         self.cache = PagedKVCache(len(self.layers), num_blocks + (1 if graphs else 0), block_size, self.kv_heads,
                                   self.head_dim, self.dtype, self.device)
         self.graphs = DecodeGraphs(self, num_blocks, capture=True) if graphs else None

@@ -196,6 +196,15 @@ def local_address() -> str:
     return "file://" + os.path.join(tempfile.mkdtemp(prefix="raycolo-tp-"), "store")
 
 
+def _interfaces() -> set[str]:
+    """The machine's network interfaces by name (none where a sandbox refuses to list them:
+    gloo then picks its own)."""
+    try:
+        return {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return set()
+
+
 def init_rank(rank: int, world: int, address: str, backend: str) -> tuple[TensorParallel, Channel]:
     """Join the tensor-parallel group (this process's default group) and its side channel.
     Ranks of one machine (a ``file://`` rendezvous) talk over the loopback interface."""
@@ -204,7 +213,7 @@ def init_rank(rank: int, world: int, address: str, backend: str) -> tuple[Tensor
 
     import torch.distributed as dist
 
-    if address.startswith("file://") and "lo" in {name for _, name in socket.if_nameindex()}:
+    if address.startswith("file://") and "lo" in _interfaces():
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
     dist.init_process_group(backend, init_method=address, rank=rank, world_size=world,

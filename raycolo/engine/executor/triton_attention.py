@@ -178,6 +178,13 @@ def supported(dtype: torch.dtype, device: torch.device) -> bool:
             and device.type == "cuda")
 
 
+def _warps(rows: int) -> int:
+    """Warps for a program over ``rows`` query rows: a prefill tile of 16 tokens x 8 query
+    heads per K/V head (128 rows, head_dim 128) spills registers at 4 warps (255 registers
+    and 424 bytes of stack per thread, triton 3.9 compiling for sm_90) and not at 8."""
+    return 8 if rows >= 128 else 4
+
+
 def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables: torch.Tensor,
                     table_start: torch.Tensor, positions: torch.Tensor, window: Optional[int],
                     scale: float, tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
@@ -220,7 +227,7 @@ def paged_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tab
         part_o = part_m = part_l = out
     _attend_kernel[grid](q, key, value, tables, table_start, positions, tile_tok, tile_len, out,
                          part_o, part_m, part_l, int(window or 0), float(scale), q.stride(0),
-                         BLOCK_G=block_g, TILE=tile, SPLITS=splits, **common)
+                         BLOCK_G=block_g, TILE=tile, SPLITS=splits, num_warps=_warps(tile * block_g), **common)
     if splits > 1:
         _merge_kernel[(tokens, kv_heads)](part_o, part_m, part_l, out, HEADS=heads, KVH=kv_heads,
                                           G=group, D=head_dim, BLOCK_G=block_g, BLOCK_D=block_d,
