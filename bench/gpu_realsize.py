@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from realsize_models import (BLOCK, SHAPES, Model, active_lora, add_active_lora, build_model, limits,
-                             prompts_for, sync, timed)
+                             prompts_for, sync, timed, timed_loop)
 
 TARGETS = {     # issue 46: fraction of the roofline (decode) or of the matmul rate
     ("engine.graphs", 1): 0.80, ("engine.graphs", 16): 0.70, ("engine.graphs", 64): 0.70,
@@ -67,6 +67,37 @@ TARGETS = {     # issue 46: fraction of the roofline (decode) or of the matmul r
 }
 STAGE_OVER_ENGINE = 1.15     # stage.graphs step at most this times the engine's
 SPLIT_OVER_WHOLE = 1.3       # stage.split2 per token at most this times the whole stage's
+OPTIONAL_ROWS_S = 60         # with --time-limit: the optional rows (flex, versions1p, split2p) need this left
+L2_MISS_BYTES = 256 << 20    # the attention rows cycle through this many bytes of caches (an H200's L2: 50 MB)
+
+
+class SavedRows(list):
+    """A shape's rows; each one added saves the JSON (a run cut off keeps every row)."""
+
+    def __init__(self, save):
+        super().__init__()
+        self.save = save
+
+    def append(self, row) -> None:
+        super().append(row)
+        self.save()
+
+
+class Clock:
+    """Seconds left of ``--time-limit`` (none: unlimited)."""
+
+    def __init__(self, limit_s: float):
+        self.end = time.monotonic() + limit_s if limit_s > 0 else None
+
+    def left(self) -> float:
+        return float("inf") if self.end is None else self.end - time.monotonic()
+
+    def allows(self, what: str) -> bool:
+        """Whether an optional row still fits; says so where it does not."""
+        if self.left() >= OPTIONAL_ROWS_S:
+            return True
+        print(f"  {what}: skipped, {self.left():.0f} s left of --time-limit", flush=True)
+        return False
 
 
 def engine_for(loaded, device, dtype_name: str, batch: int, prompt: int, output: int, graphs: bool,
@@ -94,7 +125,7 @@ def engine_run(loaded, device, dtype_name, prompts, output: int, graphs: bool, f
     result = {"step_s": statistics.median(r.seconds for r in decode),
               "context": statistics.mean(statistics.mean(r.context_lens) for r in decode),
               "prefill": [(r.tokens, r.num_seqs, r.seconds) for r in prefill],
-              "tokens": [o.token_ids for o in outs]}
+              "tokens": [o.token_ids for o in outs], "captures": engine.executor.graph_captures}
     del engine
     gc.collect()
     return result
@@ -131,8 +162,8 @@ def hf_generate_step(model, prompt, output: int, device) -> float:
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, generation_config=cfg)
 
-    one = timed(lambda: gen(1), device, 2)
-    full = timed(lambda: gen(output), device, 1)
+    one = timed(lambda: gen(1), device, 3)
+    full = timed(lambda: gen(output), device, 3)
     return (full - one) / (output - 1)
 
 
@@ -177,6 +208,8 @@ def versions_rows(rows, model, graphed, m, args, device, bw, batch: int) -> None
     graphed.batched_versions = False
     per = stage_step([graphed], ps, args.stage_steps, device, **versions)
     decode_row(rows, "stage.versions", batch, per, roof)
+    if not args.clock.allows("stage.versions1p"):
+        return
     blocks = batch * -(-(args.prompt + args.stage_steps + 2) // BLOCK) + 1
     one = StageModel(model, (0, m.cfg.num_hidden_layers), blocks, BLOCK, cuda_graphs=False)
     step = stage_step([one], ps, args.stage_steps, device, **versions)
@@ -196,15 +229,16 @@ def train_step(stage, vocab: int, rows: int, length: int, device) -> float:
         t = next(task)
         stage.train_forward(t, ids, lengths, labels)
         stage.train_backward(t)
-    return timed(step, device, 3)
+    return timed(step, device, 5)
 
 
-def attention_rows(rows, m: "Model", batches, context: int, device, dtype, bw: float,
+def attention_rows(rows, m: "Model", batches, context: int, device, dtype, bw: float, clock: Clock,
                    flex_batches=()) -> None:
     """One layer's decode attention at each batch (every sequence at ``context``): the
     Triton kernel in place, the torch path (gather the blocks, then SDPA under a mask) and,
     at ``flex_batches`` only (each batch compiles anew: tens of seconds of a short lease),
-    FlexAttention (compiled) over K/V already contiguous, against the K/V bytes' roofline."""
+    FlexAttention (compiled) over K/V already contiguous, against the K/V bytes' roofline.
+    Each is timed over back-to-back calls cycling through caches larger than the L2 cache."""
     import torch.nn.functional as F
 
     from raycolo.engine.executor.kv_cache import PagedKVCache
@@ -223,9 +257,16 @@ def attention_rows(rows, m: "Model", batches, context: int, device, dtype, bw: f
     except Exception:                                   # noqa: BLE001 - an old torch: no row
         flex = None
     for b in batches:
-        cache = PagedKVCache(1, b * per_seq, BLOCK, kvh, d, dtype, device)
-        cache.keys[0].normal_()
-        cache.values[0].normal_()
+        # several caches, more bytes than the L2 holds, each call on the next: one call's time
+        # is then a read of its K/V from memory, not from the cache the call before filled
+        cache_bytes = 2 * b * per_seq * BLOCK * kvh * d * m.itemsize
+        copies = min(64, max(2, -(-L2_MISS_BYTES // cache_bytes))) if device.type == "cuda" else 2
+        caches = []
+        for _ in range(copies):
+            cache = PagedKVCache(1, b * per_seq, BLOCK, kvh, d, dtype, device)
+            cache.keys[0].normal_()
+            cache.values[0].normal_()
+            caches.append(cache)
         order = torch.randperm(b * per_seq, device=device)
         tables2d = order.view(b, per_seq)
         flat, starts = order.contiguous(), torch.arange(b, device=device) * per_seq
@@ -234,28 +275,31 @@ def attention_rows(rows, m: "Model", batches, context: int, device, dtype, bw: f
         scale = d ** -0.5
         roof = b * (context + 1) * 2 * kvh * d * m.itemsize / bw
 
-        def gather_sdpa():
+        def gather_sdpa(cache):
             k, v = cache.read(0, tables2d)                            # (b, kvh, T, d)
             mask = (torch.arange(k.shape[2], device=device) <= pos.view(b, 1)).view(b, 1, 1, -1)
             qg = q.view(b, kvh, heads // kvh, d)
             return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-        paths = {"attention.torch": gather_sdpa}
+        paths = {"attention.torch": [lambda c=c: gather_sdpa(c) for c in caches]}
         if triton_attention is not None and device.type == "cuda":
-            paths["attention.triton"] = lambda: triton_attention.paged_attention(
-                q, cache.keys[0], cache.values[0], flat, starts, pos, None, scale)
-        if flex is not None and device.type == "cuda" and b in flex_batches:
-            k, v = cache.read(0, tables2d)
-            k, v = k[:, :, :context + 1].contiguous(), v[:, :, :context + 1].contiguous()
-            paths["attention.flex"] = lambda: flex(q.view(b, heads, 1, d), k, v, scale=scale, enable_gqa=True)
-        for path, fn in paths.items():
+            paths["attention.triton"] = [lambda c=c: triton_attention.paged_attention(
+                q, c.keys[0], c.values[0], flat, starts, pos, None, scale) for c in caches]
+        if flex is not None and device.type == "cuda" and b in flex_batches and clock.allows(f"attention.flex b={b}"):
+            contiguous = []
+            for c in caches:
+                k, v = c.read(0, tables2d)
+                contiguous.append((k[:, :, :context + 1].contiguous(), v[:, :, :context + 1].contiguous()))
+            paths["attention.flex"] = [lambda k=k, v=v: flex(q.view(b, heads, 1, d), k, v, scale=scale, enable_gqa=True)
+                                       for k, v in contiguous]
+        for path, fns in paths.items():
             try:
-                step = timed(fn, device, 20)
+                step = timed_loop(fns, device, len(fns) * max(1, 64 // len(fns)) if device.type == "cuda" else len(fns))
             except Exception as exc:                    # noqa: BLE001 - a row that says why
                 rows.append({"path": path, "batch": b, "error": f"{type(exc).__name__}: {exc}"[:200]})
                 print(f"  {path:<16} b={b:<4} failed: {type(exc).__name__}", flush=True)
                 continue
-            decode_row(rows, path, b, step, roof)
-        del cache
+            decode_row(rows, path, b, step, roof, {"caches": copies})
+        del caches, paths
 
 
 def decode_row(rows, path, batch, step_s, roofline_s, extra=None):
@@ -269,7 +313,8 @@ def decode_row(rows, path, batch, step_s, roofline_s, extra=None):
     return row
 
 
-def run_shape(shape: str, args, device, dtype, lim: dict) -> dict:
+def run_shape(shape: str, args, device, dtype, lim: dict, res: dict) -> None:
+    """Every row of ``shape`` into ``res["rows"]`` (a :class:`SavedRows`)."""
     from raycolo.online.stages.stage_model import StageModel
 
     dtype_name = str(dtype).split(".")[-1]
@@ -280,7 +325,8 @@ def run_shape(shape: str, args, device, dtype, lim: dict) -> dict:
     m = Model(model)
     bw, peak = lim["copy_bytes_per_s"], lim["matmul_flops"]
     print(f"{shape}: {m.params / 1e9:.2f}B parameters built on {device} in {build_s:.1f} s", flush=True)
-    rows: list[dict] = []
+    res.update(params=m.params, build_s=build_s)
+    rows = res["rows"]
     engine_steps: dict[int, float] = {}
     prefills = []
     vocab, plen, out = m.cfg.vocab_size, args.prompt, args.output
@@ -289,13 +335,15 @@ def run_shape(shape: str, args, device, dtype, lim: dict) -> dict:
         ps = prompts_for(vocab, b, plen, seed=b)
         r = engine_run((model, tok), device, dtype_name, ps, out, graphs=True)
         engine_steps[b] = r["step_s"]
-        decode_row(rows, "engine.graphs", b, r["step_s"], m.decode_bytes(b, r["context"]) / bw)
+        decode_row(rows, "engine.graphs", b, r["step_s"], m.decode_bytes(b, r["context"]) / bw,
+                   {"captures": r["captures"]})
         if b >= 16 or b == max(args.batches):     # (a first run's kernels compile in its prefill)
             prefills += r["prefill"][0 if b != args.batches[0] else 1:]
         if agree is None and (b >= 16 or b == max(args.batches)):
             n = min(4, b)
-            agree = agreement(model, ps[:n], r["tokens"][:n], args.tie, args.tie_ulps)
-    attention_rows(rows, m, args.batches, plen + out // 2, device, dtype, bw,
+            agree = res["agreement"] = agreement(model, ps[:n], r["tokens"][:n], args.tie, args.tie_ulps)
+            res["rows"].save()
+    attention_rows(rows, m, args.batches, plen + out // 2, device, dtype, bw, args.clock,
                    args.flex_batches if shape == args.shapes[0] else ())
     ps = prompts_for(vocab, 1, plen, seed=1)
     r = engine_run((model, tok), device, dtype_name, ps, min(out, args.eager_output), graphs=False)
@@ -320,7 +368,7 @@ def run_shape(shape: str, args, device, dtype, lim: dict) -> dict:
         for b in (stage_batches if graphs else stage_batches[:1]):
             ps = prompts_for(vocab, b, plen, seed=b)
             step = stage_step([stage], ps, args.stage_steps, device)
-            extra = {}
+            extra = {"captures": stage.executor.graph_captures} if graphs else {}
             if graphs and b in engine_steps:
                 extra = {"over_engine": step / engine_steps[b], "target_over_engine": STAGE_OVER_ENGINE}
             decode_row(rows, "stage.graphs" if graphs else "stage.eager", b, step,
@@ -355,15 +403,17 @@ def run_shape(shape: str, args, device, dtype, lim: dict) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    if not args.clock.allows("stage.split2p"):
+        return
     from realsize_split import split_step
     try:
-        step = split_step(shape, str(device), dtype_name, b, plen, args.stage_steps)
+        step = split_step(shape, str(device), dtype_name, b, plen, args.stage_steps,
+                          timeout_s=min(240.0, args.clock.left() - 20))
         decode_row(rows, "stage.split2p", b, step, m.decode_bytes(b, plen + args.stage_steps / 2) / bw,
                    {"over_whole": 1000 * step / whole_b1, "target_over_whole": SPLIT_OVER_WHOLE})
     except RuntimeError as exc:
         rows.append({"path": "stage.split2p", "batch": b, "error": str(exc).splitlines()[0][:200]})
         print(f"  stage.split2p failed: {exc}", flush=True)
-    return {"shape": shape, "params": m.params, "build_s": build_s, "rows": rows, "agreement": agree}
 
 
 def verdict(r: dict) -> tuple[str, str]:
@@ -386,7 +436,8 @@ def limits_line(lim: dict) -> str:
             f"matmul {lim['matmul_flops'] / 1e12:.3g} TFLOP/s")
 
 
-def table(results: list[dict], lim: dict) -> str:
+def table(results: list[dict], lim: dict, on_gpu: bool = True) -> str:
+    """The rows as markdown; on a GPU, a graphs row whose step captured no graph says so."""
     lines = [limits_line(lim),
              "| shape | path | batch | step ms | tok/s | roofline ms | fraction | target | met |",
              "|---|---|---:|---:|---:|---:|---:|---|---|"]
@@ -400,9 +451,10 @@ def table(results: list[dict], lim: dict) -> str:
             else:
                 frac = f"{100 * r['fraction']:.1f} %"
             target, met = verdict(r)
+            path = r["path"] + (" (none captured: eager)" if r.get("captures") == 0 and on_gpu else "")
             step = f"{r['step_ms']:.2f}" if "step_ms" in r else ""
             roof = f"{r['roofline_ms']:.2f}" if "roofline_ms" in r else ""
-            lines.append(f"| {res['shape']} | {r['path']} | {r['batch'] or ''} | {step} | {r['tok_s']:,.0f} | "
+            lines.append(f"| {res['shape']} | {path} | {r['batch'] or ''} | {step} | {r['tok_s']:,.0f} | "
                          f"{roof} | {frac} | {target} | {met} |")
         a = res["agreement"]
         if a:
@@ -438,7 +490,10 @@ def main(argv=None) -> int:
                         help="batches of the compiled FlexAttention row, first shape only (each compiles anew)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--json", default="")
+    parser.add_argument("--json", default="", help="write the JSON here, after every row")
+    parser.add_argument("--time-limit", type=float, default=0.0,
+                        help=f"seconds the run has (0: no limit); the optional rows are skipped with less than "
+                             f"{OPTIONAL_ROWS_S} s left")
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     args.shapes = shapes
@@ -451,7 +506,8 @@ def main(argv=None) -> int:
         ("--eager-output", args.eager_output < 3, "at least 3"), ("--stage-steps", args.stage_steps < 2, "at least 2"),
         ("--train-rows", args.train_rows < 1, "at least 1"),
         ("--flex-batches", args.flex_batches is None, "comma-separated integers >= 1, or empty"),
-        ("--tie", args.tie < 0, "at least 0"), ("--tie-ulps", args.tie_ulps < 0, "at least 0")] if bad]
+        ("--tie", args.tie < 0, "at least 0"), ("--tie-ulps", args.tie_ulps < 0, "at least 0"),
+        ("--time-limit", not args.time_limit >= 0, "at least 0")] if bad]
     if wrong:
         flag, need = wrong[0]
         print(f"error: {flag}: must be {need}", file=sys.stderr)
@@ -463,20 +519,27 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     started = time.perf_counter()
+    args.clock = Clock(args.time_limit)
     lim = limits(device, dtype)
     print(f"{card}, {args.dtype}: {limits_line(lim)}", flush=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    results = []
-    for s in shapes:                    # the JSON after each shape: a run cut off keeps what it measured
-        results.append(run_shape(s, args, device, dtype, lim))
+    results: list[dict] = []
+    settings = {k: v for k, v in vars(args).items() if k != "clock"}
+
+    def save(complete: bool = False) -> None:
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps({"card": card, "date": stamp, "torch": torch.__version__,
-                                                   "args": vars(args), "limits": lim, "results": results,
-                                                   "complete": len(results) == len(shapes)}, indent=2))
+                                                   "args": settings, "limits": lim, "results": results,
+                                                   "complete": complete}, indent=2))
+    for s in shapes:
+        res = {"shape": s, "rows": SavedRows(save), "agreement": None}
+        results.append(res)
+        run_shape(s, args, device, dtype, lim, res)
+    save(complete=True)
     command = ' '.join(['python3', 'bench/gpu_realsize.py'] + (argv if argv is not None else sys.argv[1:]))
     print(f"\n{card}, {stamp}, torch {torch.__version__}, `{command}`")
-    print(table(results, lim))
+    print(table(results, lim, device.type == "cuda"))
     print(f"\n{time.perf_counter() - started:.0f} s in all")
     return 0
 

@@ -40,17 +40,39 @@ def timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def timed_loop(fns, device, calls: int, repeats: int = 5) -> float:
+    """Median seconds per call of ``calls`` back-to-back calls cycling through ``fns`` (one
+    synchronisation per loop, not per call: a short kernel's time, not the launch and sync
+    around it), over ``repeats`` loops after a warm-up of each. Cycling through buffers
+    larger than the L2 cache makes each call read from memory."""
+    for fn in fns:
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fns[i % len(fns)]()
+        sync(device)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
 def limits(device, dtype) -> dict:
-    """The card's copy bandwidth (bytes read + written per second) and matmul rate."""
-    n = (1 << 30) if device.type == "cuda" else (1 << 24)          # bytes per buffer
+    """The card's copy bandwidth (bytes read + written per second) and matmul rate, each
+    from loops of back-to-back calls; the matmuls after about 0.1 s of warm-up, so the
+    clocks are those a sustained prefill runs at."""
+    cuda = device.type == "cuda"
+    n = (1 << 30) if cuda else (1 << 24)          # bytes per buffer
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy = timed(lambda: dst.copy_(src), device, 10)
-    m = 8192 if device.type == "cuda" else 512
+    copy = timed_loop([lambda: dst.copy_(src)], device, 20 if cuda else 3)
+    m = 8192 if cuda else 512
     a = torch.randn(m, m, device=device, dtype=dtype)
     b = torch.randn(m, m, device=device, dtype=dtype)
-    mm = timed(lambda: a @ b, device, 10)
-    del src, dst, a, b
+    for _ in range(64 if cuda else 1):
+        a @ b
+    mm = timed_loop([lambda: a @ b], device, 64 if cuda else 3)
     return {"copy_bytes_per_s": 2 * n / copy, "matmul_flops": 2 * m ** 3 / mm}
 
 

@@ -31,7 +31,9 @@ if [[ "$PHASES" == *" check "* ]]; then
   timeout -k 10 "${GPU_CHECK_S:-200}" python3 -m raycolo.gpu_check --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log"
 fi
 if [[ "$PHASES" == *" bench "* ]]; then
-  timeout -k 10 "${GPU_BENCH_S:-330}" python3 bench/gpu_realsize.py --json "$OUT/gpu_realsize.json" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_realsize.log"
+  # --time-limit: the script skips its optional rows rather than be cut off by the limit
+  timeout -k 10 "${GPU_BENCH_S:-330}" python3 bench/gpu_realsize.py --json "$OUT/gpu_realsize.json" \
+    --time-limit "$(( ${GPU_BENCH_S:-330} - 15 ))" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_realsize.log"
 fi
 if [[ "$PHASES" == *" profile "* ]]; then
   # a dry run on a CPU: CKPT=<a tiny-llama-s checkpoint> PROFILE_NAME=tiny-llama-s DEVICE=cpu
@@ -40,9 +42,9 @@ if [[ "$PHASES" == *" profile "* ]]; then
   NAME="${PROFILE_NAME:-llama-3-8b-instruct}"
   DEVICE="${DEVICE:-cuda}"
   PROFILES="${PROFILES:-/tmp/raycolo-profiles}"
-  # limits: 120 + 240 + 150 s, with their kill grace, leave the 600-s call time for the rest
+  # limits 120 + 300 + 150 s: each a cap on a hung step (expected about 30, 200 and 70 s)
   [ -f "$CKPT/config.json" ] || timeout -k 10 "${CKPT_S:-120}" python3 bench/realsize_checkpoint.py --shape llama3-8b --out "$CKPT" 2>&1 | tee "$OUT/checkpoint.log"
-  timeout -k 10 "${PROFILE_S:-240}" python3 -m raycolo.cli profile --model "$CKPT" --name "$NAME" --device "$DEVICE" \
+  timeout -k 10 "${PROFILE_S:-300}" python3 -m raycolo.cli profile --model "$CKPT" --name "$NAME" --device "$DEVICE" \
     --out "$PROFILES" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log"
   tar czf "$OUT/profiles.tgz" -C "$(dirname "$PROFILES")" "$(basename "$PROFILES")"
   timeout -k 10 "${VALIDATE_S:-150}" python3 -m raycolo.cli validate --profile "$PROFILES" --models "$CKPT" --name "$NAME" \

@@ -152,7 +152,7 @@ class TorchEngine(Engine):
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler
         started = time.perf_counter()  # an iteration's time includes its scheduling
-        captures = self.executor.graph_captures
+        attempts = self.executor.graph_attempts
         decision = sched.schedule()
         if decision.kind == StepKind.IDLE:
             if self.requests:  # add_request's checks make this unreachable; never spin
@@ -193,7 +193,7 @@ class TorchEngine(Engine):
             kind=decision.kind, num_seqs=len(decision.seqs), new_tokens=len(tokens),
             context_lens=contexts, seconds=time.perf_counter() - started,
             preempted=len(decision.preempted), plain_sampling=plain_step,
-            graph_capture=self.executor.graph_captures != captures))
+            graph_capture=self.executor.graph_attempts != attempts))
         return finished
 
     @staticmethod

@@ -164,11 +164,13 @@ def _truncate(z: torch.Tensor, t: dict, plan: "_Plan") -> torch.Tensor:
     if kmax:             # one topk of the largest k asked; ties with the k-th value stay
         kth = z.topk(kmax, dim=-1).values.gather(1, (top_k - 1).clamp_(min=0).unsqueeze(1))
         z = z.masked_fill(z < torch.where(top_k.unsqueeze(1) > 0, kth, NEG_INF), NEG_INF)
-    if plan.any_p:
-        sorted_z, order = z.sort(dim=-1, descending=True)
+    if plan.any_p:       # the smallest prefix of the sorted tokens that reaches top_p; as with
+        # top-k, tokens that tie with its last one stay (which of equal logits a sort puts
+        # first differs by device and sort algorithm; bf16 logits tie often)
+        sorted_z = z.sort(dim=-1, descending=True).values
         sorted_p = sorted_z.softmax(-1)
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p.unsqueeze(1)
-        z = z.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), NEG_INF)
+        kept = (sorted_p.cumsum(-1) - sorted_p < top_p.unsqueeze(1)).sum(-1, keepdim=True)
+        z = z.masked_fill(z < sorted_z.gather(1, (kept - 1).clamp_(min=0)), NEG_INF)
     return z
 
 

@@ -51,7 +51,8 @@ def check_torch_engine(device) -> Row:
         # the steps that captured a CUDA graph say so (raycolo profile leaves them out of
         # its fit); the same shapes again replay what was captured
         captured = sum(r.graph_capture for r in engine.stats.iterations)
-        _require(captured == engine.executor.graph_captures, "steps flagged as capturing != graphs captured")
+        _require(captured == engine.executor.graph_captures == engine.executor.graph_attempts,
+                 "steps flagged as capturing != graphs captured (or a capture failed)")
         if engine.executor.graph_captures:
             engine.stats.iterations.clear()
             engine.generate(ps, params)

@@ -122,13 +122,27 @@ def _measure_load(model_id: str, device: str, threads: Optional[int], seed: int,
         if not Path(model_id).is_dir():
             source = str(save_tiny_checkpoint(model_id, Path(tmp) / "ckpt", seed))
         config = engine_config(source, device, threads, seed, tp=tp, dtype=dtype)
-        create_engine(config).release()  # warm imports
+        if device == "cpu":
+            create_engine(config).release()  # warm imports
+        else:   # the same without a whole load of a real-size model (16 GB for an 8B in bf16)
+            _warm_device(device)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
             create_engine(config).release()
             times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def _warm_device(device: str) -> None:
+    """What a first engine pays once per process besides its load: the engine's and
+    transformers' imports, and the device's context."""
+    import torch
+    import transformers  # noqa: F401
+
+    import raycolo.engine.torch_engine  # noqa: F401
+
+    torch.zeros(1, device=device).sum().item()
 
 
 # (model id, seed, device, largest batch, dtype) -> solo and co-located DecodeSamples

@@ -153,6 +153,20 @@ def test_top_k_top_p_support_matches_transformers_warpers():
             assert token in allowed
 
 
+def test_top_p_keeps_the_tokens_that_tie_with_its_last_one():
+    """Hand-worked: logits [2, 1, 1, 1, 0] have probabilities .447, .164 x 3, .060. With
+    top_p 0.5 the smallest sorted prefix that reaches it is token 0 and one of the 1s;
+    the other two tie with that one and stay (whichever a sort puts first), the 0 goes."""
+    from raycolo.generation.sampler import processed_logits
+
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 2.0, 0.0]])
+    rows = [SamplingRow.of(SamplingParams(max_tokens=2, temperature=1.0, top_p=0.5), 0, [])] * 2
+    out = processed_logits(logits, rows)
+    assert torch.isfinite(out).tolist() == [[True, True, True, True, False], [True, True, True, True, False]]
+    rows = [SamplingRow.of(SamplingParams(max_tokens=2, temperature=1.0, top_p=0.4), 0, [])]
+    assert torch.isfinite(processed_logits(logits[:1], rows)).tolist() == [[True, False, False, False, False]]
+
+
 def test_draw_frequencies_match_the_distribution():
     """A brute force: 4,000 seeded draws over a 4-token distribution at temperature 0.5."""
     logits = torch.tensor([[0.0, 0.5, 1.0, -1.0]])

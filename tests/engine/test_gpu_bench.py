@@ -41,6 +41,26 @@ def test_the_dry_run_covers_every_path_and_writes_the_table_and_json(tmp_path, c
     assert "| tiny | engine.graphs | 1 |" in text and "| tiny | agreement |" in text
 
 
+def test_a_short_time_limit_skips_the_optional_rows_and_saves_each_row(tmp_path, capsys):
+    """--time-limit under OPTIONAL_ROWS_S: the rows a lease can spare (versions1p, split2p)
+    are skipped and say so; the JSON is written as each row comes (a run cut off by the
+    device's limit keeps what it measured)."""
+    out = tmp_path / "gpu.json"
+    seen = []
+    save = gpu_realsize.SavedRows(lambda: seen.append(json.loads(out.read_text()) if out.exists() else None))
+    save.append({"path": "x"})
+    assert seen == [None] and save == [{"path": "x"}]
+    rc = gpu_realsize.main(["--device", "cpu", "--shapes", "tiny", "--dtype", "float32", "--batches", "1",
+                            "--prompt", "16", "--output", "4", "--eager-output", "3", "--stage-steps", "2",
+                            "--train-rows", "1", "--time-limit", "5", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and "stage.versions1p: skipped" in text and "stage.split2p: skipped" in text
+    written = json.loads(out.read_text())
+    assert written["complete"] and "clock" not in written["args"]
+    paths = {r["path"] for r in written["results"][0]["rows"]}
+    assert "stage.versions" in paths and not paths & {"stage.versions1p", "stage.split2p"}
+
+
 def test_roofline_bytes_by_hand():
     """The decode roofline's bytes for a hand-sized model: every parameter but the (untied)
     input embedding, the step's embedding rows, and each sequence's K/V at its context."""

@@ -120,6 +120,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple, _Graph] = {}     # (adapter state, rows, blocks) -> graph
         self.pool = None
         self.captures = 0        # graphs captured so far (a step that captured took that long too)
+        self.failures = 0        # captures that failed (that shape runs eagerly)
 
     def clear(self) -> None:
         """Forget every graph (the weights or the cache moved)."""
@@ -171,6 +172,7 @@ class DecodeGraphs:
                     self._capture(g)
                 except Exception as exc:    # out of memory, an op capture refuses: this shape runs eagerly
                     g.graph = None
+                    self.failures += 1
                     log.warning("decode graph of %d rows x %d blocks not captured (%s); that step runs "
                                 "eagerly", g.rows, g.blocks, exc)
             self.graphs[key] = g

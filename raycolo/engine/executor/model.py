@@ -187,6 +187,11 @@ class ModelExecutor:
         """How many decode graphs this executor has captured (0 without graphs)."""
         return 0 if self.graphs is None else self.graphs.captures
 
+    @property
+    def graph_attempts(self) -> int:
+        """Captures tried, those that failed included (a step that tried is not a plain step)."""
+        return 0 if self.graphs is None else self.graphs.captures + self.graphs.failures
+
     def sleep(self) -> None:
         """Free the KV cache (an engine put to sleep); :meth:`wake_up` makes a fresh one.
         Captured graphs go too: they hold the cache's and the weights' addresses."""
@@ -431,7 +436,7 @@ class FallbackExecutor:
     transformers cache, no paging. Whole models only (no layer slices)."""
 
     paged = False
-    graph_captures = 0      # it captures no CUDA graphs (ModelExecutor.graph_captures)
+    graph_captures = graph_attempts = 0      # it captures no CUDA graphs (ModelExecutor's)
     _warned: set = set()
 
     def __init__(self, model, num_blocks: int, block_size: int,
