@@ -13,10 +13,52 @@
 """
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import Optional
 
 import torch
+
+
+def physical_gpus() -> int:
+    """The NVIDIA GPUs this machine has, as NVML counts them (whatever
+    ``CUDA_VISIBLE_DEVICES`` says); 0 without a driver or nvidia-ml-py. Ray's GPUs on a
+    machine without any are logical: nothing computes on them but the CPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:       # noqa: BLE001 - no library, no driver, no device: none
+        return 0
+
+
+def local_cluster_gpus(requested: Optional[int], physical: int) -> int:
+    """GPUs a local Ray cluster declares: ``requested`` (``--gpus``), else the machine's
+    ``physical`` ones, else 2 logical ones (a CPU machine). More than a machine with GPUs
+    has is refused: Ray would hand out ids past them, and those replicas compute on the CPU."""
+    from raycolo.errors import ConfigError
+
+    if physical and requested and requested > physical:
+        raise ConfigError(f"--gpus: {requested}, but this machine has {physical} GPU(s); a local cluster "
+                          "declares no more than it has (the GPUs past them would compute on the CPU)")
+    return requested or physical or 2
+
+
+def auto_device(gpu_ids: list, cuda_available: bool, physical: int) -> str:
+    """``device: auto`` of an engine Ray gave ``gpu_ids``: CUDA where torch sees them; the CPU
+    on logical GPUs (a machine without any). A real GPU torch cannot see is an error, not
+    a replica that silently computes on the CPU."""
+    from raycolo.errors import ConfigError
+
+    if gpu_ids and cuda_available:
+        return "cuda"
+    if gpu_ids and physical:
+        raise ConfigError(f"engine_kwargs.device: auto: Ray gave this replica GPU {gpu_ids} of a machine with "
+                          f"{physical} GPU(s), but torch {torch.__version__} sees no CUDA device "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); install a CUDA "
+                          "build of torch, declare no more GPUs than the machine has, or set device: cpu")
+    return "cpu"
 
 
 @lru_cache(maxsize=None)

@@ -289,3 +289,30 @@ def test_compute_scales_are_low_medians_and_unprobed_models_take_the_clusters():
     report = scales.as_dict(["a", "b"])
     assert report["models"]["b"] == {"scale": 2.0, "samples": []}
     assert [s["ratio"] for s in report["models"]["a"]["samples"]] == [3.0, 1.0, 2.0]
+
+
+def test_a_local_cluster_declares_the_machines_gpus_and_never_more():
+    """Hand-worked cases of the GPUs `raycolo run` gives its local cluster: a CPU machine
+    (NVML counts none) gets --gpus or 2 logical GPUs; a machine with 8 GPUs gets them
+    all, or fewer on request; asking for more than it has fails naming --gpus (Ray would
+    hand out ids past the real ones, and those replicas would compute on the CPU)."""
+    from raycolo.engine.device_stats import local_cluster_gpus, physical_gpus
+
+    assert physical_gpus() == 0                         # this machine: no driver
+    assert [local_cluster_gpus(None, 0), local_cluster_gpus(5, 0)] == [2, 5]
+    assert [local_cluster_gpus(None, 8), local_cluster_gpus(4, 8), local_cluster_gpus(8, 8)] == [8, 4, 8]
+    with pytest.raises(ConfigError, match="--gpus: 9, but this machine has 8 GPU"):
+        local_cluster_gpus(9, 8)
+
+
+def test_device_auto_refuses_a_real_gpu_torch_cannot_see():
+    """`device: auto` of an engine actor: CUDA on a GPU torch sees; the CPU on Ray's logical
+    GPUs (no physical one) or with none; an error naming the field where Ray gave a real
+    GPU and torch sees none (a CPU build of torch, or an id past the machine's GPUs)."""
+    from raycolo.engine.device_stats import auto_device
+
+    assert auto_device([0], True, 1) == "cuda"
+    assert auto_device([0], False, 0) == "cpu"          # logical GPUs: the suite's own case
+    assert auto_device([], False, 8) == "cpu"
+    with pytest.raises(ConfigError, match="engine_kwargs.device: auto: Ray gave this replica GPU \\[9\\]"):
+        auto_device([9], False, 8)

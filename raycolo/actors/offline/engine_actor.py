@@ -97,10 +97,17 @@ def _resolve(engine_config: dict) -> dict:
             backend = ExecutorBackend.RAY if ray_executor_supported() else ExecutorBackend.MP
             kwargs["distributed_executor_backend"] = backend.value
     elif kwargs.get("device") == "auto":
-        import torch
-        kwargs["device"] = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
+        kwargs["device"] = _auto_device()
     config["engine_kwargs"] = kwargs
     return config
+
+
+def _auto_device() -> str:
+    import torch
+
+    from raycolo.engine.device_stats import auto_device, physical_gpus
+
+    return auto_device(ray.get_gpu_ids(), torch.cuda.is_available(), physical_gpus())
 
 
 def _create_engine(config: dict):

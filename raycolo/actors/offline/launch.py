@@ -29,14 +29,21 @@ def connect(config: RunConfig, local_gpus: Optional[int] = None) -> None:
     Inside ``ray job submit`` (``RAY_ADDRESS`` is set) or with ``--address``, this joins
     that cluster (:func:`join_cluster`: a cluster that does not answer is a ConfigError
     naming ``--address`` within seconds). Otherwise it starts a private local cluster declaring ``local_gpus``
-    GPUs; ``address="local"`` ignores a stale ``ray_current_cluster`` file left by
+    GPUs (else ``--gpus``, else the machine's own by NVML, else 2 logical ones; never more than
+    the machine has where it has any); ``address="local"`` ignores a stale ``ray_current_cluster`` file left by
     ``ray stop``.
     """
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    gpus = local_gpus or config.gpus or 2
-    join_or_start(config.address or os.environ.get("RAY_ADDRESS"), num_gpus=gpus, num_cpus=gpus + 2,
+    gpus = local_gpus or config.gpus
+    address = config.address or os.environ.get("RAY_ADDRESS")
+    if not address or address == "local":     # a local cluster (else Ray ignores both counts)
+        from raycolo.engine.device_stats import local_cluster_gpus, physical_gpus
+
+        gpus = local_cluster_gpus(gpus, physical_gpus())
+    gpus = gpus or 2
+    join_or_start(address, num_gpus=gpus, num_cpus=gpus + 2,
                   include_dashboard=False, log_to_driver=False, namespace=None)
 
 

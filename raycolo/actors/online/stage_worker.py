@@ -68,6 +68,7 @@ def stage_loop(config: dict) -> None:
     controller = ray.get_actor(config["controller"], namespace=config["namespace"])
     stage_model, model_config = build_stage(config, config["layer_bounds"], stage)
     model_built_s = time.time()
+    _warn_of_an_idle_gpu(config["device"], node, stage)
     if config.get("init_from"):   # lora.init_from: every stage starts from its part (a checkpoint wins)
         from safetensors.torch import load_file
 
@@ -172,6 +173,19 @@ def _serve(config: dict, controller, node: int, stage: int, epoch: int, incarnat
             raise
         readings.annotate(result)
         done = result
+
+
+def _warn_of_an_idle_gpu(device: str, node: int, stage: int) -> None:
+    """A worker Ray gave a real GPU (every stage group asks for one) that computes on the
+    CPU because ``stage.device`` is ``cpu`` (the default) says so, once, in its log."""
+    import logging
+
+    import torch
+
+    if str(device) == "cpu" and torch.cuda.is_available():
+        logging.getLogger("raycolo.online").warning(
+            "node %d stage %d: holds GPU %s but computes on the CPU (stage.device: cpu); set stage.device: "
+            "cuda to run on it", node, stage, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def _restore(stage_model, stage: int, directory: str) -> tuple[Optional[int], dict]:

@@ -41,7 +41,9 @@ class RunConfig(Strict):
                                         "'cpu' (shipped tiny-model profiles)")
     seed: Seed = Field(default=0, description="seed for sampling")
     requests: Optional[Requests] = Field(default=None, description="override every source's count")
-    gpus: Optional[int] = Field(default=None, ge=1, le=MAX_GPUS, description="GPUs to plan for (none: the cluster's)")
+    gpus: Optional[int] = Field(default=None, ge=1, le=MAX_GPUS, description=(
+        "GPUs to plan for (none: the cluster's; a local cluster started by raycolo run declares the machine's own "
+        "GPUs, by NVML, else 2 logical ones, and refuses more than the machine has)"))
     gpu_memory: GpuMemory = Field(default="80GiB", description="memory per GPU for planning")
     nvlink_group: Optional[int] = Field(default=None, ge=1, le=MAX_GPUS,
                                         description="GPUs per NVLink group (none: min(2, gpus))")
