@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import socket
 
 import pytest
 import torch
@@ -251,3 +252,19 @@ def test_a_replica_idle_longer_than_the_collective_timeout_keeps_its_ranks(tmp_p
     assert proc.returncode == 0, proc.stderr[-2000:]
     first, again = proc.stdout.strip().split("] [")
     assert first + "]" == "[" + again and len(first.split(",")) == 4
+
+
+def test_ranks_on_other_nodes_bind_gloo_to_the_interface_that_reaches_rank_0():
+    """A tcp:// rendezvous: gloo is told the interface this machine reaches rank 0's host
+    through (not where the hostname resolves: 127.0.1.1 on many machines, which other
+    nodes cannot reach); loopback for a local host; none where that cannot be told."""
+    import psutil
+
+    from raycolo.engine.executor.tp_ranks import _interface_to
+
+    assert _interface_to("tcp://127.0.0.1:29500") == "lo"
+    assert _interface_to("tcp://nohost.invalid:29500") is None
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                assert _interface_to(f"tcp://{a.address}:29500") == name

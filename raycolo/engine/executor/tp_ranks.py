@@ -205,6 +205,27 @@ def _interfaces() -> set[str]:
         return set()
 
 
+def _interface_to(address: str) -> Optional[str]:
+    """The interface this machine reaches ``tcp://host:port``'s host through (None where
+    that cannot be told). Gloo otherwise binds where the hostname resolves, 127.0.1.1 on
+    many Debian and Ubuntu machines, which the ranks of other nodes cannot reach."""
+    import urllib.parse
+
+    try:
+        import psutil
+
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            probe.connect((urllib.parse.urlsplit(address).hostname, 9))    # UDP: sends nothing
+            ip = probe.getsockname()[0]
+        finally:
+            probe.close()
+        return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == ip for a in addrs)),
+                    None)
+    except (OSError, ImportError, TypeError, ValueError):
+        return None
+
+
 def init_rank(rank: int, world: int, address: str, backend: str) -> tuple[TensorParallel, Channel]:
     """Join the tensor-parallel group (this process's default group) and its side channel.
     Ranks of one machine (a ``file://`` rendezvous) talk over the loopback interface."""
@@ -213,8 +234,9 @@ def init_rank(rank: int, world: int, address: str, backend: str) -> tuple[Tensor
 
     import torch.distributed as dist
 
-    if address.startswith("file://") and "lo" in _interfaces():
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    interface = "lo" if address.startswith("file://") else _interface_to(address)
+    if interface in _interfaces():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
 
     dist.init_process_group(backend, init_method=address, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
