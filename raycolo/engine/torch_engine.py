@@ -10,12 +10,14 @@ request's keys/values through its block table.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from raycolo.engine.base import (Engine, EngineConfig, EngineStats, IterationRecord, MemoryUsage,
@@ -38,6 +40,11 @@ class _Request(TrackedRequest):
     seed: int = 0
     checker: Optional[StopChecker] = None     # raycolo.generation's stop rules; owns ``generated``
     plain: bool = True                        # greedy on raw logits (raycolo.generation.sampler.plain)
+
+    @functools.cached_property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as int64, once: a repetition penalty reads it every step."""
+        return np.asarray(self.prompt, dtype=np.int64)
 
 
 class TorchEngine(Engine):
@@ -217,7 +224,7 @@ class TorchEngine(Engine):
         if plain_step:
             return sample_plain(logits)
         reqs = [self.requests[h] for h in handles]
-        return sample(logits, [SamplingRow.of(r.params, r.seed, r.generated, r.prompt, r.checker.stop_ids, h)
+        return sample(logits, [SamplingRow.of(r.params, r.seed, r.generated, r.prompt_array, r.checker.stop_ids, h)
                                for h, r in zip(handles, reqs)], self.rules)
 
     def _forget(self, handle: int) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
+
 from raycolo.generation.params import SamplingParams
 
 SEED_STRIDE = 1_000_003
@@ -40,8 +42,10 @@ class SamplingRow:
         ``key``: the request's identity (a structured output's matcher is kept under it)."""
         structured = params.structured_outputs is not None
         history = params.penalized or structured or bool(params.bad_words)
-        return cls(params, seed, len(output), list(output) if history else (),
-                   list(prompt) if params.repetition_penalty != 1.0 else (),
+        # a prompt given as a numpy array is kept as it is (an engine converts it once)
+        prompt = (prompt if isinstance(prompt, np.ndarray) else list(prompt)) \
+            if params.repetition_penalty != 1.0 else ()
+        return cls(params, seed, len(output), list(output) if history else (), prompt,
                    stop_ids if params.min_tokens > len(output) else frozenset(), key if structured else None)
 
 

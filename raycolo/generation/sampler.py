@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from raycolo.generation.rows import Sampled, SamplingRow, TokenLogprob, plain, position_seed  # noqa: F401
@@ -48,19 +49,16 @@ RACE_ELEMENTS = 1 << 24
 NEG_INF = float("-inf")
 
 
-def _upload(arrays: dict[str, list], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Named lists (flat, or rectangular lists of lists) packed into one CPU tensor of
-    ``dtype``, moved to ``device`` in one copy and split back there (views)."""
-    flat: list = []
-    shapes = {}
+def _upload(arrays: dict[str, object], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Named arrays (flat lists, rectangular lists of lists, or numpy arrays) packed into
+    one CPU tensor of ``dtype``, moved to ``device`` in one copy and split back there (views)."""
+    np_dtype = np.int64 if dtype == torch.int64 else np.float32
+    parts, shapes = [], {}
     for name, a in arrays.items():
-        if a and isinstance(a[0], list):
-            shapes[name] = (len(a), len(a[0]))
-            flat.extend(v for r in a for v in r)
-        else:
-            shapes[name] = (len(a),)
-            flat.extend(a)
-    packed = torch.tensor(flat, dtype=dtype).to(device, non_blocking=True)
+        arr = np.asarray(a, dtype=np_dtype)
+        shapes[name] = arr.shape
+        parts.append(arr.reshape(-1))
+    packed = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np_dtype)).to(device, non_blocking=True)
     out, at = {}, 0
     for name, shape in shapes.items():
         n = math.prod(shape)
@@ -69,11 +67,19 @@ def _upload(arrays: dict[str, list], dtype: torch.dtype, device: torch.device) -
     return out
 
 
-def _padded(lists: list[list[int]], vocab: int) -> list[list[int]]:
+def _padded(lists: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
     """Token ids right-padded to one width with ``vocab``: the scratch column of the masks
-    and counts (ids outside the vocabulary land there too)."""
+    and counts (ids outside the vocabulary land there too). Built in numpy: a row of a
+    repetition penalty holds its whole prompt and output, at every step."""
     width = max(1, max(len(ids) for ids in lists))
-    return [[t if 0 <= t < vocab else vocab for t in ids] + [vocab] * (width - len(ids)) for ids in lists]
+    out = np.full((len(lists), width), vocab, dtype=np.int64)
+    for i, ids in enumerate(lists):
+        try:
+            a = np.asarray(ids, dtype=np.int64)
+        except OverflowError:                     # an id past int64: outside the vocabulary
+            a = np.asarray([t if 0 <= t < vocab else vocab for t in ids], dtype=np.int64)
+        out[i, :len(a)] = np.where((a >= 0) & (a < vocab), a, vocab)
+    return out
 
 
 class _Plan:
@@ -112,7 +118,10 @@ class _Plan:
             allow_ids=_padded([list(ps[i].allowed_token_ids) for i in allow], vocab) if allow else [],
             ban_ids=_padded([bans[i] for i in ban], vocab) if ban else [],
             bias_ids=[[t for t, _ in biases[i]] + [0] * (width - len(biases[i])) for i in bias],
-            rep_ids=_padded([list(set(rows[i].prompt) | set(rows[i].output)) for i in rep], vocab) if rep else [],
+            # prompt and output as they are: a repeated id sets the same mask entry again
+            rep_ids=_padded([np.concatenate((np.asarray(rows[i].prompt, dtype=np.int64),
+                                             np.asarray(rows[i].output, dtype=np.int64))) for i in rep], vocab)
+            if rep else [],
             pen_ids=_padded([list(rows[i].output) for i in pen], vocab) if pen else [],
             stop_ids=_padded([stops[i] for i in mask], vocab) if mask else [],
             seeds=[position_seed(rows[i].seed, rows[i].position) for i in drawn],

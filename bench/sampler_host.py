@@ -1,0 +1,96 @@
+"""The sampler's host work per decode step with penalties, against the GPU step it must
+hide behind.
+
+Every step, the sampler (raycolo/generation/sampler.py) builds its plan on the host: which
+rows need which mask, and their ids and parameters, packed into one int64 and one float32
+upload. A repetition penalty needs each row's whole prompt and output, every step. This
+times that host work (building the rows as the torch engine does, then the plan) at
+several batches, with Llama-3's vocabulary and long prompts, and prints it beside the
+decode step of a Llama-3-8B-shaped model on an H200 from docs/benchmarks.md (a GPU
+figure: this CPU has none to measure it on), so the ratio says whether the host work
+would be hidden. Medians of ``--repeats``.
+
+    .venv/bin/python bench/sampler_host.py
+    .venv/bin/python bench/sampler_host.py --batches 1,64,256 --prompt 2048 --output 256 --json out/sampler_host.json
+
+A measured benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from raycolo.engine.base import SamplingParams
+from raycolo.generation.rows import SamplingRow
+from raycolo.generation.sampler import _Plan
+
+VOCAB = 128256          # Llama 3's
+# decode steps of the torch engine with CUDA graphs, Llama-3-8B shape, bf16, one H200
+# (docs/benchmarks.md, "GPU: real-size models against the roofline", before the kernel work)
+H200_STEP_MS = {1: 8.8, 16: 13.3, 64: 27.6, 256: 87.9}
+PARAMS = {
+    "greedy": SamplingParams(max_tokens=512, temperature=0.0),
+    "top-p": SamplingParams(max_tokens=512, temperature=0.8, top_p=0.9),
+    "repetition + presence": SamplingParams(max_tokens=512, temperature=0.8, top_p=0.9, repetition_penalty=1.1,
+                                            presence_penalty=0.2),
+}
+
+
+def host_ms(params, batch: int, prompt: int, output: int, repeats: int, seed: int) -> float:
+    rng = random.Random(seed)
+    # as the torch engine holds them: each prompt converted to int64 once (_Request.prompt_array)
+    prompts = [np.asarray([rng.randrange(VOCAB) for _ in range(prompt)], dtype=np.int64) for _ in range(batch)]
+    outputs = [[rng.randrange(VOCAB) for _ in range(output)] for _ in range(batch)]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        rows = [SamplingRow.of(params, i, outputs[i], prompts[i]) for i in range(batch)]
+        _Plan(rows, VOCAB, torch.device("cpu"))
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--prompt", type=int, default=2048)
+    parser.add_argument("--output", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        print(f"error: --batches: comma-separated integers, got '{args.batches}'", file=sys.stderr)
+        return 2
+    if not batches or min(batches) < 1 or args.prompt < 0 or args.output < 0 or args.repeats < 1:
+        print("error: --batches, --prompt, --output, --repeats: positive values", file=sys.stderr)
+        return 2
+    rows = []
+    print(f"host work per step, prompt {args.prompt} + output {args.output} tokens, vocabulary {VOCAB}, "
+          f"median of {args.repeats}")
+    print("| sampling | batch | host ms | H200 decode step ms (Llama-3-8B) | host / step |")
+    print("|---|---:|---:|---:|---:|")
+    for name, params in PARAMS.items():
+        for b in batches:
+            ms = host_ms(params, b, args.prompt, args.output, args.repeats, args.seed)
+            step = H200_STEP_MS.get(b)
+            rows.append({"sampling": name, "batch": b, "host_ms": ms, "gpu_step_ms": step})
+            ratio = f"{ms / step:.2f}" if step else ""
+            print(f"| {name} | {b} | {ms:.2f} | {step or ''} | {ratio} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
