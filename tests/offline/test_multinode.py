@@ -114,8 +114,12 @@ def test_a_run_uses_both_nodes_and_the_report_says_which_ran_what(cluster, tmp_p
     assert set(ran) == {head, worker}, report["ray_nodes"]
     for n in report["ray_nodes"]:
         assert n["ip"] == "127.0.0.1" and n["replicas"]
+    # planner GPUs 0-1 on one raylet and 2-3 on the other (in node-id order), and every
+    # replica (from the warm pool or cold) on the raylet of its planned GPUs
+    assert report["gpu_nodes"] == [n for n in sorted((head, worker)) for _ in range(2)]
     for r in report["replicas"]:
         assert r["ray_node_id"] in (head, worker) and r["ray_node_ip"] == "127.0.0.1"
+        assert {report["gpu_nodes"][g] for g in r["gpus"]} == {r["ray_node_id"]}, r
         assert r["name"] in ran[r["ray_node_id"]]["replicas"]
         # the Ray actor it ran in: its own name, or the warm actor it took over
         assert r["actor"].startswith((r["name"] + "~", "raycolo-pool-", "tiny/")), r

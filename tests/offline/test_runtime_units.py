@@ -316,3 +316,19 @@ def test_device_auto_refuses_a_real_gpu_torch_cannot_see():
     assert auto_device([], False, 8) == "cpu"
     with pytest.raises(ConfigError, match="engine_kwargs.device: auto: Ray gave this replica GPU \\[9\\]"):
         auto_device([9], False, 8)
+
+
+def test_planner_gpus_take_blocks_of_each_nodes_gpus():
+    """Hand-worked: nodes b (2 GPUs) and a (4 GPUs) own planner ids in node-id order, a
+    block each; a replica's bundles name its GPUs' nodes; one node, or ids past the
+    cluster's GPUs, pin nothing; NVLink groups of 3 straddle a's and b's blocks."""
+    from raycolo.actors.offline.gpu_nodes import NODE_LABEL, GpuNodes, assign
+
+    owners = assign([("b", 2), ("a", 4)], 6)
+    assert owners == ("a", "a", "a", "a", "b", "b") and assign([("b", 2), ("a", 4)], 5) == owners[:5]
+    nodes = GpuNodes(owners)
+    assert nodes.selector((4, 5)) == [{NODE_LABEL: "b"}, {NODE_LABEL: "b"}]
+    assert nodes.selector((0,)) == [{NODE_LABEL: "a"}] and nodes.selector((5, 6)) is None
+    assert GpuNodes(("a", "a")).selector((0, 1)) is None and GpuNodes().selector((0,)) is None
+    assert nodes.straddling(2) == nodes.straddling(4) == [] and nodes.straddling(3) == [(3, 4, 5)]
+    assert GpuNodes(("a", "b", "a", "b")).straddling(2) == [(0, 1), (2, 3)]

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import ray
 
 from raycolo.actors.local_cluster import join_or_start
+from raycolo.actors.offline.gpu_nodes import GpuNodes
 from raycolo.actors.offline.pool import ComputeScales, SwitchCosts, load_costs, start_pool
 from raycolo.errors import ConfigError
 from raycolo.offline.planner.engines import SWITCH_KINDS
@@ -103,6 +104,12 @@ def _run_once(config: RunConfig, on_output: Optional[Callable], log: Callable[[s
     connect(config)
     gpus = config.gpus or cluster_gpus()
     cluster = run.cluster(gpus)
+    nodes = GpuNodes.of_cluster(gpus)        # planner GPU ids in blocks per Ray node (gpu_nodes.py)
+    straddling = nodes.straddling(cluster.nvlink_group)
+    if straddling:
+        log(f"note: NVLink groups of {cluster.nvlink_group} GPUs straddle Ray nodes (planner GPUs "
+            + ", ".join("/".join(map(str, g)) for g in straddling[:4]) + "): their replicas span nodes; "
+            "--nvlink-group should divide each node's GPUs")
     workload = run.workload
     if skipped:  # plan only what the journal does not hold
         from raycolo.offline.runtime.remaining import remaining_workload
@@ -114,7 +121,7 @@ def _run_once(config: RunConfig, on_output: Optional[Callable], log: Callable[[s
     pooled = []
     if config.replica_start_s is None:
         started = time.perf_counter()
-        pooled, costs, scales = start_pool(run, profiled, gpus)
+        pooled, costs, scales = start_pool(run, profiled, gpus, nodes=nodes)
         measured = [k for k in SWITCH_KINDS if getattr(costs, k)]
         log(f"warm pool of {len(pooled)} engine actors in {time.perf_counter() - started:.1f}s: "
             + ", ".join(f"{k} {costs.estimate(k):.4f}s" for k in measured)
@@ -144,6 +151,7 @@ def _run_once(config: RunConfig, on_output: Optional[Callable], log: Callable[[s
     profile_only = replay(PlanningProblem(**costed), plan).makespan_s if scales.samples else plan.makespan_s
     controller = Controller(run, problem, plan, on_output=on_output)
     controller.pool = {p.gpus: p for p in pooled}
+    controller.replica_set.gpu_nodes = nodes
     try:
         controller.execute()
     finally:
@@ -153,6 +161,7 @@ def _run_once(config: RunConfig, on_output: Optional[Callable], log: Callable[[s
                           probed=config.replica_start_s is None, skipped=skipped,
                           switch_costs=costs.as_dict(), compute_scales=scales.as_dict(models),
                           profile_only_makespan_s=profile_only)
+    report["gpu_nodes"] = list(nodes.owners)    # the Ray node of each planner GPU id
     if replans:
         report["replans"] = replans
         report.setdefault("notes", []).extend(

@@ -31,6 +31,7 @@ import ray
 
 from raycolo.engine.replica_messages import EngineRequest, ReplicaInfo
 from raycolo.actors.offline.engine_actor import EngineActor, placement
+from raycolo.actors.offline.gpu_nodes import GpuNodes
 from raycolo.offline.planner.engines import SWITCH_KINDS, HeldEngines, LoadCosts
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
 from raycolo.offline.runtime.setup import PreparedRun
@@ -152,14 +153,14 @@ def _variant(config: dict, k: int) -> dict:
 
 
 def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int = 2,
-               retries: int = 1) -> tuple[list, SwitchCosts, ComputeScales]:
+               retries: int = 1, nodes: GpuNodes = GpuNodes()) -> tuple[list, SwitchCosts, ComputeScales]:
     """Start one warm engine actor per GPU and measure the cluster (the module's doc):
     the cold starts; then rounds in which every actor swaps to a model of the app (actor
     ``i`` takes model ``i + round``; at least ``swaps`` rounds, a seeded copy of a model
     where the app has too few) and, on the torch backend, runs that model's probe batch,
     all actors at once; then (where actors park engines) one wake on each, back to the
     previous round's model, and one keep. Returns the pooled actors for the
-    controller (GPU ``i`` gets actor ``i``), the :class:`SwitchCosts` and the
+    controller (GPU ``i`` gets actor ``i``, on the node ``nodes`` gives it), the :class:`SwitchCosts` and the
     :class:`ComputeScales`. An actor that dies meanwhile gives no more samples and is not
     pooled; if all die the start runs again ``retries`` times."""
     from ray.util.placement_group import placement_group
@@ -174,7 +175,7 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
         probes = [_Probe(PROBE_MODEL, "", _variant(_cold_config(run), 1), [], [])]
     started = time.perf_counter()
     token = uuid.uuid4().hex[:8]
-    groups = [placement_group([{"GPU": 1}]) for _ in range(gpus)]
+    groups = [placement_group([{"GPU": 1}], bundle_label_selector=nodes.selector((i,))) for i in range(gpus)]
     cold = _cold_config(run)
     actors = [EngineActor.options(name=f"raycolo-pool-{i}~{token}", max_restarts=0, **placement(cold, pg)
                                   ).remote(cold, f"raycolo-pool-{i}", run.config.parked_engines)
@@ -209,7 +210,7 @@ def start_pool(run: PreparedRun, problem: PlanningProblem, gpus: int, swaps: int
             stop_actor(actors[i], pg)
     if not alive:
         if retries > 0:
-            return start_pool(run, problem, gpus, swaps, retries - 1)
+            return start_pool(run, problem, gpus, swaps, retries - 1, nodes)
         raise RuntimeError(f"every pool actor died while starting: {died[-1]}")
     pooled = [Pooled((i,), groups[i], actor, held[i].engine_key, tuple(held[i].parked_keys))
               for i, actor in alive.items()]

@@ -25,6 +25,7 @@ from raycolo.engine.replica_messages import Unfinished
 from raycolo.actors.offline.dispatch import Dispatcher
 from raycolo.actors.offline.replica_records import Pending, Pooled, Replica
 from raycolo.actors.offline.engine_actor import EngineActor, placement
+from raycolo.actors.offline.gpu_nodes import GpuNodes
 from raycolo.actors.offline.failures import ReplicaFailed, cause
 from raycolo.offline.planner.problem import ExecPlan, PlanningProblem
 from raycolo.offline.runtime.setup import PreparedRun
@@ -68,6 +69,7 @@ class ReplicaSet:
         self.all_replicas: list[Replica] = []
         self.names_used: dict[str, int] = defaultdict(int)
         self.pool: dict[tuple[int, ...], Pooled] = {}
+        self.gpu_nodes = GpuNodes()       # the node of each planner GPU (set by the launch)
         self.evicted = 0
         self.moved_requests = 0
 
@@ -106,7 +108,7 @@ class ReplicaSet:
             else:
                 self.evict(gpus)
                 pg = placement_group([{"GPU": 1}] * plan.tp, strategy=self.config.placement_strategy,
-                                     name=f"{name}/pg")
+                                     name=f"{name}/pg", bundle_label_selector=self.gpu_nodes.selector(gpus))
                 rep = Replica(node, plan, rank, gpus, name, pg, None, self.now())
                 self.spawn(rep)
             replicas.append(rep)
