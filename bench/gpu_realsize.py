@@ -5,8 +5,9 @@ device (seeded; nothing is downloaded or written), measures the card's limits in
 run, then times each path with prompts of ``--prompt`` tokens and ``--output`` greedy
 tokens (EOS ignored):
 
-* **limits**: copy bandwidth (a device-to-device copy of 2 GiB, bytes read plus written,
-  as the decode roofline counts them) and the dense matmul rate (8192^3 in the model dtype);
+* **limits**: copy bandwidth (device-to-device copies of 1 GiB, 20 back to back; bytes
+  read plus written, 2 GiB a copy, as the decode roofline counts them) and the dense
+  matmul rate (8192^3 in the model dtype, 64 back to back after 64 to warm up);
 * ``engine.graphs`` at each ``--batches``, ``engine.eager`` at batch 1: the torch engine
   (scheduler, executor, sampler: one ``engine.step()`` per decode iteration);
   ``engine.unfused``: graphs at batch 1 with q/k/v and gate/up as separate matmuls
