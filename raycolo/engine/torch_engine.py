@@ -26,6 +26,7 @@ from raycolo.engine.models import load_model
 from raycolo.engine.threads import apply_thread_policy
 from raycolo.errors import ConfigError
 from raycolo.engine.executor import SeqChunk, create_executor
+from raycolo.engine.executor.graphs import graph_attempts
 from raycolo.generation import FinishReason, StopChecker
 from raycolo.generation.sampler import SamplingRow, plain, position_seed, sample, sample_plain
 from raycolo.generation.prompt_scores import split_scored
@@ -159,7 +160,7 @@ class TorchEngine(Engine):
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler
         started = time.perf_counter()  # an iteration's time includes its scheduling
-        attempts = self.executor.graph_attempts
+        attempts = graph_attempts(self.executor)
         decision = sched.schedule()
         if decision.kind == StepKind.IDLE:
             if self.requests:  # add_request's checks make this unreachable; never spin
@@ -200,7 +201,7 @@ class TorchEngine(Engine):
             kind=decision.kind, num_seqs=len(decision.seqs), new_tokens=len(tokens),
             context_lens=contexts, seconds=time.perf_counter() - started,
             preempted=len(decision.preempted), plain_sampling=plain_step,
-            graph_capture=self.executor.graph_attempts != attempts))
+            graph_capture=graph_attempts(self.executor) != attempts))
         return finished
 
     @staticmethod

@@ -15,6 +15,7 @@ def check_torch_engine(device) -> Row:
     import torch
 
     from raycolo.engine.base import SamplingParams
+    from raycolo.engine.executor.graphs import graph_attempts
     from raycolo.engine.factory import create_engine
 
     ps = _prompts([9, 23, 14, 40])
@@ -51,7 +52,7 @@ def check_torch_engine(device) -> Row:
         # the steps that captured a CUDA graph say so (raycolo profile leaves them out of
         # its fit); the same shapes again replay what was captured
         captured = sum(r.graph_capture for r in engine.stats.iterations)
-        _require(captured == engine.executor.graph_captures == engine.executor.graph_attempts,
+        _require(captured == engine.executor.graph_captures == graph_attempts(engine.executor),
                  "steps flagged as capturing != graphs captured (or a capture failed)")
         if engine.executor.graph_captures:
             engine.stats.iterations.clear()

@@ -93,12 +93,12 @@ def test_only_fixed_rope_frequencies_are_captured(rope, fixed):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from raycolo.engine.executor.model import _static_rope
+    from raycolo.engine.executor.graphs import static_rope
 
     extra = {} if rope is None else {"rope_scaling": rope}
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          rope_theta=10000.0, **extra)
-    assert _static_rope(LlamaRotaryEmbedding(config)) is fixed
+    assert static_rope(LlamaRotaryEmbedding(config)) is fixed
 
 
 def test_a_released_engine_frees_its_executor_and_graphs_at_once():

@@ -63,6 +63,25 @@ class DecodeBatch:
         return self.num_seqs
 
 
+def graph_attempts(executor) -> int:
+    """Captures ``executor`` tried, those that failed included (a step that tried is not a
+    plain step); 0 for an executor without graphs."""
+    graphs = getattr(executor, "graphs", None)
+    return 0 if graphs is None else graphs.captures + graphs.failures
+
+
+def static_rope(rotary) -> bool:
+    """Whether ``rotary``'s frequencies are fixed, as a captured CUDA graph needs: "dynamic"
+    RoPE (and "longrope" in the transformers of the GPU machines) picks them step by step
+    from the batch's longest position, on the host; those models decode eagerly."""
+    types = getattr(rotary, "rope_type", "default")
+    types = types.values() if isinstance(types, dict) else [types]
+    moving = sorted(t for t in types if "dynamic" in t or t == "longrope")
+    if moving:
+        log.info("RoPE type %s: decode steps run eagerly (no CUDA graphs)", moving[0])
+    return not moving
+
+
 class _Graph:
     """One captured shape: its static buffers, its batch over them, its output."""
 

@@ -29,7 +29,7 @@ from raycolo.errors import ConfigError
 from raycolo.engine.executor.attention import AttentionKernel, choose_kernel, fused_pointwise, paged_attention
 from raycolo.engine.executor.batch import SeqChunk, StepBatch
 from raycolo.engine.executor.fused import FUSE_PROJECTIONS, apply_linear, fuse_layers, project
-from raycolo.engine.executor.graphs import DecodeBatch, DecodeGraphs
+from raycolo.engine.executor.graphs import DecodeBatch, DecodeGraphs, static_rope
 from raycolo.engine.executor.heap import keep_freed_memory
 from raycolo.engine.executor.kv_cache import PagedKVCache
 from raycolo.engine.executor.native import heads_contiguous
@@ -61,18 +61,6 @@ def _lora_layer(model):
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return next((m for m in model.modules() if isinstance(m, BaseTunerLayer)), None)
-
-
-def _static_rope(rotary) -> bool:
-    """Whether ``rotary``'s frequencies are fixed, as a captured CUDA graph needs: "dynamic"
-    RoPE (and "longrope" in the transformers of the GPU machines) picks them step by step
-    from the batch's longest position, on the host; those models decode eagerly."""
-    types = getattr(rotary, "rope_type", "default")
-    types = types.values() if isinstance(types, dict) else [types]
-    moving = sorted(t for t in types if "dynamic" in t or t == "longrope")
-    if moving:
-        log.info("RoPE type %s: decode steps run eagerly (no CUDA graphs)", moving[0])
-    return not moving
 
 
 def _layer_range(num_layers: int, layers: Optional[tuple[int, int]]) -> tuple[int, int]:
@@ -160,7 +148,7 @@ class ModelExecutor:
         # still in the model (a dropped layer 0 would key every state of a later stage alike).
         self.lora = _lora_layer(torch.nn.ModuleList(self.layers))
         graphs = cuda_graphs and self.device.type == "cuda" and (self.tp is None or _nccl(self.tp)) \
-            and _static_rope(self.rotary)
+            and static_rope(self.rotary)
         self.cache = PagedKVCache(len(self.layers), num_blocks + (1 if graphs else 0), block_size, self.kv_heads,
                                   self.head_dim, self.dtype, self.device)
         self.graphs = DecodeGraphs(self, num_blocks, capture=True) if graphs else None
@@ -186,11 +174,6 @@ class ModelExecutor:
     def graph_captures(self) -> int:
         """How many decode graphs this executor has captured (0 without graphs)."""
         return 0 if self.graphs is None else self.graphs.captures
-
-    @property
-    def graph_attempts(self) -> int:
-        """Captures tried, those that failed included (a step that tried is not a plain step)."""
-        return 0 if self.graphs is None else self.graphs.captures + self.graphs.failures
 
     def sleep(self) -> None:
         """Free the KV cache (an engine put to sleep); :meth:`wake_up` makes a fresh one.
@@ -436,7 +419,7 @@ class FallbackExecutor:
     transformers cache, no paging. Whole models only (no layer slices)."""
 
     paged = False
-    graph_captures = graph_attempts = 0      # it captures no CUDA graphs (ModelExecutor's)
+    graph_captures = 0      # it captures no CUDA graphs (ModelExecutor.graph_captures)
     _warned: set = set()
 
     def __init__(self, model, num_blocks: int, block_size: int,
