@@ -32,8 +32,9 @@ if [[ "$PHASES" == *" check "* ]]; then
 fi
 if [[ "$PHASES" == *" bench "* ]]; then
   # --time-limit: the script skips its optional rows rather than be cut off by the limit
-  timeout -k 10 "${GPU_BENCH_S:-330}" python3 bench/gpu_realsize.py --json "$OUT/gpu_realsize.json" \
-    --time-limit "$(( ${GPU_BENCH_S:-330} - 15 ))" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_realsize.log"
+  GPU_BENCH_S="${GPU_BENCH_S:-330}"
+  timeout -k 10 "$GPU_BENCH_S" python3 bench/gpu_realsize.py --json "$OUT/gpu_realsize.json" \
+    --time-limit "$(( GPU_BENCH_S - 15 ))" ${GPU_BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_realsize.log"
 fi
 if [[ "$PHASES" == *" profile "* ]]; then
   # a dry run on a CPU: CKPT=<a tiny-llama-s checkpoint> PROFILE_NAME=tiny-llama-s DEVICE=cpu

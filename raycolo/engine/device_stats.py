@@ -33,6 +33,9 @@ def physical_gpus() -> int:
         return 0
 
 
+LOGICAL_GPUS = 2      # a local cluster on a machine without GPUs (and a joined cluster's count, which Ray ignores)
+
+
 def local_cluster_gpus(requested: Optional[int], physical: int) -> int:
     """GPUs a local Ray cluster declares: ``requested`` (``--gpus``), else the machine's
     ``physical`` ones, else 2 logical ones (a CPU machine). More than a machine with GPUs
@@ -42,7 +45,7 @@ def local_cluster_gpus(requested: Optional[int], physical: int) -> int:
     if physical and requested and requested > physical:
         raise ConfigError(f"--gpus: {requested}, but this machine has {physical} GPU(s); a local cluster "
                           "declares no more than it has (the GPUs past them would compute on the CPU)")
-    return requested or physical or 2
+    return requested or physical or LOGICAL_GPUS
 
 
 def auto_device(gpu_ids: list, cuda_available: bool, physical: int) -> str:

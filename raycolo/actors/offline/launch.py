@@ -37,13 +37,13 @@ def connect(config: RunConfig, local_gpus: Optional[int] = None) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    from raycolo.engine.device_stats import LOGICAL_GPUS, local_cluster_gpus, physical_gpus
+
     gpus = local_gpus or config.gpus
     address = config.address or os.environ.get("RAY_ADDRESS")
     if not address or address == "local":     # a local cluster (else Ray ignores both counts)
-        from raycolo.engine.device_stats import local_cluster_gpus, physical_gpus
-
         gpus = local_cluster_gpus(gpus, physical_gpus())
-    gpus = gpus or 2
+    gpus = gpus or LOGICAL_GPUS
     join_or_start(address, num_gpus=gpus, num_cpus=gpus + 2,
                   include_dashboard=False, log_to_driver=False, namespace=None)
 
