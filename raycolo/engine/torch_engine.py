@@ -28,6 +28,7 @@ from raycolo.errors import ConfigError
 from raycolo.engine.executor import SeqChunk, create_executor
 from raycolo.engine.executor.graphs import graph_attempts
 from raycolo.generation import FinishReason, StopChecker
+from raycolo.generation.penalty_history import PenaltyHistory
 from raycolo.generation.sampler import SamplingRow, plain, position_seed, sample, sample_plain
 from raycolo.generation.prompt_scores import split_scored
 from raycolo.generation.rows import PromptScore
@@ -68,6 +69,7 @@ class TorchEngine(Engine):
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.eos_ids = self.tokenizer.eos_token_ids     # the checkpoint's EOS set
         self.rules = None       # structured outputs, bad words: raycolo.generation.vocab_rules, at the first need
+        self.penalties = PenaltyHistory()     # penalized requests' prompts and outputs, on the device
         self.limits = SchedulerLimits(num_blocks=self._cache_blocks(kw),
                                       max_num_seqs=kw.max_num_seqs,
                                       max_num_batched_tokens=kw.max_num_batched_tokens,
@@ -194,6 +196,7 @@ class TorchEngine(Engine):
             if reason:
                 sched.finished(handle)
                 self._forget(handle)
+                self.penalties.forget(handle)
                 finished.append(self._output(self.requests.pop(handle), reason, now))
             elif decision.kind == StepKind.PREFILL:
                 sched.prefilled(handle)
@@ -226,7 +229,7 @@ class TorchEngine(Engine):
             return sample_plain(logits)
         reqs = [self.requests[h] for h in handles]
         return sample(logits, [SamplingRow.of(r.params, r.seed, r.generated, r.prompt_array, r.checker.stop_ids, h)
-                               for h, r in zip(handles, reqs)], self.rules)
+                               for h, r in zip(handles, reqs)], self.rules, self.penalties)
 
     def _forget(self, handle: int) -> None:
         if not self.executor.paged:
@@ -252,12 +255,14 @@ class TorchEngine(Engine):
         for handle in taken:
             sched.remove(handle)
             self._forget(handle)
+            self.penalties.forget(handle)
         return [self.requests.pop(h) for h in taken]
 
     def reset(self) -> bool:
         for handle in list(self.requests):
             self._forget(handle)
         self.requests.clear()
+        self.penalties = PenaltyHistory()
         self.scheduler = FcfsBlockScheduler(self.limits)
         self.stats.iterations.clear()
         return True

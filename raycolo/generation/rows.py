@@ -24,8 +24,9 @@ class SamplingRow:
     """What the sampler needs for one row: the params, the request's seed and how many
     tokens it generated so far (the position of this draw); where a penalty, a
     structured output or bad words ask for them, the prompt and the output so far; where
-    ``min_tokens`` does, the stop tokens; where a structured output does, the request's
-    key (its grammar matcher's, :mod:`.grammar_masks`)."""
+    ``min_tokens`` does, the stop tokens; where a structured output or a penalty does, the
+    request's key (its grammar matcher's, :mod:`.grammar_masks`; its penalty history's,
+    :mod:`.penalty_history`)."""
 
     params: SamplingParams
     seed: int
@@ -39,14 +40,16 @@ class SamplingRow:
     def of(cls, params: SamplingParams, seed: int, output: Sequence[int], prompt: Sequence[int] = (),
            stop_ids: frozenset = frozenset(), key: object = None) -> "SamplingRow":
         """A row carrying only what its params need (it crosses process boundaries);
-        ``key``: the request's identity (a structured output's matcher is kept under it)."""
+        ``key``: the request's identity (a structured output's matcher and a penalty's
+        history are kept under it)."""
         structured = params.structured_outputs is not None
         history = params.penalized or structured or bool(params.bad_words)
         # a prompt given as a numpy array is kept as it is (an engine converts it once)
         prompt = (prompt if isinstance(prompt, np.ndarray) else list(prompt)) \
             if params.repetition_penalty != 1.0 else ()
         return cls(params, seed, len(output), list(output) if history else (), prompt,
-                   stop_ids if params.min_tokens > len(output) else frozenset(), key if structured else None)
+                   stop_ids if params.min_tokens > len(output) else frozenset(),
+                   key if structured or params.penalized else None)
 
 
 @dataclass

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from raycolo.generation.rows import Sampled, SamplingRow, TokenLogprob, plain, position_seed  # noqa: F401
+from raycolo.generation.penalty_history import PenaltyHistory, history_for, padded as _padded
 from raycolo.generation.random_bits import exponentials
 from raycolo.generation.vocab_rules import rules_needed
 
@@ -67,27 +68,13 @@ def _upload(arrays: dict[str, object], dtype: torch.dtype, device: torch.device)
     return out
 
 
-def _padded(lists: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
-    """Token ids right-padded to one width with ``vocab``: the scratch column of the masks
-    and counts (ids outside the vocabulary land there too). Built in numpy: a row of a
-    repetition penalty holds its whole prompt and output, at every step."""
-    width = max(1, max(len(ids) for ids in lists))
-    out = np.full((len(lists), width), vocab, dtype=np.int64)
-    for i, ids in enumerate(lists):
-        try:
-            a = np.asarray(ids, dtype=np.int64)
-        except OverflowError:                     # an id past int64: outside the vocabulary
-            a = np.asarray([t if 0 <= t < vocab else vocab for t in ids], dtype=np.int64)
-        out[i, :len(a)] = np.where((a >= 0) & (a < vocab), a, vocab)
-    return out
-
-
 class _Plan:
     """Which rows each step touches and their parameters, on the device: ``t[name]`` of
     a row set is its index tensor, absent where the set holds every row (no gather, no
     scatter); ``has[name]`` whether the set has any row."""
 
-    def __init__(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device, rules=None):
+    def __init__(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device, rules=None,
+                 history: Optional[PenaltyHistory] = None):
         ps = [r.params for r in rows]
         n = len(rows)
         allow = [i for i, p in enumerate(ps) if p.allowed_token_ids is not None]
@@ -104,6 +91,11 @@ class _Plan:
         drawn = [i for i, p in enumerate(ps) if not p.greedy]
         trunc = [j for j, i in enumerate(drawn) if 0 < ps[i].top_k < vocab or ps[i].top_p < 1.0 or ps[i].min_p > 0]
         ask = [i for i, p in enumerate(ps) if p.logprobs is not None]
+        # the penalized rows' prompts and outputs: on the device, kept between steps by key
+        penalized = sorted(set(rep) | set(pen))
+        self.history = history_for(history, vocab, device) if penalized else None
+        slots, hist = self.history.plan([rows[i] for i in penalized]) if penalized else ([], {})
+        slot = dict(zip(penalized, slots))
         self.n, self.vocab, self.any_greedy = n, vocab, len(drawn) < n
         self.asked = [ps[i].logprobs for i in ask]
         self.kmax = max((ps[drawn[j]].top_k for j in trunc if 0 < ps[drawn[j]].top_k < vocab), default=0)
@@ -118,11 +110,7 @@ class _Plan:
             allow_ids=_padded([list(ps[i].allowed_token_ids) for i in allow], vocab) if allow else [],
             ban_ids=_padded([bans[i] for i in ban], vocab) if ban else [],
             bias_ids=[[t for t, _ in biases[i]] + [0] * (width - len(biases[i])) for i in bias],
-            # prompt and output as they are: a repeated id sets the same mask entry again
-            rep_ids=_padded([np.concatenate((np.asarray(rows[i].prompt, dtype=np.int64),
-                                             np.asarray(rows[i].output, dtype=np.int64))) for i in rep], vocab)
-            if rep else [],
-            pen_ids=_padded([list(rows[i].output) for i in pen], vocab) if pen else [],
+            rep_slots=[slot[i] for i in rep], pen_slots=[slot[i] for i in pen], **hist,
             stop_ids=_padded([stops[i] for i in mask], vocab) if mask else [],
             seeds=[position_seed(rows[i].seed, rows[i].position) for i in drawn],
             top_k=[ps[drawn[j]].top_k if 0 < ps[drawn[j]].top_k < vocab else 0 for j in trunc])
@@ -150,15 +138,15 @@ def _id_mask(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return seen.scatter_(1, ids, True)[:, :vocab]
 
 
-def _repetition(y: torch.Tensor, ids: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+def _repetition(y: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """``seen``: (rows, vocab) bool, the ids in each row's prompt or output."""
     pen = penalty.unsqueeze(1)
-    return torch.where(_id_mask(ids, y.shape[1]), torch.where(y > 0, y / pen, y * pen), y)
+    return torch.where(seen, torch.where(y > 0, y / pen, y * pen), y)
 
 
-def _presence_frequency(y: torch.Tensor, ids: torch.Tensor, presence: torch.Tensor,
+def _presence_frequency(y: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
                         frequency: torch.Tensor) -> torch.Tensor:
-    counts = torch.zeros(ids.shape[0], y.shape[1] + 1, dtype=y.dtype, device=y.device)
-    counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=y.dtype))[:, :y.shape[1]]
+    """``counts``: (rows, vocab), each id's count in each row's output."""
     return torch.where(counts > 0, y - (frequency.unsqueeze(1) * counts + presence.unsqueeze(1)), y)
 
 
@@ -193,10 +181,13 @@ def _process(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, Optional[torch
         x = _on_rows(x, t.get("ban"), lambda y: y.masked_fill(_id_mask(t["ban_ids"], vocab), NEG_INF))
     if plan.has["bias"]:
         x = _on_rows(x, t.get("bias"), lambda y: y.scatter_add_(1, t["bias_ids"], t["bias_values"]))
+    if plan.history is not None:
+        plan.history.update(t)
     if plan.has["rep"]:
-        x = _on_rows(x, t.get("rep"), lambda y: _repetition(y, t["rep_ids"], t["repetition"]))
+        x = _on_rows(x, t.get("rep"), lambda y: _repetition(y, plan.history.mask(t["rep_slots"]), t["repetition"]))
     if plan.has["pen"]:
-        x = _on_rows(x, t.get("pen"), lambda y: _presence_frequency(y, t["pen_ids"], t["presence"], t["frequency"]))
+        x = _on_rows(x, t.get("pen"), lambda y: _presence_frequency(
+            y, plan.history.counts(t["pen_slots"], y.dtype), t["presence"], t["frequency"]))
     if plan.has["mask"]:
         x = _on_rows(x, t.get("mask"), lambda y: y.masked_fill(_id_mask(t["stop_ids"], vocab), NEG_INF))
     if not plan.has["drawn"]:
@@ -232,34 +223,39 @@ def _grammar_masked(x: torch.Tensor, rows: Sequence[SamplingRow], rules) -> torc
     return _on_rows(x, idx, lambda y: y.masked_fill_(~ok, NEG_INF))
 
 
-def _prepared(logits: torch.Tensor, rows: Sequence[SamplingRow], rules) -> tuple[_Plan, torch.Tensor]:
+def _prepared(logits: torch.Tensor, rows: Sequence[SamplingRow], rules,
+              history: Optional[PenaltyHistory]) -> tuple[_Plan, torch.Tensor]:
     """The batch's plan, and its logits upcast once (the sampler's own copy, which
     :func:`_process` may overwrite), masked by the rows' grammars first."""
     rules = rules_needed(rows, rules)
-    plan = _Plan(rows, logits.shape[-1], logits.device, rules)
+    plan = _Plan(rows, logits.shape[-1], logits.device, rules, history)
     return plan, _grammar_masked(logits.to(torch.float32, copy=True), rows, rules)
 
 
 @torch.inference_mode()
-def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], rules=None) -> torch.Tensor:
+def processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], rules=None,
+                     history: Optional[PenaltyHistory] = None) -> torch.Tensor:
     """The float32 logits each row is sampled from: after the structured-output mask,
     ``allowed_token_ids``, ``bad_words``, the logit bias, the penalties and the
     ``min_tokens`` mask and, for rows that draw,
     temperature, min-p, top-k and top-p (``-inf`` where a token is excluded). A greedy row
     takes their argmax, a drawing row draws from their softmax; plain greedy rows are the
     raw logits."""
-    plan, x = _prepared(logits, rows, rules)
+    plan, x = _prepared(logits, rows, rules, history)
     return _process(x, plan)[0]
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], rules=None) -> Sampled:
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], rules=None,
+           history: Optional[PenaltyHistory] = None) -> Sampled:
     """The next token of each row of ``logits`` (rows x vocabulary). ``rules``: the
     model's :class:`~.vocab_rules.VocabRules`, needed where a row has structured outputs
-    or bad words."""
+    or bad words; ``history``: the caller's :class:`~.penalty_history.PenaltyHistory`,
+    which keeps penalized rows' prompts and outputs on the device between steps (None:
+    built for this step from the rows)."""
     if all(plain(r.params) for r in rows):
         return sample_plain(logits)
-    plan, x = _prepared(logits, rows, rules)
+    plan, x = _prepared(logits, rows, rules, history)
     ask = plan.t.get("ask")
     raw = None
     if plan.has["ask"]:                               # the raw distribution, before any processing

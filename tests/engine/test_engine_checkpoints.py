@@ -96,17 +96,23 @@ def test_chat_prompt_is_rendered_once(kind, hf_checkpoints):
 def test_repetition_penalty_equals_transformers(hf_checkpoints, engines):
     path, engine = hf_checkpoints["llama3"], engines["llama3"]
     model, tok = load(path)
-    changed = 0
+    changed, prompts, refs = 0, [], []
+    penalized = SamplingParams(max_tokens=20, repetition_penalty=3.0, ignore_eos=True)
     for text in ("The river was quiet in the morning", "the the the the the", "One two three", "It was very long"):
         prompt = tok(text)["input_ids"]
         with torch.no_grad():
             ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20, repetition_penalty=3.0,
                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        out = engine.generate([prompt], SamplingParams(max_tokens=20, repetition_penalty=3.0, ignore_eos=True))[0]
+        out = engine.generate([prompt], penalized)[0]
         assert out.token_ids == ref
         plain = engine.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0]
         changed += plain.token_ids != ref
+        prompts.append(prompt)
+        refs.append(ref)
     assert changed      # the penalty changed something
+    # one batch: the rows' histories kept on the device side by side, and dropped at the end
+    assert [o.token_ids for o in engine.generate(prompts, penalized)] == refs
+    assert len(engine.penalties) == 0
 
 
 def test_ignore_eos_runs_past_every_eos_id(hf_checkpoints, engines):

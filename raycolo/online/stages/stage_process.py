@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from raycolo.generation.penalty_history import PenaltyHistory
+
 from raycolo.online.stages.stage_ops import (DropActivations, EvalBatch, ForwardStep, LoadWeights, ReadAdapter,
                                         ReleaseKV, StageResult, StageWork, TrainBackward, TrainForward)
 
@@ -54,6 +56,7 @@ class StageProcess:
         requests fail)."""
         self.model, self.stage, self.stages = stage_model, stage, stages
         self.rules_factory, self.rules = rules, None
+        self.penalties = PenaltyHistory()     # the last stage's penalized requests, on its device
         self.hidden, self.dtype, self.dist, self.group = hidden_size, dtype, dist, group
         self.messages = messages
         # where the stage computes, and where its point-to-point tensors live: NCCL sends
@@ -146,6 +149,7 @@ class StageProcess:
         elif kind is ReleaseKV:
             for rid in op.requests:
                 self.model.release(rid)
+                self.penalties.forget(rid)
         elif kind is DropActivations:     # SIRIUS took the memory back: free the activations now
             for task in op.tasks:
                 self.model.drop_training(task)
@@ -176,7 +180,7 @@ class StageProcess:
                 if (self.rules is None and self.rules_factory is not None
                         and any(r.params.needs_vocabulary for r in op.sampling)):
                     self.rules = self.rules_factory()
-                sampled = sample(out, op.sampling, self.rules)
+                sampled = sample(out, op.sampling, self.rules, self.penalties)
             result.tokens = sampled.tokens
             if any(lp is not None for lp in sampled.logprobs):
                 result.logprobs = sampled.logprobs
