@@ -88,7 +88,7 @@ class HFTokenizer:
         return list(self.tok.convert_ids_to_tokens(ids))
 
 
-def _checkpoint_tokenizer(path: Path, vocab_size: int):
+def checkpoint_tokenizer(path: Path, vocab_size: int):
     """The tokenizer of checkpoint directory ``path``: its own where it has one (with the
     EOS set of its generation config), else the byte tokenizer (EOS set: the byte
     tokenizer's EOS and the generation config's)."""
@@ -171,7 +171,7 @@ def load_model(model_id: str, seed: int = 0, dtype: str = "float32", device: str
         # (an 8B bf16 checkpoint: 16 GB that a host copy would hold, then copy again)
         placed = {} if device == "cpu" else {"device_map": device}
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), **placed).eval()
-        tokenizer = _checkpoint_tokenizer(path, model.config.vocab_size)
+        tokenizer = checkpoint_tokenizer(path, model.config.vocab_size)
     else:
         model, tokenizer = build_tiny_model(model_id, seed, dtype)
     return model.to(device), tokenizer
@@ -203,7 +203,7 @@ def load_tokenizer(model_id: str):
         if not config.exists():
             raise ConfigError(f"model_id: {path} has no config.json")
         import json
-        return _checkpoint_tokenizer(path, int(json.loads(config.read_text()).get("vocab_size", 0)))
+        return checkpoint_tokenizer(path, int(json.loads(config.read_text()).get("vocab_size", 0)))
     spec = get_model(model_id)
     if spec.hf_architecture is None or spec.num_params > MAX_RANDOM_PARAMS:
         raise ConfigError(f"model_id: '{model_id}' is not a tiny catalog model; give the node a "

@@ -27,6 +27,8 @@ from raycolo.engine.threads import apply_thread_policy
 from raycolo.errors import ConfigError
 from raycolo.engine.executor import SeqChunk, create_executor
 from raycolo.engine.executor.graphs import graph_attempts
+from raycolo.engine.executor.shard_load import load_rank_model
+from raycolo.engine.executor.tensor_parallel import TensorParallel
 from raycolo.generation import FinishReason, StopChecker
 from raycolo.generation.penalty_history import PenaltyHistory
 from raycolo.generation.sampler import SamplingRow, plain, position_seed, sample, sample_plain
@@ -61,10 +63,12 @@ class TorchEngine(Engine):
         self.threads = apply_thread_policy(kw.cpu_threads)
         started = time.perf_counter()
         load = config.model_loading_config
-        # tensor-parallel: loaded in host memory, and only this rank's shard goes to the device
-        # (ModelExecutor's device); a model that needs tp to fit never lands whole on one GPU
-        self.model, self.tokenizer = loaded or load_model(load.model_id, load.seed, load.dtype,
-                                                          "cpu" if kw.tensor_parallel_size > 1 else kw.device)
+        # tensor-parallel: rank 0's shard in host memory (read alone from a safetensors
+        # checkpoint), and only the shard goes to the device (ModelExecutor's device); a model
+        # that needs tp to fit never lands whole on one GPU
+        self.model, self.tokenizer = loaded or (
+            load_rank_model(load.model_id, load.seed, load.dtype, TensorParallel(0, kw.tensor_parallel_size))
+            if kw.tensor_parallel_size > 1 else load_model(load.model_id, load.seed, load.dtype, kw.device))
         self.device = torch.device(kw.device)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.eos_ids = self.tokenizer.eos_token_ids     # the checkpoint's EOS set

@@ -140,9 +140,16 @@ def _lora_parts(module, part: str) -> list:
 
 
 def _slice_param(p: torch.nn.Parameter, index: torch.Tensor, dim: int) -> None:
-    """Keep ``index`` along ``dim`` of ``p`` (the Parameter object stays: optimizers and
-    peft's references remain valid)."""
-    p.data = p.data.index_select(dim, index.to(p.device)).contiguous()
+    """Keep ``index`` (a contiguous range) along ``dim`` of ``p`` (the Parameter object
+    stays: optimizers and peft's references remain valid), and record it as ``p.tp_slice``
+    = (dim, start, stop): what :mod:`.shard_load` reads of the checkpoint. A parameter
+    already that long is left as it is (cut before, or made at the cut size by a module
+    created after the cut), so cutting twice is cutting once."""
+    start, stop = int(index[0]), int(index[-1]) + 1
+    assert stop - start == len(index), "a rank's slice is a contiguous range"
+    if p.shape[dim] != stop - start:
+        p.data = p.data.narrow(dim, start, stop - start).clone(memory_format=torch.contiguous_format)
+    p.tp_slice = (dim, start, stop)
 
 
 def _column(module, rows: torch.Tensor, tp: TensorParallel) -> None:
@@ -175,7 +182,8 @@ def _row(module, cols: torch.Tensor, tp: TensorParallel) -> None:
 
 
 def shard_layers(layers: Sequence[torch.nn.Module], config, tp: TensorParallel) -> None:
-    """Cut every decoder layer's projections to ``tp.rank``'s slice, in place."""
+    """Cut every decoder layer's projections to ``tp.rank``'s slice, in place (layers
+    already cut stay as they are)."""
     check_tp(config, tp.world)
     if tp.world == 1:
         return

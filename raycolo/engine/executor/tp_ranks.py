@@ -247,15 +247,16 @@ def init_rank(rank: int, world: int, address: str, backend: str) -> tuple[Tensor
 
 
 def build_rank_executor(spec: RankSpec, tp: TensorParallel):
-    """This rank's model shard and executor (the model loaded whole in host memory, then cut;
-    only the shard goes to the device)."""
+    """This rank's model shard and executor: only the shard read from a safetensors
+    checkpoint (:mod:`.shard_load`), else the model loaded whole in host memory and cut;
+    only the shard goes to the device."""
     from raycolo.engine.executor.model import ModelExecutor
-    from raycolo.engine.models import load_model
+    from raycolo.engine.executor.shard_load import load_rank_model
 
     device = spec.rank_device(tp.rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    model, _ = load_model(spec.model_id, spec.seed, spec.dtype, "cpu")     # the device gets this rank's shard
+    model, _ = load_rank_model(spec.model_id, spec.seed, spec.dtype, tp)     # the device gets this rank's shard
     return ModelExecutor(model, spec.num_blocks, spec.block_size, cuda_graphs=spec.cuda_graphs, tp=tp,
                          fuse_projections=spec.fuse_projections, device=device)
 
