@@ -98,3 +98,29 @@ def test_what_it_cannot_read_is_left_to_the_whole_load(hf_checkpoints, tmp_path)
     model, _ = load_rank_model("tiny-llama-s", 0, "float32", TensorParallel(0, 2))
     assert model.model.layers[0].mlp.up_proj.weight.shape[0] == model.config.intermediate_size
     assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_a_tp2_torch_engine_on_a_checkpoint_reads_shards_and_equals_tp1(tmp_path, one_torch_thread):
+    """The torch engine at tp=2 on a checkpoint directory (each rank, the engine's own
+    process included, loading through load_rank_model): rank 0 holds half the query
+    heads, and the greedy tokens equal tp=1's."""
+    from raycolo.engine import SamplingParams, create_engine
+    from tests.engine.test_executor import random_prompts
+
+    path = save_tiny_checkpoint("tiny-llama-m", tmp_path / "llama", seed=2)
+
+    def engine(tp):
+        return create_engine({"model_loading_config": {"model_id": str(path), "dtype": "float64"},
+                              "engine_kwargs": {"block_size": 4, "tensor_parallel_size": tp}})
+
+    prompts = random_prompts([4, 30, 9])
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    one = engine(1)
+    expected = [o.token_ids for o in one.generate(prompts, params)]
+    two = engine(2)
+    try:
+        q = two.model.model.layers[0].self_attn.q_proj.weight
+        assert q.tp_slice == (0, 0, q.shape[0]) and 2 * q.shape[0] == one.model.model.layers[0].self_attn.q_proj.weight.shape[0]
+        assert [o.token_ids for o in two.generate(prompts, params)] == expected
+    finally:
+        two.release()
