@@ -71,6 +71,26 @@ def host_ms(params, batch: int, prompt: int, output: int, repeats: int, seed: in
     return 1000 * statistics.median(afresh), 1000 * statistics.median(kept)
 
 
+def wire_ms(params, batch: int, prompt: int, output: int, repeats: int, seed: int, as_array: bool) -> float:
+    """Median ms to build a step's rows and carry them over a process boundary (pickled
+    and unpickled, as the online pipeline sends them to its last stage), the prompts held
+    as lists or as the int64 arrays each request converts once (``PromptArray``)."""
+    import pickle
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(VOCAB) for _ in range(prompt)] for _ in range(batch)]
+    if as_array:
+        prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
+    outputs = [[rng.randrange(VOCAB) for _ in range(output)] for _ in range(batch)]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        rows = [SamplingRow.of(params, i, outputs[i], prompts[i], key=i) for i in range(batch)]
+        pickle.loads(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,16,64,256")
@@ -102,9 +122,18 @@ def main(argv=None) -> int:
                          "gpu_step_ms": step})
             ratio = f"{kept / step:.2f}" if step else ""
             print(f"| {name} | {b} | {afresh:.2f} | {kept:.2f} | {step or ''} | {ratio} |", flush=True)
+    wire = []
+    params = PARAMS["repetition + presence"]
+    print("\nrows carried to another process (pickled and unpickled), repetition + presence")
+    print("| batch | prompts as lists, ms | as int64 arrays, ms |")
+    print("|---:|---:|---:|")
+    for b in batches:
+        lists, arrays = (wire_ms(params, b, args.prompt, args.output, args.repeats, args.seed, a) for a in (False, True))
+        wire.append({"batch": b, "lists_ms": lists, "arrays_ms": arrays})
+        print(f"| {b} | {lists:.2f} | {arrays:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"args": vars(args), "rows": rows, "wire": wire}, f, indent=2)
     return 0
 
 

@@ -10,14 +10,12 @@ request's keys/values through its block table.
 """
 from __future__ import annotations
 
-import functools
 import gc
 import math
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 from raycolo.engine.base import (Engine, EngineConfig, EngineStats, IterationRecord, MemoryUsage,
@@ -33,22 +31,17 @@ from raycolo.generation import FinishReason, StopChecker
 from raycolo.generation.penalty_history import PenaltyHistory
 from raycolo.generation.sampler import SamplingRow, plain, position_seed, sample, sample_plain
 from raycolo.generation.prompt_scores import split_scored
-from raycolo.generation.rows import PromptScore
+from raycolo.generation.rows import PromptArray, PromptScore
 from raycolo.batching.step_scheduler import FcfsBlockScheduler, StepKind
 from raycolo.batching.limits import SchedulerLimits, ceil_div
 from raycolo.kv_bytes import AttentionShape
 
 
 @dataclass
-class _Request(TrackedRequest):
+class _Request(TrackedRequest, PromptArray):
     seed: int = 0
     checker: Optional[StopChecker] = None     # raycolo.generation's stop rules; owns ``generated``
     plain: bool = True                        # greedy on raw logits (raycolo.generation.sampler.plain)
-
-    @functools.cached_property
-    def prompt_array(self) -> np.ndarray:
-        """The prompt as int64, once: a repetition penalty reads it every step."""
-        return np.asarray(self.prompt, dtype=np.int64)
 
 
 class TorchEngine(Engine):

@@ -3,6 +3,7 @@ boundaries (the online pipeline's messages carry it), so importing it needs no t
 (:mod:`.sampler` draws the tokens)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -50,6 +51,16 @@ class SamplingRow:
         return cls(params, seed, len(output), list(output) if history else (), prompt,
                    stop_ids if params.min_tokens > len(output) else frozenset(),
                    key if structured or params.penalized else None)
+
+
+class PromptArray:
+    """Mixed into a request record with a ``prompt`` (a list of ids): the prompt as int64,
+    converted once per request, for :meth:`SamplingRow.of` (a repetition penalty reads it
+    at every step; as an array it also crosses a process boundary as one buffer)."""
+
+    @functools.cached_property
+    def prompt_array(self) -> np.ndarray:
+        return np.asarray(self.prompt, dtype=np.int64)
 
 
 @dataclass

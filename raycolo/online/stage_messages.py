@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Optional
 
 from raycolo.online.stages.stage_ops import ForwardStep, LoadWeights, StageWork, TrainBackward, TrainForward
 from raycolo.generation import SamplingParams, check_stop
-from raycolo.generation.rows import PromptScore, SamplingRow, plain
+from raycolo.generation.rows import PromptArray, PromptScore, SamplingRow, plain
 from raycolo.online.scheduling.node_types import Op, OpKind
 from raycolo.online.samples import clip_sample, training_rows
 from raycolo.online.tasks import OnlineTask
@@ -62,7 +62,7 @@ class WorkerInfo:
 
 
 @dataclass
-class ServedRequest:
+class ServedRequest(PromptArray):
     """What a node needs of a request it serves."""
 
     task: OnlineTask
@@ -122,7 +122,7 @@ def stage_message(op: Op, stages: int, requests: Mapping[int, ServedRequest],
             tokens = [[q.generated[-1]] for q in reqs]
         sampling = None     # the last stage samples (raycolo.generation.sampler); None: all plain greedy
         if last and not all(plain(q.params) for q in reqs):
-            sampling = [SamplingRow.of(q.params, q.seed, q.generated, q.prompt, q.stop_ids, q.task.task_id)
+            sampling = [SamplingRow.of(q.params, q.seed, q.generated, q.prompt_array, q.stop_ids, q.task.task_id)
                         for q in reqs]
         # a prompt is scored once: a request resumed with tokens has sent its prompt's already
         scored = {q.task.task_id: PromptScore(list(q.prompt), q.params.prompt_logprobs) for q in reqs
