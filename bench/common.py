@@ -14,6 +14,16 @@ def write_json(path: str, data) -> None:
     out.write_text(json.dumps(data, indent=2))
 
 
+def int_list(text: str, least: int = 1):
+    """A flag's comma-separated integers, sorted, or None where one is not an integer
+    >= ``least`` (or there are none)."""
+    try:
+        values = sorted(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        return None
+    return values if values and all(v >= least for v in values) else None
+
+
 def spread(values) -> float:
     """max - min of repeated runs' figures (0 for one run)."""
     values = list(values)

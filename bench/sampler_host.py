@@ -28,6 +28,7 @@ import time
 import numpy as np
 import torch
 
+from common import int_list
 from raycolo.engine.base import SamplingParams
 from raycolo.generation.penalty_history import PenaltyHistory
 from raycolo.generation.rows import SamplingRow
@@ -100,13 +101,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        print(f"error: --batches: comma-separated integers, got '{args.batches}'", file=sys.stderr)
+    batches = int_list(args.batches)
+    if batches is None:
+        print(f"error: --batches: comma-separated integers >= 1, got '{args.batches}'", file=sys.stderr)
         return 2
-    if not batches or min(batches) < 1 or args.prompt < 0 or args.output < 0 or args.repeats < 1:
-        print("error: --batches, --prompt, --output, --repeats: positive values", file=sys.stderr)
+    if args.prompt < 0 or args.output < 0 or args.repeats < 1:
+        print("error: --prompt, --output: at least 0; --repeats: at least 1", file=sys.stderr)
         return 2
     rows = []
     print(f"host work per step, prompt {args.prompt} + output {args.output} tokens, vocabulary {VOCAB}, "

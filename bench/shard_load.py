@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import write_json
+from common import int_list, write_json
 
 
 class _Peaks:
@@ -124,13 +124,12 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
-    try:
-        tps = [int(t) for t in args.tp.split(",")]
-    except ValueError:
-        print(f"error: --tp: comma-separated integers, got '{args.tp}'", file=sys.stderr)
+    tps = int_list(args.tp, least=2)
+    if tps is None:
+        print(f"error: --tp: comma-separated integers >= 2, got '{args.tp}'", file=sys.stderr)
         return 2
-    if min(tps) < 2 or args.repeats < 1:
-        print("error: --tp: each at least 2; --repeats: at least 1", file=sys.stderr)
+    if args.repeats < 1:
+        print("error: --repeats: at least 1", file=sys.stderr)
         return 2
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
