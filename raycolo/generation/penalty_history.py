@@ -80,7 +80,14 @@ class PenaltyHistory:
         return self
 
     def forget(self, key: Hashable) -> None:
-        """``key``'s request is gone: its slot is free."""
+        """``key``'s request is gone: its slot is free; the last one gone gives the
+        table's memory back (a batch with no penalized request holds none)."""
+        self._drop(key)
+        if not self.slots:
+            self.table = self.table.new_empty(0, self.vocab + 1)
+            self.free = []
+
+    def _drop(self, key: Hashable) -> None:
         slot = self.slots.pop(key, None)
         if slot is not None:
             self.free.append(slot.index)
@@ -104,7 +111,7 @@ class PenaltyHistory:
             if slot is not None and (slot.prompt_len != len(row.prompt) or slot.seed != row.seed
                                      or slot.counted > len(out)
                                      or (slot.counted and int(out[slot.counted - 1]) != slot.last)):
-                self.forget(key)              # not the request it was built for: built afresh
+                self._drop(key)               # not the request it was built for: built afresh
                 slot = None
             last = int(out[-1]) if len(out) else -1
             if slot is None:
@@ -137,7 +144,7 @@ class PenaltyHistory:
             if cap >= max(MIN_SLOTS, SLOTS_PER_ROW * self.largest):
                 idle = [k for k, s in self.slots.items() if s.used < self.step]
                 if idle:
-                    self.forget(min(idle, key=lambda k: self.slots[k].used))
+                    self._drop(min(idle, key=lambda k: self.slots[k].used))
             if not self.free:
                 grown = max(MIN_SLOTS, 2 * cap, cap + rows_left)
                 table = torch.empty(grown, self.vocab + 1, dtype=torch.int32, device=self.device)
