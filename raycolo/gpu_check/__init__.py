@@ -16,6 +16,10 @@ step, and for NVML the CUDA driver's own memory figures. Rows:
 * ``executor.decode``    float32 decode timing, batch 1 and a larger batch: ms/step, tok/s,
                          logits diff and greedy agreement (a mismatch only at a near-tie)
 * ``torch_engine``       TorchEngine on the device: continuous batching, sleep/wake_up
+* ``sampler``            24 decode steps of mixed rows (penalties, top-k/top-p, min-p, logit
+                         bias, draws) sampled on the device with the penalty history kept
+                         there, against the CPU with it built afresh; on a GPU, a step's ms
+                         at batch 256 over Llama 3's vocabulary, history kept and afresh
 * ``stage.inproc``       StageModel slices with LoRA: serving tokens, a pipelined training
                          step's losses and LoRA weights against peft's unsplit step
 * ``stage.p2p``          two stage processes running online/stages/stage_process.StageProcess over a
@@ -53,6 +57,7 @@ The package, by role:
 * ``references.py``      the references: transformers' generate()/forward, peft's training step
 * ``executor_checks.py`` the ``executor.*`` rows
 * ``engine_checks.py``   ``torch_engine``, ``device_stats`` and ``vllm``
+* ``sampler_checks.py``  ``sampler``
 * ``stage_checks.py``    ``stage.inproc``, ``stage.p2p`` and ``stage.versions``
 * ``kernel_checks.py``   ``executor.triton``, ``stage.graphs`` and ``tp``
 * ``cli.py``             the rows' registry (``CHECKS``), the table, ``main``

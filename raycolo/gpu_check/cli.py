@@ -16,6 +16,7 @@ from raycolo.gpu_check.executor_checks import (check_executor_decode, check_exec
                                                       check_executor_slices, check_executor_whole,
                                                       check_executor_windows)
 from raycolo.gpu_check.kernel_checks import check_executor_triton, check_stage_graphs, check_tp
+from raycolo.gpu_check.sampler_checks import check_sampler
 from raycolo.gpu_check.stage_checks import check_stage_inproc, check_stage_p2p, check_stage_versions
 
 CHECKS: dict[str, Callable] = {
@@ -26,6 +27,7 @@ CHECKS: dict[str, Callable] = {
     "executor.graphs": check_executor_graphs,
     "executor.triton": check_executor_triton,
     "torch_engine": check_torch_engine,
+    "sampler": check_sampler,
     "stage.inproc": check_stage_inproc,
     "stage.p2p": check_stage_p2p,
     "stage.graphs": check_stage_graphs,

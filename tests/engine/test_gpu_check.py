@@ -49,6 +49,7 @@ def test_the_checks_pass_on_the_cpu_against_their_references(capsys, tmp_path):
     assert rows["executor.whole"]["figures"]["tokens_equal"] == "96/96"
     assert rows["executor.decode"]["figures"]["max_abs_diff"] < 1e-3
     assert rows["stage.p2p"]["figures"]["tokens_equal"] == "24/24"
+    assert rows["sampler"]["figures"]["greedy_equal"] == "576/576" and rows["sampler"]["figures"]["max_logit_diff"] == 0
     assert torch.get_num_threads() == threads          # the dry run's one thread is undone
 
 
